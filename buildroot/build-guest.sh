@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Offline guest image build from Debian packages only.
+#
+# Outputs (in target/guest/):
+#   vmlinux            Linux 6.1 ELF with a PVH entry note
+#   bzImage            the same kernel as a bzImage
+#   initramfs.cpio.gz  busybox-static + forkvm init + guest programs
+#   rootfs.ext4        a read-only ext4 image with the same userland
+#   tiny.elf           forkvm's tiny test guest (built by guest/tiny/build.sh)
+#
+# The kernel build (about 3 minutes here) is cached outside the repo in
+# $FORKVM_CACHE_DIR (default /var/cache/forkvm), keyed by a hash of every input:
+# the linux-source-6.1 package version, the config fragment, the patches and the
+# kernel part of this script. Needs: linux-source-6.1 busybox-static bc bison
+# flex libelf-dev libssl-dev cpio e2fsprogs (installed by .ci/run and `make deps`).
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out="$repo/target/guest"
+cache="${FORKVM_CACHE_DIR:-/var/cache/forkvm}"
+kdir="$repo/buildroot/kernel"
+tarball=/usr/src/linux-source-6.1.tar.xz
+jobs=$(nproc)
+
+log() { printf 'build-guest: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+[ -f "$tarball" ] || die "$tarball missing: apt-get install linux-source-6.1"
+command -v busybox >/dev/null || [ -x /bin/busybox ] || die "busybox missing: apt-get install busybox-static"
+
+mkdir -p "$out" "$cache/kernel"
+
+# ---------------------------------------------------------------- kernel
+kernel_key() {
+    {
+        dpkg-query -W -f='${Version}\n' linux-source-6.1
+        cat "$kdir/microvm.config"
+        for p in "$kdir"/patches/*.patch; do printf '%s\n' "$(basename "$p")"; cat "$p"; done
+        sed -n '/^# ---- kernel build begin/,/^# ---- kernel build end/p' "$0"
+    } | sha256sum | cut -c1-16
+}
+
+# ---- kernel build begin
+build_kernel() {
+    local dest=$1 work
+    work=$(mktemp -d "$cache/kernel/build.XXXXXX")
+    trap 'rm -rf "$work"' RETURN
+    log "extracting linux-source-6.1 into $work"
+    tar -C "$work" -xf "$tarball"
+    local src="$work/linux-source-6.1"
+    for p in "$kdir"/patches/*.patch; do
+        log "applying $(basename "$p")"
+        patch -d "$src" -p1 --quiet --forward < "$p"
+    done
+    log "configuring (allnoconfig + microvm.config)"
+    make -C "$src" -s KCONFIG_ALLCONFIG="$kdir/microvm.config" allnoconfig
+    # Every line of the fragment must survive: a typo or an unmet dependency fails here.
+    local missing=0 line name
+    while IFS= read -r line; do
+        case "$line" in ''|'#'*) continue ;; esac
+        name=${line%%=*}
+        if [ "${line#*=}" = n ]; then
+            if grep -q "^$name=" "$src/.config"; then log "config: $name should be off"; missing=1; fi
+        elif ! grep -qxF "$line" "$src/.config"; then
+            log "config: $line did not survive (dependency or typo)"; missing=1
+        fi
+    done < "$kdir/microvm.config"
+    [ "$missing" = 0 ] || die "kernel config fragment does not apply cleanly"
+    log "building vmlinux and bzImage with -j$jobs (cold build, about 3 minutes)"
+    make -C "$src" -s -j"$jobs" vmlinux bzImage
+    mkdir -p "$dest.tmp"
+    cp "$src/vmlinux" "$src/arch/x86/boot/bzImage" "$src/.config" "$dest.tmp/"
+    mv "$dest.tmp" "$dest"
+}
+# ---- kernel build end
+
+key=$(kernel_key)
+kcache="$cache/kernel/$key"
+if [ -f "$kcache/vmlinux" ]; then
+    log "kernel cache hit ($kcache)"
+else
+    log "kernel cache miss ($key)"
+    rm -rf "$kcache.tmp"
+    build_kernel "$kcache"
+fi
+cp "$kcache/vmlinux" "$kcache/bzImage" "$out/"
+cp "$kcache/.config" "$out/kernel.config"
+[ "${1:-}" = --kernel-only ] && exit 0
+
+# ---------------------------------------------------------------- userland
+"$repo/guest/tiny/build.sh" "$out/tiny.elf"
+
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+root="$stage/root"
+mkdir -p "$root"/{bin,sbin,etc,proc,sys,dev,tmp,mnt/disk,root,usr/bin,usr/sbin}
+cp /bin/busybox "$root/bin/busybox"
+# Applet links: every applet busybox-static offers.
+for applet in $(/bin/busybox --list); do
+    [ "$applet" = busybox ] && continue
+    ln -sf busybox "$root/bin/$applet"
+done
+install -m 0755 "$repo/guest/init/init" "$root/init"
+install -m 0755 "$repo/guest/init/init" "$root/sbin/init"
+echo "forkvm guest $(cat "$repo/guest/init/VERSION")" > "$root/etc/forkvm-release"
+
+(cd "$root" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet --reproducible) \
+    | gzip -9n > "$out/initramfs.cpio.gz.tmp"
+mv "$out/initramfs.cpio.gz.tmp" "$out/initramfs.cpio.gz"
+
+# A read-only data disk with the same userland and a marker file tests can read.
+echo "forkvm rootfs disk" > "$root/etc/forkvm-disk"
+rm -f "$out/rootfs.ext4.tmp"
+mke2fs -q -t ext4 -O ^has_journal -L forkvm-root -d "$root" "$out/rootfs.ext4.tmp" 16M
+mv "$out/rootfs.ext4.tmp" "$out/rootfs.ext4"
+
+log "done: $(cd "$out" && ls | tr '\n' ' ')"

@@ -1,0 +1,7 @@
+//! Legacy PC devices: the 8250 serial console and the i8042 reset line.
+
+mod i8042;
+mod serial;
+
+pub use i8042::I8042;
+pub use serial::{SerialConsole, COM1_BASE, COM1_GSI, COM1_LEN};

@@ -1,0 +1,13 @@
+//! Device models for forkvm, with no KVM dependency.
+//!
+//! Devices here are plain state machines driven through a [`bus::Bus`] by the VMM's vCPU
+//! threads. Interrupts leave a device through a [`trigger::Trigger`]-style eventfd that the
+//! VMM wires to KVM as an irqfd, so nothing here knows about KVM.
+#![deny(missing_docs)]
+
+pub mod bus;
+pub mod legacy;
+pub mod probe;
+pub mod trigger;
+
+pub use bus::{Bus, BusDevice, BusError};

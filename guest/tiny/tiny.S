@@ -1,0 +1,476 @@
+/*
+ * forkvm tiny test guest: a few KiB of x86_64 code that boots through the PVH
+ * entry point in milliseconds and exercises what the VMM must get right.
+ *
+ * Every vCPU enters at pvh_start in 32-bit protected mode (the VMM starts the
+ * application processors itself, at the same entry). Each CPU switches to long
+ * mode on the shared static page tables, prints "tiny: cpu N up", takes
+ * `ticks` LAPIC timer interrupts through the in-kernel irqchip, writes its id
+ * to the forkvm probe port and prints "tiny: cpu N timer ok". The BSP waits
+ * for every vCPU (count read from the probe port), prints
+ * "tiny: all N cpus ok", optionally tests a memory pattern, then prints a
+ * heartbeat "tiny: beat K" every `beat` ticks; with `exit=K` it resets
+ * through the i8042 after K beats (the VMM then exits with status 0).
+ *
+ * Command line (PVH start_info), all optional, decimal:
+ *   ticks=N   timer interrupts per CPU before it reports (default 10)
+ *   beat=N    timer ticks (1 ms each) between heartbeats (default 100)
+ *   exit=K    reset after K heartbeats (default: run forever)
+ *   memtest=M fill M MiB from 16 MiB with an address pattern and verify it
+ *
+ * See docs/tiny-guest.md.
+ */
+
+#define COM1            0x3f8
+#define PROBE_PORT      0xf40   /* forkvm probe: read magic / write value */
+#define PROBE_NCPUS     0xf44   /* forkvm probe: read number of vCPUs      */
+#define LAPIC           0xfee00000
+#define LAPIC_ID        0x20
+#define LAPIC_EOI       0xb0
+#define LAPIC_SVR       0xf0
+#define LAPIC_LVT_TIMER 0x320
+#define LAPIC_TIMER_ICR 0x380
+#define LAPIC_TIMER_DCR 0x3e0
+#define TIMER_VECTOR    0x20
+#define MAX_CPUS        64
+#define STACK_SIZE      8192
+#define MEMTEST_BASE    0x1000000
+
+    .code32
+    .section .text.entry, "ax"
+    .globl pvh_start
+pvh_start:
+    cli
+    cld
+    movl %ebx, %esi                 /* start_info, kept for the BSP */
+    movl $1, %eax
+    cpuid
+    shrl $24, %ebx                  /* initial APIC id */
+    movl %ebx, %edi
+    /* stack: top of this CPU's slot */
+    leal 1(%ebx), %eax
+    shll $13, %eax
+    addl $stacks, %eax
+    movl %eax, %esp
+
+    lgdt gdt_desc
+    movl %cr4, %eax
+    orl  $0x20, %eax                /* PAE */
+    movl %eax, %cr4
+    movl $pml4, %eax
+    movl %eax, %cr3
+    movl $0xc0000080, %ecx          /* EFER.LME */
+    rdmsr
+    orl  $0x100, %eax
+    wrmsr
+    movl %cr0, %eax
+    orl  $0x80000001, %eax          /* PG | PE */
+    movl %eax, %cr0
+    ljmp $0x08, $long_entry
+
+    .code64
+long_entry:
+    movl $0x10, %eax
+    movl %eax, %ds
+    movl %eax, %es
+    movl %eax, %ss
+    xorl %eax, %eax
+    movl %eax, %fs
+    movl %eax, %gs
+    movl %edi, %r15d                /* r15 = cpu (APIC) id for the whole run */
+    movl %esi, %r14d                /* r14 = start_info */
+
+    testl %r15d, %r15d
+    jnz  ap_wait_idt
+    call build_idt
+    call parse_cmdline
+    movl $1, idt_ready(%rip)
+    jmp  cpu_common
+ap_wait_idt:
+    pause
+    cmpl $0, idt_ready(%rip)
+    je   ap_wait_idt
+
+cpu_common:
+    lidt idt_desc(%rip)
+    leaq msg_cpu(%rip), %rdi
+    call lock_print_cpu_msg         /* "tiny: cpu N up" */
+
+    /* LAPIC: enable, periodic timer at 1 kHz (KVM's APIC bus is 1 GHz: /16, 62500). */
+    movl $LAPIC, %ebx
+    movl $0x1ff, LAPIC_SVR(%rbx)
+    movl $0x3, LAPIC_TIMER_DCR(%rbx)
+    movl $(TIMER_VECTOR | (1 << 17)), LAPIC_LVT_TIMER(%rbx)
+    movl $62500, LAPIC_TIMER_ICR(%rbx)
+    sti
+
+    movq opt_ticks(%rip), %r13
+1:  hlt
+    leaq ticks(%rip), %rax
+    cmpq %r13, (%rax,%r15,8)
+    jb   1b
+
+    movl $PROBE_PORT, %edx
+    leal 0x100(%r15), %eax          /* probe value: 0x100 + cpu id */
+    outl %eax, %dx
+    leaq msg_timer(%rip), %rdi
+    call lock_print_cpu_msg         /* "tiny: cpu N timer ok" */
+    lock incl cpus_done(%rip)
+
+    testl %r15d, %r15d
+    jz   bsp_main
+ap_idle:
+    hlt
+    jmp  ap_idle
+
+bsp_main:
+    movl $PROBE_NCPUS, %edx
+    inl  %dx, %eax
+    movl %eax, %r12d                /* r12 = expected vCPUs */
+1:  cmpl %r12d, cpus_done(%rip)
+    jae  2f
+    hlt
+    jmp  1b
+2:  call lock_serial
+    leaq msg_all(%rip), %rdi
+    call puts
+    movl %r12d, %edi
+    call putdec
+    leaq msg_cpus_ok(%rip), %rdi
+    call puts
+    call unlock_serial
+
+    movq opt_memtest(%rip), %rcx
+    testq %rcx, %rcx
+    jz   heartbeat
+    call memtest
+
+heartbeat:
+    xorl %r12d, %r12d               /* beats so far */
+    movq ticks(%rip), %r13          /* BSP tick count at last beat */
+1:  hlt
+    movq ticks(%rip), %rax
+    subq %r13, %rax
+    cmpq opt_beat(%rip), %rax
+    jb   1b
+    addq %rax, %r13
+    incq %r12
+    call lock_serial
+    leaq msg_beat(%rip), %rdi
+    call puts
+    movq %r12, %rdi
+    call putdec
+    movb $'\n', %dil
+    call putc
+    call unlock_serial
+    movq opt_exit(%rip), %rax
+    testq %rax, %rax
+    jz   1b
+    cmpq %rax, %r12
+    jb   1b
+    /* i8042 reset pulse: the VMM treats it as a power-off with status 0. */
+    leaq msg_reset(%rip), %rdi
+    call puts
+    movb $0xfe, %al
+    outb %al, $0x64
+2:  cli
+    hlt
+    jmp  2b
+
+/* memtest: rcx = MiB. Fill with the address pattern, verify, print result. */
+memtest:
+    movq %rcx, %r8
+    shlq $17, %rcx                  /* MiB -> quadwords */
+    movq %rcx, %r9
+    movq $MEMTEST_BASE, %rdi
+1:  movq %rdi, (%rdi)
+    addq $8, %rdi
+    decq %rcx
+    jnz  1b
+    movq %r9, %rcx
+    movq $MEMTEST_BASE, %rsi
+    xorl %r10d, %r10d               /* mismatches */
+2:  cmpq %rsi, (%rsi)
+    je   3f
+    incq %r10
+3:  addq $8, %rsi
+    decq %rcx
+    jnz  2b
+    call lock_serial
+    leaq msg_memtest(%rip), %rdi
+    call puts
+    movq %r8, %rdi
+    call putdec
+    testq %r10, %r10
+    jnz  4f
+    leaq msg_mib_ok(%rip), %rdi
+    call puts
+    jmp  5f
+4:  leaq msg_mib_bad(%rip), %rdi
+    call puts
+    movq %r10, %rdi
+    call putdec
+    movb $'\n', %dil
+    call putc
+5:  call unlock_serial
+    ret
+
+/* ---------------------------------------------------------------- interrupts */
+build_idt:
+    leaq idt(%rip), %rdi
+    xorl %ecx, %ecx
+1:  leaq isr_unexpected(%rip), %rax
+    cmpl $TIMER_VECTOR, %ecx
+    jne  2f
+    leaq isr_timer(%rip), %rax
+2:  cmpl $0xff, %ecx
+    jne  3f
+    leaq isr_spurious(%rip), %rax
+3:  movw %ax, (%rdi)
+    movw $0x08, 2(%rdi)
+    movw $0x8e00, 4(%rdi)
+    shrq $16, %rax
+    movw %ax, 6(%rdi)
+    shrq $16, %rax
+    movl %eax, 8(%rdi)
+    movl $0, 12(%rdi)
+    addq $16, %rdi
+    incl %ecx
+    cmpl $256, %ecx
+    jb   1b
+    ret
+
+isr_timer:
+    pushq %rax
+    pushq %rbx
+    movl $LAPIC, %ebx
+    movl LAPIC_ID(%rbx), %eax
+    shrl $24, %eax
+    leaq ticks(%rip), %rbx
+    incq (%rbx,%rax,8)
+    movl $LAPIC, %ebx
+    movl $0, LAPIC_EOI(%rbx)
+    popq %rbx
+    popq %rax
+    iretq
+
+isr_spurious:
+    iretq
+
+isr_unexpected:
+    leaq msg_unexpected(%rip), %rdi
+    call puts
+    movl $PROBE_PORT, %edx
+    movl $0xdead, %eax
+    outl %eax, %dx
+1:  cli
+    hlt
+    jmp  1b
+
+/* ---------------------------------------------------------------- serial */
+lock_serial:
+    lock btsl $0, serial_lock(%rip)
+    jnc  2f
+1:  pause
+    testl $1, serial_lock(%rip)
+    jnz  1b
+    jmp  lock_serial
+2:  ret
+
+unlock_serial:
+    movl $0, serial_lock(%rip)
+    ret
+
+/* putc: dil = byte. Waits for THR empty. */
+putc:
+    movw $(COM1 + 5), %dx
+1:  inb  %dx, %al
+    testb $0x20, %al
+    jz   1b
+    movw $COM1, %dx
+    movb %dil, %al
+    outb %al, %dx
+    ret
+
+/* puts: rdi = NUL-terminated string */
+puts:
+    pushq %rbx
+    movq %rdi, %rbx
+1:  movb (%rbx), %dil
+    testb %dil, %dil
+    jz   2f
+    call putc
+    incq %rbx
+    jmp  1b
+2:  popq %rbx
+    ret
+
+/* putdec: rdi = unsigned value */
+putdec:
+    subq $32, %rsp
+    movq %rdi, %rax
+    leaq 31(%rsp), %rsi
+    movb $0, (%rsi)
+    movl $10, %ecx
+1:  xorl %edx, %edx
+    divq %rcx
+    addb $'0', %dl
+    decq %rsi
+    movb %dl, (%rsi)
+    testq %rax, %rax
+    jnz  1b
+    movq %rsi, %rdi
+    call puts
+    addq $32, %rsp
+    ret
+
+/* lock_print_cpu_msg: prints "tiny: cpu <r15>" then the string at rdi. */
+lock_print_cpu_msg:
+    pushq %rdi
+    call lock_serial
+    leaq msg_cpu_prefix(%rip), %rdi
+    call puts
+    movq %r15, %rdi
+    call putdec
+    popq %rdi
+    call puts
+    call unlock_serial
+    ret
+
+/* ---------------------------------------------------------------- command line */
+/* parse_cmdline: reads ticks=, beat=, exit=, memtest= from start_info (r14). */
+parse_cmdline:
+    movq 24(%r14), %rsi             /* hvm_start_info.cmdline_paddr */
+    testq %rsi, %rsi
+    jz   9f
+    leaq key_ticks(%rip), %rdi
+    leaq opt_ticks(%rip), %rdx
+    call cmdline_opt
+    leaq key_beat(%rip), %rdi
+    leaq opt_beat(%rip), %rdx
+    call cmdline_opt
+    leaq key_exit(%rip), %rdi
+    leaq opt_exit(%rip), %rdx
+    call cmdline_opt
+    leaq key_memtest(%rip), %rdi
+    leaq opt_memtest(%rip), %rdx
+    call cmdline_opt
+9:  ret
+
+/*
+ * cmdline_opt: rsi = command line, rdi = "key=", rdx = u64 to store into.
+ * Matches the key at the start of a word; stores the decimal value after it.
+ */
+cmdline_opt:
+    pushq %rsi
+    movq %rsi, %r8                  /* word start candidate */
+1:  movq %r8, %r9
+    movq %rdi, %r10
+2:  movb (%r10), %al
+    testb %al, %al
+    jz   found                      /* whole key matched */
+    cmpb (%r9), %al
+    jne  next_word
+    incq %r9
+    incq %r10
+    jmp  2b
+next_word:
+    movb (%r8), %al
+    testb %al, %al
+    jz   done
+    incq %r8
+    cmpb $' ', %al
+    jne  next_word
+    jmp  1b
+found:
+    xorl %eax, %eax
+3:  movzbl (%r9), %ecx
+    subl $'0', %ecx
+    cmpl $9, %ecx
+    ja   4f
+    imulq $10, %rax
+    addq %rcx, %rax
+    incq %r9
+    jmp  3b
+4:  movq %rax, (%rdx)
+done:
+    popq %rsi
+    ret
+
+/* ---------------------------------------------------------------- data */
+    .section .rodata
+msg_cpu_prefix: .asciz "tiny: cpu "
+msg_cpu:        .asciz " up\n"
+msg_timer:      .asciz " timer ok\n"
+msg_all:        .asciz "tiny: all "
+msg_cpus_ok:    .asciz " cpus ok\n"
+msg_beat:       .asciz "tiny: beat "
+msg_reset:      .asciz "tiny: reset\n"
+msg_memtest:    .asciz "tiny: memtest "
+msg_mib_ok:     .asciz " MiB ok\n"
+msg_mib_bad:    .asciz " MiB BAD quadwords="
+msg_unexpected: .asciz "tiny: unexpected exception\n"
+key_ticks:      .asciz "ticks="
+key_beat:       .asciz "beat="
+key_exit:       .asciz "exit="
+key_memtest:    .asciz "memtest="
+
+    .align 16
+gdt:
+    .quad 0
+    .quad 0x00af9a000000ffff        /* 0x08: 64-bit code */
+    .quad 0x00cf92000000ffff        /* 0x10: data */
+gdt_end:
+gdt_desc:
+    .word gdt_end - gdt - 1
+    .quad gdt
+idt_desc:
+    .word 256 * 16 - 1
+    .quad idt
+
+    .section .data
+    .align 8
+opt_ticks:   .quad 10
+opt_beat:    .quad 100
+opt_exit:    .quad 0
+opt_memtest: .quad 0
+idt_ready:   .long 0
+cpus_done:   .long 0
+serial_lock: .long 0
+
+    /* Identity map of the first 4 GiB with 2 MiB pages (LAPIC MMIO included). */
+    .section .data.pagetables, "aw"
+    .align 4096
+pml4:
+    .quad pdpt + 0x7
+    .fill 511, 8, 0
+pdpt:
+    .quad pd + 0x7
+    .quad pd + 0x1000 + 0x7
+    .quad pd + 0x2000 + 0x7
+    .quad pd + 0x3000 + 0x7
+    .fill 508, 8, 0
+pd:
+    .set i, 0
+    .rept 2048
+    .quad (i << 21) | 0x87
+    .set i, i + 1
+    .endr
+
+    .section .bss
+    .align 4096
+idt:    .skip 256 * 16
+ticks:  .skip MAX_CPUS * 8
+    .align 4096
+stacks: .skip (MAX_CPUS + 1) * STACK_SIZE
+
+    /* PVH entry point note (XEN_ELFNOTE_PHYS32_ENTRY). */
+    .section .note.pvh, "a", @note
+    .align 4
+    .long 4
+    .long 4
+    .long 18
+    .asciz "Xen"
+    .align 4
+    .long pvh_start
+    .align 4

@@ -1,0 +1,226 @@
+//! CPUID for each vCPU: KVM's supported set, with topology and identity filled in per
+//! vCPU, and on hosts that need it, features hidden from the guest.
+
+use kvm_bindings::{kvm_cpuid_entry2, CpuId};
+
+/// A CPUID register.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reg {
+    /// EAX
+    Eax,
+    /// EBX
+    Ebx,
+    /// ECX
+    Ecx,
+    /// EDX
+    Edx,
+}
+
+/// One feature bit of CPUID.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FeatureBit {
+    /// Leaf (EAX input).
+    pub leaf: u32,
+    /// Subleaf (ECX input).
+    pub subleaf: u32,
+    /// Output register.
+    pub reg: Reg,
+    /// Bit number.
+    pub bit: u8,
+    /// The name Linux uses for it (also its `clearcpuid=` name where one exists).
+    pub name: &'static str,
+}
+
+const fn f(leaf: u32, subleaf: u32, reg: Reg, bit: u8, name: &'static str) -> FeatureBit {
+    FeatureBit {
+        leaf,
+        subleaf,
+        reg,
+        bit,
+        name,
+    }
+}
+
+/// Features a guest must not use on a PVM host: its instruction emulator stops the VM on
+/// them, or they touch state it does not virtualise (docs/guest-kernel.md).
+pub const PVM_HIDDEN_FEATURES: &[FeatureBit] = &[
+    f(1, 0, Reg::Ecx, 17, "pcid"),
+    f(1, 0, Reg::Ecx, 23, "popcnt"),
+    f(1, 0, Reg::Ecx, 26, "xsave"),
+    f(1, 0, Reg::Ecx, 27, "osxsave"),
+    f(1, 0, Reg::Ecx, 30, "rdrand"),
+    f(7, 0, Reg::Ebx, 0, "fsgsbase"),
+    f(7, 0, Reg::Ebx, 7, "smep"),
+    f(7, 0, Reg::Ebx, 10, "invpcid"),
+    f(7, 0, Reg::Ebx, 18, "rdseed"),
+    f(7, 0, Reg::Ebx, 20, "smap"),
+    f(7, 0, Reg::Ebx, 23, "clflushopt"),
+    f(7, 0, Reg::Ebx, 24, "clwb"),
+    f(7, 0, Reg::Ecx, 2, "umip"),
+    f(7, 0, Reg::Ecx, 3, "pku"),
+    f(7, 0, Reg::Ecx, 22, "rdpid"),
+];
+
+fn reg_mut(e: &mut kvm_cpuid_entry2, reg: Reg) -> &mut u32 {
+    match reg {
+        Reg::Eax => &mut e.eax,
+        Reg::Ebx => &mut e.ebx,
+        Reg::Ecx => &mut e.ecx,
+        Reg::Edx => &mut e.edx,
+    }
+}
+
+/// Hypervisor-present bit (leaf 1 ECX bit 31).
+const HYPERVISOR_BIT: u32 = 1 << 31;
+/// Hyper-threading / multi-core bit (leaf 1 EDX bit 28).
+const HTT_BIT: u32 = 1 << 28;
+/// Leaf 0xb level types.
+const LEVEL_SMT: u32 = 1;
+const LEVEL_CORE: u32 = 2;
+
+/// Fills in what differs per vCPU and hides `hidden` features.
+///
+/// Topology: `num_vcpus` single-threaded cores in one package, APIC id = vCPU index.
+pub fn vcpu_cpuid(base: &CpuId, vcpu_id: u8, num_vcpus: u8, hidden: &[FeatureBit]) -> CpuId {
+    let mut cpuid = base.clone();
+    let core_bits = u32::BITS - u32::from(num_vcpus.saturating_sub(1)).leading_zeros();
+    for e in cpuid.as_mut_slice() {
+        match e.function {
+            1 => {
+                e.ebx = (e.ebx & 0x0000_ffff)
+                    | (u32::from(vcpu_id) << 24)
+                    | (u32::from(num_vcpus) << 16);
+                e.ecx |= HYPERVISOR_BIT;
+                if num_vcpus > 1 {
+                    e.edx |= HTT_BIT;
+                } else {
+                    e.edx &= !HTT_BIT;
+                }
+            }
+            0xb => {
+                e.edx = u32::from(vcpu_id);
+                match e.index {
+                    0 => {
+                        e.eax = 0;
+                        e.ebx = 1;
+                        e.ecx = (LEVEL_SMT << 8) | e.index;
+                    }
+                    1 => {
+                        e.eax = core_bits;
+                        e.ebx = u32::from(num_vcpus);
+                        e.ecx = (LEVEL_CORE << 8) | e.index;
+                    }
+                    _ => {
+                        e.eax = 0;
+                        e.ebx = 0;
+                        e.ecx = e.index;
+                    }
+                }
+            }
+            _ => {}
+        }
+        for h in hidden {
+            if e.function == h.leaf && e.index == h.subleaf {
+                *reg_mut(e, h.reg) &= !(1u32 << h.bit);
+            }
+        }
+    }
+    cpuid
+}
+
+/// The kernel command-line switches that hide the same features from a Linux guest,
+/// for hosts that do not fully honour the CPUID filter (PVM).
+pub fn linux_hide_switches(hidden: &[FeatureBit]) -> String {
+    let mut switches = Vec::new();
+    let mut clear = Vec::new();
+    for h in hidden {
+        match h.name {
+            "xsave" => switches.push("noxsave"),
+            "fsgsbase" => switches.push("nofsgsbase"),
+            "pku" => switches.push("nopku"),
+            "osxsave" => {}
+            name => clear.push(name),
+        }
+    }
+    if !clear.is_empty() {
+        switches.push("clearcpuid=");
+    }
+    let mut out = switches.join(" ");
+    out.push_str(&clear.join(","));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(function: u32, index: u32) -> kvm_cpuid_entry2 {
+        kvm_cpuid_entry2 {
+            function,
+            index,
+            eax: 0xffff_ffff,
+            ebx: 0xffff_ffff,
+            ecx: 0xffff_ffff,
+            edx: 0xffff_ffff,
+            ..Default::default()
+        }
+    }
+
+    fn base() -> CpuId {
+        CpuId::from_entries(&[entry(0, 0), entry(1, 0), entry(7, 0), entry(0xb, 0), entry(0xb, 1)])
+            .unwrap()
+    }
+
+    fn find(c: &CpuId, function: u32, index: u32) -> kvm_cpuid_entry2 {
+        *c.as_slice()
+            .iter()
+            .find(|e| e.function == function && e.index == index)
+            .unwrap()
+    }
+
+    #[test]
+    fn apic_id_and_topology_per_vcpu() {
+        let c = vcpu_cpuid(&base(), 3, 4, &[]);
+        let l1 = find(&c, 1, 0);
+        assert_eq!(l1.ebx >> 24, 3);
+        assert_eq!((l1.ebx >> 16) & 0xff, 4);
+        assert_ne!(l1.ecx & HYPERVISOR_BIT, 0);
+        assert_ne!(l1.edx & HTT_BIT, 0);
+        let smt = find(&c, 0xb, 0);
+        let core = find(&c, 0xb, 1);
+        assert_eq!((smt.edx, smt.ebx, smt.ecx >> 8), (3, 1, LEVEL_SMT));
+        assert_eq!((core.eax, core.ebx, core.ecx >> 8), (2, 4, LEVEL_CORE));
+        let single = vcpu_cpuid(&base(), 0, 1, &[]);
+        assert_eq!(find(&single, 1, 0).edx & HTT_BIT, 0);
+        assert_eq!(find(&single, 0xb, 1).eax, 0);
+    }
+
+    #[test]
+    fn hides_pvm_features_and_only_those() {
+        let c = vcpu_cpuid(&base(), 0, 1, PVM_HIDDEN_FEATURES);
+        let l1 = find(&c, 1, 0);
+        let l7 = find(&c, 7, 0);
+        for h in PVM_HIDDEN_FEATURES {
+            let e = if h.leaf == 1 { l1 } else { l7 };
+            let v = match h.reg {
+                Reg::Eax => e.eax,
+                Reg::Ebx => e.ebx,
+                Reg::Ecx => e.ecx,
+                Reg::Edx => e.edx,
+            };
+            assert_eq!(v & (1 << h.bit), 0, "{} still visible", h.name);
+        }
+        // An unrelated bit (SSE2, leaf 1 EDX 26) is untouched.
+        assert_ne!(l1.edx & (1 << 26), 0);
+        assert_eq!(find(&c, 0, 0).ebx, 0xffff_ffff);
+    }
+
+    #[test]
+    fn linux_switches_for_pvm() {
+        let s = linux_hide_switches(PVM_HIDDEN_FEATURES);
+        assert!(s.starts_with("noxsave nofsgsbase nopku clearcpuid=pcid,popcnt,rdrand,"));
+        assert!(s.contains("smap") && s.contains("umip") && s.contains("rdpid"));
+        assert!(!s.contains("osxsave"));
+        assert_eq!(linux_hide_switches(&[]), "");
+    }
+}

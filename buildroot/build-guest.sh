@@ -41,13 +41,14 @@ kernel_key() {
 }
 
 # ---- kernel build begin
-build_kernel() {
-    local dest=$1 work
+build_kernel() (
+    # A subshell, so the cleanup trap also runs when a step fails.
+    dest=$1
     work=$(mktemp -d "$cache/kernel/build.XXXXXX")
-    trap 'rm -rf "$work"' RETURN
+    trap 'rm -rf "$work"' EXIT
     log "extracting linux-source-6.1 into $work"
     tar -C "$work" -xf "$tarball"
-    local src="$work/linux-source-6.1"
+    src="$work/linux-source-6.1"
     for p in "$kdir"/patches/*.patch; do
         log "applying $(basename "$p")"
         patch -d "$src" -p1 --quiet --forward < "$p"
@@ -55,7 +56,7 @@ build_kernel() {
     log "configuring (allnoconfig + microvm.config)"
     make -C "$src" -s KCONFIG_ALLCONFIG="$kdir/microvm.config" allnoconfig
     # Every line of the fragment must survive: a typo or an unmet dependency fails here.
-    local missing=0 line name
+    missing=0
     while IFS= read -r line; do
         case "$line" in ''|'#'*) continue ;; esac
         name=${line%%=*}
@@ -71,7 +72,7 @@ build_kernel() {
     mkdir -p "$dest.tmp"
     cp "$src/vmlinux" "$src/arch/x86/boot/bzImage" "$src/.config" "$dest.tmp/"
     mv "$dest.tmp" "$dest"
-}
+)
 # ---- kernel build end
 
 key=$(kernel_key)

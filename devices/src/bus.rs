@@ -112,7 +112,9 @@ impl Bus {
 /// device state is plain data and stays usable, and one vCPU's panic must not take
 /// every other vCPU down with it.
 fn lock(device: &Mutex<dyn BusDevice>) -> std::sync::MutexGuard<'_, dyn BusDevice + 'static> {
-    device.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    device
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]
@@ -156,17 +158,26 @@ mod tests {
         bus.insert(d(), 0x100, 0x10).unwrap();
         assert_eq!(
             bus.insert(d(), 0x10f, 1),
-            Err(BusError::Overlap { base: 0x10f, len: 1 })
+            Err(BusError::Overlap {
+                base: 0x10f,
+                len: 1
+            })
         );
         assert_eq!(
             bus.insert(d(), 0xf8, 0x10),
-            Err(BusError::Overlap { base: 0xf8, len: 0x10 })
+            Err(BusError::Overlap {
+                base: 0xf8,
+                len: 0x10
+            })
         );
         assert!(bus.insert(d(), 0x110, 1).is_ok());
         assert!(bus.insert(d(), 0xf0, 0x10).is_ok());
         assert_eq!(
             bus.insert(d(), 0x200, 0),
-            Err(BusError::InvalidRange { base: 0x200, len: 0 })
+            Err(BusError::InvalidRange {
+                base: 0x200,
+                len: 0
+            })
         );
         assert!(bus.insert(d(), u64::MAX, 2).is_err());
     }

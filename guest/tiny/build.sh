@@ -7,5 +7,5 @@ mkdir -p "$(dirname "$out")"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 gcc -c -nostdlib -ffreestanding -o "$tmp/tiny.o" "$here/tiny.S"
-ld -nostdlib -static -z noexecstack -T "$here/tiny.ld" -o "$tmp/tiny.elf" "$tmp/tiny.o"
+ld -nostdlib -static -z noexecstack --no-warn-rwx-segments -T "$here/tiny.ld" -o "$tmp/tiny.elf" "$tmp/tiny.o"
 mv "$tmp/tiny.elf" "$out"

@@ -1,2 +1,284 @@
-//! Integration tests that boot real guests live in `tests/tests/`; this library holds
-//! their shared helpers.
+//! Shared helpers for forkvm's integration tests (in `tests/tests/`), which boot real
+//! guests with the `vmm` binary.
+//!
+//! KVM tests skip with a loud message where /dev/kvm is absent, and fail instead when the
+//! `CI` environment variable is set.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
+}
+
+/// A guest artifact from `target/guest/` (built by `make guest`).
+pub fn guest_file(name: &str) -> PathBuf {
+    let p = repo_root().join("target/guest").join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build the guest images first (make guest)",
+        p.display()
+    );
+    p
+}
+
+/// The `vmm` binary of the same build profile as this test.
+pub fn vmm_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/vmm
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("vmm");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (cargo build --workspace --bins)",
+        bin.display()
+    );
+    bin
+}
+
+/// Whether KVM tests can run. Without /dev/kvm: a loud skip, or a failure under CI.
+pub fn kvm_available(test: &str) -> bool {
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: /dev/kvm is not usable and CI is set: KVM tests must run in CI"
+        );
+        eprintln!("\n*** SKIPPED {test}: /dev/kvm is not usable on this machine ***\n");
+    }
+    ok
+}
+
+/// A unique scratch directory for one test, removed on drop.
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    /// Creates `/tmp/forkvm-test-<name>-<pid>-<n>`.
+    pub fn new(name: &str) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("forkvm-test-{name}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).expect("scratch dir");
+        Self(p)
+    }
+
+    /// A path inside the scratch directory.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A `vmm run` process whose console goes to a file.
+pub struct Vm {
+    /// The child process.
+    pub child: Child,
+    /// Console file.
+    pub console: PathBuf,
+    /// Control socket.
+    pub sock: PathBuf,
+    /// Captured stderr file.
+    pub stderr: PathBuf,
+}
+
+impl Vm {
+    /// Starts `vmm run ARGS --console <scratch>/console --api-sock <scratch>/api.sock`.
+    pub fn start(scratch: &Scratch, args: &[&str]) -> Vm {
+        let console = scratch.path("console");
+        let sock = scratch.path("api.sock");
+        let stderr = scratch.path("stderr");
+        let child = Command::new(vmm_bin())
+            .arg("--log-level")
+            .arg("info")
+            .arg("run")
+            .args(args)
+            .arg("--console")
+            .arg(&console)
+            .arg("--api-sock")
+            .arg(&sock)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
+            .spawn()
+            .expect("spawn vmm");
+        Vm {
+            child,
+            console,
+            sock,
+            stderr,
+        }
+    }
+
+    /// The console output so far.
+    pub fn console_text(&self) -> String {
+        std::fs::read_to_string(&self.console).unwrap_or_default()
+    }
+
+    /// The VMM's log so far.
+    pub fn stderr_text(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Waits until the console contains `needle`, panicking with the console and log
+    /// after `timeout` or if the VMM exits first.
+    pub fn wait_console(&mut self, needle: &str, timeout: Duration) -> String {
+        let start = Instant::now();
+        loop {
+            let text = self.console_text();
+            if text.contains(needle) {
+                return text;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "VMM exited ({status}) before the console showed {needle:?}\n--- console:\n{text}\n--- log:\n{}",
+                    self.stderr_text()
+                );
+            }
+            if start.elapsed() > timeout {
+                self.kill();
+                panic!(
+                    "console did not show {needle:?} within {timeout:?}\n--- console:\n{text}\n--- log:\n{}",
+                    self.stderr_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the VMM to exit, killing it after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait vmm") {
+                return s;
+            }
+            if start.elapsed() > timeout {
+                self.kill();
+                panic!(
+                    "VMM did not exit within {timeout:?}\n--- console:\n{}\n--- log:\n{}",
+                    self.console_text(),
+                    self.stderr_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the control socket to accept connections.
+    pub fn wait_api(&mut self, timeout: Duration) {
+        let start = Instant::now();
+        while UnixStream::connect(&self.sock).is_err() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "VMM exited ({status}) before serving its API\n{}",
+                    self.stderr_text()
+                );
+            }
+            assert!(start.elapsed() < timeout, "API socket never came up");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// One API request: returns (status, body).
+    pub fn api(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        api_request(&self.sock, method, path, body)
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.kill();
+        }
+    }
+}
+
+/// Sends a raw HTTP request over a Unix socket and returns (status, body).
+pub fn api_request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let body = body.unwrap_or("");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    raw_request(sock, req.as_bytes())
+}
+
+/// Sends raw bytes and returns (status, body).
+pub fn raw_request(sock: &Path, bytes: &[u8]) -> (u16, String) {
+    let mut s = UnixStream::connect(sock).expect("connect API socket");
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(bytes).expect("send request");
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read response");
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad response {out:?}"));
+    (status, body.to_string())
+}
+
+/// Runs `vmm ARGS` to completion with a timeout; returns (status, stdout, stderr).
+pub fn run_vmm(args: &[&str], timeout: Duration) -> (ExitStatus, String, String) {
+    let mut child = Command::new(vmm_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn vmm");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("vmm {args:?} did not finish within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut out = String::new();
+    let mut err = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (status, out, err)
+}

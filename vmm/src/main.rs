@@ -1,1 +1,158 @@
-fn main(){}
+//! `vmm`: the forkvm monitor's command line.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use vmm::api::client;
+use vmm::config::{ApBoot, ConsoleSink, VmConfig, DEFAULT_CMDLINE};
+
+#[derive(Parser)]
+#[command(
+    name = "vmm",
+    version,
+    about = "forkvm: a KVM microVM monitor with flash cloning"
+)]
+struct Cli {
+    /// Log level (logs go to stderr).
+    #[arg(long, global = true, default_value = "warn",
+          value_parser = ["off", "error", "warn", "info", "debug", "trace"])]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Boot a guest and run until it powers off.
+    Run(RunArgs),
+    /// Print the VM's state (GET /vm).
+    Status(SockArg),
+    /// Pause every vCPU (PATCH /vm).
+    Pause(SockArg),
+    /// Resume a paused VM (PATCH /vm).
+    Resume(SockArg),
+    /// Shut the VM down (PUT /actions).
+    Shutdown(SockArg),
+}
+
+#[derive(clap::Args)]
+struct SockArg {
+    /// The VM's control socket.
+    #[arg(long)]
+    api_sock: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Kernel: ELF vmlinux (entered through PVH when it has the note) or bzImage.
+    #[arg(long)]
+    kernel: PathBuf,
+    /// Initramfs image.
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    /// Read-only disk image, attached as virtio-blk /dev/vda.
+    #[arg(long)]
+    rootfs: Option<PathBuf>,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 128)]
+    mem_mib: u64,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Kernel command line.
+    #[arg(long, default_value = DEFAULT_CMDLINE)]
+    cmdline: String,
+    /// Serial console sink: stdout, null, or a file path.
+    #[arg(long, default_value = "stdout")]
+    console: ConsoleSink,
+    /// Control socket path (REST over a Unix socket).
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+    /// Do not apply host-specific guest fixes (on PVM: CPUID filtering and kernel switches).
+    #[arg(long)]
+    no_host_quirks: bool,
+    /// Do not advise transparent huge pages for guest RAM.
+    #[arg(long)]
+    no_thp: bool,
+    /// How vCPUs other than 0 start.
+    #[arg(long, value_enum, default_value_t = ApBoot::Sipi)]
+    ap_boot: ApBoot,
+}
+
+fn init_logging(level: &str) -> Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .map_err(|e| format!("invalid --log-level {level:?}: {e}"))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    Ok(())
+}
+
+fn api_call(sock: &Path, method: &str, path: &str, body: Option<&str>) -> ExitCode {
+    match client::request(sock, method, path, body) {
+        Ok(r) if (200..300).contains(&r.status) => {
+            if !r.body.is_empty() {
+                println!("{}", r.body);
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(r) => {
+            eprintln!("vmm: error {}: {}", r.status, r.body);
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("vmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(e) = init_logging(&cli.log_level) {
+        eprintln!("vmm: {e}");
+        return ExitCode::from(2);
+    }
+    match cli.command {
+        Command::Run(a) => {
+            let config = VmConfig {
+                initrd: a.initrd,
+                rootfs: a.rootfs,
+                mem_mib: a.mem_mib,
+                vcpus: a.vcpus,
+                cmdline: a.cmdline,
+                console: a.console,
+                api_sock: a.api_sock,
+                host_quirks: !a.no_host_quirks,
+                thp: !a.no_thp,
+                ap_boot: a.ap_boot,
+                ..VmConfig::new(a.kernel)
+            };
+            match vmm::run(config) {
+                Ok(outcome) => {
+                    if let vmm::microvm::RunOutcome::Error(msg) = &outcome {
+                        eprintln!("vmm: guest stopped: {msg}");
+                    }
+                    ExitCode::from(outcome.exit_code() as u8)
+                }
+                Err(e) => {
+                    eprintln!("vmm: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Status(s) => api_call(&s.api_sock, "GET", "/vm", None),
+        Command::Pause(s) => api_call(&s.api_sock, "PATCH", "/vm", Some(r#"{"state":"paused"}"#)),
+        Command::Resume(s) => api_call(&s.api_sock, "PATCH", "/vm", Some(r#"{"state":"running"}"#)),
+        Command::Shutdown(s) => api_call(
+            &s.api_sock,
+            "PUT",
+            "/actions",
+            Some(r#"{"action_type":"shutdown"}"#),
+        ),
+    }
+}

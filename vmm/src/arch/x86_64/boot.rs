@@ -244,7 +244,8 @@ fn write_pvh_info(
     if !modules.is_empty() {
         params.set_modules(&modules, GuestAddress(PVH_MODLIST_START));
     }
-    PvhBootConfigurator::write_bootparams(&params, mem).map_err(|e| BootError::Memory(e.to_string()))
+    PvhBootConfigurator::write_bootparams(&params, mem)
+        .map_err(|e| BootError::Memory(e.to_string()))
 }
 
 const KERNEL_BOOT_FLAG_MAGIC: u16 = 0xaa55;
@@ -369,7 +370,10 @@ mod tests {
         let long = "x".repeat(2048);
         assert!(matches!(
             write_cmdline(&mem, &long),
-            Err(BootError::CmdlineTooLong { len: 2048, max: 2047 })
+            Err(BootError::CmdlineTooLong {
+                len: 2048,
+                max: 2047
+            })
         ));
     }
 }

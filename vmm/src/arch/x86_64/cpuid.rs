@@ -42,8 +42,10 @@ const fn f(leaf: u32, subleaf: u32, reg: Reg, bit: u8, name: &'static str) -> Fe
 }
 
 /// Features a guest must not use on a PVM host: its instruction emulator stops the VM on
-/// them, or they touch state it does not virtualise (docs/guest-kernel.md).
+/// them (CMPXCHG16B, which SLUB uses when `cx16` is present; POPCNT; XRSTOR; ...), or
+/// they touch state it does not virtualise (docs/guest-kernel.md).
 pub const PVM_HIDDEN_FEATURES: &[FeatureBit] = &[
+    f(1, 0, Reg::Ecx, 13, "cx16"),
     f(1, 0, Reg::Ecx, 17, "pcid"),
     f(1, 0, Reg::Ecx, 23, "popcnt"),
     f(1, 0, Reg::Ecx, 26, "xsave"),
@@ -167,8 +169,14 @@ mod tests {
     }
 
     fn base() -> CpuId {
-        CpuId::from_entries(&[entry(0, 0), entry(1, 0), entry(7, 0), entry(0xb, 0), entry(0xb, 1)])
-            .unwrap()
+        CpuId::from_entries(&[
+            entry(0, 0),
+            entry(1, 0),
+            entry(7, 0),
+            entry(0xb, 0),
+            entry(0xb, 1),
+        ])
+        .unwrap()
     }
 
     fn find(c: &CpuId, function: u32, index: u32) -> kvm_cpuid_entry2 {
@@ -218,7 +226,7 @@ mod tests {
     #[test]
     fn linux_switches_for_pvm() {
         let s = linux_hide_switches(PVM_HIDDEN_FEATURES);
-        assert!(s.starts_with("noxsave nofsgsbase nopku clearcpuid=pcid,popcnt,rdrand,"));
+        assert!(s.starts_with("noxsave nofsgsbase nopku clearcpuid=cx16,pcid,popcnt,rdrand,"));
         assert!(s.contains("smap") && s.contains("umip") && s.contains("rdpid"));
         assert!(!s.contains("osxsave"));
         assert_eq!(linux_hide_switches(&[]), "");

@@ -55,7 +55,10 @@ mod tests {
         assert_eq!(e, 0x00af_9b00_0000_ffff);
         let s = kvm_segment_from_gdt(e, 2);
         assert_eq!(s.selector, 0x10);
-        assert_eq!((s.l, s.db, s.g, s.present, s.type_, s.s), (1, 0, 1, 1, 0xb, 1));
+        assert_eq!(
+            (s.l, s.db, s.g, s.present, s.type_, s.s),
+            (1, 0, 1, 1, 0xb, 1)
+        );
         assert_eq!(s.limit, 0xffff_ffff);
         assert_eq!(s.base, 0);
     }

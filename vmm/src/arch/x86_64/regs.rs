@@ -5,8 +5,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::gdt::{gdt_entry, kvm_segment_from_gdt};
 use super::layout::{
-    BOOT_STACK_POINTER, GDT_START, IDT_START, PDE_START, PDPTE_START, PML4_START,
-    PVH_INFO_START, ZERO_PAGE_START,
+    BOOT_STACK_POINTER, GDT_START, IDT_START, PDE_START, PDPTE_START, PML4_START, PVH_INFO_START,
+    ZERO_PAGE_START,
 };
 
 /// How the guest kernel is entered.
@@ -166,7 +166,10 @@ mod tests {
             addr: 0x100_0200,
             protocol: BootProtocol::Linux64,
         });
-        assert_eq!((r.rip, r.rsi, r.rsp), (0x100_0200, ZERO_PAGE_START, BOOT_STACK_POINTER));
+        assert_eq!(
+            (r.rip, r.rsi, r.rsp),
+            (0x100_0200, ZERO_PAGE_START, BOOT_STACK_POINTER)
+        );
     }
 
     #[test]

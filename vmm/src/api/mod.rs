@@ -1,0 +1,155 @@
+//! The control API: REST over a Unix socket (docs/api/openapi.yaml).
+//!
+//! A dedicated thread accepts connections and parses requests; it hands each one to the
+//! VMM's event loop through a channel (waking it with an eventfd) and writes the answer.
+//! No async runtime: the VMM process must fork cleanly.
+
+pub mod client;
+pub mod http;
+pub mod server;
+
+use serde::Deserialize;
+
+/// A request the VMM's event loop answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApiRequest {
+    /// `GET /vm`
+    GetVm,
+    /// `PATCH /vm {"state": ...}`
+    SetState(TargetState),
+    /// `PUT /actions {"action_type": "shutdown"}`
+    Shutdown,
+}
+
+/// States a user may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TargetState {
+    /// Stop running guest code (memory and devices stay).
+    Paused,
+    /// Run again.
+    Running,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PatchVm {
+    state: TargetState,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Action {
+    action_type: String,
+}
+
+/// An answer: status and optional JSON body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiReply {
+    /// HTTP status.
+    pub status: u16,
+    /// JSON body.
+    pub body: Option<String>,
+}
+
+impl ApiReply {
+    /// 200 with a JSON body.
+    pub fn ok(body: serde_json::Value) -> Self {
+        Self {
+            status: 200,
+            body: Some(body.to_string()),
+        }
+    }
+    /// 204.
+    pub fn no_content() -> Self {
+        Self {
+            status: 204,
+            body: None,
+        }
+    }
+    /// An error status with `{"error": message}`.
+    pub fn error(status: u16, message: impl std::fmt::Display) -> Self {
+        Self {
+            status,
+            body: Some(serde_json::json!({ "error": message.to_string() }).to_string()),
+        }
+    }
+}
+
+fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiReply> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiReply::error(400, format!("invalid JSON body: {e}")))
+}
+
+/// Maps an HTTP request to an API request, or answers it directly when it is invalid.
+pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
+    match (req.method.as_str(), req.path.as_str()) {
+        ("GET", "/vm") => Ok(ApiRequest::GetVm),
+        ("PATCH", "/vm") => Ok(ApiRequest::SetState(
+            parse_json::<PatchVm>(&req.body)?.state,
+        )),
+        ("PUT", "/actions") => {
+            let a: Action = parse_json(&req.body)?;
+            match a.action_type.as_str() {
+                "shutdown" => Ok(ApiRequest::Shutdown),
+                other => Err(ApiReply::error(
+                    400,
+                    format!("unknown action_type {other:?}; supported: \"shutdown\""),
+                )),
+            }
+        }
+        (_, "/vm") | (_, "/actions") => Err(ApiReply::error(
+            405,
+            format!("{} is not allowed on {}", req.method, req.path),
+        )),
+        (_, path) => Err(ApiReply::error(404, format!("no such resource {path}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(method: &str, path: &str, body: &str) -> http::Request {
+        http::Request {
+            method: method.into(),
+            path: path.into(),
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    #[test]
+    fn routes() {
+        assert_eq!(route(&req("GET", "/vm", "")), Ok(ApiRequest::GetVm));
+        assert_eq!(
+            route(&req("PATCH", "/vm", r#"{"state":"paused"}"#)),
+            Ok(ApiRequest::SetState(TargetState::Paused))
+        );
+        assert_eq!(
+            route(&req("PUT", "/actions", r#"{"action_type":"shutdown"}"#)),
+            Ok(ApiRequest::Shutdown)
+        );
+    }
+
+    #[test]
+    fn rejects_bad_requests_with_reasons() {
+        assert_eq!(route(&req("PATCH", "/vm", "{")).unwrap_err().status, 400);
+        assert_eq!(
+            route(&req("PATCH", "/vm", r#"{"state":"frozen"}"#))
+                .unwrap_err()
+                .status,
+            400
+        );
+        assert_eq!(
+            route(&req("PATCH", "/vm", r#"{"state":"paused","x":1}"#))
+                .unwrap_err()
+                .status,
+            400
+        );
+        let e = route(&req("PUT", "/actions", r#"{"action_type":"reboot"}"#)).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.body.unwrap().contains("reboot"));
+        assert_eq!(route(&req("DELETE", "/vm", "")).unwrap_err().status, 405);
+        assert_eq!(route(&req("GET", "/nope", "")).unwrap_err().status, 404);
+    }
+}

@@ -1,0 +1,157 @@
+//! The API thread: accepts connections on the control socket and relays requests.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::http::{read_request, write_response, HttpError};
+use super::{route, ApiReply, ApiRequest};
+
+/// A request with the channel its answer goes back on.
+pub type PendingRequest = (ApiRequest, Sender<ApiReply>);
+
+/// Errors starting the API server.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiServerError {
+    /// Another process is serving on this path.
+    #[error("control socket {0} is in use by another process")]
+    InUse(String),
+    /// The path exists and is not a socket; it is left alone.
+    #[error("control socket path {0} exists and is not a socket")]
+    NotASocket(String),
+    /// Binding or spawning failed.
+    #[error("cannot serve on control socket {path}: {source}")]
+    Bind {
+        /// The path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// How long the API thread waits for the VMM to answer one request.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send its request.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The running API server. Dropping it stops the thread and removes the socket.
+pub struct ApiServer {
+    path: PathBuf,
+    listener_fd: i32,
+    thread: Option<JoinHandle<()>>,
+    /// Written once per request queued on `requests`.
+    pub evt: EventFd,
+    /// Requests for the VMM to answer.
+    pub requests: Receiver<PendingRequest>,
+}
+
+fn bind(path: &Path) -> Result<UnixListener, ApiServerError> {
+    let shown = path.display().to_string();
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(ApiServerError::NotASocket(shown));
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(ApiServerError::InUse(shown));
+        }
+        // A stale socket left by a VMM that died: safe to replace.
+        let _ = std::fs::remove_file(path);
+    }
+    UnixListener::bind(path).map_err(|source| ApiServerError::Bind {
+        path: shown,
+        source,
+    })
+}
+
+impl ApiServer {
+    /// Binds `path` and starts the API thread.
+    pub fn start(path: &Path) -> Result<Self, ApiServerError> {
+        let err = |source| ApiServerError::Bind {
+            path: path.display().to_string(),
+            source,
+        };
+        let listener = bind(path)?;
+        let evt = EventFd::new(EFD_NONBLOCK).map_err(err)?;
+        let thread_evt = evt.try_clone().map_err(err)?;
+        let (tx, rx) = channel();
+        let listener_fd = listener.as_raw_fd();
+        let thread = std::thread::Builder::new()
+            .name("api".into())
+            .spawn(move || serve(listener, tx, thread_evt))
+            .map_err(err)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            listener_fd,
+            thread: Some(thread),
+            evt,
+            requests: rx,
+        })
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        // SAFETY: the listener fd is owned by the API thread, which is still running (we
+        // join it below); shutdown() only wakes its accept() with an error.
+        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn serve(listener: UnixListener, tx: Sender<PendingRequest>, evt: EventFd) {
+    for conn in listener.incoming() {
+        match conn {
+            Ok(stream) => {
+                if let Err(e) = handle(stream, &tx, &evt) {
+                    tracing::debug!("API connection: {e}");
+                }
+            }
+            // shutdown() from Drop ends accept() with EINVAL: stop serving.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => break,
+            Err(e) => {
+                tracing::warn!("API accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn handle(stream: UnixStream, tx: &Sender<PendingRequest>, evt: &EventFd) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+    stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+    let reply = match read_request(&stream) {
+        Ok(req) => match route(&req) {
+            Ok(api_req) => relay(api_req, tx, evt),
+            Err(reply) => reply,
+        },
+        Err(HttpError::TooLarge(m)) => ApiReply::error(413, m),
+        Err(HttpError::Malformed(m)) => ApiReply::error(400, m),
+        Err(HttpError::Io(e)) => return Err(e),
+    };
+    write_response(&stream, reply.status, reply.body.as_deref())
+}
+
+fn relay(req: ApiRequest, tx: &Sender<PendingRequest>, evt: &EventFd) -> ApiReply {
+    let (reply_tx, reply_rx) = channel();
+    if tx.send((req, reply_tx)).is_err() {
+        return ApiReply::error(503, "the VMM is shutting down");
+    }
+    let _ = evt.write(1);
+    reply_rx
+        .recv_timeout(ANSWER_TIMEOUT)
+        .unwrap_or_else(|_| ApiReply::error(503, "the VMM did not answer in time"))
+}

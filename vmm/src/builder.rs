@@ -1,0 +1,231 @@
+//! From a [`VmConfig`] to a running [`Microvm`], as an explicit, ordered list of stages.
+//!
+//! 1. open KVM, check capabilities, recognise the host
+//! 2. validate the configuration against the host
+//! 3. decide host quirks (CPUID features to hide, kernel switches to add)
+//! 4. map guest memory
+//! 5. create the VM (TSS, irqchip, PIT) and register memory
+//! 6. create devices and wire their interrupts
+//! 7. load kernel and initrd, write command line, boot information and MP table
+//! 8. create and configure vCPUs
+//! 9. start vCPU threads
+
+use std::sync::mpsc::channel;
+use std::time::Instant;
+
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::arch::x86_64::boot::{
+    load_initrd, load_kernel, write_boot_info, write_cmdline, BootError, LoadedInitrd,
+};
+use crate::arch::x86_64::cpuid::{
+    linux_hide_switches, vcpu_cpuid, FeatureBit, PVM_HIDDEN_FEATURES,
+};
+use crate::arch::x86_64::mptable::{self, MptableError};
+use crate::arch::x86_64::regs::BootProtocol;
+use crate::config::{ApBoot, ConfigError, VmConfig};
+use crate::device_manager::{DeviceError, DeviceManager};
+use crate::microvm::{HostReport, Microvm};
+use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
+use crate::vstate::memory::{create_guest_memory, MemoryError};
+use crate::vstate::vcpu::{StartMode, Vcpu, VcpuError};
+use crate::vstate::vm::{create_vm, register_memory, VmError};
+
+/// Errors building a microVM, one per stage.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// Stage 1.
+    #[error(transparent)]
+    Kvm(#[from] KvmError),
+    /// Stage 2.
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// Stage 4.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// Stage 5.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// Stage 6.
+    #[error(transparent)]
+    Devices(#[from] DeviceError),
+    /// Stage 7.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// Stage 7.
+    #[error(transparent)]
+    Mptable(#[from] MptableError),
+    /// Stages 8 and 9.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// An eventfd for vCPU exits.
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(std::io::Error),
+}
+
+/// Kernel switches every guest gets on a PVM host beyond the CPUID ones: mitigations use
+/// instructions the emulator refuses; `noint3selftest` and `nofwait` come from forkvm's
+/// guest kernel patches and skip the boot-time INT3 self test and the FWAIT at task
+/// exit, both of which stop the VM there (docs/guest-kernel.md). Kernels without the
+/// patches ignore them.
+const PVM_LINUX_SWITCHES: &str = "mitigations=off noint3selftest nofwait";
+
+/// The host quirks to apply: CPUID features to hide and kernel switches to add.
+pub fn host_quirks(host: HostKind, enabled: bool) -> (&'static [FeatureBit], String) {
+    match (host, enabled) {
+        (HostKind::Pvm, true) => (
+            PVM_HIDDEN_FEATURES,
+            format!(
+                "{} {PVM_LINUX_SWITCHES}",
+                linux_hide_switches(PVM_HIDDEN_FEATURES)
+            ),
+        ),
+        _ => (&[], String::new()),
+    }
+}
+
+/// Builds and starts the VM described by `config`.
+pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
+    let started = Instant::now();
+
+    // 1. KVM.
+    let kvm = KvmContext::open()?;
+    // 2. Configuration.
+    config.validate(kvm.max_vcpus)?;
+    // 3. Host quirks.
+    let (hidden, quirk_switches) = host_quirks(kvm.host, config.host_quirks);
+    if kvm.host == HostKind::Pvm {
+        if config.host_quirks {
+            tracing::info!(
+                "host KVM is PVM: hiding CPUID features [{}] and adding kernel switches \"{}\" (disable with --no-host-quirks)",
+                hidden.iter().map(|h| h.name).collect::<Vec<_>>().join(","),
+                quirk_switches
+            );
+        } else {
+            tracing::warn!(
+                "host KVM is PVM and host quirks are disabled: stock Linux guests will likely stop"
+            );
+        }
+    }
+
+    // 4. Memory.
+    let mem_bytes = config.mem_mib << 20;
+    let (mem, mem_info) = create_guest_memory(mem_bytes, config.thp)?;
+
+    // 5. VM.
+    let vm = create_vm(&kvm)?;
+    register_memory(&vm, &mem)?;
+
+    // 6. Devices.
+    let devices = DeviceManager::new(&vm, &config.console, config.vcpus)?;
+
+    // 7. Kernel, initrd, command line, boot information, MP table.
+    let kernel = load_kernel(&mem, &config.kernel)?;
+    let initrd: Option<LoadedInitrd> = config
+        .initrd
+        .as_deref()
+        .map(|p| load_initrd(&mem, mem_bytes, kernel.end, p))
+        .transpose()?;
+    let mut cmdline = config.cmdline.trim().to_string();
+    for extra in devices
+        .cmdline_extra
+        .iter()
+        .chain(std::iter::once(&quirk_switches))
+    {
+        if !extra.is_empty() {
+            cmdline.push(' ');
+            cmdline.push_str(extra);
+        }
+    }
+    write_cmdline(&mem, &cmdline)?;
+    write_boot_info(&mem, mem_bytes, &kernel, cmdline.len(), initrd)?;
+    mptable::setup(&mem, config.vcpus)?;
+    tracing::info!(
+        "kernel {} entry {:#x} via {:?}; cmdline \"{}\"",
+        config.kernel.display(),
+        kernel.entry.addr,
+        kernel.entry.protocol,
+        cmdline
+    );
+
+    // 8. vCPUs.
+    let base_cpuid = kvm
+        .kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(KvmError::Cpuid)?;
+    let mut vcpus = Vec::with_capacity(config.vcpus as usize);
+    let mut skipped_msrs = Vec::new();
+    for id in 0..config.vcpus {
+        let cpuid = vcpu_cpuid(&base_cpuid, id, config.vcpus, hidden);
+        let start = if id == 0 || config.ap_boot == ApBoot::Direct {
+            StartMode::Entry(kernel.entry)
+        } else {
+            StartMode::WaitForSipi
+        };
+        let (vcpu, skipped) = Vcpu::create(&vm, &mem, id, &cpuid, start)?;
+        if id == 0 && !skipped.is_empty() {
+            tracing::info!("host refused MSRs {skipped:#x?}; skipped them");
+            skipped_msrs = skipped;
+        }
+        vcpus.push(vcpu);
+    }
+    if config.ap_boot == ApBoot::Direct && kernel.entry.protocol == BootProtocol::Linux64 {
+        tracing::warn!("--ap-boot direct with a Linux boot-protocol kernel: every vCPU enters the kernel as the boot CPU");
+    }
+
+    // 9. Start.
+    let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let (exit_tx, exit_rx) = channel();
+    let mut handles = Vec::with_capacity(vcpus.len());
+    for vcpu in vcpus {
+        let evt = exit_evt.try_clone().map_err(BuildError::EventFd)?;
+        handles.push(vcpu.start(
+            devices.pio.clone(),
+            devices.mmio.clone(),
+            exit_tx.clone(),
+            evt,
+        )?);
+    }
+    tracing::info!(
+        "VM started in {} us: {} vCPUs, {} MiB",
+        started.elapsed().as_micros(),
+        config.vcpus,
+        config.mem_mib
+    );
+
+    Ok(Microvm::new(
+        config,
+        vm,
+        mem,
+        devices,
+        handles,
+        exit_rx,
+        exit_evt,
+        HostReport {
+            kvm: kvm.host,
+            quirks_applied: !hidden.is_empty(),
+            hidden_cpuid: hidden.iter().map(|h| h.name).collect(),
+            kernel_switches: quirk_switches,
+            skipped_msrs,
+            memory: mem_info,
+        },
+        cmdline,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quirks_only_on_pvm_and_only_when_enabled() {
+        let (h, s) = host_quirks(HostKind::Pvm, true);
+        assert_eq!(h.len(), PVM_HIDDEN_FEATURES.len());
+        assert!(s.contains("noxsave") && s.ends_with("mitigations=off noint3selftest nofwait"));
+        assert_eq!(host_quirks(HostKind::Pvm, false), (&[][..], String::new()));
+        assert_eq!(
+            host_quirks(HostKind::Hardware, true),
+            (&[][..], String::new())
+        );
+    }
+}

@@ -1,0 +1,215 @@
+//! What a user asks for: the VM configuration and its validation.
+
+use std::path::PathBuf;
+
+use crate::arch::x86_64::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
+use crate::arch::x86_64::mptable::MAX_VCPUS;
+
+/// Where the guest's serial console goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConsoleSink {
+    /// The VMM's standard output.
+    Stdout,
+    /// A file, created or truncated.
+    File(PathBuf),
+    /// Discarded.
+    Null,
+}
+
+impl std::str::FromStr for ConsoleSink {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "" => return Err("empty console sink".into()),
+            "stdout" | "-" => ConsoleSink::Stdout,
+            "null" | "none" => ConsoleSink::Null,
+            path => ConsoleSink::File(PathBuf::from(path)),
+        })
+    }
+}
+
+/// How application processors (vCPUs other than 0) start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApBoot {
+    /// They wait for INIT/SIPI from the boot vCPU, as on real hardware (Linux).
+    Sipi,
+    /// The VMM starts every vCPU at the kernel entry itself (guests that expect it, such
+    /// as forkvm's tiny test guest).
+    Direct,
+}
+
+/// The default kernel command line when the user gives none.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1";
+
+/// A complete VM configuration.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// Kernel: ELF vmlinux (PVH entry used when present) or bzImage.
+    pub kernel: PathBuf,
+    /// Optional initramfs.
+    pub initrd: Option<PathBuf>,
+    /// Optional read-only root/data disk image (virtio-blk).
+    pub rootfs: Option<PathBuf>,
+    /// Guest memory in MiB.
+    pub mem_mib: u64,
+    /// Number of vCPUs.
+    pub vcpus: u8,
+    /// Kernel command line (the VMM appends device and host-quirk switches).
+    pub cmdline: String,
+    /// Serial console sink.
+    pub console: ConsoleSink,
+    /// Control socket path.
+    pub api_sock: Option<PathBuf>,
+    /// Apply host-specific guest fixes (PVM: hide CPUID features, add kernel switches).
+    pub host_quirks: bool,
+    /// Advise transparent huge pages for guest RAM.
+    pub thp: bool,
+    /// How vCPUs other than 0 start.
+    pub ap_boot: ApBoot,
+}
+
+impl VmConfig {
+    /// A configuration with defaults for everything but the kernel.
+    pub fn new(kernel: PathBuf) -> Self {
+        Self {
+            kernel,
+            initrd: None,
+            rootfs: None,
+            mem_mib: 128,
+            vcpus: 1,
+            cmdline: DEFAULT_CMDLINE.to_string(),
+            console: ConsoleSink::Stdout,
+            api_sock: None,
+            host_quirks: true,
+            thp: true,
+            ap_boot: ApBoot::Sipi,
+        }
+    }
+}
+
+/// Errors in a configuration, found before anything is created.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// Memory size out of range.
+    #[error("memory size {0} MiB is out of range ({MIN_MEM_MIB} to {MAX_MEM_MIB} MiB)")]
+    MemSize(u64),
+    /// vCPU count out of range for the host or forkvm.
+    #[error("{requested} vCPUs requested; this host allows 1 to {max}")]
+    VcpuCount {
+        /// Asked for.
+        requested: u64,
+        /// Most allowed here.
+        max: u64,
+    },
+    /// A file given does not exist or is not a regular file.
+    #[error("{what} {path}: {why}")]
+    File {
+        /// kernel, initrd, rootfs.
+        what: &'static str,
+        /// The path.
+        path: String,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+fn check_file(what: &'static str, path: &std::path::Path) -> Result<(), ConfigError> {
+    let err = |why: String| ConfigError::File {
+        what,
+        path: path.display().to_string(),
+        why,
+    };
+    let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(err("not a regular file".into()));
+    }
+    std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+impl VmConfig {
+    /// Checks sizes and files. `host_max_vcpus` is what KVM allows on this host.
+    pub fn validate(&self, host_max_vcpus: usize) -> Result<(), ConfigError> {
+        if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
+            return Err(ConfigError::MemSize(self.mem_mib));
+        }
+        let max = (host_max_vcpus as u64).min(u64::from(MAX_VCPUS));
+        if self.vcpus == 0 || u64::from(self.vcpus) > max {
+            return Err(ConfigError::VcpuCount {
+                requested: u64::from(self.vcpus),
+                max,
+            });
+        }
+        check_file("kernel", &self.kernel)?;
+        if let Some(p) = &self.initrd {
+            check_file("initrd", p)?;
+        }
+        if let Some(p) = &self.rootfs {
+            check_file("rootfs", p)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> VmConfig {
+        // The test binary itself is a regular file that exists.
+        VmConfig::new(std::env::current_exe().unwrap())
+    }
+
+    #[test]
+    fn accepts_defaults() {
+        assert_eq!(cfg().validate(64), Ok(()));
+    }
+
+    #[test]
+    fn rejects_bad_sizes() {
+        let mut c = cfg();
+        c.mem_mib = 1;
+        assert_eq!(c.validate(64), Err(ConfigError::MemSize(1)));
+        c.mem_mib = 128;
+        c.vcpus = 0;
+        assert!(matches!(c.validate(64), Err(ConfigError::VcpuCount { .. })));
+        c.vcpus = 65;
+        assert_eq!(
+            c.validate(64),
+            Err(ConfigError::VcpuCount {
+                requested: 65,
+                max: 64
+            })
+        );
+    }
+
+    #[test]
+    fn rejects_missing_and_non_regular_files() {
+        let mut c = cfg();
+        c.kernel = "/nonexistent/vmlinux".into();
+        let e = c.validate(8).unwrap_err().to_string();
+        assert!(e.starts_with("kernel /nonexistent/vmlinux: "), "{e}");
+        let mut c = cfg();
+        c.initrd = Some("/".into());
+        assert_eq!(
+            c.validate(8),
+            Err(ConfigError::File {
+                what: "initrd",
+                path: "/".into(),
+                why: "not a regular file".into()
+            })
+        );
+    }
+
+    #[test]
+    fn console_sink_parsing() {
+        assert_eq!("stdout".parse(), Ok(ConsoleSink::Stdout));
+        assert_eq!("null".parse(), Ok(ConsoleSink::Null));
+        assert_eq!(
+            "/tmp/c.log".parse(),
+            Ok(ConsoleSink::File("/tmp/c.log".into()))
+        );
+        assert!("".parse::<ConsoleSink>().is_err());
+    }
+}

@@ -1,0 +1,109 @@
+//! Creates the guest's devices, puts them on the buses and wires their interrupts.
+
+use std::fs::File;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use kvm_ioctls::VmFd;
+
+use devices::legacy::{SerialConsole, COM1_BASE, COM1_GSI, COM1_LEN, I8042};
+use devices::probe::{ProbePort, ProbeStats, PROBE_BASE, PROBE_LEN};
+use devices::trigger::EventFdTrigger;
+use devices::{Bus, BusError};
+
+use crate::config::ConsoleSink;
+
+/// Errors creating devices.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// An eventfd could not be created.
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(std::io::Error),
+    /// The console file could not be created.
+    #[error("cannot open console sink {path}: {source}")]
+    Console {
+        /// The path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A device did not fit on its bus.
+    #[error("cannot place a device on the bus: {0}")]
+    Bus(#[from] BusError),
+    /// KVM_IRQFD failed.
+    #[error("cannot register interrupt GSI {gsi} with KVM: {source}")]
+    Irqfd {
+        /// The GSI.
+        gsi: u32,
+        /// Why.
+        source: kvm_ioctls::Error,
+    },
+}
+
+/// The devices of one VM.
+pub struct DeviceManager {
+    /// Port I/O bus.
+    pub pio: Bus,
+    /// MMIO bus.
+    pub mmio: Bus,
+    /// Signalled when the guest pulses the i8042 reset line.
+    pub reset_evt: EventFdTrigger,
+    /// What the guest wrote to the probe port.
+    pub probe: Arc<ProbeStats>,
+    /// The serial console, for host input.
+    pub serial: Arc<Mutex<SerialConsole>>,
+    /// Kernel command-line switches the devices need.
+    pub cmdline_extra: Vec<String>,
+}
+
+fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceError> {
+    Ok(match sink {
+        ConsoleSink::Stdout => Box::new(std::io::stdout()),
+        ConsoleSink::Null => Box::new(std::io::sink()),
+        ConsoleSink::File(path) => {
+            Box::new(File::create(path).map_err(|source| DeviceError::Console {
+                path: path.display().to_string(),
+                source,
+            })?)
+        }
+    })
+}
+
+impl DeviceManager {
+    /// Creates the legacy devices (serial, i8042, probe) for a VM with `vcpus` vCPUs.
+    pub fn new(vm: &VmFd, console: &ConsoleSink, vcpus: u8) -> Result<Self, DeviceError> {
+        let mut pio = Bus::new();
+
+        let serial_irq = EventFdTrigger::new().map_err(DeviceError::EventFd)?;
+        vm.register_irqfd(serial_irq.eventfd(), COM1_GSI)
+            .map_err(|source| DeviceError::Irqfd {
+                gsi: COM1_GSI,
+                source,
+            })?;
+        let serial = Arc::new(Mutex::new(SerialConsole::new(
+            serial_irq,
+            console_writer(console)?,
+        )));
+        pio.insert(serial.clone(), COM1_BASE, COM1_LEN)?;
+
+        let reset_evt = EventFdTrigger::new().map_err(DeviceError::EventFd)?;
+        let i8042 = I8042::new(reset_evt.try_clone().map_err(DeviceError::EventFd)?);
+        pio.insert(Arc::new(Mutex::new(i8042)), I8042::BASE, I8042::LEN)?;
+
+        let probe = Arc::new(ProbeStats::default());
+        pio.insert(
+            Arc::new(Mutex::new(ProbePort::new(u32::from(vcpus), probe.clone()))),
+            PROBE_BASE,
+            PROBE_LEN,
+        )?;
+
+        Ok(Self {
+            pio,
+            mmio: Bus::new(),
+            reset_evt,
+            probe,
+            serial,
+            cmdline_extra: Vec::new(),
+        })
+    }
+}

@@ -1,0 +1,353 @@
+//! A running microVM and its event loop: guest power-off, vCPU exits, API requests and
+//! host signals, with an explicit lifecycle state machine.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::mpsc::Receiver;
+use std::time::Instant;
+
+use kvm_ioctls::VmFd;
+use serde::Serialize;
+use serde_json::json;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::api::server::ApiServer;
+use crate::api::{ApiReply, ApiRequest, TargetState};
+use crate::config::VmConfig;
+use crate::device_manager::DeviceManager;
+use crate::vstate::kvm::HostKind;
+use crate::vstate::memory::MemoryInfo;
+use crate::vstate::vcpu::{VcpuExitReason, VcpuHandle};
+
+/// Lifecycle states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VmState {
+    /// vCPUs run guest code.
+    Running,
+    /// vCPUs are parked outside KVM_RUN; memory and devices keep their state.
+    Paused,
+    /// Stopping for good.
+    Stopped,
+}
+
+impl VmState {
+    /// Whether the lifecycle allows going from `self` to `to`.
+    pub fn valid_transition(self, to: VmState) -> bool {
+        matches!(
+            (self, to),
+            (VmState::Running, VmState::Paused)
+                | (VmState::Paused, VmState::Running)
+                | (VmState::Running, VmState::Stopped)
+                | (VmState::Paused, VmState::Stopped)
+        )
+    }
+}
+
+/// How the host was handled, reported in logs and `GET /vm`.
+#[derive(Debug, Clone, Serialize)]
+pub struct HostReport {
+    /// What provides KVM.
+    pub kvm: HostKind,
+    /// Whether host quirks were applied.
+    pub quirks_applied: bool,
+    /// CPUID features hidden from the guest.
+    pub hidden_cpuid: Vec<&'static str>,
+    /// Kernel switches the VMM added.
+    pub kernel_switches: String,
+    /// MSRs the host refused at boot.
+    pub skipped_msrs: Vec<u32>,
+    /// Guest memory backing.
+    pub memory: MemoryInfo,
+}
+
+/// Why the VMM stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunOutcome {
+    /// The guest powered off or reset (i8042 reset, KVM system event).
+    GuestPowerOff,
+    /// `PUT /actions {"action_type":"shutdown"}`.
+    ApiShutdown,
+    /// SIGINT, SIGTERM or SIGHUP.
+    Signal(i32),
+    /// The guest or KVM failed.
+    Error(String),
+}
+
+impl RunOutcome {
+    /// The process exit status for this outcome.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RunOutcome::GuestPowerOff | RunOutcome::ApiShutdown => 0,
+            RunOutcome::Signal(s) => 128 + s,
+            RunOutcome::Error(_) => 1,
+        }
+    }
+}
+
+/// Errors in the event loop itself.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// epoll or signalfd failed.
+    #[error("event loop failure: {0}")]
+    EventLoop(std::io::Error),
+}
+
+/// A running VM.
+pub struct Microvm {
+    config: VmConfig,
+    // Kept alive for the VM's lifetime: the VM fd owns irqchip, PIT and memory slots.
+    _vm: VmFd,
+    _mem: GuestMemoryMmap,
+    devices: DeviceManager,
+    vcpus: Vec<VcpuHandle>,
+    vcpu_exits: Receiver<(u8, VcpuExitReason)>,
+    vcpu_exit_evt: EventFd,
+    host: HostReport,
+    cmdline: String,
+    state: VmState,
+    started: Instant,
+}
+
+const TOKEN_RESET: u64 = 1;
+const TOKEN_VCPU_EXIT: u64 = 2;
+const TOKEN_API: u64 = 3;
+const TOKEN_SIGNAL: u64 = 4;
+
+/// Signals the VMM turns into a clean shutdown.
+pub const SHUTDOWN_SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+/// Blocks the shutdown signals in the calling thread (and so in every thread it spawns
+/// afterwards) and returns a signalfd that reads them. Call before starting threads.
+pub fn block_shutdown_signals() -> std::io::Result<OwnedFd> {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t.
+    unsafe { libc::sigemptyset(&mut set) };
+    for s in SHUTDOWN_SIGNALS {
+        // SAFETY: `set` is valid and `s` a valid signal number.
+        unsafe { libc::sigaddset(&mut set, s) };
+    }
+    // SAFETY: `set` is initialised; the old mask is not needed.
+    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if rc != 0 {
+        return Err(std::io::Error::from_raw_os_error(rc));
+    }
+    // SAFETY: `set` is initialised; -1 asks for a new fd.
+    let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: signalfd returned a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn read_signal(fd: RawFd) -> Option<i32> {
+    // SAFETY: signalfd_siginfo is plain data.
+    let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::signalfd_siginfo>();
+    // SAFETY: reading at most `size` bytes into `info`, which is that large.
+    let n = unsafe { libc::read(fd, std::ptr::addr_of_mut!(info).cast(), size) };
+    (n == size as isize).then_some(info.ssi_signo as i32)
+}
+
+impl Microvm {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        config: VmConfig,
+        vm: VmFd,
+        mem: GuestMemoryMmap,
+        devices: DeviceManager,
+        vcpus: Vec<VcpuHandle>,
+        vcpu_exits: Receiver<(u8, VcpuExitReason)>,
+        vcpu_exit_evt: EventFd,
+        host: HostReport,
+        cmdline: String,
+    ) -> Self {
+        Self {
+            config,
+            _vm: vm,
+            _mem: mem,
+            devices,
+            vcpus,
+            vcpu_exits,
+            vcpu_exit_evt,
+            host,
+            cmdline,
+            state: VmState::Running,
+            started: Instant::now(),
+        }
+    }
+
+    /// The lifecycle state.
+    pub fn state(&self) -> VmState {
+        self.state
+    }
+
+    /// What `GET /vm` returns.
+    pub fn describe(&self) -> serde_json::Value {
+        json!({
+            "state": self.state,
+            "vcpus": self.config.vcpus,
+            "memory_mib": self.config.mem_mib,
+            "kernel": self.config.kernel.display().to_string(),
+            "cmdline": self.cmdline,
+            "ap_boot": self.config.ap_boot,
+            "uptime_ms": self.started.elapsed().as_millis() as u64,
+            "host": self.host,
+            "probe": {
+                "writes": self.devices.probe.writes(),
+                "last": self.devices.probe.last(),
+            },
+        })
+    }
+
+    /// Pauses or resumes every vCPU.
+    pub fn set_state(&mut self, target: TargetState) -> Result<(), ApiReply> {
+        let to = match target {
+            TargetState::Paused => VmState::Paused,
+            TargetState::Running => VmState::Running,
+        };
+        if !self.state.valid_transition(to) {
+            return Err(ApiReply::error(
+                409,
+                format!("cannot go from {:?} to {:?}", self.state, to).to_lowercase(),
+            ));
+        }
+        for v in &self.vcpus {
+            let r = match to {
+                VmState::Paused => v.pause(),
+                _ => v.resume(),
+            };
+            r.map_err(|e| ApiReply::error(500, e))?;
+        }
+        tracing::info!("VM {:?}", to);
+        self.state = to;
+        Ok(())
+    }
+
+    fn answer(&mut self, req: ApiRequest) -> (ApiReply, Option<RunOutcome>) {
+        match req {
+            ApiRequest::GetVm => (ApiReply::ok(self.describe()), None),
+            ApiRequest::SetState(t) => match self.set_state(t) {
+                Ok(()) => (ApiReply::no_content(), None),
+                Err(reply) => (reply, None),
+            },
+            ApiRequest::Shutdown => (ApiReply::no_content(), Some(RunOutcome::ApiShutdown)),
+        }
+    }
+
+    /// Runs the event loop until the VM stops, then stops every vCPU thread.
+    pub fn run(
+        mut self,
+        api: Option<&ApiServer>,
+        signals: Option<&OwnedFd>,
+    ) -> Result<RunOutcome, RunError> {
+        let epoll = Epoll::new().map_err(RunError::EventLoop)?;
+        let add = |fd: RawFd, token: u64| {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, token),
+                )
+                .map_err(RunError::EventLoop)
+        };
+        add(self.devices.reset_evt.as_raw_fd(), TOKEN_RESET)?;
+        add(self.vcpu_exit_evt.as_raw_fd(), TOKEN_VCPU_EXIT)?;
+        if let Some(api) = api {
+            add(api.evt.as_raw_fd(), TOKEN_API)?;
+        }
+        if let Some(s) = signals {
+            add(s.as_raw_fd(), TOKEN_SIGNAL)?;
+        }
+
+        let mut events = vec![EpollEvent::default(); 8];
+        let outcome = 'run: loop {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(RunError::EventLoop(e)),
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_RESET => {
+                        let _ = self.devices.reset_evt.eventfd().read();
+                        tracing::info!("guest reset through the i8042: powering off");
+                        break 'run RunOutcome::GuestPowerOff;
+                    }
+                    TOKEN_VCPU_EXIT => {
+                        let _ = self.vcpu_exit_evt.read();
+                        while let Ok((id, reason)) = self.vcpu_exits.try_recv() {
+                            match reason {
+                                VcpuExitReason::SystemEvent(kind) => {
+                                    tracing::info!(
+                                        "vCPU {id}: guest system event {kind}: powering off"
+                                    );
+                                    break 'run RunOutcome::GuestPowerOff;
+                                }
+                                VcpuExitReason::TripleFault => {
+                                    break 'run RunOutcome::Error(format!(
+                                        "vCPU {id}: guest triple fault"
+                                    ))
+                                }
+                                VcpuExitReason::Failed(msg) => {
+                                    break 'run RunOutcome::Error(format!("vCPU {id}: {msg}"))
+                                }
+                                VcpuExitReason::Stopped => {}
+                            }
+                        }
+                    }
+                    TOKEN_API => {
+                        let Some(api) = api else { continue };
+                        let _ = api.evt.read();
+                        while let Ok((req, reply_tx)) = api.requests.try_recv() {
+                            let (reply, outcome) = self.answer(req);
+                            let _ = reply_tx.send(reply);
+                            if let Some(o) = outcome {
+                                break 'run o;
+                            }
+                        }
+                    }
+                    TOKEN_SIGNAL => {
+                        if let Some(sig) = signals.and_then(|s| read_signal(s.as_raw_fd())) {
+                            tracing::info!("signal {sig}: shutting down");
+                            break 'run RunOutcome::Signal(sig);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        };
+        self.state = VmState::Stopped;
+        for v in &mut self.vcpus {
+            v.stop();
+        }
+        Ok(outcome)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifecycle_transitions() {
+        use VmState::*;
+        assert!(Running.valid_transition(Paused));
+        assert!(Paused.valid_transition(Running));
+        assert!(!Running.valid_transition(Running));
+        assert!(!Paused.valid_transition(Paused));
+        assert!(!Stopped.valid_transition(Running));
+        assert!(Paused.valid_transition(Stopped));
+    }
+
+    #[test]
+    fn exit_codes() {
+        assert_eq!(RunOutcome::GuestPowerOff.exit_code(), 0);
+        assert_eq!(RunOutcome::ApiShutdown.exit_code(), 0);
+        assert_eq!(RunOutcome::Signal(15).exit_code(), 143);
+        assert_eq!(RunOutcome::Error("x".into()).exit_code(), 1);
+    }
+}

@@ -1,0 +1,105 @@
+//! Opening /dev/kvm, checking what forkvm needs, and recognising the host hypervisor.
+
+use std::path::Path;
+
+use kvm_ioctls::{Cap, Kvm};
+use serde::Serialize;
+
+/// Errors opening and checking KVM.
+#[derive(Debug, thiserror::Error)]
+pub enum KvmError {
+    /// /dev/kvm is missing or not accessible.
+    #[error(
+        "cannot open /dev/kvm: {0} (is the kvm module loaded and is /dev/kvm readable and writable by this user?)"
+    )]
+    Open(kvm_ioctls::Error),
+    /// A capability forkvm relies on is absent.
+    #[error("KVM lacks a required capability: {0}")]
+    MissingCap(&'static str),
+    /// The supported CPUID could not be read.
+    #[error("cannot read KVM's supported CPUID: {0}")]
+    Cpuid(kvm_ioctls::Error),
+}
+
+/// What provides /dev/kvm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HostKind {
+    /// Hardware virtualization (VT-x or AMD-V).
+    Hardware,
+    /// PVM, a software hypervisor on top of KVM (module `kvm_pvm`).
+    Pvm,
+}
+
+impl HostKind {
+    /// Reads the host kind from sysfs.
+    pub fn detect() -> Self {
+        Self::detect_at(Path::new("/sys/module"))
+    }
+
+    /// Reads the host kind from a sysfs module directory (tests use a fake root).
+    pub fn detect_at(sys_module: &Path) -> Self {
+        if sys_module.join("kvm_pvm").exists() {
+            HostKind::Pvm
+        } else {
+            HostKind::Hardware
+        }
+    }
+}
+
+/// Capabilities a VM cannot boot without, with the name shown when one is missing.
+pub const REQUIRED_CAPS: &[(Cap, &str)] = &[
+    (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
+    (Cap::Pit2, "KVM_CAP_PIT2"),
+    (Cap::Irqfd, "KVM_CAP_IRQFD"),
+    (Cap::Ioeventfd, "KVM_CAP_IOEVENTFD"),
+    (Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
+    (Cap::SetTssAddr, "KVM_CAP_SET_TSS_ADDR"),
+    (Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
+    (Cap::MpState, "KVM_CAP_MP_STATE"),
+    (Cap::ImmediateExit, "KVM_CAP_IMMEDIATE_EXIT"),
+    (Cap::VcpuEvents, "KVM_CAP_VCPU_EVENTS"),
+];
+
+/// An open, checked KVM.
+pub struct KvmContext {
+    /// The /dev/kvm handle.
+    pub kvm: Kvm,
+    /// Most vCPUs one VM may have on this host.
+    pub max_vcpus: usize,
+    /// What provides KVM.
+    pub host: HostKind,
+}
+
+impl KvmContext {
+    /// Opens /dev/kvm and checks every required capability.
+    pub fn open() -> Result<Self, KvmError> {
+        let kvm = Kvm::new().map_err(KvmError::Open)?;
+        for (cap, name) in REQUIRED_CAPS {
+            if !kvm.check_extension(*cap) {
+                return Err(KvmError::MissingCap(name));
+            }
+        }
+        let max_vcpus = kvm.get_max_vcpus();
+        Ok(Self {
+            kvm,
+            max_vcpus,
+            host: HostKind::detect(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detects_pvm_from_sysfs() {
+        let root = std::env::temp_dir().join(format!("forkvm-sysmod-{}", std::process::id()));
+        std::fs::create_dir_all(root.join("kvm_intel")).unwrap();
+        assert_eq!(HostKind::detect_at(&root), HostKind::Hardware);
+        std::fs::create_dir_all(root.join("kvm_pvm")).unwrap();
+        assert_eq!(HostKind::detect_at(&root), HostKind::Pvm);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -1,0 +1,459 @@
+//! vCPUs: configuration, and one thread per vCPU running KVM_RUN and dispatching exits.
+//!
+//! A vCPU thread is stopped ("kicked") race-free: the kicker sets `immediate_exit` in the
+//! vCPU's shared `kvm_run` page, then signals the thread. If the thread is inside KVM_RUN
+//! the signal ends it with EINTR; if it is about to enter, `immediate_exit` makes KVM
+//! return EINTR at once, after completing any port or MMIO exit in flight. Either way the
+//! thread then reads its command channel.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Once};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvm_bindings::{kvm_mp_state, CpuId, KVM_MP_STATE_RUNNABLE};
+use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use devices::Bus;
+
+use crate::arch::x86_64::msr::{boot_msr_entries, set_msrs_skipping, MsrError};
+use crate::arch::x86_64::regs::{boot_fpu, boot_regs, setup_sregs, EntryPoint, RegsError};
+
+/// Errors configuring or running a vCPU.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// KVM_CREATE_VCPU failed.
+    #[error("cannot create vCPU {id}: {source}")]
+    Create {
+        /// vCPU index.
+        id: u8,
+        /// Why.
+        source: kvm_ioctls::Error,
+    },
+    /// A register or CPUID ioctl failed.
+    #[error("cannot configure vCPU {id} ({what}): {source}")]
+    Configure {
+        /// vCPU index.
+        id: u8,
+        /// Which step.
+        what: &'static str,
+        /// Why.
+        source: kvm_ioctls::Error,
+    },
+    /// Writing boot MSRs failed.
+    #[error("cannot set vCPU {id} MSRs: {source}")]
+    Msrs {
+        /// vCPU index.
+        id: u8,
+        /// Why.
+        source: MsrError,
+    },
+    /// Writing boot tables failed.
+    #[error("cannot set vCPU {id} registers: {source}")]
+    Regs {
+        /// vCPU index.
+        id: u8,
+        /// Why.
+        source: RegsError,
+    },
+    /// The vCPU thread could not be started.
+    #[error("cannot start vCPU {id} thread: {source}")]
+    Spawn {
+        /// vCPU index.
+        id: u8,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The kick signal handler could not be installed.
+    #[error("cannot install the vCPU kick signal handler: {0}")]
+    Signal(vmm_sys_util::errno::Error),
+    /// The vCPU thread did not answer a command in time.
+    #[error("vCPU {id} did not answer a {what} request within {ms} ms")]
+    Timeout {
+        /// vCPU index.
+        id: u8,
+        /// The command.
+        what: &'static str,
+        /// Time waited.
+        ms: u64,
+    },
+    /// The vCPU thread is gone.
+    #[error("vCPU {0} thread has exited")]
+    Gone(u8),
+}
+
+/// Why a vCPU stopped running guest code for good.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VcpuExitReason {
+    /// The guest asked to shut down or reset (KVM system event).
+    SystemEvent(u32),
+    /// Triple fault.
+    TripleFault,
+    /// KVM could not run or emulate the guest.
+    Failed(String),
+    /// Told to stop by the VMM.
+    Stopped,
+}
+
+/// Commands to a vCPU thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Command {
+    Pause,
+    Resume,
+    Stop,
+}
+
+/// Replies from a vCPU thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reply {
+    Paused,
+    Resumed,
+}
+
+/// How a vCPU starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartMode {
+    /// Registers set to the kernel entry and runnable (the boot vCPU, or any vCPU the
+    /// VMM starts itself).
+    Entry(EntryPoint),
+    /// Waits in the in-kernel LAPIC for INIT/SIPI from the boot vCPU.
+    WaitForSipi,
+}
+
+/// A created, configured vCPU that has not started running.
+pub struct Vcpu {
+    id: u8,
+    fd: VcpuFd,
+}
+
+fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+extern "C" fn noop_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+static SIGNAL_INIT: Once = Once::new();
+
+fn install_kick_handler() -> Result<(), VcpuError> {
+    let mut result = Ok(());
+    SIGNAL_INIT.call_once(|| {
+        result = register_signal_handler(kick_signal(), noop_handler).map_err(VcpuError::Signal);
+    });
+    result
+}
+
+impl Vcpu {
+    /// Creates vCPU `id` and configures CPUID, MSRs, LAPIC LINTs and, for
+    /// [`StartMode::Entry`], registers at the kernel entry.
+    ///
+    /// Returns the vCPU and the MSRs the host refused (skipped).
+    pub fn create(
+        vm: &VmFd,
+        mem: &vm_memory::GuestMemoryMmap,
+        id: u8,
+        cpuid: &CpuId,
+        start: StartMode,
+    ) -> Result<(Self, Vec<u32>), VcpuError> {
+        let fd = vm
+            .create_vcpu(u64::from(id))
+            .map_err(|source| VcpuError::Create { id, source })?;
+        let cfg = |what| move |source| VcpuError::Configure { id, what, source };
+        fd.set_cpuid2(cpuid).map_err(cfg("cpuid"))?;
+        let skipped = set_msrs_skipping(&fd, &boot_msr_entries())
+            .map_err(|source| VcpuError::Msrs { id, source })?;
+        set_lint(&fd).map_err(cfg("lapic"))?;
+        if let StartMode::Entry(entry) = start {
+            fd.set_regs(&boot_regs(entry)).map_err(cfg("regs"))?;
+            fd.set_fpu(&boot_fpu()).map_err(cfg("fpu"))?;
+            let mut sregs = fd.get_sregs().map_err(cfg("sregs"))?;
+            setup_sregs(mem, entry.protocol, &mut sregs)
+                .map_err(|source| VcpuError::Regs { id, source })?;
+            fd.set_sregs(&sregs).map_err(cfg("sregs"))?;
+            if id != 0 {
+                fd.set_mp_state(kvm_mp_state {
+                    mp_state: KVM_MP_STATE_RUNNABLE,
+                })
+                .map_err(cfg("mp_state"))?;
+            }
+        }
+        Ok((Self { id, fd }, skipped))
+    }
+
+    /// Starts the vCPU thread. It reports its final exit on `exits` and signals
+    /// `exit_evt`.
+    pub fn start(
+        mut self,
+        pio: Bus,
+        mmio: Bus,
+        exits: Sender<(u8, VcpuExitReason)>,
+        exit_evt: EventFd,
+    ) -> Result<VcpuHandle, VcpuError> {
+        install_kick_handler()?;
+        let id = self.id;
+        let immediate_exit = ImmediateExit::new(&mut self.fd);
+        let (cmd_tx, cmd_rx) = channel();
+        let (reply_tx, reply_rx) = channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || {
+                let reason = self.run_loop(&pio, &mmio, &cmd_rx, &reply_tx);
+                let _ = exits.send((id, reason));
+                let _ = exit_evt.write(1);
+                // Returned, not dropped: the kvm_run mapping the handle's kicker writes
+                // to stays mapped until the handle joins this thread.
+                self
+            })
+            .map_err(|source| VcpuError::Spawn { id, source })?;
+        Ok(VcpuHandle {
+            id,
+            thread: Some(thread),
+            cmd_tx,
+            reply_rx,
+            immediate_exit,
+        })
+    }
+
+    fn run_loop(
+        &mut self,
+        pio: &Bus,
+        mmio: &Bus,
+        cmds: &Receiver<Command>,
+        replies: &Sender<Reply>,
+    ) -> VcpuExitReason {
+        loop {
+            match self.fd.run() {
+                Ok(exit) => match exit {
+                    VcpuExit::IoIn(port, data) => {
+                        pio.read(u64::from(port), data);
+                    }
+                    VcpuExit::IoOut(port, data) => {
+                        pio.write(u64::from(port), data);
+                    }
+                    VcpuExit::MmioRead(addr, data) => {
+                        mmio.read(addr, data);
+                    }
+                    VcpuExit::MmioWrite(addr, data) => {
+                        mmio.write(addr, data);
+                    }
+                    VcpuExit::SystemEvent(kind, _) => return VcpuExitReason::SystemEvent(kind),
+                    VcpuExit::Shutdown => return VcpuExitReason::TripleFault,
+                    VcpuExit::Hlt => {
+                        // With the in-kernel LAPIC, HLT is handled by KVM; a HLT exit
+                        // means interrupts are off for good.
+                        return VcpuExitReason::Failed("guest halted with interrupts off".into());
+                    }
+                    VcpuExit::FailEntry(reason, cpu) => {
+                        return VcpuExitReason::Failed(format!(
+                            "KVM entry failed: hardware reason {reason:#x} on host cpu {cpu}"
+                        ))
+                    }
+                    VcpuExit::InternalError => {
+                        return VcpuExitReason::Failed(self.internal_error())
+                    }
+                    VcpuExit::Intr => {
+                        if let Some(reason) = self.handle_kick(cmds, replies) {
+                            return reason;
+                        }
+                    }
+                    other => {
+                        return VcpuExitReason::Failed(format!("unexpected KVM exit: {other:?}"))
+                    }
+                },
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                    if let Some(reason) = self.handle_kick(cmds, replies) {
+                        return reason;
+                    }
+                }
+                Err(e) => return VcpuExitReason::Failed(format!("KVM_RUN failed: {e}")),
+            }
+        }
+    }
+
+    /// Handles pending commands after a kick. Blocks while paused. Returns a reason when
+    /// the vCPU must stop.
+    fn handle_kick(
+        &mut self,
+        cmds: &Receiver<Command>,
+        replies: &Sender<Reply>,
+    ) -> Option<VcpuExitReason> {
+        self.fd.set_kvm_immediate_exit(0);
+        let mut paused = false;
+        loop {
+            let cmd = if paused {
+                cmds.recv().ok()
+            } else {
+                match cmds.try_recv() {
+                    Ok(c) => Some(c),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => return None,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => None,
+                }
+            };
+            match cmd {
+                Some(Command::Pause) => {
+                    paused = true;
+                    let _ = replies.send(Reply::Paused);
+                }
+                Some(Command::Resume) => {
+                    let _ = replies.send(Reply::Resumed);
+                    if paused {
+                        return None;
+                    }
+                }
+                Some(Command::Stop) | None => return Some(VcpuExitReason::Stopped),
+            }
+        }
+    }
+
+    fn internal_error(&mut self) -> String {
+        let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+        let run = self.fd.get_kvm_run();
+        // SAFETY: KVM filled the `internal` member of the exit union for this exit reason.
+        let internal = unsafe { run.__bindgen_anon_1.internal };
+        let what = match internal.suberror {
+            1 => "emulation failure",
+            2 => "simultaneous exception",
+            3 => "delivery event failed",
+            _ => "unknown",
+        };
+        let n = (internal.ndata as usize).min(internal.data.len());
+        format!(
+            "KVM internal error: suberror {} ({what}) at guest rip {rip:#x}, data {:x?}",
+            internal.suberror,
+            &internal.data[..n]
+        )
+    }
+}
+
+/// Writes the vCPU's `immediate_exit` flag from another thread.
+#[derive(Clone)]
+struct ImmediateExit(Arc<AtomicPtr>);
+
+struct AtomicPtr(*mut u8);
+// SAFETY: the pointer targets the vCPU's kvm_run mapping, which lives as long as the
+// VcpuFd. The vCPU thread returns its Vcpu (with the VcpuFd) as the thread result, so the
+// mapping outlives the thread until VcpuHandle joins it; the handle kicks only while it
+// has not joined. The byte is only written with atomic stores.
+unsafe impl Send for AtomicPtr {}
+// SAFETY: see above; shared access only performs atomic byte stores.
+unsafe impl Sync for AtomicPtr {}
+
+impl ImmediateExit {
+    fn new(fd: &mut VcpuFd) -> Self {
+        let run = fd.get_kvm_run();
+        Self(Arc::new(AtomicPtr(std::ptr::addr_of_mut!(
+            run.immediate_exit
+        ))))
+    }
+
+    fn set(&self) {
+        // SAFETY: the pointer is valid and aligned for a u8 while the vCPU exists (see
+        // AtomicPtr); KVM reads this byte on entry to KVM_RUN.
+        let flag = unsafe { AtomicU8::from_ptr(self.0 .0) };
+        flag.store(1, Ordering::SeqCst);
+    }
+}
+
+/// The VMM's handle on a running vCPU thread.
+pub struct VcpuHandle {
+    id: u8,
+    thread: Option<JoinHandle<Vcpu>>,
+    cmd_tx: Sender<Command>,
+    reply_rx: Receiver<Reply>,
+    immediate_exit: ImmediateExit,
+}
+
+const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl VcpuHandle {
+    /// The vCPU index.
+    pub fn id(&self) -> u8 {
+        self.id
+    }
+
+    fn kick(&self) {
+        // Once joined, the Vcpu (and its kvm_run mapping) is gone: nothing to kick.
+        if let Some(t) = &self.thread {
+            self.immediate_exit.set();
+            // The thread may have exited already; then there is nothing to interrupt.
+            let _ = t.kill(kick_signal());
+        }
+    }
+
+    fn command(&self, cmd: Command, expect: Reply, what: &'static str) -> Result<(), VcpuError> {
+        self.cmd_tx
+            .send(cmd)
+            .map_err(|_| VcpuError::Gone(self.id))?;
+        self.kick();
+        match self.reply_rx.recv_timeout(REPLY_TIMEOUT) {
+            Ok(r) if r == expect => Ok(()),
+            Ok(_) | Err(RecvTimeoutError::Disconnected) => Err(VcpuError::Gone(self.id)),
+            Err(RecvTimeoutError::Timeout) => Err(VcpuError::Timeout {
+                id: self.id,
+                what,
+                ms: REPLY_TIMEOUT.as_millis() as u64,
+            }),
+        }
+    }
+
+    /// Stops the vCPU out of guest mode and waits until it is parked.
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        self.command(Command::Pause, Reply::Paused, "pause")
+    }
+
+    /// Lets a paused vCPU run again.
+    pub fn resume(&self) -> Result<(), VcpuError> {
+        self.cmd_tx
+            .send(Command::Resume)
+            .map_err(|_| VcpuError::Gone(self.id))?;
+        match self.reply_rx.recv_timeout(REPLY_TIMEOUT) {
+            Ok(Reply::Resumed) => Ok(()),
+            Ok(_) | Err(RecvTimeoutError::Disconnected) => Err(VcpuError::Gone(self.id)),
+            Err(RecvTimeoutError::Timeout) => Err(VcpuError::Timeout {
+                id: self.id,
+                what: "resume",
+                ms: REPLY_TIMEOUT.as_millis() as u64,
+            }),
+        }
+    }
+
+    /// Stops the thread and joins it. Idempotent.
+    pub fn stop(&mut self) {
+        if self.thread.is_none() {
+            return;
+        }
+        let _ = self.cmd_tx.send(Command::Stop);
+        self.kick();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// LAPIC local interrupt pins: LINT0 as ExtINT (the PIC), LINT1 as NMI.
+fn set_lint(fd: &VcpuFd) -> Result<(), kvm_ioctls::Error> {
+    const APIC_LVT0: usize = 0x350;
+    const APIC_LVT1: usize = 0x360;
+    const APIC_MODE_NMI: u32 = 0x4;
+    const APIC_MODE_EXTINT: u32 = 0x7;
+    let mut lapic = fd.get_lapic()?;
+    let mut rw = |off: usize, mode: u32| {
+        let bytes: [u8; 4] = std::array::from_fn(|i| lapic.regs[off + i] as u8);
+        let v = u32::from_le_bytes(bytes);
+        let v = (v & !0x700) | (mode << 8);
+        for (i, b) in v.to_le_bytes().iter().enumerate() {
+            lapic.regs[off + i] = *b as libc::c_char;
+        }
+    };
+    rw(APIC_LVT0, APIC_MODE_EXTINT);
+    rw(APIC_LVT1, APIC_MODE_NMI);
+    fd.set_lapic(&lapic)
+}

@@ -9,5 +9,6 @@ pub mod bus;
 pub mod legacy;
 pub mod probe;
 pub mod trigger;
+pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError};

@@ -117,7 +117,10 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     register_memory(&vm, &mem)?;
 
     // 6. Devices.
-    let devices = DeviceManager::new(&vm, &config.console, config.vcpus)?;
+    let mut devices = DeviceManager::new(&vm, &config.console, config.vcpus)?;
+    if let Some(rootfs) = &config.rootfs {
+        devices.add_block(&vm, &mem, rootfs, "forkvm-rootfs")?;
+    }
 
     // 7. Kernel, initrd, command line, boot information, MP table.
     let kernel = load_kernel(&mem, &config.kernel)?;

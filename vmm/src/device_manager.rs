@@ -4,14 +4,25 @@ use std::fs::File;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use kvm_ioctls::VmFd;
+use kvm_ioctls::{IoEventAddress, VmFd};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
 
 use devices::legacy::{SerialConsole, COM1_BASE, COM1_GSI, COM1_LEN, I8042};
 use devices::probe::{ProbePort, ProbeStats, PROBE_BASE, PROBE_LEN};
 use devices::trigger::EventFdTrigger;
+use devices::virtio::block::{Block, BlockError};
+use devices::virtio::mmio::NOTIFY_REG_OFFSET;
+use devices::virtio::{MmioTransport, VirtioDevice, VirtioInterrupt};
 use devices::{Bus, BusError};
 
+use crate::arch::x86_64::layout::{VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START};
+use crate::arch::x86_64::mptable::IOAPIC_PINS;
 use crate::config::ConsoleSink;
+
+/// First GSI (IOAPIC pin) for virtio-mmio devices; 0-4 are the PIT, keyboard, cascade,
+/// and the serial ports.
+const VIRTIO_FIRST_GSI: u32 = 5;
 
 /// Errors creating devices.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +41,15 @@ pub enum DeviceError {
     /// A device did not fit on its bus.
     #[error("cannot place a device on the bus: {0}")]
     Bus(#[from] BusError),
+    /// A disk image could not be opened.
+    #[error(transparent)]
+    Block(#[from] BlockError),
+    /// No interrupt line is left for another virtio device.
+    #[error("too many virtio devices: no IOAPIC pin left")]
+    NoIrq,
+    /// KVM_IOEVENTFD failed.
+    #[error("cannot register a virtio notification with KVM: {0}")]
+    Ioeventfd(kvm_ioctls::Error),
     /// KVM_IRQFD failed.
     #[error("cannot register interrupt GSI {gsi} with KVM: {source}")]
     Irqfd {
@@ -54,6 +74,7 @@ pub struct DeviceManager {
     pub serial: Arc<Mutex<SerialConsole>>,
     /// Kernel command-line switches the devices need.
     pub cmdline_extra: Vec<String>,
+    virtio_count: u32,
 }
 
 fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceError> {
@@ -104,6 +125,52 @@ impl DeviceManager {
             probe,
             serial,
             cmdline_extra: Vec::new(),
+            virtio_count: 0,
         })
+    }
+
+    /// Attaches the read-only disk image at `path` as virtio-blk (`/dev/vda` for the first).
+    pub fn add_block(
+        &mut self,
+        vm: &VmFd,
+        mem: &GuestMemoryMmap,
+        path: &std::path::Path,
+        id: &str,
+    ) -> Result<(), DeviceError> {
+        let block = Block::open(path, id)?;
+        self.add_virtio(vm, mem, Box::new(block))
+    }
+
+    fn add_virtio(
+        &mut self,
+        vm: &VmFd,
+        mem: &GuestMemoryMmap,
+        device: Box<dyn VirtioDevice>,
+    ) -> Result<(), DeviceError> {
+        let gsi = VIRTIO_FIRST_GSI + self.virtio_count;
+        if gsi >= u32::from(IOAPIC_PINS) {
+            return Err(DeviceError::NoIrq);
+        }
+        let base = VIRTIO_MMIO_START + u64::from(self.virtio_count) * VIRTIO_MMIO_SIZE;
+        let irq = EventFd::new(0).map_err(DeviceError::EventFd)?;
+        vm.register_irqfd(&irq, gsi)
+            .map_err(|source| DeviceError::Irqfd { gsi, source })?;
+        let transport =
+            MmioTransport::new(mem.clone(), device, Arc::new(VirtioInterrupt::new(irq)))
+                .map_err(DeviceError::EventFd)?;
+        for (i, evt) in transport.queue_evts().iter().enumerate() {
+            vm.register_ioevent(
+                evt,
+                &IoEventAddress::Mmio(base + NOTIFY_REG_OFFSET),
+                i as u32,
+            )
+            .map_err(DeviceError::Ioeventfd)?;
+        }
+        self.mmio
+            .insert(Arc::new(Mutex::new(transport)), base, VIRTIO_MMIO_SIZE)?;
+        self.cmdline_extra
+            .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
+        self.virtio_count += 1;
+        Ok(())
     }
 }

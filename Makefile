@@ -1,0 +1,31 @@
+# forkvm: `make demo` builds everything and boots guests; `make test` runs every test.
+.PHONY: all deps guest build release demo test lint bench clean-guest-cache
+
+CARGO ?= cargo
+
+all: build guest
+
+deps:
+	./scripts/install-deps.sh
+
+guest: deps
+	./buildroot/build-guest.sh
+
+build:
+	$(CARGO) build --workspace --bins
+
+release:
+	$(CARGO) build --release --workspace --bins
+
+demo: deps guest release
+	./scripts/demo.sh
+
+test: deps guest build
+	$(CARGO) test --workspace
+
+lint:
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+bench: deps guest release
+	./benches/boot.sh

@@ -1,0 +1,316 @@
+//! virtio-blk, read-only for now: a disk image the guest reads (and may flush), backed
+//! by a host file, with a worker thread woken by the queue's ioeventfd.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{ByteValued, GuestMemoryMmap};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+
+/// virtio device id of a block device.
+pub const TYPE_BLOCK: u32 = 2;
+const SECTOR_SIZE: u64 = 512;
+const QUEUE_SIZE: u16 = 256;
+const VIRTIO_BLK_F_RO: u64 = 1 << 5;
+const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+const VIRTIO_BLK_T_IN: u32 = 0;
+const VIRTIO_BLK_T_OUT: u32 = 1;
+const VIRTIO_BLK_T_FLUSH: u32 = 4;
+const VIRTIO_BLK_T_GET_ID: u32 = 8;
+const VIRTIO_BLK_S_OK: u8 = 0;
+const VIRTIO_BLK_S_IOERR: u8 = 1;
+const VIRTIO_BLK_S_UNSUPP: u8 = 2;
+const ID_BYTES: usize = 20;
+
+/// Errors opening a disk image.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    /// The image cannot be opened or measured.
+    #[error("cannot open disk image {path}: {source}")]
+    Open {
+        /// The path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Its size is not a whole number of 512-byte sectors.
+    #[error("disk image {path} is {size} bytes, not a multiple of 512")]
+    Size {
+        /// The path.
+        path: String,
+        /// Its size.
+        size: u64,
+    },
+}
+
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+struct RequestHeader {
+    type_: u32,
+    _reserved: u32,
+    sector: u64,
+}
+// SAFETY: plain old data with no padding (u32, u32, u64), valid for any bit pattern.
+unsafe impl ByteValued for RequestHeader {}
+
+/// A read-only virtio-blk device.
+pub struct Block {
+    file: Arc<File>,
+    sectors: u64,
+    id: [u8; ID_BYTES],
+    queue_sizes: [u16; 1],
+    worker: Option<(EventFd, JoinHandle<()>)>,
+}
+
+impl Block {
+    /// Opens `path` read-only. `id` (up to 20 bytes) is what the guest reads as serial.
+    pub fn open(path: &Path, id: &str) -> Result<Self, BlockError> {
+        let shown = path.display().to_string();
+        let open_err = |source| BlockError::Open {
+            path: shown.clone(),
+            source,
+        };
+        let file = File::open(path).map_err(open_err)?;
+        let size = file.metadata().map_err(open_err)?.len();
+        if size % SECTOR_SIZE != 0 {
+            return Err(BlockError::Size { path: shown, size });
+        }
+        let mut idb = [0u8; ID_BYTES];
+        let n = id.len().min(ID_BYTES);
+        idb[..n].copy_from_slice(&id.as_bytes()[..n]);
+        Ok(Self {
+            file: Arc::new(file),
+            sectors: size / SECTOR_SIZE,
+            id: idb,
+            queue_sizes: [QUEUE_SIZE],
+            worker: None,
+        })
+    }
+
+    /// Capacity in 512-byte sectors.
+    pub fn sectors(&self) -> u64 {
+        self.sectors
+    }
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        TYPE_BLOCK
+    }
+
+    fn avail_features(&self) -> u64 {
+        VIRTIO_F_VERSION_1 | VIRTIO_BLK_F_RO | VIRTIO_BLK_F_FLUSH
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // Only `capacity` (u64 at offset 0) is offered; the rest reads as zero.
+        let cfg = self.sectors.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = cfg.get(offset as usize + i).copied().unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        tracing::debug!("virtio-blk: guest wrote read-only config at {offset:#x}");
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        _acked_features: u64,
+        mut queues: Vec<Queue>,
+        mut queue_evts: Vec<EventFd>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), ActivateError> {
+        self.reset();
+        let (Some(queue), Some(queue_evt)) = (queues.pop(), queue_evts.pop()) else {
+            return Err(ActivateError::BadQueue("virtio-blk needs one queue".into()));
+        };
+        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
+        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
+        let mut worker = Worker {
+            file: self.file.clone(),
+            sectors: self.sectors,
+            id: self.id,
+            mem,
+            queue,
+            interrupt,
+        };
+        let thread = std::thread::Builder::new()
+            .name("virtio-blk".into())
+            .spawn(move || worker.run(&queue_evt, &worker_stop))
+            .map_err(ActivateError::Worker)?;
+        self.worker = Some((stop, thread));
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        if let Some((stop, thread)) = self.worker.take() {
+            let _ = stop.write(1);
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        self.reset();
+    }
+}
+
+struct Worker {
+    file: Arc<File>,
+    sectors: u64,
+    id: [u8; ID_BYTES],
+    mem: GuestMemoryMmap,
+    queue: Queue,
+    interrupt: Arc<VirtioInterrupt>,
+}
+
+const TOKEN_QUEUE: u64 = 0;
+const TOKEN_STOP: u64 = 1;
+
+impl Worker {
+    fn run(&mut self, queue_evt: &EventFd, stop: &EventFd) {
+        let epoll = match Epoll::new() {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::error!("virtio-blk worker: epoll: {e}");
+                return;
+            }
+        };
+        for (fd, token) in [(queue_evt, TOKEN_QUEUE), (stop, TOKEN_STOP)] {
+            use std::os::fd::AsRawFd;
+            if let Err(e) = epoll.ctl(
+                ControlOperation::Add,
+                fd.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, token),
+            ) {
+                tracing::error!("virtio-blk worker: epoll_ctl: {e}");
+                return;
+            }
+        }
+        let mut events = [EpollEvent::default(); 2];
+        loop {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::error!("virtio-blk worker: epoll_wait: {e}");
+                    return;
+                }
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_STOP => return,
+                    _ => {
+                        let _ = queue_evt.read();
+                        self.process_queue();
+                    }
+                }
+            }
+        }
+    }
+
+    fn process_queue(&mut self) {
+        let mut used_any = false;
+        loop {
+            let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) else {
+                break;
+            };
+            let head = chain.head_index();
+            let written = self.handle(chain);
+            if let Err(e) = self.queue.add_used(&self.mem, head, written) {
+                tracing::warn!("virtio-blk: cannot return descriptor {head}: {e:?}");
+            }
+            used_any = true;
+        }
+        if used_any {
+            match self.queue.needs_notification(&self.mem) {
+                Ok(false) => {}
+                _ => {
+                    if let Err(e) = self.interrupt.signal_used_queue() {
+                        tracing::warn!("virtio-blk: interrupt failed: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Serves one request; returns the bytes written into guest memory.
+    fn handle(&self, chain: virtio_queue::DescriptorChain<&GuestMemoryMmap>) -> u32 {
+        let Ok(mut reader) = chain.clone().reader(&self.mem) else {
+            return 0;
+        };
+        let Ok(mut writer) = chain.writer(&self.mem) else {
+            return 0;
+        };
+        // The last writable byte is the status; a chain without one cannot be answered.
+        let Some(data_len) = writer.available_bytes().checked_sub(1) else {
+            return 0;
+        };
+        let Ok(mut status_writer) = writer.split_at(data_len) else {
+            return 0;
+        };
+        let status = match reader.read_obj::<RequestHeader>() {
+            Ok(hdr) => self.execute(hdr, &mut writer, data_len),
+            Err(_) => VIRTIO_BLK_S_IOERR,
+        };
+        let _ = status_writer.write_obj(status);
+        (writer.bytes_written() + status_writer.bytes_written()) as u32
+    }
+
+    fn execute(
+        &self,
+        hdr: RequestHeader,
+        writer: &mut virtio_queue::Writer<'_, ()>,
+        data_len: usize,
+    ) -> u8 {
+        use std::io::Write;
+        match hdr.type_ {
+            VIRTIO_BLK_T_IN => {
+                let end = hdr
+                    .sector
+                    .checked_mul(SECTOR_SIZE)
+                    .and_then(|o| o.checked_add(data_len as u64));
+                if end.is_none_or(|e| e > self.sectors * SECTOR_SIZE) {
+                    return VIRTIO_BLK_S_IOERR;
+                }
+                let mut buf = vec![0u8; data_len];
+                if self
+                    .file
+                    .read_exact_at(&mut buf, hdr.sector * SECTOR_SIZE)
+                    .is_err()
+                {
+                    return VIRTIO_BLK_S_IOERR;
+                }
+                match writer.write_all(&buf) {
+                    Ok(()) => VIRTIO_BLK_S_OK,
+                    Err(_) => VIRTIO_BLK_S_IOERR,
+                }
+            }
+            // Read-only device: writes fail, flushes have nothing to do.
+            VIRTIO_BLK_T_OUT => VIRTIO_BLK_S_IOERR,
+            VIRTIO_BLK_T_FLUSH => VIRTIO_BLK_S_OK,
+            VIRTIO_BLK_T_GET_ID => {
+                let n = data_len.min(ID_BYTES);
+                match writer.write_all(&self.id[..n]) {
+                    Ok(()) => VIRTIO_BLK_S_OK,
+                    Err(_) => VIRTIO_BLK_S_IOERR,
+                }
+            }
+            _ => VIRTIO_BLK_S_UNSUPP,
+        }
+    }
+}

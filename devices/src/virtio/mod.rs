@@ -1,0 +1,91 @@
+//! virtio devices over the virtio-mmio transport (virtio 1.x, "modern" register layout).
+
+pub mod block;
+pub mod mmio;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+
+pub use mmio::MmioTransport;
+
+/// Feature bit every modern device offers: VIRTIO_F_VERSION_1.
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+/// Interrupt status bit: a used buffer was added to a queue.
+pub const VIRTIO_MMIO_INT_VRING: u32 = 0x1;
+/// Interrupt status bit: the configuration changed.
+pub const VIRTIO_MMIO_INT_CONFIG: u32 = 0x2;
+
+/// Errors activating a device.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    /// The driver set up queues the device cannot use.
+    #[error("invalid queue configuration: {0}")]
+    BadQueue(String),
+    /// The device's worker could not be started.
+    #[error("cannot start the device worker: {0}")]
+    Worker(std::io::Error),
+}
+
+/// The interrupt line of one virtio-mmio device: the status register the driver reads
+/// and the irqfd that raises the GSI.
+#[derive(Debug)]
+pub struct VirtioInterrupt {
+    status: AtomicU32,
+    irq: EventFd,
+}
+
+impl VirtioInterrupt {
+    /// An interrupt raised through `irq` (registered with KVM as an irqfd).
+    pub fn new(irq: EventFd) -> Self {
+        Self {
+            status: AtomicU32::new(0),
+            irq,
+        }
+    }
+
+    /// Tells the driver that used buffers are ready.
+    pub fn signal_used_queue(&self) -> std::io::Result<()> {
+        self.status
+            .fetch_or(VIRTIO_MMIO_INT_VRING, Ordering::AcqRel);
+        self.irq.write(1)
+    }
+
+    /// The interrupt status register.
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::Acquire)
+    }
+
+    /// The driver acknowledges `bits`.
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::AcqRel);
+    }
+}
+
+/// A virtio device model, driven by a transport.
+pub trait VirtioDevice: Send {
+    /// virtio device id (2 = block, ...).
+    fn device_type(&self) -> u32;
+    /// Features offered.
+    fn avail_features(&self) -> u64;
+    /// Largest size of each queue; the length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Reads the device-specific configuration space.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes the device-specific configuration space.
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// Starts the device: the driver is ready (DRIVER_OK) with these queues. Each queue
+    /// has an eventfd the guest's notifications arrive on.
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        acked_features: u64,
+        queues: Vec<Queue>,
+        queue_evts: Vec<EventFd>,
+        interrupt: std::sync::Arc<VirtioInterrupt>,
+    ) -> Result<(), ActivateError>;
+    /// Stops the device (driver reset or VM teardown); it may be activated again.
+    fn reset(&mut self);
+}

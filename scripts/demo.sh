@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The README demo: boot the tiny test guest on 2 vCPUs, then Linux with a command from
+# the kernel command line. Linux is slow to boot on a PVM host (see docs/guest-kernel.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+vmm=target/release/vmm
+g=target/guest
+echo "== tiny test guest, 2 vCPUs =="
+$vmm run --kernel $g/tiny.elf --mem-mib 32 --vcpus 2 --ap-boot direct --cmdline "ticks=5 beat=100 exit=3"
+echo "== exit status $? =="
+echo "== Linux 6.1 guest: initramfs + read-only rootfs disk, running a command =="
+start=$(date +%s)
+$vmm --log-level info run --kernel $g/vmlinux --initrd $g/initramfs.cpio.gz \
+    --rootfs $g/rootfs.ext4 --mem-mib 256 \
+    --cmdline 'console=ttyS0 reboot=k panic=-1 quiet forkvm.run="echo hello from forkvm; uname -r; nproc; cat /mnt/disk/etc/forkvm-disk"'
+echo "== exit status $?, $(( $(date +%s) - start )) s =="

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what forkvm needs on Debian 12, only when something is missing.
+# Needs root for apt-get (CI runs as root). Rust comes from rustup (1.85 or newer).
+set -euo pipefail
+pkgs=(linux-source-6.1 busybox-static bc bison flex libelf-dev libssl-dev cpio e2fsprogs
+      gcc make binutils patch xz-utils qemu-system-x86 hyperfine python3)
+missing=()
+for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "install-deps: installing ${missing[*]}" >&2
+    if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if ! command -v cargo >/dev/null; then
+    echo "install-deps: cargo not found: install Rust 1.85 or newer with rustup" >&2
+    exit 1
+fi

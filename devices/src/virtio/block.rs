@@ -225,10 +225,7 @@ impl Worker {
 
     fn process_queue(&mut self) {
         let mut used_any = false;
-        loop {
-            let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) else {
-                break;
-            };
+        while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
             let head = chain.head_index();
             let written = self.handle(chain);
             if let Err(e) = self.queue.add_used(&self.mem, head, written) {

@@ -129,9 +129,11 @@ impl Vm {
         }
     }
 
-    /// The console output so far.
+    /// The console output so far, with the guest tty's CR LF line ends made LF.
     pub fn console_text(&self) -> String {
-        std::fs::read_to_string(&self.console).unwrap_or_default()
+        std::fs::read_to_string(&self.console)
+            .unwrap_or_default()
+            .replace("\r\n", "\n")
     }
 
     /// The VMM's log so far.

@@ -4,7 +4,7 @@
 //! 2. validate the configuration against the host
 //! 3. decide host quirks (CPUID features to hide, kernel switches to add)
 //! 4. map guest memory
-//! 5. create the VM (TSS, irqchip, PIT) and register memory
+//! 5. create the VM: memory slots first, then TSS, irqchip, PIT
 //! 6. create devices and wire their interrupts
 //! 7. load kernel and initrd, write command line, boot information and MP table
 //! 8. create and configure vCPUs
@@ -13,6 +13,8 @@
 use std::sync::mpsc::channel;
 use std::time::Instant;
 
+use kvm_ioctls::VmFd;
+use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::arch::x86_64::boot::{
@@ -29,7 +31,7 @@ use crate::microvm::{HostReport, Microvm};
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
 use crate::vstate::memory::{create_guest_memory, MemoryError};
 use crate::vstate::vcpu::{StartMode, Vcpu, VcpuError};
-use crate::vstate::vm::{create_vm, register_memory, VmError};
+use crate::vstate::vm::{create_vm, VmError};
 
 /// Errors building a microVM, one per stage.
 #[derive(Debug, thiserror::Error)]
@@ -84,12 +86,51 @@ pub fn host_quirks(host: HostKind, enabled: bool) -> (&'static [FeatureBit], Str
     }
 }
 
+/// Logs how long each build stage took (debug level), for finding start-up costs.
+struct StageTimer {
+    last: Instant,
+    stages: Vec<(&'static str, u128)>,
+}
+
+impl StageTimer {
+    fn new() -> Self {
+        Self {
+            last: Instant::now(),
+            stages: Vec::new(),
+        }
+    }
+
+    fn done(&mut self, stage: &'static str) {
+        let now = Instant::now();
+        self.stages.push((stage, (now - self.last).as_micros()));
+        self.last = now;
+    }
+
+    fn report(&self) -> String {
+        self.stages
+            .iter()
+            .map(|(s, us)| format!("{s} {us}us"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// What stages 6 to 8 produce.
+struct Prepared {
+    devices: DeviceManager,
+    cmdline: String,
+    vcpus: Vec<Vcpu>,
+    skipped_msrs: Vec<u32>,
+}
+
 /// Builds and starts the VM described by `config`.
 pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     let started = Instant::now();
+    let mut timer = StageTimer::new();
 
     // 1. KVM.
     let kvm = KvmContext::open()?;
+    timer.done("kvm");
     // 2. Configuration.
     config.validate(kvm.max_vcpus)?;
     // 3. Host quirks.
@@ -109,40 +150,104 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     }
 
     // 4. Memory.
-    let mem_bytes = config.mem_mib << 20;
-    let (mem, mem_info) = create_guest_memory(mem_bytes, config.thp)?;
+    let (mem, mem_info) = create_guest_memory(config.mem_mib << 20, config.thp)?;
+    timer.done("memory");
 
-    // 5. VM.
-    let vm = create_vm(&kvm)?;
-    register_memory(&vm, &mem)?;
+    // 5. VM with its memory slots.
+    let vm = create_vm(&kvm, &mem)?;
+    timer.done("vm");
+
+    // 6-8. Devices, boot image, vCPUs.
+    let prepared = prepare_guest(&config, &kvm, &vm, &mem, hidden, &quirk_switches)?;
+    timer.done("devices, boot image, vcpus");
+    let Prepared {
+        devices,
+        cmdline,
+        vcpus,
+        skipped_msrs,
+    } = prepared;
+
+    // 9. Start.
+    let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let (exit_tx, exit_rx) = channel();
+    let mut handles = Vec::with_capacity(vcpus.len());
+    for vcpu in vcpus {
+        let evt = exit_evt.try_clone().map_err(BuildError::EventFd)?;
+        handles.push(vcpu.start(
+            devices.pio.clone(),
+            devices.mmio.clone(),
+            exit_tx.clone(),
+            evt,
+        )?);
+    }
+    timer.done("start");
+    tracing::info!(
+        "VM started in {} us: {} vCPUs, {} MiB",
+        started.elapsed().as_micros(),
+        config.vcpus,
+        config.mem_mib
+    );
+    tracing::debug!("build stages: {}", timer.report());
+
+    Ok(Microvm::new(
+        config,
+        vm,
+        mem,
+        devices,
+        handles,
+        exit_rx,
+        exit_evt,
+        HostReport {
+            kvm: kvm.host,
+            quirks_applied: !hidden.is_empty(),
+            hidden_cpuid: hidden.iter().map(|h| h.name).collect(),
+            kernel_switches: quirk_switches,
+            skipped_msrs,
+            memory: mem_info,
+        },
+        cmdline,
+    ))
+}
+
+/// Stages 6 to 8: devices, the boot image in guest memory, configured vCPUs.
+fn prepare_guest(
+    config: &VmConfig,
+    kvm: &KvmContext,
+    vm: &VmFd,
+    mem: &GuestMemoryMmap,
+    hidden: &[FeatureBit],
+    quirk_switches: &str,
+) -> Result<Prepared, BuildError> {
+    let mem_bytes = config.mem_mib << 20;
 
     // 6. Devices.
-    let mut devices = DeviceManager::new(&vm, &config.console, config.vcpus)?;
+    let mut devices = DeviceManager::new(vm, &config.console, config.vcpus)?;
     if let Some(rootfs) = &config.rootfs {
-        devices.add_block(&vm, &mem, rootfs, "forkvm-rootfs")?;
+        devices.add_block(vm, mem, rootfs, "forkvm-rootfs")?;
     }
 
     // 7. Kernel, initrd, command line, boot information, MP table.
-    let kernel = load_kernel(&mem, &config.kernel)?;
+    let kernel = load_kernel(mem, &config.kernel)?;
     let initrd: Option<LoadedInitrd> = config
         .initrd
         .as_deref()
-        .map(|p| load_initrd(&mem, mem_bytes, kernel.end, p))
+        .map(|p| load_initrd(mem, mem_bytes, kernel.end, p))
         .transpose()?;
     let mut cmdline = config.cmdline.trim().to_string();
     for extra in devices
         .cmdline_extra
         .iter()
-        .chain(std::iter::once(&quirk_switches))
+        .map(String::as_str)
+        .chain(std::iter::once(quirk_switches))
     {
         if !extra.is_empty() {
             cmdline.push(' ');
             cmdline.push_str(extra);
         }
     }
-    write_cmdline(&mem, &cmdline)?;
-    write_boot_info(&mem, mem_bytes, &kernel, cmdline.len(), initrd)?;
-    mptable::setup(&mem, config.vcpus)?;
+    write_cmdline(mem, &cmdline)?;
+    write_boot_info(mem, mem_bytes, &kernel, cmdline.len(), initrd)?;
+    mptable::setup(mem, config.vcpus)?;
     tracing::info!(
         "kernel {} entry {:#x} via {:?}; cmdline \"{}\"",
         config.kernel.display(),
@@ -165,7 +270,7 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
         } else {
             StartMode::WaitForSipi
         };
-        let (vcpu, skipped) = Vcpu::create(&vm, &mem, id, &cpuid, start)?;
+        let (vcpu, skipped) = Vcpu::create(vm, mem, id, &cpuid, start)?;
         if id == 0 && !skipped.is_empty() {
             tracing::info!("host refused MSRs {skipped:#x?}; skipped them");
             skipped_msrs = skipped;
@@ -175,45 +280,12 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     if config.ap_boot == ApBoot::Direct && kernel.entry.protocol == BootProtocol::Linux64 {
         tracing::warn!("--ap-boot direct with a Linux boot-protocol kernel: every vCPU enters the kernel as the boot CPU");
     }
-
-    // 9. Start.
-    let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    let (exit_tx, exit_rx) = channel();
-    let mut handles = Vec::with_capacity(vcpus.len());
-    for vcpu in vcpus {
-        let evt = exit_evt.try_clone().map_err(BuildError::EventFd)?;
-        handles.push(vcpu.start(
-            devices.pio.clone(),
-            devices.mmio.clone(),
-            exit_tx.clone(),
-            evt,
-        )?);
-    }
-    tracing::info!(
-        "VM started in {} us: {} vCPUs, {} MiB",
-        started.elapsed().as_micros(),
-        config.vcpus,
-        config.mem_mib
-    );
-
-    Ok(Microvm::new(
-        config,
-        vm,
-        mem,
+    Ok(Prepared {
         devices,
-        handles,
-        exit_rx,
-        exit_evt,
-        HostReport {
-            kvm: kvm.host,
-            quirks_applied: !hidden.is_empty(),
-            hidden_cpuid: hidden.iter().map(|h| h.name).collect(),
-            kernel_switches: quirk_switches,
-            skipped_msrs,
-            memory: mem_info,
-        },
         cmdline,
-    ))
+        vcpus,
+        skipped_msrs,
+    })
 }
 
 #[cfg(test)]

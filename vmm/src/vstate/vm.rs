@@ -32,10 +32,14 @@ pub enum VmError {
     },
 }
 
-/// Creates a VM with TSS, irqchip (PIC + IOAPIC + LAPICs) and PIT, in the order KVM needs
-/// (irqchip before vCPUs).
-pub fn create_vm(ctx: &KvmContext) -> Result<VmFd, VmError> {
+/// Creates a VM: memory slots, then TSS, irqchip (PIC + IOAPIC + LAPICs) and PIT.
+///
+/// The order matters for speed: registering the first memory slot after the in-kernel
+/// irqchip exists costs about 7 ms on a PVM host, against about 0.1 ms before it (measured,
+/// docs/guest-kernel.md). KVM only requires the irqchip before the vCPUs.
+pub fn create_vm(ctx: &KvmContext, mem: &GuestMemoryMmap) -> Result<VmFd, VmError> {
     let vm = ctx.kvm.create_vm().map_err(VmError::Create)?;
+    register_memory(&vm, mem)?;
     vm.set_tss_address(KVM_TSS_ADDRESS as usize)
         .map_err(VmError::Tss)?;
     vm.create_irq_chip().map_err(VmError::Irqchip)?;

@@ -99,7 +99,15 @@ pub fn vcpu_cpuid(base: &CpuId, vcpu_id: u8, num_vcpus: u8, hidden: &[FeatureBit
                     e.edx &= !HTT_BIT;
                 }
             }
-            0xb => {
+            4 => {
+                // Deterministic cache parameters: cores per package - 1 in EAX[31:26],
+                // one logical CPU per cache in EAX[25:14] (no SMT).
+                let cores = u32::from(num_vcpus.saturating_sub(1)).min(63);
+                e.eax = (e.eax & 0x3fff) | (cores << 26);
+            }
+            // Extended topology, v1 (0xb) and v2 (0x1f): same layout, and Linux prefers
+            // 0x1f when present, so both must describe the same topology.
+            0xb | 0x1f => {
                 e.edx = u32::from(vcpu_id);
                 match e.index {
                     0 => {
@@ -172,9 +180,13 @@ mod tests {
         CpuId::from_entries(&[
             entry(0, 0),
             entry(1, 0),
+            entry(4, 0),
             entry(7, 0),
             entry(0xb, 0),
             entry(0xb, 1),
+            entry(0x1f, 0),
+            entry(0x1f, 1),
+            entry(0x1f, 2),
         ])
         .unwrap()
     }
@@ -198,6 +210,19 @@ mod tests {
         let core = find(&c, 0xb, 1);
         assert_eq!((smt.edx, smt.ebx, smt.ecx >> 8), (3, 1, LEVEL_SMT));
         assert_eq!((core.eax, core.ebx, core.ecx >> 8), (2, 4, LEVEL_CORE));
+        for leaf in [0xb, 0x1f] {
+            let e = find(&c, leaf, 1);
+            let regs = |e: kvm_cpuid_entry2| (e.eax, e.ebx, e.ecx, e.edx);
+            assert_eq!(regs(e), regs(core), "leaf {leaf:#x} matches 0xb");
+        }
+        let die = find(&c, 0x1f, 2);
+        assert_eq!(
+            (die.eax, die.ebx, die.ecx & 0xff00),
+            (0, 0, 0),
+            "no levels above core"
+        );
+        assert_eq!(find(&c, 4, 0).eax >> 26, 3, "cores per package - 1");
+        assert_eq!(find(&c, 4, 0).eax & 0x3fff, 0x3fff, "cache type bits kept");
         let single = vcpu_cpuid(&base(), 0, 1, &[]);
         assert_eq!(find(&single, 1, 0).edx & HTT_BIT, 0);
         assert_eq!(find(&single, 0xb, 1).eax, 0);

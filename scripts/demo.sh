@@ -8,9 +8,8 @@ g=target/guest
 echo "== tiny test guest, 2 vCPUs =="
 $vmm run --kernel $g/tiny.elf --mem-mib 32 --vcpus 2 --ap-boot direct --cmdline "ticks=5 beat=100 exit=3"
 echo "== exit status $? =="
-echo "== Linux 6.1 guest: initramfs + read-only rootfs disk, running a command =="
+echo "== Linux 6.1 guest, 2 vCPUs, root on the read-only virtio-blk disk, running a command =="
 start=$(date +%s)
-$vmm --log-level info run --kernel $g/vmlinux --initrd $g/initramfs.cpio.gz \
-    --rootfs $g/rootfs.ext4 --mem-mib 256 \
-    --cmdline 'console=ttyS0 reboot=k panic=-1 quiet forkvm.run="echo hello from forkvm; uname -r; nproc; cat /mnt/disk/etc/forkvm-disk"'
+$vmm --log-level info run --kernel $g/vmlinux --rootfs $g/rootfs.ext4 --mem-mib 256 --vcpus 2 \
+    --cmdline 'console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 forkvm.run="echo hello from forkvm; uname -r; nproc; cat /etc/forkvm-disk"'
 echo "== exit status $?, $(( $(date +%s) - start )) s =="

@@ -14,7 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::api::server::ApiServer;
 use crate::api::{ApiReply, ApiRequest, TargetState};
-use crate::config::VmConfig;
+use crate::config::{ConsoleSink, VmConfig};
 use crate::device_manager::DeviceManager;
 use crate::vstate::kvm::HostKind;
 use crate::vstate::memory::MemoryInfo;
@@ -114,6 +114,7 @@ const TOKEN_RESET: u64 = 1;
 const TOKEN_VCPU_EXIT: u64 = 2;
 const TOKEN_API: u64 = 3;
 const TOKEN_SIGNAL: u64 = 4;
+const TOKEN_STDIN: u64 = 5;
 
 /// Signals the VMM turns into a clean shutdown.
 pub const SHUTDOWN_SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
@@ -238,6 +239,28 @@ impl Microvm {
         }
     }
 
+    /// Moves available host input into the serial port. Returns false at end of input.
+    fn forward_input(&mut self, fd: RawFd) -> bool {
+        let mut buf = [0u8; 64];
+        // SAFETY: reading at most buf.len() bytes into `buf` from an fd we do not own
+        // but that stays open (the process's stdin).
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n <= 0 {
+            return false;
+        }
+        let mut serial = self
+            .devices
+            .serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        // The UART's receive FIFO is small; bytes that do not fit are dropped, as a real
+        // UART drops them on overrun.
+        if let Err(e) = serial.enqueue_input(&buf[..n as usize]) {
+            tracing::debug!("serial input dropped: {e}");
+        }
+        true
+    }
+
     /// Runs the event loop until the VM stops, then stops every vCPU thread.
     pub fn run(
         mut self,
@@ -261,6 +284,18 @@ impl Microvm {
         }
         if let Some(s) = signals {
             add(s.as_raw_fd(), TOKEN_SIGNAL)?;
+        }
+        // Host input reaches the guest's serial port when the console is the terminal
+        // (or pipe) the VMM runs on. Lines arrive as the terminal delivers them; stdin
+        // is not switched to raw mode.
+        let stdin_fd = std::io::stdin().as_raw_fd();
+        if self.config.console == ConsoleSink::Stdout {
+            // epoll refuses regular files and /dev/null (EPERM): then there is no input.
+            let _ = epoll.ctl(
+                ControlOperation::Add,
+                stdin_fd,
+                EpollEvent::new(EventSet::IN, TOKEN_STDIN),
+            );
         }
 
         let mut events = vec![EpollEvent::default(); 8];
@@ -308,6 +343,16 @@ impl Microvm {
                             if let Some(o) = outcome {
                                 break 'run o;
                             }
+                        }
+                    }
+                    TOKEN_STDIN => {
+                        if !self.forward_input(stdin_fd) {
+                            // End of input or an error: stop watching stdin.
+                            let _ = epoll.ctl(
+                                ControlOperation::Delete,
+                                stdin_fd,
+                                EpollEvent::default(),
+                            );
                         }
                     }
                     TOKEN_SIGNAL => {

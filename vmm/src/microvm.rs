@@ -346,7 +346,8 @@ impl Microvm {
                         }
                     }
                     TOKEN_STDIN => {
-                        if !self.forward_input(stdin_fd) {
+                        let open = self.forward_input(stdin_fd);
+                        if !open {
                             // End of input or an error: stop watching stdin.
                             let _ = epoll.ctl(
                                 ControlOperation::Delete,

@@ -311,3 +311,199 @@ impl Worker {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::{Bytes, GuestAddress};
+
+    const NEXT: u16 = 1;
+    const WRITE: u16 = 2;
+    const HDR: u64 = 0x10_0000;
+    const DATA: u64 = 0x20_0000;
+    const STATUS: u64 = 0x30_0000;
+
+    fn desc(addr: u64, len: u32, flags: u16, next: u16) -> RawDescriptor {
+        RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next))
+    }
+
+    /// A file removed on drop.
+    struct TempFile(std::path::PathBuf);
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    struct Rig {
+        mem: GuestMemoryMmap,
+        _disk: TempFile,
+        file: Arc<File>,
+        irq: EventFd,
+    }
+
+    fn rig(sectors: u64) -> Rig {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "forkvm-blk-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        // Sector n is filled with byte n.
+        let data: Vec<u8> = (0..sectors * SECTOR_SIZE)
+            .map(|i| (i / SECTOR_SIZE) as u8)
+            .collect();
+        std::fs::write(&path, data).unwrap();
+        let block = Block::open(&path, "test-disk").unwrap();
+        assert_eq!(block.sectors(), sectors);
+        Rig {
+            mem: GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x40_0000)]).unwrap(),
+            file: block.file.clone(),
+            _disk: TempFile(path),
+            irq: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+        }
+    }
+
+    /// Runs one request chain through a worker; returns (status byte, used length).
+    fn run(rig: &Rig, hdr: RequestHeader, descs: &[RawDescriptor]) -> (u8, u32) {
+        rig.mem.write_obj(hdr, GuestAddress(HDR)).unwrap();
+        rig.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+        let vq = MockSplitQueue::new(&rig.mem, 16);
+        vq.add_desc_chains(descs, 0).unwrap();
+        let queue: Queue = vq.create_queue().unwrap();
+        let mut w = Worker {
+            file: rig.file.clone(),
+            sectors: rig.file.metadata().unwrap().len() / SECTOR_SIZE,
+            id: *b"test-disk\0\0\0\0\0\0\0\0\0\0\0",
+            mem: rig.mem.clone(),
+            queue,
+            interrupt: Arc::new(VirtioInterrupt::new(rig.irq.try_clone().unwrap())),
+        };
+        w.process_queue();
+        assert_eq!(w.interrupt.status() & 1, 1, "used-buffer interrupt raised");
+        let used = vq.used().ring().ref_at(0).unwrap().load();
+        (rig.mem.read_obj(GuestAddress(STATUS)).unwrap(), used.len())
+    }
+
+    fn hdr(type_: u32, sector: u64) -> RequestHeader {
+        RequestHeader {
+            type_,
+            _reserved: 0,
+            sector,
+        }
+    }
+
+    #[test]
+    fn reads_sectors_into_guest_memory() {
+        let r = rig(8);
+        let chain = [
+            desc(HDR, 16, NEXT, 1),
+            desc(DATA, 1024, NEXT | WRITE, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        let (status, len) = run(&r, hdr(VIRTIO_BLK_T_IN, 3), &chain);
+        assert_eq!(status, VIRTIO_BLK_S_OK);
+        assert_eq!(len, 1025);
+        let mut buf = [0u8; 1024];
+        r.mem.read_slice(&mut buf, GuestAddress(DATA)).unwrap();
+        assert!(buf[..512].iter().all(|b| *b == 3));
+        assert!(buf[512..].iter().all(|b| *b == 4));
+    }
+
+    #[test]
+    fn out_of_range_read_is_an_io_error() {
+        let r = rig(4);
+        let chain = [
+            desc(HDR, 16, NEXT, 1),
+            desc(DATA, 1024, NEXT | WRITE, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_IN, 3), &chain).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_IN, u64::MAX), &chain).0,
+            VIRTIO_BLK_S_IOERR
+        );
+    }
+
+    #[test]
+    fn writes_are_refused_and_the_image_is_untouched() {
+        let r = rig(4);
+        r.mem.write_slice(&[0xaa; 512], GuestAddress(DATA)).unwrap();
+        let chain = [
+            desc(HDR, 16, NEXT, 1),
+            desc(DATA, 512, NEXT, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_OUT, 0), &chain).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        let mut first = [0u8; 512];
+        r.file.read_exact_at(&mut first, 0).unwrap();
+        assert!(first.iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn flush_get_id_and_unknown_types() {
+        let r = rig(1);
+        let status_only = [desc(HDR, 16, NEXT, 1), desc(STATUS, 1, WRITE, 0)];
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_FLUSH, 0), &status_only).0,
+            VIRTIO_BLK_S_OK
+        );
+        assert_eq!(run(&r, hdr(99, 0), &status_only).0, VIRTIO_BLK_S_UNSUPP);
+        let id_chain = [
+            desc(HDR, 16, NEXT, 1),
+            desc(DATA, 20, NEXT | WRITE, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_GET_ID, 0), &id_chain).0,
+            VIRTIO_BLK_S_OK
+        );
+        let mut id = [0u8; 9];
+        r.mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+        assert_eq!(&id, b"test-disk");
+    }
+
+    #[test]
+    fn malformed_chains_do_not_panic() {
+        let r = rig(1);
+        // No writable status byte at all.
+        let (status, len) = run(&r, hdr(VIRTIO_BLK_T_IN, 0), &[desc(HDR, 16, 0, 0)]);
+        assert_eq!((status, len), (0xff, 0));
+        // A header shorter than a request header.
+        let short = [desc(HDR, 4, NEXT, 1), desc(STATUS, 1, WRITE, 0)];
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_IN, 0), &short).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        // A descriptor pointing outside guest memory.
+        let outside = [
+            desc(HDR, 16, NEXT, 1),
+            desc(0x1000_0000, 512, NEXT | WRITE, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        let (_, len) = run(&r, hdr(VIRTIO_BLK_T_IN, 0), &outside);
+        assert_eq!(len, 0);
+    }
+
+    #[test]
+    fn rejects_images_that_are_not_whole_sectors() {
+        let path = std::env::temp_dir().join(format!("forkvm-blk-odd-{}", std::process::id()));
+        std::fs::write(&path, [0u8; 513]).unwrap();
+        let e = Block::open(&path, "x").err().unwrap();
+        assert!(matches!(e, BlockError::Size { size: 513, .. }), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(
+            Block::open(std::path::Path::new("/nonexistent/disk"), "x"),
+            Err(BlockError::Open { .. })
+        ));
+    }
+}

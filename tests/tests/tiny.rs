@@ -11,6 +11,25 @@ fn tiny() -> String {
     guest_file("tiny.elf").display().to_string()
 }
 
+/// Starts the tiny guest with `vcpus` (all started directly) and its command line.
+fn tiny_vm(scratch: &Scratch, mem_mib: &str, vcpus: &str, cmdline: &str) -> Vm {
+    Vm::start(
+        scratch,
+        &[
+            "--kernel",
+            &tiny(),
+            "--mem-mib",
+            mem_mib,
+            "--vcpus",
+            vcpus,
+            "--ap-boot",
+            "direct",
+            "--cmdline",
+            cmdline,
+        ],
+    )
+}
+
 #[test]
 fn boots_with_1_2_and_4_vcpus_every_vcpu_reports_in() {
     if !kvm_available("boots_with_1_2_and_4_vcpus") {
@@ -19,21 +38,7 @@ fn boots_with_1_2_and_4_vcpus_every_vcpu_reports_in() {
     for n in [1u8, 2, 4] {
         let scratch = Scratch::new("smp");
         let ns = n.to_string();
-        let mut vm = Vm::start(
-            &scratch,
-            &[
-                "--kernel",
-                &tiny(),
-                "--mem-mib",
-                "32",
-                "--vcpus",
-                &ns,
-                "--ap-boot",
-                "direct",
-                "--cmdline",
-                "ticks=5 beat=10 exit=2",
-            ],
-        );
+        let mut vm = tiny_vm(&scratch, "32", &ns, "ticks=5 beat=10 exit=2");
         let status = vm.wait_exit(BOOT);
         let console = vm.console_text();
         assert!(status.success(), "exit {status} with {n} vCPUs\n{console}");
@@ -69,21 +74,7 @@ fn probe_port_counts_every_vcpu_and_get_vm_reports_state() {
         return;
     }
     let scratch = Scratch::new("probe");
-    let mut vm = Vm::start(
-        &scratch,
-        &[
-            "--kernel",
-            &tiny(),
-            "--mem-mib",
-            "32",
-            "--vcpus",
-            "3",
-            "--ap-boot",
-            "direct",
-            "--cmdline",
-            "ticks=3",
-        ],
-    );
+    let mut vm = tiny_vm(&scratch, "32", "3", "ticks=3");
     vm.wait_console("tiny: all 3 cpus ok", BOOT);
     let (code, body) = vm.api("GET", "/vm", None);
     assert_eq!(code, 200, "{body}");
@@ -117,21 +108,7 @@ fn pause_stops_the_guest_and_resume_continues_it() {
         return;
     }
     let scratch = Scratch::new("pause");
-    let mut vm = Vm::start(
-        &scratch,
-        &[
-            "--kernel",
-            &tiny(),
-            "--mem-mib",
-            "32",
-            "--vcpus",
-            "2",
-            "--ap-boot",
-            "direct",
-            "--cmdline",
-            "ticks=2 beat=10",
-        ],
-    );
+    let mut vm = tiny_vm(&scratch, "32", "2", "ticks=2 beat=10");
     vm.wait_console("tiny: beat 3\n", BOOT);
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     let (_, body) = vm.api("GET", "/vm", None);
@@ -186,17 +163,7 @@ fn api_rejects_bad_requests_and_keeps_running() {
         return;
     }
     let scratch = Scratch::new("apibad");
-    let mut vm = Vm::start(
-        &scratch,
-        &[
-            "--kernel",
-            &tiny(),
-            "--mem-mib",
-            "32",
-            "--cmdline",
-            "ticks=1 beat=20",
-        ],
-    );
+    let mut vm = tiny_vm(&scratch, "32", "1", "ticks=1 beat=20");
     vm.wait_api(BOOT);
     let cases: &[(&str, &str, Option<&str>, u16)] = &[
         ("PATCH", "/vm", Some("{not json"), 400),
@@ -230,17 +197,7 @@ fn sigterm_stops_cleanly_and_removes_the_socket() {
         return;
     }
     let scratch = Scratch::new("sigterm");
-    let mut vm = Vm::start(
-        &scratch,
-        &[
-            "--kernel",
-            &tiny(),
-            "--mem-mib",
-            "32",
-            "--cmdline",
-            "ticks=1 beat=10",
-        ],
-    );
+    let mut vm = tiny_vm(&scratch, "32", "1", "ticks=1 beat=10");
     vm.wait_console("tiny: beat 1\n", BOOT);
     // Our own child, by PID.
     let rc = std::process::Command::new("kill")

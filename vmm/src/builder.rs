@@ -27,7 +27,7 @@ use crate::arch::x86_64::mptable::{self, MptableError};
 use crate::arch::x86_64::regs::BootProtocol;
 use crate::config::{ApBoot, ConfigError, VmConfig};
 use crate::device_manager::{DeviceError, DeviceManager};
-use crate::microvm::{HostReport, Microvm};
+use crate::microvm::{HostReport, Microvm, VmState};
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
 use crate::vstate::memory::{create_guest_memory, MemoryError};
 use crate::vstate::vcpu::{StartMode, Vcpu, VcpuError};
@@ -189,15 +189,15 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     );
     tracing::debug!("build stages: {}", timer.report());
 
-    Ok(Microvm::new(
+    Ok(Microvm {
         config,
-        vm,
-        mem,
+        _vm: vm,
+        _mem: mem,
         devices,
-        handles,
-        exit_rx,
-        exit_evt,
-        HostReport {
+        vcpus: handles,
+        vcpu_exits: exit_rx,
+        vcpu_exit_evt: exit_evt,
+        host: HostReport {
             kvm: kvm.host,
             quirks_applied: !hidden.is_empty(),
             hidden_cpuid: hidden.iter().map(|h| h.name).collect(),
@@ -206,7 +206,9 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
             memory: mem_info,
         },
         cmdline,
-    ))
+        state: VmState::Running,
+        started: Instant::now(),
+    })
 }
 
 /// Stages 6 to 8: devices, the boot image in guest memory, configured vCPUs.

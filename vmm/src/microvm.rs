@@ -96,18 +96,20 @@ pub enum RunError {
 
 /// A running VM.
 pub struct Microvm {
-    config: VmConfig,
-    // Kept alive for the VM's lifetime: the VM fd owns irqchip, PIT and memory slots.
-    _vm: VmFd,
-    _mem: GuestMemoryMmap,
-    devices: DeviceManager,
-    vcpus: Vec<VcpuHandle>,
-    vcpu_exits: Receiver<(u8, VcpuExitReason)>,
-    vcpu_exit_evt: EventFd,
-    host: HostReport,
-    cmdline: String,
-    state: VmState,
-    started: Instant,
+    pub(crate) config: VmConfig,
+    /// Kept alive for the VM's lifetime: the VM fd owns irqchip, PIT and memory slots.
+    pub(crate) _vm: VmFd,
+    /// Guest RAM, mapped for as long as the VM exists.
+    pub(crate) _mem: GuestMemoryMmap,
+    pub(crate) devices: DeviceManager,
+    pub(crate) vcpus: Vec<VcpuHandle>,
+    pub(crate) vcpu_exits: Receiver<(u8, VcpuExitReason)>,
+    pub(crate) vcpu_exit_evt: EventFd,
+    pub(crate) host: HostReport,
+    /// The full command line the guest got.
+    pub(crate) cmdline: String,
+    pub(crate) state: VmState,
+    pub(crate) started: Instant,
 }
 
 const TOKEN_RESET: u64 = 1;
@@ -154,33 +156,6 @@ fn read_signal(fd: RawFd) -> Option<i32> {
 }
 
 impl Microvm {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        config: VmConfig,
-        vm: VmFd,
-        mem: GuestMemoryMmap,
-        devices: DeviceManager,
-        vcpus: Vec<VcpuHandle>,
-        vcpu_exits: Receiver<(u8, VcpuExitReason)>,
-        vcpu_exit_evt: EventFd,
-        host: HostReport,
-        cmdline: String,
-    ) -> Self {
-        Self {
-            config,
-            _vm: vm,
-            _mem: mem,
-            devices,
-            vcpus,
-            vcpu_exits,
-            vcpu_exit_evt,
-            host,
-            cmdline,
-            state: VmState::Running,
-            started: Instant::now(),
-        }
-    }
-
     /// The lifecycle state.
     pub fn state(&self) -> VmState {
         self.state

@@ -84,7 +84,10 @@ else
     log "kernel cache miss ($key)"
     rm -rf "$kcache.tmp"
     build_kernel "$kcache"
+    # Keep the cache bounded: the four most recently built kernels.
+    ls -1dt "$cache"/kernel/*/ 2>/dev/null | grep -v '/build\.' | tail -n +5 | xargs -r rm -rf
 fi
+touch "$kcache"
 cp "$kcache/vmlinux" "$kcache/bzImage" "$out/"
 cp "$kcache/.config" "$out/kernel.config"
 [ "${1:-}" = --kernel-only ] && exit 0

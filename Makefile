@@ -21,7 +21,7 @@ demo: deps guest release
 	./scripts/demo.sh
 
 test: deps guest build
-	$(CARGO) test --workspace
+	./scripts/run-tests.sh
 
 lint:
 	$(CARGO) fmt --check

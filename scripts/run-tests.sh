@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs the whole test suite and ends with one summary line over every test binary:
+# "forkvm: P passed, F failed, S skipped" (skipped = cargo's ignored). Exits non-zero if anything failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+awk '/^test result:/ {
+        for (i = 1; i <= NF; i++) {
+            if ($(i+1) ~ /^passed/) p += $i
+            if ($(i+1) ~ /^failed/) f += $i
+            if ($(i+1) ~ /^ignored/) g += $i
+        }
+     }
+     END { printf "forkvm: %d passed, %d failed, %d skipped\n", p, f, g }' "$log"
+exit "$status"

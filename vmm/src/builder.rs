@@ -10,7 +10,10 @@
 //! 8. create and configure vCPUs
 //! 9. start vCPU threads
 
-use std::sync::mpsc::channel;
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::Arc;
+
+use clone::vcpu::CaptureSpec;
 use std::time::Instant;
 
 use kvm_ioctls::VmFd;
@@ -30,7 +33,7 @@ use crate::device_manager::{DeviceError, DeviceManager};
 use crate::microvm::{HostReport, Microvm, VmState};
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
 use crate::vstate::memory::{create_guest_memory, MemoryError};
-use crate::vstate::vcpu::{StartMode, Vcpu, VcpuError};
+use crate::vstate::vcpu::{StartMode, Vcpu, VcpuError, VcpuExitReason, VcpuHandle};
 use crate::vstate::vm::{create_vm, VmError};
 
 /// Errors building a microVM, one per stage.
@@ -167,19 +170,10 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
         skipped_msrs,
     } = prepared;
 
+    let capture_spec = capture_spec(&kvm, &vm)?;
+
     // 9. Start.
-    let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    let (exit_tx, exit_rx) = channel();
-    let mut handles = Vec::with_capacity(vcpus.len());
-    for vcpu in vcpus {
-        let evt = exit_evt.try_clone().map_err(BuildError::EventFd)?;
-        handles.push(vcpu.start(
-            devices.pio.clone(),
-            devices.mmio.clone(),
-            exit_tx.clone(),
-            evt,
-        )?);
-    }
+    let started_vcpus = start_vcpus(vcpus, &devices, None)?;
     timer.done("start");
     tracing::info!(
         "VM started in {} us: {} vCPUs, {} MiB",
@@ -194,9 +188,13 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
         _vm: vm,
         _mem: mem,
         devices,
-        vcpus: handles,
-        vcpu_exits: exit_rx,
-        vcpu_exit_evt: exit_evt,
+        vcpus: started_vcpus.handles,
+        vcpu_exits: started_vcpus.exits,
+        vcpu_exit_evt: started_vcpus.exit_evt,
+        capture_spec: Arc::new(capture_spec),
+        clones: Default::default(),
+        clone_id: String::new(),
+        kvm_run_size: kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?,
         host: HostReport {
             kvm: kvm.host,
             quirks_applied: !hidden.is_empty(),
@@ -208,6 +206,59 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
         cmdline,
         state: VmState::Running,
         started: Instant::now(),
+    })
+}
+
+/// Running vCPU threads and where they report their exits.
+pub(crate) struct StartedVcpus {
+    pub(crate) handles: Vec<VcpuHandle>,
+    pub(crate) exits: Receiver<(u8, VcpuExitReason)>,
+    pub(crate) exit_evt: EventFd,
+}
+
+/// Stage 9: one thread per vCPU. `ready` goes to vCPU 0 (see [`Vcpu::start`]).
+pub(crate) fn start_vcpus(
+    vcpus: Vec<Vcpu>,
+    devices: &DeviceManager,
+    mut ready: Option<std::fs::File>,
+) -> Result<StartedVcpus, BuildError> {
+    let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let (exit_tx, exits) = channel();
+    let mut handles = Vec::with_capacity(vcpus.len());
+    for vcpu in vcpus {
+        let evt = exit_evt.try_clone().map_err(BuildError::EventFd)?;
+        handles.push(vcpu.start(
+            devices.pio.clone(),
+            devices.mmio.clone(),
+            exit_tx.clone(),
+            evt,
+            ready.take(),
+        )?);
+    }
+    Ok(StartedVcpus {
+        handles,
+        exits,
+        exit_evt,
+    })
+}
+
+/// What capturing this VM's vCPUs needs to know about the host.
+pub(crate) fn capture_spec(kvm: &KvmContext, vm: &VmFd) -> Result<CaptureSpec, BuildError> {
+    let msr_indices = kvm
+        .kvm
+        .get_msr_index_list()
+        .map_err(KvmError::MsrList)?
+        .as_slice()
+        .to_vec();
+    let xsave_size = match vm.check_extension_int(kvm_ioctls::Cap::Xsave2) {
+        n if n > 0 => Some(n as usize),
+        _ if vm.check_extension(kvm_ioctls::Cap::Xsave) => Some(4096),
+        _ => None,
+    };
+    Ok(CaptureSpec {
+        msr_indices,
+        xsave_size,
+        xcrs: vm.check_extension(kvm_ioctls::Cap::Xcrs),
     })
 }
 
@@ -223,7 +274,7 @@ fn prepare_guest(
     let mem_bytes = config.mem_mib << 20;
 
     // 6. Devices.
-    let mut devices = DeviceManager::new(vm, &config.console, config.vcpus)?;
+    let mut devices = DeviceManager::new(vm, &config.console, config.vcpus, None)?;
     if let Some(rootfs) = &config.rootfs {
         devices.add_block(vm, mem, rootfs, "forkvm-rootfs")?;
     }

@@ -8,7 +8,9 @@ use kvm_ioctls::{IoEventAddress, VmFd};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-use devices::legacy::{SerialConsole, COM1_BASE, COM1_GSI, COM1_LEN, I8042};
+use devices::legacy::{
+    SerialConsole, SerialConsoleState, SerialRestoreError, COM1_BASE, COM1_GSI, COM1_LEN, I8042,
+};
 use devices::probe::{ProbePort, ProbeStats, PROBE_BASE, PROBE_LEN};
 use devices::trigger::EventFdTrigger;
 use devices::virtio::block::{Block, BlockError};
@@ -41,6 +43,9 @@ pub enum DeviceError {
     /// A device did not fit on its bus.
     #[error("cannot place a device on the bus: {0}")]
     Bus(#[from] BusError),
+    /// The serial console state could not be restored.
+    #[error(transparent)]
+    SerialState(#[from] SerialRestoreError),
     /// A disk image could not be opened.
     #[error(transparent)]
     Block(#[from] BlockError),
@@ -91,8 +96,14 @@ fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceErr
 }
 
 impl DeviceManager {
-    /// Creates the legacy devices (serial, i8042, probe) for a VM with `vcpus` vCPUs.
-    pub fn new(vm: &VmFd, console: &ConsoleSink, vcpus: u8) -> Result<Self, DeviceError> {
+    /// Creates the legacy devices (serial, i8042, probe) for a VM with `vcpus` vCPUs;
+    /// with `serial_state`, the console continues from it (a clone).
+    pub fn new(
+        vm: &VmFd,
+        console: &ConsoleSink,
+        vcpus: u8,
+        serial_state: Option<&SerialConsoleState>,
+    ) -> Result<Self, DeviceError> {
         let mut pio = Bus::new();
 
         let serial_irq = EventFdTrigger::new().map_err(DeviceError::EventFd)?;
@@ -101,10 +112,12 @@ impl DeviceManager {
                 gsi: COM1_GSI,
                 source,
             })?;
-        let serial = Arc::new(Mutex::new(SerialConsole::new(
-            serial_irq,
-            console_writer(console)?,
-        )));
+        let out = console_writer(console)?;
+        let serial = match serial_state {
+            None => SerialConsole::new(serial_irq, out),
+            Some(state) => SerialConsole::restore(state, serial_irq, out)?,
+        };
+        let serial = Arc::new(Mutex::new(serial));
         pio.insert(serial.clone(), COM1_BASE, COM1_LEN)?;
 
         let reset_evt = EventFdTrigger::new().map_err(DeviceError::EventFd)?;
@@ -127,6 +140,11 @@ impl DeviceManager {
             cmdline_extra: Vec::new(),
             virtio_count: 0,
         })
+    }
+
+    /// Number of virtio devices attached.
+    pub fn virtio_count(&self) -> u32 {
+        self.virtio_count
     }
 
     /// Attaches the read-only disk image at `path` as virtio-blk (`/dev/vda` for the first).

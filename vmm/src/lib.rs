@@ -5,6 +5,7 @@
 pub mod api;
 pub mod arch;
 pub mod builder;
+pub mod cloning;
 pub mod config;
 pub mod device_manager;
 pub mod microvm;

@@ -35,6 +35,20 @@ enum Command {
     Resume(SockArg),
     /// Shut the VM down (PUT /actions).
     Shutdown(SockArg),
+    /// Clone the running VM (POST /clones); prints one line per clone.
+    Fork(ForkArgs),
+    /// List this VM's clones (GET /clones).
+    Clones(SockArg),
+}
+
+#[derive(clap::Args)]
+struct ForkArgs {
+    /// The VM's control socket.
+    #[arg(long)]
+    api_sock: PathBuf,
+    /// How many clones.
+    #[arg(long, default_value_t = 1)]
+    count: u64,
 }
 
 #[derive(clap::Args)]
@@ -111,6 +125,41 @@ fn api_call(sock: &Path, method: &str, path: &str, body: Option<&str>) -> ExitCo
     }
 }
 
+fn fork(f: &ForkArgs) -> ExitCode {
+    let body = format!(r#"{{"count":{}}}"#, f.count);
+    let r = match client::request(&f.api_sock, "POST", "/clones", Some(&body)) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vmm: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if r.status != 201 {
+        eprintln!("vmm: error {}: {}", r.status, r.body);
+        return ExitCode::FAILURE;
+    }
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&r.body) else {
+        eprintln!("vmm: unexpected answer: {}", r.body);
+        return ExitCode::FAILURE;
+    };
+    println!(
+        "{:<8} {:>8} {:>12}  {:<10} api_sock / console",
+        "id", "pid", "latency_us", "status"
+    );
+    for c in v["clones"].as_array().into_iter().flatten() {
+        println!(
+            "{:<8} {:>8} {:>12}  {:<10} {} {}",
+            c["id"].as_str().unwrap_or("?"),
+            c["pid"],
+            c["latency_us"],
+            c["status"]["state"].as_str().unwrap_or("?"),
+            c["api_sock"].as_str().unwrap_or("?"),
+            c["console"].as_str().unwrap_or("?"),
+        );
+    }
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Err(e) = init_logging(&cli.log_level) {
@@ -148,6 +197,8 @@ fn main() -> ExitCode {
         Command::Status(s) => api_call(&s.api_sock, "GET", "/vm", None),
         Command::Pause(s) => api_call(&s.api_sock, "PATCH", "/vm", Some(r#"{"state":"paused"}"#)),
         Command::Resume(s) => api_call(&s.api_sock, "PATCH", "/vm", Some(r#"{"state":"running"}"#)),
+        Command::Fork(f) => fork(&f),
+        Command::Clones(s) => api_call(&s.api_sock, "GET", "/clones", None),
         Command::Shutdown(s) => api_call(
             &s.api_sock,
             "PUT",

@@ -5,6 +5,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::Receiver;
 use std::time::Instant;
 
+use std::sync::Arc;
+
+use clone::vcpu::CaptureSpec;
 use kvm_ioctls::VmFd;
 use serde::Serialize;
 use serde_json::json;
@@ -14,6 +17,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::api::server::ApiServer;
 use crate::api::{ApiReply, ApiRequest, TargetState};
+use crate::cloning::CloneError;
 use crate::config::{ConsoleSink, VmConfig};
 use crate::device_manager::DeviceManager;
 use crate::vstate::kvm::HostKind;
@@ -110,6 +114,14 @@ pub struct Microvm {
     pub(crate) cmdline: String,
     pub(crate) state: VmState,
     pub(crate) started: Instant,
+    /// What capturing vCPU state needs (found once, at build).
+    pub(crate) capture_spec: Arc<CaptureSpec>,
+    /// Clones made from this VM.
+    pub(crate) clones: crate::cloning::CloneTable,
+    /// This VM's clone id: "" for an original, "2", "2.1", ... for clones.
+    pub(crate) clone_id: String,
+    /// Size of a vCPU's kvm_run mapping.
+    pub(crate) kvm_run_size: usize,
 }
 
 const TOKEN_RESET: u64 = 1;
@@ -120,15 +132,18 @@ const TOKEN_STDIN: u64 = 5;
 
 /// Signals the VMM turns into a clean shutdown.
 pub const SHUTDOWN_SIGNALS: [i32; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+/// Signals the event loop reads: the shutdown ones and SIGCHLD (clones exiting).
+const LOOP_SIGNALS: [i32; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGCHLD];
 
-/// Blocks the shutdown signals in the calling thread (and so in every thread it spawns
-/// afterwards) and returns a signalfd that reads them. Call before starting threads.
+/// Blocks the shutdown signals and SIGCHLD in the calling thread (and so in every thread
+/// it spawns afterwards) and returns a signalfd that reads them. Call before starting
+/// threads.
 pub fn block_shutdown_signals() -> std::io::Result<OwnedFd> {
     // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a valid sigset_t.
     unsafe { libc::sigemptyset(&mut set) };
-    for s in SHUTDOWN_SIGNALS {
+    for s in LOOP_SIGNALS {
         // SAFETY: `set` is valid and `s` a valid signal number.
         unsafe { libc::sigaddset(&mut set, s) };
     }
@@ -171,6 +186,7 @@ impl Microvm {
             "cmdline": self.cmdline,
             "ap_boot": self.config.ap_boot,
             "uptime_ms": self.started.elapsed().as_millis() as u64,
+            "clone_id": self.clone_id,
             "host": self.host,
             "probe": {
                 "writes": self.devices.probe.writes(),
@@ -211,6 +227,36 @@ impl Microvm {
                 Err(reply) => (reply, None),
             },
             ApiRequest::Shutdown => (ApiReply::no_content(), Some(RunOutcome::ApiShutdown)),
+            ApiRequest::CreateClones { count, received_ns } => {
+                match self.make_clones(count, received_ns) {
+                    Ok(made) => (
+                        ApiReply {
+                            status: 201,
+                            body: Some(json!({ "clones": made }).to_string()),
+                        },
+                        None,
+                    ),
+                    Err(e) => {
+                        let status = match e {
+                            CloneError::Count(_) | CloneError::PathTooLong(_) => 400,
+                            CloneError::State(_) | CloneError::Unsupported(_) => 409,
+                            _ => 500,
+                        };
+                        (ApiReply::error(status, e), None)
+                    }
+                }
+            }
+            ApiRequest::ListClones => {
+                self.clones.reap();
+                (ApiReply::ok(json!({ "clones": self.clones.list() })), None)
+            }
+            ApiRequest::DeleteClone(id) => match self.clones.stop(&id) {
+                Some(info) => (ApiReply::ok(json!(info)), None),
+                None => (
+                    ApiReply::error(404, format!("no running clone with id {id:?}")),
+                    None,
+                ),
+            },
         }
     }
 
@@ -332,7 +378,11 @@ impl Microvm {
                         }
                     }
                     TOKEN_SIGNAL => {
-                        if let Some(sig) = signals.and_then(|s| read_signal(s.as_raw_fd())) {
+                        while let Some(sig) = signals.and_then(|s| read_signal(s.as_raw_fd())) {
+                            if sig == libc::SIGCHLD {
+                                self.clones.reap();
+                                continue;
+                            }
                             tracing::info!("signal {sig}: shutting down");
                             break 'run RunOutcome::Signal(sig);
                         }
@@ -345,6 +395,9 @@ impl Microvm {
         for v in &mut self.vcpus {
             v.stop();
         }
+        // Clones would die with this process anyway (PR_SET_PDEATHSIG); stopping them
+        // first lets each remove its socket.
+        self.clones.stop_all();
         Ok(outcome)
     }
 }

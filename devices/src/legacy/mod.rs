@@ -4,4 +4,6 @@ mod i8042;
 mod serial;
 
 pub use i8042::I8042;
-pub use serial::{SerialConsole, COM1_BASE, COM1_GSI, COM1_LEN};
+pub use serial::{
+    SerialConsole, SerialConsoleState, SerialRestoreError, COM1_BASE, COM1_GSI, COM1_LEN,
+};

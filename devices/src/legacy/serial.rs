@@ -2,7 +2,8 @@
 
 use std::io::Write;
 
-use vm_superio::serial::NoEvents;
+use serde::{Deserialize, Serialize};
+use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::Serial;
 
 use crate::bus::BusDevice;
@@ -21,7 +22,96 @@ pub struct SerialConsole {
     write_errors: u64,
 }
 
+/// The UART's registers and unread input, as carried into a clone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialConsoleState {
+    /// Divisor latch, low byte.
+    pub baud_divisor_low: u8,
+    /// Divisor latch, high byte.
+    pub baud_divisor_high: u8,
+    /// IER.
+    pub interrupt_enable: u8,
+    /// IIR.
+    pub interrupt_identification: u8,
+    /// LCR.
+    pub line_control: u8,
+    /// LSR.
+    pub line_status: u8,
+    /// MCR.
+    pub modem_control: u8,
+    /// MSR.
+    pub modem_status: u8,
+    /// Scratch register.
+    pub scratch: u8,
+    /// Received bytes the guest has not read.
+    pub in_buffer: Vec<u8>,
+}
+
+impl Default for SerialConsoleState {
+    fn default() -> Self {
+        SerialState::default().into()
+    }
+}
+
+impl From<SerialState> for SerialConsoleState {
+    fn from(s: SerialState) -> Self {
+        Self {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialConsoleState> for SerialState {
+    fn from(s: &SerialConsoleState) -> Self {
+        Self {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
+
+/// Errors restoring a console from saved state.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid serial console state: {0}")]
+pub struct SerialRestoreError(String);
+
 impl SerialConsole {
+    /// The state a clone needs.
+    pub fn save(&self) -> SerialConsoleState {
+        self.serial.state().into()
+    }
+
+    /// A console continuing from `state`, raising `interrupt` and writing to `out`.
+    pub fn restore(
+        state: &SerialConsoleState,
+        interrupt: EventFdTrigger,
+        out: Box<dyn Write + Send>,
+    ) -> Result<Self, SerialRestoreError> {
+        let serial = Serial::from_state(&state.into(), interrupt, NoEvents, out)
+            .map_err(|e| SerialRestoreError(format!("{e:?}")))?;
+        Ok(Self {
+            serial,
+            write_errors: 0,
+        })
+    }
+
     /// A console that raises `interrupt` and writes guest output to `out`.
     pub fn new(interrupt: EventFdTrigger, out: Box<dyn Write + Send>) -> Self {
         Self {
@@ -100,6 +190,31 @@ mod tests {
         let mut rbr = [0u8];
         con.read(0, &mut rbr);
         assert_eq!(rbr[0], b'x');
+    }
+
+    #[test]
+    fn save_and_restore_keep_registers_and_pending_input() {
+        let sink = Sink::default();
+        let mut con = SerialConsole::new(EventFdTrigger::new().unwrap(), Box::new(sink.clone()));
+        con.write(1, &[0x03]); // IER: data ready + THR empty interrupts
+        con.write(7, &[0x5a]); // scratch
+        con.enqueue_input(b"ab").unwrap();
+        let state = con.save();
+        assert_eq!(state.interrupt_enable, 0x03);
+        assert_eq!(state.in_buffer, b"ab");
+        let json = serde_json_like(&state);
+        let mut copy =
+            SerialConsole::restore(&state, EventFdTrigger::new().unwrap(), Box::new(sink)).unwrap();
+        assert_eq!(copy.save(), state, "{json}");
+        let mut b = [0u8];
+        copy.read(7, &mut b);
+        assert_eq!(b[0], 0x5a);
+        copy.read(0, &mut b);
+        assert_eq!(b[0], b'a');
+    }
+
+    fn serde_json_like(s: &SerialConsoleState) -> String {
+        format!("{s:?}")
     }
 
     #[test]

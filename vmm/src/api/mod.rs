@@ -19,6 +19,18 @@ pub enum ApiRequest {
     SetState(TargetState),
     /// `PUT /actions {"action_type": "shutdown"}`
     Shutdown,
+    /// `POST /clones {"count": N}`; `received_ns` is when the request arrived
+    /// (CLOCK_MONOTONIC), for latency figures.
+    CreateClones {
+        /// How many.
+        count: u64,
+        /// Arrival time.
+        received_ns: u64,
+    },
+    /// `GET /clones`
+    ListClones,
+    /// `DELETE /clones/{id}`
+    DeleteClone(String),
 }
 
 /// States a user may ask for.
@@ -35,6 +47,17 @@ pub enum TargetState {
 #[serde(deny_unknown_fields)]
 struct PatchVm {
     state: TargetState,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateClones {
+    #[serde(default = "one")]
+    count: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 #[derive(Deserialize)]
@@ -98,7 +121,20 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                 )),
             }
         }
-        (_, "/vm") | (_, "/actions") => Err(ApiReply::error(
+        ("POST", "/clones") => {
+            let received_ns = crate::vstate::vcpu::monotonic_ns();
+            let count = if req.body.iter().all(u8::is_ascii_whitespace) {
+                1
+            } else {
+                parse_json::<CreateClones>(&req.body)?.count
+            };
+            Ok(ApiRequest::CreateClones { count, received_ns })
+        }
+        ("GET", "/clones") => Ok(ApiRequest::ListClones),
+        ("DELETE", path) if path.starts_with("/clones/") && path.len() > "/clones/".len() => Ok(
+            ApiRequest::DeleteClone(path["/clones/".len()..].to_string()),
+        ),
+        (_, "/vm") | (_, "/actions") | (_, "/clones") => Err(ApiReply::error(
             405,
             format!("{} is not allowed on {}", req.method, req.path),
         )),
@@ -129,6 +165,22 @@ mod tests {
             route(&req("PUT", "/actions", r#"{"action_type":"shutdown"}"#)),
             Ok(ApiRequest::Shutdown)
         );
+        assert!(matches!(
+            route(&req("POST", "/clones", r#"{"count":3}"#)),
+            Ok(ApiRequest::CreateClones { count: 3, .. })
+        ));
+        assert!(matches!(
+            route(&req("POST", "/clones", "")),
+            Ok(ApiRequest::CreateClones { count: 1, .. })
+        ));
+        assert_eq!(
+            route(&req("GET", "/clones", "")),
+            Ok(ApiRequest::ListClones)
+        );
+        assert_eq!(
+            route(&req("DELETE", "/clones/2.1", "")),
+            Ok(ApiRequest::DeleteClone("2.1".into()))
+        );
     }
 
     #[test]
@@ -150,6 +202,23 @@ mod tests {
         assert_eq!(e.status, 400);
         assert!(e.body.unwrap().contains("reboot"));
         assert_eq!(route(&req("DELETE", "/vm", "")).unwrap_err().status, 405);
+        assert_eq!(route(&req("PUT", "/clones", "")).unwrap_err().status, 405);
+        assert_eq!(
+            route(&req("POST", "/clones", r#"{"count":"many"}"#))
+                .unwrap_err()
+                .status,
+            400
+        );
+        assert_eq!(
+            route(&req("POST", "/clones", r#"{"count":2,"x":1}"#))
+                .unwrap_err()
+                .status,
+            400
+        );
+        assert_eq!(
+            route(&req("DELETE", "/clones/", "")).unwrap_err().status,
+            404
+        );
         assert_eq!(route(&req("GET", "/nope", "")).unwrap_err().status, 404);
     }
 }

@@ -16,6 +16,12 @@ pub enum KvmError {
     /// A capability forkvm relies on is absent.
     #[error("KVM lacks a required capability: {0}")]
     MissingCap(&'static str),
+    /// The kvm_run mapping size could not be read.
+    #[error("cannot read the vCPU mmap size: {0}")]
+    MmapSize(kvm_ioctls::Error),
+    /// The saveable MSR list could not be read.
+    #[error("cannot read KVM's MSR index list: {0}")]
+    MsrList(kvm_ioctls::Error),
     /// The supported CPUID could not be read.
     #[error("cannot read KVM's supported CPUID: {0}")]
     Cpuid(kvm_ioctls::Error),

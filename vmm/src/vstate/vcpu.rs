@@ -17,6 +17,8 @@ use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
+use clone::vcpu::{restore_vcpu, save_vcpu, CaptureSpec};
+use clone::VcpuState;
 use devices::Bus;
 
 use crate::arch::x86_64::msr::{boot_msr_entries, set_msrs_skipping, MsrError};
@@ -70,6 +72,17 @@ pub enum VcpuError {
     /// The kick signal handler could not be installed.
     #[error("cannot install the vCPU kick signal handler: {0}")]
     Signal(vmm_sys_util::errno::Error),
+    /// Saved state could not be written into a new vCPU.
+    #[error(transparent)]
+    Restore(#[from] clone::vcpu::VcpuStateError),
+    /// The vCPU could not read its state.
+    #[error("vCPU {id}: capture failed: {msg}")]
+    Capture {
+        /// vCPU index.
+        id: u8,
+        /// Why.
+        msg: String,
+    },
     /// The vCPU thread did not answer a command in time.
     #[error("vCPU {id} did not answer a {what} request within {ms} ms")]
     Timeout {
@@ -99,18 +112,19 @@ pub enum VcpuExitReason {
 }
 
 /// Commands to a vCPU thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Command {
     Pause,
     Resume,
+    /// Read this vCPU's state (only while paused).
+    Capture(Arc<CaptureSpec>),
     Stop,
 }
 
 /// Replies from a vCPU thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Reply {
     Paused,
     Resumed,
+    Captured(Result<(Box<VcpuState>, Vec<u32>), String>),
 }
 
 /// How a vCPU starts.
@@ -182,23 +196,41 @@ impl Vcpu {
         Ok((Self { id, fd }, skipped))
     }
 
+    /// Creates a vCPU from saved state (a clone's). Returns it and the MSRs the host
+    /// refused.
+    pub fn from_state(vm: &VmFd, state: &VcpuState) -> Result<(Self, Vec<u32>), VcpuError> {
+        let id = state.id;
+        let fd = vm
+            .create_vcpu(u64::from(id))
+            .map_err(|source| VcpuError::Create { id, source })?;
+        let skipped = restore_vcpu(&fd, state)?;
+        Ok((Self { id, fd }, skipped))
+    }
+
     /// Starts the vCPU thread. It reports its final exit on `exits` and signals
-    /// `exit_evt`.
+    /// `exit_evt`. With `ready`, the thread writes the CLOCK_MONOTONIC time in
+    /// nanoseconds (8 bytes) to it just before it first enters the guest, then closes it.
     pub fn start(
         mut self,
         pio: Bus,
         mmio: Bus,
         exits: Sender<(u8, VcpuExitReason)>,
         exit_evt: EventFd,
+        ready: Option<std::fs::File>,
     ) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler()?;
         let id = self.id;
         let immediate_exit = ImmediateExit::new(&mut self.fd);
+        let run_base = std::ptr::from_mut(self.fd.get_kvm_run()) as usize;
         let (cmd_tx, cmd_rx) = channel();
         let (reply_tx, reply_rx) = channel();
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
+                if let Some(mut f) = ready {
+                    use std::io::Write;
+                    let _ = f.write_all(&monotonic_ns().to_le_bytes());
+                }
                 let reason = self.run_loop(&pio, &mmio, &cmd_rx, &reply_tx);
                 let _ = exits.send((id, reason));
                 let _ = exit_evt.write(1);
@@ -213,6 +245,7 @@ impl Vcpu {
             cmd_tx,
             reply_rx,
             immediate_exit,
+            run_base,
         })
     }
 
@@ -302,6 +335,12 @@ impl Vcpu {
                         return None;
                     }
                 }
+                Some(Command::Capture(spec)) => {
+                    let r = save_vcpu(&self.fd, self.id, &spec)
+                        .map(|(state, skipped)| (Box::new(state), skipped))
+                        .map_err(|e| e.to_string());
+                    let _ = replies.send(Reply::Captured(r));
+                }
                 Some(Command::Stop) | None => return Some(VcpuExitReason::Stopped),
             }
         }
@@ -363,6 +402,19 @@ pub struct VcpuHandle {
     cmd_tx: Sender<Command>,
     reply_rx: Receiver<Reply>,
     immediate_exit: ImmediateExit,
+    /// Host address of this vCPU's kvm_run mapping.
+    run_base: usize,
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: comparable across processes on this host.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -382,41 +434,61 @@ impl VcpuHandle {
         }
     }
 
-    fn command(&self, cmd: Command, expect: Reply, what: &'static str) -> Result<(), VcpuError> {
-        self.cmd_tx
-            .send(cmd)
-            .map_err(|_| VcpuError::Gone(self.id))?;
-        self.kick();
-        match self.reply_rx.recv_timeout(REPLY_TIMEOUT) {
-            Ok(r) if r == expect => Ok(()),
-            Ok(_) | Err(RecvTimeoutError::Disconnected) => Err(VcpuError::Gone(self.id)),
-            Err(RecvTimeoutError::Timeout) => Err(VcpuError::Timeout {
-                id: self.id,
-                what,
-                ms: REPLY_TIMEOUT.as_millis() as u64,
-            }),
-        }
+    fn reply(&self, what: &'static str) -> Result<Reply, VcpuError> {
+        self.reply_rx
+            .recv_timeout(REPLY_TIMEOUT)
+            .map_err(|e| match e {
+                RecvTimeoutError::Disconnected => VcpuError::Gone(self.id),
+                RecvTimeoutError::Timeout => VcpuError::Timeout {
+                    id: self.id,
+                    what,
+                    ms: REPLY_TIMEOUT.as_millis() as u64,
+                },
+            })
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), VcpuError> {
+        self.cmd_tx.send(cmd).map_err(|_| VcpuError::Gone(self.id))
     }
 
     /// Stops the vCPU out of guest mode and waits until it is parked.
     pub fn pause(&self) -> Result<(), VcpuError> {
-        self.command(Command::Pause, Reply::Paused, "pause")
+        self.send(Command::Pause)?;
+        self.kick();
+        match self.reply("pause")? {
+            Reply::Paused => Ok(()),
+            _ => Err(VcpuError::Gone(self.id)),
+        }
     }
 
     /// Lets a paused vCPU run again.
     pub fn resume(&self) -> Result<(), VcpuError> {
-        self.cmd_tx
-            .send(Command::Resume)
-            .map_err(|_| VcpuError::Gone(self.id))?;
-        match self.reply_rx.recv_timeout(REPLY_TIMEOUT) {
-            Ok(Reply::Resumed) => Ok(()),
-            Ok(_) | Err(RecvTimeoutError::Disconnected) => Err(VcpuError::Gone(self.id)),
-            Err(RecvTimeoutError::Timeout) => Err(VcpuError::Timeout {
-                id: self.id,
-                what: "resume",
-                ms: REPLY_TIMEOUT.as_millis() as u64,
-            }),
+        self.send(Command::Resume)?;
+        match self.reply("resume")? {
+            Reply::Resumed => Ok(()),
+            _ => Err(VcpuError::Gone(self.id)),
         }
+    }
+
+    /// Asks the (paused) vCPU thread to read its state; collect it with
+    /// [`VcpuHandle::collect_capture`]. Lets every vCPU capture at once.
+    pub fn request_capture(&self, spec: Arc<CaptureSpec>) -> Result<(), VcpuError> {
+        self.send(Command::Capture(spec))
+    }
+
+    /// The state asked for by [`VcpuHandle::request_capture`], and the MSRs that could
+    /// not be read.
+    pub fn collect_capture(&self) -> Result<(VcpuState, Vec<u32>), VcpuError> {
+        match self.reply("capture")? {
+            Reply::Captured(Ok((state, skipped))) => Ok((*state, skipped)),
+            Reply::Captured(Err(msg)) => Err(VcpuError::Capture { id: self.id, msg }),
+            _ => Err(VcpuError::Gone(self.id)),
+        }
+    }
+
+    /// Host address of this vCPU's kvm_run mapping (a forked child unmaps it).
+    pub fn kvm_run_base(&self) -> usize {
+        self.run_base
     }
 
     /// Stops the thread and joins it. Idempotent.

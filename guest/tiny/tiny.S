@@ -17,6 +17,8 @@
  *   beat=N    timer ticks (1 ms each) between heartbeats (default 100)
  *   exit=K    reset after K heartbeats (default: run forever)
  *   memtest=M fill M MiB from 16 MiB with an address pattern and verify it
+ *   busy=1    every CPU spins instead of halting and prints "tiny: cpu N beat K"
+ *             every `beat` ticks (exit= does not apply)
  *
  * See docs/tiny-guest.md.
  */
@@ -121,9 +123,42 @@ cpu_common:
 
     testl %r15d, %r15d
     jz   bsp_main
+    cmpq $0, opt_busy(%rip)
+    jne  busy_beats
 ap_idle:
     hlt
     jmp  ap_idle
+
+/*
+ * busy=1: this CPU never halts. It spins reading its tick count and prints
+ * "tiny: cpu N beat K" every `beat` ticks, so every vCPU is running guest code
+ * whenever the VMM stops it (for a clone, say).
+ */
+busy_beats:
+    xorl %r12d, %r12d               /* beats so far */
+    leaq ticks(%rip), %rax
+    movq (%rax,%r15,8), %r13        /* tick count at last beat */
+1:  pause
+    leaq ticks(%rip), %rax
+    movq (%rax,%r15,8), %rax
+    subq %r13, %rax
+    cmpq opt_beat(%rip), %rax
+    jb   1b
+    addq %rax, %r13
+    incq %r12
+    call lock_serial
+    leaq msg_cpu_prefix(%rip), %rdi
+    call puts
+    movq %r15, %rdi
+    call putdec
+    leaq msg_cpu_beat(%rip), %rdi
+    call puts
+    movq %r12, %rdi
+    call putdec
+    movb $'\n', %dil
+    call putc
+    call unlock_serial
+    jmp  1b
 
 bsp_main:
     movl $PROBE_NCPUS, %edx
@@ -144,8 +179,10 @@ bsp_main:
 
     movq opt_memtest(%rip), %rcx
     testq %rcx, %rcx
-    jz   heartbeat
+    jz   1f
     call memtest
+1:  cmpq $0, opt_busy(%rip)
+    jne  busy_beats
 
 heartbeat:
     xorl %r12d, %r12d               /* beats so far */
@@ -357,6 +394,9 @@ parse_cmdline:
     leaq key_memtest(%rip), %rdi
     leaq opt_memtest(%rip), %rdx
     call cmdline_opt
+    leaq key_busy(%rip), %rdi
+    leaq opt_busy(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -403,6 +443,7 @@ done:
     .section .rodata
 msg_cpu_prefix: .asciz "tiny: cpu "
 msg_cpu:        .asciz " up\n"
+msg_cpu_beat:   .asciz " beat "
 msg_timer:      .asciz " timer ok\n"
 msg_all:        .asciz "tiny: all "
 msg_cpus_ok:    .asciz " cpus ok\n"
@@ -416,6 +457,7 @@ key_ticks:      .asciz "ticks="
 key_beat:       .asciz "beat="
 key_exit:       .asciz "exit="
 key_memtest:    .asciz "memtest="
+key_busy:       .asciz "busy="
 
     .align 16
 gdt:
@@ -436,6 +478,7 @@ opt_ticks:   .quad 10
 opt_beat:    .quad 100
 opt_exit:    .quad 0
 opt_memtest: .quad 0
+opt_busy:    .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

@@ -425,22 +425,32 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Reads the 8-byte CLOCK_MONOTONIC timestamp a clone's vCPU 0 writes when it first
-/// enters the guest. None on timeout or if the clone died first.
+/// enters the guest, then waits for the end of the pipe (the clone's control socket is
+/// up). None on timeout or if the clone died first.
 fn wait_ready(f: &mut File, timeout: Duration) -> Option<u64> {
     use std::io::Read;
-    let mut pfd = libc::pollfd {
-        fd: f.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd.
-    let n = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as i32) };
-    if n != 1 {
-        return None;
+    let deadline = Instant::now() + timeout;
+    let mut got = Vec::with_capacity(8);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = libc::pollfd {
+            fd: f.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) } != 1 {
+            return None;
+        }
+        let mut b = [0u8; 8];
+        match f.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(_) => return None,
+        }
     }
-    let mut b = [0u8; 8];
-    f.read_exact(&mut b).ok()?;
-    Some(u64::from_le_bytes(b))
+    let bytes: [u8; 8] = got.get(..8)?.try_into().ok()?;
+    Some(u64::from_le_bytes(bytes))
 }
 
 /// The child side of fork(). Never returns.
@@ -501,6 +511,9 @@ pub enum ChildError {
     /// Signal routing failed.
     #[error("cannot set up signal handling: {0}")]
     Signals(std::io::Error),
+    /// The pipe that tells the parent the clone is ready failed.
+    #[error("ready pipe: {0}")]
+    ReadyPipe(std::io::Error),
 }
 
 fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError> {
@@ -532,10 +545,14 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
     }
     mark("devices+vcpus");
     clone::vm::restore_vm(&vm, &plan.state.vm)?;
+    // The parent answers once every write end of the ready pipe is closed: vCPU 0's
+    // (after it wrote its timestamp) and this one (after the control socket is up).
+    let api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;
     let started_vcpus = start_vcpus(vcpus, &devices, Some(ready))?;
     mark("started");
     // The control socket comes up once the guest runs: it is off the latency path.
     let api = ApiServer::start(&plan.api_sock)?;
+    drop(api_ready);
     mark("api");
     tracing::info!(
         "clone {} (pid {}) running in {} us",

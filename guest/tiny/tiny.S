@@ -17,6 +17,11 @@
  *   beat=N    timer ticks (1 ms each) between heartbeats (default 100)
  *   exit=K    reset after K heartbeats (default: run forever)
  *   memtest=M fill M MiB from 16 MiB with an address pattern and verify it
+ *   clonetest=N  fill 2 MiB with a pattern, ask the VMM for N clones through the
+ *             clone port, then on every side check the inherited pattern, write its
+ *             own, wait two beats and verify it ("tiny: clone K" first)
+ *   done=1    with clonetest, each clone then writes its number to the done port
+ *             (255 if its pattern was bad): its VMM exits with that status
  *   busy=1    every CPU spins instead of halting and prints "tiny: cpu N beat K"
  *             every `beat` ticks (exit= does not apply)
  *
@@ -37,6 +42,9 @@
 #define MAX_CPUS        64
 #define STACK_SIZE      8192
 #define MEMTEST_BASE    0x1000000
+#define CLONETEST_MIB   2
+#define CLONE_PORT      0xf48   /* forkvm clone port: write count, read result */
+#define DONE_PORT       0xf4c   /* forkvm done port: write exit status */
 
     .code32
     .section .text.entry, "ax"
@@ -181,6 +189,10 @@ bsp_main:
     testq %rcx, %rcx
     jz   1f
     call memtest
+1:  movq opt_clonetest(%rip), %rcx
+    testq %rcx, %rcx
+    jz   1f
+    call clonetest
 1:  cmpq $0, opt_busy(%rip)
     jne  busy_beats
 
@@ -216,43 +228,136 @@ heartbeat:
     hlt
     jmp  2b
 
-/* memtest: rcx = MiB. Fill with the address pattern, verify, print result. */
-memtest:
-    movq %rcx, %r8
+/* fill_pattern: every quadword of [MEMTEST_BASE, +rcx MiB) = its address ^ r11. */
+fill_pattern:
     shlq $17, %rcx                  /* MiB -> quadwords */
-    movq %rcx, %r9
     movq $MEMTEST_BASE, %rdi
-1:  movq %rdi, (%rdi)
+1:  movq %rdi, %rax
+    xorq %r11, %rax
+    movq %rax, (%rdi)
     addq $8, %rdi
     decq %rcx
     jnz  1b
-    movq %r9, %rcx
+    ret
+
+/* check_pattern: r10 = quadwords of [MEMTEST_BASE, +rcx MiB) not equal to address ^ r11. */
+check_pattern:
+    shlq $17, %rcx
     movq $MEMTEST_BASE, %rsi
-    xorl %r10d, %r10d               /* mismatches */
-2:  cmpq %rsi, (%rsi)
-    je   3f
+    xorl %r10d, %r10d
+1:  movq %rsi, %rax
+    xorq %r11, %rax
+    cmpq %rax, (%rsi)
+    je   2f
     incq %r10
-3:  addq $8, %rsi
+2:  addq $8, %rsi
     decq %rcx
-    jnz  2b
+    jnz  1b
+    ret
+
+/* print_result: prints rdi (message), r8 (number), then " ok" or " BAD quadwords=r10". */
+print_result:
+    pushq %rdi
     call lock_serial
-    leaq msg_memtest(%rip), %rdi
+    popq %rdi
     call puts
     movq %r8, %rdi
     call putdec
     testq %r10, %r10
-    jnz  4f
-    leaq msg_mib_ok(%rip), %rdi
+    jnz  1f
+    leaq msg_ok(%rip), %rdi
     call puts
-    jmp  5f
-4:  leaq msg_mib_bad(%rip), %rdi
+    jmp  2f
+1:  leaq msg_bad(%rip), %rdi
     call puts
     movq %r10, %rdi
     call putdec
     movb $'\n', %dil
     call putc
-5:  call unlock_serial
+2:  call unlock_serial
     ret
+
+/* memtest: rcx = MiB. Fill with the address pattern, verify, print result. */
+memtest:
+    movq %rcx, %r8
+    xorl %r11d, %r11d
+    call fill_pattern
+    movq %r8, %rcx
+    call check_pattern
+    leaq msg_memtest(%rip), %rdi
+    jmp  print_result
+
+/*
+ * clonetest: rcx = clones to ask for. Fills CLONETEST_MIB with the key-0 pattern,
+ * asks the VMM for the clones through the clone port, and on each side (k = 0 in
+ * the parent, the clone's number in a clone): checks the inherited key-0 pattern,
+ * writes its own key, waits two beats so siblings write theirs, and verifies it.
+ */
+clonetest:
+    pushq %rcx
+    movl $CLONETEST_MIB, %ecx
+    xorl %r11d, %r11d
+    call fill_pattern
+    popq %rax
+    movl $CLONE_PORT, %edx
+    outl %eax, %dx                  /* how many */
+    inl  %dx, %eax                  /* clone: 0 parent, k clone, ~0 failed */
+    movl %eax, %r9d
+    cmpl $0xffffffff, %r9d
+    jne  1f
+    leaq msg_clone_failed(%rip), %rdi
+    call lock_serial
+    call puts
+    call unlock_serial
+    ret
+1:  call lock_serial
+    leaq msg_clone(%rip), %rdi
+    call puts
+    movq %r9, %rdi
+    call putdec
+    movb $'\n', %dil
+    call putc
+    call unlock_serial
+    movl $CLONETEST_MIB, %ecx
+    xorl %r11d, %r11d
+    call check_pattern
+    movq %r9, %r8
+    leaq msg_inherit(%rip), %rdi
+    call print_result
+    movq %r9, %r11
+    movabsq $0x9e3779b97f4a7c15, %rax
+    imulq %rax, %r11                /* key = k * golden ratio */
+    pushq %r11
+    movl $CLONETEST_MIB, %ecx
+    call fill_pattern
+    movq ticks(%rip), %r13          /* wait two beats */
+    movq opt_beat(%rip), %rax
+    addq %rax, %rax
+    addq %rax, %r13
+2:  hlt
+    cmpq %r13, ticks(%rip)
+    jb   2b
+    popq %r11
+    movl $CLONETEST_MIB, %ecx
+    call check_pattern
+    movq %r9, %r8
+    leaq msg_own(%rip), %rdi
+    call print_result
+    /* done=1: a clone reports its number as its exit status (255 if the pattern
+       was bad) through the done port; the parent carries on. */
+    cmpq $0, opt_done(%rip)
+    je   3f
+    testq %r9, %r9
+    jz   3f
+    movl %r9d, %eax
+    testq %r10, %r10
+    jz   4f
+    movl $255, %eax
+4:  movl $DONE_PORT, %edx
+    outl %eax, %dx
+5:  hlt
+    jmp  5b
+3:  ret
 
 /* ---------------------------------------------------------------- interrupts */
 build_idt:
@@ -397,6 +502,12 @@ parse_cmdline:
     leaq key_busy(%rip), %rdi
     leaq opt_busy(%rip), %rdx
     call cmdline_opt
+    leaq key_clonetest(%rip), %rdi
+    leaq opt_clonetest(%rip), %rdx
+    call cmdline_opt
+    leaq key_done(%rip), %rdi
+    leaq opt_done(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -449,15 +560,21 @@ msg_all:        .asciz "tiny: all "
 msg_cpus_ok:    .asciz " cpus ok\n"
 msg_beat:       .asciz "tiny: beat "
 msg_reset:      .asciz "tiny: reset\n"
-msg_memtest:    .asciz "tiny: memtest "
-msg_mib_ok:     .asciz " MiB ok\n"
-msg_mib_bad:    .asciz " MiB BAD quadwords="
+msg_memtest:    .asciz "tiny: memtest MiB="
+msg_ok:         .asciz " ok\n"
+msg_bad:        .asciz " BAD quadwords="
+msg_clone:      .asciz "tiny: clone "
+msg_clone_failed: .asciz "tiny: clone failed\n"
+msg_inherit:    .asciz "tiny: inherited pattern, clone "
+msg_own:        .asciz "tiny: own pattern, clone "
 msg_unexpected: .asciz "tiny: unexpected exception\n"
 key_ticks:      .asciz "ticks="
 key_beat:       .asciz "beat="
 key_exit:       .asciz "exit="
 key_memtest:    .asciz "memtest="
 key_busy:       .asciz "busy="
+key_clonetest:  .asciz "clonetest="
+key_done:       .asciz "done="
 
     .align 16
 gdt:
@@ -479,6 +596,8 @@ opt_beat:    .quad 100
 opt_exit:    .quad 0
 opt_memtest: .quad 0
 opt_busy:    .quad 0
+opt_clonetest: .quad 0
+opt_done:    .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

@@ -378,3 +378,95 @@ fn two_hundred_clone_and_stop_cycles_leak_nothing() {
     );
     assert!(vm.wait_exit(BOOT).success());
 }
+
+#[test]
+fn guest_requested_clones_get_fork_like_results_and_isolated_memory() {
+    if !kvm_available("guest_clone_isolation") {
+        return;
+    }
+    let scratch = Scratch::new("clone-guest");
+    // The guest fills 2 MiB with a pattern, asks for 3 clones through the clone port,
+    // and every side checks the inherited pattern, writes its own, waits two beats (so
+    // the others have written theirs) and verifies it. Clones then report done with
+    // their number as exit status.
+    let mut vm = tiny_vm(&scratch, "1", "ticks=2 beat=20 clonetest=3 done=1");
+    let slow = Duration::from_secs(120); // 2 MiB loops at CPL 0 run in the emulator here
+    let parent = vm.wait_console("tiny: own pattern, clone 0", slow);
+    assert!(parent.contains("tiny: clone 0\n"), "{parent}");
+    assert!(
+        parent.contains("tiny: inherited pattern, clone 0 ok\n"),
+        "{parent}"
+    );
+    assert!(
+        parent.contains("tiny: own pattern, clone 0 ok\n"),
+        "{parent}"
+    );
+    let start = Instant::now();
+    let clones = loop {
+        let (_, body) = vm.api("GET", "/clones", None);
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let list = v["clones"].as_array().unwrap().clone();
+        if list.len() == 3 && list.iter().all(|c| c["status"]["state"] == "exited") {
+            break list;
+        }
+        assert!(start.elapsed() < slow, "clones did not finish: {body}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut seen = Vec::new();
+    for c in &clones {
+        let k: u64 = c["id"].as_str().unwrap().parse().unwrap();
+        let console = read(c["console"].as_str().unwrap());
+        assert!(console.contains(&format!("tiny: clone {k}\n")), "{console}");
+        assert!(
+            console.contains(&format!("tiny: inherited pattern, clone {k} ok\n")),
+            "{console}"
+        );
+        assert!(
+            console.contains(&format!("tiny: own pattern, clone {k} ok\n")),
+            "{console}"
+        );
+        assert_eq!(
+            c["status"]["code"].as_u64(),
+            Some(k),
+            "done status of clone {k}: {c}"
+        );
+        seen.push(k);
+    }
+    seen.sort();
+    assert_eq!(seen, vec![1, 2, 3]);
+    // The parent goes on after its clones are gone.
+    let beat = last_beat_plain(&vm.console_text());
+    vm.wait_console(&format!("tiny: beat {}\n", beat + 2), BOOT);
+    assert_eq!(
+        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
+            .0,
+        204
+    );
+    assert!(vm.wait_exit(BOOT).success());
+}
+
+#[test]
+fn guest_request_for_too_many_clones_fails_cleanly() {
+    if !kvm_available("guest_clone_too_many") {
+        return;
+    }
+    let scratch = Scratch::new("clone-guest-bad");
+    let mut vm = tiny_vm(&scratch, "1", "ticks=1 beat=10 clonetest=5000");
+    let text = vm.wait_console("tiny: clone failed\n", Duration::from_secs(120));
+    assert!(!text.contains("tiny: clone 0"), "{text}");
+    vm.wait_console("tiny: beat 2\n", BOOT);
+    let (_, list) = vm.api("GET", "/clones", None);
+    assert_eq!(list, r#"{"clones":[]}"#);
+    assert!(
+        vm.stderr_text()
+            .contains("clone count must be 1 to 1000, not 5000"),
+        "{}",
+        vm.stderr_text()
+    );
+    assert_eq!(
+        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
+            .0,
+        204
+    );
+    assert!(vm.wait_exit(BOOT).success());
+}

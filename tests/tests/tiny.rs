@@ -154,7 +154,7 @@ fn memory_pattern_written_and_verified_by_the_guest() {
         BOOT,
     );
     assert!(status.success(), "{out}\n{err}");
-    assert!(out.contains("tiny: memtest 8 MiB ok\n"), "{out}");
+    assert!(out.contains("tiny: memtest MiB=8 ok\n"), "{out}");
 }
 
 #[test]

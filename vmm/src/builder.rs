@@ -33,7 +33,7 @@ use crate::device_manager::{DeviceError, DeviceManager};
 use crate::microvm::{HostReport, Microvm, VmState};
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
 use crate::vstate::memory::{create_guest_memory, MemoryError};
-use crate::vstate::vcpu::{StartMode, Vcpu, VcpuError, VcpuExitReason, VcpuHandle};
+use crate::vstate::vcpu::{StartMode, Vcpu, VcpuError, VcpuEvent, VcpuHandle};
 use crate::vstate::vm::{create_vm, VmError};
 
 /// Errors building a microVM, one per stage.
@@ -189,12 +189,13 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
         _mem: mem,
         devices,
         vcpus: started_vcpus.handles,
-        vcpu_exits: started_vcpus.exits,
+        vcpu_events: started_vcpus.events,
         vcpu_exit_evt: started_vcpus.exit_evt,
         capture_spec: Arc::new(capture_spec),
         clones: Default::default(),
         clone_id: String::new(),
         kvm_run_size: kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?,
+        pending_events: Default::default(),
         host: HostReport {
             kvm: kvm.host,
             quirks_applied: !hidden.is_empty(),
@@ -212,7 +213,7 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
 /// Running vCPU threads and where they report their exits.
 pub(crate) struct StartedVcpus {
     pub(crate) handles: Vec<VcpuHandle>,
-    pub(crate) exits: Receiver<(u8, VcpuExitReason)>,
+    pub(crate) events: Receiver<(u8, VcpuEvent)>,
     pub(crate) exit_evt: EventFd,
 }
 
@@ -223,21 +224,21 @@ pub(crate) fn start_vcpus(
     mut ready: Option<std::fs::File>,
 ) -> Result<StartedVcpus, BuildError> {
     let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    let (exit_tx, exits) = channel();
+    let (event_tx, events) = channel();
     let mut handles = Vec::with_capacity(vcpus.len());
     for vcpu in vcpus {
         let evt = exit_evt.try_clone().map_err(BuildError::EventFd)?;
         handles.push(vcpu.start(
             devices.pio.clone(),
             devices.mmio.clone(),
-            exit_tx.clone(),
+            event_tx.clone(),
             evt,
             ready.take(),
         )?);
     }
     Ok(StartedVcpus {
         handles,
-        exits,
+        events,
         exit_evt,
     })
 }

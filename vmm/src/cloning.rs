@@ -35,11 +35,15 @@ use crate::config::{ConsoleSink, VmConfig};
 use crate::device_manager::DeviceManager;
 use crate::microvm::{block_shutdown_signals, HostReport, Microvm, RunOutcome, VmState};
 use crate::vstate::kvm::KvmContext;
-use crate::vstate::vcpu::{Vcpu, VcpuError};
+use crate::vstate::vcpu::{Vcpu, VcpuError, VcpuEvent};
 use crate::vstate::vm::create_vm;
 
 /// Most clones one request may ask for.
 pub const MAX_CLONES_PER_REQUEST: u32 = 1000;
+/// Most live clones one VM may have (each clone may have its own).
+pub const MAX_LIVE_CLONES: usize = 2000;
+/// What a guest reads from the clone port when its request failed.
+pub const CLONE_FAILED: u64 = 0xffff_ffff;
 /// How long the parent waits for a clone's vCPU 0 to enter the guest.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a clone has to exit after SIGTERM before it is killed.
@@ -53,6 +57,12 @@ pub enum CloneError {
     /// Count out of range.
     #[error("clone count must be 1 to {MAX_CLONES_PER_REQUEST}, not {0}")]
     Count(u64),
+    /// Too many live clones.
+    #[error("{live} clones are running; at most {MAX_LIVE_CLONES} may be")]
+    TooMany {
+        /// Live clones now.
+        live: usize,
+    },
     /// The VM is not in a state that can be cloned.
     #[error("cannot clone a VM that is {0:?}")]
     State(VmState),
@@ -215,6 +225,8 @@ struct ChildPlan<'a> {
     spec: &'a Arc<CaptureSpec>,
     run_bases: &'a [usize],
     run_size: usize,
+    /// The vCPU that read the clone port, and the value it reads in this clone.
+    guest_result: Option<(u8, u64)>,
 }
 
 impl Microvm {
@@ -230,13 +242,7 @@ impl Microvm {
         })
     }
 
-    /// Makes `count` clones. `requested_ns` is when the request reached the VMM
-    /// (CLOCK_MONOTONIC), for the latency figures.
-    pub fn make_clones(
-        &mut self,
-        count: u64,
-        requested_ns: u64,
-    ) -> Result<Vec<CloneInfo>, CloneError> {
+    fn check_clone_request(&mut self, count: u64) -> Result<(), CloneError> {
         if count == 0 || count > u64::from(MAX_CLONES_PER_REQUEST) {
             return Err(CloneError::Count(count));
         }
@@ -247,6 +253,61 @@ impl Microvm {
             return Err(CloneError::Unsupported(
                 "virtio devices are not cloned yet (start the template without --rootfs)",
             ));
+        }
+        self.clones.reap();
+        let live = self.clones.live().count();
+        if live + count as usize > MAX_LIVE_CLONES {
+            return Err(CloneError::TooMany { live });
+        }
+        Ok(())
+    }
+
+    /// A guest read the clone port on vCPU `vcpu` (which parked itself) asking for
+    /// `count` clones. Failures are logged and reported to the guest.
+    pub(crate) fn guest_clone_request(&mut self, vcpu: u8, count: u32) {
+        let requested = crate::vstate::vcpu::monotonic_ns();
+        match self.make_clones(u64::from(count), requested, Some(vcpu)) {
+            Ok(made) => tracing::info!(
+                "guest on vCPU {vcpu} made {} clone(s): {}",
+                made.len(),
+                made.iter()
+                    .map(|c| c.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Err(e) => tracing::warn!("guest clone request on vCPU {vcpu} failed: {e}"),
+        }
+    }
+
+    /// Answers a guest requester that is still parked: sets its clone-port result and,
+    /// unless the whole VM is paused, lets it run.
+    fn release_requester(&self, requester: Option<u8>, value: u64) {
+        let Some(v) = requester.and_then(|id| self.vcpus.get(usize::from(id))) else {
+            return;
+        };
+        if let Err(e) = v.set_rax(value) {
+            tracing::error!("cannot return the clone result to vCPU {}: {e}", v.id());
+        }
+        if self.state == VmState::Running {
+            if let Err(e) = v.resume() {
+                tracing::error!("cannot resume vCPU {}: {e}", v.id());
+            }
+        }
+    }
+
+    /// Makes `count` clones. `requested_ns` is when the request reached the VMM
+    /// (CLOCK_MONOTONIC), for the latency figures. `requester` is the parked vCPU of a
+    /// guest request: each clone's copy of it reads the clone's sequence number, the
+    /// parent's reads 0, or [`CLONE_FAILED`].
+    pub fn make_clones(
+        &mut self,
+        count: u64,
+        requested_ns: u64,
+        requester: Option<u8>,
+    ) -> Result<Vec<CloneInfo>, CloneError> {
+        if let Err(e) = self.check_clone_request(count) {
+            self.release_requester(requester, CLONE_FAILED);
+            return Err(e);
         }
         let base = self.clone_base();
         let mut plans = Vec::with_capacity(count as usize);
@@ -265,21 +326,45 @@ impl Microvm {
                 ConsoleSink::Null => PathBuf::from("/dev/null"),
                 _ => PathBuf::from(format!("{}.console", sock.display())),
             };
-            plans.push((id, sock, console));
+            plans.push((id, sock, console, seq));
         }
 
         let t0 = Instant::now();
         let was_running = self.state == VmState::Running;
         if was_running {
-            self.pause_all()?;
+            if let Err(e) = self.pause_all() {
+                self.release_requester(requester, CLONE_FAILED);
+                return Err(e);
+            }
         }
         let t_pause = t0.elapsed();
-        let captured = self.capture();
+        // Every vCPU is parked now, so any other vCPU that read the clone port has
+        // queued its request: it stays parked here (served next, in turn) and its copy
+        // in these clones reads CLONE_FAILED (the guest may retry).
+        self.drain_vcpu_events();
+        let waiting: Vec<u8> = self
+            .pending_events
+            .iter()
+            .filter_map(|(id, e)| matches!(e, VcpuEvent::CloneRequest(_)).then_some(*id))
+            .filter(|id| Some(*id) != requester)
+            .collect();
+        let captured = self.capture().map(|mut state| {
+            for v in state.vcpus.iter_mut().filter(|v| waiting.contains(&v.id)) {
+                v.regs.rax = CLONE_FAILED;
+            }
+            state
+        });
         let t_capture = t0.elapsed();
-        let result = captured.and_then(|state| self.fork_all(&state, plans));
+        let result = captured.and_then(|state| self.fork_all(&state, plans, requester));
         let t_fork = t0.elapsed();
+        if let Some(v) = requester.and_then(|id| self.vcpus.get(usize::from(id))) {
+            let value = if result.is_ok() { 0 } else { CLONE_FAILED };
+            if let Err(e) = v.set_rax(value) {
+                tracing::error!("cannot return the clone result to vCPU {}: {e}", v.id());
+            }
+        }
         if was_running {
-            if let Err(e) = self.resume_all() {
+            if let Err(e) = self.resume_all(&waiting) {
                 tracing::error!("resuming after cloning failed: {e}");
             }
         }
@@ -318,8 +403,12 @@ impl Microvm {
         Ok(())
     }
 
-    fn resume_all(&self) -> Result<(), VcpuError> {
-        self.vcpus.iter().try_for_each(|v| v.resume())
+    /// Resumes every vCPU but those in `keep_parked`.
+    fn resume_all(&self, keep_parked: &[u8]) -> Result<(), VcpuError> {
+        self.vcpus
+            .iter()
+            .filter(|v| !keep_parked.contains(&v.id()))
+            .try_for_each(|v| v.resume())
     }
 
     /// Reads every vCPU's state (each on its own thread, all at once), then the VM's and
@@ -362,14 +451,15 @@ impl Microvm {
     fn fork_all(
         &mut self,
         state: &MicrovmState,
-        plans: Vec<(String, PathBuf, PathBuf)>,
+        plans: Vec<(String, PathBuf, PathBuf, u32)>,
+        requester: Option<u8>,
     ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
         let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
         let run_size = self.kvm_run_size;
         // SAFETY: getpid has no preconditions.
         let parent_pid = unsafe { libc::getpid() };
         let mut made = Vec::with_capacity(plans.len());
-        for (id, api_sock, console) in plans {
+        for (id, api_sock, console, seq) in plans {
             let (read_end, write_end) = pipe().map_err(CloneError::Os)?;
             let plan = ChildPlan {
                 id: id.clone(),
@@ -385,6 +475,7 @@ impl Microvm {
                 spec: &self.capture_spec,
                 run_bases: &run_bases,
                 run_size,
+                guest_result: requester.map(|v| (v, u64::from(seq))),
             };
             // SAFETY: every other thread is parked holding no lock (vCPUs paused in their
             // command channel, the API thread waiting for this request's answer, no
@@ -537,6 +628,17 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
     .map_err(BuildError::from)?;
     let mut vcpus = Vec::with_capacity(plan.state.vcpus.len());
     for s in &plan.state.vcpus {
+        let patched;
+        let s = match plan.guest_result {
+            // The vCPU that read the clone port reads this clone's sequence number.
+            Some((id, value)) if id == s.id => {
+                let mut p = s.clone();
+                p.regs.rax = value;
+                patched = p;
+                &patched
+            }
+            _ => s,
+        };
         let (v, skipped) = Vcpu::from_state(&vm, s)?;
         if !skipped.is_empty() {
             tracing::debug!("clone {}: host refused MSRs {skipped:#x?}", plan.id);
@@ -567,7 +669,7 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
         _mem: plan.mem.clone(),
         devices,
         vcpus: started_vcpus.handles,
-        vcpu_exits: started_vcpus.exits,
+        vcpu_events: started_vcpus.events,
         vcpu_exit_evt: started_vcpus.exit_evt,
         host: plan.host.clone(),
         cmdline: plan.cmdline.to_string(),
@@ -577,6 +679,7 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
         clones: CloneTable::default(),
         clone_id: plan.id.clone(),
         kvm_run_size: plan.run_size,
+        pending_events: Default::default(),
     };
     Ok(microvm.run(Some(&api), Some(&signals))?)
 }

@@ -22,7 +22,7 @@ use crate::config::{ConsoleSink, VmConfig};
 use crate::device_manager::DeviceManager;
 use crate::vstate::kvm::HostKind;
 use crate::vstate::memory::MemoryInfo;
-use crate::vstate::vcpu::{VcpuExitReason, VcpuHandle};
+use crate::vstate::vcpu::{VcpuEvent, VcpuExitReason, VcpuHandle};
 
 /// Lifecycle states.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -75,6 +75,8 @@ pub enum RunOutcome {
     ApiShutdown,
     /// SIGINT, SIGTERM or SIGHUP.
     Signal(i32),
+    /// The guest wrote this status to the done port.
+    GuestDone(u32),
     /// The guest or KVM failed.
     Error(String),
 }
@@ -85,6 +87,7 @@ impl RunOutcome {
         match self {
             RunOutcome::GuestPowerOff | RunOutcome::ApiShutdown => 0,
             RunOutcome::Signal(s) => 128 + s,
+            RunOutcome::GuestDone(code) => (*code & 0xff) as i32,
             RunOutcome::Error(_) => 1,
         }
     }
@@ -107,7 +110,7 @@ pub struct Microvm {
     pub(crate) _mem: GuestMemoryMmap,
     pub(crate) devices: DeviceManager,
     pub(crate) vcpus: Vec<VcpuHandle>,
-    pub(crate) vcpu_exits: Receiver<(u8, VcpuExitReason)>,
+    pub(crate) vcpu_events: Receiver<(u8, VcpuEvent)>,
     pub(crate) vcpu_exit_evt: EventFd,
     pub(crate) host: HostReport,
     /// The full command line the guest got.
@@ -122,6 +125,8 @@ pub struct Microvm {
     pub(crate) clone_id: String,
     /// Size of a vCPU's kvm_run mapping.
     pub(crate) kvm_run_size: usize,
+    /// vCPU events read from the channel but not handled yet.
+    pub(crate) pending_events: std::collections::VecDeque<(u8, VcpuEvent)>,
 }
 
 const TOKEN_RESET: u64 = 1;
@@ -228,7 +233,7 @@ impl Microvm {
             },
             ApiRequest::Shutdown => (ApiReply::no_content(), Some(RunOutcome::ApiShutdown)),
             ApiRequest::CreateClones { count, received_ns } => {
-                match self.make_clones(count, received_ns) {
+                match self.make_clones(count, received_ns, None) {
                     Ok(made) => (
                         ApiReply {
                             status: 201,
@@ -239,7 +244,9 @@ impl Microvm {
                     Err(e) => {
                         let status = match e {
                             CloneError::Count(_) | CloneError::PathTooLong(_) => 400,
-                            CloneError::State(_) | CloneError::Unsupported(_) => 409,
+                            CloneError::State(_)
+                            | CloneError::Unsupported(_)
+                            | CloneError::TooMany { .. } => 409,
                             _ => 500,
                         };
                         (ApiReply::error(status, e), None)
@@ -280,6 +287,38 @@ impl Microvm {
             tracing::debug!("serial input dropped: {e}");
         }
         true
+    }
+
+    /// Moves every event waiting in the vCPU channel to `pending_events`.
+    pub(crate) fn drain_vcpu_events(&mut self) {
+        while let Ok(e) = self.vcpu_events.try_recv() {
+            self.pending_events.push_back(e);
+        }
+    }
+
+    /// Handles one vCPU event; returns how the VM ends when it does.
+    fn vcpu_event(&mut self, id: u8, event: VcpuEvent) -> Option<RunOutcome> {
+        match event {
+            VcpuEvent::Exited(VcpuExitReason::SystemEvent(kind)) => {
+                tracing::info!("vCPU {id}: guest system event {kind}: powering off");
+                Some(RunOutcome::GuestPowerOff)
+            }
+            VcpuEvent::Exited(VcpuExitReason::TripleFault) => {
+                Some(RunOutcome::Error(format!("vCPU {id}: guest triple fault")))
+            }
+            VcpuEvent::Exited(VcpuExitReason::Failed(msg)) => {
+                Some(RunOutcome::Error(format!("vCPU {id}: {msg}")))
+            }
+            VcpuEvent::Exited(VcpuExitReason::Stopped) => None,
+            VcpuEvent::Done(code) => {
+                tracing::info!("guest signalled done with status {code}");
+                Some(RunOutcome::GuestDone(code))
+            }
+            VcpuEvent::CloneRequest(count) => {
+                self.guest_clone_request(id, count);
+                None
+            }
+        }
     }
 
     /// Runs the event loop until the VM stops, then stops every vCPU thread.
@@ -335,23 +374,10 @@ impl Microvm {
                     }
                     TOKEN_VCPU_EXIT => {
                         let _ = self.vcpu_exit_evt.read();
-                        while let Ok((id, reason)) = self.vcpu_exits.try_recv() {
-                            match reason {
-                                VcpuExitReason::SystemEvent(kind) => {
-                                    tracing::info!(
-                                        "vCPU {id}: guest system event {kind}: powering off"
-                                    );
-                                    break 'run RunOutcome::GuestPowerOff;
-                                }
-                                VcpuExitReason::TripleFault => {
-                                    break 'run RunOutcome::Error(format!(
-                                        "vCPU {id}: guest triple fault"
-                                    ))
-                                }
-                                VcpuExitReason::Failed(msg) => {
-                                    break 'run RunOutcome::Error(format!("vCPU {id}: {msg}"))
-                                }
-                                VcpuExitReason::Stopped => {}
+                        self.drain_vcpu_events();
+                        while let Some((id, event)) = self.pending_events.pop_front() {
+                            if let Some(outcome) = self.vcpu_event(id, event) {
+                                break 'run outcome;
                             }
                         }
                     }
@@ -423,5 +449,7 @@ mod tests {
         assert_eq!(RunOutcome::ApiShutdown.exit_code(), 0);
         assert_eq!(RunOutcome::Signal(15).exit_code(), 143);
         assert_eq!(RunOutcome::Error("x".into()).exit_code(), 1);
+        assert_eq!(RunOutcome::GuestDone(7).exit_code(), 7);
+        assert_eq!(RunOutcome::GuestDone(0x107).exit_code(), 7);
     }
 }

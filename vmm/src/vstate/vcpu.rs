@@ -111,12 +111,34 @@ pub enum VcpuExitReason {
     Stopped,
 }
 
+/// What a vCPU thread reports to the VMM's event loop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VcpuEvent {
+    /// The vCPU stopped for good.
+    Exited(VcpuExitReason),
+    /// The guest asked for `count` clones through the clone port; the vCPU has parked
+    /// itself and waits for the VMM (see docs/guest-abi.md).
+    CloneRequest(u32),
+    /// The guest signalled it is done, with this status.
+    Done(u32),
+}
+
+/// Port a guest reads to be cloned (and writes to set the count).
+pub const CLONE_PORT: u16 = 0xf48;
+/// Port a guest writes its completion status to.
+pub const DONE_PORT: u16 = 0xf4c;
+/// Value a guest reads from the clone port while its request is in progress; it never
+/// sees it, because the VMM sets the result before the vCPU runs again.
+const CLONE_PENDING: u32 = 0xffff_fffe;
+
 /// Commands to a vCPU thread.
 enum Command {
     Pause,
     Resume,
     /// Read this vCPU's state (only while paused).
     Capture(Arc<CaptureSpec>),
+    /// Set RAX (only while paused): the result of a clone-port read.
+    SetRax(u64),
     Stop,
 }
 
@@ -125,6 +147,7 @@ enum Reply {
     Paused,
     Resumed,
     Captured(Result<(Box<VcpuState>, Vec<u32>), String>),
+    RaxSet(Result<(), String>),
 }
 
 /// How a vCPU starts.
@@ -141,6 +164,8 @@ pub enum StartMode {
 pub struct Vcpu {
     id: u8,
     fd: VcpuFd,
+    /// Clones the guest's next clone-port read asks for.
+    clone_count: u32,
 }
 
 fn kick_signal() -> i32 {
@@ -193,7 +218,14 @@ impl Vcpu {
                 .map_err(cfg("mp_state"))?;
             }
         }
-        Ok((Self { id, fd }, skipped))
+        Ok((
+            Self {
+                id,
+                fd,
+                clone_count: 1,
+            },
+            skipped,
+        ))
     }
 
     /// Creates a vCPU from saved state (a clone's). Returns it and the MSRs the host
@@ -204,7 +236,14 @@ impl Vcpu {
             .create_vcpu(u64::from(id))
             .map_err(|source| VcpuError::Create { id, source })?;
         let skipped = restore_vcpu(&fd, state)?;
-        Ok((Self { id, fd }, skipped))
+        Ok((
+            Self {
+                id,
+                fd,
+                clone_count: 1,
+            },
+            skipped,
+        ))
     }
 
     /// Starts the vCPU thread. It reports its final exit on `exits` and signals
@@ -214,8 +253,8 @@ impl Vcpu {
         mut self,
         pio: Bus,
         mmio: Bus,
-        exits: Sender<(u8, VcpuExitReason)>,
-        exit_evt: EventFd,
+        events: Sender<(u8, VcpuEvent)>,
+        event_evt: EventFd,
         ready: Option<std::fs::File>,
     ) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler()?;
@@ -231,9 +270,9 @@ impl Vcpu {
                     use std::io::Write;
                     let _ = f.write_all(&monotonic_ns().to_le_bytes());
                 }
-                let reason = self.run_loop(&pio, &mmio, &cmd_rx, &reply_tx);
-                let _ = exits.send((id, reason));
-                let _ = exit_evt.write(1);
+                let reason = self.run_loop(&pio, &mmio, &cmd_rx, &reply_tx, &events, &event_evt);
+                let _ = events.send((id, VcpuEvent::Exited(reason)));
+                let _ = event_evt.write(1);
                 // Returned, not dropped: the kvm_run mapping the handle's kicker writes
                 // to stays mapped until the handle joins this thread.
                 self
@@ -255,12 +294,35 @@ impl Vcpu {
         mmio: &Bus,
         cmds: &Receiver<Command>,
         replies: &Sender<Reply>,
+        events: &Sender<(u8, VcpuEvent)>,
+        event_evt: &EventFd,
     ) -> VcpuExitReason {
+        let id = self.id;
+        let report = |e: VcpuEvent| {
+            let _ = events.send((id, e));
+            let _ = event_evt.write(1);
+        };
+        // Set when this vCPU parked itself for a guest clone request.
+        let mut parked = false;
         loop {
             match self.fd.run() {
                 Ok(exit) => match exit {
+                    VcpuExit::IoIn(CLONE_PORT, data) => {
+                        fill_le(data, CLONE_PENDING);
+                        report(VcpuEvent::CloneRequest(self.clone_count));
+                        // Complete the IN, then stop before the next guest instruction and
+                        // wait, parked, for the VMM to clone and resume us.
+                        self.fd.set_kvm_immediate_exit(1);
+                        parked = true;
+                    }
                     VcpuExit::IoIn(port, data) => {
                         pio.read(u64::from(port), data);
+                    }
+                    VcpuExit::IoOut(CLONE_PORT, data) => {
+                        self.clone_count = read_le(data);
+                    }
+                    VcpuExit::IoOut(DONE_PORT, data) => {
+                        report(VcpuEvent::Done(read_le(data)));
                     }
                     VcpuExit::IoOut(port, data) => {
                         pio.write(u64::from(port), data);
@@ -287,33 +349,36 @@ impl Vcpu {
                         return VcpuExitReason::Failed(self.internal_error())
                     }
                     VcpuExit::Intr => {
-                        if let Some(reason) = self.handle_kick(cmds, replies) {
+                        if let Some(reason) = self.handle_kick(cmds, replies, parked) {
                             return reason;
                         }
+                        parked = false;
                     }
                     other => {
                         return VcpuExitReason::Failed(format!("unexpected KVM exit: {other:?}"))
                     }
                 },
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                    if let Some(reason) = self.handle_kick(cmds, replies) {
+                    if let Some(reason) = self.handle_kick(cmds, replies, parked) {
                         return reason;
                     }
+                    parked = false;
                 }
                 Err(e) => return VcpuExitReason::Failed(format!("KVM_RUN failed: {e}")),
             }
         }
     }
 
-    /// Handles pending commands after a kick. Blocks while paused. Returns a reason when
-    /// the vCPU must stop.
+    /// Handles pending commands after a kick. Blocks while paused (from the start when
+    /// the vCPU parked itself). Returns a reason when the vCPU must stop.
     fn handle_kick(
         &mut self,
         cmds: &Receiver<Command>,
         replies: &Sender<Reply>,
+        parked: bool,
     ) -> Option<VcpuExitReason> {
         self.fd.set_kvm_immediate_exit(0);
-        let mut paused = false;
+        let mut paused = parked;
         loop {
             let cmd = if paused {
                 cmds.recv().ok()
@@ -340,6 +405,17 @@ impl Vcpu {
                         .map(|(state, skipped)| (Box::new(state), skipped))
                         .map_err(|e| e.to_string());
                     let _ = replies.send(Reply::Captured(r));
+                }
+                Some(Command::SetRax(v)) => {
+                    let r = self
+                        .fd
+                        .get_regs()
+                        .and_then(|mut regs| {
+                            regs.rax = v;
+                            self.fd.set_regs(&regs)
+                        })
+                        .map_err(|e| e.to_string());
+                    let _ = replies.send(Reply::RaxSet(r));
                 }
                 Some(Command::Stop) | None => return Some(VcpuExitReason::Stopped),
             }
@@ -486,6 +562,16 @@ impl VcpuHandle {
         }
     }
 
+    /// Sets the (paused) vCPU's RAX: the result of its clone-port read.
+    pub fn set_rax(&self, value: u64) -> Result<(), VcpuError> {
+        self.send(Command::SetRax(value))?;
+        match self.reply("set rax")? {
+            Reply::RaxSet(Ok(())) => Ok(()),
+            Reply::RaxSet(Err(msg)) => Err(VcpuError::Capture { id: self.id, msg }),
+            _ => Err(VcpuError::Gone(self.id)),
+        }
+    }
+
     /// Host address of this vCPU's kvm_run mapping (a forked child unmaps it).
     pub fn kvm_run_base(&self) -> usize {
         self.run_base
@@ -508,6 +594,22 @@ impl Drop for VcpuHandle {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Writes `value` into a port-read buffer of any width (little-endian, truncated).
+fn fill_le(data: &mut [u8], value: u32) {
+    let bytes = value.to_le_bytes();
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = bytes.get(i).copied().unwrap_or(0);
+    }
+}
+
+/// Reads a port-write buffer of any width as a little-endian u32.
+fn read_le(data: &[u8]) -> u32 {
+    let mut bytes = [0u8; 4];
+    let n = data.len().min(4);
+    bytes[..n].copy_from_slice(&data[..n]);
+    u32::from_le_bytes(bytes)
 }
 
 /// LAPIC local interrupt pins: LINT0 as ExtINT (the PIC), LINT1 as NMI.

@@ -8,6 +8,18 @@ g=target/guest
 echo "== tiny test guest, 2 vCPUs =="
 $vmm run --kernel $g/tiny.elf --mem-mib 32 --vcpus 2 --ap-boot direct --cmdline "ticks=5 beat=100 exit=3"
 echo "== exit status $? =="
+echo "== flash cloning: a tiny-guest template asks for 3 clones through the clone port =="
+tmp=$(mktemp -d)
+$vmm run --kernel $g/tiny.elf --mem-mib 128 --cmdline "ticks=2 beat=200 clonetest=3" \
+    --api-sock $tmp/vm.sock --console $tmp/vm.console 2>/dev/null &
+vmpid=$!
+for _ in $(seq 100); do grep -q "own pattern" $tmp/vm.console 2>/dev/null && break; sleep 0.1; done
+$vmm clones --api-sock $tmp/vm.sock | python3 -m json.tool
+echo "-- API clone of the template (vmm fork --count 2):"
+$vmm fork --api-sock $tmp/vm.sock --count 2
+sleep 0.5
+for c in $tmp/vm.sock.*.console; do echo "-- $(basename $c):"; grep -v "beat" $c; tail -1 $c; done
+$vmm shutdown --api-sock $tmp/vm.sock; wait $vmpid; rm -rf $tmp
 echo "== Linux 6.1 guest, 2 vCPUs, root on the read-only virtio-blk disk, running a command =="
 start=$(date +%s)
 $vmm --log-level info run --kernel $g/vmlinux --rootfs $g/rootfs.ext4 --mem-mib 256 --vcpus 2 \

@@ -22,6 +22,8 @@
  *             own, wait two beats and verify it ("tiny: clone K" first)
  *   done=1    with clonetest, each clone then writes its number to the done port
  *             (255 if its pattern was bad): its VMM exits with that status
+ *   tickless=1  after the checks, the BSP masks its timer and halts for good
+ *             (prints "tiny: tickless"); for benchmarks with many idle clones
  *   busy=1    every CPU spins instead of halting and prints "tiny: cpu N beat K"
  *             every `beat` ticks (exit= does not apply)
  *
@@ -195,6 +197,17 @@ bsp_main:
     call clonetest
 1:  cmpq $0, opt_busy(%rip)
     jne  busy_beats
+    cmpq $0, opt_tickless(%rip)
+    je   heartbeat
+    /* tickless=1: stop this CPU's timer and halt for good (idle clones cost nothing). */
+    movl $LAPIC, %ebx
+    movl $(TIMER_VECTOR | (1 << 16)), LAPIC_LVT_TIMER(%rbx)
+    leaq msg_tickless(%rip), %rdi
+    call lock_serial
+    call puts
+    call unlock_serial
+6:  hlt
+    jmp  6b
 
 heartbeat:
     xorl %r12d, %r12d               /* beats so far */
@@ -508,6 +521,9 @@ parse_cmdline:
     leaq key_done(%rip), %rdi
     leaq opt_done(%rip), %rdx
     call cmdline_opt
+    leaq key_tickless(%rip), %rdi
+    leaq opt_tickless(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -564,6 +580,7 @@ msg_memtest:    .asciz "tiny: memtest MiB="
 msg_ok:         .asciz " ok\n"
 msg_bad:        .asciz " BAD quadwords="
 msg_clone:      .asciz "tiny: clone "
+msg_tickless:   .asciz "tiny: tickless\n"
 msg_clone_failed: .asciz "tiny: clone failed\n"
 msg_inherit:    .asciz "tiny: inherited pattern, clone "
 msg_own:        .asciz "tiny: own pattern, clone "
@@ -575,6 +592,7 @@ key_memtest:    .asciz "memtest="
 key_busy:       .asciz "busy="
 key_clonetest:  .asciz "clonetest="
 key_done:       .asciz "done="
+key_tickless:   .asciz "tickless="
 
     .align 16
 gdt:
@@ -598,6 +616,7 @@ opt_memtest: .quad 0
 opt_busy:    .quad 0
 opt_clonetest: .quad 0
 opt_done:    .quad 0
+opt_tickless: .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

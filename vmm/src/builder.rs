@@ -153,7 +153,7 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     }
 
     // 4. Memory.
-    let (mem, mem_info) = create_guest_memory(config.mem_mib << 20, config.thp)?;
+    let (mem, mem_info) = create_guest_memory(config.mem_mib << 20, config.thp, config.prefault)?;
     timer.done("memory");
 
     // 5. VM with its memory slots.

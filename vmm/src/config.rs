@@ -65,6 +65,8 @@ pub struct VmConfig {
     pub host_quirks: bool,
     /// Advise transparent huge pages for guest RAM.
     pub thp: bool,
+    /// Populate all guest RAM before boot.
+    pub prefault: bool,
     /// How vCPUs other than 0 start.
     pub ap_boot: ApBoot,
 }
@@ -83,6 +85,7 @@ impl VmConfig {
             api_sock: None,
             host_quirks: true,
             thp: true,
+            prefault: false,
             ap_boot: ApBoot::Sipi,
         }
     }

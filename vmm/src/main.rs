@@ -90,6 +90,9 @@ struct RunArgs {
     /// Do not advise transparent huge pages for guest RAM.
     #[arg(long)]
     no_thp: bool,
+    /// Populate all guest RAM before boot, as if the guest had touched every page.
+    #[arg(long)]
+    prefault: bool,
     /// How vCPUs other than 0 start.
     #[arg(long, value_enum, default_value_t = ApBoot::Sipi)]
     ap_boot: ApBoot,
@@ -178,6 +181,7 @@ fn main() -> ExitCode {
                 api_sock: a.api_sock,
                 host_quirks: !a.no_host_quirks,
                 thp: !a.no_thp,
+                prefault: a.prefault,
                 ap_boot: a.ap_boot,
                 ..VmConfig::new(a.kernel)
             };

@@ -16,6 +16,9 @@ pub enum MemoryError {
         /// Why.
         source: vm_memory::mmap::FromRangesError,
     },
+    /// Populating guest memory failed (out of memory, or a kernel before 5.14).
+    #[error("cannot prefault guest memory: {0}")]
+    Prefault(std::io::Error),
 }
 
 /// Whether transparent huge pages were advised, and how the mappings are aligned.
@@ -29,10 +32,12 @@ pub struct MemoryInfo {
 
 const HUGE_PAGE: usize = 2 << 20;
 
-/// Maps `mem_bytes` of guest RAM around the MMIO gap, advising huge pages when `thp`.
+/// Maps `mem_bytes` of guest RAM around the MMIO gap, advising huge pages when `thp`,
+/// and with `prefault` populating every page up front (as if the guest had touched it).
 pub fn create_guest_memory(
     mem_bytes: u64,
     thp: bool,
+    prefault: bool,
 ) -> Result<(GuestMemoryMmap, MemoryInfo), MemoryError> {
     let ranges: Vec<(GuestAddress, usize)> = ram_ranges(mem_bytes)
         .into_iter()
@@ -65,6 +70,15 @@ pub fn create_guest_memory(
                 );
             }
         }
+        if prefault {
+            // SAFETY: as above; MADV_POPULATE_WRITE faults the pages in writable.
+            let rc = unsafe {
+                libc::madvise(host.cast(), region.len() as usize, libc::MADV_POPULATE_WRITE)
+            };
+            if rc != 0 {
+                return Err(MemoryError::Prefault(std::io::Error::last_os_error()));
+            }
+        }
     }
     Ok((mem, info))
 }
@@ -76,7 +90,7 @@ mod tests {
 
     #[test]
     fn maps_ranges_and_is_usable() {
-        let (mem, info) = create_guest_memory(64 << 20, true).unwrap();
+        let (mem, info) = create_guest_memory(64 << 20, true, true).unwrap();
         assert_eq!(mem.num_regions(), 1);
         assert!(info.thp_advised);
         mem.write_obj(0xdead_beefu32, GuestAddress(0x100_0000))

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Clone benchmarks with the tiny guest.
+
+latency: for each guest memory size (all of it touched: --prefault), with and without
+  transparent huge pages, clone a running template N times, one clone per request, and
+  record (a) the VMM's own figure, from the request reaching the VMM to the clone's
+  vCPU 0 entering the guest, and (b) end to end, from the client sending POST /clones
+  to the answer (the clone's guest is running and its socket is up). Each clone is
+  deleted before the next. A cold boot of the same guest (process start to first serial
+  line) is measured in the same run for comparison.
+fanout: time to create 100 / 1000 clones of a 256 MiB template in one request, and the
+  proportional set size (PSS) of each clone process.
+
+usage: benches/clone.py latency [--runs N] [--mem 128,512,2048,4096]
+       benches/clone.py fanout [--counts 100,1000]
+"""
+import argparse
+import json
+import os
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "target/guest/tiny.elf")
+VMM = os.path.join(ROOT, "target/release/vmm")
+
+
+def api(sock, method, path, body=None, timeout=600):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(sock)
+    data = body or ""
+    s.sendall(f"{method} {path} HTTP/1.1\r\nContent-Length: {len(data)}\r\n\r\n{data}".encode())
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        out += chunk
+    s.close()
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+TEMPLATES = 0
+
+
+def start_template(tmp, mem, thp, prefault=True):
+    global TEMPLATES
+    TEMPLATES += 1
+    sock = os.path.join(tmp, f"t{TEMPLATES}-{mem}{'h' if thp else 'n'}.sock")
+    console = sock + ".console"
+    cmd = [VMM, "run", "--kernel", TINY, "--mem-mib", str(mem), "--cmdline",
+           "ticks=1 tickless=1", "--console", console, "--api-sock", sock]
+    if prefault:
+        cmd.append("--prefault")
+    if not thp:
+        cmd.append("--no-thp")
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if b"tiny: tickless" in open(console, "rb").read():
+                return p, sock
+        except FileNotFoundError:
+            pass
+        if p.poll() is not None:
+            sys.exit(f"template exited with {p.returncode}")
+        time.sleep(0.01)
+    p.kill()
+    sys.exit("template did not come up")
+
+
+def stop_template(p, sock):
+    api(sock, "PUT", "/actions", '{"action_type":"shutdown"}')
+    p.wait(timeout=60)
+
+
+def cold_boot(mem):
+    start = time.perf_counter()
+    p = subprocess.Popen([VMM, "run", "--kernel", TINY, "--mem-mib", str(mem), "--cmdline",
+                          "ticks=1"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    buf = b""
+    try:
+        while b"tiny: cpu 0 up" not in buf:
+            r, _, _ = select.select([p.stdout], [], [], 10)
+            if not r:
+                raise RuntimeError("cold boot timed out")
+            chunk = os.read(p.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError("cold boot exited")
+            buf += chunk
+        return time.perf_counter() - start
+    finally:
+        p.kill()
+        p.wait()
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def row(label, xs_ms):
+    return (f"| {label} | {min(xs_ms):.2f} | {statistics.median(xs_ms):.2f} | "
+            f"{pct(xs_ms, 0.99):.2f} |")
+
+
+def latency(a):
+    mems = [int(m) for m in a.mem.split(",")]
+    print(f"Clone latency, tiny guest, 1 vCPU, all guest memory touched; {a.runs} clones "
+          f"per row, one per request, each deleted before the next (ms):\n")
+    print("| memory | THP | measure | min | median | p99 |")
+    print("|---|---|---|---|---|---|")
+    cold = {}
+    with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
+        for mem in mems:
+            for thp in (True, False):
+                p, sock = start_template(tmp, mem, thp)
+                vmm_ms, e2e_ms = [], []
+                try:
+                    for _ in range(a.runs):
+                        t = time.perf_counter()
+                        code, body = api(sock, "POST", "/clones", '{"count":1}')
+                        e2e_ms.append((time.perf_counter() - t) * 1e3)
+                        if code != 201:
+                            sys.exit(f"clone failed: {code} {body}")
+                        c = json.loads(body)["clones"][0]
+                        vmm_ms.append(c["latency_us"] / 1e3)
+                        api(sock, "DELETE", f"/clones/{c['id']}")
+                        os.unlink(c["console"])
+                finally:
+                    stop_template(p, sock)
+                th = "on" if thp else "off"
+                print(row(f"{mem} MiB | {th} | request to clone vCPU 0 in guest", vmm_ms))
+                print(row(f"{mem} MiB | {th} | client end to end", e2e_ms))
+                sys.stdout.flush()
+            cold[mem] = [cold_boot(mem) * 1e3 for _ in range(max(10, a.runs // 10))]
+            print(row(f"{mem} MiB | on | cold boot, process start to first line", cold[mem]))
+
+
+def pss_kb(pid):
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def fanout(a):
+    print("Fan-out: one POST /clones {count: N} on a running 256 MiB template (all memory "
+          "touched), wall time until the answer (every clone's guest running, sockets up), "
+          "and PSS per clone process:\n")
+    print("| clones | total | per clone | PSS per clone, median | template PSS |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
+        for n in [int(x) for x in a.counts.split(",")]:
+            p, sock = start_template(tmp, 256, True)
+            try:
+                t = time.perf_counter()
+                code, body = api(sock, "POST", "/clones", json.dumps({"count": n}))
+                total = time.perf_counter() - t
+                if code != 201:
+                    sys.exit(f"fan-out failed: {code} {body}")
+                clones = json.loads(body)["clones"]
+                bad = [c for c in clones if c["status"]["state"] != "running"]
+                if bad:
+                    sys.exit(f"{len(bad)} clones did not start: {bad[:3]}")
+                time.sleep(0.5)
+                pss = [pss_kb(c["pid"]) for c in clones]
+                pss = [x for x in pss if x is not None]
+                tpl = pss_kb(p.pid)
+            finally:
+                stop_template(p, sock)
+            print(f"| {n} | {total*1e3:.0f} ms | {total*1e3/n:.2f} ms | "
+                  f"{statistics.median(pss)/1024:.1f} MiB | {tpl/1024:.1f} MiB |")
+            sys.stdout.flush()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="what", required=True)
+    lat = sub.add_parser("latency")
+    lat.add_argument("--runs", type=int, default=100)
+    lat.add_argument("--mem", default="128,512,2048,4096")
+    fo = sub.add_parser("fanout")
+    fo.add_argument("--counts", default="100,1000")
+    a = ap.parse_args()
+    for f in (TINY, VMM):
+        if not os.path.exists(f):
+            sys.exit(f"{f} missing: run `make release guest` first")
+    latency(a) if a.what == "latency" else fanout(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,16 +10,31 @@ $vmm run --kernel $g/tiny.elf --mem-mib 32 --vcpus 2 --ap-boot direct --cmdline 
 echo "== exit status $? =="
 echo "== flash cloning: a tiny-guest template asks for 3 clones through the clone port =="
 tmp=$(mktemp -d)
+vmpid=
+cleanup() {
+    if [ -n "$vmpid" ] && kill -0 "$vmpid" 2>/dev/null; then
+        $vmm shutdown --api-sock "$tmp/vm.sock" >/dev/null 2>&1 || kill -TERM "$vmpid"
+        wait "$vmpid" || true
+    fi
+    rm -rf "$tmp"
+}
+trap cleanup EXIT
 $vmm run --kernel $g/tiny.elf --mem-mib 128 --cmdline "ticks=2 beat=200 clonetest=3" \
-    --api-sock $tmp/vm.sock --console $tmp/vm.console 2>/dev/null &
+    --api-sock "$tmp/vm.sock" --console "$tmp/vm.console" </dev/null >/dev/null 2>&1 &
 vmpid=$!
-for _ in $(seq 100); do grep -q "own pattern" $tmp/vm.console 2>/dev/null && break; sleep 0.1; done
-$vmm clones --api-sock $tmp/vm.sock | python3 -m json.tool
-echo "-- API clone of the template (vmm fork --count 2):"
-$vmm fork --api-sock $tmp/vm.sock --count 2
-sleep 0.5
-for c in $tmp/vm.sock.*.console; do echo "-- $(basename $c):"; grep -v "beat" $c; tail -1 $c; done
-$vmm shutdown --api-sock $tmp/vm.sock; wait $vmpid; rm -rf $tmp
+for _ in $(seq 300); do
+    [ "$(cat "$tmp"/vm.console "$tmp"/vm.sock.*.console 2>/dev/null | grep -c 'own pattern')" = 4 ] && break
+    sleep 0.1
+done
+for c in "$tmp"/vm.console "$tmp"/vm.sock.*.console; do
+    echo "-- $(basename "$c"):"
+    grep -E "clone|pattern" "$c" || true
+done
+echo "-- two more clones from the API (vmm fork --count 2):"
+$vmm fork --api-sock "$tmp/vm.sock" --count 2
+$vmm clones --api-sock "$tmp/vm.sock" | python3 -m json.tool | grep -E '"id"|latency|"state"'
+cleanup
+trap - EXIT
 echo "== Linux 6.1 guest, 2 vCPUs, root on the read-only virtio-blk disk, running a command =="
 start=$(date +%s)
 $vmm --log-level info run --kernel $g/vmlinux --rootfs $g/rootfs.ext4 --mem-mib 256 --vcpus 2 \

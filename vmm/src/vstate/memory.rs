@@ -73,7 +73,11 @@ pub fn create_guest_memory(
         if prefault {
             // SAFETY: as above; MADV_POPULATE_WRITE faults the pages in writable.
             let rc = unsafe {
-                libc::madvise(host.cast(), region.len() as usize, libc::MADV_POPULATE_WRITE)
+                libc::madvise(
+                    host.cast(),
+                    region.len() as usize,
+                    libc::MADV_POPULATE_WRITE,
+                )
             };
             if rc != 0 {
                 return Err(MemoryError::Prefault(std::io::Error::last_os_error()));

@@ -201,6 +201,14 @@ impl Vm {
         }
     }
 
+    /// Shuts the VM down over the API and checks that the VMM exits with status 0.
+    pub fn shutdown(&mut self, timeout: Duration) {
+        let (code, body) = self.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#));
+        assert_eq!(code, 204, "shutdown refused: {body}");
+        let status = self.wait_exit(timeout);
+        assert!(status.success(), "exit {status}\n{}", self.stderr_text());
+    }
+
     /// One API request: returns (status, body).
     pub fn api(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
         api_request(&self.sock, method, path, body)

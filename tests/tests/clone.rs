@@ -138,12 +138,7 @@ fn busy_4_vcpu_guest_clones_keep_every_vcpu_timer_and_serial_running() {
         .map(|cpu| format!("tiny: cpu {cpu} beat {}\n", last_beat(&parent_now, cpu) + 2))
         .collect();
     wait_file(&parent_console, &want, BOOT);
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
     for c in &clones {
         let pid = c["pid"].as_i64().unwrap();
         assert!(!alive(pid), "clone {pid} outlived its parent's shutdown");
@@ -192,12 +187,7 @@ fn clone_of_a_clone_list_and_delete() {
     }
     assert_eq!(vm.api("DELETE", "/clones/1", None).0, 404);
     assert_eq!(vm.api("DELETE", "/clones/7", None).0, 404);
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 }
 
 fn last_beat_plain(console: &str) -> u64 {
@@ -235,12 +225,7 @@ fn paused_template_clones_and_stays_paused() {
     );
     let (_, body) = vm.api("GET", "/vm", None);
     assert!(body.contains(r#""state":"paused""#), "{body}");
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 }
 
 #[test]
@@ -269,12 +254,7 @@ fn bad_clone_requests_are_refused_and_the_parent_keeps_running() {
     assert_eq!(list, r#"{"clones":[]}"#);
     let now = last_beat_plain(&vm.console_text());
     vm.wait_console(&format!("tiny: beat {}\n", now + 2), BOOT);
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 
     // A VM with a virtio disk cannot be cloned yet: a clear 409, and it keeps running.
     let scratch = Scratch::new("clone-virtio");
@@ -299,12 +279,7 @@ fn bad_clone_requests_are_refused_and_the_parent_keeps_running() {
     assert!(answer.contains("virtio"), "{answer}");
     let now = last_beat_plain(&vm.console_text());
     vm.wait_console(&format!("tiny: beat {}\n", now + 2), BOOT);
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 }
 
 fn count_dir(path: String) -> usize {
@@ -371,12 +346,7 @@ fn two_hundred_clone_and_stop_cycles_leak_nothing() {
         list.iter().all(|c| c["status"]["state"] == "exited"),
         "{body}"
     );
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 }
 
 #[test]
@@ -437,12 +407,7 @@ fn guest_requested_clones_get_fork_like_results_and_isolated_memory() {
     // The parent goes on after its clones are gone.
     let beat = last_beat_plain(&vm.console_text());
     vm.wait_console(&format!("tiny: beat {}\n", beat + 2), BOOT);
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 }
 
 #[test]
@@ -463,10 +428,5 @@ fn guest_request_for_too_many_clones_fails_cleanly() {
         "{}",
         vm.stderr_text()
     );
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 }

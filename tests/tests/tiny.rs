@@ -128,12 +128,7 @@ fn pause_stops_the_guest_and_resume_continues_it() {
         204
     );
     vm.wait_console(&format!("tiny: beat {}\n", during + 3), BOOT);
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 }
 
 #[test]
@@ -183,12 +178,7 @@ fn api_rejects_bad_requests_and_keeps_running() {
     vm.wait_console("tiny: beat 2\n", BOOT);
     let (code, _) = vm.api("GET", "/vm", None);
     assert_eq!(code, 200);
-    assert_eq!(
-        vm.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#))
-            .0,
-        204
-    );
-    assert!(vm.wait_exit(BOOT).success());
+    vm.shutdown(BOOT);
 }
 
 #[test]

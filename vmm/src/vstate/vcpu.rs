@@ -185,6 +185,14 @@ fn install_kick_handler() -> Result<(), VcpuError> {
 }
 
 impl Vcpu {
+    fn new(id: u8, fd: VcpuFd) -> Self {
+        Self {
+            id,
+            fd,
+            clone_count: 1,
+        }
+    }
+
     /// Creates vCPU `id` and configures CPUID, MSRs, LAPIC LINTs and, for
     /// [`StartMode::Entry`], registers at the kernel entry.
     ///
@@ -218,14 +226,7 @@ impl Vcpu {
                 .map_err(cfg("mp_state"))?;
             }
         }
-        Ok((
-            Self {
-                id,
-                fd,
-                clone_count: 1,
-            },
-            skipped,
-        ))
+        Ok((Self::new(id, fd), skipped))
     }
 
     /// Creates a vCPU from saved state (a clone's). Returns it and the MSRs the host
@@ -236,14 +237,7 @@ impl Vcpu {
             .create_vcpu(u64::from(id))
             .map_err(|source| VcpuError::Create { id, source })?;
         let skipped = restore_vcpu(&fd, state)?;
-        Ok((
-            Self {
-                id,
-                fd,
-                clone_count: 1,
-            },
-            skipped,
-        ))
+        Ok((Self::new(id, fd), skipped))
     }
 
     /// Starts the vCPU thread. It reports its final exit on `exits` and signals

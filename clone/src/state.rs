@@ -74,10 +74,107 @@ pub struct DeviceStates {
 /// Everything a clone needs besides guest memory, which it inherits copy-on-write.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct MicrovmState {
+    /// Host CLOCK_MONOTONIC (ns) when the state was read: a clone restored later
+    /// advances the guest's clocks by the difference ([`MicrovmState::advance_clocks`]).
+    pub captured_at_ns: u64,
     /// VM-wide state.
     pub vm: VmState,
     /// Per-vCPU state, by index.
     pub vcpus: Vec<VcpuState>,
     /// Device state.
     pub devices: DeviceStates,
+}
+
+impl MicrovmState {
+    /// Moves the guest's clocks forward by `elapsed_ns` of host time, as if the guest had
+    /// kept running meanwhile: kvmclock by `elapsed_ns`, every vCPU's TSC by the cycles
+    /// its TSC frequency gives for that time (vCPUs with an unknown frequency keep their
+    /// TSC). Deadlines stay absolute, so a timer due meanwhile fires at once.
+    pub fn advance_clocks(&mut self, elapsed_ns: u64) {
+        self.vm.clock.clock = self.vm.clock.clock.wrapping_add(elapsed_ns);
+        for v in &mut self.vcpus {
+            let Some(khz) = v.tsc_khz else { continue };
+            let cycles = (u128::from(elapsed_ns) * u128::from(khz) / 1_000_000) as u64;
+            for m in v
+                .msrs
+                .iter_mut()
+                .filter(|m| m.index == crate::msrs::MSR_IA32_TSC)
+            {
+                m.data = m.data.wrapping_add(cycles);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_bindings::kvm_msr_entry;
+
+    fn state(tsc_khz: Option<u32>) -> MicrovmState {
+        let msr = |index, data| kvm_msr_entry {
+            index,
+            data,
+            ..Default::default()
+        };
+        let vcpu = VcpuState {
+            id: 0,
+            cpuid: CpuId::new(0).unwrap(),
+            mp_state: Default::default(),
+            regs: Default::default(),
+            sregs: Default::default(),
+            xsave: None,
+            xcrs: None,
+            debug_regs: Default::default(),
+            lapic: Default::default(),
+            msrs: vec![
+                msr(crate::msrs::MSR_IA32_TSC, 1_000),
+                msr(0x6e0, 5_000),
+                msr(0x1b, 7),
+            ],
+            vcpu_events: Default::default(),
+            tsc_khz,
+        };
+        MicrovmState {
+            captured_at_ns: 0,
+            vm: VmState {
+                pit: Default::default(),
+                clock: kvm_clock_data {
+                    clock: 10_000,
+                    ..Default::default()
+                },
+                pic_master: Default::default(),
+                pic_slave: Default::default(),
+                ioapic: Default::default(),
+            },
+            vcpus: vec![vcpu],
+            devices: DeviceStates::default(),
+        }
+    }
+
+    #[test]
+    fn clocks_advance_by_elapsed_time() {
+        // 2.5 GHz TSC, 3 ms later.
+        let mut s = state(Some(2_500_000));
+        s.advance_clocks(3_000_000);
+        assert_eq!(s.vm.clock.clock, 10_000 + 3_000_000);
+        let tsc = s.vcpus[0]
+            .msrs
+            .iter()
+            .find(|m| m.index == 0x10)
+            .unwrap()
+            .data;
+        assert_eq!(tsc, 1_000 + 7_500_000);
+        // Other MSRs, the TSC deadline included, are untouched.
+        let others: Vec<u64> = s.vcpus[0].msrs[1..].iter().map(|m| m.data).collect();
+        assert_eq!(others, vec![5_000, 7]);
+    }
+
+    #[test]
+    fn unknown_tsc_frequency_keeps_the_tsc() {
+        let mut s = state(None);
+        s.advance_clocks(1_000_000_000);
+        assert_eq!(s.vcpus[0].msrs[0].data, 1_000);
+        assert_eq!(s.vm.clock.clock, 1_000_010_000);
+    }
 }

@@ -442,6 +442,7 @@ impl Microvm {
             .unwrap_or_else(|p| p.into_inner())
             .save();
         Ok(MicrovmState {
+            captured_at_ns: crate::vstate::vcpu::monotonic_ns(),
             vm,
             vcpus,
             devices: DeviceStates { serial },
@@ -626,19 +627,18 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
         Some(&plan.state.devices.serial),
     )
     .map_err(BuildError::from)?;
-    let mut vcpus = Vec::with_capacity(plan.state.vcpus.len());
-    for s in &plan.state.vcpus {
-        let patched;
-        let s = match plan.guest_result {
-            // The vCPU that read the clone port reads this clone's sequence number.
-            Some((id, value)) if id == s.id => {
-                let mut p = s.clone();
-                p.regs.rax = value;
-                patched = p;
-                &patched
-            }
-            _ => s,
-        };
+    // The guest's clocks continue from the capture as if it had kept running.
+    let mut state = plan.state.clone();
+    let elapsed = crate::vstate::vcpu::monotonic_ns().saturating_sub(state.captured_at_ns);
+    state.advance_clocks(elapsed);
+    // The vCPU that read the clone port reads this clone's sequence number.
+    if let Some((id, value)) = plan.guest_result {
+        if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == id) {
+            v.regs.rax = value;
+        }
+    }
+    let mut vcpus = Vec::with_capacity(state.vcpus.len());
+    for s in &state.vcpus {
         let (v, skipped) = Vcpu::from_state(&vm, s)?;
         if !skipped.is_empty() {
             tracing::debug!("clone {}: host refused MSRs {skipped:#x?}", plan.id);
@@ -646,7 +646,7 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
         vcpus.push(v);
     }
     mark("devices+vcpus");
-    clone::vm::restore_vm(&vm, &plan.state.vm)?;
+    clone::vm::restore_vm(&vm, &state.vm)?;
     // The parent answers once every write end of the ready pipe is closed: vCPU 0's
     // (after it wrote its timestamp) and this one (after the control socket is up).
     let api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;

@@ -105,6 +105,9 @@ for applet in $(/bin/busybox --list); do
     [ "$applet" = busybox ] && continue
     ln -sf busybox "$root/bin/$applet"
 done
+for tool in "$repo"/guest/tools/*.c; do
+    gcc -static -O2 -Wall -Wextra -Werror -o "$root/usr/bin/$(basename "$tool" .c)" "$tool"
+done
 install -m 0755 "$repo/guest/init/init" "$root/init"
 install -m 0755 "$repo/guest/init/init" "$root/sbin/init"
 echo "forkvm guest $(cat "$repo/guest/init/VERSION")" > "$root/etc/forkvm-release"

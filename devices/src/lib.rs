@@ -6,6 +6,7 @@
 #![deny(missing_docs)]
 
 pub mod bus;
+pub mod entropy;
 pub mod legacy;
 pub mod probe;
 pub mod trigger;

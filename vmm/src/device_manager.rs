@@ -8,6 +8,7 @@ use kvm_ioctls::{IoEventAddress, VmFd};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use devices::entropy::{EntropyPort, ENTROPY_BASE, ENTROPY_LEN};
 use devices::legacy::{
     SerialConsole, SerialConsoleState, SerialRestoreError, COM1_BASE, COM1_GSI, COM1_LEN, I8042,
 };
@@ -129,6 +130,12 @@ impl DeviceManager {
             Arc::new(Mutex::new(ProbePort::new(u32::from(vcpus), probe.clone()))),
             PROBE_BASE,
             PROBE_LEN,
+        )?;
+
+        pio.insert(
+            Arc::new(Mutex::new(EntropyPort::new())),
+            ENTROPY_BASE,
+            ENTROPY_LEN,
         )?;
 
         Ok(Self {

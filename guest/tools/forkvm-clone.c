@@ -1,0 +1,154 @@
+/*
+ * forkvm-clone: ask the VMM for clones from inside a Linux guest (docs/guest-abi.md).
+ *
+ *   forkvm-clone [N]        make N clones (default 1); prints 0 in the parent and the
+ *                           clone's number in each clone, like fork(); exit 0, or 1 if
+ *                           the VMM refused (prints "failed"). Each clone first reseeds
+ *                           the kernel RNG with 64 bytes from the host (entropy port,
+ *                           RNDADDENTROPY + RNDRESEEDCRNG); --no-reseed skips that
+ *   forkvm-clone --done S   end this VM with exit status S (the done port)
+ *   forkvm-clone --probe    print whether the VMM is forkvm (probe port magic)
+ *
+ * Port access: ioperm() and 32-bit port I/O from user mode where the CPU allows it,
+ * otherwise /dev/port (byte-wide: clone numbers above 254 then read modulo 256).
+ * Needs root (CAP_SYS_RAWIO).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <linux/random.h>
+#include <sys/io.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#define PROBE_PORT 0xf40
+#define CLONE_PORT 0xf48
+#define DONE_PORT 0xf4c
+#define ENTROPY_PORT 0xf50
+#define RESEED_BYTES 64
+#define PROBE_MAGIC 0x4d564b46u /* "FKVM" */
+
+static int devport = -1;
+
+static int use_devport(void)
+{
+    if (devport < 0)
+        devport = open("/dev/port", O_RDWR | O_CLOEXEC);
+    return devport;
+}
+
+static int port_access(void)
+{
+    int ioperm_errno = 0;
+    if (getenv("FORKVM_CLONE_DEVPORT") == NULL) {
+        if (ioperm(PROBE_PORT, ENTROPY_PORT + 4 - PROBE_PORT, 1) == 0)
+            return 0;
+        ioperm_errno = errno;
+    }
+    if (use_devport() >= 0)
+        return 1;
+    fprintf(stderr, "forkvm-clone: no port access (ioperm: %s; /dev/port: %s)\n",
+            strerror(ioperm_errno), strerror(errno));
+    exit(2);
+}
+
+static void out32(int mode, uint16_t port, uint32_t v)
+{
+    if (mode == 0) {
+        outl(v, port);
+        return;
+    }
+    uint8_t b = (uint8_t)v;
+    if (pwrite(devport, &b, 1, port) != 1) {
+        perror("forkvm-clone: /dev/port write");
+        exit(2);
+    }
+}
+
+static uint32_t in32(int mode, uint16_t port)
+{
+    if (mode == 0)
+        return inl(port);
+    uint8_t b;
+    if (pread(devport, &b, 1, port) != 1) {
+        perror("forkvm-clone: /dev/port read");
+        exit(2);
+    }
+    return b == 0xff ? 0xffffffffu : b;
+}
+
+/* Reseeds the kernel CRNG with host entropy; returns 0 or -1 (reason on stderr). */
+static int reseed(int mode)
+{
+    struct {
+        int entropy_count;
+        int buf_size;
+        uint32_t buf[RESEED_BYTES / 4];
+    } pool;
+    for (int i = 0; i < RESEED_BYTES / 4; i++) {
+        uint32_t v = 0;
+        if (mode == 0) {
+            v = inl(ENTROPY_PORT);
+        } else {
+            for (int b = 0; b < 4; b++)
+                v = (v << 8) | (in32(mode, ENTROPY_PORT) & 0xff);
+        }
+        pool.buf[i] = v;
+    }
+    pool.entropy_count = RESEED_BYTES * 8;
+    pool.buf_size = RESEED_BYTES;
+    int fd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
+    if (fd < 0 || ioctl(fd, RNDADDENTROPY, &pool) != 0 || ioctl(fd, RNDRESEEDCRNG) != 0) {
+        perror("forkvm-clone: reseeding the kernel RNG");
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    int mode = port_access();
+    if (argc > 1 && strcmp(argv[1], "--probe") == 0) {
+        uint32_t m = 0;
+        if (mode == 0) {
+            m = inl(PROBE_PORT);
+        } else {
+            uint8_t b[4];
+            if (pread(devport, b, 4, PROBE_PORT) != 4)
+                return 2;
+            m = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+        }
+        printf("%s (port access: %s)\n", m == PROBE_MAGIC ? "forkvm" : "not forkvm",
+               mode == 0 ? "ioperm" : "/dev/port");
+        return m == PROBE_MAGIC ? 0 : 1;
+    }
+    if (argc > 2 && strcmp(argv[1], "--done") == 0) {
+        out32(mode, DONE_PORT, (uint32_t)strtoul(argv[2], NULL, 0));
+        for (;;)
+            pause();
+    }
+    int do_reseed = 1;
+    if (argc > 1 && strcmp(argv[1], "--no-reseed") == 0) {
+        do_reseed = 0;
+        argv++;
+        argc--;
+    }
+    unsigned long n = argc > 1 ? strtoul(argv[1], NULL, 0) : 1;
+    fflush(stdout);
+    out32(mode, CLONE_PORT, (uint32_t)n);
+    uint32_t r = in32(mode, CLONE_PORT);
+    if (r == 0xffffffffu) {
+        printf("failed\n");
+        return 1;
+    }
+    if (r != 0 && do_reseed && reseed(mode) != 0)
+        return 3;
+    printf("%u\n", r);
+    return 0;
+}

@@ -616,6 +616,7 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
     let mut config = plan.config.clone();
     config.api_sock = Some(plan.api_sock.clone());
     config.console = ConsoleSink::File(plan.console.clone());
+    mark("signals");
     let kvm = KvmContext::open().map_err(BuildError::from)?;
     mark("kvm");
     let vm = create_vm(&kvm, plan.mem).map_err(BuildError::from)?;
@@ -627,6 +628,7 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
         Some(&plan.state.devices.serial),
     )
     .map_err(BuildError::from)?;
+    mark("devices");
     // The guest's clocks continue from the capture as if it had kept running.
     let mut state = plan.state.clone();
     let elapsed = crate::vstate::vcpu::monotonic_ns().saturating_sub(state.captured_at_ns);
@@ -645,8 +647,9 @@ fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError
         }
         vcpus.push(v);
     }
-    mark("devices+vcpus");
+    mark("vcpus");
     clone::vm::restore_vm(&vm, &state.vm)?;
+    mark("vm state");
     // The parent answers once every write end of the ready pipe is closed: vCPU 0's
     // (after it wrote its timestamp) and this one (after the control socket is up).
     let api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;

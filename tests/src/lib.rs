@@ -228,6 +228,27 @@ impl Drop for Vm {
     }
 }
 
+/// Starts forkvm's tiny test guest with `mem_mib` MiB, `vcpus` vCPUs (all started by
+/// the VMM, `--ap-boot direct`) and its command line (docs/tiny-guest.md).
+pub fn tiny_vm(scratch: &Scratch, mem_mib: &str, vcpus: &str, cmdline: &str) -> Vm {
+    let tiny = guest_file("tiny.elf").display().to_string();
+    Vm::start(
+        scratch,
+        &[
+            "--kernel",
+            &tiny,
+            "--mem-mib",
+            mem_mib,
+            "--vcpus",
+            vcpus,
+            "--ap-boot",
+            "direct",
+            "--cmdline",
+            cmdline,
+        ],
+    )
+}
+
 /// Sends a raw HTTP request over a Unix socket and returns (status, body).
 pub fn api_request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
     let body = body.unwrap_or("");

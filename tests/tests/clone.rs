@@ -5,28 +5,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{api_request, guest_file, kvm_available, Scratch, Vm};
+use tests::{api_request, guest_file, kvm_available, tiny_vm, Scratch, Vm};
 
 const BOOT: Duration = Duration::from_secs(30);
-
-fn tiny_vm(scratch: &Scratch, vcpus: &str, cmdline: &str) -> Vm {
-    let tiny = guest_file("tiny.elf").display().to_string();
-    Vm::start(
-        scratch,
-        &[
-            "--kernel",
-            &tiny,
-            "--mem-mib",
-            "64",
-            "--vcpus",
-            vcpus,
-            "--ap-boot",
-            "direct",
-            "--cmdline",
-            cmdline,
-        ],
-    )
-}
 
 fn post_clones(sock: &Path, count: u64) -> Vec<Value> {
     let (code, body) = api_request(
@@ -96,7 +77,7 @@ fn busy_4_vcpu_guest_clones_keep_every_vcpu_timer_and_serial_running() {
         return;
     }
     let scratch = Scratch::new("clone-busy");
-    let mut vm = tiny_vm(&scratch, "4", "ticks=2 beat=20 busy=1");
+    let mut vm = tiny_vm(&scratch, "64", "4", "ticks=2 beat=20 busy=1");
     let needles: Vec<String> = (0..4).map(|c| format!("tiny: cpu {c} beat 2\n")).collect();
     vm.wait_console(&needles[3], BOOT);
     let parent_console = vm.console.display().to_string();
@@ -152,7 +133,7 @@ fn clone_of_a_clone_list_and_delete() {
         return;
     }
     let scratch = Scratch::new("clone-tree");
-    let mut vm = tiny_vm(&scratch, "2", "ticks=2 beat=10");
+    let mut vm = tiny_vm(&scratch, "64", "2", "ticks=2 beat=10");
     vm.wait_console("tiny: beat 2\n", BOOT);
     let first = post_clones(&vm.sock, 1).remove(0);
     assert_eq!(first["id"], "1");
@@ -205,7 +186,7 @@ fn paused_template_clones_and_stays_paused() {
         return;
     }
     let scratch = Scratch::new("clone-template");
-    let mut vm = tiny_vm(&scratch, "1", "ticks=2 beat=10");
+    let mut vm = tiny_vm(&scratch, "64", "1", "ticks=2 beat=10");
     vm.wait_console("tiny: beat 2\n", BOOT);
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     let before = last_beat_plain(&vm.console_text());
@@ -234,7 +215,7 @@ fn bad_clone_requests_are_refused_and_the_parent_keeps_running() {
         return;
     }
     let scratch = Scratch::new("clone-bad");
-    let mut vm = tiny_vm(&scratch, "1", "ticks=1 beat=10");
+    let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 beat=10");
     vm.wait_console("tiny: beat 1\n", BOOT);
     let cases: &[(&str, u16, &str)] = &[
         (r#"{"count":0}"#, 400, "1 to 1000"),
@@ -300,7 +281,7 @@ fn two_hundred_clone_and_stop_cycles_leak_nothing() {
         return;
     }
     let scratch = Scratch::new("clone-leak");
-    let mut vm = tiny_vm(&scratch, "1", "ticks=1 beat=50");
+    let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 beat=50");
     vm.wait_console("tiny: beat 1\n", BOOT);
     let pid = vm.child.id();
     // One cycle first, so lazily created state (capture spec, ...) exists before counting.
@@ -359,7 +340,7 @@ fn guest_requested_clones_get_fork_like_results_and_isolated_memory() {
     // and every side checks the inherited pattern, writes its own, waits two beats (so
     // the others have written theirs) and verifies it. Clones then report done with
     // their number as exit status.
-    let mut vm = tiny_vm(&scratch, "1", "ticks=2 beat=20 clonetest=3 done=1");
+    let mut vm = tiny_vm(&scratch, "64", "1", "ticks=2 beat=20 clonetest=3 done=1");
     let slow = Duration::from_secs(120); // 2 MiB loops at CPL 0 run in the emulator here
     let parent = vm.wait_console("tiny: own pattern, clone 0", slow);
     assert!(parent.contains("tiny: clone 0\n"), "{parent}");
@@ -416,7 +397,7 @@ fn guest_request_for_too_many_clones_fails_cleanly() {
         return;
     }
     let scratch = Scratch::new("clone-guest-bad");
-    let mut vm = tiny_vm(&scratch, "1", "ticks=1 beat=10 clonetest=5000");
+    let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 beat=10 clonetest=5000");
     let text = vm.wait_console("tiny: clone failed\n", Duration::from_secs(120));
     assert!(!text.contains("tiny: clone 0"), "{text}");
     vm.wait_console("tiny: beat 2\n", BOOT);

@@ -3,31 +3,12 @@
 
 use std::time::Duration;
 
-use tests::{guest_file, kvm_available, run_vmm, Scratch, Vm};
+use tests::{guest_file, kvm_available, run_vmm, tiny_vm, Scratch};
 
 const BOOT: Duration = Duration::from_secs(30);
 
 fn tiny() -> String {
     guest_file("tiny.elf").display().to_string()
-}
-
-/// Starts the tiny guest with `vcpus` (all started directly) and its command line.
-fn tiny_vm(scratch: &Scratch, mem_mib: &str, vcpus: &str, cmdline: &str) -> Vm {
-    Vm::start(
-        scratch,
-        &[
-            "--kernel",
-            &tiny(),
-            "--mem-mib",
-            mem_mib,
-            "--vcpus",
-            vcpus,
-            "--ap-boot",
-            "direct",
-            "--cmdline",
-            cmdline,
-        ],
-    )
 }
 
 #[test]

@@ -23,6 +23,7 @@ pub const PROBE_MAGIC: u32 = u32::from_le_bytes(*b"FKVM");
 pub struct ProbeStats {
     writes: AtomicU64,
     last: AtomicU32,
+    first_write_ns: AtomicU64,
 }
 
 impl ProbeStats {
@@ -34,6 +35,21 @@ impl ProbeStats {
     pub fn last(&self) -> u32 {
         self.last.load(Ordering::Acquire)
     }
+    /// Host CLOCK_MONOTONIC (ns) of the first write, 0 before any: in a clone, when its
+    /// guest code first ran after the clone point (benchmarks use it).
+    pub fn first_write_ns(&self) -> u64 {
+        self.first_write_ns.load(Ordering::Acquire)
+    }
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// The probe device.
@@ -70,9 +86,12 @@ impl BusDevice for ProbePort {
         let n = data.len().min(4);
         bytes[..n].copy_from_slice(&data[..n]);
         let value = u32::from_le_bytes(bytes);
-        tracing::debug!("probe: guest wrote {value:#x}");
+        if self.stats.writes.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.stats
+                .first_write_ns
+                .store(monotonic_ns(), Ordering::Release);
+        }
         self.stats.last.store(value, Ordering::Release);
-        self.stats.writes.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -94,5 +113,13 @@ mod tests {
         p.write(4, &[0x9]);
         assert_eq!(stats.writes(), 2);
         assert_eq!(stats.last(), 7);
+        let first = stats.first_write_ns();
+        assert!(first > 0 && first <= monotonic_ns());
+        p.write(0, &[0x8]);
+        assert_eq!(
+            stats.first_write_ns(),
+            first,
+            "only the first write is timed"
+        );
     }
 }

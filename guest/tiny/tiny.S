@@ -24,6 +24,8 @@
  *             (255 if its pattern was bad): its VMM exits with that status
  *   tickless=1  after the checks, the BSP masks its timer and halts for good
  *             (prints "tiny: tickless"); for benchmarks with many idle clones
+ *   probespin=1  after the checks, the BSP writes the probe port in a tight loop
+ *             with interrupts off (clone benchmarks time a clone's first write)
  *   busy=1    every CPU spins instead of halting and prints "tiny: cpu N beat K"
  *             every `beat` ticks (exit= does not apply)
  *
@@ -197,6 +199,8 @@ bsp_main:
     call clonetest
 1:  cmpq $0, opt_busy(%rip)
     jne  busy_beats
+    cmpq $0, opt_probespin(%rip)
+    jne  probe_spin
     cmpq $0, opt_tickless(%rip)
     je   heartbeat
     /* tickless=1: stop this CPU's timer and halt for good (idle clones cost nothing). */
@@ -289,6 +293,17 @@ print_result:
     call putc
 2:  call unlock_serial
     ret
+
+/*
+ * probespin=1: the BSP writes the probe port in a tight loop with interrupts off, so a
+ * clone's first probe write marks, within microseconds, when its guest code ran again.
+ */
+probe_spin:
+    cli
+    movl $PROBE_PORT, %edx
+1:  movl $0x5,  %eax
+    outl %eax, %dx
+    jmp  1b
 
 /* memtest: rcx = MiB. Fill with the address pattern, verify, print result. */
 memtest:
@@ -524,6 +539,9 @@ parse_cmdline:
     leaq key_tickless(%rip), %rdi
     leaq opt_tickless(%rip), %rdx
     call cmdline_opt
+    leaq key_probespin(%rip), %rdi
+    leaq opt_probespin(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -593,6 +611,7 @@ key_busy:       .asciz "busy="
 key_clonetest:  .asciz "clonetest="
 key_done:       .asciz "done="
 key_tickless:   .asciz "tickless="
+key_probespin:  .asciz "probespin="
 
     .align 16
 gdt:
@@ -617,6 +636,7 @@ opt_busy:    .quad 0
 opt_clonetest: .quad 0
 opt_done:    .quad 0
 opt_tickless: .quad 0
+opt_probespin: .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

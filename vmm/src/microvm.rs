@@ -196,6 +196,7 @@ impl Microvm {
             "probe": {
                 "writes": self.devices.probe.writes(),
                 "last": self.devices.probe.last(),
+                "first_write_ns": self.devices.probe.first_write_ns(),
             },
         })
     }

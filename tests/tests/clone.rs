@@ -463,3 +463,42 @@ fn a_thousand_clones_from_one_template() {
         assert!(!Path::new(c["api_sock"].as_str().unwrap()).exists());
     }
 }
+
+#[test]
+fn clones_die_with_a_sigkilled_parent() {
+    if !kvm_available("clones_die_with_parent") {
+        return;
+    }
+    let scratch = Scratch::new("clone-sigkill");
+    let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 tickless=1");
+    vm.wait_console("tiny: tickless\n", BOOT);
+    let clones = post_clones(&vm.sock, 3);
+    let grandchild = post_clones(Path::new(clones[0]["api_sock"].as_str().unwrap()), 1).remove(0);
+    // A clone whose console is discarded: no file, and it runs like the others.
+    let (code, body) = vm.api("POST", "/clones", Some(r#"{"count":1,"console":"null"}"#));
+    assert_eq!(code, 201, "{body}");
+    let quiet: Value = serde_json::from_str::<Value>(&body).unwrap()["clones"][0].clone();
+    assert_eq!(quiet["console"], "/dev/null");
+    assert!(!Path::new(&format!("{}.console", quiet["api_sock"].as_str().unwrap())).exists());
+    let (code, _) = api_request(
+        Path::new(quiet["api_sock"].as_str().unwrap()),
+        "GET",
+        "/vm",
+        None,
+    );
+    assert_eq!(code, 200);
+    // No chance to clean up: PR_SET_PDEATHSIG must take every clone (and theirs) down.
+    vm.child.kill().unwrap();
+    vm.child.wait().unwrap();
+    let start = Instant::now();
+    for c in clones.iter().chain([&grandchild, &quiet]) {
+        let pid = c["pid"].as_i64().unwrap();
+        while alive(pid) {
+            assert!(
+                start.elapsed() < BOOT,
+                "clone {pid} outlived its SIGKILLed parent"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}

@@ -30,6 +30,7 @@ use clone::vcpu::CaptureSpec;
 use clone::{DeviceStates, MicrovmState};
 
 use crate::api::server::ApiServer;
+use crate::api::CloneConsole;
 use crate::builder::{start_vcpus, BuildError};
 use crate::config::{ConsoleSink, VmConfig};
 use crate::device_manager::DeviceManager;
@@ -266,7 +267,7 @@ impl Microvm {
     /// `count` clones. Failures are logged and reported to the guest.
     pub(crate) fn guest_clone_request(&mut self, vcpu: u8, count: u32) {
         let requested = crate::vstate::vcpu::monotonic_ns();
-        match self.make_clones(u64::from(count), requested, Some(vcpu)) {
+        match self.make_clones(u64::from(count), requested, Some(vcpu), CloneConsole::File) {
             Ok(made) => tracing::info!(
                 "guest on vCPU {vcpu} made {} clone(s): {}",
                 made.len(),
@@ -298,12 +299,14 @@ impl Microvm {
     /// Makes `count` clones. `requested_ns` is when the request reached the VMM
     /// (CLOCK_MONOTONIC), for the latency figures. `requester` is the parked vCPU of a
     /// guest request: each clone's copy of it reads the clone's sequence number, the
-    /// parent's reads 0, or [`CLONE_FAILED`].
+    /// parent's reads 0, or [`CLONE_FAILED`]. `console` says where the clones' consoles
+    /// go.
     pub fn make_clones(
         &mut self,
         count: u64,
         requested_ns: u64,
         requester: Option<u8>,
+        console: CloneConsole,
     ) -> Result<Vec<CloneInfo>, CloneError> {
         if let Err(e) = self.check_clone_request(count) {
             self.release_requester(requester, CLONE_FAILED);
@@ -322,8 +325,8 @@ impl Microvm {
             if sock.as_os_str().len() > MAX_SOCK_PATH {
                 return Err(CloneError::PathTooLong(sock.display().to_string()));
             }
-            let console = match &self.config.console {
-                ConsoleSink::Null => PathBuf::from("/dev/null"),
+            let console = match (&self.config.console, console) {
+                (ConsoleSink::Null, _) | (_, CloneConsole::Null) => PathBuf::from("/dev/null"),
                 _ => PathBuf::from(format!("{}.console", sock.display())),
             };
             plans.push((id, sock, console, seq));

@@ -49,6 +49,9 @@ struct ForkArgs {
     /// How many clones.
     #[arg(long, default_value_t = 1)]
     count: u64,
+    /// Where the clones' consoles go: a file per clone, or nowhere.
+    #[arg(long, default_value = "file", value_parser = ["file", "null"])]
+    console: String,
 }
 
 #[derive(clap::Args)]
@@ -129,7 +132,7 @@ fn api_call(sock: &Path, method: &str, path: &str, body: Option<&str>) -> ExitCo
 }
 
 fn fork(f: &ForkArgs) -> ExitCode {
-    let body = format!(r#"{{"count":{}}}"#, f.count);
+    let body = format!(r#"{{"count":{},"console":"{}"}}"#, f.count, f.console);
     let r = match client::request(&f.api_sock, "POST", "/clones", Some(&body)) {
         Ok(r) => r,
         Err(e) => {

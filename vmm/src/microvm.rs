@@ -233,27 +233,29 @@ impl Microvm {
                 Err(reply) => (reply, None),
             },
             ApiRequest::Shutdown => (ApiReply::no_content(), Some(RunOutcome::ApiShutdown)),
-            ApiRequest::CreateClones { count, received_ns } => {
-                match self.make_clones(count, received_ns, None) {
-                    Ok(made) => (
-                        ApiReply {
-                            status: 201,
-                            body: Some(json!({ "clones": made }).to_string()),
-                        },
-                        None,
-                    ),
-                    Err(e) => {
-                        let status = match e {
-                            CloneError::Count(_) | CloneError::PathTooLong(_) => 400,
-                            CloneError::State(_)
-                            | CloneError::Unsupported(_)
-                            | CloneError::TooMany { .. } => 409,
-                            _ => 500,
-                        };
-                        (ApiReply::error(status, e), None)
-                    }
+            ApiRequest::CreateClones {
+                count,
+                received_ns,
+                console,
+            } => match self.make_clones(count, received_ns, None, console) {
+                Ok(made) => (
+                    ApiReply {
+                        status: 201,
+                        body: Some(json!({ "clones": made }).to_string()),
+                    },
+                    None,
+                ),
+                Err(e) => {
+                    let status = match e {
+                        CloneError::Count(_) | CloneError::PathTooLong(_) => 400,
+                        CloneError::State(_)
+                        | CloneError::Unsupported(_)
+                        | CloneError::TooMany { .. } => 409,
+                        _ => 500,
+                    };
+                    (ApiReply::error(status, e), None)
                 }
-            }
+            },
             ApiRequest::ListClones => {
                 self.clones.reap();
                 (ApiReply::ok(json!({ "clones": self.clones.list() })), None)

@@ -26,6 +26,8 @@ pub enum ApiRequest {
         count: u64,
         /// Arrival time.
         received_ns: u64,
+        /// Where the clones' consoles go.
+        console: CloneConsole,
     },
     /// `GET /clones`
     ListClones,
@@ -49,11 +51,25 @@ struct PatchVm {
     state: TargetState,
 }
 
+/// Where a clone's serial console goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CloneConsole {
+    /// A file per clone, `<clone socket>.console` (discarded when the parent's own
+    /// console is `null`).
+    #[default]
+    File,
+    /// Discarded.
+    Null,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CreateClones {
     #[serde(default = "one")]
     count: u64,
+    #[serde(default)]
+    console: CloneConsole,
 }
 
 fn one() -> u64 {
@@ -123,12 +139,19 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
         }
         ("POST", "/clones") => {
             let received_ns = crate::vstate::vcpu::monotonic_ns();
-            let count = if req.body.iter().all(u8::is_ascii_whitespace) {
-                1
+            let body = if req.body.iter().all(u8::is_ascii_whitespace) {
+                CreateClones {
+                    count: 1,
+                    console: CloneConsole::File,
+                }
             } else {
-                parse_json::<CreateClones>(&req.body)?.count
+                parse_json::<CreateClones>(&req.body)?
             };
-            Ok(ApiRequest::CreateClones { count, received_ns })
+            Ok(ApiRequest::CreateClones {
+                count: body.count,
+                received_ns,
+                console: body.console,
+            })
         }
         ("GET", "/clones") => Ok(ApiRequest::ListClones),
         ("DELETE", path) if path.starts_with("/clones/") && path.len() > "/clones/".len() => Ok(
@@ -171,8 +194,26 @@ mod tests {
         ));
         assert!(matches!(
             route(&req("POST", "/clones", "")),
-            Ok(ApiRequest::CreateClones { count: 1, .. })
+            Ok(ApiRequest::CreateClones {
+                count: 1,
+                console: CloneConsole::File,
+                ..
+            })
         ));
+        assert!(matches!(
+            route(&req("POST", "/clones", r#"{"count":2,"console":"null"}"#)),
+            Ok(ApiRequest::CreateClones {
+                count: 2,
+                console: CloneConsole::Null,
+                ..
+            })
+        ));
+        assert_eq!(
+            route(&req("POST", "/clones", r#"{"console":"tty"}"#))
+                .unwrap_err()
+                .status,
+            400
+        );
         assert_eq!(
             route(&req("GET", "/clones", "")),
             Ok(ApiRequest::ListClones)

@@ -10,6 +10,7 @@ pub mod entropy;
 pub mod legacy;
 pub mod probe;
 pub mod trigger;
+pub mod util;
 pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError};

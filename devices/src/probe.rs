@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::bus::BusDevice;
+use crate::util::{fill_le, monotonic_ns, read_le};
 
 /// Port base.
 pub const PROBE_BASE: u64 = 0xf40;
@@ -42,16 +43,6 @@ impl ProbeStats {
     }
 }
 
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// The probe device.
 pub struct ProbePort {
     vcpus: u32,
@@ -72,20 +63,14 @@ impl BusDevice for ProbePort {
             4 => self.vcpus,
             _ => u32::MAX,
         };
-        let bytes = value.to_le_bytes();
-        let n = data.len().min(4);
-        data[..n].copy_from_slice(&bytes[..n]);
-        data[n..].fill(0);
+        fill_le(data, value);
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         if offset != 0 {
             return;
         }
-        let mut bytes = [0u8; 4];
-        let n = data.len().min(4);
-        bytes[..n].copy_from_slice(&data[..n]);
-        let value = u32::from_le_bytes(bytes);
+        let value = read_le(data);
         if self.stats.writes.fetch_add(1, Ordering::AcqRel) == 0 {
             self.stats
                 .first_write_ns

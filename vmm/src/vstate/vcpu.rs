@@ -19,6 +19,8 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use clone::vcpu::{restore_vcpu, save_vcpu, CaptureSpec};
 use clone::VcpuState;
+pub use devices::util::monotonic_ns;
+use devices::util::{fill_le, read_le};
 use devices::Bus;
 
 use crate::arch::x86_64::msr::{boot_msr_entries, set_msrs_skipping, MsrError};
@@ -476,17 +478,6 @@ pub struct VcpuHandle {
     run_base: usize,
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: comparable across processes on this host.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl VcpuHandle {
@@ -588,22 +579,6 @@ impl Drop for VcpuHandle {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-/// Writes `value` into a port-read buffer of any width (little-endian, truncated).
-fn fill_le(data: &mut [u8], value: u32) {
-    let bytes = value.to_le_bytes();
-    for (i, b) in data.iter_mut().enumerate() {
-        *b = bytes.get(i).copied().unwrap_or(0);
-    }
-}
-
-/// Reads a port-write buffer of any width as a little-endian u32.
-fn read_le(data: &[u8]) -> u32 {
-    let mut bytes = [0u8; 4];
-    let n = data.len().min(4);
-    bytes[..n].copy_from_slice(&data[..n]);
-    u32::from_le_bytes(bytes)
 }
 
 /// LAPIC local interrupt pins: LINT0 as ExtINT (the PIC), LINT1 as NMI.

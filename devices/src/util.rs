@@ -1,0 +1,53 @@
+//! Small helpers shared by device models and the VMM.
+
+/// CLOCK_MONOTONIC in nanoseconds: comparable across processes on this host.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Writes `value` into a port-read buffer of any width (little-endian, truncated,
+/// zero beyond 4 bytes).
+pub fn fill_le(data: &mut [u8], value: u32) {
+    let bytes = value.to_le_bytes();
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = bytes.get(i).copied().unwrap_or(0);
+    }
+}
+
+/// Reads a port-write buffer of any width as a little-endian u32 (bytes beyond 4
+/// ignored).
+pub fn read_le(data: &[u8]) -> u32 {
+    let mut bytes = [0u8; 4];
+    let n = data.len().min(4);
+    bytes[..n].copy_from_slice(&data[..n]);
+    u32::from_le_bytes(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn little_endian_any_width() {
+        let mut one = [0u8; 1];
+        fill_le(&mut one, 0x1234_5678);
+        assert_eq!(one, [0x78]);
+        let mut eight = [0xaau8; 8];
+        fill_le(&mut eight, 0x1234_5678);
+        assert_eq!(eight, [0x78, 0x56, 0x34, 0x12, 0, 0, 0, 0]);
+        assert_eq!(read_le(&[0x07]), 7);
+        assert_eq!(read_le(&[1, 2, 3, 4, 5]), 0x0403_0201);
+    }
+
+    #[test]
+    fn monotonic_advances() {
+        let a = monotonic_ns();
+        assert!(a > 0 && monotonic_ns() >= a);
+    }
+}

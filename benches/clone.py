@@ -2,7 +2,8 @@
 """Clone benchmarks with the tiny guest.
 
 latency: for each guest memory size (all of it touched: --prefault), with and without
-  transparent huge pages, clone a running template N times, one clone per request, and
+  transparent huge pages, and for a running template, a paused one, and a paused one
+  with warm clones (--warm-clones), clone the template N times, one clone per request, and
   record (a) the VMM's own figure, from the request reaching the VMM to the clone's
   vCPU 0 entering the guest, and (b) end to end, from the client sending POST /clones
   to the answer (the clone's guest is running and its socket is up). Each clone is
@@ -55,7 +56,7 @@ TEMPLATES = 0
 
 
 def start_template(tmp, mem, thp, prefault=True, guest="ticks=1 tickless=1",
-                   ready=b"tiny: tickless"):
+                   ready=b"tiny: tickless", warm=0):
     global TEMPLATES
     TEMPLATES += 1
     sock = os.path.join(tmp, f"t{TEMPLATES}-{mem}{'h' if thp else 'n'}.sock")
@@ -66,6 +67,8 @@ def start_template(tmp, mem, thp, prefault=True, guest="ticks=1 tickless=1",
         cmd.append("--prefault")
     if not thp:
         cmd.append("--no-thp")
+    if warm:
+        cmd += ["--warm-clones", str(warm)]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -120,33 +123,84 @@ def latency(a):
     mems = [int(m) for m in a.mem.split(",")]
     print(f"Clone latency, tiny guest, 1 vCPU, all guest memory touched; {a.runs} clones "
           f"per row, one per request, each deleted before the next (ms):\n")
-    print("| memory | THP | measure | min | median | p99 |")
-    print("|---|---|---|---|---|---|")
+    print("| memory | THP | template | measure | min | median | p99 |")
+    print("|---|---|---|---|---|---|---|")
     cold = {}
     with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
         for mem in mems:
             for thp in (True, False):
-                p, sock = start_template(tmp, mem, thp)
-                vmm_ms, e2e_ms = [], []
-                try:
-                    for _ in range(a.runs):
-                        t = time.perf_counter()
-                        code, body = api(sock, "POST", "/clones", '{"count":1}')
-                        e2e_ms.append((time.perf_counter() - t) * 1e3)
-                        if code != 201:
-                            sys.exit(f"clone failed: {code} {body}")
-                        c = json.loads(body)["clones"][0]
-                        vmm_ms.append(c["latency_us"] / 1e3)
-                        api(sock, "DELETE", f"/clones/{c['id']}")
-                        os.unlink(c["console"])
-                finally:
-                    stop_template(p, sock)
-                th = "on" if thp else "off"
-                print(row(f"{mem} MiB | {th} | request to clone vCPU 0 in guest", vmm_ms))
-                print(row(f"{mem} MiB | {th} | client end to end", e2e_ms))
-                sys.stdout.flush()
+                for mode in MODES:
+                    vmm_ms, e2e_ms, note = clone_series(tmp, mem, thp, mode, a.runs)
+                    th = "on" if thp else "off"
+                    print(row(f"{mem} MiB | {th} | {mode} | request to clone vCPU 0 in guest{note}",
+                              vmm_ms))
+                    print(row(f"{mem} MiB | {th} | {mode} | client end to end", e2e_ms))
+                    sys.stdout.flush()
             cold[mem] = [cold_boot(mem) * 1e3 for _ in range(max(10, a.runs // 10))]
-            print(row(f"{mem} MiB | on | cold boot, process start to first line", cold[mem]))
+            print(row(f"{mem} MiB | on | - | cold boot, process start to first line", cold[mem]))
+
+
+# running: the template runs, each request pauses, captures, forks and resumes it.
+# paused: the template is paused; its state is captured once and each request forks.
+# warm: paused with --warm-clones 4: requests launch clones forked and prepared ahead.
+MODES = ("running", "paused", "warm")
+WARM = 4
+
+
+def wait_warm(sock, n, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        _, body = api(sock, "GET", "/vm")
+        if json.loads(body)["warm_clones"]["ready"] >= n:
+            return
+        time.sleep(0.002)
+    sys.exit("warm clones were not refilled")
+
+
+def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None):
+    kw = {} if guest is None else {"guest": guest, "ready": ready}
+    p, sock = start_template(tmp, mem, thp, warm=WARM if mode == "warm" else 0, **kw)
+    vmm_ms, e2e_ms, guest_ms = [], [], []
+    try:
+        if mode != "running":
+            api(sock, "PATCH", "/vm", '{"state":"paused"}')
+        for _ in range(runs):
+            if mode == "warm":
+                # Measure a request served from the pool: wait for the refill first.
+                wait_warm(sock, 1)
+            t_ns = time.monotonic_ns()
+            t = time.perf_counter()
+            code, body = api(sock, "POST", "/clones", '{"count":1}')
+            e2e_ms.append((time.perf_counter() - t) * 1e3)
+            if code != 201:
+                sys.exit(f"clone failed: {code} {body}")
+            c = json.loads(body)["clones"][0]
+            vmm_ms.append(c["latency_us"] / 1e3)
+            if guest is not None:
+                # The clone's guest may not have run yet when its socket is up (a busy
+                # host): ask again until it has written the port.
+                deadline = time.time() + 5
+                while True:
+                    _, vm = api(c["api_sock"], "GET", "/vm")
+                    first = json.loads(vm)["probe"]["first_write_ns"]
+                    if first or time.time() > deadline:
+                        break
+                    time.sleep(0.001)
+                if first == 0:
+                    sys.exit(f"clone {c['id']} never wrote the probe port")
+                guest_ms.append((first - t_ns) / 1e6)
+            api(sock, "DELETE", f"/clones/{c['id']}")
+            os.unlink(c["console"])
+        note = ""
+        if mode == "warm":
+            _, body = api(sock, "GET", "/vm")
+            launched = json.loads(body)["warm_clones"]["launched"]
+            note = f" ({launched}/{runs} from the pool)"
+    finally:
+        stop_template(p, sock)
+    if guest is not None:
+        return vmm_ms, guest_ms, note
+    return vmm_ms, e2e_ms, note
 
 
 def e2e(a):
@@ -154,31 +208,18 @@ def e2e(a):
           f"port in a tight loop (probespin=1), so a clone's first probe write marks when "
           f"its guest code ran again. From the client sending POST /clones to that write "
           f"(CLOCK_MONOTONIC on both sides), 128 MiB, {a.runs} clones one at a time (ms):\n")
-    print("| measure | min | median | p99 |")
-    print("|---|---|---|---|")
+    print("| template | measure | min | median | p99 |")
+    print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
-        p, sock = start_template(tmp, 128, True, guest="ticks=1 probespin=1",
-                                 ready=b"tiny: all 1 cpus ok")
-        vmm_ms, guest_ms = [], []
-        try:
-            for _ in range(a.runs):
-                t = time.monotonic_ns()
-                code, body = api(sock, "POST", "/clones", '{"count":1}')
-                if code != 201:
-                    sys.exit(f"clone failed: {code} {body}")
-                c = json.loads(body)["clones"][0]
-                _, vm = api(c["api_sock"], "GET", "/vm")
-                first = json.loads(vm)["probe"]["first_write_ns"]
-                if first == 0:
-                    sys.exit(f"clone {c['id']} never wrote the probe port")
-                guest_ms.append((first - t) / 1e6)
-                vmm_ms.append(c["latency_us"] / 1e3)
-                api(sock, "DELETE", f"/clones/{c['id']}")
-                os.unlink(c["console"])
-        finally:
-            stop_template(p, sock)
-    print(row("request reaching the VMM to clone vCPU 0 in guest (VMM's figure)", vmm_ms))
-    print(row("client sends POST /clones to the clone's first guest port write", guest_ms))
+        for mode in MODES:
+            vmm_ms, guest_ms, note = clone_series(
+                tmp, 128, True, mode, a.runs, guest="ticks=1 probespin=1",
+                ready=b"tiny: all 1 cpus ok")
+            print(row(f"{mode} | request reaching the VMM to clone vCPU 0 in guest "
+                      f"(VMM's figure){note}", vmm_ms))
+            print(row(f"{mode} | client sends POST /clones to the clone's first guest port "
+                      f"write", guest_ms))
+            sys.stdout.flush()
 
 
 def pss_kb(pid):

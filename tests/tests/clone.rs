@@ -219,6 +219,107 @@ fn paused_template_clones_and_stays_paused() {
     vm.shutdown(BOOT);
 }
 
+fn warm_report(vm: &mut Vm) -> Value {
+    let (_, body) = vm.api("GET", "/vm", None);
+    serde_json::from_str::<Value>(&body).unwrap()["warm_clones"].clone()
+}
+
+fn wait_warm_ready(vm: &mut Vm, ready: u64) {
+    let start = Instant::now();
+    while warm_report(vm)["ready"] != ready {
+        assert!(
+            start.elapsed() < BOOT,
+            "warm clones never ready: {}",
+            warm_report(vm)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn warm_clones_of_a_paused_template_launch_refill_and_are_discarded_on_resume() {
+    if !kvm_available("warm_clones") {
+        return;
+    }
+    let scratch = Scratch::new("clone-warm");
+    let tiny = guest_file("tiny.elf").display().to_string();
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &tiny,
+            "--mem-mib",
+            "64",
+            "--vcpus",
+            "2",
+            "--ap-boot",
+            "direct",
+            "--warm-clones",
+            "3",
+            "--cmdline",
+            "ticks=2 beat=10",
+        ],
+    );
+    vm.wait_console("tiny: beat 2\n", BOOT);
+    let parent_pid = vm.child.id();
+    // Running: no warm clones.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(warm_report(&mut vm)["ready"], 0);
+    assert!(children_of(parent_pid).is_empty());
+
+    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    let before = last_beat_plain(&vm.console_text());
+    wait_warm_ready(&mut vm, 3);
+    assert_eq!(children_of(parent_pid).len(), 3);
+    // Two launched from the pool, then five: three warm and two forked on request.
+    let mut clones = post_clones(&vm.sock, 2);
+    assert_eq!(warm_report(&mut vm)["launched"], 2);
+    wait_warm_ready(&mut vm, 3);
+    clones.extend(post_clones(&vm.sock, 5));
+    assert_eq!(warm_report(&mut vm)["launched"], 5);
+    for c in &clones {
+        // Each runs on from the pause point with working timers, as itself.
+        wait_file(
+            c["console"].as_str().unwrap(),
+            &[format!("tiny: beat {}\n", before + 3)],
+            BOOT,
+        );
+        let (code, body) = api_request(
+            Path::new(c["api_sock"].as_str().unwrap()),
+            "GET",
+            "/vm",
+            None,
+        );
+        assert_eq!(code, 200);
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["clone_id"], c["id"], "{body}");
+        assert_eq!(v["vcpus"], 2);
+    }
+    let ids: Vec<&str> = clones.iter().map(|c| c["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["1", "2", "3", "4", "5", "6", "7"]);
+    assert_eq!(
+        last_beat_plain(&vm.console_text()),
+        before,
+        "template ran while paused"
+    );
+
+    // Resuming discards the pool: only the seven clones remain as children.
+    wait_warm_ready(&mut vm, 3);
+    assert_eq!(
+        vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#)).0,
+        204
+    );
+    let report = warm_report(&mut vm);
+    assert_eq!(report["ready"], 0, "{report}");
+    assert_eq!(report["discarded"], 3, "{report}");
+    assert_eq!(children_of(parent_pid).len(), 7);
+    vm.wait_console(&format!("tiny: beat {}\n", before + 2), BOOT);
+    vm.shutdown(BOOT);
+    for c in &clones {
+        assert!(!alive(c["pid"].as_i64().unwrap()));
+    }
+}
+
 #[test]
 fn bad_clone_requests_are_refused_and_the_parent_keeps_running() {
     if !kvm_available("bad_clone_requests") {

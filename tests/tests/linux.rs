@@ -102,13 +102,15 @@ fn value_after<'a>(console: &'a str, prefix: &str) -> Option<&'a str> {
 
 #[test]
 fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
+    // Also: warm clones of the paused template (prepared ahead, launched later) keep
+    // the right clock and working timers.
     if !kvm_available("linux_clones") {
         return;
     }
     let scratch = Scratch::new("linux-clones");
     // The template clones itself from userspace; every side prints its fork-like result,
     // 16 bytes of /dev/urandom and the time. The parent then waits to be shut down.
-    let script = r#"r=$(forkvm-clone 3); echo tool-status=$?; echo clone-result=$r; echo rand=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n'); echo time=$(date +%s); echo finished; [ $r = 0 ] && sleep 600"#;
+    let script = r#"r=$(forkvm-clone 3); echo tool-status=$?; echo clone-result=$r; echo rand=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n'); echo time=$(date +%s); echo finished; [ $r = 0 ] && while :; do echo tick=$(date +%s); sleep 1; done"#;
     let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
     let mut vm = Vm::start(
         &scratch,
@@ -119,6 +121,8 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
             &path("initramfs.cpio"),
             "--mem-mib",
             "256",
+            "--warm-clones",
+            "2",
             "--cmdline",
             &cmdline,
         ],
@@ -192,5 +196,58 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
         4,
         "clones share /dev/urandom output: {rands:?}"
     );
+
+    // Warm clones: pause the template (it prints the time every second), let it
+    // prepare two clones, wait, then launch them. Their clocks must have moved on by
+    // the pause, and their timers must run (`sleep 1` keeps printing).
+    vm.wait_console("tick=", LINUX_BOOT);
+    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    let start = std::time::Instant::now();
+    loop {
+        let (_, body) = vm.api("GET", "/vm", None);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if v["warm_clones"]["ready"] == 2 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no warm clones: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(5));
+    let launched_at = host_now();
+    let (code, body) = vm.api("POST", "/clones", Some(r#"{"count":2}"#));
+    assert_eq!(code, 201, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let (_, status) = vm.api("GET", "/vm", None);
+    let s: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(s["warm_clones"]["launched"], 2, "{status}");
+    for c in v["clones"].as_array().unwrap() {
+        let console = c["console"].as_str().unwrap().to_string();
+        let start = std::time::Instant::now();
+        let ticks = loop {
+            let text = std::fs::read_to_string(&console).unwrap_or_default();
+            let ticks: Vec<u64> = text
+                .lines()
+                .filter_map(|l| l.trim_end_matches('\r').strip_prefix("tick="))
+                .filter_map(|t| t.parse().ok())
+                .collect();
+            if ticks.len() >= 3 {
+                break ticks;
+            }
+            assert!(
+                start.elapsed() < LINUX_BOOT,
+                "warm clone {} stopped ticking: {text}",
+                c["id"]
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        assert!(
+            ticks[0] + 2 >= launched_at && ticks[0] <= host_now() + 1,
+            "warm clone {} clock {ticks:?}, launched at host time {launched_at}",
+            c["id"]
+        );
+    }
     vm.shutdown(Duration::from_secs(30));
 }

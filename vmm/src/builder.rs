@@ -183,6 +183,7 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     );
     tracing::debug!("build stages: {}", timer.report());
 
+    let warm = crate::cloning::warm::WarmPool::new(config.warm_clones);
     Ok(Microvm {
         config,
         _vm: vm,
@@ -193,6 +194,7 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
         vcpu_exit_evt: started_vcpus.exit_evt,
         capture_spec: Arc::new(capture_spec),
         clones: Default::default(),
+        warm,
         clone_id: String::new(),
         kvm_run_size: kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?,
         pending_events: Default::default(),

@@ -69,6 +69,8 @@ pub struct VmConfig {
     pub prefault: bool,
     /// How vCPUs other than 0 start.
     pub ap_boot: ApBoot,
+    /// Warm clones to keep ready while the VM is paused (`cloning::warm`).
+    pub warm_clones: usize,
 }
 
 impl VmConfig {
@@ -87,6 +89,7 @@ impl VmConfig {
             thp: true,
             prefault: false,
             ap_boot: ApBoot::Sipi,
+            warm_clones: 0,
         }
     }
 }
@@ -94,6 +97,9 @@ impl VmConfig {
 /// Errors in a configuration, found before anything is created.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
+    /// Too many warm clones.
+    #[error("{0} warm clones requested; at most {max} may be kept", max = crate::cloning::warm::MAX_WARM_CLONES)]
+    WarmClones(usize),
     /// Memory size out of range.
     #[error("memory size {0} MiB is out of range ({MIN_MEM_MIB} to {MAX_MEM_MIB} MiB)")]
     MemSize(u64),
@@ -136,6 +142,9 @@ impl VmConfig {
     pub fn validate(&self, host_max_vcpus: usize) -> Result<(), ConfigError> {
         if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
             return Err(ConfigError::MemSize(self.mem_mib));
+        }
+        if self.warm_clones > crate::cloning::warm::MAX_WARM_CLONES {
+            return Err(ConfigError::WarmClones(self.warm_clones));
         }
         let max = (host_max_vcpus as u64).min(u64::from(MAX_VCPUS));
         if self.vcpus == 0 || u64::from(self.vcpus) > max {

@@ -8,6 +8,7 @@ pub mod builder;
 pub mod cloning;
 pub mod config;
 pub mod device_manager;
+pub mod logging;
 pub mod microvm;
 pub mod vstate;
 

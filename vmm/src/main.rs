@@ -99,6 +99,10 @@ struct RunArgs {
     /// How vCPUs other than 0 start.
     #[arg(long, value_enum, default_value_t = ApBoot::Sipi)]
     ap_boot: ApBoot,
+    /// While the VM is paused, keep this many clones forked and prepared so that
+    /// `vmm fork` only launches them (0 to 256)
+    #[arg(long, default_value_t = 0)]
+    warm_clones: usize,
 }
 
 fn init_logging(level: &str) -> Result<(), String> {
@@ -106,7 +110,7 @@ fn init_logging(level: &str) -> Result<(), String> {
         .map_err(|e| format!("invalid --log-level {level:?}: {e}"))?;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(vmm::logging::RawStderr)
         .with_target(false)
         .init();
     Ok(())
@@ -203,6 +207,7 @@ fn main() -> ExitCode {
                 thp: !a.no_thp,
                 prefault: a.prefault,
                 ap_boot: a.ap_boot,
+                warm_clones: a.warm_clones,
                 ..VmConfig::new(a.kernel)
             };
             match vmm::run(config) {

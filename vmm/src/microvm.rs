@@ -121,6 +121,8 @@ pub struct Microvm {
     pub(crate) capture_spec: Arc<CaptureSpec>,
     /// Clones made from this VM.
     pub(crate) clones: crate::cloning::CloneTable,
+    /// Clones prepared ahead of requests while paused.
+    pub(crate) warm: crate::cloning::warm::WarmPool,
     /// This VM's clone id: "" for an original, "2", "2.1", ... for clones.
     pub(crate) clone_id: String,
     /// Size of a vCPU's kvm_run mapping.
@@ -192,6 +194,7 @@ impl Microvm {
             "ap_boot": self.config.ap_boot,
             "uptime_ms": self.started.elapsed().as_millis() as u64,
             "clone_id": self.clone_id,
+            "warm_clones": self.warm.report(),
             "host": self.host,
             "probe": {
                 "writes": self.devices.probe.writes(),
@@ -222,6 +225,10 @@ impl Microvm {
         }
         tracing::info!("VM {:?}", to);
         self.state = to;
+        if to == VmState::Running {
+            // The guest runs on: what was captured and forked while paused is stale.
+            self.warm.discard();
+        }
         Ok(())
     }
 
@@ -257,7 +264,7 @@ impl Microvm {
                 }
             },
             ApiRequest::ListClones => {
-                self.clones.reap();
+                self.reap_children();
                 (ApiReply::ok(json!({ "clones": self.clones.list() })), None)
             }
             ApiRequest::DeleteClone(id) => match self.clones.stop(&id) {
@@ -279,6 +286,8 @@ impl Microvm {
         if n <= 0 {
             return false;
         }
+        // The serial port's state changes: a paused VM's captured state is stale.
+        self.warm.discard();
         let mut serial = self
             .devices
             .serial
@@ -363,11 +372,17 @@ impl Microvm {
 
         let mut events = vec![EpollEvent::default(); 8];
         let outcome = 'run: loop {
-            let n = match epoll.wait(-1, &mut events) {
+            // While warm clones are wanted, only look for events, then add one.
+            let timeout = if self.wants_warm_clone() { 0 } else { -1 };
+            let n = match epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(RunError::EventLoop(e)),
             };
+            if n == 0 {
+                self.add_warm_clone();
+                continue;
+            }
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_RESET => {
@@ -409,7 +424,7 @@ impl Microvm {
                     TOKEN_SIGNAL => {
                         while let Some(sig) = signals.and_then(|s| read_signal(s.as_raw_fd())) {
                             if sig == libc::SIGCHLD {
-                                self.clones.reap();
+                                self.reap_children();
                                 continue;
                             }
                             tracing::info!("signal {sig}: shutting down");
@@ -421,6 +436,7 @@ impl Microvm {
             }
         };
         self.state = VmState::Stopped;
+        self.warm.discard();
         for v in &mut self.vcpus {
             v.stop();
         }

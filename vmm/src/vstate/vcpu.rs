@@ -242,6 +242,34 @@ impl Vcpu {
         Ok((Self::new(id, fd), skipped))
     }
 
+    /// Re-times a restored vCPU that has not run yet: writes the TSC, then the TSC
+    /// deadline, from `state` (a pre-built clone launched later than it was restored,
+    /// with its clocks advanced to the launch), and the registers with `rax` when given.
+    pub fn retime(&self, state: &VcpuState, rax: Option<u64>) -> Result<(), VcpuError> {
+        let id = self.id;
+        let pick = |index| state.msrs.iter().find(|m| m.index == index).copied();
+        let entries: Vec<_> = [
+            clone::msrs::MSR_IA32_TSC,
+            clone::msrs::MSR_IA32_TSC_DEADLINE,
+        ]
+        .into_iter()
+        .filter_map(pick)
+        .collect();
+        set_msrs_skipping(&self.fd, &entries).map_err(|source| VcpuError::Msrs { id, source })?;
+        if let Some(rax) = rax {
+            let mut regs = state.regs;
+            regs.rax = rax;
+            self.fd
+                .set_regs(&regs)
+                .map_err(|source| VcpuError::Configure {
+                    id,
+                    what: "regs",
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
     /// Starts the vCPU thread. It reports its final exit on `exits` and signals
     /// `exit_evt`. With `ready`, the thread writes the CLOCK_MONOTONIC time in
     /// nanoseconds (8 bytes) to it just before it first enters the guest, then closes it.

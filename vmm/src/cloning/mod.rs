@@ -3,41 +3,35 @@
 //! The parent pauses every vCPU (each parks outside KVM_RUN, holding no lock), has each
 //! vCPU read its own state on its own thread, reads the VM-wide state and the devices',
 //! then `fork()`s once per clone from the event-loop thread and resumes. Guest RAM is
-//! anonymous `MAP_PRIVATE` memory, so every child shares it copy-on-write.
+//! anonymous `MAP_PRIVATE` memory, so every child shares it copy-on-write. The child
+//! side is in `child.rs`.
 //!
-//! A child starts with only the forking thread. It dies with its parent
-//! (`PR_SET_PDEATHSIG`), unmaps the parent's `kvm_run` pages, closes every inherited file
-//! descriptor, and never drops the parent's objects (their threads do not exist in the
-//! child). It then creates a new VM on the inherited guest memory (memory slots first),
-//! restores vCPUs, VM and devices, starts new threads, a new console sink and control
-//! socket, and runs its own event loop until it exits. vCPU 0 of the child writes the
-//! time it first enters the guest into a pipe, which gives the clone latency.
+//! A paused VM's state cannot change, so it is captured once per pause and reused by
+//! every request, and with `--warm-clones` clones are forked and prepared ahead of the
+//! requests (`warm.rs`).
 //!
-//! Not yet: guest-initiated clones (the clone port), virtio devices in clones (a VM with
-//! any is refused), and clone identity beyond id, socket and console (entropy, wall
-//! clock) — see docs/cloning.md.
+//! Not yet: virtio devices in clones (a VM with any is refused) — see docs/cloning.md.
+
+mod child;
+pub mod warm;
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use vm_memory::GuestMemoryMmap;
 
-use clone::vcpu::CaptureSpec;
 use clone::{DeviceStates, MicrovmState};
 
-use crate::api::server::ApiServer;
+pub use child::ChildError;
+use child::{child_main, ChildPlan, Identity, Start};
+
 use crate::api::CloneConsole;
-use crate::builder::{start_vcpus, BuildError};
-use crate::config::{ConsoleSink, VmConfig};
-use crate::device_manager::DeviceManager;
-use crate::microvm::{block_shutdown_signals, HostReport, Microvm, RunOutcome, VmState};
-use crate::vstate::kvm::KvmContext;
-use crate::vstate::vcpu::{Vcpu, VcpuError, VcpuEvent};
-use crate::vstate::vm::create_vm;
+use crate::config::ConsoleSink;
+use crate::microvm::{Microvm, VmState};
+use crate::vstate::vcpu::{VcpuError, VcpuEvent};
 
 /// Most clones one request may ask for.
 pub const MAX_CLONES_PER_REQUEST: u32 = 1000;
@@ -117,6 +111,20 @@ pub struct CloneInfo {
     pub status: CloneStatus,
 }
 
+impl CloneInfo {
+    /// A clone just forked or launched, not yet known to run.
+    fn starting(identity: Identity, pid: i32) -> Self {
+        Self {
+            id: identity.id,
+            pid,
+            api_sock: identity.api_sock,
+            console: identity.console,
+            latency_us: None,
+            status: CloneStatus::Failed,
+        }
+    }
+}
+
 /// Clones made by this VM.
 #[derive(Debug, Default)]
 pub struct CloneTable {
@@ -131,7 +139,7 @@ impl CloneTable {
     }
 
     /// Records the exit of `pid`, from waitpid's `status`.
-    fn reaped(&mut self, pid: i32, status: i32) {
+    pub(crate) fn reaped(&mut self, pid: i32, status: i32) {
         if let Some(c) = self.clones.iter_mut().find(|c| c.pid == pid) {
             c.status = if libc::WIFSIGNALED(status) {
                 CloneStatus::Killed(libc::WTERMSIG(status))
@@ -140,19 +148,6 @@ impl CloneTable {
             };
             // A clone that dies without its own cleanup (SIGKILL) leaves its socket.
             let _ = std::fs::remove_file(&c.api_sock);
-        }
-    }
-
-    /// Reaps every exited child without blocking.
-    pub fn reap(&mut self) {
-        loop {
-            let mut status = 0;
-            // SAFETY: waitpid with WNOHANG on our own children; `status` is a valid int.
-            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-            if pid <= 0 {
-                break;
-            }
-            self.reaped(pid, status);
         }
     }
 
@@ -211,26 +206,22 @@ fn stop_pid(pid: i32, grace: Duration) {
     unsafe { libc::kill(pid, libc::SIGKILL) };
 }
 
-/// Everything a child needs, gathered before fork.
-struct ChildPlan<'a> {
-    id: String,
-    api_sock: PathBuf,
-    console: PathBuf,
-    parent_pid: i32,
-    ready: RawFd,
-    state: &'a MicrovmState,
-    mem: &'a GuestMemoryMmap,
-    config: &'a VmConfig,
-    host: &'a HostReport,
-    cmdline: &'a str,
-    spec: &'a Arc<CaptureSpec>,
-    run_bases: &'a [usize],
-    run_size: usize,
-    /// The vCPU that read the clone port, and the value it reads in this clone.
-    guest_result: Option<(u8, u64)>,
-}
-
 impl Microvm {
+    /// Reaps every exited child (clone or warm clone) without blocking.
+    pub(crate) fn reap_children(&mut self) {
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid with WNOHANG on our own children; `status` is a valid int.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid <= 0 {
+                break;
+            }
+            if !self.warm.reaped(pid) {
+                self.clones.reaped(pid, status);
+            }
+        }
+    }
+
     /// This VM's clone id ("" for an original VM).
     fn clone_id(&self) -> &str {
         &self.clone_id
@@ -255,7 +246,7 @@ impl Microvm {
                 "virtio devices are not cloned yet (start the template without --rootfs)",
             ));
         }
-        self.clones.reap();
+        self.reap_children();
         let live = self.clones.live().count();
         if live + count as usize > MAX_LIVE_CLONES {
             return Err(CloneError::TooMany { live });
@@ -313,7 +304,7 @@ impl Microvm {
             return Err(e);
         }
         let base = self.clone_base();
-        let mut plans = Vec::with_capacity(count as usize);
+        let mut identities = Vec::with_capacity(count as usize);
         for n in 0..count as u32 {
             let seq = self.clones.made + n + 1;
             let id = if self.clone_id().is_empty() {
@@ -329,10 +320,50 @@ impl Microvm {
                 (ConsoleSink::Null, _) | (_, CloneConsole::Null) => PathBuf::from("/dev/null"),
                 _ => PathBuf::from(format!("{}.console", sock.display())),
             };
-            plans.push((id, sock, console, seq));
+            identities.push(Identity {
+                id,
+                api_sock: sock,
+                console,
+                guest_result: requester.map(|v| (v, u64::from(seq))),
+            });
         }
 
         let t0 = Instant::now();
+        let mut made = if self.state == VmState::Paused
+            && requester.is_none()
+            && self.pending_events.is_empty()
+        {
+            // Nothing can change a paused VM: reuse its state and its warm clones.
+            let result = self
+                .epoch_state()
+                .and_then(|state| self.launch_or_fork(&state, identities));
+            tracing::debug!("clone (paused VM): {} us", t0.elapsed().as_micros());
+            result?
+        } else {
+            self.clone_now(identities, requester, t0)?
+        };
+        for (info, ready) in made.iter_mut() {
+            match wait_ready(ready, READY_TIMEOUT) {
+                Some(t) => {
+                    info.latency_us = Some(t.saturating_sub(requested_ns) / 1000);
+                    info.status = CloneStatus::Running;
+                }
+                None => info.status = CloneStatus::Failed,
+            }
+        }
+        let infos: Vec<CloneInfo> = made.into_iter().map(|(i, _)| i).collect();
+        self.clones.made += count as u32;
+        self.clones.clones.extend(infos.iter().cloned());
+        Ok(infos)
+    }
+
+    /// Pauses (if running), captures, forks one child per identity, and resumes.
+    fn clone_now(
+        &mut self,
+        identities: Vec<Identity>,
+        requester: Option<u8>,
+        t0: Instant,
+    ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
         let was_running = self.state == VmState::Running;
         if was_running {
             if let Err(e) = self.pause_all() {
@@ -358,7 +389,7 @@ impl Microvm {
             state
         });
         let t_capture = t0.elapsed();
-        let result = captured.and_then(|state| self.fork_all(&state, plans, requester));
+        let result = captured.and_then(|state| self.fork_all(&state, identities));
         let t_fork = t0.elapsed();
         if let Some(v) = requester.and_then(|id| self.vcpus.get(usize::from(id))) {
             let value = if result.is_ok() { 0 } else { CLONE_FAILED };
@@ -378,20 +409,27 @@ impl Microvm {
             t_fork.as_micros(),
             t0.elapsed().as_micros()
         );
-        let mut made = result?;
-        for (info, ready) in made.iter_mut() {
-            match wait_ready(ready, READY_TIMEOUT) {
-                Some(t) => {
-                    info.latency_us = Some(t.saturating_sub(requested_ns) / 1000);
-                    info.status = CloneStatus::Running;
-                }
-                None => info.status = CloneStatus::Failed,
+        result
+    }
+
+    /// For a paused VM: launches warm clones while there are any, forks the rest.
+    fn launch_or_fork(
+        &mut self,
+        state: &MicrovmState,
+        identities: Vec<Identity>,
+    ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
+        let mut made = Vec::with_capacity(identities.len());
+        let mut rest = Vec::new();
+        for identity in identities {
+            match self.launch_warm_clone(&identity) {
+                Some((pid, ready)) => made.push((CloneInfo::starting(identity, pid), ready)),
+                None => rest.push(identity),
             }
         }
-        let infos: Vec<CloneInfo> = made.into_iter().map(|(i, _)| i).collect();
-        self.clones.made += count as u32;
-        self.clones.clones.extend(infos.iter().cloned());
-        Ok(infos)
+        if !rest.is_empty() {
+            made.extend(self.fork_all(state, rest)?);
+        }
+        Ok(made)
     }
 
     fn pause_all(&mut self) -> Result<(), CloneError> {
@@ -455,22 +493,18 @@ impl Microvm {
     fn fork_all(
         &mut self,
         state: &MicrovmState,
-        plans: Vec<(String, PathBuf, PathBuf, u32)>,
-        requester: Option<u8>,
+        identities: Vec<Identity>,
     ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
         let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
-        let run_size = self.kvm_run_size;
         // SAFETY: getpid has no preconditions.
         let parent_pid = unsafe { libc::getpid() };
-        let mut made = Vec::with_capacity(plans.len());
-        for (id, api_sock, console, seq) in plans {
+        let mut made = Vec::with_capacity(identities.len());
+        for identity in identities {
             let (read_end, write_end) = pipe().map_err(CloneError::Os)?;
             let plan = ChildPlan {
-                id: id.clone(),
-                api_sock: api_sock.clone(),
-                console: console.clone(),
                 parent_pid,
                 ready: write_end.as_raw_fd(),
+                start: Start::Now(identity.clone()),
                 state,
                 mem: &self._mem,
                 config: &self.config,
@@ -478,30 +512,18 @@ impl Microvm {
                 cmdline: &self.cmdline,
                 spec: &self.capture_spec,
                 run_bases: &run_bases,
-                run_size,
-                guest_result: requester.map(|v| (v, u64::from(seq))),
+                run_size: self.kvm_run_size,
             };
-            // SAFETY: every other thread is parked holding no lock (vCPUs paused in their
-            // command channel, the API thread waiting for this request's answer, no
-            // virtio workers), so the child, which only has this thread, finds no lock
-            // held; glibc makes malloc usable after fork.
+            // SAFETY: every vCPU is parked holding no lock and there are no virtio
+            // workers; the API thread may be anywhere, but the child takes none of its
+            // locks (logging is lock-free, glibc makes malloc usable after fork).
             let pid = unsafe { libc::fork() };
             match pid {
                 -1 => return Err(CloneError::Os(std::io::Error::last_os_error())),
                 0 => child_main(plan),
                 pid => {
                     drop(write_end);
-                    made.push((
-                        CloneInfo {
-                            id,
-                            pid,
-                            api_sock,
-                            console,
-                            latency_us: None,
-                            status: CloneStatus::Failed,
-                        },
-                        File::from(read_end),
-                    ));
+                    made.push((CloneInfo::starting(identity, pid), File::from(read_end)));
                 }
             }
         }
@@ -546,146 +568,4 @@ fn wait_ready(f: &mut File, timeout: Duration) -> Option<u64> {
     }
     let bytes: [u8; 8] = got.get(..8)?.try_into().ok()?;
     Some(u64::from_le_bytes(bytes))
-}
-
-/// The child side of fork(). Never returns.
-fn child_main(plan: ChildPlan<'_>) -> ! {
-    // SAFETY: prctl/getppid have no memory-safety preconditions.
-    unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-        if libc::getppid() != plan.parent_pid {
-            libc::_exit(1);
-        }
-    }
-    for base in plan.run_bases {
-        // SAFETY: these are the parent's vCPU kvm_run mappings, inherited by fork; no
-        // thread of this process uses them (their owners exist only in the parent).
-        unsafe { libc::munmap(*base as *mut libc::c_void, plan.run_size) };
-    }
-    // SAFETY: closes inherited descriptors; the objects that own them in this process
-    // belong to the parent's threads and are never used or dropped here.
-    unsafe {
-        libc::close_range(3, (plan.ready - 1) as u32, 0);
-        libc::close_range((plan.ready + 1) as u32, u32::MAX, 0);
-    }
-    // SAFETY: the ready pipe's write end, kept open above, owned from here on.
-    let ready = unsafe { File::from_raw_fd(plan.ready) };
-    let code = match run_clone(&plan, ready) {
-        Ok(outcome) => {
-            if let RunOutcome::Error(msg) = &outcome {
-                eprintln!("vmm: clone {}: guest stopped: {msg}", plan.id);
-            }
-            outcome.exit_code()
-        }
-        Err(e) => {
-            eprintln!("vmm: clone {}: {e}", plan.id);
-            1
-        }
-    };
-    std::process::exit(code)
-}
-
-/// Errors rebuilding a VM in a clone.
-#[derive(Debug, thiserror::Error)]
-pub enum ChildError {
-    /// Building the VM failed.
-    #[error(transparent)]
-    Build(#[from] BuildError),
-    /// Restoring vCPU state failed.
-    #[error(transparent)]
-    Vcpu(#[from] VcpuError),
-    /// Restoring VM state failed.
-    #[error(transparent)]
-    VmState(#[from] clone::vm::VmStateError),
-    /// The control socket could not be served.
-    #[error(transparent)]
-    Api(#[from] crate::api::server::ApiServerError),
-    /// Running failed.
-    #[error(transparent)]
-    Run(#[from] crate::microvm::RunError),
-    /// Signal routing failed.
-    #[error("cannot set up signal handling: {0}")]
-    Signals(std::io::Error),
-    /// The pipe that tells the parent the clone is ready failed.
-    #[error("ready pipe: {0}")]
-    ReadyPipe(std::io::Error),
-}
-
-fn run_clone(plan: &ChildPlan<'_>, ready: File) -> Result<RunOutcome, ChildError> {
-    let started = Instant::now();
-    let mut marks: Vec<(&str, u128)> = Vec::new();
-    let mut mark = |what| marks.push((what, started.elapsed().as_micros()));
-    let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
-    let mut config = plan.config.clone();
-    config.api_sock = Some(plan.api_sock.clone());
-    config.console = ConsoleSink::File(plan.console.clone());
-    mark("signals");
-    let kvm = KvmContext::open().map_err(BuildError::from)?;
-    mark("kvm");
-    let vm = create_vm(&kvm, plan.mem).map_err(BuildError::from)?;
-    mark("vm");
-    let devices = DeviceManager::new(
-        &vm,
-        &config.console,
-        config.vcpus,
-        Some(&plan.state.devices.serial),
-    )
-    .map_err(BuildError::from)?;
-    mark("devices");
-    // The guest's clocks continue from the capture as if it had kept running.
-    let mut state = plan.state.clone();
-    let elapsed = crate::vstate::vcpu::monotonic_ns().saturating_sub(state.captured_at_ns);
-    state.advance_clocks(elapsed);
-    // The vCPU that read the clone port reads this clone's sequence number.
-    if let Some((id, value)) = plan.guest_result {
-        if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == id) {
-            v.regs.rax = value;
-        }
-    }
-    let mut vcpus = Vec::with_capacity(state.vcpus.len());
-    for s in &state.vcpus {
-        let (v, skipped) = Vcpu::from_state(&vm, s)?;
-        if !skipped.is_empty() {
-            tracing::debug!("clone {}: host refused MSRs {skipped:#x?}", plan.id);
-        }
-        vcpus.push(v);
-    }
-    mark("vcpus");
-    clone::vm::restore_vm(&vm, &state.vm)?;
-    mark("vm state");
-    // The parent answers once every write end of the ready pipe is closed: vCPU 0's
-    // (after it wrote its timestamp) and this one (after the control socket is up).
-    let api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;
-    let started_vcpus = start_vcpus(vcpus, &devices, Some(ready))?;
-    mark("started");
-    // The control socket comes up once the guest runs: it is off the latency path.
-    let api = ApiServer::start(&plan.api_sock)?;
-    drop(api_ready);
-    mark("api");
-    tracing::info!(
-        "clone {} (pid {}) running in {} us",
-        plan.id,
-        std::process::id(),
-        started.elapsed().as_micros()
-    );
-    tracing::debug!("clone {} stages (cumulative us): {marks:?}", plan.id);
-    let microvm = Microvm {
-        config,
-        _vm: vm,
-        _mem: plan.mem.clone(),
-        devices,
-        vcpus: started_vcpus.handles,
-        vcpu_events: started_vcpus.events,
-        vcpu_exit_evt: started_vcpus.exit_evt,
-        host: plan.host.clone(),
-        cmdline: plan.cmdline.to_string(),
-        state: VmState::Running,
-        started: Instant::now(),
-        capture_spec: plan.spec.clone(),
-        clones: CloneTable::default(),
-        clone_id: plan.id.clone(),
-        kvm_run_size: plan.run_size,
-        pending_events: Default::default(),
-    };
-    Ok(microvm.run(Some(&api), Some(&signals))?)
 }

@@ -1,0 +1,296 @@
+//! The child side of a clone: rebuild the VM around the inherited guest RAM and run it.
+//!
+//! A child starts with only the forking thread. It dies with its parent
+//! (`PR_SET_PDEATHSIG`), unmaps the parent's `kvm_run` pages, closes every inherited file
+//! descriptor but its pipes, and never drops the parent's objects (their threads do not
+//! exist in the child). It then creates a new VM on the inherited guest memory (memory
+//! slots first) and restores its vCPUs ([`prepare`]), then gets its identity, devices,
+//! VM-wide state, threads and control socket ([`launch`]).
+//!
+//! A clone made on request does both at once. A warm clone (see `warm.rs`) is forked
+//! ahead of time from a paused template: it prepares, then blocks on its `go` pipe until
+//! a request gives it an identity, re-times its clocks and launches. Its vCPU 0 writes
+//! the time it first enters the guest into the `ready` pipe, which gives the latency.
+
+use std::fs::File;
+use std::os::fd::{FromRawFd, RawFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvm_ioctls::VmFd;
+use serde::{Deserialize, Serialize};
+use vm_memory::GuestMemoryMmap;
+
+use clone::vcpu::CaptureSpec;
+use clone::MicrovmState;
+
+use super::CloneTable;
+use crate::api::server::ApiServer;
+use crate::builder::{start_vcpus, BuildError};
+use crate::config::{ConsoleSink, VmConfig};
+use crate::device_manager::DeviceManager;
+use crate::logging::raw_eprintln;
+use crate::microvm::{block_shutdown_signals, HostReport, Microvm, RunOutcome, VmState};
+use crate::vstate::kvm::KvmContext;
+use crate::vstate::vcpu::{monotonic_ns, Vcpu, VcpuError};
+use crate::vstate::vm::create_vm;
+
+/// What a clone is told about itself when it is launched.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Identity {
+    /// Clone id.
+    pub id: String,
+    /// Its control socket.
+    pub api_sock: PathBuf,
+    /// Its console sink.
+    pub console: PathBuf,
+    /// The vCPU that read the clone port, and the value it reads in this clone.
+    pub guest_result: Option<(u8, u64)>,
+}
+
+/// How a child starts.
+pub(crate) enum Start {
+    /// Launch at once with this identity.
+    Now(Identity),
+    /// Prepare, then wait for an identity on this pipe (a warm clone).
+    Warm {
+        /// Read end of the `go` pipe.
+        go: RawFd,
+    },
+}
+
+/// Everything a child needs from its parent, gathered before fork.
+pub(crate) struct ChildPlan<'a> {
+    pub parent_pid: i32,
+    /// Write end of the ready pipe.
+    pub ready: RawFd,
+    pub start: Start,
+    pub state: &'a MicrovmState,
+    pub mem: &'a GuestMemoryMmap,
+    pub config: &'a VmConfig,
+    pub host: &'a HostReport,
+    pub cmdline: &'a str,
+    pub spec: &'a Arc<CaptureSpec>,
+    pub run_bases: &'a [usize],
+    pub run_size: usize,
+}
+
+/// Errors rebuilding a VM in a clone.
+#[derive(Debug, thiserror::Error)]
+pub enum ChildError {
+    /// Building the VM failed.
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    /// Restoring vCPU state failed.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// Restoring VM state failed.
+    #[error(transparent)]
+    VmState(#[from] clone::vm::VmStateError),
+    /// The control socket could not be served.
+    #[error(transparent)]
+    Api(#[from] crate::api::server::ApiServerError),
+    /// Running failed.
+    #[error(transparent)]
+    Run(#[from] crate::microvm::RunError),
+    /// Signal routing failed.
+    #[error("cannot set up signal handling: {0}")]
+    Signals(std::io::Error),
+    /// The pipe that tells the parent the clone is ready failed.
+    #[error("ready pipe: {0}")]
+    ReadyPipe(std::io::Error),
+    /// The parent's launch message could not be read.
+    #[error("bad launch message from the parent: {0}")]
+    Go(String),
+}
+
+/// Closes every descriptor from 3 up except those in `keep`.
+fn close_all_but(keep: &[RawFd]) {
+    let mut keep: Vec<u32> = keep.iter().map(|&fd| fd as u32).collect();
+    keep.sort_unstable();
+    let mut from = 3u32;
+    for fd in keep {
+        if fd > from {
+            // SAFETY: closes inherited descriptors; the objects that own them in this
+            // process belong to the parent's threads and are never used or dropped here.
+            unsafe { libc::close_range(from, fd - 1, 0) };
+        }
+        from = from.max(fd + 1);
+    }
+    // SAFETY: as above.
+    unsafe { libc::close_range(from, u32::MAX, 0) };
+}
+
+/// The child side of fork(). Never returns.
+pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
+    // SAFETY: prctl/getppid have no memory-safety preconditions.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        if libc::getppid() != plan.parent_pid {
+            libc::_exit(1);
+        }
+    }
+    for base in plan.run_bases {
+        // SAFETY: these are the parent's vCPU kvm_run mappings, inherited by fork; no
+        // thread of this process uses them (their owners exist only in the parent).
+        unsafe { libc::munmap(*base as *mut libc::c_void, plan.run_size) };
+    }
+    match plan.start {
+        Start::Now(_) => close_all_but(&[plan.ready]),
+        Start::Warm { go } => close_all_but(&[plan.ready, go]),
+    }
+    // SAFETY: the ready pipe's write end, kept open above, owned from here on.
+    let ready = unsafe { File::from_raw_fd(plan.ready) };
+    let mut name = String::from("(warm)");
+    let code = match run_clone(&plan, ready, &mut name) {
+        Ok(outcome) => {
+            if let RunOutcome::Error(msg) = &outcome {
+                raw_eprintln(&format!("vmm: clone {name}: guest stopped: {msg}"));
+            }
+            outcome.exit_code()
+        }
+        Err(e) => {
+            raw_eprintln(&format!("vmm: clone {name}: {e}"));
+            1
+        }
+    };
+    // Exit without running the parent's atexit handlers or flushing its stdio buffers.
+    // SAFETY: _exit has no preconditions.
+    unsafe { libc::_exit(code) }
+}
+
+/// A VM rebuilt from captured state, its vCPUs restored but not started.
+struct Prepared {
+    vm: VmFd,
+    vcpus: Vec<Vcpu>,
+}
+
+/// Creates the VM on the inherited memory and restores every vCPU from `state`.
+fn prepare(state: &MicrovmState, mem: &GuestMemoryMmap) -> Result<Prepared, ChildError> {
+    let kvm = KvmContext::open().map_err(BuildError::from)?;
+    let vm = create_vm(&kvm, mem).map_err(BuildError::from)?;
+    let mut vcpus = Vec::with_capacity(state.vcpus.len());
+    for s in &state.vcpus {
+        let (v, skipped) = Vcpu::from_state(&vm, s)?;
+        if !skipped.is_empty() {
+            tracing::debug!("clone: host refused MSRs {skipped:#x?}");
+        }
+        vcpus.push(v);
+    }
+    Ok(Prepared { vm, vcpus })
+}
+
+/// Reads the launch message (one JSON document) from the `go` pipe; None when the
+/// parent closed it without launching (the warm clone is discarded).
+fn wait_for_go(go: RawFd) -> Result<Option<Identity>, ChildError> {
+    use std::io::Read;
+    // SAFETY: the go pipe's read end, kept open by close_all_but, owned from here on.
+    let mut f = unsafe { File::from_raw_fd(go) };
+    let mut buf = Vec::new();
+    f.read_to_end(&mut buf)
+        .map_err(|e| ChildError::Go(e.to_string()))?;
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    serde_json::from_slice(&buf)
+        .map(Some)
+        .map_err(|e| ChildError::Go(e.to_string()))
+}
+
+fn run_clone(
+    plan: &ChildPlan<'_>,
+    ready: File,
+    name: &mut String,
+) -> Result<RunOutcome, ChildError> {
+    let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
+    let started = Instant::now();
+    let mut marks: Vec<(&str, u128)> = Vec::new();
+    let mut mark = |what, at: Instant| marks.push((what, at.elapsed().as_micros()));
+    let mut state;
+    let prepared;
+    let identity;
+    match &plan.start {
+        Start::Now(id) => {
+            // The guest's clocks continue from the capture as if it had kept running.
+            state = plan.state.clone();
+            state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
+            if let Some((vcpu, value)) = id.guest_result {
+                if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
+                    v.regs.rax = value;
+                }
+            }
+            prepared = prepare(&state, plan.mem)?;
+            identity = id.clone();
+        }
+        Start::Warm { go } => {
+            prepared = prepare(plan.state, plan.mem)?;
+            mark("prepared", started);
+            let Some(id) = wait_for_go(*go)? else {
+                return Ok(RunOutcome::ApiShutdown);
+            };
+            mark("go", started);
+            state = plan.state.clone();
+            state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
+            for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {
+                let rax = id
+                    .guest_result
+                    .and_then(|(vcpu, value)| (vcpu == s.id).then_some(value));
+                v.retime(s, rax)?;
+            }
+            identity = id;
+        }
+    }
+    *name = identity.id.clone();
+    let launched = Instant::now();
+    mark("vcpus", started);
+    let mut config = plan.config.clone();
+    config.api_sock = Some(identity.api_sock.clone());
+    config.console = ConsoleSink::File(identity.console.clone());
+    let devices = DeviceManager::new(
+        &prepared.vm,
+        &config.console,
+        config.vcpus,
+        Some(&state.devices.serial),
+    )
+    .map_err(BuildError::from)?;
+    mark("devices", started);
+    clone::vm::restore_vm(&prepared.vm, &state.vm)?;
+    mark("vm state", started);
+    // The parent answers once every write end of the ready pipe is closed: vCPU 0's
+    // (after it wrote its timestamp) and this one (after the control socket is up).
+    let api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;
+    let started_vcpus = start_vcpus(prepared.vcpus, &devices, Some(ready))?;
+    mark("started", started);
+    // The control socket comes up once the guest runs: it is off the latency path.
+    let api = ApiServer::start(&identity.api_sock)?;
+    drop(api_ready);
+    mark("api", started);
+    tracing::info!(
+        "clone {} (pid {}) running {} us after launch",
+        identity.id,
+        std::process::id(),
+        launched.elapsed().as_micros()
+    );
+    tracing::debug!("clone {} stages (cumulative us): {marks:?}", identity.id);
+    let microvm = Microvm {
+        config,
+        _vm: prepared.vm,
+        _mem: plan.mem.clone(),
+        devices,
+        vcpus: started_vcpus.handles,
+        vcpu_events: started_vcpus.events,
+        vcpu_exit_evt: started_vcpus.exit_evt,
+        host: plan.host.clone(),
+        cmdline: plan.cmdline.to_string(),
+        state: VmState::Running,
+        started: Instant::now(),
+        capture_spec: plan.spec.clone(),
+        clones: CloneTable::default(),
+        warm: Default::default(),
+        clone_id: identity.id,
+        kvm_run_size: plan.run_size,
+        pending_events: Default::default(),
+    };
+    Ok(microvm.run(Some(&api), Some(&signals))?)
+}

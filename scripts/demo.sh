@@ -20,7 +20,7 @@ cleanup() {
 }
 trap cleanup EXIT
 $vmm run --kernel $g/tiny.elf --mem-mib 128 --cmdline "ticks=2 beat=200 clonetest=3" \
-    --api-sock "$tmp/vm.sock" --console "$tmp/vm.console" </dev/null >/dev/null 2>&1 &
+    --warm-clones 2 --api-sock "$tmp/vm.sock" --console "$tmp/vm.console" </dev/null >/dev/null 2>&1 &
 vmpid=$!
 for _ in $(seq 300); do
     [ "$(cat "$tmp"/vm.console "$tmp"/vm.sock.*.console 2>/dev/null | grep -c 'own pattern')" = 4 ] && break
@@ -31,6 +31,13 @@ for c in "$tmp"/vm.console "$tmp"/vm.sock.*.console; do
     grep -E "clone|pattern" "$c" || true
 done
 echo "-- two more clones from the API (vmm fork --count 2):"
+$vmm fork --api-sock "$tmp/vm.sock" --count 2
+echo "-- pause it as a template; it keeps 2 warm clones ready (--warm-clones 2), then 2 more:"
+$vmm pause --api-sock "$tmp/vm.sock"
+for _ in $(seq 100); do
+    $vmm status --api-sock "$tmp/vm.sock" | grep -q '"ready":2' && break
+    sleep 0.05
+done
 $vmm fork --api-sock "$tmp/vm.sock" --count 2
 $vmm clones --api-sock "$tmp/vm.sock" | python3 -m json.tool | grep -E '"id"|latency|"state"'
 cleanup

@@ -1,5 +1,8 @@
-//! The forkvm jailer: cgroup pool and VMM sandbox.
+//! The forkvm jailer: a pool of ready cgroups per resource class, for placing clones.
 //!
-//! Not implemented yet: this crate is reserved for the jailer work (issue 4) and
-//! currently exports nothing.
+//! Implemented so far: the cgroup driver (v1 and v2, on the host or a fake root) and
+//! the pool ([`cgroup::pool`]). Not yet: placing clones from the VMM, the `jailer`
+//! binary (chroot, namespaces, seccomp, privilege drop) — see docs/jailer.md.
 #![deny(missing_docs)]
+
+pub mod cgroup;

@@ -131,6 +131,9 @@ pub struct Microvm {
     pub(crate) pending_events: std::collections::VecDeque<(u8, VcpuEvent)>,
 }
 
+/// How long the event loop must have been idle before it forks a warm clone.
+const WARM_REFILL_IDLE: std::time::Duration = std::time::Duration::from_millis(5);
+
 const TOKEN_RESET: u64 = 1;
 const TOKEN_VCPU_EXIT: u64 = 2;
 const TOKEN_API: u64 = 3;
@@ -371,18 +374,30 @@ impl Microvm {
         }
 
         let mut events = vec![EpollEvent::default(); 8];
+        let mut last_event = Instant::now();
         let outcome = 'run: loop {
-            // While warm clones are wanted, only look for events, then add one.
-            let timeout = if self.wants_warm_clone() { 0 } else { -1 };
+            // Warm clones are added once the loop has been idle for a moment: fork()
+            // holds this process's memory map, so an API answer still being written
+            // (or a request being read) would wait for it.
+            let timeout = if self.wants_warm_clone() {
+                WARM_REFILL_IDLE
+                    .saturating_sub(last_event.elapsed())
+                    .as_millis() as i32
+            } else {
+                -1
+            };
             let n = match epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(RunError::EventLoop(e)),
             };
             if n == 0 {
-                self.add_warm_clone();
+                if self.wants_warm_clone() && last_event.elapsed() >= WARM_REFILL_IDLE {
+                    self.add_warm_clone();
+                }
                 continue;
             }
+            last_event = Instant::now();
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_RESET => {

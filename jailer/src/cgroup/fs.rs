@@ -1,0 +1,463 @@
+//! Cgroup files for v1 (one hierarchy per controller) and v2 (unified).
+//!
+//! Every forkvm cgroup lives under one parent directory (`forkvm` by default) in each
+//! hierarchy: `<root>/<controller>/forkvm/<name>` on v1, `<root>/forkvm/<name>` on v2.
+//! A fake root (tests) is a plain directory laid out the same way; since no kernel
+//! creates the interface files there, [`CgroupFs::create`] writes them with the
+//! kernel's defaults and [`CgroupFs::remove`] deletes them.
+
+use std::path::{Path, PathBuf};
+
+use super::{CgroupError, ResourceClass, Usage};
+
+/// cgroup v1 controllers forkvm uses, by hierarchy directory name.
+const V1_CONTROLLERS: [&str; 4] = ["cpu", "cpuacct", "memory", "pids"];
+/// CFS period forkvm sets with a CPU quota (the kernel default).
+const CPU_PERIOD_US: u64 = 100_000;
+/// What v1 `memory.limit_in_bytes` reads when unlimited (page-aligned i64::MAX).
+const V1_UNLIMITED: &str = "9223372036854771712";
+
+/// Which cgroup interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupVersion {
+    /// One hierarchy per controller.
+    V1,
+    /// The unified hierarchy.
+    V2,
+}
+
+/// The cgroup files of one hierarchy root.
+#[derive(Debug, Clone)]
+pub struct CgroupFs {
+    version: CgroupVersion,
+    root: PathBuf,
+    parent: String,
+    fake: bool,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
+    move |source| CgroupError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn is_cgroup2(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            let mut f = l.split_whitespace();
+            let (_, mnt, fstype) = (f.next(), f.next(), f.next());
+            mnt == Some(&*path.to_string_lossy()) && fstype == Some("cgroup2")
+        })
+}
+
+impl CgroupFs {
+    /// The host's hierarchy: v2 when `/sys/fs/cgroup` is unified (or `want` is V2 and a
+    /// cgroup2 mount exists at `/sys/fs/cgroup/unified`), else v1. `parent` is the
+    /// directory every forkvm cgroup goes under.
+    pub fn host(want: Option<CgroupVersion>, parent: &str) -> Result<Self, CgroupError> {
+        let base = Path::new("/sys/fs/cgroup");
+        let unified = base.join("unified");
+        let v2_root = if is_cgroup2(base) {
+            Some(base.to_path_buf())
+        } else if is_cgroup2(&unified) {
+            Some(unified)
+        } else {
+            None
+        };
+        let v1 = V1_CONTROLLERS.iter().any(|c| base.join(c).is_dir());
+        let has_v2 = v2_root.is_some();
+        let (version, root) = match (want, v2_root, v1) {
+            (Some(CgroupVersion::V2) | None, Some(r), _) if want.is_some() || !v1 => {
+                (CgroupVersion::V2, r)
+            }
+            (Some(CgroupVersion::V1) | None, _, true) => (CgroupVersion::V1, base.to_path_buf()),
+            _ => {
+                return Err(CgroupError::NoHierarchy(format!(
+                    "asked for {want:?}; cgroup2 mount: {}, v1 controllers: {v1}",
+                    has_v2
+                )))
+            }
+        };
+        Ok(Self {
+            version,
+            root,
+            parent: parent.to_string(),
+            fake: false,
+        })
+    }
+
+    /// A fake hierarchy in the directory `root` (created if needed), for tests.
+    pub fn fake(root: &Path, version: CgroupVersion, parent: &str) -> Result<Self, CgroupError> {
+        let fs = Self {
+            version,
+            root: root.to_path_buf(),
+            parent: parent.to_string(),
+            fake: true,
+        };
+        for dir in fs.parent_dirs() {
+            std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        }
+        Ok(fs)
+    }
+
+    /// v1 or v2.
+    pub fn version(&self) -> CgroupVersion {
+        self.version
+    }
+
+    /// The forkvm parent directory in every hierarchy.
+    fn parent_dirs(&self) -> Vec<PathBuf> {
+        match self.version {
+            CgroupVersion::V2 => vec![self.root.join(&self.parent)],
+            CgroupVersion::V1 => V1_CONTROLLERS
+                .iter()
+                .map(|c| self.root.join(c))
+                .filter(|d| self.fake || d.is_dir())
+                .map(|d| d.join(&self.parent))
+                .collect(),
+        }
+    }
+
+    /// Directory of cgroup `name` for `controller` (v1) or the unified one (v2).
+    fn dir(&self, controller: &str, name: &str) -> PathBuf {
+        match self.version {
+            CgroupVersion::V2 => self.root.join(&self.parent).join(name),
+            CgroupVersion::V1 => self.root.join(controller).join(&self.parent).join(name),
+        }
+    }
+
+    /// Every directory of cgroup `name`.
+    fn dirs(&self, name: &str) -> Vec<PathBuf> {
+        self.parent_dirs()
+            .into_iter()
+            .map(|p| p.join(name))
+            .collect()
+    }
+
+    /// The v2 directory of `name` (for `clone3(CLONE_INTO_CGROUP)`); None on v1.
+    pub fn v2_dir(&self, name: &str) -> Option<PathBuf> {
+        (self.version == CgroupVersion::V2).then(|| self.dir("", name))
+    }
+
+    /// Names of the cgroups under the forkvm parent (from the first hierarchy).
+    pub fn list(&self) -> Result<Vec<String>, CgroupError> {
+        let Some(parent) = self.parent_dirs().into_iter().next() else {
+            return Ok(Vec::new());
+        };
+        let entries = match std::fs::read_dir(&parent) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io(&parent)(e)),
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(Result::ok)
+            .filter(|e| e.path().is_dir())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        Ok(names)
+    }
+
+    fn write(
+        &self,
+        controller: &str,
+        name: &str,
+        file: &str,
+        value: &str,
+    ) -> Result<(), CgroupError> {
+        let path = self.dir(controller, name).join(file);
+        std::fs::write(&path, value).map_err(io(&path))
+    }
+
+    fn read(&self, controller: &str, name: &str, file: &str) -> Result<String, CgroupError> {
+        let path = self.dir(controller, name).join(file);
+        std::fs::read_to_string(&path).map_err(io(&path))
+    }
+
+    fn read_u64(&self, controller: &str, name: &str, file: &str) -> Result<u64, CgroupError> {
+        let text = self.read(controller, name, file)?;
+        text.trim().parse().map_err(|_| CgroupError::Parse {
+            path: self.dir(controller, name).join(file).display().to_string(),
+            text,
+        })
+    }
+
+    /// `key value` lines (cpu.stat, memory.events, memory.oom_control): the value of `key`.
+    fn read_key(&self, controller: &str, name: &str, file: &str, key: &str) -> u64 {
+        self.read(controller, name, file)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Whether cgroup `name` exists in every hierarchy.
+    pub fn exists(&self, name: &str) -> bool {
+        self.dirs(name).iter().all(|d| d.is_dir())
+    }
+
+    /// Creates cgroup `name` (and the forkvm parent if needed) with `class`'s limits.
+    pub fn create(&self, name: &str, class: &ResourceClass) -> Result<(), CgroupError> {
+        for parent in self.parent_dirs() {
+            if !parent.is_dir() {
+                std::fs::create_dir_all(&parent).map_err(io(&parent))?;
+                if self.version == CgroupVersion::V2 && !self.fake {
+                    self.enable_v2_controllers(&parent);
+                }
+            }
+            let dir = parent.join(name);
+            match std::fs::create_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(io(&dir)(e)),
+            }
+            if self.fake {
+                self.fake_interface_files(&dir)?;
+            }
+        }
+        self.set_limits(name, class)
+    }
+
+    /// Lets the forkvm parent's children use every controller the root offers.
+    fn enable_v2_controllers(&self, parent: &Path) {
+        let offered =
+            std::fs::read_to_string(self.root.join("cgroup.controllers")).unwrap_or_default();
+        for c in offered
+            .split_whitespace()
+            .filter(|c| ["cpu", "memory", "pids"].contains(c))
+        {
+            for dir in [self.root.as_path(), parent] {
+                let _ = std::fs::write(dir.join("cgroup.subtree_control"), format!("+{c}"));
+            }
+        }
+    }
+
+    /// The interface files the kernel would create in `dir`, with its defaults.
+    fn fake_interface_files(&self, dir: &Path) -> Result<(), CgroupError> {
+        let controller = dir
+            .parent()
+            .and_then(Path::parent)
+            .and_then(Path::file_name)
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let files: &[(&str, &str)] = match (self.version, controller.as_str()) {
+            (CgroupVersion::V2, _) => &[
+                ("cgroup.procs", ""),
+                ("cgroup.kill", ""),
+                ("cpu.max", "max 100000\n"),
+                ("cpu.stat", "usage_usec 0\n"),
+                ("memory.max", "max\n"),
+                ("memory.current", "0\n"),
+                ("memory.peak", "0\n"),
+                ("memory.events", "oom 0\noom_kill 0\n"),
+                ("pids.max", "max\n"),
+            ],
+            (CgroupVersion::V1, "cpu") => &[
+                ("cgroup.procs", ""),
+                ("cpu.cfs_period_us", "100000\n"),
+                ("cpu.cfs_quota_us", "-1\n"),
+            ],
+            (CgroupVersion::V1, "cpuacct") => &[("cgroup.procs", ""), ("cpuacct.usage", "0\n")],
+            (CgroupVersion::V1, "memory") => &[
+                ("cgroup.procs", ""),
+                ("memory.limit_in_bytes", "9223372036854771712\n"),
+                ("memory.max_usage_in_bytes", "0\n"),
+                (
+                    "memory.oom_control",
+                    "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n",
+                ),
+            ],
+            (CgroupVersion::V1, _) => &[("cgroup.procs", ""), ("pids.max", "max\n")],
+        };
+        for (file, value) in files {
+            let path = dir.join(file);
+            std::fs::write(&path, value).map_err(io(&path))?;
+        }
+        Ok(())
+    }
+
+    /// Writes `class`'s limits (unlimited where it sets none).
+    pub fn set_limits(&self, name: &str, class: &ResourceClass) -> Result<(), CgroupError> {
+        let quota = class
+            .cpu_quota
+            .map(|q| (q * CPU_PERIOD_US as f64).round() as u64);
+        match self.version {
+            CgroupVersion::V2 => {
+                let cpu = quota.map_or("max".to_string(), |q| q.to_string());
+                self.write("", name, "cpu.max", &format!("{cpu} {CPU_PERIOD_US}"))?;
+                let mem = class.memory_limit.map_or("max".into(), |m| m.to_string());
+                self.write("", name, "memory.max", &mem)?;
+                let pids = class.pids_max.map_or("max".into(), |p| p.to_string());
+                self.write("", name, "pids.max", &pids)?;
+            }
+            CgroupVersion::V1 => {
+                self.write("cpu", name, "cpu.cfs_period_us", &CPU_PERIOD_US.to_string())?;
+                let q = quota.map_or("-1".to_string(), |q| q.to_string());
+                self.write("cpu", name, "cpu.cfs_quota_us", &q)?;
+                let mem = class.memory_limit.map_or("-1".into(), |m| m.to_string());
+                self.write("memory", name, "memory.limit_in_bytes", &mem)?;
+                let pids = class.pids_max.map_or("max".into(), |p| p.to_string());
+                self.write("pids", name, "pids.max", &pids)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The limits in force, read back.
+    pub fn limits(&self, name: &str) -> Result<ResourceClass, CgroupError> {
+        let opt = |s: String| {
+            let s = s.trim().to_string();
+            (s != "max" && s != "-1" && s != V1_UNLIMITED).then(|| s.parse::<u64>().ok())
+        };
+        Ok(match self.version {
+            CgroupVersion::V2 => {
+                let cpu = self.read("", name, "cpu.max")?;
+                let quota = cpu.split_whitespace().next().unwrap_or("max").to_string();
+                ResourceClass {
+                    cpu_quota: opt(quota)
+                        .flatten()
+                        .map(|q| q as f64 / CPU_PERIOD_US as f64),
+                    memory_limit: opt(self.read("", name, "memory.max")?).flatten(),
+                    pids_max: opt(self.read("", name, "pids.max")?).flatten(),
+                }
+            }
+            CgroupVersion::V1 => {
+                let period = self.read_u64("cpu", name, "cpu.cfs_period_us")?.max(1);
+                ResourceClass {
+                    cpu_quota: opt(self.read("cpu", name, "cpu.cfs_quota_us")?)
+                        .flatten()
+                        .map(|q| q as f64 / period as f64),
+                    memory_limit: opt(self.read("memory", name, "memory.limit_in_bytes")?)
+                        .flatten(),
+                    pids_max: opt(self.read("pids", name, "pids.max")?).flatten(),
+                }
+            }
+        })
+    }
+
+    /// Processes in cgroup `name` (every hierarchy).
+    pub fn procs(&self, name: &str) -> Result<Vec<i32>, CgroupError> {
+        let mut pids = Vec::new();
+        for dir in self.dirs(name) {
+            let path = dir.join("cgroup.procs");
+            let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+            pids.extend(
+                text.split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok()),
+            );
+        }
+        pids.sort_unstable();
+        pids.dedup();
+        Ok(pids)
+    }
+
+    /// Moves process `pid` into cgroup `name` in every hierarchy.
+    pub fn place(&self, name: &str, pid: i32) -> Result<(), CgroupError> {
+        for dir in self.dirs(name) {
+            let path = dir.join("cgroup.procs");
+            if self.fake {
+                // No kernel: record the member (a move appends in the fake).
+                let mut text = std::fs::read_to_string(&path).map_err(io(&path))?;
+                text.push_str(&format!("{pid}\n"));
+                std::fs::write(&path, text).map_err(io(&path))?;
+            } else {
+                std::fs::write(&path, pid.to_string()).map_err(io(&path))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Accounting so far (cumulative since creation or the last reset).
+    pub fn usage(&self, name: &str) -> Result<Usage, CgroupError> {
+        Ok(match self.version {
+            CgroupVersion::V2 => {
+                let peak = self
+                    .read_u64("", name, "memory.peak")
+                    .or_else(|_| self.read_u64("", name, "memory.current"))?;
+                Usage {
+                    cpu_us: self.read_key("", name, "cpu.stat", "usage_usec"),
+                    memory_peak: peak,
+                    oom_kills: self.read_key("", name, "memory.events", "oom_kill"),
+                }
+            }
+            CgroupVersion::V1 => Usage {
+                cpu_us: self.read_u64("cpuacct", name, "cpuacct.usage")? / 1000,
+                memory_peak: self.read_u64("memory", name, "memory.max_usage_in_bytes")?,
+                oom_kills: self.read_key("memory", name, "memory.oom_control", "oom_kill "),
+            },
+        })
+    }
+
+    /// Resets what can be reset: v1 CPU time and peak memory; v2 peak memory where the
+    /// kernel allows it (6.12+). Counters that cannot be reset are reported as deltas
+    /// by the pool.
+    pub fn reset_accounting(&self, name: &str) -> Result<(), CgroupError> {
+        match self.version {
+            CgroupVersion::V2 => {
+                let _ = self.write("", name, "memory.peak", "0");
+            }
+            CgroupVersion::V1 => {
+                self.write("cpuacct", name, "cpuacct.usage", "0")?;
+                self.write("memory", name, "memory.max_usage_in_bytes", "0")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills every process in cgroup `name` (v2: `cgroup.kill`; v1: SIGKILL each).
+    pub fn kill_all(&self, name: &str) -> Result<(), CgroupError> {
+        if self.fake {
+            for dir in self.dirs(name) {
+                let path = dir.join("cgroup.procs");
+                std::fs::write(&path, "").map_err(io(&path))?;
+            }
+            return Ok(());
+        }
+        if self.version == CgroupVersion::V2 && self.write("", name, "cgroup.kill", "1").is_ok() {
+            return Ok(());
+        }
+        for pid in self.procs(name)? {
+            // SAFETY: sends a signal; no memory is touched.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        Ok(())
+    }
+
+    /// Removes cgroup `name` (it must be empty).
+    pub fn remove(&self, name: &str) -> Result<(), CgroupError> {
+        for dir in self.dirs(name) {
+            let r = if self.fake {
+                std::fs::remove_dir_all(&dir)
+            } else {
+                std::fs::remove_dir(&dir)
+            };
+            match r {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(&dir)(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the forkvm parent directories (they must be empty).
+    pub fn remove_parent(&self) -> Result<(), CgroupError> {
+        for dir in self.parent_dirs() {
+            let r = if self.fake {
+                std::fs::remove_dir_all(&dir)
+            } else {
+                std::fs::remove_dir(&dir)
+            };
+            match r {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(&dir)(e)),
+            }
+        }
+        Ok(())
+    }
+}

@@ -131,8 +131,8 @@ pub struct Microvm {
     pub(crate) pending_events: std::collections::VecDeque<(u8, VcpuEvent)>,
 }
 
-/// How long the event loop must have been idle before it forks a warm clone.
-const WARM_REFILL_IDLE: std::time::Duration = std::time::Duration::from_millis(5);
+/// How long after a clone request the event loop waits before forking a warm clone.
+const WARM_REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(5);
 
 const TOKEN_RESET: u64 = 1;
 const TOKEN_VCPU_EXIT: u64 = 2;
@@ -374,15 +374,13 @@ impl Microvm {
         }
 
         let mut events = vec![EpollEvent::default(); 8];
-        let mut last_event = Instant::now();
         let outcome = 'run: loop {
-            // Warm clones are added once the loop has been idle for a moment: fork()
-            // holds this process's memory map, so an API answer still being written
-            // (or a request being read) would wait for it.
+            // Warm clones are added a moment after the last clone request: fork()
+            // holds this process's memory map, so the answer to that request, still
+            // being written by the API thread, would wait for it.
             let timeout = if self.wants_warm_clone() {
-                WARM_REFILL_IDLE
-                    .saturating_sub(last_event.elapsed())
-                    .as_millis() as i32
+                let since = self.warm.since_last_launch();
+                WARM_REFILL_DELAY.saturating_sub(since).as_millis() as i32
             } else {
                 -1
             };
@@ -391,13 +389,9 @@ impl Microvm {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(RunError::EventLoop(e)),
             };
-            if n == 0 {
-                if self.wants_warm_clone() && last_event.elapsed() >= WARM_REFILL_IDLE {
-                    self.add_warm_clone();
-                }
-                continue;
+            if self.wants_warm_clone() && self.warm.since_last_launch() >= WARM_REFILL_DELAY {
+                self.add_warm_clone();
             }
-            last_event = Instant::now();
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_RESET => {

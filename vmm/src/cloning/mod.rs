@@ -352,6 +352,7 @@ impl Microvm {
             }
         }
         let infos: Vec<CloneInfo> = made.into_iter().map(|(i, _)| i).collect();
+        self.warm.note_request();
         self.clones.made += count as u32;
         self.clones.clones.extend(infos.iter().cloned());
         Ok(infos)

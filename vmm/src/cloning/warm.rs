@@ -53,6 +53,8 @@ pub struct WarmPool {
     launched: u64,
     /// Warm clones discarded unused.
     discarded: u64,
+    /// When clones were last requested.
+    last_request: Option<std::time::Instant>,
 }
 
 /// What `GET /vm` reports about the pool.
@@ -84,6 +86,17 @@ impl WarmPool {
             launched: self.launched,
             discarded: self.discarded,
         }
+    }
+
+    /// Time since clones were last requested (long ago if never).
+    pub fn since_last_launch(&self) -> std::time::Duration {
+        self.last_request
+            .map_or(std::time::Duration::MAX, |t| t.elapsed())
+    }
+
+    /// Records a clone request (the refill waits a moment after one).
+    pub(super) fn note_request(&mut self) {
+        self.last_request = Some(std::time::Instant::now());
     }
 
     /// Whether `pid` was a warm clone (it died: forget it).

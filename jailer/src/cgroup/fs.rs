@@ -429,24 +429,18 @@ impl CgroupFs {
 
     /// Removes cgroup `name` (it must be empty).
     pub fn remove(&self, name: &str) -> Result<(), CgroupError> {
-        for dir in self.dirs(name) {
-            let r = if self.fake {
-                std::fs::remove_dir_all(&dir)
-            } else {
-                std::fs::remove_dir(&dir)
-            };
-            match r {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io(&dir)(e)),
-            }
-        }
-        Ok(())
+        self.remove_dirs(self.dirs(name))
     }
 
     /// Removes the forkvm parent directories (they must be empty).
     pub fn remove_parent(&self) -> Result<(), CgroupError> {
-        for dir in self.parent_dirs() {
+        self.remove_dirs(self.parent_dirs())
+    }
+
+    /// Removes cgroup directories (a fake root's with the files in them); ones already
+    /// gone are fine.
+    fn remove_dirs(&self, dirs: Vec<PathBuf>) -> Result<(), CgroupError> {
+        for dir in dirs {
             let r = if self.fake {
                 std::fs::remove_dir_all(&dir)
             } else {

@@ -276,16 +276,9 @@ impl CgroupPool {
         }
         if !self.fs.procs(&name)?.is_empty() {
             self.fs.kill_all(&name)?;
-            let start = Instant::now();
-            while !self.fs.procs(&name)?.is_empty() {
-                if start.elapsed() > Duration::from_secs(2) {
-                    return Err(CgroupError::Busy {
-                        pids: self.fs.procs(&name)?,
-                        name,
-                    }
-                    .into());
-                }
-                std::thread::sleep(Duration::from_millis(2));
+            let left = wait_empty(&self.fs, &name)?;
+            if !left.is_empty() {
+                return Err(CgroupError::Busy { pids: left, name }.into());
             }
         }
         let now = self.fs.usage(&name)?;
@@ -393,16 +386,25 @@ impl Drop for Maintainer {
     }
 }
 
+/// Waits up to 2 s for killed processes to leave cgroup `name`; returns those still in it.
+fn wait_empty(fs: &CgroupFs, name: &str) -> Result<Vec<i32>, CgroupError> {
+    let start = Instant::now();
+    loop {
+        let left = fs.procs(name)?;
+        if left.is_empty() || start.elapsed() > Duration::from_secs(2) {
+            return Ok(left);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Kills and removes every cgroup under the forkvm parent, then the parent (`jailer
 /// cleanup`). Returns how many cgroups were removed.
 pub fn cleanup(fs: &CgroupFs) -> Result<usize, CgroupError> {
     let names = fs.list()?;
     for name in &names {
         fs.kill_all(name)?;
-        let start = Instant::now();
-        while !fs.procs(name)?.is_empty() && start.elapsed() < Duration::from_secs(2) {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_empty(fs, name)?;
         fs.remove(name)?;
     }
     fs.remove_parent()?;

@@ -198,6 +198,14 @@ fn wait_for_go(go: RawFd) -> Result<Option<Identity>, ChildError> {
         .map_err(|e| ChildError::Go(e.to_string()))
 }
 
+/// `state` with the guest's clocks moved on to now, as if it had kept running since the
+/// capture.
+fn advanced(state: &MicrovmState) -> MicrovmState {
+    let mut state = state.clone();
+    state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
+    state
+}
+
 fn run_clone(
     plan: &ChildPlan<'_>,
     ready: File,
@@ -212,9 +220,7 @@ fn run_clone(
     let identity;
     match &plan.start {
         Start::Now(id) => {
-            // The guest's clocks continue from the capture as if it had kept running.
-            state = plan.state.clone();
-            state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
+            state = advanced(plan.state);
             if let Some((vcpu, value)) = id.guest_result {
                 if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
                     v.regs.rax = value;
@@ -230,8 +236,7 @@ fn run_clone(
                 return Ok(RunOutcome::ApiShutdown);
             };
             mark("go", started);
-            state = plan.state.clone();
-            state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
+            state = advanced(plan.state);
             for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {
                 let rax = id
                     .guest_result

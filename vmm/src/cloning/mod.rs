@@ -496,39 +496,48 @@ impl Microvm {
         state: &MicrovmState,
         identities: Vec<Identity>,
     ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
-        let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
-        // SAFETY: getpid has no preconditions.
-        let parent_pid = unsafe { libc::getpid() };
         let mut made = Vec::with_capacity(identities.len());
         for identity in identities {
             let (read_end, write_end) = pipe().map_err(CloneError::Os)?;
-            let plan = ChildPlan {
-                parent_pid,
-                ready: write_end.as_raw_fd(),
-                start: Start::Now(identity.clone()),
-                state,
-                mem: &self._mem,
-                config: &self.config,
-                host: &self.host,
-                cmdline: &self.cmdline,
-                spec: &self.capture_spec,
-                run_bases: &run_bases,
-                run_size: self.kvm_run_size,
-            };
-            // SAFETY: every vCPU is parked holding no lock and there are no virtio
-            // workers; the API thread may be anywhere, but the child takes none of its
-            // locks (logging is lock-free, glibc makes malloc usable after fork).
-            let pid = unsafe { libc::fork() };
-            match pid {
-                -1 => return Err(CloneError::Os(std::io::Error::last_os_error())),
-                0 => child_main(plan),
-                pid => {
-                    drop(write_end);
-                    made.push((CloneInfo::starting(identity, pid), File::from(read_end)));
-                }
-            }
+            let pid = self.fork_child(state, &write_end, Start::Now(identity.clone()))?;
+            drop(write_end);
+            made.push((CloneInfo::starting(identity, pid), File::from(read_end)));
         }
         Ok(made)
+    }
+
+    /// Forks one child that rebuilds this VM from `state` and starts per `start`;
+    /// `ready` is the write end of its ready pipe. Returns the child's pid. Every vCPU
+    /// must be parked.
+    pub(super) fn fork_child(
+        &self,
+        state: &MicrovmState,
+        ready: &OwnedFd,
+        start: Start,
+    ) -> Result<i32, CloneError> {
+        let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
+        let plan = ChildPlan {
+            // SAFETY: getpid has no preconditions.
+            parent_pid: unsafe { libc::getpid() },
+            ready: ready.as_raw_fd(),
+            start,
+            state,
+            mem: &self._mem,
+            config: &self.config,
+            host: &self.host,
+            cmdline: &self.cmdline,
+            spec: &self.capture_spec,
+            run_bases: &run_bases,
+            run_size: self.kvm_run_size,
+        };
+        // SAFETY: every vCPU is parked holding no lock and there are no virtio workers;
+        // the API thread may be anywhere, but the child takes none of its locks (logging
+        // is lock-free, glibc makes malloc usable after fork).
+        match unsafe { libc::fork() } {
+            -1 => Err(CloneError::Os(std::io::Error::last_os_error())),
+            0 => child_main(plan),
+            pid => Ok(pid),
+        }
     }
 }
 

@@ -25,7 +25,7 @@ use serde::Serialize;
 
 use clone::MicrovmState;
 
-use super::child::{child_main, ChildPlan, Identity, Start};
+use super::child::{Identity, Start};
 use super::{pipe, CloneError};
 use crate::microvm::{Microvm, VmState};
 
@@ -167,39 +167,17 @@ impl Microvm {
         let state = self.epoch_state()?;
         let (ready_read, ready_write) = pipe().map_err(CloneError::Os)?;
         let (go_read, go_write) = pipe().map_err(CloneError::Os)?;
-        let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
-        let plan = ChildPlan {
-            // SAFETY: getpid has no preconditions.
-            parent_pid: unsafe { libc::getpid() },
-            ready: ready_write.as_raw_fd(),
-            start: Start::Warm {
-                go: go_read.as_raw_fd(),
-            },
-            state: &state,
-            mem: &self._mem,
-            config: &self.config,
-            host: &self.host,
-            cmdline: &self.cmdline,
-            spec: &self.capture_spec,
-            run_bases: &run_bases,
-            run_size: self.kvm_run_size,
+        let start = Start::Warm {
+            go: go_read.as_raw_fd(),
         };
-        // SAFETY: the VM is paused: every vCPU is parked holding no lock and there are
-        // no virtio workers; the API thread may be anywhere, but the child takes none of
-        // its locks (logging is lock-free, glibc makes malloc usable after fork).
-        let pid = unsafe { libc::fork() };
-        match pid {
-            -1 => Err(CloneError::Os(std::io::Error::last_os_error())),
-            0 => child_main(plan),
-            pid => {
-                self.warm.clones.push_back(WarmClone {
-                    pid,
-                    go: File::from(go_write),
-                    ready: File::from(ready_read),
-                });
-                Ok(())
-            }
-        }
+        // The VM is paused: every vCPU is parked.
+        let pid = self.fork_child(&state, &ready_write, start)?;
+        self.warm.clones.push_back(WarmClone {
+            pid,
+            go: File::from(go_write),
+            ready: File::from(ready_read),
+        });
+        Ok(())
     }
 
     /// Launches a warm clone with `identity`; returns its pid and ready pipe, or None

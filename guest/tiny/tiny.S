@@ -28,6 +28,8 @@
  *             with interrupts off (clone benchmarks time a clone's first write)
  *   busy=1    every CPU spins instead of halting and prints "tiny: cpu N beat K"
  *             every `beat` ticks (exit= does not apply)
+ *   dirty=M   after the checks, the BSP rewrites M MiB from 16 MiB every beat,
+ *             printing "tiny: dirty pass K" (memory-limit tests)
  *
  * See docs/tiny-guest.md.
  */
@@ -197,7 +199,9 @@ bsp_main:
     testq %rcx, %rcx
     jz   1f
     call clonetest
-1:  cmpq $0, opt_busy(%rip)
+1:  cmpq $0, opt_dirty(%rip)
+    jne  dirty_loop
+    cmpq $0, opt_busy(%rip)
     jne  busy_beats
     cmpq $0, opt_probespin(%rip)
     jne  probe_spin
@@ -303,6 +307,35 @@ probe_spin:
     movl $PROBE_PORT, %edx
 1:  movl $0x5,  %eax
     outl %eax, %dx
+    jmp  1b
+
+/*
+ * dirty=M: rewrites M MiB from MEMTEST_BASE every beat with the pass number and prints
+ * "tiny: dirty pass K". In a clone the first pass copies all M MiB (memory-limit tests).
+ */
+dirty_loop:
+    xorl %r12d, %r12d
+1:  incq %r12
+    movq %r12, %rax
+    movq opt_dirty(%rip), %rcx
+    shlq $17, %rcx                  /* MiB -> quadwords */
+    movq $MEMTEST_BASE, %rdi
+    cld
+    rep stosq                       /* one instruction: cheap where CPL 0 is emulated */
+    call lock_serial
+    leaq msg_dirty(%rip), %rdi
+    call puts
+    movq %r12, %rdi
+    call putdec
+    movb $'\n', %dil
+    call putc
+    call unlock_serial
+    movq ticks(%rip), %r13
+2:  hlt
+    movq ticks(%rip), %rax
+    subq %r13, %rax
+    cmpq opt_beat(%rip), %rax
+    jb   2b
     jmp  1b
 
 /* memtest: rcx = MiB. Fill with the address pattern, verify, print result. */
@@ -542,6 +575,9 @@ parse_cmdline:
     leaq key_probespin(%rip), %rdi
     leaq opt_probespin(%rip), %rdx
     call cmdline_opt
+    leaq key_dirty(%rip), %rdi
+    leaq opt_dirty(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -612,6 +648,8 @@ key_clonetest:  .asciz "clonetest="
 key_done:       .asciz "done="
 key_tickless:   .asciz "tickless="
 key_probespin:  .asciz "probespin="
+key_dirty:      .asciz "dirty="
+msg_dirty:      .asciz "tiny: dirty pass "
 
     .align 16
 gdt:
@@ -637,6 +675,7 @@ opt_clonetest: .quad 0
 opt_done:    .quad 0
 opt_tickless: .quad 0
 opt_probespin: .quad 0
+opt_dirty:   .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

@@ -31,13 +31,22 @@ pub fn guest_file(name: &str) -> PathBuf {
 
 /// The `vmm` binary of the same build profile as this test.
 pub fn vmm_bin() -> PathBuf {
+    workspace_bin("vmm")
+}
+
+/// The `jailer` binary of the same build profile as this test.
+pub fn jailer_bin() -> PathBuf {
+    workspace_bin("jailer")
+}
+
+fn workspace_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> -> target/<profile>/vmm
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
     let bin = exe
         .parent()
         .and_then(Path::parent)
         .expect("target dir")
-        .join("vmm");
+        .join(name);
     assert!(
         bin.exists(),
         "{} is missing: build it first (cargo build --workspace --bins)",

@@ -1,7 +1,7 @@
 //! From a [`VmConfig`] to a running [`Microvm`], as an explicit, ordered list of stages.
 //!
 //! 1. open KVM, check capabilities, recognise the host
-//! 2. validate the configuration against the host
+//! 2. validate the configuration against the host; make the clones' cgroup pools
 //! 3. decide host quirks (CPUID features to hide, kernel switches to add)
 //! 4. map guest memory
 //! 5. create the VM: memory slots first, then TSS, irqchip, PIT
@@ -66,6 +66,9 @@ pub enum BuildError {
     /// An eventfd for vCPU exits.
     #[error("cannot create an eventfd: {0}")]
     EventFd(std::io::Error),
+    /// Stage 2: the clones' cgroup pools.
+    #[error(transparent)]
+    Cgroups(#[from] crate::cloning::cgroups::CgroupSetupError),
 }
 
 /// Kernel switches every guest gets on a PVM host beyond the CPUID ones: mitigations use
@@ -136,6 +139,13 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     timer.done("kvm");
     // 2. Configuration.
     config.validate(kvm.max_vcpus)?;
+    // Dropped (cgroups removed) if a later stage fails.
+    let cgroups = config
+        .cgroups
+        .as_ref()
+        .map(crate::cloning::cgroups::ClonePools::new)
+        .transpose()?;
+    timer.done("config, cgroups");
     // 3. Host quirks.
     let (hidden, quirk_switches) = host_quirks(kvm.host, config.host_quirks);
     if kvm.host == HostKind::Pvm {
@@ -195,6 +205,7 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
         capture_spec: Arc::new(capture_spec),
         clones: Default::default(),
         warm,
+        cgroups,
         clone_id: String::new(),
         kvm_run_size: kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?,
         pending_events: Default::default(),

@@ -42,6 +42,53 @@ pub enum ApBoot {
 /// The default kernel command line when the user gives none.
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1";
 
+/// Resource classes for clones, each with a pool of ready cgroups (`cloning::cgroups`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CgroupConfig {
+    /// Class names and limits; the first is used when a request names none (and for
+    /// clones the guest asks for).
+    pub classes: Vec<(String, jailer::cgroup::ResourceClass)>,
+    /// Which hierarchy (None: v2 when the host is v2-only, else v1).
+    pub version: Option<jailer::cgroup::CgroupVersion>,
+    /// Directory under each hierarchy's root for every forkvm VMM (each adds
+    /// `vmm-<pid>` under it).
+    pub parent: String,
+    /// Ready cgroups kept per class.
+    pub pool_size: usize,
+    /// Most cgroups per class (idle and in use).
+    pub pool_max: usize,
+    /// How long a clone request waits for a cgroup when its pool is at `pool_max` (0:
+    /// fail at once).
+    pub wait_ms: u64,
+}
+
+impl Default for CgroupConfig {
+    fn default() -> Self {
+        Self {
+            classes: Vec::new(),
+            version: None,
+            parent: "forkvm".into(),
+            pool_size: 4,
+            pool_max: 256,
+            wait_ms: 0,
+        }
+    }
+}
+
+/// Parses `NAME:LIMITS` (`small:cpu=0.5,memory=64M,pids=64`; `NAME` alone is unlimited).
+pub fn parse_cgroup_class(s: &str) -> Result<(String, jailer::cgroup::ResourceClass), String> {
+    let (name, limits) = s.split_once(':').unwrap_or((s, ""));
+    if name.is_empty()
+        || name.len() > 32
+        || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        return Err(format!(
+            "class name {name:?}: use 1 to 32 letters, digits or '_'"
+        ));
+    }
+    Ok((name.to_string(), limits.parse()?))
+}
+
 /// A complete VM configuration.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -71,6 +118,8 @@ pub struct VmConfig {
     pub ap_boot: ApBoot,
     /// Warm clones to keep ready while the VM is paused (`cloning::warm`).
     pub warm_clones: usize,
+    /// Pooled cgroups for clones (None: clones stay in the VMM's cgroup).
+    pub cgroups: Option<CgroupConfig>,
 }
 
 impl VmConfig {
@@ -90,6 +139,7 @@ impl VmConfig {
             prefault: false,
             ap_boot: ApBoot::Sipi,
             warm_clones: 0,
+            cgroups: None,
         }
     }
 }
@@ -100,6 +150,9 @@ pub enum ConfigError {
     /// Too many warm clones.
     #[error("{0} warm clones requested; at most {max} may be kept", max = crate::cloning::warm::MAX_WARM_CLONES)]
     WarmClones(usize),
+    /// Bad cgroup pool settings.
+    #[error("cgroup classes: {0}")]
+    Cgroups(String),
     /// Memory size out of range.
     #[error("memory size {0} MiB is out of range ({MIN_MEM_MIB} to {MAX_MEM_MIB} MiB)")]
     MemSize(u64),
@@ -137,6 +190,42 @@ fn check_file(what: &'static str, path: &std::path::Path) -> Result<(), ConfigEr
     Ok(())
 }
 
+impl CgroupConfig {
+    fn validate(&self) -> Result<(), String> {
+        if self.classes.is_empty() {
+            return Err("no class given".into());
+        }
+        for (i, (name, _)) in self.classes.iter().enumerate() {
+            if self.classes[..i].iter().any(|(n, _)| n == name) {
+                return Err(format!("class {name:?} given twice"));
+            }
+        }
+        let max_live = crate::cloning::MAX_LIVE_CLONES;
+        if self.pool_max == 0 || self.pool_max > max_live || self.pool_size > self.pool_max {
+            return Err(format!(
+                "need pool size <= pool max <= {max_live} and pool max > 0 (size {}, max {})",
+                self.pool_size, self.pool_max
+            ));
+        }
+        if self.wait_ms > 10_000 {
+            return Err(format!("wait of {} ms is over 10 s", self.wait_ms));
+        }
+        let parent = std::path::Path::new(&self.parent);
+        if self.parent.is_empty()
+            || parent.is_absolute()
+            || parent
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(format!(
+                "cgroup parent {:?} must be a relative path without '..'",
+                self.parent
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl VmConfig {
     /// Checks sizes and files. `host_max_vcpus` is what KVM allows on this host.
     pub fn validate(&self, host_max_vcpus: usize) -> Result<(), ConfigError> {
@@ -145,6 +234,9 @@ impl VmConfig {
         }
         if self.warm_clones > crate::cloning::warm::MAX_WARM_CLONES {
             return Err(ConfigError::WarmClones(self.warm_clones));
+        }
+        if let Some(c) = &self.cgroups {
+            c.validate().map_err(ConfigError::Cgroups)?;
         }
         let max = (host_max_vcpus as u64).min(u64::from(MAX_VCPUS));
         if self.vcpus == 0 || u64::from(self.vcpus) > max {
@@ -212,6 +304,56 @@ mod tests {
                 why: "not a regular file".into()
             })
         );
+    }
+
+    #[test]
+    fn cgroup_classes() {
+        let (name, class) = parse_cgroup_class("small:cpu=0.5,memory=64M").unwrap();
+        assert_eq!(name, "small");
+        assert_eq!(class.cpu_quota, Some(0.5));
+        assert_eq!(parse_cgroup_class("any").unwrap().1, Default::default());
+        for bad in ["", ":cpu=1", "a/b:cpu=1", "x:cpu=0", "x:gpu=1"] {
+            assert!(parse_cgroup_class(bad).is_err(), "{bad} accepted");
+        }
+        let mut c = cfg();
+        let mut cg = CgroupConfig {
+            classes: vec![parse_cgroup_class("a").unwrap()],
+            ..Default::default()
+        };
+        c.cgroups = Some(cg.clone());
+        assert_eq!(c.validate(8), Ok(()));
+        for bad in [
+            CgroupConfig {
+                classes: vec![],
+                ..cg.clone()
+            },
+            CgroupConfig {
+                classes: vec![cg.classes[0].clone(), cg.classes[0].clone()],
+                ..cg.clone()
+            },
+            CgroupConfig {
+                pool_size: 10,
+                pool_max: 5,
+                ..cg.clone()
+            },
+            CgroupConfig {
+                parent: "../x".into(),
+                ..cg.clone()
+            },
+            CgroupConfig {
+                parent: "/abs".into(),
+                ..cg.clone()
+            },
+        ] {
+            c.cgroups = Some(bad.clone());
+            assert!(
+                matches!(c.validate(8), Err(ConfigError::Cgroups(_))),
+                "{bad:?} accepted"
+            );
+        }
+        cg.parent = "forkvm/test".into();
+        c.cgroups = Some(cg);
+        assert_eq!(c.validate(8), Ok(()));
     }
 
     #[test]

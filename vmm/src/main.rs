@@ -6,7 +6,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use vmm::api::client;
-use vmm::config::{ApBoot, ConsoleSink, VmConfig, DEFAULT_CMDLINE};
+use vmm::config::{
+    parse_cgroup_class, ApBoot, CgroupConfig, ConsoleSink, VmConfig, DEFAULT_CMDLINE,
+};
 
 #[derive(Parser)]
 #[command(
@@ -52,6 +54,9 @@ struct ForkArgs {
     /// Where the clones' consoles go: a file per clone, or nowhere.
     #[arg(long, default_value = "file", value_parser = ["file", "null"])]
     console: String,
+    /// Resource class of the clones' cgroups (default: the VM's first --cgroup-class).
+    #[arg(long)]
+    class: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -103,6 +108,43 @@ struct RunArgs {
     /// `vmm fork` only launches them (0 to 256)
     #[arg(long, default_value_t = 0)]
     warm_clones: usize,
+    /// A resource class for clones, NAME[:cpu=CPUS,memory=BYTES[K|M|G],pids=N]; each gets
+    /// a pool of ready cgroups and every clone is placed in one. Repeat for more classes;
+    /// the first is the default.
+    #[arg(long = "cgroup-class", value_parser = parse_cgroup_class)]
+    cgroup_classes: Vec<(String, jailer::cgroup::ResourceClass)>,
+    /// cgroup version for the pools (default: v2 on a v2-only host, else v1).
+    #[arg(long, value_parser = ["1", "2"])]
+    cgroup_version: Option<String>,
+    /// Directory in each cgroup hierarchy that the pools go under (as `<dir>/vmm-<pid>`).
+    #[arg(long, default_value = "forkvm")]
+    cgroup_parent: String,
+    /// Ready cgroups kept per class.
+    #[arg(long, default_value_t = 4)]
+    cgroup_pool_size: usize,
+    /// Most cgroups per class; further clone requests wait or fail.
+    #[arg(long, default_value_t = 256)]
+    cgroup_pool_max: usize,
+    /// How long a clone request waits for a free cgroup at the maximum (0: fail at once).
+    #[arg(long, default_value_t = 0)]
+    cgroup_wait_ms: u64,
+}
+
+impl RunArgs {
+    fn cgroups(&self) -> Option<CgroupConfig> {
+        use jailer::cgroup::CgroupVersion;
+        (!self.cgroup_classes.is_empty()).then(|| CgroupConfig {
+            classes: self.cgroup_classes.clone(),
+            version: self.cgroup_version.as_deref().map(|v| match v {
+                "2" => CgroupVersion::V2,
+                _ => CgroupVersion::V1,
+            }),
+            parent: self.cgroup_parent.clone(),
+            pool_size: self.cgroup_pool_size,
+            pool_max: self.cgroup_pool_max,
+            wait_ms: self.cgroup_wait_ms,
+        })
+    }
 }
 
 fn init_logging(level: &str) -> Result<(), String> {
@@ -136,7 +178,11 @@ fn api_call(sock: &Path, method: &str, path: &str, body: Option<&str>) -> ExitCo
 }
 
 fn fork(f: &ForkArgs) -> ExitCode {
-    let body = format!(r#"{{"count":{},"console":"{}"}}"#, f.count, f.console);
+    let mut body = serde_json::json!({ "count": f.count, "console": f.console });
+    if let Some(c) = &f.class {
+        body["resource_class"] = c.clone().into();
+    }
+    let body = body.to_string();
     let r = match client::request(&f.api_sock, "POST", "/clones", Some(&body)) {
         Ok(r) => r,
         Err(e) => {
@@ -166,6 +212,9 @@ fn fork(f: &ForkArgs) -> ExitCode {
             c["api_sock"].as_str().unwrap_or("?"),
             c["console"].as_str().unwrap_or("?"),
         );
+        if let Some(cg) = c["cgroup"]["path"].as_str() {
+            println!("{:<8} cgroup {cg} ({})", "", c["cgroup"]["placed_by"]);
+        }
     }
     ExitCode::SUCCESS
 }
@@ -196,6 +245,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Run(a) => {
             let config = VmConfig {
+                cgroups: a.cgroups(),
                 initrd: a.initrd,
                 rootfs: a.rootfs,
                 mem_mib: a.mem_mib,

@@ -123,6 +123,8 @@ pub struct Microvm {
     pub(crate) clones: crate::cloning::CloneTable,
     /// Clones prepared ahead of requests while paused.
     pub(crate) warm: crate::cloning::warm::WarmPool,
+    /// Pooled cgroups for clones (`--cgroup-class`); None in clones.
+    pub(crate) cgroups: Option<crate::cloning::cgroups::ClonePools>,
     /// This VM's clone id: "" for an original, "2", "2.1", ... for clones.
     pub(crate) clone_id: String,
     /// Size of a vCPU's kvm_run mapping.
@@ -198,6 +200,7 @@ impl Microvm {
             "uptime_ms": self.started.elapsed().as_millis() as u64,
             "clone_id": self.clone_id,
             "warm_clones": self.warm.report(),
+            "cgroups": self.cgroups.as_ref().map(|c| c.report()),
             "host": self.host,
             "probe": {
                 "writes": self.devices.probe.writes(),
@@ -230,7 +233,7 @@ impl Microvm {
         self.state = to;
         if to == VmState::Running {
             // The guest runs on: what was captured and forked while paused is stale.
-            self.warm.discard();
+            self.discard_warm_clones();
         }
         Ok(())
     }
@@ -247,30 +250,37 @@ impl Microvm {
                 count,
                 received_ns,
                 console,
-            } => match self.make_clones(count, received_ns, None, console) {
-                Ok(made) => (
-                    ApiReply {
-                        status: 201,
-                        body: Some(json!({ "clones": made }).to_string()),
-                    },
-                    None,
-                ),
-                Err(e) => {
-                    let status = match e {
-                        CloneError::Count(_) | CloneError::PathTooLong(_) => 400,
-                        CloneError::State(_)
-                        | CloneError::Unsupported(_)
-                        | CloneError::TooMany { .. } => 409,
-                        _ => 500,
-                    };
-                    (ApiReply::error(status, e), None)
+                resource_class,
+            } => {
+                match self.make_clones(count, received_ns, None, console, resource_class.as_deref())
+                {
+                    Ok(made) => (
+                        ApiReply {
+                            status: 201,
+                            body: Some(json!({ "clones": made }).to_string()),
+                        },
+                        None,
+                    ),
+                    Err(e) => {
+                        use crate::cloning::cgroups::PlacementError as P;
+                        let status = match e {
+                            CloneError::Count(_)
+                            | CloneError::PathTooLong(_)
+                            | CloneError::Cgroup(P::UnknownClass { .. } | P::NoPools(_)) => 400,
+                            CloneError::State(_)
+                            | CloneError::Unsupported(_)
+                            | CloneError::TooMany { .. } => 409,
+                            CloneError::Cgroup(P::Pool(jailer::cgroup::PoolError::Exhausted {
+                                ..
+                            })) => 503,
+                            _ => 500,
+                        };
+                        (ApiReply::error(status, e), None)
+                    }
                 }
-            },
-            ApiRequest::ListClones => {
-                self.reap_children();
-                (ApiReply::ok(json!({ "clones": self.clones.list() })), None)
             }
-            ApiRequest::DeleteClone(id) => match self.clones.stop(&id) {
+            ApiRequest::ListClones => (ApiReply::ok(json!({ "clones": self.list_clones() })), None),
+            ApiRequest::DeleteClone(id) => match self.stop_clone(&id) {
                 Some(info) => (ApiReply::ok(json!(info)), None),
                 None => (
                     ApiReply::error(404, format!("no running clone with id {id:?}")),
@@ -290,7 +300,7 @@ impl Microvm {
             return false;
         }
         // The serial port's state changes: a paused VM's captured state is stale.
-        self.warm.discard();
+        self.discard_warm_clones();
         let mut serial = self
             .devices
             .serial
@@ -378,12 +388,16 @@ impl Microvm {
             // Warm clones are added a moment after the last clone request: fork()
             // holds this process's memory map, so the answer to that request, still
             // being written by the API thread, would wait for it.
-            let timeout = if self.wants_warm_clone() {
+            let mut timeout = if self.wants_warm_clone() {
                 let since = self.warm.since_last_launch();
                 WARM_REFILL_DELAY.saturating_sub(since).as_millis() as i32
             } else {
                 -1
             };
+            if let Some(c) = &self.cgroups {
+                let due = c.upkeep_due_in().as_millis() as i32;
+                timeout = if timeout < 0 { due } else { timeout.min(due) };
+            }
             let n = match epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -391,6 +405,9 @@ impl Microvm {
             };
             if self.wants_warm_clone() && self.warm.since_last_launch() >= WARM_REFILL_DELAY {
                 self.add_warm_clone();
+            }
+            if let Some(c) = self.cgroups.as_mut() {
+                c.upkeep();
             }
             for ev in &events[..n] {
                 match ev.data() {
@@ -445,13 +462,16 @@ impl Microvm {
             }
         };
         self.state = VmState::Stopped;
-        self.warm.discard();
+        self.discard_warm_clones();
         for v in &mut self.vcpus {
             v.stop();
         }
         // Clones would die with this process anyway (PR_SET_PDEATHSIG); stopping them
         // first lets each remove its socket.
-        self.clones.stop_all();
+        self.stop_all_clones();
+        if let Some(c) = self.cgroups.as_mut() {
+            c.destroy();
+        }
         Ok(outcome)
     }
 }

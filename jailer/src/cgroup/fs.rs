@@ -162,6 +162,39 @@ impl CgroupFs {
         Ok(names)
     }
 
+    /// Every cgroup below the forkvm parent at any depth (from the first hierarchy),
+    /// as names relative to the parent, children before their parents.
+    pub fn tree(&self) -> Result<Vec<String>, CgroupError> {
+        fn walk(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<(), CgroupError> {
+            let entries = match std::fs::read_dir(dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(io(dir)(e)),
+            };
+            let mut subdirs: Vec<String> = entries
+                .filter_map(Result::ok)
+                .filter(|e| e.path().is_dir())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect();
+            subdirs.sort();
+            for name in subdirs {
+                let child = if rel.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{rel}/{name}")
+                };
+                walk(&dir.join(&name), &child, out)?;
+                out.push(child);
+            }
+            Ok(())
+        }
+        let mut out = Vec::new();
+        if let Some(parent) = self.parent_dirs().into_iter().next() {
+            walk(&parent, "", &mut out)?;
+        }
+        Ok(out)
+    }
+
     fn write(
         &self,
         controller: &str,
@@ -219,18 +252,29 @@ impl CgroupFs {
                 self.fake_interface_files(&dir)?;
             }
         }
-        self.set_limits(name, class)
+        // A cgroup whose limits cannot be written is not left behind.
+        self.set_limits(name, class).inspect_err(|_| {
+            let _ = self.remove(name);
+        })
     }
 
-    /// Lets the forkvm parent's children use every controller the root offers.
+    /// Lets the forkvm parent's children use every controller the root offers (enabled
+    /// at each level from the root down to the parent).
     fn enable_v2_controllers(&self, parent: &Path) {
         let offered =
             std::fs::read_to_string(self.root.join("cgroup.controllers")).unwrap_or_default();
+        let mut levels = vec![self.root.clone()];
+        let mut dir = self.root.clone();
+        for part in Path::new(&self.parent).components() {
+            dir = dir.join(part);
+            levels.push(dir.clone());
+        }
+        debug_assert_eq!(levels.last().map(PathBuf::as_path), Some(parent));
         for c in offered
             .split_whitespace()
             .filter(|c| ["cpu", "memory", "pids"].contains(c))
         {
-            for dir in [self.root.as_path(), parent] {
+            for dir in &levels {
                 let _ = std::fs::write(dir.join("cgroup.subtree_control"), format!("+{c}"));
             }
         }
@@ -239,10 +283,10 @@ impl CgroupFs {
     /// The interface files the kernel would create in `dir`, with its defaults.
     fn fake_interface_files(&self, dir: &Path) -> Result<(), CgroupError> {
         let controller = dir
-            .parent()
-            .and_then(Path::parent)
-            .and_then(Path::file_name)
-            .map(|n| n.to_string_lossy().into_owned())
+            .strip_prefix(&self.root)
+            .ok()
+            .and_then(|rel| rel.components().next())
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
             .unwrap_or_default();
         let files: &[(&str, &str)] = match (self.version, controller.as_str()) {
             (CgroupVersion::V2, _) => &[
@@ -280,19 +324,36 @@ impl CgroupFs {
         Ok(())
     }
 
-    /// Writes `class`'s limits (unlimited where it sets none).
+    /// Writes `class`'s limits (unlimited where it sets none). On v2 a controller the
+    /// hierarchy does not offer is skipped while its limit is unlimited, and an error
+    /// when the class sets one.
     pub fn set_limits(&self, name: &str, class: &ResourceClass) -> Result<(), CgroupError> {
         let quota = class
             .cpu_quota
             .map(|q| (q * CPU_PERIOD_US as f64).round() as u64);
         match self.version {
             CgroupVersion::V2 => {
-                let cpu = quota.map_or("max".to_string(), |q| q.to_string());
-                self.write("", name, "cpu.max", &format!("{cpu} {CPU_PERIOD_US}"))?;
-                let mem = class.memory_limit.map_or("max".into(), |m| m.to_string());
-                self.write("", name, "memory.max", &mem)?;
-                let pids = class.pids_max.map_or("max".into(), |p| p.to_string());
-                self.write("", name, "pids.max", &pids)?;
+                let cpu = quota.map(|q| format!("{q} {CPU_PERIOD_US}"));
+                let mem = class.memory_limit.map(|m| m.to_string());
+                let pids = class.pids_max.map(|p| p.to_string());
+                for (file, value, unlimited) in [
+                    ("cpu.max", cpu, "max 100000"),
+                    ("memory.max", mem, "max"),
+                    ("pids.max", pids, "max"),
+                ] {
+                    let path = self.dir("", name).join(file);
+                    match value {
+                        Some(v) if !path.exists() => {
+                            return Err(CgroupError::NoController {
+                                file: path.display().to_string(),
+                                value: v,
+                            })
+                        }
+                        Some(v) => self.write("", name, file, &v)?,
+                        None if path.exists() => self.write("", name, file, unlimited)?,
+                        None => {}
+                    }
+                }
             }
             CgroupVersion::V1 => {
                 self.write("cpu", name, "cpu.cfs_period_us", &CPU_PERIOD_US.to_string())?;
@@ -315,14 +376,19 @@ impl CgroupFs {
         };
         Ok(match self.version {
             CgroupVersion::V2 => {
-                let cpu = self.read("", name, "cpu.max")?;
-                let quota = cpu.split_whitespace().next().unwrap_or("max").to_string();
+                // A controller the hierarchy does not offer limits nothing.
+                let read = |file| self.read("", name, file).unwrap_or_else(|_| "max".into());
+                let quota = read("cpu.max")
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or("max")
+                    .to_string();
                 ResourceClass {
                     cpu_quota: opt(quota)
                         .flatten()
                         .map(|q| q as f64 / CPU_PERIOD_US as f64),
-                    memory_limit: opt(self.read("", name, "memory.max")?).flatten(),
-                    pids_max: opt(self.read("", name, "pids.max")?).flatten(),
+                    memory_limit: opt(read("memory.max")).flatten(),
+                    pids_max: opt(read("pids.max")).flatten(),
                 }
             }
             CgroupVersion::V1 => {
@@ -355,6 +421,16 @@ impl CgroupFs {
         Ok(pids)
     }
 
+    /// The `cgroup.procs` file of cgroup `name` in every hierarchy: a process writing
+    /// "0" to each moves itself in (how a clone places itself before running guest
+    /// code).
+    pub fn procs_files(&self, name: &str) -> Vec<PathBuf> {
+        self.dirs(name)
+            .into_iter()
+            .map(|d| d.join("cgroup.procs"))
+            .collect()
+    }
+
     /// Moves process `pid` into cgroup `name` in every hierarchy.
     pub fn place(&self, name: &str, pid: i32) -> Result<(), CgroupError> {
         for dir in self.dirs(name) {
@@ -375,9 +451,11 @@ impl CgroupFs {
     pub fn usage(&self, name: &str) -> Result<Usage, CgroupError> {
         Ok(match self.version {
             CgroupVersion::V2 => {
+                // Without the memory controller there is no memory figure: 0.
                 let peak = self
                     .read_u64("", name, "memory.peak")
-                    .or_else(|_| self.read_u64("", name, "memory.current"))?;
+                    .or_else(|_| self.read_u64("", name, "memory.current"))
+                    .unwrap_or(0);
                 Usage {
                     cpu_us: self.read_key("", name, "cpu.stat", "usage_usec"),
                     memory_peak: peak,
@@ -432,9 +510,32 @@ impl CgroupFs {
         self.remove_dirs(self.dirs(name))
     }
 
-    /// Removes the forkvm parent directories (they must be empty).
+    /// The parent directory every cgroup of this driver goes under, relative to each
+    /// hierarchy's root.
+    pub fn parent(&self) -> &str {
+        &self.parent
+    }
+
+    /// Removes the parent directories (they must be empty), then each ancestor within
+    /// the parent path that is left empty (`forkvm` once its last VMM's `vmm-<pid>` is
+    /// gone).
     pub fn remove_parent(&self) -> Result<(), CgroupError> {
-        self.remove_dirs(self.parent_dirs())
+        self.remove_dirs(self.parent_dirs())?;
+        let mut up = Path::new(&self.parent).parent();
+        while let Some(rel) = up.filter(|r| !r.as_os_str().is_empty()) {
+            for dir in self.parent_dirs() {
+                let Some(root) = dir
+                    .ancestors()
+                    .nth(Path::new(&self.parent).components().count())
+                else {
+                    continue;
+                };
+                // Another VMM's cgroups keep it busy (ENOTEMPTY/EBUSY): leave it.
+                let _ = std::fs::remove_dir(root.join(rel));
+            }
+            up = rel.parent();
+        }
+        Ok(())
     }
 
     /// Removes cgroup directories (a fake root's with the files in them); ones already

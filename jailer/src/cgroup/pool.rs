@@ -92,6 +92,8 @@ pub struct PoolStats {
 struct Idle {
     name: String,
     since: Instant,
+    /// Its accounting when it became idle: the base for the next holder's usage.
+    base: Usage,
 }
 
 #[derive(Default)]
@@ -156,6 +158,11 @@ impl CgroupPool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The class's name.
+    pub fn class_name(&self) -> &str {
+        &self.class_name
+    }
+
     /// The class's limits.
     pub fn class(&self) -> &ResourceClass {
         &self.class
@@ -193,9 +200,11 @@ impl CgroupPool {
         let mut made = 0;
         while st.idle.len() < target && Self::total(st) < self.cfg.max {
             let name = self.create_one(st)?;
+            let base = self.fs.usage(&name)?;
             st.idle.push_back(Idle {
                 name,
                 since: Instant::now(),
+                base,
             });
             made += 1;
         }
@@ -211,19 +220,15 @@ impl CgroupPool {
         };
         let mut st = self.lock();
         loop {
+            // The clone path: only a stat per hierarchy here. Emptiness and
+            // accounting were settled when the cgroup became idle.
             while let Some(idle) = st.idle.pop_front() {
-                // Removed behind our back, or not empty: replace it.
                 if !self.fs.exists(&idle.name) {
+                    // Removed behind our back: the refill replaces it.
                     st.stats.vanished += 1;
                     continue;
                 }
-                if !self.fs.procs(&idle.name)?.is_empty() {
-                    self.fs.kill_all(&idle.name)?;
-                    self.discard(&mut st, &idle.name);
-                    continue;
-                }
-                let base = self.fs.usage(&idle.name)?;
-                st.in_use.insert(idle.name.clone(), base);
+                st.in_use.insert(idle.name.clone(), idle.base);
                 return Ok(Lease { name: idle.name });
             }
             if Self::total(&st) < self.cfg.max {
@@ -260,6 +265,22 @@ impl CgroupPool {
         }
     }
 
+    /// What the holder of `lease` has used so far.
+    pub fn usage(&self, lease: &Lease) -> Result<Usage, PoolError> {
+        let base = self
+            .lock()
+            .in_use
+            .get(&lease.name)
+            .copied()
+            .ok_or_else(|| PoolError::NotLeased(lease.name.clone()))?;
+        Ok(since(&base, &self.fs.usage(&lease.name)?))
+    }
+
+    /// The cgroup files a process writes to move itself into `lease`'s cgroup.
+    pub fn procs_files(&self, lease: &Lease) -> Vec<std::path::PathBuf> {
+        self.fs.procs_files(&lease.name)
+    }
+
     /// Gives a cgroup back: kills what is left in it, reads its usage since it was
     /// leased, resets accounting and limits, and makes it ready again. A cgroup that
     /// vanished or cannot be emptied is dropped (a new one replaces it on refill).
@@ -281,20 +302,17 @@ impl CgroupPool {
                 return Err(CgroupError::Busy { pids: left, name }.into());
             }
         }
-        let now = self.fs.usage(&name)?;
-        let usage = Usage {
-            cpu_us: now.cpu_us.saturating_sub(base.cpu_us),
-            memory_peak: now.memory_peak,
-            oom_kills: now.oom_kills.saturating_sub(base.oom_kills),
-        };
+        let usage = since(&base, &self.fs.usage(&name)?);
         let reset = self
             .fs
             .reset_accounting(&name)
-            .and_then(|()| self.fs.set_limits(&name, &self.class));
+            .and_then(|()| self.fs.set_limits(&name, &self.class))
+            .and_then(|()| self.fs.usage(&name));
         match reset {
-            Ok(()) => st.idle.push_back(Idle {
+            Ok(base) => st.idle.push_back(Idle {
                 name,
                 since: Instant::now(),
+                base,
             }),
             Err(e) => {
                 tracing::warn!("cgroup {name} not reused: {e}");
@@ -339,6 +357,15 @@ impl CgroupPool {
             st.stats.removed += 1;
         }
         Ok(())
+    }
+}
+
+/// Usage between `base` (at lease) and `now`; peak memory is not a counter.
+fn since(base: &Usage, now: &Usage) -> Usage {
+    Usage {
+        cpu_us: now.cpu_us.saturating_sub(base.cpu_us),
+        memory_peak: now.memory_peak,
+        oom_kills: now.oom_kills.saturating_sub(base.oom_kills),
     }
 }
 
@@ -398,10 +425,10 @@ fn wait_empty(fs: &CgroupFs, name: &str) -> Result<Vec<i32>, CgroupError> {
     }
 }
 
-/// Kills and removes every cgroup under the forkvm parent, then the parent (`jailer
-/// cleanup`). Returns how many cgroups were removed.
+/// Kills and removes every cgroup under the forkvm parent at any depth (those of every
+/// VMM that used this parent), then the parent (`jailer cleanup`). Returns how many cgroups were removed.
 pub fn cleanup(fs: &CgroupFs) -> Result<usize, CgroupError> {
-    let names = fs.list()?;
+    let names = fs.tree()?;
     for name in &names {
         fs.kill_all(name)?;
         wait_empty(fs, name)?;

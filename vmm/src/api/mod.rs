@@ -28,6 +28,8 @@ pub enum ApiRequest {
         received_ns: u64,
         /// Where the clones' consoles go.
         console: CloneConsole,
+        /// Resource class for the clones' cgroups (None: the VMM's first class).
+        resource_class: Option<String>,
     },
     /// `GET /clones`
     ListClones,
@@ -70,6 +72,8 @@ struct CreateClones {
     count: u64,
     #[serde(default)]
     console: CloneConsole,
+    #[serde(default)]
+    resource_class: Option<String>,
 }
 
 fn one() -> u64 {
@@ -143,6 +147,7 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                 CreateClones {
                     count: 1,
                     console: CloneConsole::File,
+                    resource_class: None,
                 }
             } else {
                 parse_json::<CreateClones>(&req.body)?
@@ -151,6 +156,7 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                 count: body.count,
                 received_ns,
                 console: body.console,
+                resource_class: body.resource_class,
             })
         }
         ("GET", "/clones") => Ok(ApiRequest::ListClones),
@@ -199,6 +205,14 @@ mod tests {
                 console: CloneConsole::File,
                 ..
             })
+        ));
+        assert!(matches!(
+            route(&req("POST", "/clones", r#"{"resource_class":"small"}"#)),
+            Ok(ApiRequest::CreateClones {
+                count: 1,
+                resource_class: Some(c),
+                ..
+            }) if c == "small"
         ));
         assert!(matches!(
             route(&req("POST", "/clones", r#"{"count":2,"console":"null"}"#)),

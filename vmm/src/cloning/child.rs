@@ -25,6 +25,7 @@ use vm_memory::GuestMemoryMmap;
 use clone::vcpu::CaptureSpec;
 use clone::MicrovmState;
 
+use super::cgroups::{place_self, Placement};
 use super::CloneTable;
 use crate::api::server::ApiServer;
 use crate::builder::{start_vcpus, BuildError};
@@ -47,6 +48,8 @@ pub(crate) struct Identity {
     pub console: PathBuf,
     /// The vCPU that read the clone port, and the value it reads in this clone.
     pub guest_result: Option<(u8, u64)>,
+    /// The cgroup it moves itself into before running guest code.
+    pub cgroup: Option<Placement>,
 }
 
 /// How a child starts.
@@ -57,6 +60,8 @@ pub(crate) enum Start {
     Warm {
         /// Read end of the `go` pipe.
         go: RawFd,
+        /// The cgroup it moves itself into at once (the first class's).
+        cgroup: Option<Placement>,
     },
 }
 
@@ -103,6 +108,9 @@ pub enum ChildError {
     /// The parent's launch message could not be read.
     #[error("bad launch message from the parent: {0}")]
     Go(String),
+    /// The clone could not move itself into its cgroup (it does not run unconfined).
+    #[error("cannot enter its cgroup: {0}")]
+    Cgroup(std::io::Error),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -138,7 +146,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     }
     match plan.start {
         Start::Now(_) => close_all_but(&[plan.ready]),
-        Start::Warm { go } => close_all_but(&[plan.ready, go]),
+        Start::Warm { go, .. } => close_all_but(&[plan.ready, go]),
     }
     // SAFETY: the ready pipe's write end, kept open above, owned from here on.
     let ready = unsafe { File::from_raw_fd(plan.ready) };
@@ -220,6 +228,13 @@ fn run_clone(
     let identity;
     match &plan.start {
         Start::Now(id) => {
+            // Moving into a v1 cgroup waits in the kernel (the cgroup core's
+            // thread-group lock): a second thread does it while this one rebuilds the
+            // VM, and the vCPUs start only after it is done.
+            let placing = id
+                .cgroup
+                .clone()
+                .map(|p| std::thread::spawn(move || place_self(&p)));
             state = advanced(plan.state);
             if let Some((vcpu, value)) = id.guest_result {
                 if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
@@ -227,15 +242,26 @@ fn run_clone(
                 }
             }
             prepared = prepare(&state, plan.mem)?;
+            if let Some(t) = placing {
+                t.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("placement thread panicked")))
+                    .map_err(ChildError::Cgroup)?;
+            }
             identity = id.clone();
         }
-        Start::Warm { go } => {
+        Start::Warm { go, cgroup } => {
+            if let Some(p) = cgroup {
+                place_self(p).map_err(ChildError::Cgroup)?;
+            }
             prepared = prepare(plan.state, plan.mem)?;
             mark("prepared", started);
             let Some(id) = wait_for_go(*go)? else {
                 return Ok(RunOutcome::ApiShutdown);
             };
             mark("go", started);
+            if let Some(p) = &id.cgroup {
+                place_self(p).map_err(ChildError::Cgroup)?;
+            }
             state = advanced(plan.state);
             for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {
                 let rax = id
@@ -293,6 +319,8 @@ fn run_clone(
         capture_spec: plan.spec.clone(),
         clones: CloneTable::default(),
         warm: Default::default(),
+        // Pools belong to the template; a clone's clones stay in its cgroup.
+        cgroups: None,
         clone_id: identity.id,
         kvm_run_size: plan.run_size,
         pending_events: Default::default(),

@@ -12,6 +12,7 @@
 //!
 //! Not yet: virtio devices in clones (a VM with any is refused) — see docs/cloning.md.
 
+pub mod cgroups;
 mod child;
 pub mod warm;
 
@@ -25,6 +26,7 @@ use serde::Serialize;
 
 use clone::{DeviceStates, MicrovmState};
 
+use cgroups::{CloneCgroup, PlacementError, Taken};
 pub use child::ChildError;
 use child::{child_main, ChildPlan, Identity, Start};
 
@@ -78,6 +80,9 @@ pub enum CloneError {
     /// pipe() or fork() failed.
     #[error("cannot start a clone process: {0}")]
     Os(std::io::Error),
+    /// No cgroup for the clone.
+    #[error(transparent)]
+    Cgroup(#[from] PlacementError),
 }
 
 /// What became of a clone.
@@ -92,6 +97,8 @@ pub enum CloneStatus {
     Exited(i32),
     /// Killed by this signal.
     Killed(i32),
+    /// Killed by the OOM killer at its cgroup's memory limit.
+    OomKilled,
 }
 
 /// One clone, as `POST /clones` and `GET /clones` report it.
@@ -109,11 +116,13 @@ pub struct CloneInfo {
     pub latency_us: Option<u64>,
     /// What became of it.
     pub status: CloneStatus,
+    /// Its pooled cgroup and usage (None when the VMM has no cgroup pools).
+    pub cgroup: Option<CloneCgroup>,
 }
 
 impl CloneInfo {
     /// A clone just forked or launched, not yet known to run.
-    fn starting(identity: Identity, pid: i32) -> Self {
+    fn starting(identity: Identity, pid: i32, cgroup: Option<CloneCgroup>) -> Self {
         Self {
             id: identity.id,
             pid,
@@ -121,6 +130,7 @@ impl CloneInfo {
             console: identity.console,
             latency_us: None,
             status: CloneStatus::Failed,
+            cgroup,
         }
     }
 }
@@ -138,14 +148,21 @@ impl CloneTable {
         &self.clones
     }
 
-    /// Records the exit of `pid`, from waitpid's `status`.
-    pub(crate) fn reaped(&mut self, pid: i32, status: i32) {
+    /// Records the exit of `pid`, from waitpid's `status`, with its cgroup usage.
+    pub(crate) fn reaped(&mut self, pid: i32, status: i32, usage: Option<jailer::cgroup::Usage>) {
         if let Some(c) = self.clones.iter_mut().find(|c| c.pid == pid) {
+            let oom = usage.is_some_and(|u| u.oom_kills > 0);
             c.status = if libc::WIFSIGNALED(status) {
-                CloneStatus::Killed(libc::WTERMSIG(status))
+                match libc::WTERMSIG(status) {
+                    libc::SIGKILL if oom => CloneStatus::OomKilled,
+                    sig => CloneStatus::Killed(sig),
+                }
             } else {
                 CloneStatus::Exited(libc::WEXITSTATUS(status))
             };
+            if let Some(cg) = c.cgroup.as_mut() {
+                cg.usage = usage;
+            }
             // A clone that dies without its own cleanup (SIGKILL) leaves its socket.
             let _ = std::fs::remove_file(&c.api_sock);
         }
@@ -157,24 +174,9 @@ impl CloneTable {
             .filter(|c| matches!(c.status, CloneStatus::Running | CloneStatus::Failed))
     }
 
-    /// Stops clone `id`: SIGTERM, then SIGKILL after a grace period; reaps it.
-    pub fn stop(&mut self, id: &str) -> Option<CloneInfo> {
-        let pid = self.live().find(|c| c.id == id)?.pid;
-        stop_pid(pid, STOP_TIMEOUT);
-        let mut status = 0;
-        // SAFETY: `pid` is our child; blocking wait after it was told to exit.
-        if unsafe { libc::waitpid(pid, &mut status, 0) } == pid {
-            self.reaped(pid, status);
-        }
-        self.clones.iter().find(|c| c.id == id).cloned()
-    }
-
-    /// Stops every live clone (the parent is shutting down).
-    pub fn stop_all(&mut self) {
-        let ids: Vec<String> = self.live().map(|c| c.id.clone()).collect();
-        for id in ids {
-            self.stop(&id);
-        }
+    /// Pids of the live clones.
+    fn live_pids(&self) -> Vec<i32> {
+        self.live().map(|c| c.pid).collect()
     }
 }
 
@@ -217,9 +219,59 @@ impl Microvm {
                 break;
             }
             if !self.warm.reaped(pid) {
-                self.clones.reaped(pid, status);
+                self.clone_reaped(pid, status);
+            } else if let Some(c) = self.cgroups.as_mut() {
+                c.exited(pid);
             }
         }
+    }
+
+    /// A clone exited: its cgroup goes back to the pool, its record gets the status.
+    fn clone_reaped(&mut self, pid: i32, status: i32) {
+        let usage = self.cgroups.as_mut().and_then(|c| c.exited(pid));
+        self.clones.reaped(pid, status, usage);
+    }
+
+    /// Stops the live clone with pid `pid`: SIGTERM, then SIGKILL after a grace
+    /// period; reaps it.
+    fn stop_pid_and_reap(&mut self, pid: i32) {
+        stop_pid(pid, STOP_TIMEOUT);
+        let mut status = 0;
+        // SAFETY: `pid` is our child; blocking wait after it was told to exit.
+        if unsafe { libc::waitpid(pid, &mut status, 0) } == pid {
+            self.clone_reaped(pid, status);
+        }
+    }
+
+    /// Stops clone `id` and reaps it; None if no live clone has that id.
+    pub fn stop_clone(&mut self, id: &str) -> Option<CloneInfo> {
+        let pid = self.clones.live().find(|c| c.id == id)?.pid;
+        self.stop_pid_and_reap(pid);
+        self.clones.clones.iter().find(|c| c.id == id).cloned()
+    }
+
+    /// Stops every live clone (the parent is shutting down).
+    pub fn stop_all_clones(&mut self) {
+        for pid in self.clones.live_pids() {
+            self.stop_pid_and_reap(pid);
+        }
+    }
+
+    /// Every clone, with live clones' cgroup usage read now.
+    pub fn list_clones(&mut self) -> Vec<CloneInfo> {
+        self.reap_children();
+        let mut list = self.clones.list().to_vec();
+        if let Some(pools) = &self.cgroups {
+            for c in list
+                .iter_mut()
+                .filter(|c| matches!(c.status, CloneStatus::Running | CloneStatus::Failed))
+            {
+                if let Some(cg) = c.cgroup.as_mut() {
+                    cg.usage = pools.usage(c.pid);
+                }
+            }
+        }
+        list
     }
 
     /// This VM's clone id ("" for an original VM).
@@ -258,7 +310,14 @@ impl Microvm {
     /// `count` clones. Failures are logged and reported to the guest.
     pub(crate) fn guest_clone_request(&mut self, vcpu: u8, count: u32) {
         let requested = crate::vstate::vcpu::monotonic_ns();
-        match self.make_clones(u64::from(count), requested, Some(vcpu), CloneConsole::File) {
+        let made = self.make_clones(
+            u64::from(count),
+            requested,
+            Some(vcpu),
+            CloneConsole::File,
+            None,
+        );
+        match made {
             Ok(made) => tracing::info!(
                 "guest on vCPU {vcpu} made {} clone(s): {}",
                 made.len(),
@@ -291,13 +350,15 @@ impl Microvm {
     /// (CLOCK_MONOTONIC), for the latency figures. `requester` is the parked vCPU of a
     /// guest request: each clone's copy of it reads the clone's sequence number, the
     /// parent's reads 0, or [`CLONE_FAILED`]. `console` says where the clones' consoles
-    /// go.
+    /// go. `class` names the resource class whose pooled cgroups the clones go in (None:
+    /// the first class, when the VMM has cgroup pools).
     pub fn make_clones(
         &mut self,
         count: u64,
         requested_ns: u64,
         requester: Option<u8>,
         console: CloneConsole,
+        class: Option<&str>,
     ) -> Result<Vec<CloneInfo>, CloneError> {
         if let Err(e) = self.check_clone_request(count) {
             self.release_requester(requester, CLONE_FAILED);
@@ -325,6 +386,7 @@ impl Microvm {
                 api_sock: sock,
                 console,
                 guest_result: requester.map(|v| (v, u64::from(seq))),
+                cgroup: None,
             });
         }
 
@@ -336,11 +398,11 @@ impl Microvm {
             // Nothing can change a paused VM: reuse its state and its warm clones.
             let result = self
                 .epoch_state()
-                .and_then(|state| self.launch_or_fork(&state, identities));
+                .and_then(|state| self.launch_or_fork(&state, identities, class));
             tracing::debug!("clone (paused VM): {} us", t0.elapsed().as_micros());
             result?
         } else {
-            self.clone_now(identities, requester, t0)?
+            self.clone_now(identities, requester, class, t0)?
         };
         for (info, ready) in made.iter_mut() {
             match wait_ready(ready, READY_TIMEOUT) {
@@ -358,16 +420,60 @@ impl Microvm {
         Ok(infos)
     }
 
+    /// Pairs each identity with a cgroup from the pool of `class` (none without pools).
+    fn take_cgroups(
+        &self,
+        identities: Vec<Identity>,
+        class: Option<&str>,
+    ) -> Result<Vec<NewClone>, CloneError> {
+        let Some(pools) = &self.cgroups else {
+            if let Some(c) = class {
+                return Err(PlacementError::NoPools(c.to_string()).into());
+            }
+            return Ok(identities.into_iter().map(|i| (i, None)).collect());
+        };
+        let mut clones = Vec::with_capacity(identities.len());
+        for identity in identities {
+            match pools.take(class) {
+                Ok(t) => clones.push((identity, Some(t))),
+                Err(e) => {
+                    self.give_back(clones);
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(clones)
+    }
+
+    /// Returns the cgroups of clones that were not started.
+    fn give_back(&self, clones: Vec<NewClone>) {
+        if let Some(pools) = &self.cgroups {
+            clones
+                .into_iter()
+                .filter_map(|(_, t)| t)
+                .for_each(|t| pools.give_back(t));
+        }
+    }
+
     /// Pauses (if running), captures, forks one child per identity, and resumes.
     fn clone_now(
         &mut self,
         identities: Vec<Identity>,
         requester: Option<u8>,
+        class: Option<&str>,
         t0: Instant,
     ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
+        let clones = match self.take_cgroups(identities, class) {
+            Ok(c) => c,
+            Err(e) => {
+                self.release_requester(requester, CLONE_FAILED);
+                return Err(e);
+            }
+        };
         let was_running = self.state == VmState::Running;
         if was_running {
             if let Err(e) = self.pause_all() {
+                self.give_back(clones);
                 self.release_requester(requester, CLONE_FAILED);
                 return Err(e);
             }
@@ -390,7 +496,13 @@ impl Microvm {
             state
         });
         let t_capture = t0.elapsed();
-        let result = captured.and_then(|state| self.fork_all(&state, identities));
+        let result = match captured {
+            Ok(state) => self.fork_all(&state, clones),
+            Err(e) => {
+                self.give_back(clones);
+                Err(e)
+            }
+        };
         let t_fork = t0.elapsed();
         if let Some(v) = requester.and_then(|id| self.vcpus.get(usize::from(id))) {
             let value = if result.is_ok() { 0 } else { CLONE_FAILED };
@@ -414,21 +526,36 @@ impl Microvm {
     }
 
     /// For a paused VM: launches warm clones while there are any, forks the rest.
+    /// Warm clones sit in a cgroup of the first class already: they serve requests
+    /// for that class (or any request without pools); others are forked.
     fn launch_or_fork(
         &mut self,
         state: &MicrovmState,
         identities: Vec<Identity>,
+        class: Option<&str>,
     ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
+        let warm_fits = self
+            .cgroups
+            .as_ref()
+            .map_or(class.is_none(), |p| p.is_default(class));
         let mut made = Vec::with_capacity(identities.len());
         let mut rest = Vec::new();
         for identity in identities {
-            match self.launch_warm_clone(&identity) {
-                Some((pid, ready)) => made.push((CloneInfo::starting(identity, pid), ready)),
+            let launched = if warm_fits {
+                self.launch_warm_clone(&identity)
+            } else {
+                None
+            };
+            match launched {
+                Some((pid, ready, cgroup)) => {
+                    made.push((CloneInfo::starting(identity, pid, cgroup), ready))
+                }
                 None => rest.push(identity),
             }
         }
         if !rest.is_empty() {
-            made.extend(self.fork_all(state, rest)?);
+            let clones = self.take_cgroups(rest, class)?;
+            made.extend(self.fork_all(state, clones)?);
         }
         Ok(made)
     }
@@ -491,29 +618,58 @@ impl Microvm {
         })
     }
 
+    /// Clone `pid` was started in cgroup `taken`.
+    pub(super) fn started_in(&mut self, pid: i32, taken: Option<Taken>) {
+        if let (Some(pools), Some(t)) = (self.cgroups.as_mut(), taken) {
+            pools.started(pid, t);
+        }
+    }
+
     fn fork_all(
         &mut self,
         state: &MicrovmState,
-        identities: Vec<Identity>,
+        clones: Vec<NewClone>,
     ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
-        let mut made = Vec::with_capacity(identities.len());
-        for identity in identities {
-            let (read_end, write_end) = pipe().map_err(CloneError::Os)?;
-            let pid = self.fork_child(state, &write_end, Start::Now(identity.clone()))?;
-            drop(write_end);
-            made.push((CloneInfo::starting(identity, pid), File::from(read_end)));
+        let mut made = Vec::with_capacity(clones.len());
+        let mut clones = clones.into_iter();
+        while let Some((mut identity, taken)) = clones.next() {
+            let pools = self.cgroups.as_ref();
+            identity.cgroup = pools.zip(taken.as_ref()).map(|(p, t)| p.placement(t));
+            let cgroup = pools.zip(taken.as_ref()).map(|(p, t)| p.describe(t));
+            let into = taken.as_ref().and_then(|t| t.dir.as_ref());
+            let forked = pipe()
+                .map_err(CloneError::Os)
+                .and_then(|(read_end, write_end)| {
+                    let start = Start::Now(identity.clone());
+                    let pid = self.fork_child(state, &write_end, start, into)?;
+                    Ok((pid, read_end))
+                });
+            match forked {
+                Ok((pid, read_end)) => {
+                    self.started_in(pid, taken);
+                    made.push((
+                        CloneInfo::starting(identity, pid, cgroup),
+                        File::from(read_end),
+                    ));
+                }
+                Err(e) => {
+                    self.give_back(std::iter::once((identity, taken)).chain(clones).collect());
+                    return Err(e);
+                }
+            }
         }
         Ok(made)
     }
 
     /// Forks one child that rebuilds this VM from `state` and starts per `start`;
-    /// `ready` is the write end of its ready pipe. Returns the child's pid. Every vCPU
-    /// must be parked.
+    /// `ready` is the write end of its ready pipe; `into` an open v2 cgroup directory
+    /// the child is born in. Returns the child's pid. Every vCPU must be parked.
     pub(super) fn fork_child(
         &self,
         state: &MicrovmState,
         ready: &OwnedFd,
         start: Start,
+        into: Option<&OwnedFd>,
     ) -> Result<i32, CloneError> {
         let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
         let plan = ChildPlan {
@@ -532,14 +688,18 @@ impl Microvm {
         };
         // SAFETY: every vCPU is parked holding no lock and there are no virtio workers;
         // the API thread may be anywhere, but the child takes none of its locks (logging
-        // is lock-free, glibc makes malloc usable after fork).
-        match unsafe { libc::fork() } {
+        // is lock-free; glibc's fork makes malloc usable after it). With `into`, clone3
+        // skips glibc's fork handling: see `fork_into` for what that leaves.
+        match unsafe { cgroups::fork_into(into) } {
             -1 => Err(CloneError::Os(std::io::Error::last_os_error())),
             0 => child_main(plan),
             pid => Ok(pid),
         }
     }
 }
+
+/// A clone about to be made: its identity and its cgroup (with cgroup pools).
+type NewClone = (Identity, Option<Taken>);
 
 fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];

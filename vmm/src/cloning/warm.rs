@@ -25,6 +25,7 @@ use serde::Serialize;
 
 use clone::MicrovmState;
 
+use super::cgroups::CloneCgroup;
 use super::child::{Identity, Start};
 use super::{pipe, CloneError};
 use crate::microvm::{Microvm, VmState};
@@ -39,6 +40,8 @@ struct WarmClone {
     go: File,
     /// Read end of its ready pipe.
     ready: File,
+    /// The cgroup (of the first class) it already sits in, with cgroup pools.
+    cgroup: Option<CloneCgroup>,
 }
 
 /// The warm clones of one paused VM, and the state they were made from.
@@ -106,9 +109,11 @@ impl WarmPool {
         before != self.clones.len()
     }
 
-    /// Kills and reaps every warm clone and forgets the captured state.
-    pub fn discard(&mut self) {
+    /// Kills and reaps every warm clone and forgets the captured state. Returns the
+    /// pids it reaped.
+    pub fn discard(&mut self) -> Vec<i32> {
         self.epoch = None;
+        let mut pids = Vec::with_capacity(self.clones.len());
         for c in self.clones.drain(..) {
             // SAFETY: signalling and reaping our own child by pid.
             unsafe {
@@ -116,7 +121,9 @@ impl WarmPool {
                 libc::waitpid(c.pid, std::ptr::null_mut(), 0);
             }
             self.discarded += 1;
+            pids.push(c.pid);
         }
+        pids
     }
 
     /// Takes a warm clone, if one is ready.
@@ -134,6 +141,16 @@ impl Drop for WarmPool {
 }
 
 impl Microvm {
+    /// Discards every warm clone (see [`WarmPool::discard`]) and returns their cgroups
+    /// to the pool.
+    pub(crate) fn discard_warm_clones(&mut self) {
+        for pid in self.warm.discard() {
+            if let Some(c) = self.cgroups.as_mut() {
+                c.exited(pid);
+            }
+        }
+    }
+
     /// Whether the event loop should add a warm clone now.
     pub(crate) fn wants_warm_clone(&self) -> bool {
         self.state == VmState::Paused
@@ -167,33 +184,58 @@ impl Microvm {
         let state = self.epoch_state()?;
         let (ready_read, ready_write) = pipe().map_err(CloneError::Os)?;
         let (go_read, go_write) = pipe().map_err(CloneError::Os)?;
+        // A cgroup of the first class, entered now, off any request's path.
+        let taken = match &self.cgroups {
+            Some(p) => Some(p.take(None)?),
+            None => None,
+        };
+        let pools = self.cgroups.as_ref();
         let start = Start::Warm {
             go: go_read.as_raw_fd(),
+            cgroup: pools.zip(taken.as_ref()).map(|(p, t)| p.placement(t)),
         };
+        let cgroup = pools.zip(taken.as_ref()).map(|(p, t)| p.describe(t));
+        let into = taken.as_ref().and_then(|t| t.dir.as_ref());
         // The VM is paused: every vCPU is parked.
-        let pid = self.fork_child(&state, &ready_write, start)?;
+        let pid = match self.fork_child(&state, &ready_write, start, into) {
+            Ok(pid) => pid,
+            Err(e) => {
+                if let (Some(p), Some(t)) = (&self.cgroups, taken) {
+                    p.give_back(t);
+                }
+                return Err(e);
+            }
+        };
+        self.started_in(pid, taken);
         self.warm.clones.push_back(WarmClone {
             pid,
             go: File::from(go_write),
             ready: File::from(ready_read),
+            cgroup,
         });
         Ok(())
     }
 
-    /// Launches a warm clone with `identity`; returns its pid and ready pipe, or None
-    /// when no warm clone is ready.
-    pub(super) fn launch_warm_clone(&mut self, identity: &Identity) -> Option<(i32, File)> {
+    /// Launches a warm clone with `identity`; returns its pid, ready pipe and cgroup, or
+    /// None when no warm clone is ready.
+    pub(super) fn launch_warm_clone(
+        &mut self,
+        identity: &Identity,
+    ) -> Option<(i32, File, Option<CloneCgroup>)> {
         loop {
             let mut c = self.warm.take()?;
             let msg = serde_json::to_vec(identity).expect("an identity serializes");
             // The go pipe is new and holds far less than a pipe buffer: this does not
             // block. The child reads to end of file, so closing the pipe sends it.
             if c.go.write_all(&msg).is_ok() {
-                return Some((c.pid, c.ready));
+                return Some((c.pid, c.ready, c.cgroup));
             }
             // The warm clone died: reap it and try the next.
             // SAFETY: reaping our own child by pid.
             unsafe { libc::waitpid(c.pid, std::ptr::null_mut(), 0) };
+            if let Some(p) = self.cgroups.as_mut() {
+                p.exited(c.pid);
+            }
         }
     }
 }

@@ -1,0 +1,500 @@
+//! Clones in pooled cgroups, for real on this host (cgroup v1 controllers, and the v2
+//! mount for `clone3(CLONE_INTO_CGROUP)`): placement before guest code, limits that
+//! bite, usage reporting, recovery from clones killed and cgroups removed behind the
+//! pool's back, and nothing left over afterwards.
+//!
+//! These need root (cgroup directories). Without it they skip loudly, and fail under CI.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tests::{guest_file, jailer_bin, kvm_available, Scratch, Vm};
+
+const BOOT: Duration = Duration::from_secs(30);
+const V1: [&str; 4] = ["cpu", "cpuacct", "memory", "pids"];
+
+/// Both KVM and root are needed.
+fn can_run(test: &str) -> bool {
+    if !kvm_available(test) {
+        return false;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: cgroup tests need root and CI is set"
+        );
+        eprintln!("\n*** SKIPPED {test}: cgroup tests need root ***\n");
+        return false;
+    }
+    true
+}
+
+/// The tests here each load the 2-core machine (spinning or copying guests, CPU
+/// shares measured): one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A cgroup parent unique to this test run; `jailer cleanup` removes whatever is left
+/// under it when the test ends (a failing test's VMM is killed without cleaning up).
+struct Parent(String);
+
+impl Parent {
+    fn new(tag: &str) -> Self {
+        Self(format!("forkvm-test-{tag}-{}", std::process::id()))
+    }
+}
+
+impl std::ops::Deref for Parent {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Drop for Parent {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(jailer_bin())
+            .args(["cleanup", "--cgroup-parent", &self.0])
+            .stdout(std::process::Stdio::null())
+            .status();
+    }
+}
+
+/// Every place a cgroup parent could be on this host.
+fn parent_dirs(parent: &str) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = V1
+        .iter()
+        .map(|c| Path::new("/sys/fs/cgroup").join(c).join(parent))
+        .collect();
+    dirs.push(Path::new("/sys/fs/cgroup/unified").join(parent));
+    dirs.push(Path::new("/sys/fs/cgroup").join(parent));
+    dirs
+}
+
+fn template(scratch: &Scratch, cmdline: &str, extra: &[&str]) -> Vm {
+    let tiny = guest_file("tiny.elf").display().to_string();
+    let mut args = vec![
+        "--kernel",
+        tiny.as_str(),
+        "--mem-mib",
+        "256",
+        "--ap-boot",
+        "direct",
+        "--cmdline",
+        cmdline,
+    ];
+    args.extend_from_slice(extra);
+    Vm::start(scratch, &args)
+}
+
+fn fork(vm: &Vm, body: &str) -> Vec<Value> {
+    let (code, text) = vm.api("POST", "/clones", Some(body));
+    assert_eq!(code, 201, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let clones = v["clones"].as_array().unwrap().clone();
+    for c in &clones {
+        assert_eq!(c["status"]["state"], "running", "{c}");
+    }
+    clones
+}
+
+fn clones(vm: &Vm) -> Vec<Value> {
+    let (code, text) = vm.api("GET", "/clones", None);
+    assert_eq!(code, 200, "{text}");
+    serde_json::from_str::<Value>(&text).unwrap()["clones"]
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+fn clone_by_id(vm: &Vm, id: &str) -> Value {
+    clones(vm)
+        .into_iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("no clone {id}"))
+}
+
+fn pool_stats(vm: &Vm, class: &str) -> Value {
+    let (_, text) = vm.api("GET", "/vm", None);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["cgroups"]["pools"][class]["stats"].clone()
+}
+
+/// The cgroup of `pid` in the hierarchy whose /proc/PID/cgroup line ends in `:ctrl:`.
+fn cgroup_of(pid: i64, ctrl: &str) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    text.lines()
+        .find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, ctrls, path) = (f.next()?, f.next()?, f.next()?);
+            ctrls
+                .split(',')
+                .any(|c| c == ctrl)
+                .then(|| path.to_string())
+        })
+        .unwrap_or_default()
+}
+
+fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn assert_no_cgroups_left(parent: &str) {
+    for d in parent_dirs(parent) {
+        assert!(!d.exists(), "{} left behind", d.display());
+    }
+}
+
+#[test]
+fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
+    if !can_run("cgroups_v1_placement") {
+        return;
+    }
+    let scratch = Scratch::new("cg-v1");
+    let _serial = one_at_a_time();
+    let parent = Parent::new("v1");
+    let mut vm = template(
+        &scratch,
+        "tickless=1",
+        &[
+            "--cgroup-class",
+            "small:cpu=0.5,memory=64M,pids=64",
+            "--cgroup-class",
+            "big",
+            "--cgroup-pool-size",
+            "2",
+            "--cgroup-version",
+            "1",
+            "--cgroup-parent",
+            &parent,
+        ],
+    );
+    vm.wait_console("tiny: tickless\n", BOOT);
+    vm.wait_api(BOOT);
+    let vmm_pid = vm.child.id();
+    let base = format!("/{}/vmm-{vmm_pid}", parent.0);
+    // Pre-created: two per class, limits written.
+    for class in ["small", "big"] {
+        assert_eq!(pool_stats(&vm, class)["idle"], 2, "{class}");
+    }
+
+    // Three clones of the default class (more than the pool holds ready), one big.
+    let mut made = fork(&vm, r#"{"count":3}"#);
+    made.extend(fork(&vm, r#"{"resource_class":"big"}"#));
+    for c in &made {
+        let pid = c["pid"].as_i64().unwrap();
+        let class = c["cgroup"]["class"].as_str().unwrap();
+        let path = format!("/{}", c["cgroup"]["path"].as_str().unwrap());
+        assert!(path.starts_with(&format!("{base}/{class}-")), "{c}");
+        assert_eq!(c["cgroup"]["placed_by"], "procs");
+        for ctrl in V1 {
+            assert_eq!(cgroup_of(pid, ctrl), path, "clone {pid} in {ctrl}");
+        }
+        let limit =
+            std::fs::read_to_string(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"))
+                .unwrap();
+        let quota =
+            std::fs::read_to_string(format!("/sys/fs/cgroup/cpu{path}/cpu.cfs_quota_us")).unwrap();
+        if class == "small" {
+            assert_eq!(limit.trim(), (64u64 << 20).to_string());
+            assert_eq!(quota.trim(), "50000");
+        } else {
+            assert_eq!(quota.trim(), "-1");
+        }
+    }
+    assert_eq!(made[0]["cgroup"]["class"], "small");
+    assert_eq!(made[3]["cgroup"]["class"], "big");
+    // The template itself is not moved.
+    assert!(!cgroup_of(i64::from(vmm_pid), "memory").contains(&*parent));
+
+    // Usage is reported while clones run.
+    std::thread::sleep(Duration::from_millis(300));
+    let listed = clones(&vm);
+    for c in &listed {
+        let u = &c["cgroup"]["usage"];
+        assert!(u["cpu_us"].as_u64().unwrap() > 0, "{c}");
+        assert!(u["memory_peak"].as_u64().unwrap() > 0, "{c}");
+    }
+
+    // Bad requests: an unknown class is refused and nothing is taken.
+    let (code, text) = vm.api("POST", "/clones", Some(r#"{"resource_class":"huge"}"#));
+    assert_eq!(code, 400, "{text}");
+    assert!(text.contains("unknown resource class"), "{text}");
+    assert_eq!(pool_stats(&vm, "small")["in_use"], 3);
+
+    // Stopped through the API: its cgroup returns, with the final usage.
+    let id = made[0]["id"].as_str().unwrap();
+    assert_eq!(vm.api("DELETE", &format!("/clones/{id}"), None).0, 200);
+    let stopped = clone_by_id(&vm, id);
+    assert!(stopped["cgroup"]["usage"]["cpu_us"].as_u64().unwrap() > 0);
+    assert_eq!(pool_stats(&vm, "small")["in_use"], 2);
+
+    // Killed behind the VMM's back: reaped and reclaimed.
+    let victim = &made[1];
+    let vpid = victim["pid"].as_i64().unwrap();
+    // SAFETY: signals a clone this test's VMM made.
+    unsafe { libc::kill(vpid as i32, libc::SIGKILL) };
+    wait_until("the killed clone's cgroup to return", BOOT, || {
+        pool_stats(&vm, "small")["in_use"] == 1
+    });
+    let killed = clone_by_id(&vm, victim["id"].as_str().unwrap());
+    assert_eq!(killed["status"]["state"], "killed", "{killed}");
+    let vpath = victim["cgroup"]["path"].as_str().unwrap();
+    let procs =
+        std::fs::read_to_string(format!("/sys/fs/cgroup/memory/{vpath}/cgroup.procs")).unwrap();
+    assert!(procs.trim().is_empty(), "{procs}");
+
+    // An idle cgroup removed behind the pool's back is noticed and replaced.
+    let idle: Vec<String> = std::fs::read_dir(format!("/sys/fs/cgroup/memory{base}"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("small-"))
+        .filter(|n| {
+            std::fs::read_to_string(format!("/sys/fs/cgroup/memory{base}/{n}/cgroup.procs"))
+                .is_ok_and(|p| p.trim().is_empty())
+        })
+        .collect();
+    assert!(!idle.is_empty());
+    for n in &idle {
+        for ctrl in V1 {
+            std::fs::remove_dir(format!("/sys/fs/cgroup/{ctrl}{base}/{n}")).unwrap();
+        }
+    }
+    let again = fork(&vm, r#"{"count":2}"#);
+    for c in &again {
+        let path = format!("/{}", c["cgroup"]["path"].as_str().unwrap());
+        assert_eq!(cgroup_of(c["pid"].as_i64().unwrap(), "memory"), path);
+    }
+    assert!(pool_stats(&vm, "small")["vanished"].as_u64().unwrap() >= 1);
+
+    // Shutdown stops every clone and removes every cgroup.
+    vm.shutdown(BOOT);
+    for c in made.iter().chain(&again) {
+        let pid = c["pid"].as_i64().unwrap();
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "clone {pid} left"
+        );
+    }
+    assert_no_cgroups_left(&parent);
+}
+
+#[test]
+fn a_clone_over_its_memory_limit_is_oom_killed_and_reported() {
+    if !can_run("cgroups_memory_limit") {
+        return;
+    }
+    let scratch = Scratch::new("cg-mem");
+    let _serial = one_at_a_time();
+    let parent = Parent::new("mem");
+    // The guest rewrites 96 MiB every beat: a clone copies all of it on its first pass.
+    let mut vm = template(
+        &scratch,
+        "dirty=96 beat=20",
+        &[
+            "--cgroup-class",
+            "small:memory=64M",
+            "--cgroup-class",
+            "roomy:memory=512M",
+            "--cgroup-parent",
+            &parent,
+        ],
+    );
+    vm.wait_console("tiny: dirty pass 1\n", Duration::from_secs(60));
+    vm.wait_api(BOOT);
+    // Paused, the template writes no more: each clone copies every page it writes and
+    // is charged for it (a page the template copied first would stay the template's).
+    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    let small = fork(&vm, r#"{"resource_class":"small"}"#).remove(0);
+    let roomy = fork(&vm, r#"{"resource_class":"roomy"}"#).remove(0);
+    let small_id = small["id"].as_str().unwrap().to_string();
+    wait_until("the small clone's end", Duration::from_secs(90), || {
+        clone_by_id(&vm, &small_id)["status"]["state"] != "running"
+    });
+    let c = clone_by_id(&vm, &small_id);
+    assert_eq!(c["status"]["state"], "oom_killed", "{c}");
+    let usage = &c["cgroup"]["usage"];
+    assert!(usage["oom_kills"].as_u64().unwrap() >= 1, "{c}");
+    assert!(usage["memory_peak"].as_u64().unwrap() >= 60 << 20, "{c}");
+    // The roomy sibling copies the same 96 MiB and keeps going.
+    let roomy_console = roomy["console"].as_str().unwrap();
+    let start = Instant::now();
+    let mut passes_seen = 0;
+    while passes_seen < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "roomy clone stalled"
+        );
+        let text = std::fs::read_to_string(roomy_console).unwrap_or_default();
+        // Passes printed after the clone point (the clone's console starts empty).
+        passes_seen = text.matches("tiny: dirty pass").count();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let r = clone_by_id(&vm, roomy["id"].as_str().unwrap());
+    assert_eq!(r["status"]["state"], "running", "{r}");
+    assert!(
+        r["cgroup"]["usage"]["memory_peak"].as_u64().unwrap() >= 90 << 20,
+        "{r}"
+    );
+    assert_eq!(r["cgroup"]["usage"]["oom_kills"], 0, "{r}");
+    vm.shutdown(BOOT);
+    assert_no_cgroups_left(&parent);
+}
+
+#[test]
+fn a_half_cpu_quota_is_enforced() {
+    if !can_run("cgroups_cpu_quota") {
+        return;
+    }
+    let scratch = Scratch::new("cg-cpu");
+    let _serial = one_at_a_time();
+    let parent = Parent::new("cpu");
+    let mut vm = template(
+        &scratch,
+        "busy=1 beat=100",
+        &[
+            "--cgroup-class",
+            "half:cpu=0.5",
+            "--cgroup-class",
+            "whole",
+            "--cgroup-parent",
+            &parent,
+        ],
+    );
+    vm.wait_console("tiny: cpu 0 beat 1\n", BOOT);
+    vm.wait_api(BOOT);
+    // Paused, the template spins no more: the two clones have the machine's two CPUs.
+    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    let half = fork(&vm, r#"{"resource_class":"half"}"#).remove(0);
+    let whole = fork(&vm, r#"{"resource_class":"whole"}"#).remove(0);
+    let used = |c: &Value| {
+        clone_by_id(&vm, c["id"].as_str().unwrap())["cgroup"]["usage"]["cpu_us"]
+            .as_u64()
+            .unwrap()
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let (h0, w0, t0) = (used(&half), used(&whole), Instant::now());
+    std::thread::sleep(Duration::from_secs(3));
+    let (h1, w1, wall) = (used(&half), used(&whole), t0.elapsed());
+    let wall_us = wall.as_micros() as f64;
+    let half_share = (h1 - h0) as f64 / wall_us;
+    let whole_share = (w1 - w0) as f64 / wall_us;
+    eprintln!("CPU share over {wall:?}: half {half_share:.2}, whole {whole_share:.2}");
+    assert!(half_share <= 0.6, "quota 0.5 not enforced: {half_share:.2}");
+    assert!(half_share > 0.2, "half clone barely ran: {half_share:.2}");
+    assert!(
+        whole_share > half_share * 1.3,
+        "the unlimited clone should get clearly more: {whole_share:.2} vs {half_share:.2}"
+    );
+    vm.shutdown(BOOT);
+    assert_no_cgroups_left(&parent);
+}
+
+#[test]
+fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
+    if !can_run("cgroups_v2_clone3") {
+        return;
+    }
+    let unified = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        "/sys/fs/cgroup"
+    } else {
+        "/sys/fs/cgroup/unified"
+    };
+    if !Path::new(unified).join("cgroup.procs").exists() {
+        assert!(std::env::var_os("CI").is_none(), "no cgroup2 mount in CI");
+        eprintln!("\n*** SKIPPED cgroups_v2_clone3: no cgroup2 mount ***\n");
+        return;
+    }
+    let scratch = Scratch::new("cg-v2");
+    let _serial = one_at_a_time();
+    let parent = Parent::new("v2");
+    // This host's v2 mount has no controllers: classes without limits still place.
+    let mut vm = template(
+        &scratch,
+        "ticks=2 beat=10",
+        &[
+            "--cgroup-class",
+            "plain",
+            "--cgroup-class",
+            "other",
+            "--cgroup-version",
+            "2",
+            "--cgroup-parent",
+            &parent,
+            "--warm-clones",
+            "2",
+        ],
+    );
+    vm.wait_console("tiny: beat 2\n", BOOT);
+    vm.wait_api(BOOT);
+    let base = format!("/{}/vmm-{}", parent.0, vm.child.id());
+    let made = fork(&vm, r#"{"count":2}"#);
+    for c in &made {
+        assert_eq!(c["cgroup"]["placed_by"], "clone3", "{c}");
+        let path = format!("/{}", c["cgroup"]["path"].as_str().unwrap());
+        assert!(path.starts_with(&format!("{base}/plain-")));
+        assert_eq!(cgroup_of(c["pid"].as_i64().unwrap(), ""), path);
+    }
+    // Paused with warm clones: each waits in a cgroup of the first class already.
+    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    wait_until("two warm clones", BOOT, || {
+        let (_, t) = vm.api("GET", "/vm", None);
+        serde_json::from_str::<Value>(&t).unwrap()["warm_clones"]["ready"] == 2
+    });
+    assert_eq!(pool_stats(&vm, "plain")["in_use"], 4);
+    let warm = fork(&vm, r#"{"count":1}"#).remove(0);
+    assert_eq!(warm["cgroup"]["placed_by"], "clone3", "{warm}");
+    let wpath = format!("/{}", warm["cgroup"]["path"].as_str().unwrap());
+    assert_eq!(cgroup_of(warm["pid"].as_i64().unwrap(), ""), wpath);
+    // Another class is not what the warm clones sit in: forked on request.
+    let other = fork(&vm, r#"{"resource_class":"other"}"#).remove(0);
+    assert!(other["cgroup"]["path"]
+        .as_str()
+        .unwrap()
+        .contains("/other-"));
+    assert_eq!(
+        cgroup_of(other["pid"].as_i64().unwrap(), ""),
+        format!("/{}", other["cgroup"]["path"].as_str().unwrap())
+    );
+    // Resuming discards the warm clone left: its cgroup returns.
+    assert_eq!(
+        vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#)).0,
+        204
+    );
+    assert_eq!(pool_stats(&vm, "plain")["in_use"], 3);
+
+    // A class with a limit this v2 mount cannot enforce is refused at start.
+    let offered =
+        std::fs::read_to_string(Path::new(unified).join("cgroup.controllers")).unwrap_or_default();
+    if !offered.split_whitespace().any(|c| c == "memory") {
+        let bad_scratch = Scratch::new("cg-v2-bad");
+        let mut bad = template(
+            &bad_scratch,
+            "ticks=2",
+            &[
+                "--cgroup-class",
+                "small:memory=64M",
+                "--cgroup-version",
+                "2",
+                "--cgroup-parent",
+                &parent,
+            ],
+        );
+        let status = bad.wait_exit(BOOT);
+        assert!(!status.success());
+        let err = bad.stderr_text();
+        assert!(err.contains("controller is not enabled"), "{err}");
+    }
+    vm.shutdown(BOOT);
+    assert_no_cgroups_left(&parent);
+}

@@ -1,0 +1,386 @@
+//! Clones in pooled cgroups: one [`CgroupPool`] per resource class, leased per clone.
+//!
+//! A VMM started with `--cgroup-class` keeps, for each class, a pool of ready cgroups
+//! under its own parent (`<cgroup parent>/vmm-<pid>`). Each clone takes one when it is
+//! made and gives it back when it is reaped, with its usage (CPU time, peak memory, OOM
+//! kills) read on the way and kept for `GET /clones`.
+//!
+//! Placement happens before the clone runs guest code:
+//! - cgroup v2, clone forked on request: `clone3(CLONE_INTO_CGROUP)`, so the child is
+//!   born inside its cgroup and nothing migrates;
+//! - cgroup v1, and warm clones (forked before their class was known): the child writes
+//!   "0" to the cgroup's `cgroup.procs` in every hierarchy (moving itself) before it
+//!   prepares or starts its vCPUs. Memory it allocated before the move stays charged to
+//!   the template's cgroup (v1 does not move charges).
+//!
+//! Pools live in the template: a clone has none of its own, so its clones stay in its
+//! cgroup (a request naming a class on a clone is refused).
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use jailer::cgroup::pool::Lease;
+use jailer::cgroup::{CgroupFs, CgroupPool, CgroupVersion, PoolConfig, Usage, WhenExhausted};
+use serde::{Deserialize, Serialize};
+
+use crate::config::CgroupConfig;
+
+/// How often the event loop refills and shrinks the pools.
+pub(crate) const UPKEEP_PERIOD: Duration = Duration::from_millis(20);
+/// Idle cgroups beyond the pool size are removed after this long.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Errors setting up the pools (at VM start).
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupSetupError {
+    /// No usable hierarchy, or a cgroup operation failed.
+    #[error("cgroups: {0}")]
+    Cgroup(#[from] jailer::cgroup::CgroupError),
+    /// A pool could not be made.
+    #[error("cgroup pool for class {class}: {source}")]
+    Pool {
+        /// The class.
+        class: String,
+        /// Why.
+        source: jailer::cgroup::PoolError,
+    },
+}
+
+/// Errors placing one clone.
+#[derive(Debug, thiserror::Error)]
+pub enum PlacementError {
+    /// The VMM has no pools (no `--cgroup-class`, or it is a clone).
+    #[error("resource class {0:?} requested, but this VMM has no cgroup pools (start it with --cgroup-class; a clone's clones stay in its cgroup)")]
+    NoPools(String),
+    /// No such class.
+    #[error("unknown resource class {class:?}; this VMM has {known:?}")]
+    UnknownClass {
+        /// Asked for.
+        class: String,
+        /// Configured.
+        known: Vec<String>,
+    },
+    /// The pool gave no cgroup (exhausted, or a cgroup operation failed).
+    #[error(transparent)]
+    Pool(#[from] jailer::cgroup::PoolError),
+    /// The cgroup directory could not be opened for `clone3`.
+    #[error("cannot open cgroup {path}: {source}")]
+    Open {
+        /// The directory.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// Where a clone goes, as the child is told.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Placement {
+    /// `cgroup.procs` files the child writes "0" to; empty when it is born inside
+    /// (`clone3(CLONE_INTO_CGROUP)`).
+    pub procs: Vec<PathBuf>,
+}
+
+/// A clone's cgroup, as `GET /clones` reports it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CloneCgroup {
+    /// Resource class.
+    pub class: String,
+    /// Cgroup path below each hierarchy's root.
+    pub path: String,
+    /// How it was placed: "clone3" (born inside, v2) or "procs" (moved itself in).
+    pub placed_by: &'static str,
+    /// What it used: so far while it runs, in total once it exited.
+    pub usage: Option<Usage>,
+}
+
+/// A cgroup taken for a clone that is about to be forked.
+pub(crate) struct Taken {
+    pool: usize,
+    lease: Lease,
+    /// The v2 directory, open for `clone3(CLONE_INTO_CGROUP)`.
+    pub dir: Option<OwnedFd>,
+}
+
+/// The pools of one VMM and the cgroups its clones hold.
+pub struct ClonePools {
+    fs: CgroupFs,
+    pools: Vec<CgroupPool>,
+    /// Cgroups of live clones, by pid.
+    leases: HashMap<i32, (usize, Lease)>,
+    last_upkeep: Instant,
+    destroyed: bool,
+}
+
+impl ClonePools {
+    /// Finds the hierarchy and pre-creates every class's pool under
+    /// `<parent>/vmm-<pid>`.
+    pub fn new(cfg: &CgroupConfig) -> Result<Self, CgroupSetupError> {
+        let parent = format!("{}/vmm-{}", cfg.parent, std::process::id());
+        let fs = CgroupFs::host(cfg.version, &parent)?;
+        let pool_cfg = PoolConfig {
+            size: cfg.pool_size,
+            low_water: cfg.pool_size.div_ceil(2),
+            max: cfg.pool_max,
+            idle_timeout: IDLE_TIMEOUT,
+            when_exhausted: if cfg.wait_ms == 0 {
+                WhenExhausted::Fail
+            } else {
+                WhenExhausted::Wait(Duration::from_millis(cfg.wait_ms))
+            },
+        };
+        let mut pools = Vec::with_capacity(cfg.classes.len());
+        for (name, class) in &cfg.classes {
+            match CgroupPool::new(fs.clone(), name, class.clone(), pool_cfg) {
+                Ok(p) => pools.push(p),
+                Err(source) => {
+                    let made = Self {
+                        fs: fs.clone(),
+                        pools,
+                        leases: HashMap::new(),
+                        last_upkeep: Instant::now(),
+                        destroyed: false,
+                    };
+                    drop(made);
+                    return Err(CgroupSetupError::Pool {
+                        class: name.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        tracing::info!(
+            "cgroup pools ({:?}) under {parent}: {}",
+            fs.version(),
+            cfg.classes
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(Self {
+            fs,
+            pools,
+            leases: HashMap::new(),
+            last_upkeep: Instant::now(),
+            destroyed: false,
+        })
+    }
+
+    /// The hierarchy's version.
+    pub fn version(&self) -> CgroupVersion {
+        self.fs.version()
+    }
+
+    fn class_index(&self, class: Option<&str>) -> Result<usize, PlacementError> {
+        let Some(class) = class else { return Ok(0) };
+        self.pools
+            .iter()
+            .position(|p| p.class_name() == class)
+            .ok_or_else(|| PlacementError::UnknownClass {
+                class: class.to_string(),
+                known: self.pools.iter().map(|p| p.class_name().into()).collect(),
+            })
+    }
+
+    /// Whether `class` is the default (first) class.
+    pub(crate) fn is_default(&self, class: Option<&str>) -> bool {
+        self.class_index(class).is_ok_and(|i| i == 0)
+    }
+
+    /// Takes a cgroup of `class` (the first class when None); on v2 its directory is
+    /// opened for `clone3(CLONE_INTO_CGROUP)`.
+    pub(crate) fn take(&self, class: Option<&str>) -> Result<Taken, PlacementError> {
+        let pool = self.class_index(class)?;
+        let lease = self.pools[pool].acquire()?;
+        let dir = match self.fs.v2_dir(&lease.name) {
+            Some(path) => match open_dir(&path) {
+                Ok(fd) => Some(fd),
+                Err(source) => {
+                    self.give_back(Taken {
+                        pool,
+                        lease,
+                        dir: None,
+                    });
+                    return Err(PlacementError::Open {
+                        path: path.display().to_string(),
+                        source,
+                    });
+                }
+            },
+            None => None,
+        };
+        Ok(Taken { pool, lease, dir })
+    }
+
+    /// What the child is told: nothing to do when it is born inside (v2).
+    pub(crate) fn placement(&self, taken: &Taken) -> Placement {
+        Placement {
+            procs: if taken.dir.is_some() {
+                Vec::new()
+            } else {
+                self.pools[taken.pool].procs_files(&taken.lease)
+            },
+        }
+    }
+
+    /// What `GET /clones` shows for a clone in `taken`.
+    pub(crate) fn describe(&self, taken: &Taken) -> CloneCgroup {
+        CloneCgroup {
+            class: self.pools[taken.pool].class_name().to_string(),
+            path: format!("{}/{}", self.fs.parent(), taken.lease.name),
+            placed_by: if taken.dir.is_some() {
+                "clone3"
+            } else {
+                "procs"
+            },
+            usage: None,
+        }
+    }
+
+    /// Returns a cgroup whose clone was never started.
+    pub(crate) fn give_back(&self, taken: Taken) {
+        if let Err(e) = self.pools[taken.pool].release(taken.lease) {
+            tracing::warn!("cgroup pool: {e}");
+        }
+    }
+
+    /// Records that clone `pid` holds `taken`.
+    pub(crate) fn started(&mut self, pid: i32, taken: Taken) {
+        self.leases.insert(pid, (taken.pool, taken.lease));
+    }
+
+    /// Clone `pid` is gone (reaped): its cgroup goes back to the pool. Returns its usage.
+    pub(crate) fn exited(&mut self, pid: i32) -> Option<Usage> {
+        let (pool, lease) = self.leases.remove(&pid)?;
+        match self.pools[pool].release(lease) {
+            Ok(u) => Some(u),
+            Err(e) => {
+                tracing::warn!("cgroup of clone pid {pid}: {e}");
+                None
+            }
+        }
+    }
+
+    /// What clone `pid` has used so far.
+    pub(crate) fn usage(&self, pid: i32) -> Option<Usage> {
+        let (pool, lease) = self.leases.get(&pid)?;
+        self.pools[*pool].usage(lease).ok()
+    }
+
+    /// Refills and shrinks the pools when `UPKEEP_PERIOD` has passed (event loop).
+    pub(crate) fn upkeep(&mut self) {
+        if self.last_upkeep.elapsed() < UPKEEP_PERIOD {
+            return;
+        }
+        self.last_upkeep = Instant::now();
+        for p in &self.pools {
+            if let Err(e) = p.maintain() {
+                tracing::warn!("cgroup pool {}: {e}", p.class_name());
+            }
+        }
+    }
+
+    /// Time until the next upkeep is due.
+    pub(crate) fn upkeep_due_in(&self) -> Duration {
+        UPKEEP_PERIOD.saturating_sub(self.last_upkeep.elapsed())
+    }
+
+    /// Pool counters for `GET /vm`.
+    pub fn report(&self) -> serde_json::Value {
+        let pools: serde_json::Map<String, serde_json::Value> = self
+            .pools
+            .iter()
+            .map(|p| {
+                (
+                    p.class_name().to_string(),
+                    serde_json::json!({ "class": p.class(), "stats": p.stats() }),
+                )
+            })
+            .collect();
+        serde_json::json!({
+            "version": self.fs.version(),
+            "parent": self.fs.parent(),
+            "pools": pools,
+        })
+    }
+
+    /// Kills whatever is left in this VMM's cgroups and removes them and its parent.
+    /// Live clones must have been stopped and reaped first.
+    pub fn destroy(&mut self) {
+        if self.destroyed {
+            return;
+        }
+        self.destroyed = true;
+        for pid in self.leases.keys().copied().collect::<Vec<_>>() {
+            self.exited(pid);
+        }
+        for p in &self.pools {
+            if let Err(e) = p.destroy() {
+                tracing::warn!("cgroup pool {}: {e}", p.class_name());
+            }
+        }
+        if let Err(e) = self.fs.remove_parent() {
+            tracing::warn!("removing cgroup parent {}: {e}", self.fs.parent());
+        }
+    }
+}
+
+impl Drop for ClonePools {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}
+
+fn open_dir(path: &std::path::Path) -> std::io::Result<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(path)?;
+    Ok(OwnedFd::from(f))
+}
+
+/// Moves the calling process into a cgroup by writing "0" to each `cgroup.procs` file.
+/// Called by a clone before it runs guest code.
+pub(crate) fn place_self(placement: &Placement) -> std::io::Result<()> {
+    for path in &placement.procs {
+        std::fs::write(path, "0")
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    }
+    Ok(())
+}
+
+/// `fork()`, or with `cgroup` (an open v2 cgroup directory) `clone3(CLONE_INTO_CGROUP)`
+/// so the child starts inside that cgroup. Returns what fork returns.
+///
+/// # Safety
+/// As for fork(). With `cgroup`, the child also starts without glibc's fork handling:
+/// malloc's locks are not taken around the call (another thread inside malloc at that
+/// moment leaves its arena locked in the child) and the child's thread descriptor keeps
+/// the parent's thread id. The caller must have every other thread parked outside
+/// malloc, or accept that a child whose new threads pick such an arena would hang; the
+/// child must not rely on the cached thread id (raise() and Rust's std do not).
+pub(crate) unsafe fn fork_into(cgroup: Option<&OwnedFd>) -> i32 {
+    let Some(dir) = cgroup else {
+        // SAFETY: the caller upholds fork()'s contract.
+        return unsafe { libc::fork() };
+    };
+    const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+    // SAFETY: clone_args is plain data; zero is "unused" for every field.
+    let mut args: libc::clone_args = unsafe { std::mem::zeroed() };
+    args.flags = CLONE_INTO_CGROUP;
+    args.exit_signal = libc::SIGCHLD as u64;
+    args.cgroup = dir.as_raw_fd() as u64;
+    // SAFETY: clone3 with no stack behaves like fork (the child continues on a copy of
+    // this stack); `args` is valid for the size given. The caller upholds the rest.
+    unsafe {
+        libc::syscall(
+            libc::SYS_clone3,
+            &args as *const libc::clone_args,
+            std::mem::size_of::<libc::clone_args>(),
+        ) as i32
+    }
+}

@@ -56,7 +56,7 @@ TEMPLATES = 0
 
 
 def start_template(tmp, mem, thp, prefault=True, guest="ticks=1 tickless=1",
-                   ready=b"tiny: tickless", warm=0):
+                   ready=b"tiny: tickless", warm=0, extra=()):
     global TEMPLATES
     TEMPLATES += 1
     sock = os.path.join(tmp, f"t{TEMPLATES}-{mem}{'h' if thp else 'n'}.sock")
@@ -69,6 +69,7 @@ def start_template(tmp, mem, thp, prefault=True, guest="ticks=1 tickless=1",
         cmd.append("--no-thp")
     if warm:
         cmd += ["--warm-clones", str(warm)]
+    cmd += list(extra)
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline:

@@ -143,6 +143,21 @@ impl CgroupFs {
         (self.version == CgroupVersion::V2).then(|| self.dir("", name))
     }
 
+    /// Opens the v2 directory of `name` for `clone3(CLONE_INTO_CGROUP)` (see
+    /// [`super::fork_into`]); None on v1.
+    pub fn open_v2_dir(&self, name: &str) -> Result<Option<std::os::fd::OwnedFd>, CgroupError> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let Some(path) = self.v2_dir(name) else {
+            return Ok(None);
+        };
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(io(&path))?;
+        Ok(Some(f.into()))
+    }
+
     /// Names of the cgroups under the forkvm parent (from the first hierarchy).
     pub fn list(&self) -> Result<Vec<String>, CgroupError> {
         let Some(parent) = self.parent_dirs().into_iter().next() else {

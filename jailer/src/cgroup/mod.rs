@@ -10,6 +10,8 @@ pub mod pool;
 pub use fs::{CgroupFs, CgroupVersion};
 pub use pool::{CgroupPool, PoolConfig, PoolError, WhenExhausted};
 
+use std::os::fd::{AsRawFd, OwnedFd};
+
 use serde::{Deserialize, Serialize};
 
 /// Limits shared by every cgroup of one pool.
@@ -121,6 +123,38 @@ pub enum CgroupError {
         /// Its processes.
         pids: Vec<i32>,
     },
+}
+
+/// `fork()`, or with `cgroup` (an open v2 cgroup directory) `clone3(CLONE_INTO_CGROUP)`
+/// so the child starts inside that cgroup. Returns what fork returns.
+///
+/// # Safety
+/// As for fork(). With `cgroup`, the child also starts without glibc's fork handling:
+/// malloc's locks are not taken around the call (another thread inside malloc at that
+/// moment leaves its arena locked in the child) and the child's thread descriptor keeps
+/// the parent's thread id. The caller must have every other thread parked outside
+/// malloc, or accept that a child whose new threads pick such an arena would hang; the
+/// child must not rely on the cached thread id (raise() and Rust's std do not).
+pub unsafe fn fork_into(cgroup: Option<&OwnedFd>) -> i32 {
+    let Some(dir) = cgroup else {
+        // SAFETY: the caller upholds fork()'s contract.
+        return unsafe { libc::fork() };
+    };
+    const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+    // SAFETY: clone_args is plain data; zero is "unused" for every field.
+    let mut args: libc::clone_args = unsafe { std::mem::zeroed() };
+    args.flags = CLONE_INTO_CGROUP;
+    args.exit_signal = libc::SIGCHLD as u64;
+    args.cgroup = dir.as_raw_fd() as u64;
+    // SAFETY: clone3 with no stack behaves like fork (the child continues on a copy of
+    // this stack); `args` is valid for the size given. The caller upholds the rest.
+    unsafe {
+        libc::syscall(
+            libc::SYS_clone3,
+            &args as *const libc::clone_args,
+            std::mem::size_of::<libc::clone_args>(),
+        ) as i32
+    }
 }
 
 #[cfg(test)]

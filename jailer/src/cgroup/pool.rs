@@ -6,6 +6,9 @@
 //! idle (from [`CgroupPool::maintain`], run by a background thread), never holds more
 //! than `max`, and removes idle cgroups beyond `size` after `idle_timeout`.
 //!
+//! A pool of size 0 keeps no cgroup: each lease creates one and release removes it
+//! (what placing clones costs without pooling).
+//!
 //! On release a cgroup must be empty (leftover processes are killed first: a clone that
 //! died leaves none, one that is still running is stopped), its usage is read and
 //! reported, its accounting reset where the kernel allows it, its limits written again
@@ -303,6 +306,11 @@ impl CgroupPool {
             }
         }
         let usage = since(&base, &self.fs.usage(&name)?);
+        if self.cfg.size == 0 {
+            // A pool of size 0 keeps nothing: one cgroup per lease, removed on release.
+            self.discard(&mut st, &name);
+            return Ok(usage);
+        }
         let reset = self
             .fs
             .reset_accounting(&name)
@@ -606,6 +614,41 @@ mod tests {
         assert!(pool.fs().list().unwrap().is_empty());
         assert_eq!(cleanup(pool.fs()).unwrap(), 0);
         assert!(!root.0.join("cpu/forkvm").exists());
+    }
+
+    #[test]
+    fn size_zero_creates_per_lease_and_removes_on_release() {
+        let root = TempRoot::new("zero");
+        let pool = fake_pool(&root, CgroupVersion::V2, cfg(0, 0, 4, WhenExhausted::Fail));
+        assert!(pool.fs().list().unwrap().is_empty());
+        let a = pool.acquire().unwrap();
+        let b = pool.acquire().unwrap();
+        assert_eq!(pool.fs().list().unwrap().len(), 2);
+        pool.release(a).unwrap();
+        pool.release(b).unwrap();
+        assert!(pool.fs().list().unwrap().is_empty());
+        let s = pool.stats();
+        assert_eq!((s.idle, s.in_use, s.created, s.removed), (0, 0, 2, 2));
+        pool.destroy().unwrap();
+    }
+
+    #[test]
+    fn nested_parents_are_cleaned_up_to_the_top() {
+        let root = TempRoot::new("nested");
+        let fs = CgroupFs::fake(&root.0, CgroupVersion::V1, "forkvm/vmm-1").unwrap();
+        let pool =
+            CgroupPool::new(fs.clone(), "a", class(), cfg(2, 1, 4, WhenExhausted::Fail)).unwrap();
+        let other = CgroupFs::fake(&root.0, CgroupVersion::V1, "forkvm/vmm-2").unwrap();
+        other.create("b-1", &class()).unwrap();
+        // One VMM's parent goes; the shared top stays while another VMM uses it.
+        pool.destroy().unwrap();
+        fs.remove_parent().unwrap();
+        assert!(!root.0.join("memory/forkvm/vmm-1").exists());
+        assert!(root.0.join("memory/forkvm/vmm-2/b-1").exists());
+        // `jailer cleanup` on the top removes every VMM's cgroups at any depth.
+        let top = CgroupFs::fake(&root.0, CgroupVersion::V1, "forkvm").unwrap();
+        assert_eq!(cleanup(&top).unwrap(), 2);
+        assert!(!root.0.join("memory/forkvm").exists());
     }
 
     #[test]

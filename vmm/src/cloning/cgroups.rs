@@ -17,10 +17,11 @@
 //! cgroup (a request naming a class on a clone is refused).
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub(crate) use jailer::cgroup::fork_into;
 use jailer::cgroup::pool::Lease;
 use jailer::cgroup::{CgroupFs, CgroupPool, CgroupVersion, PoolConfig, Usage, WhenExhausted};
 use serde::{Deserialize, Serialize};
@@ -66,13 +67,8 @@ pub enum PlacementError {
     #[error(transparent)]
     Pool(#[from] jailer::cgroup::PoolError),
     /// The cgroup directory could not be opened for `clone3`.
-    #[error("cannot open cgroup {path}: {source}")]
-    Open {
-        /// The directory.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Open(jailer::cgroup::CgroupError),
 }
 
 /// Where a clone goes, as the child is told.
@@ -195,22 +191,16 @@ impl ClonePools {
     pub(crate) fn take(&self, class: Option<&str>) -> Result<Taken, PlacementError> {
         let pool = self.class_index(class)?;
         let lease = self.pools[pool].acquire()?;
-        let dir = match self.fs.v2_dir(&lease.name) {
-            Some(path) => match open_dir(&path) {
-                Ok(fd) => Some(fd),
-                Err(source) => {
-                    self.give_back(Taken {
-                        pool,
-                        lease,
-                        dir: None,
-                    });
-                    return Err(PlacementError::Open {
-                        path: path.display().to_string(),
-                        source,
-                    });
-                }
-            },
-            None => None,
+        let dir = match self.fs.open_v2_dir(&lease.name) {
+            Ok(dir) => dir,
+            Err(e) => {
+                self.give_back(Taken {
+                    pool,
+                    lease,
+                    dir: None,
+                });
+                return Err(PlacementError::Open(e));
+            }
         };
         Ok(Taken { pool, lease, dir })
     }
@@ -334,15 +324,6 @@ impl Drop for ClonePools {
     }
 }
 
-fn open_dir(path: &std::path::Path) -> std::io::Result<OwnedFd> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
-        .open(path)?;
-    Ok(OwnedFd::from(f))
-}
-
 /// Moves the calling process into a cgroup by writing "0" to each `cgroup.procs` file.
 /// Called by a clone before it runs guest code.
 pub(crate) fn place_self(placement: &Placement) -> std::io::Result<()> {
@@ -351,36 +332,4 @@ pub(crate) fn place_self(placement: &Placement) -> std::io::Result<()> {
             .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
     }
     Ok(())
-}
-
-/// `fork()`, or with `cgroup` (an open v2 cgroup directory) `clone3(CLONE_INTO_CGROUP)`
-/// so the child starts inside that cgroup. Returns what fork returns.
-///
-/// # Safety
-/// As for fork(). With `cgroup`, the child also starts without glibc's fork handling:
-/// malloc's locks are not taken around the call (another thread inside malloc at that
-/// moment leaves its arena locked in the child) and the child's thread descriptor keeps
-/// the parent's thread id. The caller must have every other thread parked outside
-/// malloc, or accept that a child whose new threads pick such an arena would hang; the
-/// child must not rely on the cached thread id (raise() and Rust's std do not).
-pub(crate) unsafe fn fork_into(cgroup: Option<&OwnedFd>) -> i32 {
-    let Some(dir) = cgroup else {
-        // SAFETY: the caller upholds fork()'s contract.
-        return unsafe { libc::fork() };
-    };
-    const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
-    // SAFETY: clone_args is plain data; zero is "unused" for every field.
-    let mut args: libc::clone_args = unsafe { std::mem::zeroed() };
-    args.flags = CLONE_INTO_CGROUP;
-    args.exit_signal = libc::SIGCHLD as u64;
-    args.cgroup = dir.as_raw_fd() as u64;
-    // SAFETY: clone3 with no stack behaves like fork (the child continues on a copy of
-    // this stack); `args` is valid for the size given. The caller upholds the rest.
-    unsafe {
-        libc::syscall(
-            libc::SYS_clone3,
-            &args as *const libc::clone_args,
-            std::mem::size_of::<libc::clone_args>(),
-        ) as i32
-    }
 }

@@ -43,6 +43,22 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
     }
 }
 
+/// Names of the directories in `dir`, sorted (none when `dir` does not exist).
+fn subdirs(dir: &Path) -> Result<Vec<String>, CgroupError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(dir)(e)),
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(Result::ok)
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
 fn is_cgroup2(path: &Path) -> bool {
     std::fs::read_to_string("/proc/self/mounts")
         .unwrap_or_default()
@@ -163,36 +179,14 @@ impl CgroupFs {
         let Some(parent) = self.parent_dirs().into_iter().next() else {
             return Ok(Vec::new());
         };
-        let entries = match std::fs::read_dir(&parent) {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(io(&parent)(e)),
-        };
-        let mut names: Vec<String> = entries
-            .filter_map(Result::ok)
-            .filter(|e| e.path().is_dir())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        Ok(names)
+        subdirs(&parent)
     }
 
     /// Every cgroup below the forkvm parent at any depth (from the first hierarchy),
     /// as names relative to the parent, children before their parents.
     pub fn tree(&self) -> Result<Vec<String>, CgroupError> {
         fn walk(dir: &Path, rel: &str, out: &mut Vec<String>) -> Result<(), CgroupError> {
-            let entries = match std::fs::read_dir(dir) {
-                Ok(e) => e,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-                Err(e) => return Err(io(dir)(e)),
-            };
-            let mut subdirs: Vec<String> = entries
-                .filter_map(Result::ok)
-                .filter(|e| e.path().is_dir())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect();
-            subdirs.sort();
-            for name in subdirs {
+            for name in subdirs(dir)? {
                 let child = if rel.is_empty() {
                     name.clone()
                 } else {

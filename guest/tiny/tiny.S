@@ -220,21 +220,11 @@ bsp_main:
 heartbeat:
     xorl %r12d, %r12d               /* beats so far */
     movq ticks(%rip), %r13          /* BSP tick count at last beat */
-1:  hlt
-    movq ticks(%rip), %rax
-    subq %r13, %rax
-    cmpq opt_beat(%rip), %rax
-    jb   1b
-    addq %rax, %r13
+1:  call wait_beat
     incq %r12
-    call lock_serial
     leaq msg_beat(%rip), %rdi
-    call puts
-    movq %r12, %rdi
-    call putdec
-    movb $'\n', %dil
-    call putc
-    call unlock_serial
+    movq %r12, %rsi
+    call print_num_line
     movq opt_exit(%rip), %rax
     testq %rax, %rax
     jz   1b
@@ -322,20 +312,11 @@ dirty_loop:
     movq $MEMTEST_BASE, %rdi
     cld
     rep stosq                       /* one instruction: cheap where CPL 0 is emulated */
-    call lock_serial
     leaq msg_dirty(%rip), %rdi
-    call puts
-    movq %r12, %rdi
-    call putdec
-    movb $'\n', %dil
-    call putc
-    call unlock_serial
-    movq ticks(%rip), %r13
-2:  hlt
-    movq ticks(%rip), %rax
-    subq %r13, %rax
-    cmpq opt_beat(%rip), %rax
-    jb   2b
+    movq %r12, %rsi
+    call print_num_line
+    movq ticks(%rip), %r13          /* the next pass a beat after this one ended */
+    call wait_beat
     jmp  1b
 
 /* memtest: rcx = MiB. Fill with the address pattern, verify, print result. */
@@ -371,14 +352,9 @@ clonetest:
     call puts
     call unlock_serial
     ret
-1:  call lock_serial
-    leaq msg_clone(%rip), %rdi
-    call puts
-    movq %r9, %rdi
-    call putdec
-    movb $'\n', %dil
-    call putc
-    call unlock_serial
+1:  leaq msg_clone(%rip), %rdi
+    movq %r9, %rsi
+    call print_num_line
     movl $CLONETEST_MIB, %ecx
     xorl %r11d, %r11d
     call check_pattern
@@ -527,6 +503,31 @@ putdec:
     movq %rsi, %rdi
     call puts
     addq $32, %rsp
+    ret
+
+/* print_num_line: prints the string at rdi, the number in rsi and a newline, holding
+   the serial lock. Clobbers rax, rcx, rdx, rsi, rdi (as putdec). */
+print_num_line:
+    pushq %rsi
+    pushq %rdi
+    call lock_serial
+    popq %rdi
+    call puts
+    popq %rdi
+    call putdec
+    movb $'\n', %dil
+    call putc
+    jmp  unlock_serial
+
+/* wait_beat: halts until `beat` ticks have passed since r13 (the BSP's tick count at
+   the last beat), then moves r13 on by the ticks that passed. Clobbers rax. */
+wait_beat:
+1:  hlt
+    movq ticks(%rip), %rax
+    subq %r13, %rax
+    cmpq opt_beat(%rip), %rax
+    jb   1b
+    addq %rax, %r13
     ret
 
 /* lock_print_cpu_msg: prints "tiny: cpu <r15>" then the string at rdi. */

@@ -394,8 +394,8 @@ impl Microvm {
             } else {
                 -1
             };
-            if let Some(c) = &self.cgroups {
-                let due = c.upkeep_due_in().as_millis() as i32;
+            if let Some(due) = self.cgroups.as_ref().and_then(|c| c.upkeep_due_in()) {
+                let due = due.as_millis() as i32;
                 timeout = if timeout < 0 { due } else { timeout.min(due) };
             }
             let n = match epoll.wait(timeout, &mut events) {
@@ -469,9 +469,8 @@ impl Microvm {
         // Clones would die with this process anyway (PR_SET_PDEATHSIG); stopping them
         // first lets each remove its socket.
         self.stop_all_clones();
-        if let Some(c) = self.cgroups.as_mut() {
-            c.destroy();
-        }
+        // Removes this VMM's cgroups.
+        drop(self.cgroups.take());
         Ok(outcome)
     }
 }

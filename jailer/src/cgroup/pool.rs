@@ -279,11 +279,6 @@ impl CgroupPool {
         Ok(since(&base, &self.fs.usage(&lease.name)?))
     }
 
-    /// The cgroup files a process writes to move itself into `lease`'s cgroup.
-    pub fn procs_files(&self, lease: &Lease) -> Vec<std::path::PathBuf> {
-        self.fs.procs_files(&lease.name)
-    }
-
     /// Gives a cgroup back: kills what is left in it, reads its usage since it was
     /// leased, resets accounting and limits, and makes it ready again. A cgroup that
     /// vanished or cannot be emptied is dropped (a new one replaces it on refill).
@@ -328,6 +323,13 @@ impl CgroupPool {
             }
         }
         Ok(usage)
+    }
+
+    /// Whether [`CgroupPool::maintain`] has anything to do: fewer than `low_water`
+    /// idle, or more than `size` (to remove once idle long enough).
+    pub fn needs_maintenance(&self) -> bool {
+        let idle = self.lock().idle.len();
+        idle < self.cfg.low_water || idle > self.cfg.size
     }
 
     /// Background work: refill to `size` when below `low_water`, and remove idle

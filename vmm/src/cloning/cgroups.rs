@@ -107,7 +107,6 @@ pub struct ClonePools {
     /// Cgroups of live clones, by pid.
     leases: HashMap<i32, (usize, Lease)>,
     last_upkeep: Instant,
-    destroyed: bool,
 }
 
 impl ClonePools {
@@ -127,42 +126,32 @@ impl ClonePools {
                 WhenExhausted::Wait(Duration::from_millis(cfg.wait_ms))
             },
         };
-        let mut pools = Vec::with_capacity(cfg.classes.len());
+        // Pools made before one fails are removed when `made` drops.
+        let mut made = Self {
+            fs,
+            pools: Vec::with_capacity(cfg.classes.len()),
+            leases: HashMap::new(),
+            last_upkeep: Instant::now(),
+        };
         for (name, class) in &cfg.classes {
-            match CgroupPool::new(fs.clone(), name, class.clone(), pool_cfg) {
-                Ok(p) => pools.push(p),
-                Err(source) => {
-                    let made = Self {
-                        fs: fs.clone(),
-                        pools,
-                        leases: HashMap::new(),
-                        last_upkeep: Instant::now(),
-                        destroyed: false,
-                    };
-                    drop(made);
-                    return Err(CgroupSetupError::Pool {
-                        class: name.clone(),
-                        source,
-                    });
-                }
-            }
+            let pool = CgroupPool::new(made.fs.clone(), name, class.clone(), pool_cfg).map_err(
+                |source| CgroupSetupError::Pool {
+                    class: name.clone(),
+                    source,
+                },
+            )?;
+            made.pools.push(pool);
         }
         tracing::info!(
             "cgroup pools ({:?}) under {parent}: {}",
-            fs.version(),
+            made.fs.version(),
             cfg.classes
                 .iter()
                 .map(|(n, _)| n.as_str())
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        Ok(Self {
-            fs,
-            pools,
-            leases: HashMap::new(),
-            last_upkeep: Instant::now(),
-            destroyed: false,
-        })
+        Ok(made)
     }
 
     /// The hierarchy's version.
@@ -205,29 +194,24 @@ impl ClonePools {
         Ok(Taken { pool, lease, dir })
     }
 
-    /// What the child is told: nothing to do when it is born inside (v2).
-    pub(crate) fn placement(&self, taken: &Taken) -> Placement {
-        Placement {
-            procs: if taken.dir.is_some() {
+    /// What the child is told (nothing to do when it is born inside, v2) and what
+    /// `GET /clones` shows for a clone in `taken`.
+    pub(crate) fn placement(&self, taken: &Taken) -> (Placement, CloneCgroup) {
+        let born_inside = taken.dir.is_some();
+        let placement = Placement {
+            procs: if born_inside {
                 Vec::new()
             } else {
-                self.pools[taken.pool].procs_files(&taken.lease)
+                self.fs.procs_files(&taken.lease.name)
             },
-        }
-    }
-
-    /// What `GET /clones` shows for a clone in `taken`.
-    pub(crate) fn describe(&self, taken: &Taken) -> CloneCgroup {
-        CloneCgroup {
+        };
+        let shown = CloneCgroup {
             class: self.pools[taken.pool].class_name().to_string(),
             path: format!("{}/{}", self.fs.parent(), taken.lease.name),
-            placed_by: if taken.dir.is_some() {
-                "clone3"
-            } else {
-                "procs"
-            },
+            placed_by: if born_inside { "clone3" } else { "procs" },
             usage: None,
-        }
+        };
+        (placement, shown)
     }
 
     /// Returns a cgroup whose clone was never started.
@@ -262,7 +246,7 @@ impl ClonePools {
 
     /// Refills and shrinks the pools when `UPKEEP_PERIOD` has passed (event loop).
     pub(crate) fn upkeep(&mut self) {
-        if self.last_upkeep.elapsed() < UPKEEP_PERIOD {
+        if self.upkeep_due_in() != Some(Duration::ZERO) {
             return;
         }
         self.last_upkeep = Instant::now();
@@ -273,9 +257,13 @@ impl ClonePools {
         }
     }
 
-    /// Time until the next upkeep is due.
-    pub(crate) fn upkeep_due_in(&self) -> Duration {
-        UPKEEP_PERIOD.saturating_sub(self.last_upkeep.elapsed())
+    /// Time until the next upkeep is due; None while no pool needs one (the event
+    /// loop then sleeps until something happens).
+    pub(crate) fn upkeep_due_in(&self) -> Option<Duration> {
+        self.pools
+            .iter()
+            .any(CgroupPool::needs_maintenance)
+            .then(|| UPKEEP_PERIOD.saturating_sub(self.last_upkeep.elapsed()))
     }
 
     /// Pool counters for `GET /vm`.
@@ -296,14 +284,12 @@ impl ClonePools {
             "pools": pools,
         })
     }
+}
 
-    /// Kills whatever is left in this VMM's cgroups and removes them and its parent.
-    /// Live clones must have been stopped and reaped first.
-    pub fn destroy(&mut self) {
-        if self.destroyed {
-            return;
-        }
-        self.destroyed = true;
+impl Drop for ClonePools {
+    /// Kills whatever is left in this VMM's cgroups and removes them and its parent
+    /// (live clones are stopped and reaped before, at shutdown).
+    fn drop(&mut self) {
         for pid in self.leases.keys().copied().collect::<Vec<_>>() {
             self.exited(pid);
         }
@@ -315,12 +301,6 @@ impl ClonePools {
         if let Err(e) = self.fs.remove_parent() {
             tracing::warn!("removing cgroup parent {}: {e}", self.fs.parent());
         }
-    }
-}
-
-impl Drop for ClonePools {
-    fn drop(&mut self) {
-        self.destroy();
     }
 }
 

@@ -101,6 +101,13 @@ pub enum CloneStatus {
     OomKilled,
 }
 
+impl CloneStatus {
+    /// Not reaped yet (a clone that failed to report may still run).
+    fn is_live(&self) -> bool {
+        matches!(self, CloneStatus::Running | CloneStatus::Failed)
+    }
+}
+
 /// One clone, as `POST /clones` and `GET /clones` report it.
 #[derive(Debug, Clone, Serialize)]
 pub struct CloneInfo {
@@ -169,9 +176,7 @@ impl CloneTable {
     }
 
     fn live(&self) -> impl Iterator<Item = &CloneInfo> {
-        self.clones
-            .iter()
-            .filter(|c| matches!(c.status, CloneStatus::Running | CloneStatus::Failed))
+        self.clones.iter().filter(|c| c.status.is_live())
     }
 
     /// Pids of the live clones.
@@ -262,10 +267,7 @@ impl Microvm {
         self.reap_children();
         let mut list = self.clones.list().to_vec();
         if let Some(pools) = &self.cgroups {
-            for c in list
-                .iter_mut()
-                .filter(|c| matches!(c.status, CloneStatus::Running | CloneStatus::Failed))
-            {
+            for c in list.iter_mut().filter(|c| c.status.is_live()) {
                 if let Some(cg) = c.cgroup.as_mut() {
                     cg.usage = pools.usage(c.pid);
                 }
@@ -437,7 +439,7 @@ impl Microvm {
             match pools.take(class) {
                 Ok(t) => clones.push((identity, Some(t))),
                 Err(e) => {
-                    self.give_back(clones);
+                    self.give_back(clones.into_iter().map(|(_, t)| t));
                     return Err(e.into());
                 }
             }
@@ -446,12 +448,9 @@ impl Microvm {
     }
 
     /// Returns the cgroups of clones that were not started.
-    fn give_back(&self, clones: Vec<NewClone>) {
+    pub(super) fn give_back(&self, taken: impl IntoIterator<Item = Option<Taken>>) {
         if let Some(pools) = &self.cgroups {
-            clones
-                .into_iter()
-                .filter_map(|(_, t)| t)
-                .for_each(|t| pools.give_back(t));
+            taken.into_iter().flatten().for_each(|t| pools.give_back(t));
         }
     }
 
@@ -473,7 +472,7 @@ impl Microvm {
         let was_running = self.state == VmState::Running;
         if was_running {
             if let Err(e) = self.pause_all() {
-                self.give_back(clones);
+                self.give_back(clones.into_iter().map(|(_, t)| t));
                 self.release_requester(requester, CLONE_FAILED);
                 return Err(e);
             }
@@ -499,7 +498,7 @@ impl Microvm {
         let result = match captured {
             Ok(state) => self.fork_all(&state, clones),
             Err(e) => {
-                self.give_back(clones);
+                self.give_back(clones.into_iter().map(|(_, t)| t));
                 Err(e)
             }
         };
@@ -618,6 +617,21 @@ impl Microvm {
         })
     }
 
+    /// Where a clone in `taken` goes and what `GET /clones` shows (both None without
+    /// cgroup pools).
+    pub(super) fn placement(
+        &self,
+        taken: Option<&Taken>,
+    ) -> (Option<cgroups::Placement>, Option<CloneCgroup>) {
+        match self.cgroups.as_ref().zip(taken) {
+            Some((pools, t)) => {
+                let (placement, shown) = pools.placement(t);
+                (Some(placement), Some(shown))
+            }
+            None => (None, None),
+        }
+    }
+
     /// Clone `pid` was started in cgroup `taken`.
     pub(super) fn started_in(&mut self, pid: i32, taken: Option<Taken>) {
         if let (Some(pools), Some(t)) = (self.cgroups.as_mut(), taken) {
@@ -633,9 +647,8 @@ impl Microvm {
         let mut made = Vec::with_capacity(clones.len());
         let mut clones = clones.into_iter();
         while let Some((mut identity, taken)) = clones.next() {
-            let pools = self.cgroups.as_ref();
-            identity.cgroup = pools.zip(taken.as_ref()).map(|(p, t)| p.placement(t));
-            let cgroup = pools.zip(taken.as_ref()).map(|(p, t)| p.describe(t));
+            let (placement, cgroup) = self.placement(taken.as_ref());
+            identity.cgroup = placement;
             let into = taken.as_ref().and_then(|t| t.dir.as_ref());
             let forked = pipe()
                 .map_err(CloneError::Os)
@@ -653,7 +666,7 @@ impl Microvm {
                     ));
                 }
                 Err(e) => {
-                    self.give_back(std::iter::once((identity, taken)).chain(clones).collect());
+                    self.give_back(std::iter::once(taken).chain(clones.map(|(_, t)| t)));
                     return Err(e);
                 }
             }

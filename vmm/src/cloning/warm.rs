@@ -189,20 +189,17 @@ impl Microvm {
             Some(p) => Some(p.take(None)?),
             None => None,
         };
-        let pools = self.cgroups.as_ref();
+        let (placement, cgroup) = self.placement(taken.as_ref());
         let start = Start::Warm {
             go: go_read.as_raw_fd(),
-            cgroup: pools.zip(taken.as_ref()).map(|(p, t)| p.placement(t)),
+            cgroup: placement,
         };
-        let cgroup = pools.zip(taken.as_ref()).map(|(p, t)| p.describe(t));
         let into = taken.as_ref().and_then(|t| t.dir.as_ref());
         // The VM is paused: every vCPU is parked.
         let pid = match self.fork_child(&state, &ready_write, start, into) {
             Ok(pid) => pid,
             Err(e) => {
-                if let (Some(p), Some(t)) = (&self.cgroups, taken) {
-                    p.give_back(t);
-                }
+                self.give_back([taken]);
                 return Err(e);
             }
         };

@@ -151,7 +151,20 @@ fn clone_of_a_clone_list_and_delete() {
     let grandchild = post_clones(&first_sock, 1).remove(0);
     assert_eq!(grandchild["id"], "1.1");
     let gc_console = grandchild["console"].as_str().unwrap().to_string();
-    let beat = last_beat_plain(&read(first["console"].as_str().unwrap()));
+    // Clone 1's console starts wherever the clone point fell, possibly mid-line: wait
+    // for a whole beat line in it (the grandchild was made before that line's beat
+    // or during it, so it prints the third beat after it).
+    let first_console = first["console"].as_str().unwrap().to_string();
+    let start = Instant::now();
+    let beat = loop {
+        match last_beat_plain(&read(&first_console)) {
+            0 => {
+                assert!(start.elapsed() < BOOT, "clone 1 never printed a whole beat");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            b => break b,
+        }
+    };
     wait_file(&gc_console, &[format!("tiny: beat {}\n", beat + 3)], BOOT);
 
     let (code, body) = vm.api("GET", "/clones", None);

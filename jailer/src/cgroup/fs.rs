@@ -267,18 +267,63 @@ impl CgroupFs {
         })
     }
 
+    /// Delegates the parent directory to `uid`:`gid` for a jailed VMM (`jailer`): creates
+    /// it with an empty child `leaf` for the VMM itself, and hands the VMM the parent's
+    /// directory and the files a delegatee writes (`cgroup.procs`, and on v2
+    /// `cgroup.subtree_control` and `cgroup.threads`). On v2 the offered controllers are
+    /// enabled down to the parent's own parent only: the VMM enables them in the parent
+    /// once it sits in `leaf` (a cgroup with processes cannot). Returns the parent
+    /// directories, one per hierarchy.
+    pub fn delegate(&self, leaf: &str, uid: u32, gid: u32) -> Result<Vec<PathBuf>, CgroupError> {
+        let parents = self.parent_dirs();
+        for parent in &parents {
+            if self.version == CgroupVersion::V2 && !self.fake {
+                if let Some(up) = parent.parent() {
+                    std::fs::create_dir_all(up).map_err(io(up))?;
+                    self.enable_v2_controllers(up);
+                }
+            }
+            let dir = parent.join(leaf);
+            std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+            if self.fake {
+                self.fake_interface_files(&dir)?;
+                self.fake_interface_files(parent)?;
+            }
+            for path in [
+                parent.clone(),
+                parent.join("cgroup.procs"),
+                parent.join("cgroup.subtree_control"),
+                parent.join("cgroup.threads"),
+            ] {
+                let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+                    continue;
+                };
+                // SAFETY: `c` is a NUL-terminated path that outlives the call.
+                if unsafe { libc::chown(c.as_ptr(), uid, gid) } != 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        return Err(io(&path)(e));
+                    }
+                }
+            }
+        }
+        Ok(parents)
+    }
+
     /// Lets the forkvm parent's children use every controller the root offers (enabled
-    /// at each level from the root down to the parent).
+    /// at each level from the root down to `parent`).
     fn enable_v2_controllers(&self, parent: &Path) {
         let offered =
             std::fs::read_to_string(self.root.join("cgroup.controllers")).unwrap_or_default();
         let mut levels = vec![self.root.clone()];
         let mut dir = self.root.clone();
         for part in Path::new(&self.parent).components() {
+            if levels.last().map(PathBuf::as_path) == Some(parent) {
+                break;
+            }
             dir = dir.join(part);
             levels.push(dir.clone());
         }
-        debug_assert_eq!(levels.last().map(PathBuf::as_path), Some(parent));
         for c in offered
             .split_whitespace()
             .filter(|c| ["cpu", "memory", "pids"].contains(c))

@@ -120,6 +120,8 @@ pub struct VmConfig {
     pub warm_clones: usize,
     /// Pooled cgroups for clones (None: clones stay in the VMM's cgroup).
     pub cgroups: Option<CgroupConfig>,
+    /// What a system call outside a thread's seccomp filter does (`crate::sandbox`).
+    pub seccomp: jailer::seccomp::SeccompMode,
 }
 
 impl VmConfig {
@@ -140,6 +142,7 @@ impl VmConfig {
             ap_boot: ApBoot::Sipi,
             warm_clones: 0,
             cgroups: None,
+            seccomp: jailer::seccomp::SeccompMode::KillProcess,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod config;
 pub mod device_manager;
 pub mod logging;
 pub mod microvm;
+pub mod sandbox;
 pub mod vstate;
 
 use api::server::{ApiServer, ApiServerError};
@@ -32,6 +33,9 @@ pub enum VmmError {
     /// Shutdown signals could not be routed to the event loop.
     #[error("cannot set up signal handling: {0}")]
     Signals(std::io::Error),
+    /// A seccomp filter could not be built or installed.
+    #[error(transparent)]
+    Seccomp(#[from] sandbox::SeccompError),
 }
 
 /// Boots the VM described by `config`, serves its control socket, and returns when it
@@ -40,11 +44,15 @@ pub fn run(config: VmConfig) -> Result<RunOutcome, VmmError> {
     // Before any thread starts, so that every thread inherits the blocked mask and the
     // signals reach only the event loop's signalfd.
     let signals = block_shutdown_signals().map_err(VmmError::Signals)?;
+    // Compiled before any thread starts: each installs its kind's filter first.
+    sandbox::init(config.seccomp)?;
     let api = config
         .api_sock
         .as_deref()
         .map(ApiServer::start)
         .transpose()?;
     let vm = build_microvm(config)?;
+    // The event loop's filter covers forking clones and rebuilding VMs in them.
+    sandbox::enter(sandbox::ThreadKind::Vmm)?;
     Ok(vm.run(api.as_ref(), Some(&signals))?)
 }

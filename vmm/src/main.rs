@@ -128,6 +128,11 @@ struct RunArgs {
     /// How long a clone request waits for a free cgroup at the maximum (0: fail at once).
     #[arg(long, default_value_t = 0)]
     cgroup_wait_ms: u64,
+    /// Seccomp filters per thread kind: a system call outside them kills the process
+    /// (kill), only the thread (kill-thread), is logged to the kernel log (log), or
+    /// no filters (off).
+    #[arg(long, default_value = "kill")]
+    seccomp: jailer::seccomp::SeccompMode,
 }
 
 impl RunArgs {
@@ -258,6 +263,7 @@ fn main() -> ExitCode {
                 prefault: a.prefault,
                 ap_boot: a.ap_boot,
                 warm_clones: a.warm_clones,
+                seccomp: a.seccomp,
                 ..VmConfig::new(a.kernel)
             };
             match vmm::run(config) {

@@ -149,7 +149,11 @@ impl VirtioDevice for Block {
         };
         let thread = std::thread::Builder::new()
             .name("virtio-blk".into())
-            .spawn(move || worker.run(&queue_evt, &worker_stop))
+            .spawn(move || {
+                if super::worker_started("virtio-blk") {
+                    worker.run(&queue_evt, &worker_stop);
+                }
+            })
             .map_err(ActivateError::Worker)?;
         self.worker = Some((stop, thread));
         Ok(())

@@ -11,6 +11,28 @@ use vmm_sys_util::eventfd::EventFd;
 
 pub use mmio::MmioTransport;
 
+/// Run by every device worker thread before it serves its queues (the VMM installs the
+/// thread's seccomp filter); a worker whose hook fails does not serve.
+pub type WorkerStart = fn() -> Result<(), String>;
+
+static WORKER_START: std::sync::OnceLock<WorkerStart> = std::sync::OnceLock::new();
+
+/// Sets the hook every device worker thread runs first (the first call wins).
+pub fn set_worker_start(hook: WorkerStart) {
+    let _ = WORKER_START.set(hook);
+}
+
+/// Runs the worker-start hook on the calling worker thread.
+pub(crate) fn worker_started(device: &str) -> bool {
+    match WORKER_START.get().map_or(Ok(()), |h| h()) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::error!("{device} worker: {e}; the device will not serve");
+            false
+        }
+    }
+}
+
 /// Feature bit every modern device offers: VIRTIO_F_VERSION_1.
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 /// Interrupt status bit: a used buffer was added to a queue.

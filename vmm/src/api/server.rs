@@ -83,7 +83,12 @@ impl ApiServer {
         let listener_fd = listener.as_raw_fd();
         let thread = std::thread::Builder::new()
             .name("api".into())
-            .spawn(move || serve(listener, tx, thread_evt))
+            .spawn(
+                move || match crate::sandbox::enter(crate::sandbox::ThreadKind::Api) {
+                    Ok(()) => serve(listener, tx, thread_evt),
+                    Err(e) => tracing::error!("API thread: {e}; the control socket is not served"),
+                },
+            )
             .map_err(err)?;
         Ok(Self {
             path: path.to_path_buf(),

@@ -290,6 +290,12 @@ impl Vcpu {
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
+                if let Err(e) = crate::sandbox::enter(crate::sandbox::ThreadKind::Vcpu) {
+                    let _ =
+                        events.send((id, VcpuEvent::Exited(VcpuExitReason::Failed(e.to_string()))));
+                    let _ = event_evt.write(1);
+                    return self;
+                }
                 if let Some(mut f) = ready {
                     use std::io::Write;
                     let _ = f.write_all(&monotonic_ns().to_le_bytes());

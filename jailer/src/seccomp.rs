@@ -1,0 +1,371 @@
+//! Seccomp filters for the VMM's threads, one allowlist per thread kind (seccompiler).
+//!
+//! A thread installs the filter of its kind when it starts ([`apply`]). Filters stack: a
+//! thread keeps the filter of the thread that spawned it and a process forked by a thread
+//! keeps that thread's. So a clone's main thread runs under the template's VMM filter,
+//! its vCPU threads under the VMM filter and their own, and a device worker spawned by
+//! a vCPU thread (when the guest activates the device) under the vCPU filter and its own.
+//! Each list therefore covers what the threads it spawns need; the narrower filter of
+//! the spawned thread still applies on top.
+//!
+//! Threads other than the VMM's main thread may not call `clone3`: it answers ENOSYS,
+//! which makes glibc fall back to `clone`, whose flags a filter can see; those threads
+//! may only create threads (`CLONE_THREAD`), never processes. The main thread forks
+//! clones (`clone`, and `clone3` with `CLONE_INTO_CGROUP`).
+//!
+//! Not filtered yet: `ioctl` request numbers (the VMM and vCPU threads issue many KVM
+//! ioctls; an allowlist by request is future work) and the paths of file calls (the
+//! jail limits what exists).
+
+use std::collections::BTreeMap;
+
+pub use seccompiler::BpfProgram;
+use seccompiler::{
+    apply_filter, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+
+/// Which thread a filter is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThreadKind {
+    /// The VMM's main thread: event loop, control requests, forking clones and, in a
+    /// clone, rebuilding the VM (also the cgroup placement thread it spawns).
+    Vmm,
+    /// The control socket's thread.
+    Api,
+    /// A vCPU thread (port and MMIO exits, device activation).
+    Vcpu,
+    /// A device's I/O worker (virtio-blk).
+    Device,
+}
+
+impl ThreadKind {
+    /// Every kind.
+    pub const ALL: [ThreadKind; 4] = [Self::Vmm, Self::Api, Self::Vcpu, Self::Device];
+
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Vmm => "vmm",
+            Self::Api => "api",
+            Self::Vcpu => "vcpu",
+            Self::Device => "device",
+        }
+    }
+}
+
+/// What a system call outside the filter does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeccompMode {
+    /// Kill the whole process (default; a VMM missing one thread could hang holding a
+    /// lock, a dead process is noticed and reaped).
+    KillProcess,
+    /// Kill only the calling thread.
+    KillThread,
+    /// Allow it but log it to the kernel log (finding what a filter misses).
+    Log,
+    /// No filters.
+    Off,
+}
+
+impl std::str::FromStr for SeccompMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "kill" | "kill-process" => Self::KillProcess,
+            "kill-thread" => Self::KillThread,
+            "log" => Self::Log,
+            "off" => Self::Off,
+            _ => return Err(format!("{s:?}: use kill, kill-thread, log or off")),
+        })
+    }
+}
+
+/// Errors building or installing a filter.
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    /// The rules did not compile (a bug in the lists).
+    #[error("seccomp filter for {kind} threads: {why}")]
+    Build {
+        /// The thread kind.
+        kind: &'static str,
+        /// Why.
+        why: String,
+    },
+    /// The kernel refused the filter.
+    #[error("installing the seccomp filter for {kind} threads: {why}")]
+    Install {
+        /// The thread kind.
+        kind: &'static str,
+        /// Why.
+        why: String,
+    },
+}
+
+/// What every thread needs: memory, locks, signals (the vCPU kick, abort on panic),
+/// time, logging to stderr, thread exit.
+const COMMON: &[i64] = &[
+    libc::SYS_brk,
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mprotect,
+    libc::SYS_madvise,
+    libc::SYS_mremap,
+    libc::SYS_futex,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_rt_sigaction,
+    libc::SYS_sigaltstack,
+    libc::SYS_gettid,
+    libc::SYS_getpid,
+    libc::SYS_tgkill,
+    libc::SYS_sched_getaffinity,
+    libc::SYS_sched_yield,
+    libc::SYS_clock_gettime,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_nanosleep,
+    libc::SYS_restart_syscall,
+    libc::SYS_getrandom,
+    libc::SYS_write,
+    libc::SYS_close,
+    libc::SYS_fcntl,
+];
+
+/// Starting a thread (beyond COMMON): the thread's own setup calls and installing its
+/// (narrower) filter. `clone` itself is added with the CLONE_THREAD condition.
+const SPAWN: &[i64] = &[
+    libc::SYS_rseq,
+    libc::SYS_set_robust_list,
+    libc::SYS_prctl,
+    libc::SYS_seccomp,
+];
+
+/// A device worker: wait on its queue's eventfd, read and write the backing file,
+/// signal the guest.
+const DEVICE: &[i64] = &[
+    libc::SYS_epoll_create1,
+    libc::SYS_epoll_ctl,
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_read,
+    libc::SYS_readv,
+    libc::SYS_writev,
+    libc::SYS_pread64,
+    libc::SYS_preadv,
+    libc::SYS_pwrite64,
+    libc::SYS_pwritev,
+    libc::SYS_lseek,
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
+    libc::SYS_fstat,
+    libc::SYS_newfstatat,
+    libc::SYS_statx,
+];
+
+/// A vCPU: KVM_RUN and the state ioctls, eventfds (irqfd, stop), activating devices.
+const VCPU: &[i64] = &[libc::SYS_ioctl, libc::SYS_read, libc::SYS_eventfd2];
+
+/// The control socket: accept, read the request, write the answer, wake the event loop.
+const API: &[i64] = &[
+    libc::SYS_accept4,
+    libc::SYS_read,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_setsockopt,
+    libc::SYS_getsockopt,
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_shutdown,
+];
+
+/// The VMM thread: everything above plus building VMs (also in a clone child), files
+/// (kernel, consoles, cgroups), sockets, forking and reaping clones.
+const VMM: &[i64] = &[
+    libc::SYS_ioctl,
+    libc::SYS_read,
+    libc::SYS_readv,
+    libc::SYS_writev,
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
+    libc::SYS_lseek,
+    libc::SYS_openat,
+    libc::SYS_open,
+    libc::SYS_newfstatat,
+    libc::SYS_fstat,
+    libc::SYS_statx,
+    libc::SYS_access,
+    libc::SYS_readlink,
+    libc::SYS_getdents64,
+    libc::SYS_mkdir,
+    libc::SYS_rmdir,
+    libc::SYS_unlink,
+    libc::SYS_ftruncate,
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
+    libc::SYS_dup,
+    libc::SYS_dup3,
+    libc::SYS_pipe2,
+    libc::SYS_eventfd2,
+    libc::SYS_signalfd4,
+    libc::SYS_epoll_create1,
+    libc::SYS_epoll_ctl,
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    libc::SYS_socket,
+    libc::SYS_bind,
+    libc::SYS_listen,
+    libc::SYS_accept4,
+    libc::SYS_connect,
+    libc::SYS_shutdown,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_setsockopt,
+    libc::SYS_getsockopt,
+    libc::SYS_clone,
+    libc::SYS_clone3,
+    libc::SYS_wait4,
+    libc::SYS_waitid,
+    libc::SYS_kill,
+    libc::SYS_getppid,
+    libc::SYS_prlimit64,
+    libc::SYS_close_range,
+    libc::SYS_set_tid_address,
+    libc::SYS_uname,
+];
+
+/// The system calls `kind` may make (without conditions), sorted. `clone` is allowed
+/// for every kind: only with `CLONE_THREAD` except for [`ThreadKind::Vmm`].
+pub fn allowed(kind: ThreadKind) -> Vec<i64> {
+    let lists: &[&[i64]] = match kind {
+        ThreadKind::Vmm => &[COMMON, SPAWN, DEVICE, VCPU, API, VMM],
+        ThreadKind::Api => &[COMMON, API],
+        ThreadKind::Vcpu => &[COMMON, SPAWN, DEVICE, VCPU],
+        ThreadKind::Device => &[COMMON, DEVICE],
+    };
+    let mut all: Vec<i64> = lists.iter().flat_map(|l| l.iter().copied()).collect();
+    if kind != ThreadKind::Vmm {
+        all.retain(|&n| n != libc::SYS_clone && n != libc::SYS_clone3);
+        all.push(libc::SYS_clone);
+    }
+    all.sort_unstable();
+    all.dedup();
+    all
+}
+
+/// The BPF programs that make up `kind`'s filter under `mode` (none when off), in the
+/// order to install them.
+pub fn programs(kind: ThreadKind, mode: SeccompMode) -> Result<Vec<BpfProgram>, SeccompError> {
+    let mismatch = match mode {
+        SeccompMode::Off => return Ok(Vec::new()),
+        SeccompMode::KillProcess => SeccompAction::KillProcess,
+        SeccompMode::KillThread => SeccompAction::KillThread,
+        SeccompMode::Log => SeccompAction::Log,
+    };
+    let build = |rules: BTreeMap<i64, Vec<SeccompRule>>, mismatch, matched| {
+        SeccompFilter::new(rules, mismatch, matched, TargetArch::x86_64)
+            .and_then(BpfProgram::try_from)
+            .map_err(|e| SeccompError::Build {
+                kind: kind.name(),
+                why: e.to_string(),
+            })
+    };
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        allowed(kind).into_iter().map(|n| (n, vec![])).collect();
+    let mut out = Vec::new();
+    if kind != ThreadKind::Vmm {
+        let only_threads = SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Qword,
+            SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64),
+            libc::CLONE_THREAD as u64,
+        )
+        .and_then(|c| SeccompRule::new(vec![c]))
+        .map_err(|e| SeccompError::Build {
+            kind: kind.name(),
+            why: e.to_string(),
+        })?;
+        rules.insert(libc::SYS_clone, vec![only_threads]);
+        // Allowed here so that the ENOSYS below is what the thread sees (of two stacked
+        // filters the stricter action wins, and a kill would beat ENOSYS).
+        rules.insert(libc::SYS_clone3, vec![]);
+        // clone3 answers ENOSYS (its flags are out of a filter's reach); glibc then
+        // uses clone.
+        let no_clone3 = BTreeMap::from([(libc::SYS_clone3, vec![])]);
+        out.push(build(
+            no_clone3,
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::ENOSYS as u32),
+        )?);
+    }
+    out.push(build(rules, mismatch, SeccompAction::Allow)?);
+    Ok(out)
+}
+
+/// Installs `kind`'s filter on the calling thread (nothing when `mode` is off).
+pub fn apply(kind: ThreadKind, mode: SeccompMode) -> Result<(), SeccompError> {
+    install(kind, &programs(kind, mode)?)
+}
+
+/// Installs programs made by [`programs`] for `kind` on the calling thread.
+pub fn install(kind: ThreadKind, progs: &[BpfProgram]) -> Result<(), SeccompError> {
+    for prog in progs {
+        apply_filter(prog).map_err(|e| SeccompError::Install {
+            kind: kind.name(),
+            why: e.to_string(),
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_compiles_in_every_mode() {
+        for kind in ThreadKind::ALL {
+            for mode in [
+                SeccompMode::KillProcess,
+                SeccompMode::KillThread,
+                SeccompMode::Log,
+            ] {
+                let progs = programs(kind, mode).unwrap();
+                assert_eq!(progs.len(), if kind == ThreadKind::Vmm { 1 } else { 2 });
+            }
+            assert!(programs(kind, SeccompMode::Off).unwrap().is_empty());
+        }
+    }
+
+    #[test]
+    fn narrower_kinds_are_subsets_of_the_threads_that_spawn_them() {
+        let vmm = allowed(ThreadKind::Vmm);
+        let vcpu = allowed(ThreadKind::Vcpu);
+        for kind in ThreadKind::ALL {
+            for n in allowed(kind) {
+                assert!(vmm.contains(&n), "{} allows {n}, vmm does not", kind.name());
+            }
+        }
+        for n in allowed(ThreadKind::Device) {
+            assert!(vcpu.contains(&n), "device allows {n}, vcpu does not");
+        }
+        assert!(!vcpu.contains(&libc::SYS_clone3));
+        assert!(!allowed(ThreadKind::Api).contains(&libc::SYS_socket));
+        assert!(!allowed(ThreadKind::Device).contains(&libc::SYS_ioctl));
+        assert!(vmm.contains(&libc::SYS_clone3));
+    }
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!("kill".parse(), Ok(SeccompMode::KillProcess));
+        assert_eq!("kill-thread".parse(), Ok(SeccompMode::KillThread));
+        assert_eq!("log".parse(), Ok(SeccompMode::Log));
+        assert_eq!("off".parse(), Ok(SeccompMode::Off));
+        assert!("trap".parse::<SeccompMode>().is_err());
+    }
+}

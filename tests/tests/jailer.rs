@@ -1,0 +1,491 @@
+//! The sandbox: a jailed VMM boots the tiny guest and forks clones into pooled cgroups,
+//! runs unprivileged with seccomp filters on every thread, cannot open host files
+//! outside its jail, and leaves nothing behind; and the filters kill what they do not
+//! allow (`seccomp_probe`).
+//!
+//! The jail tests need root. Without it they skip loudly, and fail under CI.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tests::{api_request, guest_file, jailer_bin, kvm_available, vmm_bin, Scratch};
+
+const BOOT: Duration = Duration::from_secs(30);
+const UID: u32 = 60123;
+const GID: u32 = 60124;
+
+fn can_run(test: &str) -> bool {
+    if !kvm_available(test) {
+        return false;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: jailer tests need root and CI is set"
+        );
+        eprintln!("\n*** SKIPPED {test}: jailer tests need root ***\n");
+        return false;
+    }
+    true
+}
+
+/// A jailer running a VMM, with its jail under a scratch directory and its cgroups under
+/// a parent unique to the jail (removed by `jailer cleanup` when dropped; tests run in
+/// parallel, so a shared parent would kill another test's VMM).
+struct Jailed {
+    child: Child,
+    root: PathBuf,
+    parent: String,
+    stderr: PathBuf,
+}
+
+impl Jailed {
+    fn start(scratch: &Scratch, id: &str, files: &[&Path], vmm_args: &[&str]) -> Self {
+        let parent = format!("forkvm-test-{id}");
+        let base = scratch.path("jails");
+        let stderr = scratch.path(&format!("{id}.stderr"));
+        let mut cmd = Command::new(jailer_bin());
+        cmd.args([
+            "--id",
+            id,
+            "--uid",
+            &UID.to_string(),
+            "--gid",
+            &GID.to_string(),
+        ])
+        .arg("--exec-file")
+        .arg(vmm_bin())
+        .arg("--chroot-base")
+        .arg(&base)
+        .args(["--cgroup-parent", &parent]);
+        for f in files {
+            cmd.arg("--file").arg(f);
+        }
+        let child = cmd
+            .arg("--")
+            .args(["--log-level", "info"])
+            .args(vmm_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .expect("spawn jailer");
+        Self {
+            child,
+            root: base.join("vmm").join(id).join("root"),
+            parent,
+            stderr,
+        }
+    }
+
+    fn stderr_text(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn wait_file(&mut self, rel: &str, needle: &str) -> String {
+        let path = self.root.join(rel);
+        let start = Instant::now();
+        loop {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            if text.contains(needle) {
+                return text;
+            }
+            if let Some(s) = self.child.try_wait().unwrap() {
+                panic!(
+                    "jailer exited ({s}) before {rel} showed {needle:?}:\n{}",
+                    self.stderr_text()
+                );
+            }
+            assert!(
+                start.elapsed() < BOOT,
+                "{rel} never showed {needle:?}:\n{text}\n{}",
+                self.stderr_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn api(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        api_request(&self.root.join("api.sock"), method, path, body)
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            if start.elapsed() > timeout {
+                let _ = self.child.kill();
+                panic!(
+                    "jailer did not exit in {timeout:?}:\n{}",
+                    self.stderr_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The VMM's host pid: the jailer's only child.
+    fn vmm_pid(&self) -> i32 {
+        let pid = self.child.id();
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        children
+            .split_whitespace()
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("the jailer has a child")
+    }
+}
+
+impl Drop for Jailed {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = Command::new(jailer_bin())
+            .args(["cleanup", "--cgroup-parent", &self.parent])
+            .stdout(Stdio::null())
+            .status();
+    }
+}
+
+/// `Key:\tvalue` from /proc/<pid>/status (or a task's).
+fn status_field(status_path: &str, key: &str) -> String {
+    let text = std::fs::read_to_string(status_path).unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}:")))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_else(|| panic!("{status_path} has no {key}"))
+}
+
+/// Checks a jailed process: unprivileged, no capabilities, no_new_privs, pid 1.. in its
+/// own namespace, and every thread under a seccomp filter. Returns (thread name, number
+/// of stacked filters) per thread.
+fn assert_confined(pid: i32) -> Vec<(String, u32)> {
+    let status = format!("/proc/{pid}/status");
+    assert_eq!(
+        status_field(&status, "Uid"),
+        format!("{UID}\t{UID}\t{UID}\t{UID}")
+    );
+    assert_eq!(
+        status_field(&status, "Gid"),
+        format!("{GID}\t{GID}\t{GID}\t{GID}")
+    );
+    assert_eq!(status_field(&status, "CapEff"), "0000000000000000");
+    assert_eq!(status_field(&status, "CapPrm"), "0000000000000000");
+    assert_eq!(status_field(&status, "NoNewPrivs"), "1");
+    let nspid = status_field(&status, "NSpid");
+    assert_eq!(
+        nspid.split_whitespace().count(),
+        2,
+        "not in a pid namespace: {nspid}"
+    );
+    // What the process sees as / is its jail: no host /etc, no host checkout.
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    assert!(root.join("dev/kvm").exists());
+    assert!(!root.join("etc").exists(), "host /etc visible in the jail");
+    assert!(!root.join("work").exists() && !root.join("tmp").exists());
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    assert!(
+        limits
+            .lines()
+            .any(|l| l.starts_with("Max open files") && l.contains(" 2048 ")),
+        "{limits}"
+    );
+    let mut threads = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let t = t.unwrap().path();
+        let st = format!("{}/status", t.display());
+        let name = status_field(&st, "Name");
+        assert_eq!(
+            status_field(&st, "Seccomp"),
+            "2",
+            "thread {name} has no filter"
+        );
+        threads.push((name, status_field(&st, "Seccomp_filters").parse().unwrap()));
+    }
+    threads.sort();
+    threads
+}
+
+fn v1_cgroup_dir(parent: &str, id: &str, rel: &str, controller: &str) -> PathBuf {
+    Path::new("/sys/fs/cgroup")
+        .join(controller)
+        .join(parent)
+        .join(format!("jail-{id}"))
+        .join(rel)
+}
+
+#[test]
+fn a_jailed_vmm_boots_forks_clones_into_pooled_cgroups_and_leaves_nothing() {
+    if !can_run("a_jailed_vmm_boots_forks_clones_into_pooled_cgroups_and_leaves_nothing") {
+        return;
+    }
+    let scratch = Scratch::new("jail");
+    let tiny = guest_file("tiny.elf");
+    let id = format!("jt-{}", std::process::id());
+    let mut jail = Jailed::start(
+        &scratch,
+        &id,
+        &[&tiny],
+        &[
+            "run",
+            "--kernel",
+            "/tiny.elf",
+            "--mem-mib",
+            "64",
+            "--ap-boot",
+            "direct",
+            "--cmdline",
+            "beat=20",
+            "--console",
+            "/console",
+            "--api-sock",
+            "/api.sock",
+            "--cgroup-class",
+            "small:memory=64M,pids=64",
+        ],
+    );
+    jail.wait_file("console", "tiny: beat 2\n");
+    let vmm = jail.vmm_pid();
+    let threads = assert_confined(vmm);
+    // Main thread: its own filter; api and vCPU threads: the ENOSYS-for-clone3 filter and
+    // their allowlist (they started before the main thread installed its filter).
+    let names: Vec<&str> = threads.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(
+        names.contains(&"api") && names.contains(&"vcpu0"),
+        "{threads:?}"
+    );
+    // (KVM's own worker thread, kvm-nx-lpage-recovery, copies the vCPU thread's.)
+    for (name, n) in &threads {
+        let want = match name.as_str() {
+            "vmm" => 1,
+            "api" => 2,
+            v if v.starts_with("vcpu") => 2,
+            _ => continue,
+        };
+        assert_eq!(*n, want, "{name}: {n} filters");
+    }
+    // The VMM sits in the jail's leaf cgroup, in cgroup, mount and pid namespaces of
+    // its own (it sees the jail's cgroup as its root).
+    let self_cg = std::fs::read_to_string(format!("/proc/{vmm}/cgroup")).unwrap();
+    let leaf = format!("/{}/jail-{id}/vmm", jail.parent);
+    for c in ["memory", "pids", "cpuacct"] {
+        assert!(self_cg.contains(&format!(":{c}:{leaf}\n")), "{self_cg}");
+    }
+    for ns in ["cgroup", "mnt", "pid"] {
+        let theirs = std::fs::read_link(format!("/proc/{vmm}/ns/{ns}")).unwrap();
+        let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+        assert_ne!(theirs, ours, "{ns} namespace shared with the host");
+    }
+
+    let (code, body) = jail.api("POST", "/clones", Some(r#"{"count": 2}"#));
+    assert_eq!(code, 201, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let clones = v["clones"].as_array().unwrap().clone();
+    assert_eq!(clones.len(), 2);
+    for c in &clones {
+        // Paths the VMM reports are the jail's; the host finds them under the root.
+        let console = c["console"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches('/')
+            .to_string();
+        jail.wait_file(&console, "tiny: beat");
+        let cg = c["cgroup"]["path"].as_str().unwrap();
+        assert!(cg.starts_with("forkvm/vmm-1/small-"), "{cg}");
+        let mem = v1_cgroup_dir(&jail.parent, &id, cg, "memory");
+        let limit = std::fs::read_to_string(mem.join("memory.limit_in_bytes")).unwrap();
+        assert_eq!(limit.trim(), (64u64 << 20).to_string());
+        let procs = std::fs::read_to_string(mem.join("cgroup.procs")).unwrap();
+        let host_pid: i32 = procs.split_whitespace().next().unwrap().parse().unwrap();
+        // The clone is confined like its template, and its vCPU threads stack their
+        // filter on the VMM filter it was forked with.
+        for (name, n) in assert_confined(host_pid) {
+            let want = match name.as_str() {
+                "vmm" => 1,
+                "api" => 3,
+                v if v.starts_with("vcpu") => 3,
+                _ => continue,
+            };
+            assert_eq!(n, want, "clone thread {name}: {n} filters");
+        }
+        let nspid = status_field(&format!("/proc/{host_pid}/status"), "NSpid");
+        assert_eq!(
+            nspid.split_whitespace().nth(1),
+            Some(c["pid"].to_string().as_str()),
+            "the API reports the pid inside the jail"
+        );
+    }
+    // A clone of a clone works inside the jail too.
+    let sock1 = clones[0]["api_sock"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches('/');
+    let (code, body) = api_request(&jail.root.join(sock1), "POST", "/clones", None);
+    assert_eq!(code, 201, "{body}");
+
+    let (code, _) = jail.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#));
+    assert_eq!(code, 204);
+    let status = jail.wait_exit(BOOT);
+    assert!(status.success(), "{status}:\n{}", jail.stderr_text());
+    assert!(!jail.root.exists(), "jail directory left behind");
+    for c in ["cpu", "cpuacct", "memory", "pids"] {
+        let dir = Path::new("/sys/fs/cgroup").join(c).join(&jail.parent);
+        assert!(!dir.exists(), "{} left behind", dir.display());
+    }
+    assert!(
+        !Path::new(&format!("/proc/{vmm}")).exists(),
+        "the VMM outlived its jailer"
+    );
+}
+
+#[test]
+fn a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused() {
+    if !can_run("a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused") {
+        return;
+    }
+    let scratch = Scratch::new("jail-host");
+    let tiny = guest_file("tiny.elf");
+    let host_path = tiny.display().to_string();
+    // The same kernel by its host path: outside the jail it does not exist.
+    let id = format!("jh-{}", std::process::id());
+    let mut jail = Jailed::start(
+        &scratch,
+        &id,
+        &[],
+        &["run", "--kernel", &host_path, "--console", "null"],
+    );
+    let status = jail.wait_exit(BOOT);
+    assert!(!status.success());
+    let err = jail.stderr_text();
+    assert!(
+        err.contains(&host_path) && err.contains("No such file"),
+        "expected the VMM to fail to open {host_path}:\n{err}"
+    );
+    assert!(!jail.root.exists());
+
+    // Refused before anything is made.
+    let base = scratch.path("jails");
+    for (args, want) in [
+        (
+            vec!["--id", "bad/id", "--uid", "1", "--gid", "1"],
+            "jail id",
+        ),
+        (
+            vec!["--id", "ok", "--uid", "0", "--gid", "1"],
+            "must not be 0",
+        ),
+        (
+            vec![
+                "--id",
+                "ok",
+                "--uid",
+                "1",
+                "--gid",
+                "1",
+                "--file",
+                "/nonexistent-forkvm",
+            ],
+            "no such file",
+        ),
+        (
+            vec![
+                "--id",
+                "ok",
+                "--uid",
+                "1",
+                "--gid",
+                "1",
+                "--file",
+                "/etc/hostname:../x",
+            ],
+            "must be absolute",
+        ),
+    ] {
+        let out = Command::new(jailer_bin())
+            .args(&args)
+            .arg("--exec-file")
+            .arg(vmm_bin())
+            .arg("--chroot-base")
+            .arg(&base)
+            .args(["--", "run", "--kernel", "/x"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!base.join("vmm").exists(), "{args:?} left a jail directory");
+    }
+    // A jail id in use is refused, and the existing directory is left alone.
+    let busy = base.join("vmm").join("busy");
+    std::fs::create_dir_all(&busy).unwrap();
+    let out = Command::new(jailer_bin())
+        .args(["--id", "busy", "--uid", "1", "--gid", "1", "--exec-file"])
+        .arg(vmm_bin())
+        .arg("--chroot-base")
+        .arg(&base)
+        .args(["--", "run", "--kernel", "/x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exists"));
+    assert!(busy.exists());
+}
+
+fn probe(args: &str) -> (Option<i32>, Option<i32>, String) {
+    use std::os::unix::process::ExitStatusExt;
+    let out = Command::new(env!("CARGO_BIN_EXE_seccomp_probe"))
+        .args(args.split_whitespace())
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        out.status.signal(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn a_syscall_outside_the_filter_kills_the_process_or_thread() {
+    // Allowed calls run.
+    let (code, _, out) = probe("api kill getpid main");
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("getpid returned") && out.contains("main survived"));
+    // socket() is not the API thread's, nor a vCPU's, nor a device worker's.
+    for kind in ["api", "vcpu", "device"] {
+        let (code, sig, out) = probe(&format!("{kind} kill socket main"));
+        assert_eq!((code, sig), (None, Some(libc::SIGSYS)), "{kind}: {out}");
+        assert!(!out.contains("main survived"));
+    }
+    // The VMM thread may make sockets (control sockets of clones).
+    let (code, _, out) = probe("vmm kill socket main");
+    assert_eq!(code, Some(0), "{out}");
+    // kill-thread: the thread dies, the process goes on.
+    let (code, _, out) = probe("device kill-thread socket thread");
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("thread gone") && out.contains("main survived"),
+        "{out}"
+    );
+    assert!(!out.contains("socket returned"), "{out}");
+    // log: allowed, only logged.
+    let (code, _, out) = probe("api log socket main");
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("socket returned 3"), "{out}");
+    // Threads other than the VMM's see ENOSYS for clone3 (so glibc falls back to
+    // clone, whose flags the filter checks) and are not killed for it.
+    let (code, _, out) = probe("vcpu kill clone3 thread");
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains(&format!("clone3 returned -1 errno {}", libc::ENOSYS)),
+        "{out}"
+    );
+    assert!(out.contains("thread finished"), "{out}");
+}

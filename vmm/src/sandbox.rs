@@ -1,0 +1,34 @@
+//! The VMM's seccomp filters (`jailer::seccomp`): the mode is chosen once at start, the
+//! programs are compiled then, and each thread installs its kind's filter when it starts.
+//! A clone inherits the compiled programs with the rest of its memory, so its new
+//! threads only install them.
+
+use std::sync::OnceLock;
+
+use jailer::seccomp::BpfProgram;
+pub use jailer::seccomp::{SeccompError, SeccompMode, ThreadKind};
+
+/// The compiled programs, per thread kind in [`ThreadKind::ALL`] order.
+static PROGRAMS: OnceLock<Vec<Vec<BpfProgram>>> = OnceLock::new();
+
+/// Compiles every kind's filter for `mode` (the first call wins; a library user that
+/// never calls it gets no filters). Also makes device worker threads install theirs.
+pub fn init(mode: SeccompMode) -> Result<(), SeccompError> {
+    let progs = ThreadKind::ALL
+        .iter()
+        .map(|&k| jailer::seccomp::programs(k, mode))
+        .collect::<Result<Vec<_>, _>>()?;
+    let _ = PROGRAMS.set(progs);
+    devices::virtio::set_worker_start(|| enter(ThreadKind::Device).map_err(|e| e.to_string()));
+    Ok(())
+}
+
+/// Installs `kind`'s filter on the calling thread (nothing before [`init`] or when the
+/// mode is off).
+pub fn enter(kind: ThreadKind) -> Result<(), SeccompError> {
+    let Some(all) = PROGRAMS.get() else {
+        return Ok(());
+    };
+    let i = ThreadKind::ALL.iter().position(|&k| k == kind).unwrap_or(0);
+    jailer::seccomp::install(kind, &all[i])
+}

@@ -44,6 +44,16 @@ struct Jailed {
 
 impl Jailed {
     fn start(scratch: &Scratch, id: &str, files: &[&Path], vmm_args: &[&str]) -> Self {
+        Self::start_with(scratch, id, files, &[], vmm_args)
+    }
+
+    fn start_with(
+        scratch: &Scratch,
+        id: &str,
+        files: &[&Path],
+        jailer_args: &[&str],
+        vmm_args: &[&str],
+    ) -> Self {
         let parent = format!("forkvm-test-{id}");
         let base = scratch.path("jails");
         let stderr = scratch.path(&format!("{id}.stderr"));
@@ -64,6 +74,7 @@ impl Jailed {
         for f in files {
             cmd.arg("--file").arg(f);
         }
+        cmd.args(jailer_args);
         let child = cmd
             .arg("--")
             .args(["--log-level", "info"])
@@ -344,6 +355,89 @@ fn a_jailed_vmm_boots_forks_clones_into_pooled_cgroups_and_leaves_nothing() {
         !Path::new(&format!("/proc/{vmm}")).exists(),
         "the VMM outlived its jailer"
     );
+}
+
+/// The host's cgroup v2 mount (unified-only hosts: /sys/fs/cgroup; hybrid: .../unified).
+fn v2_mount() -> Option<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    mounts.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.len() > 2 && f[2] == "cgroup2").then(|| PathBuf::from(f[1]))
+    })
+}
+
+#[test]
+fn a_jailed_vmm_on_cgroup_v2_forks_clones_with_clone3_and_stops_on_sigterm() {
+    let test = "a_jailed_vmm_on_cgroup_v2_forks_clones_with_clone3_and_stops_on_sigterm";
+    if !can_run(test) {
+        return;
+    }
+    let Some(v2) = v2_mount() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: no cgroup2 mount and CI is set"
+        );
+        eprintln!("\n*** SKIPPED {test}: no cgroup2 mount ***\n");
+        return;
+    };
+    let scratch = Scratch::new("jail-v2");
+    let tiny = guest_file("tiny.elf");
+    let id = format!("j2-{}", std::process::id());
+    let mut jail = Jailed::start_with(
+        &scratch,
+        &id,
+        &[&tiny],
+        &["--cgroup-version", "2"],
+        &[
+            "run",
+            "--kernel",
+            "/tiny.elf",
+            "--mem-mib",
+            "64",
+            "--cmdline",
+            "beat=20",
+            "--console",
+            "/console",
+            "--api-sock",
+            "/api.sock",
+            "--cgroup-class",
+            "plain",
+        ],
+    );
+    jail.wait_file("console", "tiny: beat 1\n");
+    let vmm = jail.vmm_pid();
+    assert_confined(vmm);
+    let (code, body) = jail.api("POST", "/clones", None);
+    assert_eq!(code, 201, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let c = &v["clones"][0];
+    assert_eq!(c["cgroup"]["placed_by"], "clone3", "{c}");
+    let cg = v2
+        .join(&jail.parent)
+        .join(format!("jail-{id}"))
+        .join(c["cgroup"]["path"].as_str().unwrap());
+    let procs = std::fs::read_to_string(cg.join("cgroup.procs")).unwrap();
+    let host_pid: i32 = procs
+        .split_whitespace()
+        .next()
+        .expect("clone in its cgroup")
+        .parse()
+        .unwrap();
+    assert_confined(host_pid);
+    // SIGTERM to the jailer reaches the VMM, which shuts down (exit 128 + 15) and takes
+    // its clone with it; the jailer then removes everything.
+    // SAFETY: signals our own child process.
+    unsafe { libc::kill(jail.child.id() as i32, libc::SIGTERM) };
+    let status = jail.wait_exit(BOOT);
+    assert_eq!(status.code(), Some(143), "{}", jail.stderr_text());
+    assert!(!jail.root.exists(), "jail directory left behind");
+    assert!(!v2.join(&jail.parent).exists(), "v2 cgroups left behind");
+    for pid in [vmm, host_pid] {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "{pid} outlived the jail"
+        );
+    }
 }
 
 #[test]

@@ -59,19 +59,8 @@ def series(tmp, version, mode, runs):
         if version == "2":
             # This host's v2 mount may offer no pids controller: no limit there.
             extra[1] = "c"
-    p, sock = cb.start_template(tmp, 128, True, extra=extra)
-    lat = []
-    try:
-        for _ in range(runs):
-            code, body = cb.api(sock, "POST", "/clones", '{"count":1,"console":"null"}')
-            if code != 201:
-                sys.exit(f"clone failed: {body}")
-            c = json.loads(body)["clones"][0]
-            lat.append(c["latency_us"] / 1e3)
-            cb.api(sock, "DELETE", f"/clones/{c['id']}")
-    finally:
-        cb.stop_template(p, sock)
-    return lat
+    return cb.clone_series(tmp, 128, True, "running", runs, extra=extra,
+                           body='{"count":1,"console":"null"}')[0]
 
 
 def clone(a):

@@ -14,10 +14,13 @@ fanout: time to create 100 / 1000 clones of a 256 MiB template in one request, a
 
 e2e: from the client sending POST /clones to the clone's guest code running (the
   template's guest writes the probe port in a loop; the clone's first write is timed).
+sandbox: clone latency of a running template without seccomp filters, with them (the
+  default), and jailed (jailer: filters, namespaces, unprivileged user), interleaved.
 
 usage: benches/clone.py latency [--runs N] [--mem 128,512,2048,4096] [--modes running,paused,warm]
        benches/clone.py fanout [--counts 100,1000]
        benches/clone.py e2e [--runs N] [--modes running,paused,warm]
+       benches/clone.py sandbox [--runs N] [--rounds R] [--mem MIB]   (root)
 """
 import argparse
 import json
@@ -33,6 +36,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "target/guest/tiny.elf")
 VMM = os.path.join(ROOT, "target/release/vmm")
+JAILER = os.path.join(ROOT, "target/release/jailer")
+JAIL_ID = 60123
 
 
 def api(sock, method, path, body=None, timeout=600):
@@ -56,13 +61,25 @@ TEMPLATES = 0
 
 
 def start_template(tmp, mem, thp, prefault=True, guest="ticks=1 tickless=1",
-                   ready=b"tiny: tickless", warm=0, extra=()):
+                   ready=b"tiny: tickless", warm=0, extra=(), jail=False):
+    """Starts a template; with jail, under the jailer (uid/gid JAIL_ID, the kernel bound
+    at /tiny.elf, its socket and console in the jail's root)."""
     global TEMPLATES
     TEMPLATES += 1
-    sock = os.path.join(tmp, f"t{TEMPLATES}-{mem}{'h' if thp else 'n'}.sock")
-    console = sock + ".console"
-    cmd = [VMM, "run", "--kernel", TINY, "--mem-mib", str(mem), "--cmdline",
-           guest, "--console", console, "--api-sock", sock]
+    name = f"t{TEMPLATES}-{mem}{'h' if thp else 'n'}"
+    if jail:
+        root = os.path.join(tmp, "jails", "vmm", name, "root")
+        sock, console = os.path.join(root, "api.sock"), os.path.join(root, "console")
+        cmd = [JAILER, "--id", name, "--exec-file", VMM, "--uid", str(JAIL_ID),
+               "--gid", str(JAIL_ID), "--chroot-base", os.path.join(tmp, "jails"),
+               "--file", TINY, "--cgroup-parent", f"forkvm-bench-{os.getpid()}", "--",
+               "run", "--kernel", "/tiny.elf", "--console", "/console",
+               "--api-sock", "/api.sock"]
+    else:
+        sock = os.path.join(tmp, name + ".sock")
+        console = sock + ".console"
+        cmd = [VMM, "run", "--kernel", TINY, "--console", console, "--api-sock", sock]
+    cmd += ["--mem-mib", str(mem), "--cmdline", guest]
     if prefault:
         cmd.append("--prefault")
     if not thp:
@@ -158,9 +175,16 @@ def wait_warm(sock, n, timeout=30):
     sys.exit("warm clones were not refilled")
 
 
-def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None):
+def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None, extra=(),
+                 body='{"count":1}', jail=False):
     kw = {} if guest is None else {"guest": guest, "ready": ready}
-    p, sock = start_template(tmp, mem, thp, warm=WARM if mode == "warm" else 0, **kw)
+    p, sock = start_template(tmp, mem, thp, warm=WARM if mode == "warm" else 0,
+                             extra=extra, jail=jail, **kw)
+    # Paths the VMM reports are its own: inside a jail, under the jail's root.
+    root = os.path.dirname(sock) if jail else "/"
+
+    def host(path):
+        return os.path.join(root, path.lstrip("/")) if jail else path
     vmm_ms, e2e_ms, guest_ms = [], [], []
     try:
         if mode != "running":
@@ -172,18 +196,18 @@ def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None):
                 wait_warm(sock, WARM)
             t_ns = time.monotonic_ns()
             t = time.perf_counter()
-            code, body = api(sock, "POST", "/clones", '{"count":1}')
+            code, answer = api(sock, "POST", "/clones", body)
             e2e_ms.append((time.perf_counter() - t) * 1e3)
             if code != 201:
-                sys.exit(f"clone failed: {code} {body}")
-            c = json.loads(body)["clones"][0]
+                sys.exit(f"clone failed: {code} {answer}")
+            c = json.loads(answer)["clones"][0]
             vmm_ms.append(c["latency_us"] / 1e3)
             if guest is not None:
                 # The clone's guest may not have run yet when its socket is up (a busy
                 # host): ask again until it has written the port.
                 deadline = time.time() + 5
                 while True:
-                    _, vm = api(c["api_sock"], "GET", "/vm")
+                    _, vm = api(host(c["api_sock"]), "GET", "/vm")
                     first = json.loads(vm)["probe"]["first_write_ns"]
                     if first or time.time() > deadline:
                         break
@@ -192,7 +216,8 @@ def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None):
                     sys.exit(f"clone {c['id']} never wrote the probe port")
                 guest_ms.append((first - t_ns) / 1e6)
             api(sock, "DELETE", f"/clones/{c['id']}")
-            os.unlink(c["console"])
+            if os.path.isfile(host(c["console"])):
+                os.unlink(host(c["console"]))
         note = ""
         if mode == "warm":
             _, body = api(sock, "GET", "/vm")
@@ -203,6 +228,37 @@ def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None):
     if guest is not None:
         return vmm_ms, guest_ms, note
     return vmm_ms, e2e_ms, note
+
+
+# sandbox: none = no seccomp filters, seccomp = the default filters, jailed = under the
+# jailer (filters, namespaces, unprivileged user, pivot_root).
+SANDBOX = {"none": {"extra": ["--seccomp", "off"]}, "seccomp": {},
+           "jailed": {"jail": True}}
+
+
+def sandbox(a):
+    if os.geteuid() != 0:
+        sys.exit("the jailed case needs root")
+    print(f"Clone latency with and without the sandbox, running {a.mem} MiB tiny template, "
+          f"{a.runs} clones per row in {a.rounds} interleaved rounds (ms; ratio of "
+          f"medians to none):\n")
+    print("| sandbox | measure | min | median | p99 | vs none |")
+    print("|---|---|---|---|---|---|")
+    got = {m: ([], []) for m in SANDBOX}
+    with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
+        os.chmod(tmp, 0o755)
+        for _ in range(a.rounds):
+            for mode, kw in SANDBOX.items():
+                vmm_ms, e2e_ms, _ = clone_series(tmp, a.mem, True, "running",
+                                                 a.runs // a.rounds, **kw)
+                got[mode][0].extend(vmm_ms)
+                got[mode][1].extend(e2e_ms)
+    for i, measure in enumerate(("request to clone vCPU 0 in guest", "client end to end")):
+        base = statistics.median(got["none"][i])
+        for mode in SANDBOX:
+            xs = got[mode][i]
+            print(row(f"{mode} | {measure}", xs).rstrip(" |") +
+                  f" | {statistics.median(xs) / base:.2f}x |")
 
 
 def e2e(a):
@@ -273,6 +329,10 @@ def main():
     lat.add_argument("--modes", default=",".join(MODES))
     fo = sub.add_parser("fanout")
     fo.add_argument("--counts", default="100,1000")
+    sb = sub.add_parser("sandbox")
+    sb.add_argument("--runs", type=int, default=200)
+    sb.add_argument("--rounds", type=int, default=4)
+    sb.add_argument("--mem", type=int, default=128)
     ee = sub.add_parser("e2e")
     ee.add_argument("--runs", type=int, default=100)
     ee.add_argument("--modes", default=",".join(MODES))
@@ -280,7 +340,7 @@ def main():
     for f in (TINY, VMM):
         if not os.path.exists(f):
             sys.exit(f"{f} missing: run `make release guest` first")
-    {"latency": latency, "fanout": fanout, "e2e": e2e}[a.what](a)
+    {"latency": latency, "fanout": fanout, "e2e": e2e, "sandbox": sandbox}[a.what](a)
 
 
 if __name__ == "__main__":

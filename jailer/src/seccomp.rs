@@ -21,8 +21,8 @@ use std::collections::BTreeMap;
 
 pub use seccompiler::BpfProgram;
 use seccompiler::{
-    apply_filter, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-    SeccompRule, TargetArch,
+    apply_filter, sock_filter, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition,
+    SeccompFilter, SeccompRule, TargetArch,
 };
 
 /// Which thread a filter is for.
@@ -277,7 +277,7 @@ pub fn programs(kind: ThreadKind, mode: SeccompMode) -> Result<Vec<BpfProgram>, 
     };
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
         allowed(kind).into_iter().map(|n| (n, vec![])).collect();
-    let mut out = Vec::new();
+    let mut prologue = Vec::new();
     if kind != ThreadKind::Vmm {
         let only_threads = SeccompCondition::new(
             0,
@@ -291,20 +291,33 @@ pub fn programs(kind: ThreadKind, mode: SeccompMode) -> Result<Vec<BpfProgram>, 
             why: e.to_string(),
         })?;
         rules.insert(libc::SYS_clone, vec![only_threads]);
-        // Allowed here so that the ENOSYS below is what the thread sees (of two stacked
-        // filters the stricter action wins, and a kill would beat ENOSYS).
-        rules.insert(libc::SYS_clone3, vec![]);
-        // clone3 answers ENOSYS (its flags are out of a filter's reach); glibc then
-        // uses clone.
-        let no_clone3 = BTreeMap::from([(libc::SYS_clone3, vec![])]);
-        out.push(build(
-            no_clone3,
-            SeccompAction::Allow,
-            SeccompAction::Errno(libc::ENOSYS as u32),
-        )?);
+        prologue = clone3_enosys();
     }
-    out.push(build(rules, mismatch, SeccompAction::Allow)?);
-    Ok(out)
+    // One program per kind: installing a filter costs far more than its length (the
+    // kernel compiles it), and a clone's new threads install theirs before running.
+    let mut prog = prologue;
+    prog.extend(build(rules, mismatch, SeccompAction::Allow)?);
+    Ok(vec![prog])
+}
+
+/// BPF that makes `clone3` answer ENOSYS on x86_64 (its flags are out of a filter's
+/// reach; glibc then uses `clone`, whose flags the allowlist checks) and falls through
+/// to what follows for every other call. seccompiler gives one action per filter, so
+/// this is prepended by hand; jumps are relative, so the program after it is unchanged.
+fn clone3_enosys() -> Vec<sock_filter> {
+    const LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+    const JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
+    const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+    const SECCOMP_RET_ERRNO: u32 = 0x0005_0000;
+    let ins = |code, jt, jf, k| sock_filter { code, jt, jf, k };
+    vec![
+        ins(LD_W_ABS, 0, 0, 4), // seccomp_data.arch
+        ins(JEQ_K, 0, 3, AUDIT_ARCH_X86_64),
+        ins(LD_W_ABS, 0, 0, 0), // seccomp_data.nr
+        ins(JEQ_K, 0, 1, libc::SYS_clone3 as u32),
+        ins(RET_K, 0, 0, SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
+    ]
 }
 
 /// Installs `kind`'s filter on the calling thread (nothing when `mode` is off).
@@ -335,8 +348,7 @@ mod tests {
                 SeccompMode::KillThread,
                 SeccompMode::Log,
             ] {
-                let progs = programs(kind, mode).unwrap();
-                assert_eq!(progs.len(), if kind == ThreadKind::Vmm { 1 } else { 2 });
+                assert_eq!(programs(kind, mode).unwrap().len(), 1);
             }
             assert!(programs(kind, SeccompMode::Off).unwrap().is_empty());
         }

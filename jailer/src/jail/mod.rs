@@ -335,3 +335,92 @@ fn cstring(path: &Path) -> Result<CString, String> {
     CString::new(path.as_os_str().as_encoded_bytes())
         .map_err(|_| format!("{}: path has a NUL byte", path.display()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> JailConfig {
+        JailConfig {
+            id: "ok-1".into(),
+            exec_file: PathBuf::from("/bin/sh"),
+            uid: 1000,
+            gid: 1000,
+            chroot_base: std::env::temp_dir(),
+            netns: None,
+            cgroup_version: None,
+            cgroup_parent: "forkvm".into(),
+            files: Vec::new(),
+            rlimit_nofile: 2048,
+            rlimit_fsize: None,
+            keep_root: false,
+            args: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn bad_configurations_are_refused_before_anything_is_made() {
+        assert!(validate(&cfg()).is_ok());
+        for id in ["", "a/b", "..", "a b", &"x".repeat(65)] {
+            let c = JailConfig {
+                id: id.into(),
+                ..cfg()
+            };
+            assert!(matches!(validate(&c), Err(JailError::BadId(_))), "{id:?}");
+        }
+        let c = JailConfig { uid: 0, ..cfg() };
+        assert!(matches!(validate(&c), Err(JailError::RootUser)));
+        let c = JailConfig { gid: 0, ..cfg() };
+        assert!(matches!(validate(&c), Err(JailError::RootUser)));
+        let c = JailConfig {
+            exec_file: "/nonexistent-forkvm".into(),
+            ..cfg()
+        };
+        assert!(matches!(validate(&c), Err(JailError::ExecFile { .. })));
+        let c = JailConfig {
+            exec_file: "/".into(),
+            ..cfg()
+        };
+        assert!(matches!(validate(&c), Err(JailError::ExecFile { .. })));
+        for (host, jail) in [
+            ("/nonexistent-forkvm", "/x"),
+            ("/bin/sh", "relative"),
+            ("/bin/sh", "/a/../b"),
+            ("/bin/sh", "/"),
+        ] {
+            let c = JailConfig {
+                files: vec![(host.into(), jail.into())],
+                ..cfg()
+            };
+            assert!(
+                matches!(validate(&c), Err(JailError::BadFile(_))),
+                "{host}:{jail}"
+            );
+        }
+    }
+
+    #[test]
+    fn shared_libraries_of_a_dynamic_executable_include_libc_and_the_loader() {
+        let libs = rootfs::shared_libraries(Path::new("/bin/sh")).unwrap();
+        assert!(
+            libs.iter().any(|l| l.to_string_lossy().contains("libc.so")),
+            "{libs:?}"
+        );
+        assert!(
+            libs.iter()
+                .any(|l| l.to_string_lossy().contains("ld-linux")),
+            "{libs:?}"
+        );
+        assert!(
+            libs.iter().all(|l| l.is_absolute() && l.exists()),
+            "{libs:?}"
+        );
+        // A static executable needs none.
+        if Path::new("/bin/busybox").exists() {
+            assert_eq!(
+                rootfs::shared_libraries(Path::new("/bin/busybox")).unwrap(),
+                Vec::<PathBuf>::new()
+            );
+        }
+    }
+}

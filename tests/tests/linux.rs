@@ -178,13 +178,15 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
             .unwrap()
             .parse::<u64>()
             .unwrap();
-        // Read after every clone exited: a clone printed its time between the clone
-        // point (just before the parent printed its own) and now. A clone still on the
-        // template's clock would be behind by the time the template ran before it.
+        // Read after every clone exited: the clone printed its time after the test
+        // started and before now. (The clones and the parent run the same slow commands
+        // after the clone point on 2 CPUs, so a clone may print seconds before the
+        // parent. A clock that stays behind is caught by the warm clones below, launched
+        // long after they were forked.)
         let now = host_now();
         assert!(
-            t + 2 >= parent_time && t <= now + 1,
-            "clone {k} clock {t}: parent printed {parent_time}, host now {now}"
+            t + 1 >= test_start && t <= now + 1,
+            "clone {k} clock {t}: test started {test_start}, host now {now}"
         );
         rands.push(value_after(&console, "rand=").unwrap().to_string());
     }

@@ -72,6 +72,24 @@ pub fn kvm_available(test: &str) -> bool {
     ok
 }
 
+/// Whether tests that need KVM and root (cgroups, jails) can run: a loud skip without
+/// either, a failure under CI.
+pub fn kvm_and_root_available(test: &str) -> bool {
+    if !kvm_available(test) {
+        return false;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: this test needs root and CI is set"
+        );
+        eprintln!("\n*** SKIPPED {test}: this test needs root ***\n");
+        return false;
+    }
+    true
+}
+
 /// A unique scratch directory for one test, removed on drop.
 pub struct Scratch(PathBuf);
 

@@ -9,27 +9,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{guest_file, jailer_bin, kvm_available, Scratch, Vm};
+use tests::{guest_file, jailer_bin, kvm_and_root_available, Scratch, Vm};
 
 const BOOT: Duration = Duration::from_secs(30);
 const V1: [&str; 4] = ["cpu", "cpuacct", "memory", "pids"];
-
-/// Both KVM and root are needed.
-fn can_run(test: &str) -> bool {
-    if !kvm_available(test) {
-        return false;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{test}: cgroup tests need root and CI is set"
-        );
-        eprintln!("\n*** SKIPPED {test}: cgroup tests need root ***\n");
-        return false;
-    }
-    true
-}
 
 /// The tests here each load the 2-core machine (spinning or copying guests, CPU
 /// shares measured): one at a time.
@@ -156,7 +139,7 @@ fn assert_no_cgroups_left(parent: &str) {
 
 #[test]
 fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
-    if !can_run("cgroups_v1_placement") {
+    if !kvm_and_root_available("cgroups_v1_placement") {
         return;
     }
     let scratch = Scratch::new("cg-v1");
@@ -291,7 +274,7 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
 
 #[test]
 fn a_clone_over_its_memory_limit_is_oom_killed_and_reported() {
-    if !can_run("cgroups_memory_limit") {
+    if !kvm_and_root_available("cgroups_memory_limit") {
         return;
     }
     let scratch = Scratch::new("cg-mem");
@@ -353,7 +336,7 @@ fn a_clone_over_its_memory_limit_is_oom_killed_and_reported() {
 
 #[test]
 fn a_half_cpu_quota_is_enforced() {
-    if !can_run("cgroups_cpu_quota") {
+    if !kvm_and_root_available("cgroups_cpu_quota") {
         return;
     }
     let scratch = Scratch::new("cg-cpu");
@@ -402,7 +385,7 @@ fn a_half_cpu_quota_is_enforced() {
 
 #[test]
 fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
-    if !can_run("cgroups_v2_clone3") {
+    if !kvm_and_root_available("cgroups_v2_clone3") {
         return;
     }
     let unified = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {

@@ -10,27 +10,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{api_request, guest_file, jailer_bin, kvm_available, vmm_bin, Scratch};
+use tests::{api_request, guest_file, jailer_bin, kvm_and_root_available, vmm_bin, Scratch};
 
 const BOOT: Duration = Duration::from_secs(30);
 const UID: u32 = 60123;
 const GID: u32 = 60124;
-
-fn can_run(test: &str) -> bool {
-    if !kvm_available(test) {
-        return false;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{test}: jailer tests need root and CI is set"
-        );
-        eprintln!("\n*** SKIPPED {test}: jailer tests need root ***\n");
-        return false;
-    }
-    true
-}
 
 /// A jailer running a VMM, with its jail under a scratch directory and its cgroups under
 /// a parent unique to the jail (removed by `jailer cleanup` when dropped; tests run in
@@ -90,6 +74,37 @@ impl Jailed {
             parent,
             stderr,
         }
+    }
+
+    /// The tiny guest (64 MiB, beat every 20 ms) jailed with `jailer_args`, its clones
+    /// in cgroup class `class`; returns once it has printed a heartbeat.
+    fn tiny(scratch: &Scratch, id: &str, jailer_args: &[&str], class: &str) -> Self {
+        let tiny = guest_file("tiny.elf");
+        let mut jail = Self::start_with(
+            scratch,
+            id,
+            &[&tiny],
+            jailer_args,
+            &[
+                "run",
+                "--kernel",
+                "/tiny.elf",
+                "--mem-mib",
+                "64",
+                "--ap-boot",
+                "direct",
+                "--cmdline",
+                "beat=20",
+                "--console",
+                "/console",
+                "--api-sock",
+                "/api.sock",
+                "--cgroup-class",
+                class,
+            ],
+        );
+        jail.wait_file("console", "tiny: beat 1\n");
+        jail
     }
 
     fn stderr_text(&self) -> String {
@@ -240,35 +255,14 @@ fn v1_cgroup_dir(parent: &str, id: &str, rel: &str, controller: &str) -> PathBuf
 
 #[test]
 fn a_jailed_vmm_boots_forks_clones_into_pooled_cgroups_and_leaves_nothing() {
-    if !can_run("a_jailed_vmm_boots_forks_clones_into_pooled_cgroups_and_leaves_nothing") {
+    if !kvm_and_root_available(
+        "a_jailed_vmm_boots_forks_clones_into_pooled_cgroups_and_leaves_nothing",
+    ) {
         return;
     }
     let scratch = Scratch::new("jail");
-    let tiny = guest_file("tiny.elf");
     let id = format!("jt-{}", std::process::id());
-    let mut jail = Jailed::start(
-        &scratch,
-        &id,
-        &[&tiny],
-        &[
-            "run",
-            "--kernel",
-            "/tiny.elf",
-            "--mem-mib",
-            "64",
-            "--ap-boot",
-            "direct",
-            "--cmdline",
-            "beat=20",
-            "--console",
-            "/console",
-            "--api-sock",
-            "/api.sock",
-            "--cgroup-class",
-            "small:memory=64M,pids=64",
-        ],
-    );
-    jail.wait_file("console", "tiny: beat 2\n");
+    let mut jail = Jailed::tiny(&scratch, &id, &[], "small:memory=64M,pids=64");
     let vmm = jail.vmm_pid();
     let threads = assert_confined(vmm);
     // One filter per thread: the api and vCPU threads started before the main thread
@@ -372,7 +366,7 @@ fn v2_mount() -> Option<PathBuf> {
 #[test]
 fn a_jailed_vmm_on_cgroup_v2_forks_clones_with_clone3_and_stops_on_sigterm() {
     let test = "a_jailed_vmm_on_cgroup_v2_forks_clones_with_clone3_and_stops_on_sigterm";
-    if !can_run(test) {
+    if !kvm_and_root_available(test) {
         return;
     }
     let Some(v2) = v2_mount() else {
@@ -384,30 +378,8 @@ fn a_jailed_vmm_on_cgroup_v2_forks_clones_with_clone3_and_stops_on_sigterm() {
         return;
     };
     let scratch = Scratch::new("jail-v2");
-    let tiny = guest_file("tiny.elf");
     let id = format!("j2-{}", std::process::id());
-    let mut jail = Jailed::start_with(
-        &scratch,
-        &id,
-        &[&tiny],
-        &["--cgroup-version", "2"],
-        &[
-            "run",
-            "--kernel",
-            "/tiny.elf",
-            "--mem-mib",
-            "64",
-            "--cmdline",
-            "beat=20",
-            "--console",
-            "/console",
-            "--api-sock",
-            "/api.sock",
-            "--cgroup-class",
-            "plain",
-        ],
-    );
-    jail.wait_file("console", "tiny: beat 1\n");
+    let mut jail = Jailed::tiny(&scratch, &id, &["--cgroup-version", "2"], "plain");
     let vmm = jail.vmm_pid();
     assert_confined(vmm);
     let (code, body) = jail.api("POST", "/clones", None);
@@ -445,7 +417,7 @@ fn a_jailed_vmm_on_cgroup_v2_forks_clones_with_clone3_and_stops_on_sigterm() {
 
 #[test]
 fn a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused() {
-    if !can_run("a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused") {
+    if !kvm_and_root_available("a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused") {
         return;
     }
     let scratch = Scratch::new("jail-host");
@@ -468,46 +440,11 @@ fn a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused() {
     );
     assert!(!jail.root.exists());
 
-    // Refused before anything is made.
+    // Refused before anything is made, with a message naming the problem.
     let base = scratch.path("jails");
-    for (args, want) in [
-        (
-            vec!["--id", "bad/id", "--uid", "1", "--gid", "1"],
-            "jail id",
-        ),
-        (
-            vec!["--id", "ok", "--uid", "0", "--gid", "1"],
-            "must not be 0",
-        ),
-        (
-            vec![
-                "--id",
-                "ok",
-                "--uid",
-                "1",
-                "--gid",
-                "1",
-                "--file",
-                "/nonexistent-forkvm",
-            ],
-            "no such file",
-        ),
-        (
-            vec![
-                "--id",
-                "ok",
-                "--uid",
-                "1",
-                "--gid",
-                "1",
-                "--file",
-                "/etc/hostname:../x",
-            ],
-            "must be absolute",
-        ),
-    ] {
+    let refused = |args: &str| -> String {
         let out = Command::new(jailer_bin())
-            .args(&args)
+            .args(args.split_whitespace())
             .arg("--exec-file")
             .arg(vmm_bin())
             .arg("--chroot-base")
@@ -515,24 +452,29 @@ fn a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused() {
             .args(["--", "run", "--kernel", "/x"])
             .output()
             .unwrap();
-        assert!(!out.status.success(), "{args:?} accepted");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(want), "{args:?}: {err}");
-        assert!(!base.join("vmm").exists(), "{args:?} left a jail directory");
+        assert!(!out.status.success(), "{args} accepted");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    for (args, want) in [
+        ("--id bad/id --uid 1 --gid 1", "jail id"),
+        ("--id ok --uid 0 --gid 1", "must not be 0"),
+        (
+            "--id ok --uid 1 --gid 1 --file /nonexistent-forkvm",
+            "no such file",
+        ),
+        (
+            "--id ok --uid 1 --gid 1 --file /etc/hostname:../x",
+            "must be absolute",
+        ),
+    ] {
+        let err = refused(args);
+        assert!(err.contains(want), "{args}: {err}");
+        assert!(!base.join("vmm").exists(), "{args} left a jail directory");
     }
     // A jail id in use is refused, and the existing directory is left alone.
     let busy = base.join("vmm").join("busy");
     std::fs::create_dir_all(&busy).unwrap();
-    let out = Command::new(jailer_bin())
-        .args(["--id", "busy", "--uid", "1", "--gid", "1", "--exec-file"])
-        .arg(vmm_bin())
-        .arg("--chroot-base")
-        .arg(&base)
-        .args(["--", "run", "--kernel", "/x"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("exists"));
+    assert!(refused("--id busy --uid 1 --gid 1").contains("exists"));
     assert!(busy.exists());
 }
 

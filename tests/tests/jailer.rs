@@ -354,6 +354,29 @@ fn a_jailed_vmm_boots_forks_clones_into_pooled_cgroups_and_leaves_nothing() {
     );
 }
 
+/// A network namespace made with `ip netns add`, deleted on drop.
+struct Netns(String);
+
+impl Netns {
+    fn new(name: &str) -> Self {
+        let ok = Command::new("ip").args(["netns", "add", name]).status();
+        assert!(ok.is_ok_and(|s| s.success()), "ip netns add {name} failed");
+        Self(name.to_string())
+    }
+
+    fn path(&self) -> String {
+        format!("/var/run/netns/{}", self.0)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "delete", &self.0])
+            .status();
+    }
+}
+
 /// The host's cgroup v2 mount (unified-only hosts: /sys/fs/cgroup; hybrid: .../unified).
 fn v2_mount() -> Option<PathBuf> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
@@ -379,9 +402,22 @@ fn a_jailed_vmm_on_cgroup_v2_forks_clones_with_clone3_and_stops_on_sigterm() {
     };
     let scratch = Scratch::new("jail-v2");
     let id = format!("j2-{}", std::process::id());
-    let mut jail = Jailed::tiny(&scratch, &id, &["--cgroup-version", "2"], "plain");
+    // In a network namespace of its own, made for this test.
+    let netns = Netns::new(&format!("forkvm-{id}"));
+    let mut jail = Jailed::tiny(
+        &scratch,
+        &id,
+        &["--cgroup-version", "2", "--netns", &netns.path()],
+        "plain",
+    );
     let vmm = jail.vmm_pid();
     assert_confined(vmm);
+    let ns_of = |p: &str| std::fs::metadata(p).map(|m| std::os::unix::fs::MetadataExt::ino(&m));
+    assert_eq!(
+        ns_of(&format!("/proc/{vmm}/ns/net")).unwrap(),
+        ns_of(&netns.path()).unwrap(),
+        "the VMM is not in the given network namespace"
+    );
     let (code, body) = jail.api("POST", "/clones", None);
     assert_eq!(code, 201, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();

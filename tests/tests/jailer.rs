@@ -170,9 +170,20 @@ impl Jailed {
 
 impl Drop for Jailed {
     fn drop(&mut self) {
+        // A failed test leaves the jail running: stop it the way a user would (the
+        // jailer then cleans up), and kill it only if that does not work.
         if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            // SAFETY: signals our own child process.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+            let start = Instant::now();
+            while self.child.try_wait().ok().flatten().is_none() {
+                if start.elapsed() > Duration::from_secs(10) {
+                    let _ = self.child.kill();
+                    let _ = self.child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
         let _ = Command::new(jailer_bin())
             .args(["cleanup", "--cgroup-parent", &self.parent])

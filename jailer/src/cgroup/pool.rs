@@ -442,7 +442,16 @@ pub fn cleanup(fs: &CgroupFs) -> Result<usize, CgroupError> {
     for name in &names {
         fs.kill_all(name)?;
         wait_empty(fs, name)?;
-        fs.remove(name)?;
+        // A killed process whose parent has not reaped it yet no longer shows in
+        // cgroup.procs but still keeps its cgroup busy: retry for a while.
+        let start = Instant::now();
+        while let Err(e) = fs.remove(name) {
+            let busy = matches!(&e, CgroupError::Io { source, .. } if source.raw_os_error() == Some(libc::EBUSY));
+            if !busy || start.elapsed() > Duration::from_secs(2) {
+                return Err(e);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
     fs.remove_parent()?;
     Ok(names.len())

@@ -76,8 +76,7 @@ def clone(a):
                     got[mode] += series(tmp, version, mode, a.runs // a.rounds)
             base = statistics.median(got["none"])
             for mode, xs in got.items():
-                print(cb.row(f"v{version} | {mode}", xs).rstrip(" |") +
-                      f" | {statistics.median(xs) / base:.2f}x |")
+                print(cb.row(f"v{version} | {mode}", xs, base))
             sys.stdout.flush()
 
 

@@ -133,9 +133,13 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def row(label, xs_ms):
-    return (f"| {label} | {min(xs_ms):.2f} | {statistics.median(xs_ms):.2f} | "
-            f"{pct(xs_ms, 0.99):.2f} |")
+def row(label, xs_ms, base=None):
+    """A table row: min, median, p99; with base, the ratio of the median to it."""
+    out = (f"| {label} | {min(xs_ms):.2f} | {statistics.median(xs_ms):.2f} | "
+           f"{pct(xs_ms, 0.99):.2f} |")
+    if base is not None:
+        out += f" {statistics.median(xs_ms) / base:.2f}x |"
+    return out
 
 
 def latency(a):
@@ -263,8 +267,7 @@ def sandbox(a):
         base = statistics.median(got["none"][i])
         for mode in SANDBOX:
             xs = got[mode][i]
-            print(row(f"{mode} | {measure}", xs).rstrip(" |") +
-                  f" | {statistics.median(xs) / base:.2f}x |")
+            print(row(f"{mode} | {measure}", xs, base))
 
 
 def e2e(a):

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use jailer::seccomp::{allowed, install, programs, SeccompMode, ThreadKind};
+use jailer::seccomp::{allowed, install, program, SeccompMode, ThreadKind};
 
 fn syscall_ns(iters: u32) -> f64 {
     let t = Instant::now();
@@ -28,23 +28,25 @@ fn main() {
         .unwrap_or(200);
     let mode = SeccompMode::KillProcess;
     for kind in ThreadKind::ALL {
-        let progs = programs(kind, mode).expect("filter compiles");
+        let prog = program(kind, mode)
+            .expect("filter compiles")
+            .expect("mode is on");
         let t = Instant::now();
-        let _ = programs(kind, mode);
+        let _ = program(kind, mode);
         let compile_us = t.elapsed().as_secs_f64() * 1e6;
         let install_us: Vec<f64> = (0..iters.min(200))
             .map(|_| {
-                let progs = progs.clone();
+                let prog = prog.clone();
                 std::thread::spawn(move || {
                     let t = Instant::now();
-                    install(kind, &progs).expect("install");
+                    install(kind, &prog).expect("install");
                     t.elapsed().as_secs_f64() * 1e6
                 })
                 .join()
                 .unwrap()
             })
             .collect();
-        let len: usize = progs.iter().map(Vec::len).sum();
+        let len = prog.len();
         println!(
             "{{\"kind\":\"{}\",\"syscalls\":{},\"instructions\":{len},\"compile_us\":{compile_us:.1},\"install_us\":{:.1}}}",
             kind.name(),
@@ -61,7 +63,7 @@ fn main() {
         let kinds = kinds.to_vec();
         let ns = std::thread::spawn(move || {
             for k in kinds {
-                install(k, &programs(k, mode).unwrap()).unwrap();
+                install(k, &program(k, mode).unwrap().unwrap()).unwrap();
             }
             median((0..21).map(|_| syscall_ns(iters * 50)).collect())
         })

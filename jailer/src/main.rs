@@ -55,9 +55,10 @@ struct JailArgs {
     /// Network namespace to run in (e.g. /var/run/netns/NAME).
     #[arg(long)]
     netns: Option<PathBuf>,
-    /// cgroup version of the jail's cgroup (default: v2 on a v2-only host, else v1).
-    #[arg(long, value_parser = ["1", "2"])]
-    cgroup_version: Option<String>,
+    /// cgroup version of the jail's cgroup, 1 or 2 (default: v2 on a v2-only host, else
+    /// v1).
+    #[arg(long)]
+    cgroup_version: Option<CgroupVersion>,
     /// Directory in each cgroup hierarchy the jail's cgroup goes under.
     #[arg(long, default_value = "forkvm")]
     cgroup_parent: String,
@@ -106,7 +107,7 @@ fn jail_config(a: JailArgs) -> Result<JailConfig, String> {
         gid: a.gid.unwrap_or_default(),
         chroot_base: a.chroot_base,
         netns: a.netns,
-        cgroup_version: version(a.cgroup_version.as_deref()),
+        cgroup_version: a.cgroup_version,
         cgroup_parent: a.cgroup_parent,
         files,
         rlimit_nofile: a.rlimit_nofile,
@@ -114,14 +115,6 @@ fn jail_config(a: JailArgs) -> Result<JailConfig, String> {
         keep_root: a.keep_root,
         args: a.args,
     })
-}
-
-fn version(v: Option<&str>) -> Option<CgroupVersion> {
-    match v {
-        Some("1") => Some(CgroupVersion::V1),
-        Some("2") => Some(CgroupVersion::V2),
-        _ => None,
-    }
 }
 
 fn cleanup_all(cgroup_parent: &str) -> ExitCode {

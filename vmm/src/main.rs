@@ -113,9 +113,9 @@ struct RunArgs {
     /// the first is the default.
     #[arg(long = "cgroup-class", value_parser = parse_cgroup_class)]
     cgroup_classes: Vec<(String, jailer::cgroup::ResourceClass)>,
-    /// cgroup version for the pools (default: v2 on a v2-only host, else v1).
-    #[arg(long, value_parser = ["1", "2"])]
-    cgroup_version: Option<String>,
+    /// cgroup version for the pools, 1 or 2 (default: v2 on a v2-only host, else v1).
+    #[arg(long)]
+    cgroup_version: Option<jailer::cgroup::CgroupVersion>,
     /// Directory in each cgroup hierarchy that the pools go under (as `<dir>/vmm-<pid>`).
     #[arg(long, default_value = "forkvm")]
     cgroup_parent: String,
@@ -137,13 +137,9 @@ struct RunArgs {
 
 impl RunArgs {
     fn cgroups(&self) -> Option<CgroupConfig> {
-        use jailer::cgroup::CgroupVersion;
         (!self.cgroup_classes.is_empty()).then(|| CgroupConfig {
             classes: self.cgroup_classes.clone(),
-            version: self.cgroup_version.as_deref().map(|v| match v {
-                "2" => CgroupVersion::V2,
-                _ => CgroupVersion::V1,
-            }),
+            version: self.cgroup_version,
             parent: self.cgroup_parent.clone(),
             pool_size: self.cgroup_pool_size,
             pool_max: self.cgroup_pool_max,

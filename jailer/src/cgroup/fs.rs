@@ -27,6 +27,19 @@ pub enum CgroupVersion {
     V2,
 }
 
+impl std::str::FromStr for CgroupVersion {
+    type Err = String;
+
+    /// `1` or `2` (as the command lines take it).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "1" => Ok(Self::V1),
+            "2" => Ok(Self::V2),
+            _ => Err(format!("{s:?}: cgroup version is 1 or 2")),
+        }
+    }
+}
+
 /// The cgroup files of one hierarchy root.
 #[derive(Debug, Clone)]
 pub struct CgroupFs {
@@ -295,15 +308,9 @@ impl CgroupFs {
                 parent.join("cgroup.subtree_control"),
                 parent.join("cgroup.threads"),
             ] {
-                let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-                    continue;
-                };
-                // SAFETY: `c` is a NUL-terminated path that outlives the call.
-                if unsafe { libc::chown(c.as_ptr(), uid, gid) } != 0 {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::NotFound {
-                        return Err(io(&path)(e));
-                    }
+                match std::os::unix::fs::chown(&path, Some(uid), Some(gid)) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&path)(e)),
+                    _ => {}
                 }
             }
         }

@@ -236,9 +236,6 @@ pub fn run(cfg: &JailConfig) -> Result<i32, JailError> {
     let libs = rootfs::shared_libraries(&cfg.exec_file)?;
     let jail_dir = jail_dir(cfg, &exec_name);
     let root = jail_dir.join("root");
-    if jail_dir.exists() {
-        return Err(JailError::InUse(jail_dir.display().to_string()));
-    }
     std::fs::create_dir_all(jail_dir.parent().unwrap_or(&jail_dir))
         .map_err(io_err("creating", &jail_dir))?;
     std::fs::create_dir(&jail_dir).map_err(|e| match e.kind() {

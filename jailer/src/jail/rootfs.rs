@@ -26,12 +26,7 @@ pub(super) fn is_plain_absolute(p: &Path) -> bool {
 }
 
 pub(super) fn chown(path: &Path, uid: u32, gid: u32) -> Result<(), JailError> {
-    let c = cstring(path).map_err(JailError::Setup)?;
-    // SAFETY: `c` is a NUL-terminated path that outlives the call.
-    if unsafe { libc::chown(c.as_ptr(), uid, gid) } != 0 {
-        return Err(io_err("chown", path)(std::io::Error::last_os_error()));
-    }
-    Ok(())
+    std::os::unix::fs::chown(path, Some(uid), Some(gid)).map_err(io_err("chown", path))
 }
 
 /// The shared libraries (and the ELF interpreter) `exe` loads, as the dynamic loader
@@ -257,8 +252,10 @@ impl Plan {
             if unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | mode, meta.rdev()) } != 0 {
                 return Err(sys(&format!("mknod {}", node.display())));
             }
-            // SAFETY: as above; sets the node's mode exactly (the umask applied).
-            unsafe { libc::chmod(c.as_ptr(), mode) };
+            // The exact mode (mknod applied the umask).
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&node, std::fs::Permissions::from_mode(mode))
+                .map_err(|e| format!("chmod {}: {e}", node.display()))?;
             if owned {
                 chown(&node, self.uid, self.gid).map_err(|e| e.to_string())?;
             }

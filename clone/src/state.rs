@@ -7,6 +7,7 @@ use kvm_bindings::{
 use serde::{Deserialize, Serialize};
 
 use devices::legacy::SerialConsoleState;
+use devices::virtio::MmioTransportState;
 
 /// One vCPU's architectural and KVM state.
 #[derive(Clone, Serialize, Deserialize)]
@@ -69,6 +70,8 @@ pub struct VmState {
 pub struct DeviceStates {
     /// The serial console's registers and unread input.
     pub serial: SerialConsoleState,
+    /// Every virtio device's transport and queue state, in bus order.
+    pub virtio: Vec<MmioTransportState>,
 }
 
 /// Everything a clone needs besides guest memory, which it inherits copy-on-write.

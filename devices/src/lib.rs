@@ -9,6 +9,7 @@ pub mod bus;
 pub mod entropy;
 pub mod legacy;
 pub mod probe;
+pub mod rate_limiter;
 pub mod trigger;
 pub mod util;
 pub mod virtio;

@@ -137,8 +137,8 @@ const SPAWN: &[i64] = &[
     libc::SYS_seccomp,
 ];
 
-/// A device worker: wait on its queue's eventfd, read and write the backing file,
-/// signal the guest.
+/// A device worker: wait on its queues' eventfds and its rate limiter's timer, read and
+/// write the backing file, fill buffers from getrandom, signal the guest.
 const DEVICE: &[i64] = &[
     libc::SYS_epoll_create1,
     libc::SYS_epoll_ctl,
@@ -157,6 +157,10 @@ const DEVICE: &[i64] = &[
     libc::SYS_fstat,
     libc::SYS_newfstatat,
     libc::SYS_statx,
+    // Rate limiters' timers (created where the device is activated).
+    libc::SYS_timerfd_create,
+    libc::SYS_timerfd_settime,
+    libc::SYS_timerfd_gettime,
 ];
 
 /// A vCPU: KVM_RUN and the state ioctls, eventfds (irqfd, stop), activating devices.

@@ -360,8 +360,16 @@ fn bad_clone_requests_are_refused_and_the_parent_keeps_running() {
     let now = last_beat_plain(&vm.console_text());
     vm.wait_console(&format!("tiny: beat {}\n", now + 2), BOOT);
     vm.shutdown(BOOT);
+}
 
-    // A VM with a virtio disk cannot be cloned yet: a clear 409, and it keeps running.
+#[test]
+fn a_vm_with_virtio_devices_clones_and_both_keep_running() {
+    // The tiny guest does not drive virtio (the Linux tests do): its devices are cloned
+    // before the driver set them up, and clones of it run. The device round trip itself
+    // is covered by the devices crate's transport tests.
+    if !kvm_available("clone_with_virtio") {
+        return;
+    }
     let scratch = Scratch::new("clone-virtio");
     let tiny = guest_file("tiny.elf").display().to_string();
     let disk = guest_file("rootfs.ext4").display().to_string();
@@ -374,14 +382,25 @@ fn bad_clone_requests_are_refused_and_the_parent_keeps_running() {
             "64",
             "--rootfs",
             &disk,
+            "--rng-rate-limit",
+            "bytes=64K",
             "--cmdline",
             "ticks=1 beat=10",
         ],
     );
     vm.wait_console("tiny: beat 1\n", BOOT);
-    let (code, answer) = vm.api("POST", "/clones", Some(r#"{"count":1}"#));
-    assert_eq!(code, 409, "{answer}");
-    assert!(answer.contains("virtio"), "{answer}");
+    let (code, answer) = vm.api("POST", "/clones", Some(r#"{"count":2}"#));
+    assert_eq!(code, 201, "{answer}");
+    let v: Value = serde_json::from_str(&answer).unwrap();
+    for c in v["clones"].as_array().unwrap() {
+        assert_eq!(c["status"]["state"], "running", "{c}");
+        let console = c["console"].as_str().unwrap().to_string();
+        let start = std::time::Instant::now();
+        while last_beat_plain(&std::fs::read_to_string(&console).unwrap_or_default()) < 2 {
+            assert!(start.elapsed() < BOOT, "clone {} stopped: {c}", c["id"]);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
     let now = last_beat_plain(&vm.console_text());
     vm.wait_console(&format!("tiny: beat {}\n", now + 2), BOOT);
     vm.shutdown(BOOT);

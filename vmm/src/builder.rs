@@ -289,9 +289,7 @@ fn prepare_guest(
 
     // 6. Devices.
     let mut devices = DeviceManager::new(vm, &config.console, config.vcpus, None)?;
-    if let Some(rootfs) = &config.rootfs {
-        devices.add_block(vm, mem, rootfs, "forkvm-rootfs")?;
-    }
+    devices.add_virtio_devices(vm, mem, config, None)?;
 
     // 7. Kernel, initrd, command line, boot information, MP table.
     let kernel = load_kernel(mem, &config.kernel)?;

@@ -89,6 +89,13 @@ pub fn parse_cgroup_class(s: &str) -> Result<(String, jailer::cgroup::ResourceCl
     Ok((name.to_string(), limits.parse()?))
 }
 
+/// The virtio-rng device.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RngConfig {
+    /// Bytes and requests per refill period (None: unlimited).
+    pub rate_limit: Option<devices::rate_limiter::RateLimit>,
+}
+
 /// A complete VM configuration.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -98,6 +105,8 @@ pub struct VmConfig {
     pub initrd: Option<PathBuf>,
     /// Optional read-only root/data disk image (virtio-blk).
     pub rootfs: Option<PathBuf>,
+    /// A virtio-rng entropy device, with its optional rate limit.
+    pub rng: Option<RngConfig>,
     /// Guest memory in MiB.
     pub mem_mib: u64,
     /// Number of vCPUs.
@@ -131,6 +140,7 @@ impl VmConfig {
             kernel,
             initrd: None,
             rootfs: None,
+            rng: None,
             mem_mib: 128,
             vcpus: 1,
             cmdline: DEFAULT_CMDLINE.to_string(),

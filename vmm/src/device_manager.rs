@@ -2,6 +2,7 @@
 
 use std::fs::File;
 use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::{IoEventAddress, VmFd};
@@ -15,13 +16,16 @@ use devices::legacy::{
 use devices::probe::{ProbePort, ProbeStats, PROBE_BASE, PROBE_LEN};
 use devices::trigger::EventFdTrigger;
 use devices::virtio::block::{Block, BlockError};
-use devices::virtio::mmio::NOTIFY_REG_OFFSET;
-use devices::virtio::{MmioTransport, VirtioDevice, VirtioInterrupt};
+use devices::virtio::mmio::{TransportRestoreError, NOTIFY_REG_OFFSET};
+use devices::virtio::rng::Rng;
+use devices::virtio::{
+    MmioTransport, MmioTransportState, VirtioDevice, VirtioInterrupt, WorkerError,
+};
 use devices::{Bus, BusError};
 
 use crate::arch::x86_64::layout::{VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START};
 use crate::arch::x86_64::mptable::IOAPIC_PINS;
-use crate::config::ConsoleSink;
+use crate::config::{ConsoleSink, VmConfig};
 
 /// First GSI (IOAPIC pin) for virtio-mmio devices; 0-4 are the PIT, keyboard, cascade,
 /// and the serial ports.
@@ -56,6 +60,22 @@ pub enum DeviceError {
     /// KVM_IOEVENTFD failed.
     #[error("cannot register a virtio notification with KVM: {0}")]
     Ioeventfd(kvm_ioctls::Error),
+    /// A clone's saved device state does not fit its devices.
+    #[error("cannot restore {device}: {source}")]
+    Restore {
+        /// The device.
+        device: &'static str,
+        /// Why.
+        source: TransportRestoreError,
+    },
+    /// The saved state lists a different set of virtio devices than the configuration.
+    #[error("saved state has {saved} virtio devices, the configuration {configured}")]
+    DeviceCount {
+        /// Devices in the saved state.
+        saved: usize,
+        /// Devices the configuration makes.
+        configured: usize,
+    },
     /// KVM_IRQFD failed.
     #[error("cannot register interrupt GSI {gsi} with KVM: {source}")]
     Irqfd {
@@ -80,7 +100,18 @@ pub struct DeviceManager {
     pub serial: Arc<Mutex<SerialConsole>>,
     /// Kernel command-line switches the devices need.
     pub cmdline_extra: Vec<String>,
-    virtio_count: u32,
+    /// The virtio devices, in bus order.
+    virtio: Vec<Arc<Mutex<MmioTransport>>>,
+    /// Descriptors of the open disk images, in device order (a clone inherits them).
+    disk_fds: Vec<RawFd>,
+}
+
+/// What a clone needs to rebuild its parent's virtio devices.
+pub struct VirtioRestore<'a> {
+    /// Each device's saved state, in bus order.
+    pub states: &'a [MmioTransportState],
+    /// The parent's open disk images, inherited by fork, in device order.
+    pub disk_fds: &'a [RawFd],
 }
 
 fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceError> {
@@ -145,25 +176,86 @@ impl DeviceManager {
             probe,
             serial,
             cmdline_extra: Vec::new(),
-            virtio_count: 0,
+            virtio: Vec::new(),
+            disk_fds: Vec::new(),
         })
     }
 
     /// Number of virtio devices attached.
-    pub fn virtio_count(&self) -> u32 {
-        self.virtio_count
+    pub fn virtio_count(&self) -> usize {
+        self.virtio.len()
     }
 
-    /// Attaches the read-only disk image at `path` as virtio-blk (`/dev/vda` for the first).
-    pub fn add_block(
+    /// Descriptors of the open disk images (kept open across fork for clones).
+    pub fn disk_fds(&self) -> &[RawFd] {
+        &self.disk_fds
+    }
+
+    /// Attaches the virtio devices `config` asks for, in a fixed order: the root disk
+    /// (virtio-blk, `/dev/vda`), then the entropy device. With `restore` (a clone), each
+    /// continues from its saved state and disks use the inherited descriptors.
+    pub fn add_virtio_devices(
         &mut self,
         vm: &VmFd,
         mem: &GuestMemoryMmap,
-        path: &std::path::Path,
-        id: &str,
+        config: &VmConfig,
+        restore: Option<&VirtioRestore<'_>>,
     ) -> Result<(), DeviceError> {
-        let block = Block::open(path, id)?;
-        self.add_virtio(vm, mem, Box::new(block))
+        let mut inherited = restore.map(|r| r.disk_fds.iter().copied());
+        if let Some(rootfs) = &config.rootfs {
+            let block = match inherited.as_mut().and_then(Iterator::next) {
+                Some(fd) => {
+                    // SAFETY: a descriptor of the parent's open disk image, kept open
+                    // across fork by the clone; the parent's object owning it is never
+                    // used or dropped in the child, so this is its only owner here.
+                    let file = unsafe { File::from_raw_fd(fd) };
+                    Block::from_file(file, &rootfs.display().to_string(), "forkvm-rootfs")?
+                }
+                None => Block::open(rootfs, "forkvm-rootfs")?,
+            };
+            self.disk_fds.push(block.file().as_raw_fd());
+            self.add_virtio(vm, mem, Box::new(block), restore)?;
+        }
+        if let Some(rng) = &config.rng {
+            self.add_virtio(vm, mem, Box::new(Rng::new(rng.rate_limit)), restore)?;
+        }
+        if let Some(r) = restore {
+            if r.states.len() != self.virtio.len() {
+                return Err(DeviceError::DeviceCount {
+                    saved: r.states.len(),
+                    configured: self.virtio.len(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Parks every virtio device's worker and returns the devices' state (bus order).
+    /// On failure the ones already parked are resumed.
+    pub fn pause_virtio(&self) -> Result<Vec<MmioTransportState>, WorkerError> {
+        let mut states = Vec::with_capacity(self.virtio.len());
+        for (i, t) in self.virtio.iter().enumerate() {
+            match lock(t).pause() {
+                Ok(s) => states.push(s),
+                Err(e) => {
+                    self.virtio[..i].iter().for_each(|t| {
+                        let _ = lock(t).resume();
+                    });
+                    return Err(e);
+                }
+            }
+        }
+        Ok(states)
+    }
+
+    /// Lets every virtio device's worker go on.
+    pub fn resume_virtio(&self) {
+        for t in &self.virtio {
+            let mut t = lock(t);
+            if let Err(e) = t.resume() {
+                tracing::error!("cannot resume {}: {e}", t.name());
+            }
+        }
     }
 
     fn add_virtio(
@@ -171,18 +263,36 @@ impl DeviceManager {
         vm: &VmFd,
         mem: &GuestMemoryMmap,
         device: Box<dyn VirtioDevice>,
+        restore: Option<&VirtioRestore<'_>>,
     ) -> Result<(), DeviceError> {
-        let gsi = VIRTIO_FIRST_GSI + self.virtio_count;
+        let index = self.virtio.len();
+        let gsi = VIRTIO_FIRST_GSI + index as u32;
         if gsi >= u32::from(IOAPIC_PINS) {
             return Err(DeviceError::NoIrq);
         }
-        let base = VIRTIO_MMIO_START + u64::from(self.virtio_count) * VIRTIO_MMIO_SIZE;
+        let base = VIRTIO_MMIO_START + index as u64 * VIRTIO_MMIO_SIZE;
         let irq = EventFd::new(0).map_err(DeviceError::EventFd)?;
         vm.register_irqfd(&irq, gsi)
             .map_err(|source| DeviceError::Irqfd { gsi, source })?;
-        let transport =
-            MmioTransport::new(mem.clone(), device, Arc::new(VirtioInterrupt::new(irq)))
-                .map_err(DeviceError::EventFd)?;
+        let interrupt = Arc::new(VirtioInterrupt::new(irq));
+        let name = device.name();
+        let transport = match restore {
+            None => {
+                MmioTransport::new(mem.clone(), device, interrupt).map_err(DeviceError::EventFd)?
+            }
+            Some(r) => {
+                let state = r.states.get(index).ok_or(DeviceError::DeviceCount {
+                    saved: r.states.len(),
+                    configured: index + 1,
+                })?;
+                MmioTransport::restore(mem.clone(), device, interrupt, state).map_err(|source| {
+                    DeviceError::Restore {
+                        device: name,
+                        source,
+                    }
+                })?
+            }
+        };
         for (i, evt) in transport.queue_evts().iter().enumerate() {
             vm.register_ioevent(
                 evt,
@@ -191,11 +301,16 @@ impl DeviceManager {
             )
             .map_err(DeviceError::Ioeventfd)?;
         }
+        let transport = Arc::new(Mutex::new(transport));
         self.mmio
-            .insert(Arc::new(Mutex::new(transport)), base, VIRTIO_MMIO_SIZE)?;
+            .insert(transport.clone(), base, VIRTIO_MMIO_SIZE)?;
+        self.virtio.push(transport);
         self.cmdline_extra
             .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
-        self.virtio_count += 1;
         Ok(())
     }
+}
+
+fn lock(t: &Mutex<MmioTransport>) -> std::sync::MutexGuard<'_, MmioTransport> {
+    t.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -28,7 +28,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Boot a guest and run until it powers off.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the VM's state (GET /vm).
     Status(SockArg),
     /// Pause every vCPU (PATCH /vm).
@@ -77,6 +77,14 @@ struct RunArgs {
     /// Read-only disk image, attached as virtio-blk /dev/vda.
     #[arg(long)]
     rootfs: Option<PathBuf>,
+    /// Attach a virtio-rng entropy device (/dev/hwrng in the guest), fed from the
+    /// host's getrandom.
+    #[arg(long)]
+    rng: bool,
+    /// Rate limit for the entropy device: bytes=SIZE[/MS][+BURST],ops=N[/MS][+BURST]
+    /// (SIZE may end in K, M or G; MS is the refill period, default 1000). Implies --rng.
+    #[arg(long)]
+    rng_rate_limit: Option<devices::rate_limiter::RateLimit>,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 128)]
     mem_mib: u64,
@@ -249,6 +257,9 @@ fn main() -> ExitCode {
                 cgroups: a.cgroups(),
                 initrd: a.initrd,
                 rootfs: a.rootfs,
+                rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
+                    rate_limit: a.rng_rate_limit,
+                }),
                 mem_mib: a.mem_mib,
                 vcpus: a.vcpus,
                 cmdline: a.cmdline,

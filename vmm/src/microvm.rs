@@ -229,6 +229,16 @@ impl Microvm {
             };
             r.map_err(|e| ApiReply::error(500, e))?;
         }
+        // A paused VM's devices are parked too, so its state (and what clones capture)
+        // cannot change until it resumes.
+        match to {
+            VmState::Paused => {
+                if let Err(e) = self.devices.pause_virtio() {
+                    tracing::error!("pausing devices failed: {e}");
+                }
+            }
+            _ => self.devices.resume_virtio(),
+        }
         tracing::info!("VM {:?}", to);
         self.state = to;
         if to == VmState::Running {
@@ -267,9 +277,7 @@ impl Microvm {
                             CloneError::Count(_)
                             | CloneError::PathTooLong(_)
                             | CloneError::Cgroup(P::UnknownClass { .. } | P::NoPools(_)) => 400,
-                            CloneError::State(_)
-                            | CloneError::Unsupported(_)
-                            | CloneError::TooMany { .. } => 409,
+                            CloneError::State(_) | CloneError::TooMany { .. } => 409,
                             CloneError::Cgroup(P::Pool(jailer::cgroup::PoolError::Exhausted {
                                 ..
                             })) => 503,

@@ -1,17 +1,15 @@
 //! virtio-blk, read-only for now: a disk image the guest reads (and may flush), backed
-//! by a host file, with a worker thread woken by the queue's ioeventfd.
+//! by a host file, served by the transport's worker thread.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::{ByteValued, GuestMemoryMmap};
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
 
+use super::worker::{QueueHandler, WorkerContext};
 use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 
 /// virtio device id of a block device.
@@ -66,21 +64,33 @@ pub struct Block {
     sectors: u64,
     id: [u8; ID_BYTES],
     queue_sizes: [u16; 1],
-    worker: Option<(EventFd, JoinHandle<()>)>,
 }
 
 impl Block {
     /// Opens `path` read-only. `id` (up to 20 bytes) is what the guest reads as serial.
     pub fn open(path: &Path, id: &str) -> Result<Self, BlockError> {
-        let shown = path.display().to_string();
-        let open_err = |source| BlockError::Open {
-            path: shown.clone(),
+        let file = File::open(path).map_err(|source| BlockError::Open {
+            path: path.display().to_string(),
             source,
-        };
-        let file = File::open(path).map_err(open_err)?;
-        let size = file.metadata().map_err(open_err)?.len();
+        })?;
+        Self::from_file(file, &path.display().to_string(), id)
+    }
+
+    /// A device over an image already open (a clone's inherited descriptor); `shown`
+    /// names it in errors.
+    pub fn from_file(file: File, shown: &str, id: &str) -> Result<Self, BlockError> {
+        let size = file
+            .metadata()
+            .map_err(|source| BlockError::Open {
+                path: shown.to_string(),
+                source,
+            })?
+            .len();
         if size % SECTOR_SIZE != 0 {
-            return Err(BlockError::Size { path: shown, size });
+            return Err(BlockError::Size {
+                path: shown.to_string(),
+                size,
+            });
         }
         let mut idb = [0u8; ID_BYTES];
         let n = id.len().min(ID_BYTES);
@@ -90,7 +100,6 @@ impl Block {
             sectors: size / SECTOR_SIZE,
             id: idb,
             queue_sizes: [QUEUE_SIZE],
-            worker: None,
         })
     }
 
@@ -98,9 +107,18 @@ impl Block {
     pub fn sectors(&self) -> u64 {
         self.sectors
     }
+
+    /// The open image (a clone keeps this descriptor instead of opening the file again).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
 }
 
 impl VirtioDevice for Block {
+    fn name(&self) -> &'static str {
+        "virtio-blk"
+    }
+
     fn device_type(&self) -> u32 {
         TYPE_BLOCK
     }
@@ -130,46 +148,19 @@ impl VirtioDevice for Block {
         mem: GuestMemoryMmap,
         _acked_features: u64,
         mut queues: Vec<Queue>,
-        mut queue_evts: Vec<EventFd>,
         interrupt: Arc<VirtioInterrupt>,
-    ) -> Result<(), ActivateError> {
-        self.reset();
-        let (Some(queue), Some(queue_evt)) = (queues.pop(), queue_evts.pop()) else {
+    ) -> Result<Box<dyn QueueHandler>, ActivateError> {
+        let (Some(queue), true) = (queues.pop(), queues.is_empty()) else {
             return Err(ActivateError::BadQueue("virtio-blk needs one queue".into()));
         };
-        let stop = EventFd::new(0).map_err(ActivateError::Worker)?;
-        let worker_stop = stop.try_clone().map_err(ActivateError::Worker)?;
-        let mut worker = Worker {
+        Ok(Box::new(Worker {
             file: self.file.clone(),
             sectors: self.sectors,
             id: self.id,
             mem,
             queue,
             interrupt,
-        };
-        let thread = std::thread::Builder::new()
-            .name("virtio-blk".into())
-            .spawn(move || {
-                if super::worker_started("virtio-blk") {
-                    worker.run(&queue_evt, &worker_stop);
-                }
-            })
-            .map_err(ActivateError::Worker)?;
-        self.worker = Some((stop, thread));
-        Ok(())
-    }
-
-    fn reset(&mut self) {
-        if let Some((stop, thread)) = self.worker.take() {
-            let _ = stop.write(1);
-            let _ = thread.join();
-        }
-    }
-}
-
-impl Drop for Block {
-    fn drop(&mut self) {
-        self.reset();
+        }))
     }
 }
 
@@ -182,51 +173,17 @@ struct Worker {
     interrupt: Arc<VirtioInterrupt>,
 }
 
-const TOKEN_QUEUE: u64 = 0;
-const TOKEN_STOP: u64 = 1;
-
-impl Worker {
-    fn run(&mut self, queue_evt: &EventFd, stop: &EventFd) {
-        let epoll = match Epoll::new() {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::error!("virtio-blk worker: epoll: {e}");
-                return;
-            }
-        };
-        for (fd, token) in [(queue_evt, TOKEN_QUEUE), (stop, TOKEN_STOP)] {
-            use std::os::fd::AsRawFd;
-            if let Err(e) = epoll.ctl(
-                ControlOperation::Add,
-                fd.as_raw_fd(),
-                EpollEvent::new(EventSet::IN, token),
-            ) {
-                tracing::error!("virtio-blk worker: epoll_ctl: {e}");
-                return;
-            }
-        }
-        let mut events = [EpollEvent::default(); 2];
-        loop {
-            let n = match epoll.wait(-1, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    tracing::error!("virtio-blk worker: epoll_wait: {e}");
-                    return;
-                }
-            };
-            for ev in &events[..n] {
-                match ev.data() {
-                    TOKEN_STOP => return,
-                    _ => {
-                        let _ = queue_evt.read();
-                        self.process_queue();
-                    }
-                }
-            }
-        }
+impl QueueHandler for Worker {
+    fn queue_event(&mut self, _index: usize, _ctx: &WorkerContext<'_>) {
+        self.process_queue();
     }
 
+    fn queue_states(&self) -> Vec<QueueState> {
+        vec![self.queue.state()]
+    }
+}
+
+impl Worker {
     fn process_queue(&mut self) {
         let mut used_any = false;
         while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
@@ -322,6 +279,7 @@ mod tests {
     use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
     use virtio_queue::mock::MockSplitQueue;
     use vm_memory::{Bytes, GuestAddress};
+    use vmm_sys_util::eventfd::EventFd;
 
     const NEXT: u16 = 1;
     const WRITE: u16 = 2;

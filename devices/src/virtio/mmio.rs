@@ -2,10 +2,12 @@
 
 use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueT};
+use serde::{Deserialize, Serialize};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use super::worker::{Worker, WorkerError};
 use super::{VirtioDevice, VirtioInterrupt};
 use crate::bus::BusDevice;
 
@@ -35,7 +37,85 @@ pub struct MmioTransport {
     queue_select: u32,
     status: u32,
     config_generation: u32,
-    activated: bool,
+    /// The running device's worker (None until DRIVER_OK and after a reset).
+    worker: Option<Worker>,
+}
+
+/// `virtio_queue::QueueState` for serde (the crate has no serde support).
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "QueueState")]
+struct QueueStateDef {
+    max_size: u16,
+    next_avail: u16,
+    next_used: u16,
+    event_idx_enabled: bool,
+    size: u16,
+    ready: bool,
+    desc_table: u64,
+    avail_ring: u64,
+    used_ring: u64,
+}
+
+/// One queue's state: sizes, ring addresses and ring positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedQueue(#[serde(with = "QueueStateDef")] pub QueueState);
+
+/// Everything a virtio-mmio device carries into a clone: the transport registers, the
+/// interrupt status and each queue's state. The device itself is rebuilt from the VM's
+/// configuration (same devices, same order).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MmioTransportState {
+    /// virtio device id, checked on restore.
+    pub device_type: u32,
+    /// Feature word the driver reads next.
+    pub features_select: u32,
+    /// Feature word the driver acknowledges next.
+    pub acked_features_select: u32,
+    /// Features the driver accepted.
+    pub acked_features: u64,
+    /// Selected queue.
+    pub queue_select: u32,
+    /// Device status register.
+    pub status: u32,
+    /// Configuration generation counter.
+    pub config_generation: u32,
+    /// Interrupt status register.
+    pub interrupt_status: u32,
+    /// Whether the device was running (DRIVER_OK and activated).
+    pub activated: bool,
+    /// Every queue, in order.
+    pub queues: Vec<SavedQueue>,
+}
+
+/// Errors rebuilding a device from its saved state.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportRestoreError {
+    /// The saved state is of another kind of device or queue layout.
+    #[error("saved state is for device type {saved} with {saved_queues} queues, not {device} with {queues}")]
+    Mismatch {
+        /// Saved device type.
+        saved: u32,
+        /// Saved queue count.
+        saved_queues: usize,
+        /// This device's type.
+        device: u32,
+        /// This device's queue count.
+        queues: usize,
+    },
+    /// A saved queue is not valid.
+    #[error("saved queue {index} is invalid: {reason}")]
+    Queue {
+        /// Queue index.
+        index: usize,
+        /// Why.
+        reason: String,
+    },
+    /// An eventfd could not be made, or the interrupt raised.
+    #[error("cannot restore the device: {0}")]
+    Io(#[from] std::io::Error),
+    /// The running device could not be started again.
+    #[error(transparent)]
+    Activate(#[from] super::ActivateError),
 }
 
 fn new_queues(device: &dyn VirtioDevice) -> std::io::Result<Vec<Queue>> {
@@ -70,8 +150,103 @@ impl MmioTransport {
             queue_select: 0,
             status: 0,
             config_generation: 0,
-            activated: false,
+            worker: None,
         })
+    }
+
+    /// Rebuilds `device` as it was when `state` was saved (in a clone): registers,
+    /// queues and interrupt status; a device that was running gets a new worker, which
+    /// first serves whatever the driver had queued.
+    pub fn restore(
+        mem: GuestMemoryMmap,
+        device: Box<dyn VirtioDevice>,
+        interrupt: Arc<VirtioInterrupt>,
+        state: &MmioTransportState,
+    ) -> Result<Self, TransportRestoreError> {
+        let mut t = Self::new(mem, device, interrupt)?;
+        if state.device_type != t.device.device_type() || state.queues.len() != t.queues.len() {
+            return Err(TransportRestoreError::Mismatch {
+                saved: state.device_type,
+                saved_queues: state.queues.len(),
+                device: t.device.device_type(),
+                queues: t.queues.len(),
+            });
+        }
+        for (index, (q, saved)) in t.queues.iter_mut().zip(&state.queues).enumerate() {
+            let max = t.device.queue_max_sizes()[index];
+            if saved.0.max_size != max {
+                return Err(TransportRestoreError::Queue {
+                    index,
+                    reason: format!("max size {} (this device: {max})", saved.0.max_size),
+                });
+            }
+            *q = Queue::try_from(saved.0).map_err(|e| TransportRestoreError::Queue {
+                index,
+                reason: format!("{e:?}"),
+            })?;
+        }
+        t.features_select = state.features_select;
+        t.acked_features_select = state.acked_features_select;
+        t.acked_features = state.acked_features & t.device.avail_features();
+        t.queue_select = state.queue_select;
+        t.status = state.status;
+        t.config_generation = state.config_generation;
+        if state.activated {
+            t.start_worker()?;
+        }
+        t.interrupt.restore(state.interrupt_status)?;
+        Ok(t)
+    }
+
+    /// Parks the device's worker (if it runs) and returns the device's state; the
+    /// worker holds no lock until [`MmioTransport::resume`]. Pausing twice is allowed.
+    pub fn pause(&mut self) -> Result<MmioTransportState, WorkerError> {
+        let queues = match &self.worker {
+            Some(w) => w.pause()?,
+            None => self.queues.iter().map(Queue::state).collect(),
+        };
+        Ok(MmioTransportState {
+            device_type: self.device.device_type(),
+            features_select: self.features_select,
+            acked_features_select: self.acked_features_select,
+            acked_features: self.acked_features,
+            queue_select: self.queue_select,
+            status: self.status,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+            activated: self.worker.is_some(),
+            queues: queues.into_iter().map(SavedQueue).collect(),
+        })
+    }
+
+    /// Lets a paused worker go on.
+    pub fn resume(&mut self) -> Result<(), WorkerError> {
+        self.worker.as_ref().map_or(Ok(()), Worker::resume)
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> &'static str {
+        self.device.name()
+    }
+
+    /// Hands the queues to the device and starts its worker.
+    fn start_worker(&mut self) -> Result<(), super::ActivateError> {
+        let evts = self
+            .queue_evts
+            .iter()
+            .map(EventFd::try_clone)
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| WorkerError::Spawn(self.device.name(), e))?;
+        // The queues move into the worker; reset() makes fresh ones.
+        let queues = std::mem::take(&mut self.queues);
+        let handler = self.device.activate(
+            self.mem.clone(),
+            self.acked_features,
+            queues,
+            self.interrupt.clone(),
+        )?;
+        self.worker = Some(Worker::spawn(self.device.name(), handler, evts)?);
+        Ok(())
     }
 
     /// The eventfds guest notifications for each queue should signal.
@@ -84,9 +259,8 @@ impl MmioTransport {
     }
 
     fn reset(&mut self) {
-        if self.activated {
-            self.device.reset();
-            self.activated = false;
+        if let Some(mut w) = self.worker.take() {
+            w.stop();
         }
         match new_queues(self.device.as_ref()) {
             Ok(q) => self.queues = q,
@@ -107,7 +281,7 @@ impl MmioTransport {
         }
         self.status = status;
         let ready = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK;
-        if !self.activated && status & ready == ready && status & STATUS_FAILED == 0 {
+        if self.worker.is_none() && status & ready == ready && status & STATUS_FAILED == 0 {
             self.activate();
         }
     }
@@ -118,37 +292,16 @@ impl MmioTransport {
             .iter()
             .position(|q| q.ready() && !q.is_valid(&self.mem))
         {
-            tracing::warn!("virtio: driver made queue {i} ready with an invalid layout");
+            tracing::warn!(
+                "{}: driver made queue {i} ready with an invalid layout",
+                self.device.name()
+            );
             self.status |= STATUS_FAILED;
             return;
         }
-        let evts = match self
-            .queue_evts
-            .iter()
-            .map(EventFd::try_clone)
-            .collect::<std::io::Result<Vec<_>>>()
-        {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::error!("virtio: cannot clone queue eventfds: {e}");
-                self.status |= STATUS_FAILED;
-                return;
-            }
-        };
-        // The queues move into the device; reset() makes fresh ones.
-        let queues = std::mem::take(&mut self.queues);
-        match self.device.activate(
-            self.mem.clone(),
-            self.acked_features,
-            queues,
-            evts,
-            self.interrupt.clone(),
-        ) {
-            Ok(()) => self.activated = true,
-            Err(e) => {
-                tracing::error!("virtio device activation failed: {e}");
-                self.status |= STATUS_FAILED;
-            }
+        if let Err(e) = self.start_worker() {
+            tracing::error!("{} activation failed: {e}", self.device.name());
+            self.status |= STATUS_FAILED;
         }
     }
 
@@ -177,7 +330,7 @@ impl MmioTransport {
 
     fn write_reg(&mut self, offset: u64, v: u32) {
         // Queue and feature setup is only allowed before the device runs.
-        let setup = !self.activated;
+        let setup = self.worker.is_none();
         let low = |q: &mut Queue, f: fn(&mut Queue, Option<u32>, Option<u32>)| f(q, Some(v), None);
         let high = |q: &mut Queue, f: fn(&mut Queue, Option<u32>, Option<u32>)| f(q, None, Some(v));
         match offset {
@@ -252,5 +405,158 @@ impl BusDevice for MmioTransport {
         if let Ok(bytes) = <[u8; 4]>::try_from(data) {
             self.write_reg(offset, u32::from_le_bytes(bytes));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::virtio::block::Block;
+    use crate::virtio::rng::Rng;
+    use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::GuestAddress;
+
+    const WRITE: u16 = 2;
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x100_0000)]).unwrap()
+    }
+
+    fn interrupt() -> Arc<VirtioInterrupt> {
+        Arc::new(VirtioInterrupt::new(EventFd::new(0).unwrap()))
+    }
+
+    fn w(t: &mut MmioTransport, offset: u64, v: u32) {
+        t.write(offset, &v.to_le_bytes());
+    }
+
+    fn r(t: &mut MmioTransport, offset: u64) -> u32 {
+        let mut b = [0u8; 4];
+        t.read(offset, &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    /// Drives the registers as a driver does: features, queue 0 at the mock queue's
+    /// addresses, DRIVER_OK.
+    fn bring_up(t: &mut MmioTransport, vq: &MockSplitQueue<'_, GuestMemoryMmap>) {
+        w(t, 0x70, STATUS_ACKNOWLEDGE | STATUS_DRIVER);
+        w(t, 0x24, 1);
+        w(t, 0x20, 1); // VIRTIO_F_VERSION_1 (bit 32)
+        w(
+            t,
+            0x70,
+            STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK,
+        );
+        w(t, 0x30, 0);
+        w(t, 0x38, 16);
+        for (reg, addr) in [
+            (0x80, vq.desc_table_addr()),
+            (0x90, vq.avail_addr()),
+            (0xa0, vq.used_addr()),
+        ] {
+            w(t, reg, addr.0 as u32);
+            w(t, reg + 4, (addr.0 >> 32) as u32);
+        }
+        w(t, 0x44, 1);
+        let all = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK;
+        w(t, 0x70, all);
+        assert_eq!(r(t, 0x70), all, "device accepted the driver");
+    }
+
+    fn wait_used(vq: &MockSplitQueue<'_, GuestMemoryMmap>, n: u16) {
+        let start = std::time::Instant::now();
+        while vq.used().idx().load() != n {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(5),
+                "used index {} never reached {n}",
+                vq.used().idx().load()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    fn request(vq: &MockSplitQueue<'_, GuestMemoryMmap>, slot: u16) {
+        let d = SplitDescriptor::new(0x10_0000 + u64::from(slot) * 0x1000, 32, WRITE, 0);
+        vq.add_desc_chains(&[RawDescriptor::from(d)], slot).unwrap();
+    }
+
+    #[test]
+    fn a_paused_device_restores_into_a_new_transport_and_serves_on() {
+        let m = mem();
+        let vq = MockSplitQueue::new(&m, 16);
+        let mut parent =
+            MmioTransport::new(m.clone(), Box::new(Rng::new(None)), interrupt()).unwrap();
+        bring_up(&mut parent, &vq);
+        request(&vq, 0);
+        w(&mut parent, NOTIFY_REG_OFFSET, 0);
+        wait_used(&vq, 1);
+
+        // Paused: a request the driver queues now is not served by the parent...
+        let state = parent.pause().unwrap();
+        request(&vq, 1);
+        w(&mut parent, NOTIFY_REG_OFFSET, 0);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(
+            vq.used().idx().load(),
+            1,
+            "a paused worker served a request"
+        );
+        assert!(state.activated);
+        assert_eq!(state.queues[0].0.next_avail, 1);
+        assert_eq!(state.queues[0].0.next_used, 1);
+        assert_eq!(state.acked_features, crate::virtio::VIRTIO_F_VERSION_1);
+        // ...and pausing again gives the same state.
+        assert_eq!(parent.pause().unwrap(), state);
+
+        // ...the restored device serves it when it starts, then serves new ones.
+        let json = serde_json::to_string(&state).unwrap();
+        let back: MmioTransportState = serde_json::from_str(&json).unwrap();
+        let mut child =
+            MmioTransport::restore(m.clone(), Box::new(Rng::new(None)), interrupt(), &back)
+                .unwrap();
+        wait_used(&vq, 2);
+        assert_eq!(r(&mut child, 0x70), state.status);
+        assert_eq!(
+            r(&mut child, 0x44),
+            0,
+            "queue setup is locked while running"
+        );
+        request(&vq, 2);
+        w(&mut child, NOTIFY_REG_OFFSET, 0);
+        wait_used(&vq, 3);
+        assert_eq!(child.pause().unwrap().queues[0].0.next_used, 3);
+        child.resume().unwrap();
+        parent.resume().unwrap();
+    }
+
+    #[test]
+    fn restore_refuses_state_of_another_device_or_a_bad_queue() {
+        let m = mem();
+        let mut rng = MmioTransport::new(m.clone(), Box::new(Rng::new(None)), interrupt()).unwrap();
+        let state = rng.pause().unwrap();
+        assert!(!state.activated);
+        let disk = std::env::temp_dir().join(format!("forkvm-mmio-{}", std::process::id()));
+        std::fs::write(&disk, [0u8; 512]).unwrap();
+        let block = Block::open(&disk, "d").unwrap();
+        std::fs::remove_file(&disk).unwrap();
+        let e = MmioTransport::restore(m.clone(), Box::new(block), interrupt(), &state)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(e, TransportRestoreError::Mismatch { saved: 4, .. }),
+            "{e}"
+        );
+
+        let mut bad = state.clone();
+        bad.queues[0].0.size = 3; // not a power of two
+        bad.queues[0].0.ready = true;
+        let e = MmioTransport::restore(m.clone(), Box::new(Rng::new(None)), interrupt(), &bad)
+            .err()
+            .unwrap();
+        assert!(
+            matches!(e, TransportRestoreError::Queue { index: 0, .. }),
+            "{e}"
+        );
     }
 }

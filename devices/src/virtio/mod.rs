@@ -2,6 +2,8 @@
 
 pub mod block;
 pub mod mmio;
+pub mod rng;
+pub mod worker;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -9,7 +11,8 @@ use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
-pub use mmio::MmioTransport;
+pub use mmio::{MmioTransport, MmioTransportState};
+pub use worker::{QueueHandler, Worker, WorkerContext, WorkerError};
 
 /// Run by every device worker thread before it serves its queues (the VMM installs the
 /// thread's seccomp filter); a worker whose hook fails does not serve.
@@ -47,8 +50,8 @@ pub enum ActivateError {
     #[error("invalid queue configuration: {0}")]
     BadQueue(String),
     /// The device's worker could not be started.
-    #[error("cannot start the device worker: {0}")]
-    Worker(std::io::Error),
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
 }
 
 /// The interrupt line of one virtio-mmio device: the status register the driver reads
@@ -66,6 +69,17 @@ impl VirtioInterrupt {
             status: AtomicU32::new(0),
             irq,
         }
+    }
+
+    /// Sets the status register (restoring a device) and, when a bit is set, raises
+    /// the line again: the driver reads the status and finds the cause. A spurious
+    /// raise is harmless (the driver sees status 0 and ignores it).
+    pub fn restore(&self, status: u32) -> std::io::Result<()> {
+        self.status.store(status, Ordering::Release);
+        if status != 0 {
+            self.irq.write(1)?;
+        }
+        Ok(())
     }
 
     /// Tells the driver that used buffers are ready.
@@ -86,8 +100,11 @@ impl VirtioInterrupt {
     }
 }
 
-/// A virtio device model, driven by a transport.
+/// A virtio device model, driven by a transport. The transport owns the device's
+/// worker thread: [`VirtioDevice::activate`] hands it the handler that serves the queues.
 pub trait VirtioDevice: Send {
+    /// Short name, used for the worker thread and in messages ("virtio-blk", ...).
+    fn name(&self) -> &'static str;
     /// virtio device id (2 = block, ...).
     fn device_type(&self) -> u32;
     /// Features offered.
@@ -98,16 +115,13 @@ pub trait VirtioDevice: Send {
     fn read_config(&self, offset: u64, data: &mut [u8]);
     /// Writes the device-specific configuration space.
     fn write_config(&mut self, offset: u64, data: &[u8]);
-    /// Starts the device: the driver is ready (DRIVER_OK) with these queues. Each queue
-    /// has an eventfd the guest's notifications arrive on.
+    /// Starts the device: the driver is ready (DRIVER_OK) with these queues, or a clone
+    /// restores a running device. Returns what the worker thread runs.
     fn activate(
         &mut self,
         mem: GuestMemoryMmap,
         acked_features: u64,
         queues: Vec<Queue>,
-        queue_evts: Vec<EventFd>,
         interrupt: std::sync::Arc<VirtioInterrupt>,
-    ) -> Result<(), ActivateError>;
-    /// Stops the device (driver reset or VM teardown); it may be activated again.
-    fn reset(&mut self);
+    ) -> Result<Box<dyn QueueHandler>, ActivateError>;
 }

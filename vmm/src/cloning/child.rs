@@ -30,7 +30,7 @@ use super::CloneTable;
 use crate::api::server::ApiServer;
 use crate::builder::{start_vcpus, BuildError};
 use crate::config::{ConsoleSink, VmConfig};
-use crate::device_manager::DeviceManager;
+use crate::device_manager::{DeviceManager, VirtioRestore};
 use crate::logging::raw_eprintln;
 use crate::microvm::{block_shutdown_signals, HostReport, Microvm, RunOutcome, VmState};
 use crate::vstate::kvm::KvmContext;
@@ -79,6 +79,8 @@ pub(crate) struct ChildPlan<'a> {
     pub spec: &'a Arc<CaptureSpec>,
     pub run_bases: &'a [usize],
     pub run_size: usize,
+    /// The parent's open disk images: kept open, so every clone shares them.
+    pub disk_fds: &'a [RawFd],
 }
 
 /// Errors rebuilding a VM in a clone.
@@ -144,10 +146,12 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
         // thread of this process uses them (their owners exist only in the parent).
         unsafe { libc::munmap(*base as *mut libc::c_void, plan.run_size) };
     }
-    match plan.start {
-        Start::Now(_) => close_all_but(&[plan.ready]),
-        Start::Warm { go, .. } => close_all_but(&[plan.ready, go]),
+    let mut keep = plan.disk_fds.to_vec();
+    keep.push(plan.ready);
+    if let Start::Warm { go, .. } = plan.start {
+        keep.push(go);
     }
+    close_all_but(&keep);
     // SAFETY: the ready pipe's write end, kept open above, owned from here on.
     let ready = unsafe { File::from_raw_fd(plan.ready) };
     let mut name = String::from("(warm)");
@@ -278,13 +282,24 @@ fn run_clone(
     let mut config = plan.config.clone();
     config.api_sock = Some(identity.api_sock.clone());
     config.console = ConsoleSink::File(identity.console.clone());
-    let devices = DeviceManager::new(
+    let mut devices = DeviceManager::new(
         &prepared.vm,
         &config.console,
         config.vcpus,
         Some(&state.devices.serial),
     )
     .map_err(BuildError::from)?;
+    devices
+        .add_virtio_devices(
+            &prepared.vm,
+            plan.mem,
+            &config,
+            Some(&VirtioRestore {
+                states: &state.devices.virtio,
+                disk_fds: plan.disk_fds,
+            }),
+        )
+        .map_err(BuildError::from)?;
     mark("devices", started);
     clone::vm::restore_vm(&prepared.vm, &state.vm)?;
     mark("vm state", started);

@@ -10,7 +10,8 @@
 //! every request, and with `--warm-clones` clones are forked and prepared ahead of the
 //! requests (`warm.rs`).
 //!
-//! Not yet: virtio devices in clones (a VM with any is refused) — see docs/cloning.md.
+//! Virtio device workers are parked with the vCPUs; each device's transport and queue
+//! state is captured and the child rebuilds the devices from the VM's configuration.
 
 pub mod cgroups;
 mod child;
@@ -63,9 +64,9 @@ pub enum CloneError {
     /// The VM is not in a state that can be cloned.
     #[error("cannot clone a VM that is {0:?}")]
     State(VmState),
-    /// The VM has devices that cannot be cloned yet.
-    #[error("cannot clone this VM yet: {0}")]
-    Unsupported(&'static str),
+    /// A virtio device's worker could not be paused.
+    #[error("pausing devices failed: {0}")]
+    Devices(#[from] devices::virtio::WorkerError),
     /// Pausing or capturing a vCPU failed.
     #[error("capturing vCPU state failed: {0}")]
     Vcpu(#[from] VcpuError),
@@ -294,11 +295,6 @@ impl Microvm {
         }
         if !matches!(self.state, VmState::Running | VmState::Paused) {
             return Err(CloneError::State(self.state));
-        }
-        if self.devices.virtio_count() > 0 {
-            return Err(CloneError::Unsupported(
-                "virtio devices are not cloned yet (start the template without --rootfs)",
-            ));
         }
         self.reap_children();
         let live = self.clones.live().count();
@@ -571,8 +567,9 @@ impl Microvm {
         Ok(())
     }
 
-    /// Resumes every vCPU but those in `keep_parked`.
+    /// Resumes the devices and every vCPU but those in `keep_parked`.
     fn resume_all(&self, keep_parked: &[u8]) -> Result<(), VcpuError> {
+        self.devices.resume_virtio();
         self.vcpus
             .iter()
             .filter(|v| !keep_parked.contains(&v.id()))
@@ -580,7 +577,8 @@ impl Microvm {
     }
 
     /// Reads every vCPU's state (each on its own thread, all at once), then the VM's and
-    /// the devices'.
+    /// the devices'. Every vCPU must be parked; the virtio workers are parked here and
+    /// stay so until the VM resumes (`resume_all`, or the API's resume).
     fn capture(&mut self) -> Result<MicrovmState, CloneError> {
         for v in &self.vcpus {
             v.request_capture(self.capture_spec.clone())?;
@@ -602,6 +600,7 @@ impl Microvm {
             );
             self.capture_spec = Arc::new(spec);
         }
+        let virtio = self.devices.pause_virtio()?;
         let vm = clone::vm::save_vm(&self._vm)?;
         let serial = self
             .devices
@@ -613,7 +612,7 @@ impl Microvm {
             captured_at_ns: crate::vstate::vcpu::monotonic_ns(),
             vm,
             vcpus,
-            devices: DeviceStates { serial },
+            devices: DeviceStates { serial, virtio },
         })
     }
 
@@ -698,8 +697,9 @@ impl Microvm {
             spec: &self.capture_spec,
             run_bases: &run_bases,
             run_size: self.kvm_run_size,
+            disk_fds: self.devices.disk_fds(),
         };
-        // SAFETY: every vCPU is parked holding no lock and there are no virtio workers;
+        // SAFETY: every vCPU and virtio worker is parked holding no lock;
         // the API thread may be anywhere, but the child takes none of its locks (logging
         // is lock-free; glibc's fork makes malloc usable after it). With `into`, clone3
         // skips glibc's fork handling: see `fork_into` for what that leaves.

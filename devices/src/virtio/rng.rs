@@ -1,0 +1,275 @@
+//! virtio-rng (entropy device): fills the driver's buffers with bytes from the host's
+//! `getrandom`, optionally rate limited. Each clone's device reads its own host entropy,
+//! so clones never share what they get from it.
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::epoll::EventSet;
+
+use super::worker::{QueueHandler, WorkerContext, FIRST_HANDLER_TOKEN};
+use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use crate::rate_limiter::{RateLimit, RateLimiter};
+
+/// virtio device id of an entropy source.
+pub const TYPE_RNG: u32 = 4;
+const QUEUE_SIZE: u16 = 256;
+/// Most bytes served per request (Linux asks for at most a page).
+const MAX_REQUEST: usize = 64 << 10;
+const TOKEN_LIMITER: u64 = FIRST_HANDLER_TOKEN;
+
+/// The entropy device.
+pub struct Rng {
+    limit: Option<RateLimit>,
+    queue_sizes: [u16; 1],
+}
+
+impl Rng {
+    /// An entropy device, rate limited by `limit` (bytes and requests).
+    pub fn new(limit: Option<RateLimit>) -> Self {
+        Self {
+            limit,
+            queue_sizes: [QUEUE_SIZE],
+        }
+    }
+}
+
+impl VirtioDevice for Rng {
+    fn name(&self) -> &'static str {
+        "virtio-rng"
+    }
+
+    fn device_type(&self) -> u32 {
+        TYPE_RNG
+    }
+
+    fn avail_features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn read_config(&self, _offset: u64, data: &mut [u8]) {
+        // virtio-rng has no configuration space.
+        data.fill(0);
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        tracing::debug!("virtio-rng: guest wrote config at {offset:#x}; it has none");
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        _acked_features: u64,
+        mut queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<Box<dyn QueueHandler>, ActivateError> {
+        let (Some(queue), true) = (queues.pop(), queues.is_empty()) else {
+            return Err(ActivateError::BadQueue("virtio-rng needs one queue".into()));
+        };
+        let limiter = self
+            .limit
+            .as_ref()
+            .map(RateLimiter::new)
+            .transpose()
+            .map_err(|e| super::WorkerError::Spawn("virtio-rng", e))?;
+        Ok(Box::new(RngWorker {
+            mem,
+            queue,
+            interrupt,
+            limiter,
+        }))
+    }
+}
+
+struct RngWorker {
+    mem: GuestMemoryMmap,
+    queue: Queue,
+    interrupt: Arc<VirtioInterrupt>,
+    limiter: Option<RateLimiter>,
+}
+
+/// Fills `buf` from the host's getrandom.
+fn host_random(buf: &mut [u8]) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        // SAFETY: `rest` is valid for writes of its length.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        } else {
+            done += n as usize;
+        }
+    }
+    Ok(())
+}
+
+impl RngWorker {
+    fn process_queue(&mut self) {
+        use std::io::Write;
+        let mut used_any = false;
+        while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
+            let head = chain.head_index();
+            let mut writer = match chain.writer(&self.mem) {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::debug!("virtio-rng: bad descriptor chain {head}: {e:?}");
+                    self.add_used(head, 0);
+                    used_any = true;
+                    continue;
+                }
+            };
+            let len = writer.available_bytes().min(MAX_REQUEST);
+            if let Some(l) = self.limiter.as_mut() {
+                if !l.consume(len as u64) {
+                    // Served when the limiter's timer fires.
+                    self.queue.go_to_previous_position();
+                    break;
+                }
+            }
+            let mut buf = vec![0u8; len];
+            let written = match host_random(&mut buf) {
+                Ok(()) => writer.write_all(&buf).map_or(0, |_| len),
+                Err(e) => {
+                    tracing::warn!("virtio-rng: getrandom failed: {e}");
+                    0
+                }
+            };
+            self.add_used(head, written as u32);
+            used_any = true;
+        }
+        if used_any && self.queue.needs_notification(&self.mem).unwrap_or(true) {
+            if let Err(e) = self.interrupt.signal_used_queue() {
+                tracing::warn!("virtio-rng: interrupt failed: {e}");
+            }
+        }
+    }
+
+    fn add_used(&mut self, head: u16, len: u32) {
+        if let Err(e) = self.queue.add_used(&self.mem, head, len) {
+            tracing::warn!("virtio-rng: cannot return descriptor {head}: {e:?}");
+        }
+    }
+}
+
+impl QueueHandler for RngWorker {
+    fn start(&mut self, ctx: &WorkerContext<'_>) {
+        if let Some(l) = &self.limiter {
+            if let Err(e) = ctx.add(l.as_raw_fd(), TOKEN_LIMITER, EventSet::IN) {
+                tracing::error!("virtio-rng: cannot watch the rate limiter: {e}");
+            }
+        }
+    }
+
+    fn queue_event(&mut self, _index: usize, _ctx: &WorkerContext<'_>) {
+        // While blocked, the limiter's timer retries.
+        if !self.limiter.as_ref().is_some_and(RateLimiter::is_blocked) {
+            self.process_queue();
+        }
+    }
+
+    fn handler_event(&mut self, token: u64, _events: EventSet, _ctx: &WorkerContext<'_>) {
+        if token == TOKEN_LIMITER {
+            if let Some(l) = self.limiter.as_mut() {
+                l.timer_fired();
+            }
+            self.process_queue();
+        }
+    }
+
+    fn queue_states(&self) -> Vec<QueueState> {
+        vec![self.queue.state()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::{Bytes, GuestAddress};
+    use vmm_sys_util::eventfd::EventFd;
+
+    const WRITE: u16 = 2;
+
+    fn worker(
+        mem: &GuestMemoryMmap,
+        vq: &MockSplitQueue<'_, GuestMemoryMmap>,
+        limit: Option<&str>,
+    ) -> RngWorker {
+        RngWorker {
+            mem: mem.clone(),
+            queue: vq.create_queue().unwrap(),
+            interrupt: Arc::new(VirtioInterrupt::new(EventFd::new(0).unwrap())),
+            limiter: limit.map(|l| RateLimiter::new(&l.parse().unwrap()).unwrap()),
+        }
+    }
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x100_0000)]).unwrap()
+    }
+
+    fn desc(addr: u64, len: u32, flags: u16) -> RawDescriptor {
+        RawDescriptor::from(SplitDescriptor::new(addr, len, flags, 0))
+    }
+
+    #[test]
+    fn fills_writable_buffers_with_host_random_bytes() {
+        let m = mem();
+        let vq = MockSplitQueue::new(&m, 16);
+        vq.add_desc_chains(&[desc(0x10_0000, 64, WRITE), desc(0x20_0000, 64, WRITE)], 0)
+            .unwrap();
+        let mut w = worker(&m, &vq, None);
+        w.process_queue();
+        let mut a = [0u8; 64];
+        let mut b = [0u8; 64];
+        m.read_slice(&mut a, GuestAddress(0x10_0000)).unwrap();
+        m.read_slice(&mut b, GuestAddress(0x20_0000)).unwrap();
+        assert_ne!(a, [0u8; 64]);
+        assert_ne!(a, b, "two requests got the same bytes");
+        assert_eq!(vq.used().ring().ref_at(0).unwrap().load().len(), 64);
+        assert_eq!(w.interrupt.status() & 1, 1);
+    }
+
+    #[test]
+    fn read_only_and_out_of_memory_buffers_get_nothing() {
+        let m = mem();
+        let vq = MockSplitQueue::new(&m, 16);
+        vq.add_desc_chains(&[desc(0x10_0000, 64, 0), desc(0x2000_0000, 64, WRITE)], 0)
+            .unwrap();
+        let mut w = worker(&m, &vq, None);
+        w.process_queue();
+        assert_eq!(vq.used().idx().load(), 2, "both chains returned");
+        assert_eq!(vq.used().ring().ref_at(0).unwrap().load().len(), 0);
+        assert_eq!(vq.used().ring().ref_at(1).unwrap().load().len(), 0);
+    }
+
+    #[test]
+    fn rate_limit_holds_requests_until_the_bucket_refills() {
+        let m = mem();
+        let vq = MockSplitQueue::new(&m, 16);
+        let chains: Vec<_> = (0..4)
+            .map(|i| desc(0x10_0000 + i * 0x1000, 100, WRITE))
+            .collect();
+        vq.add_desc_chains(&chains, 0).unwrap();
+        let mut w = worker(&m, &vq, Some("bytes=200/50"));
+        w.process_queue();
+        assert_eq!(vq.used().idx().load(), 2, "200 bytes allowed at once");
+        assert!(w.limiter.as_ref().unwrap().is_blocked());
+        // The queue did not advance past the held request.
+        assert_eq!(w.queue.next_avail(), 2);
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        w.limiter.as_mut().unwrap().timer_fired();
+        w.process_queue();
+        assert_eq!(vq.used().idx().load(), 4);
+    }
+}

@@ -17,11 +17,16 @@ e2e: from the client sending POST /clones to the clone's guest code running (the
 sandbox: clone latency of a running template without seccomp filters, with them (the
   default), and jailed (jailer: filters, namespaces, unprivileged user), interleaved;
   the VMM's figure and end to end to the clone's first guest port write (as e2e).
+devices: clone latency of a running Linux template (its drivers have set the devices
+  up, so every clone restores running devices and starts their workers) without virtio
+  devices and with a root disk and an entropy device, one boot per row and round,
+  rounds interleaved.
 
 usage: benches/clone.py latency [--runs N] [--mem 128,512,2048,4096] [--modes running,paused,warm]
        benches/clone.py fanout [--counts 100,1000]
        benches/clone.py e2e [--runs N] [--modes running,paused,warm]
        benches/clone.py sandbox [--runs N] [--rounds R] [--mem MIB]   (root)
+       benches/clone.py devices [--runs N] [--rounds R]
 """
 import argparse
 import json
@@ -36,6 +41,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "target/guest/tiny.elf")
+GUEST = os.path.join(ROOT, "target/guest")
 VMM = os.path.join(ROOT, "target/release/vmm")
 JAILER = os.path.join(ROOT, "target/release/jailer")
 JAIL_ID = 60123
@@ -62,7 +68,8 @@ TEMPLATES = 0
 
 
 def start_template(tmp, mem, thp, prefault=True, guest="ticks=1 tickless=1",
-                   ready=b"tiny: tickless", warm=0, extra=(), jail=False):
+                   ready=b"tiny: tickless", warm=0, extra=(), jail=False, kernel=TINY,
+                   boot_timeout=120):
     """Starts a template; with jail, under the jailer (uid/gid JAIL_ID, the kernel bound
     at /tiny.elf, its socket and console in the jail's root)."""
     global TEMPLATES
@@ -79,7 +86,7 @@ def start_template(tmp, mem, thp, prefault=True, guest="ticks=1 tickless=1",
     else:
         sock = os.path.join(tmp, name + ".sock")
         console = sock + ".console"
-        cmd = [VMM, "run", "--kernel", TINY, "--console", console, "--api-sock", sock]
+        cmd = [VMM, "run", "--kernel", kernel, "--console", console, "--api-sock", sock]
     cmd += ["--mem-mib", str(mem), "--cmdline", guest]
     if prefault:
         cmd.append("--prefault")
@@ -89,7 +96,7 @@ def start_template(tmp, mem, thp, prefault=True, guest="ticks=1 tickless=1",
         cmd += ["--warm-clones", str(warm)]
     cmd += list(extra)
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    deadline = time.time() + 120
+    deadline = time.time() + boot_timeout
     while time.time() < deadline:
         try:
             if ready in open(console, "rb").read():
@@ -181,10 +188,13 @@ def wait_warm(sock, n, timeout=30):
 
 
 def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None, extra=(),
-                 body='{"count":1}', jail=False):
+                 body='{"count":1}', jail=False, probe=None, **template):
+    """Clones a template `runs` times; with a `guest` that writes the probe port (probe
+    unset or True), the second figure is to the clone's first port write."""
     kw = {} if guest is None else {"guest": guest, "ready": ready}
+    probe = guest is not None if probe is None else probe
     p, sock = start_template(tmp, mem, thp, warm=WARM if mode == "warm" else 0,
-                             extra=extra, jail=jail, **kw)
+                             extra=extra, jail=jail, **kw, **template)
     # Paths the VMM reports are its own: inside a jail, under the jail's root.
     root = os.path.dirname(sock) if jail else "/"
 
@@ -207,7 +217,7 @@ def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None, extra=(),
                 sys.exit(f"clone failed: {code} {answer}")
             c = json.loads(answer)["clones"][0]
             vmm_ms.append(c["latency_us"] / 1e3)
-            if guest is not None:
+            if probe:
                 # The clone's guest may not have run yet when its socket is up (a busy
                 # host): ask again until it has written the port.
                 deadline = time.time() + 5
@@ -230,7 +240,7 @@ def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None, extra=(),
             note = f" ({launched}/{runs} from the pool)"
     finally:
         stop_template(p, sock)
-    if guest is not None:
+    if probe:
         return vmm_ms, guest_ms, note
     return vmm_ms, e2e_ms, note
 
@@ -268,6 +278,35 @@ def sandbox(a):
         for mode in SANDBOX:
             xs = got[mode][i]
             print(row(f"{mode} | {measure}", xs, base))
+
+
+DEVICES = {"none": [],
+           "disk+rng": ["--rootfs", os.path.join(GUEST, "rootfs.ext4"), "--rng"]}
+
+
+def devices(a):
+    print(f"Clone latency of a running 256 MiB Linux template without and with virtio "
+          f"devices set up by its drivers, {a.runs} clones per row in {a.rounds} rounds "
+          f"(ms; ratio of medians to none):\n")
+    print("| devices | measure | min | median | p99 | vs none |")
+    print("|---|---|---|---|---|---|")
+    got = {m: ([], []) for m in DEVICES}
+    guest = ('console=ttyS0 reboot=k panic=-1 quiet '
+             'forkvm.run="echo template-$((1+1)); sleep 1000000"')
+    with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
+        for _ in range(a.rounds):
+            for name, extra in DEVICES.items():
+                vmm_ms, e2e_ms, _ = clone_series(
+                    tmp, 256, True, "running", a.runs // a.rounds, guest=guest,
+                    ready=b"template-2", probe=False, body='{"count":1,"console":"null"}',
+                    extra=["--initrd", os.path.join(GUEST, "initramfs.cpio")] + extra,
+                    kernel=os.path.join(GUEST, "vmlinux"), boot_timeout=600)
+                got[name][0].extend(vmm_ms)
+                got[name][1].extend(e2e_ms)
+    for i, measure in enumerate(("request to clone vCPU 0 in guest", "client end to end")):
+        base = statistics.median(got["none"][i])
+        for name in DEVICES:
+            print(row(f"{name} | {measure}", got[name][i], base))
 
 
 def e2e(a):
@@ -342,6 +381,9 @@ def main():
     sb.add_argument("--runs", type=int, default=200)
     sb.add_argument("--rounds", type=int, default=4)
     sb.add_argument("--mem", type=int, default=128)
+    dv = sub.add_parser("devices")
+    dv.add_argument("--runs", type=int, default=100)
+    dv.add_argument("--rounds", type=int, default=2)
     ee = sub.add_parser("e2e")
     ee.add_argument("--runs", type=int, default=100)
     ee.add_argument("--modes", default=",".join(MODES))
@@ -349,7 +391,8 @@ def main():
     for f in (TINY, VMM):
         if not os.path.exists(f):
             sys.exit(f"{f} missing: run `make release guest` first")
-    {"latency": latency, "fanout": fanout, "e2e": e2e, "sandbox": sandbox}[a.what](a)
+    {"latency": latency, "fanout": fanout, "e2e": e2e, "sandbox": sandbox,
+     "devices": devices}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@
  *                           clone's number in each clone, like fork(); exit 0, or 1 if
  *                           the VMM refused (prints "failed"). Each clone first reseeds
  *                           the kernel RNG with 64 bytes from the host (entropy port,
- *                           RNDADDENTROPY + RNDRESEEDCRNG); --no-reseed skips that
+ *                           RNDADDENTROPY + RNDRESEEDCRNG) and, with a virtio-rng device,
+ *                           discards what /dev/hwrng had buffered before the clone point
+ *                           (identical in every clone); --no-reseed skips both
  *   forkvm-clone --done S   end this VM with exit status S (the done port)
  *   forkvm-clone --probe    print whether the VMM is forkvm (probe port magic)
  *
@@ -111,6 +113,42 @@ static int reseed(int mode)
     return 0;
 }
 
+/*
+ * Bytes /dev/hwrng may hold from before the clone point, identical in every clone: the
+ * hwrng core's leftover buffer (up to 64 bytes) and the virtio-rng driver's prefetched
+ * request (64 bytes in Linux 6.1). Reading this much makes every later read come from
+ * the clone's own device.
+ */
+#define HWRNG_DRAIN 128
+
+/* Discards what /dev/hwrng buffered before the clone; 0 also when there is no hwrng. */
+static int drain_hwrng(void)
+{
+    int fd = open("/dev/hwrng", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return errno == ENOENT || errno == ENODEV || errno == ENXIO ? 0 : -1;
+    char buf[HWRNG_DRAIN];
+    size_t got = 0;
+    while (got < sizeof(buf)) {
+        ssize_t n = read(fd, buf + got, sizeof(buf) - got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            int e = n < 0 ? errno : 0;
+            close(fd);
+            /* ENODEV: no hardware RNG registered behind /dev/hwrng. */
+            if (e == ENODEV && got == 0)
+                return 0;
+            errno = e ? e : EIO;
+            perror("forkvm-clone: draining /dev/hwrng");
+            return -1;
+        }
+        got += (size_t)n;
+    }
+    close(fd);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     int mode = port_access();
@@ -147,7 +185,7 @@ int main(int argc, char **argv)
         printf("failed\n");
         return 1;
     }
-    if (r != 0 && do_reseed && reseed(mode) != 0)
+    if (r != 0 && do_reseed && (reseed(mode) != 0 || drain_hwrng() != 0))
         return 3;
     printf("%u\n", r);
     return 0;

@@ -389,11 +389,30 @@ fn a_vm_with_virtio_devices_clones_and_both_keep_running() {
         ],
     );
     vm.wait_console("tiny: beat 1\n", BOOT);
+    let (_, status) = vm.api("GET", "/vm", None);
+    let parent: Value = serde_json::from_str(&status).unwrap();
+    let devices = parent["devices"].clone();
+    assert_eq!(devices[0]["type"], "virtio-blk", "{status}");
+    assert_eq!(devices[1]["type"], "virtio-rng", "{status}");
+    assert_eq!(
+        devices[1]["rate_limit"]["bandwidth"]["size"], 65536,
+        "{status}"
+    );
     let (code, answer) = vm.api("POST", "/clones", Some(r#"{"count":2}"#));
     assert_eq!(code, 201, "{answer}");
     let v: Value = serde_json::from_str(&answer).unwrap();
     for c in v["clones"].as_array().unwrap() {
         assert_eq!(c["status"]["state"], "running", "{c}");
+        // The clone has the same devices, in the same places.
+        let (code, status) = api_request(
+            Path::new(c["api_sock"].as_str().unwrap()),
+            "GET",
+            "/vm",
+            None,
+        );
+        assert_eq!(code, 200);
+        let clone: Value = serde_json::from_str(&status).unwrap();
+        assert_eq!(clone["devices"], devices, "{status}");
         let console = c["console"].as_str().unwrap().to_string();
         let start = std::time::Instant::now();
         while last_beat_plain(&std::fs::read_to_string(&console).unwrap_or_default()) < 2 {

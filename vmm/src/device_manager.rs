@@ -102,6 +102,8 @@ pub struct DeviceManager {
     pub cmdline_extra: Vec<String>,
     /// The virtio devices, in bus order.
     virtio: Vec<Arc<Mutex<MmioTransport>>>,
+    /// What `GET /vm` says of each virtio device (type, place, limits), in bus order.
+    virtio_info: Vec<serde_json::Value>,
     /// Descriptors of the open disk images, in device order (a clone inherits them).
     disk_fds: Vec<RawFd>,
 }
@@ -177,6 +179,7 @@ impl DeviceManager {
             serial,
             cmdline_extra: Vec::new(),
             virtio: Vec::new(),
+            virtio_info: Vec::new(),
             disk_fds: Vec::new(),
         })
     }
@@ -214,10 +217,12 @@ impl DeviceManager {
                 None => Block::open(rootfs, "forkvm-rootfs")?,
             };
             self.disk_fds.push(block.file().as_raw_fd());
-            self.add_virtio(vm, mem, Box::new(block), restore)?;
+            let info = serde_json::json!({ "path": rootfs, "read_only": true });
+            self.add_virtio(vm, mem, Box::new(block), info, restore)?;
         }
         if let Some(rng) = &config.rng {
-            self.add_virtio(vm, mem, Box::new(Rng::new(rng.rate_limit)), restore)?;
+            let info = serde_json::json!({ "rate_limit": rng.rate_limit });
+            self.add_virtio(vm, mem, Box::new(Rng::new(rng.rate_limit)), info, restore)?;
         }
         if let Some(r) = restore {
             if r.states.len() != self.virtio.len() {
@@ -248,6 +253,20 @@ impl DeviceManager {
         Ok(states)
     }
 
+    /// The virtio devices as `GET /vm` shows them: type, MMIO base, GSI, whether the
+    /// driver started it, and its own settings.
+    pub fn describe_virtio(&self) -> Vec<serde_json::Value> {
+        self.virtio
+            .iter()
+            .zip(&self.virtio_info)
+            .map(|(t, info)| {
+                let mut v = info.clone();
+                v["active"] = lock(t).is_active().into();
+                v
+            })
+            .collect()
+    }
+
     /// Lets every virtio device's worker go on.
     pub fn resume_virtio(&self) {
         for t in &self.virtio {
@@ -263,6 +282,7 @@ impl DeviceManager {
         vm: &VmFd,
         mem: &GuestMemoryMmap,
         device: Box<dyn VirtioDevice>,
+        mut info: serde_json::Value,
         restore: Option<&VirtioRestore<'_>>,
     ) -> Result<(), DeviceError> {
         let index = self.virtio.len();
@@ -305,6 +325,10 @@ impl DeviceManager {
         self.mmio
             .insert(transport.clone(), base, VIRTIO_MMIO_SIZE)?;
         self.virtio.push(transport);
+        info["type"] = name.into();
+        info["mmio_base"] = format!("{base:#x}").into();
+        info["gsi"] = gsi.into();
+        self.virtio_info.push(info);
         self.cmdline_extra
             .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
         Ok(())

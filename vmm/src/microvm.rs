@@ -202,6 +202,7 @@ impl Microvm {
             "warm_clones": self.warm.report(),
             "cgroups": self.cgroups.as_ref().map(|c| c.report()),
             "host": self.host,
+            "devices": self.devices.describe_virtio(),
             "probe": {
                 "writes": self.devices.probe.writes(),
                 "last": self.devices.probe.last(),

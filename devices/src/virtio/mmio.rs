@@ -229,6 +229,11 @@ impl MmioTransport {
         self.device.name()
     }
 
+    /// Whether the driver started the device (its worker runs).
+    pub fn is_active(&self) -> bool {
+        self.worker.is_some()
+    }
+
     /// Hands the queues to the device and starts its worker.
     fn start_worker(&mut self) -> Result<(), super::ActivateError> {
         let evts = self

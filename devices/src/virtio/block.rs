@@ -147,12 +147,10 @@ impl VirtioDevice for Block {
         &mut self,
         mem: GuestMemoryMmap,
         _acked_features: u64,
-        mut queues: Vec<Queue>,
+        queues: Vec<Queue>,
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
-        let (Some(queue), true) = (queues.pop(), queues.is_empty()) else {
-            return Err(ActivateError::BadQueue("virtio-blk needs one queue".into()));
-        };
+        let queue = super::single_queue(queues, "virtio-blk")?;
         Ok(Box::new(Worker {
             file: self.file.clone(),
             sectors: self.sectors,
@@ -195,14 +193,7 @@ impl Worker {
             used_any = true;
         }
         if used_any {
-            match self.queue.needs_notification(&self.mem) {
-                Ok(false) => {}
-                _ => {
-                    if let Err(e) = self.interrupt.signal_used_queue() {
-                        tracing::warn!("virtio-blk: interrupt failed: {e}");
-                    }
-                }
-            }
+            super::notify_used(&mut self.queue, &self.mem, &self.interrupt, "virtio-blk");
         }
     }
 

@@ -100,6 +100,30 @@ impl VirtioInterrupt {
     }
 }
 
+/// The one queue of a single-queue device, or why the driver's setup does not fit.
+pub(crate) fn single_queue(mut queues: Vec<Queue>, device: &str) -> Result<Queue, ActivateError> {
+    match (queues.pop(), queues.is_empty()) {
+        (Some(q), true) => Ok(q),
+        _ => Err(ActivateError::BadQueue(format!("{device} needs one queue"))),
+    }
+}
+
+/// After a device returned used buffers: raises the interrupt unless the driver asked
+/// not to be notified (VIRTIO_F_EVENT_IDX); an unreadable ring notifies.
+pub(crate) fn notify_used(
+    queue: &mut Queue,
+    mem: &GuestMemoryMmap,
+    interrupt: &VirtioInterrupt,
+    device: &str,
+) {
+    use virtio_queue::QueueT;
+    if queue.needs_notification(mem).unwrap_or(true) {
+        if let Err(e) = interrupt.signal_used_queue() {
+            tracing::warn!("{device}: interrupt failed: {e}");
+        }
+    }
+}
+
 /// A virtio device model, driven by a transport. The transport owns the device's
 /// worker thread: [`VirtioDevice::activate`] hands it the handler that serves the queues.
 pub trait VirtioDevice: Send {

@@ -66,12 +66,10 @@ impl VirtioDevice for Rng {
         &mut self,
         mem: GuestMemoryMmap,
         _acked_features: u64,
-        mut queues: Vec<Queue>,
+        queues: Vec<Queue>,
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
-        let (Some(queue), true) = (queues.pop(), queues.is_empty()) else {
-            return Err(ActivateError::BadQueue("virtio-rng needs one queue".into()));
-        };
+        let queue = super::single_queue(queues, "virtio-rng")?;
         let limiter = self
             .limit
             .as_ref()
@@ -147,10 +145,8 @@ impl RngWorker {
             self.add_used(head, written as u32);
             used_any = true;
         }
-        if used_any && self.queue.needs_notification(&self.mem).unwrap_or(true) {
-            if let Err(e) = self.interrupt.signal_used_queue() {
-                tracing::warn!("virtio-rng: interrupt failed: {e}");
-            }
+        if used_any {
+            super::notify_used(&mut self.queue, &self.mem, &self.interrupt, "virtio-rng");
         }
     }
 

@@ -3,6 +3,7 @@
 pub mod block;
 pub mod mmio;
 pub mod rng;
+pub mod vsock;
 pub mod worker;
 
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -55,7 +55,12 @@ pub struct WorkerContext<'a> {
     epoll: &'a Epoll,
 }
 
-impl WorkerContext<'_> {
+impl<'a> WorkerContext<'a> {
+    /// A context over `epoll` (the worker's; tests drive handlers with their own).
+    pub(crate) fn new(epoll: &'a Epoll) -> Self {
+        Self { epoll }
+    }
+
     /// Watches `fd` for `events`, reported to the handler with `token`.
     pub fn add(&self, fd: RawFd, token: u64, events: EventSet) -> std::io::Result<()> {
         self.epoll
@@ -186,7 +191,7 @@ struct Run<H> {
 impl<H: QueueHandler> Run<H> {
     fn serve(&mut self) -> std::io::Result<()> {
         let epoll = Epoll::new()?;
-        let ctx = WorkerContext { epoll: &epoll };
+        let ctx = WorkerContext::new(&epoll);
         ctx.add(self.wake.as_raw_fd(), TOKEN_CONTROL, EventSet::IN)?;
         for (i, evt) in self.queue_evts.iter().enumerate() {
             ctx.add(evt.as_raw_fd(), i as u64, EventSet::IN)?;

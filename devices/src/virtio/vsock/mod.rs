@@ -1,0 +1,158 @@
+//! virtio-vsock (stream sockets between the guest and the host), with the host side over
+//! Unix sockets.
+//!
+//! - **Host to guest**: the host connects to the VM's socket path and writes
+//!   `CONNECT <port>\n`; once a guest program listening on that vsock port accepts, the
+//!   host reads `OK <host port>\n` and the stream carries the connection. If nothing
+//!   listens, the host's connection is closed.
+//! - **Guest to host**: a guest connection to host CID 2, port P, reaches the Unix
+//!   socket `<path>_<P>`, which a host program listens on.
+//! - **Clones**: each clone's device listens on its own path. A restored device starts
+//!   with no connections and first sends the guest a transport-reset event, so the
+//!   guest drops the connections it had at the clone point (they belong to the parent);
+//!   its listening sockets keep working.
+
+mod muxer;
+mod packet;
+
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemoryMmap;
+
+use super::worker::QueueHandler;
+use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+
+pub use packet::{HOST_CID, MAX_PENDING_RX};
+
+/// virtio device id of a socket device.
+pub const TYPE_VSOCK: u32 = 19;
+const QUEUE_SIZE: u16 = 256;
+/// Lowest guest CID (0-2 are reserved).
+pub const MIN_GUEST_CID: u64 = 3;
+
+/// Errors creating the device.
+#[derive(Debug, thiserror::Error)]
+pub enum VsockError {
+    /// The CID is reserved or too large.
+    #[error("vsock CID {0} is invalid: use {MIN_GUEST_CID} to {max}", max = u32::MAX - 1)]
+    Cid(u64),
+    /// The host socket could not be made.
+    #[error("cannot listen on vsock socket {path}: {source}")]
+    Listen {
+        /// The path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// The vsock device.
+pub struct Vsock {
+    cid: u64,
+    path: PathBuf,
+    listener: UnixListener,
+    /// A clone's device: tell the driver its connections are gone.
+    restored: bool,
+    queue_sizes: [u16; 3],
+}
+
+impl Vsock {
+    /// A device with guest CID `cid` whose host side listens on `path` (a stale socket
+    /// file there is replaced). `restored` marks a clone's device.
+    pub fn new(cid: u64, path: &Path, restored: bool) -> Result<Self, VsockError> {
+        if !(MIN_GUEST_CID..u64::from(u32::MAX)).contains(&cid) {
+            return Err(VsockError::Cid(cid));
+        }
+        let listen_err = |source| VsockError::Listen {
+            path: path.display().to_string(),
+            source,
+        };
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(listen_err(e)),
+        }
+        let listener = UnixListener::bind(path).map_err(listen_err)?;
+        listener.set_nonblocking(true).map_err(listen_err)?;
+        Ok(Self {
+            cid,
+            path: path.to_path_buf(),
+            listener,
+            restored,
+            queue_sizes: [QUEUE_SIZE; 3],
+        })
+    }
+
+    /// The host socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Vsock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn name(&self) -> &'static str {
+        "virtio-vsock"
+    }
+
+    fn device_type(&self) -> u32 {
+        TYPE_VSOCK
+    }
+
+    fn avail_features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // guest_cid (le64) at offset 0.
+        let cfg = self.cid.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = cfg.get(offset as usize + i).copied().unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        tracing::debug!("virtio-vsock: guest wrote read-only config at {offset:#x}");
+    }
+
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        _acked_features: u64,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<Box<dyn QueueHandler>, ActivateError> {
+        let [rx, tx, event]: [Queue; 3] = queues
+            .try_into()
+            .map_err(|_| ActivateError::BadQueue("virtio-vsock needs three queues".into()))?;
+        let listener = self
+            .listener
+            .try_clone()
+            .map_err(|e| super::WorkerError::Spawn("virtio-vsock", e))?;
+        Ok(Box::new(muxer::Muxer::new(
+            self.cid,
+            self.path.clone(),
+            listener,
+            mem,
+            [rx, tx, event],
+            interrupt,
+            // Only the first activation of a clone's device reports the reset.
+            std::mem::take(&mut self.restored),
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,278 @@
+//! The muxer driven as its worker drives it, with mock guest queues and real host
+//! Unix sockets.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::Duration;
+
+use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+use virtio_queue::mock::MockSplitQueue;
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::epoll::{Epoll, EpollEvent};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::packet::*;
+use super::*;
+use crate::virtio::worker::WorkerContext;
+
+const RX: usize = 0;
+const TX: usize = 1;
+
+const WRITE: u16 = 2;
+const GUEST_CID: u64 = 3;
+const RX_BUF: u64 = 0x40_0000;
+const TX_BUF: u64 = 0x80_0000;
+const EVENT_BUF: u64 = 0xc0_0000;
+
+struct Rig<'a> {
+    mem: &'a GuestMemoryMmap,
+    rx: MockSplitQueue<'a, GuestMemoryMmap>,
+    tx: MockSplitQueue<'a, GuestMemoryMmap>,
+    ev: MockSplitQueue<'a, GuestMemoryMmap>,
+    handler: Box<dyn QueueHandler>,
+    epoll: Epoll,
+    rx_posted: u16,
+    rx_seen: u16,
+    tx_sent: u16,
+    _dev: Vsock,
+}
+
+fn rig<'a>(mem: &'a GuestMemoryMmap, path: &Path, restored: bool) -> Rig<'a> {
+    let rx = MockSplitQueue::create(mem, GuestAddress(0x1_0000), 16);
+    let tx = MockSplitQueue::create(mem, GuestAddress(0x2_0000), 16);
+    let ev = MockSplitQueue::create(mem, GuestAddress(0x3_0000), 16);
+    let mut dev = Vsock::new(GUEST_CID, path, restored).unwrap();
+    let queues = vec![
+        rx.create_queue().unwrap(),
+        tx.create_queue().unwrap(),
+        ev.create_queue().unwrap(),
+    ];
+    let irq = Arc::new(VirtioInterrupt::new(EventFd::new(0).unwrap()));
+    let handler = dev.activate(mem.clone(), 0, queues, irq).unwrap();
+    let mut r = Rig {
+        mem,
+        rx,
+        tx,
+        ev,
+        handler,
+        epoll: Epoll::new().unwrap(),
+        rx_posted: 0,
+        rx_seen: 0,
+        tx_sent: 0,
+        _dev: dev,
+    };
+    let d = SplitDescriptor::new(EVENT_BUF, 4, WRITE, 0);
+    r.ev.add_desc_chains(&[RawDescriptor::from(d)], 0).unwrap();
+    let ctx = WorkerContext::new(&r.epoll);
+    r.handler.start(&ctx);
+    r
+}
+
+impl Rig<'_> {
+    /// The guest posts `n` rx buffers of a header and 4 KiB.
+    fn post_rx(&mut self, n: u16) {
+        for _ in 0..n {
+            let i = self.rx_posted;
+            let d = SplitDescriptor::new(RX_BUF + u64::from(i) * 0x2000, 44 + 4096, WRITE, 0);
+            self.rx
+                .add_desc_chains(&[RawDescriptor::from(d)], i)
+                .unwrap();
+            self.rx_posted += 1;
+        }
+        let ctx = WorkerContext::new(&self.epoll);
+        self.handler.queue_event(RX, &ctx);
+    }
+
+    /// Runs the worker's loop until nothing happens for 50 ms.
+    fn pump(&mut self) {
+        let mut events = [EpollEvent::default(); 8];
+        while let Ok(n) = self.epoll.wait(50, &mut events) {
+            if n == 0 {
+                break;
+            }
+            let ctx = WorkerContext::new(&self.epoll);
+            for ev in &events[..n] {
+                self.handler.handler_event(ev.data(), ev.event_set(), &ctx);
+            }
+        }
+    }
+
+    /// The next packet the device gave the guest.
+    fn next_rx(&mut self) -> Packet {
+        self.pump();
+        assert!(
+            self.rx.used().idx().load() > self.rx_seen,
+            "no packet for the guest"
+        );
+        let used = self
+            .rx
+            .used()
+            .ring()
+            .ref_at(self.rx_seen as usize)
+            .unwrap()
+            .load();
+        let addr = RX_BUF + u64::from(used.id()) * 0x2000;
+        self.rx_seen += 1;
+        let hdr: Header = self.mem.read_obj(GuestAddress(addr)).unwrap();
+        let mut data = vec![0u8; hdr.len as usize];
+        self.mem
+            .read_slice(&mut data, GuestAddress(addr + 44))
+            .unwrap();
+        assert_eq!(used.len() as usize, 44 + data.len());
+        Packet { hdr, data }
+    }
+
+    /// The guest sends a packet.
+    fn send(&mut self, op: u16, ports: (u32, u32), flags: u32, data: &[u8]) {
+        let i = self.tx_sent;
+        let addr = TX_BUF + u64::from(i) * 0x2000;
+        let hdr = Header {
+            src_cid: GUEST_CID,
+            dst_cid: HOST_CID,
+            src_port: ports.0,
+            dst_port: ports.1,
+            len: data.len() as u32,
+            type_: TYPE_STREAM,
+            op,
+            flags,
+            buf_alloc: 64 << 10,
+            fwd_cnt: 0,
+        };
+        self.mem.write_obj(hdr, GuestAddress(addr)).unwrap();
+        self.mem.write_slice(data, GuestAddress(addr + 44)).unwrap();
+        let d = SplitDescriptor::new(addr, 44 + data.len() as u32, 0, 0);
+        self.tx
+            .add_desc_chains(&[RawDescriptor::from(d)], i)
+            .unwrap();
+        self.tx_sent += 1;
+        let ctx = WorkerContext::new(&self.epoll);
+        self.handler.queue_event(TX, &ctx);
+        self.pump();
+    }
+}
+
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("forkvm-vsock-{name}-{}", std::process::id()))
+}
+
+fn mem() -> GuestMemoryMmap {
+    GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x100_0000)]).unwrap()
+}
+
+#[test]
+fn host_connects_exchanges_data_and_closes() {
+    let m = mem();
+    let path = temp_path("host");
+    let mut r = rig(&m, &path, false);
+    assert_eq!(
+        r.ev.used().idx().load(),
+        0,
+        "no reset for an original device"
+    );
+    r.post_rx(8);
+    let mut host = UnixStream::connect(&path).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    host.write_all(b"CONNECT 1234\n").unwrap();
+    let req = r.next_rx();
+    assert_eq!(
+        ({ req.hdr.op }, { req.hdr.dst_port }, { req.hdr.dst_cid }, {
+            req.hdr.src_cid
+        }),
+        (OP_REQUEST, 1234, GUEST_CID, HOST_CID)
+    );
+    let local = req.hdr.src_port;
+    r.send(OP_RESPONSE, (1234, local), 0, &[]);
+    let mut reader = BufReader::new(host.try_clone().unwrap());
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    assert_eq!(line, format!("OK {local}\n"));
+
+    host.write_all(b"hello").unwrap();
+    let rw = r.next_rx();
+    assert_eq!(({ rw.hdr.op }, rw.data.as_slice()), (OP_RW, &b"hello"[..]));
+    r.send(OP_RW, (1234, local), 0, b"world");
+    let mut got = [0u8; 5];
+    reader.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"world");
+
+    drop(reader);
+    drop(host);
+    let bye = r.next_rx();
+    assert_eq!(({ bye.hdr.op }, { bye.hdr.flags }), (OP_SHUTDOWN, 3));
+    // Data for a connection that is gone is refused.
+    r.send(OP_RW, (1234, local), 0, b"late");
+    assert_eq!({ r.next_rx().hdr.op }, OP_RST);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn guest_connects_to_a_host_socket_and_unknown_ports_are_refused() {
+    let m = mem();
+    let path = temp_path("guest");
+    let mut r = rig(&m, &path, false);
+    r.post_rx(8);
+    let server = UnixListener::bind(format!("{}_5000", path.display())).unwrap();
+    r.send(OP_REQUEST, (49152, 5000), 0, &[]);
+    assert_eq!({ r.next_rx().hdr.op }, OP_RESPONSE);
+    let (mut s, _) = server.accept().unwrap();
+    r.send(OP_RW, (49152, 5000), 0, b"ping");
+    let mut got = [0u8; 4];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"ping");
+    s.write_all(b"pong").unwrap();
+    let rw = r.next_rx();
+    assert_eq!(rw.data, b"pong");
+    assert_eq!({ rw.hdr.dst_port }, 49152);
+    // Nobody listens on port 6000.
+    r.send(OP_REQUEST, (49153, 6000), 0, &[]);
+    assert_eq!({ r.next_rx().hdr.op }, OP_RST);
+    // A packet claiming another source CID is refused.
+    let i = r.tx_sent;
+    let addr = TX_BUF + u64::from(i) * 0x2000;
+    let bad = Header {
+        src_cid: 99,
+        dst_cid: HOST_CID,
+        op: OP_REQUEST,
+        type_: TYPE_STREAM,
+        ..Default::default()
+    };
+    m.write_obj(bad, GuestAddress(addr)).unwrap();
+    r.tx.add_desc_chains(
+        &[RawDescriptor::from(SplitDescriptor::new(addr, 44, 0, 0))],
+        i,
+    )
+    .unwrap();
+    r.handler.queue_event(TX, &WorkerContext::new(&r.epoll));
+    assert_eq!({ r.next_rx().hdr.op }, OP_RST);
+    // A bad CONNECT line is dropped without bothering the guest.
+    let mut host = UnixStream::connect(&path).unwrap();
+    host.write_all(b"HELLO\n").unwrap();
+    r.pump();
+    assert_eq!(r.rx.used().idx().load(), r.rx_seen);
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(host.read(&mut got).unwrap(), 0, "closed");
+    let _ = std::fs::remove_file(format!("{}_5000", path.display()));
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_restored_device_reports_a_transport_reset() {
+    let m = mem();
+    let path = temp_path("reset");
+    let r = rig(&m, &path, true);
+    assert_eq!(r.ev.used().idx().load(), 1);
+    let id: u32 = m.read_obj(GuestAddress(EVENT_BUF)).unwrap();
+    assert_eq!(id, EVENT_TRANSPORT_RESET);
+    drop(r);
+    assert!(!path.exists(), "socket file removed with the device");
+}
+
+#[test]
+fn bad_cids_are_refused() {
+    for cid in [0, 1, 2, u64::from(u32::MAX), u64::MAX] {
+        assert!(matches!(
+            Vsock::new(cid, &temp_path("cid"), false),
+            Err(VsockError::Cid(_))
+        ));
+    }
+}

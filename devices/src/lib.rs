@@ -7,6 +7,7 @@
 
 pub mod bus;
 pub mod entropy;
+pub mod identity;
 pub mod legacy;
 pub mod probe;
 pub mod rate_limiter;

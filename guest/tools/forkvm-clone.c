@@ -10,6 +10,8 @@
  *                           (identical in every clone); --no-reseed skips both
  *   forkvm-clone --done S   end this VM with exit status S (the done port)
  *   forkvm-clone --probe    print whether the VMM is forkvm (probe port magic)
+ *   forkvm-clone --id       print this VM's clone sequence number (0: not a clone),
+ *                           from the identity port; works in clones the host made too
  *
  * Port access: ioperm() and 32-bit port I/O from user mode where the CPU allows it,
  * otherwise /dev/port (byte-wide: clone numbers above 254 then read modulo 256).
@@ -30,6 +32,7 @@
 #define CLONE_PORT 0xf48
 #define DONE_PORT 0xf4c
 #define ENTROPY_PORT 0xf50
+#define IDENTITY_PORT 0xf54
 #define RESEED_BYTES 64
 #define PROBE_MAGIC 0x4d564b46u /* "FKVM" */
 
@@ -165,6 +168,10 @@ int main(int argc, char **argv)
         printf("%s (port access: %s)\n", m == PROBE_MAGIC ? "forkvm" : "not forkvm",
                mode == 0 ? "ioperm" : "/dev/port");
         return m == PROBE_MAGIC ? 0 : 1;
+    }
+    if (argc > 1 && strcmp(argv[1], "--id") == 0) {
+        printf("%u\n", in32(mode, IDENTITY_PORT));
+        return 0;
     }
     if (argc > 2 && strcmp(argv[1], "--done") == 0) {
         out32(mode, DONE_PORT, (uint32_t)strtoul(argv[2], NULL, 0));

@@ -138,7 +138,8 @@ const SPAWN: &[i64] = &[
 ];
 
 /// A device worker: wait on its queues' eventfds and its rate limiter's timer, read and
-/// write the backing file, fill buffers from getrandom, signal the guest.
+/// write the backing file, fill buffers from getrandom, accept and connect Unix sockets
+/// (vsock), signal the guest.
 const DEVICE: &[i64] = &[
     libc::SYS_epoll_create1,
     libc::SYS_epoll_ctl,
@@ -157,6 +158,13 @@ const DEVICE: &[i64] = &[
     libc::SYS_fstat,
     libc::SYS_newfstatat,
     libc::SYS_statx,
+    // vsock: host connections to the VM's socket, guest connections to host sockets.
+    libc::SYS_accept4,
+    libc::SYS_socket,
+    libc::SYS_connect,
+    libc::SYS_shutdown,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
     // Rate limiters' timers (created where the device is activated).
     libc::SYS_timerfd_create,
     libc::SYS_timerfd_settime,

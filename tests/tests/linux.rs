@@ -295,3 +295,118 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
     }
     vm.shutdown(Duration::from_secs(30));
 }
+
+/// `vmm exec ARGS` with `input` on its stdin: (exit code, stdout, stderr).
+fn vmm_exec(sock: &std::path::Path, args: &[&str], input: &[u8]) -> (Option<i32>, String, String) {
+    use std::io::Write;
+    let mut child = std::process::Command::new(tests::vmm_bin())
+        .arg("exec")
+        .arg("--api-sock")
+        .arg(sock)
+        .args(["--timeout", "300"])
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn vmm exec");
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
+    if !kvm_available("linux_vsock") {
+        return;
+    }
+    let scratch = Scratch::new("linux-vsock");
+    let vsock = scratch.path("vm.vsock");
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &path("vmlinux"),
+            "--initrd",
+            &path("initramfs.cpio"),
+            "--vsock",
+            vsock.to_str().unwrap(),
+            "--mem-mib",
+            "256",
+            "--cmdline",
+            r#"console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run="sleep 1000000""#,
+        ],
+    );
+    vm.wait_console("forkvm-agent: listening on port 1024", LINUX_BOOT);
+    // The template: input, output and exit status go through; it is not a clone.
+    let (code, out, err) = vmm_exec(
+        &vm.sock,
+        &[
+            "--stdin",
+            "--",
+            "read x; echo got-$x; forkvm-clone --id; exit 7",
+        ],
+        b"hello\n",
+    );
+    assert_eq!(code, Some(7), "{out}{err}");
+    assert_eq!(out, "got-hello\n0\n");
+    // Nobody listens on port 999: a clear error, and the VM keeps serving.
+    let (code, _, err) = vmm_exec(&vm.sock, &["--port", "999", "--", "true"], b"");
+    assert_eq!(code, Some(255));
+    assert!(
+        err.contains("nothing in the guest accepted on vsock port 999"),
+        "{err}"
+    );
+
+    // A request in flight in the template while it is cloned completes in the template;
+    // each clone's copy of that connection is reset (it belongs to the parent).
+    let sock = vm.sock.clone();
+    let long = std::thread::spawn(move || vmm_exec(&sock, &["--", "sleep 4; echo long-done"], b""));
+    std::thread::sleep(Duration::from_secs(2));
+    const CLONES: usize = 20;
+    let (code, body) = vm.api(
+        "POST",
+        "/clones",
+        Some(&format!(r#"{{"count":{CLONES},"console":"null"}}"#)),
+    );
+    assert_eq!(code, 201, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let clones = v["clones"].as_array().unwrap().clone();
+    assert_eq!(clones.len(), CLONES);
+    for c in &clones {
+        let sock = std::path::PathBuf::from(c["api_sock"].as_str().unwrap());
+        let own = format!("{}.vsock", sock.display());
+        assert_eq!(c["vsock"], own.as_str(), "{c}");
+        let (code, out, err) = vmm_exec(&sock, &["--", "echo id=$(forkvm-clone --id)"], b"");
+        assert_eq!(code, Some(0), "clone {}: {err}", c["id"]);
+        assert_eq!(out, format!("id={}\n", c["id"].as_str().unwrap()));
+    }
+    let (code, out, err) = long.join().unwrap();
+    assert_eq!((code, out.as_str()), (Some(0), "long-done\n"), "{err}");
+
+    for c in &clones {
+        let (code, _) = vm.api(
+            "DELETE",
+            &format!("/clones/{}", c["id"].as_str().unwrap()),
+            None,
+        );
+        assert_eq!(code, 200);
+    }
+    let start = std::time::Instant::now();
+    while clones
+        .iter()
+        .any(|c| std::path::Path::new(c["vsock"].as_str().unwrap()).exists())
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "clone vsock sockets left"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    vm.shutdown(Duration::from_secs(30));
+    assert!(!vsock.exists(), "the template's vsock socket was left");
+}

@@ -96,6 +96,15 @@ pub struct RngConfig {
     pub rate_limit: Option<devices::rate_limiter::RateLimit>,
 }
 
+/// The virtio-vsock device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VsockConfig {
+    /// The guest's CID (3 or more).
+    pub cid: u64,
+    /// The host-side Unix socket (a clone's is `<its control socket>.vsock`).
+    pub uds_path: PathBuf,
+}
+
 /// A complete VM configuration.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -107,6 +116,8 @@ pub struct VmConfig {
     pub rootfs: Option<PathBuf>,
     /// A virtio-rng entropy device, with its optional rate limit.
     pub rng: Option<RngConfig>,
+    /// A virtio-vsock device.
+    pub vsock: Option<VsockConfig>,
     /// Guest memory in MiB.
     pub mem_mib: u64,
     /// Number of vCPUs.
@@ -141,6 +152,7 @@ impl VmConfig {
             initrd: None,
             rootfs: None,
             rng: None,
+            vsock: None,
             mem_mib: 128,
             vcpus: 1,
             cmdline: DEFAULT_CMDLINE.to_string(),

@@ -10,6 +10,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use devices::entropy::{EntropyPort, ENTROPY_BASE, ENTROPY_LEN};
+use devices::identity::{IdentityPort, IDENTITY_BASE, IDENTITY_LEN};
 use devices::legacy::{
     SerialConsole, SerialConsoleState, SerialRestoreError, COM1_BASE, COM1_GSI, COM1_LEN, I8042,
 };
@@ -18,6 +19,7 @@ use devices::trigger::EventFdTrigger;
 use devices::virtio::block::{Block, BlockError};
 use devices::virtio::mmio::{TransportRestoreError, NOTIFY_REG_OFFSET};
 use devices::virtio::rng::Rng;
+use devices::virtio::vsock::{Vsock, VsockError};
 use devices::virtio::{
     MmioTransport, MmioTransportState, VirtioDevice, VirtioInterrupt, WorkerError,
 };
@@ -60,6 +62,9 @@ pub enum DeviceError {
     /// KVM_IOEVENTFD failed.
     #[error("cannot register a virtio notification with KVM: {0}")]
     Ioeventfd(kvm_ioctls::Error),
+    /// The vsock device could not be made.
+    #[error(transparent)]
+    Vsock(#[from] VsockError),
     /// A clone's saved device state does not fit its devices.
     #[error("cannot restore {device}: {source}")]
     Restore {
@@ -130,12 +135,14 @@ fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceErr
 }
 
 impl DeviceManager {
-    /// Creates the legacy devices (serial, i8042, probe) for a VM with `vcpus` vCPUs;
-    /// with `serial_state`, the console continues from it (a clone).
+    /// Creates the legacy devices (serial, i8042, the probe, entropy and identity ports)
+    /// for a VM with `vcpus` vCPUs whose clone sequence number is `clone_seq` (0 for an
+    /// original VM); with `serial_state`, the console continues from it (a clone).
     pub fn new(
         vm: &VmFd,
         console: &ConsoleSink,
         vcpus: u8,
+        clone_seq: u32,
         serial_state: Option<&SerialConsoleState>,
     ) -> Result<Self, DeviceError> {
         let mut pio = Bus::new();
@@ -170,6 +177,11 @@ impl DeviceManager {
             ENTROPY_BASE,
             ENTROPY_LEN,
         )?;
+        pio.insert(
+            Arc::new(Mutex::new(IdentityPort::new(clone_seq))),
+            IDENTITY_BASE,
+            IDENTITY_LEN,
+        )?;
 
         Ok(Self {
             pio,
@@ -195,7 +207,7 @@ impl DeviceManager {
     }
 
     /// Attaches the virtio devices `config` asks for, in a fixed order: the root disk
-    /// (virtio-blk, `/dev/vda`), then the entropy device. With `restore` (a clone), each
+    /// (virtio-blk, `/dev/vda`), the entropy device, the socket device. With `restore` (a clone), each
     /// continues from its saved state and disks use the inherited descriptors.
     pub fn add_virtio_devices(
         &mut self,
@@ -223,6 +235,11 @@ impl DeviceManager {
         if let Some(rng) = &config.rng {
             let info = serde_json::json!({ "rate_limit": rng.rate_limit });
             self.add_virtio(vm, mem, Box::new(Rng::new(rng.rate_limit)), info, restore)?;
+        }
+        if let Some(v) = &config.vsock {
+            let vsock = Vsock::new(v.cid, &v.uds_path, restore.is_some())?;
+            let info = serde_json::json!({ "cid": v.cid, "uds_path": v.uds_path });
+            self.add_virtio(vm, mem, Box::new(vsock), info, restore)?;
         }
         if let Some(r) = restore {
             if r.states.len() != self.virtio.len() {

@@ -41,6 +41,28 @@ enum Command {
     Fork(ForkArgs),
     /// List this VM's clones (GET /clones).
     Clones(SockArg),
+    /// Run a shell command in the guest through vsock and forkvm-agent; prints its
+    /// output and exits with its status.
+    Exec(ExecArgs),
+}
+
+#[derive(clap::Args)]
+struct ExecArgs {
+    /// The VM's control socket.
+    #[arg(long)]
+    api_sock: PathBuf,
+    /// The agent's vsock port in the guest.
+    #[arg(long, default_value_t = 1024)]
+    port: u32,
+    /// Send this process's standard input to the command.
+    #[arg(long)]
+    stdin: bool,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 60)]
+    timeout: u64,
+    /// The command (joined with spaces and run with `sh -c`).
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -85,6 +107,14 @@ struct RunArgs {
     /// (SIZE may end in K, M or G; MS is the refill period, default 1000). Implies --rng.
     #[arg(long)]
     rng_rate_limit: Option<devices::rate_limiter::RateLimit>,
+    /// Attach a virtio-vsock device whose host side listens on this Unix socket (hosts
+    /// connect and write `CONNECT <port>`; guest connections to host port P reach
+    /// `PATH_P`). Each clone listens on `<its control socket>.vsock`.
+    #[arg(long)]
+    vsock: Option<PathBuf>,
+    /// The guest's vsock CID.
+    #[arg(long, default_value_t = 3)]
+    vsock_cid: u64,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 128)]
     mem_mib: u64,
@@ -186,6 +216,29 @@ fn api_call(sock: &Path, method: &str, path: &str, body: Option<&str>) -> ExitCo
     }
 }
 
+fn exec(e: &ExecArgs) -> ExitCode {
+    use std::io::{Read, Write};
+    let mut input = Vec::new();
+    if e.stdin {
+        if let Err(err) = std::io::stdin().read_to_end(&mut input) {
+            eprintln!("vmm: reading standard input: {err}");
+            return ExitCode::FAILURE;
+        }
+    }
+    let command = e.command.join(" ");
+    let timeout = std::time::Duration::from_secs(e.timeout);
+    match vmm::api::exec::exec(&e.api_sock, e.port, &command, &input, timeout) {
+        Ok(out) => {
+            let _ = std::io::stdout().write_all(&out.output);
+            ExitCode::from(out.status.clamp(0, 255) as u8)
+        }
+        Err(err) => {
+            eprintln!("vmm: {err}");
+            ExitCode::from(255)
+        }
+    }
+}
+
 fn fork(f: &ForkArgs) -> ExitCode {
     let mut body = serde_json::json!({ "count": f.count, "console": f.console });
     if let Some(c) = &f.class {
@@ -260,6 +313,10 @@ fn main() -> ExitCode {
                 rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
                     rate_limit: a.rng_rate_limit,
                 }),
+                vsock: a.vsock.map(|uds_path| vmm::config::VsockConfig {
+                    cid: a.vsock_cid,
+                    uds_path,
+                }),
                 mem_mib: a.mem_mib,
                 vcpus: a.vcpus,
                 cmdline: a.cmdline,
@@ -291,6 +348,7 @@ fn main() -> ExitCode {
         Command::Resume(s) => api_call(&s.api_sock, "PATCH", "/vm", Some(r#"{"state":"running"}"#)),
         Command::Fork(f) => fork(&f),
         Command::Clones(s) => api_call(&s.api_sock, "GET", "/clones", None),
+        Command::Exec(e) => exec(&e),
         Command::Shutdown(s) => api_call(
             &s.api_sock,
             "PUT",

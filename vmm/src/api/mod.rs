@@ -5,6 +5,7 @@
 //! No async runtime: the VMM process must fork cleanly.
 
 pub mod client;
+pub mod exec;
 pub mod http;
 pub mod server;
 

@@ -46,6 +46,8 @@ pub(crate) struct Identity {
     pub api_sock: PathBuf,
     /// Its console sink.
     pub console: PathBuf,
+    /// Its vsock socket (with a vsock device).
+    pub vsock: Option<PathBuf>,
     /// The vCPU that read the clone port, and the value it reads in this clone.
     pub guest_result: Option<(u8, u64)>,
     /// The cgroup it moves itself into before running guest code.
@@ -282,10 +284,21 @@ fn run_clone(
     let mut config = plan.config.clone();
     config.api_sock = Some(identity.api_sock.clone());
     config.console = ConsoleSink::File(identity.console.clone());
+    if let (Some(v), Some(path)) = (config.vsock.as_mut(), &identity.vsock) {
+        v.uds_path = path.clone();
+    }
+    // The guest reads the last part of its id ("2.1" -> 1) from the identity port.
+    let seq = identity
+        .id
+        .rsplit('.')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
     let mut devices = DeviceManager::new(
         &prepared.vm,
         &config.console,
         config.vcpus,
+        seq,
         Some(&state.devices.serial),
     )
     .map_err(BuildError::from)?;

@@ -120,6 +120,9 @@ pub struct CloneInfo {
     pub api_sock: PathBuf,
     /// The clone's console sink.
     pub console: PathBuf,
+    /// The clone's vsock socket (with a vsock device).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vsock: Option<PathBuf>,
     /// From the request reaching the VMM to the clone's vCPU 0 entering the guest.
     pub latency_us: Option<u64>,
     /// What became of it.
@@ -136,6 +139,7 @@ impl CloneInfo {
             pid,
             api_sock: identity.api_sock,
             console: identity.console,
+            vsock: identity.vsock,
             latency_us: None,
             status: CloneStatus::Failed,
             cgroup,
@@ -171,8 +175,11 @@ impl CloneTable {
             if let Some(cg) = c.cgroup.as_mut() {
                 cg.usage = usage;
             }
-            // A clone that dies without its own cleanup (SIGKILL) leaves its socket.
+            // A clone that dies without its own cleanup (SIGKILL) leaves its sockets.
             let _ = std::fs::remove_file(&c.api_sock);
+            if let Some(v) = &c.vsock {
+                let _ = std::fs::remove_file(v);
+            }
         }
     }
 
@@ -372,8 +379,15 @@ impl Microvm {
                 format!("{}.{seq}", self.clone_id())
             };
             let sock = PathBuf::from(format!("{}.{seq}", base.display()));
-            if sock.as_os_str().len() > MAX_SOCK_PATH {
-                return Err(CloneError::PathTooLong(sock.display().to_string()));
+            let vsock = self
+                .config
+                .vsock
+                .as_ref()
+                .map(|_| PathBuf::from(format!("{}.vsock", sock.display())));
+            for p in std::iter::once(&sock).chain(vsock.as_ref()) {
+                if p.as_os_str().len() > MAX_SOCK_PATH {
+                    return Err(CloneError::PathTooLong(p.display().to_string()));
+                }
             }
             let console = match (&self.config.console, console) {
                 (ConsoleSink::Null, _) | (_, CloneConsole::Null) => PathBuf::from("/dev/null"),
@@ -383,6 +397,7 @@ impl Microvm {
                 id,
                 api_sock: sock,
                 console,
+                vsock,
                 guest_result: requester.map(|v| (v, u64::from(seq))),
                 cgroup: None,
             });

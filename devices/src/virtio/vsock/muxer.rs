@@ -34,6 +34,19 @@ const MAX_CONNECT_LINE: usize = 32;
 const FIRST_LOCAL_PORT: u32 = 1 << 30;
 const TOKEN_LISTENER: u64 = FIRST_HANDLER_TOKEN;
 
+/// Makes `s` non-blocking with fcntl (std uses ioctl(FIONBIO), which the device
+/// worker's seccomp filter does not allow).
+fn nonblocking(s: &UnixStream) -> std::io::Result<()> {
+    let fd = s.as_raw_fd();
+    // SAFETY: fcntl on a descriptor `s` owns; no memory is passed.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// (port on this side, port on the guest's side).
 type Key = (u32, u32);
 
@@ -349,7 +362,7 @@ impl Muxer {
         }
         let target = PathBuf::from(format!("{}_{}", self.path.display(), key.0));
         let stream = UnixStream::connect(&target).and_then(|s| {
-            s.set_nonblocking(true)?;
+            nonblocking(&s)?;
             Ok(s)
         });
         match stream {
@@ -375,7 +388,7 @@ impl Muxer {
         loop {
             match self.listener.accept() {
                 Ok((s, _)) => {
-                    if s.set_nonblocking(true).is_err() {
+                    if nonblocking(&s).is_err() {
                         continue;
                     }
                     let token = self.token();

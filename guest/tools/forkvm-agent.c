@@ -1,0 +1,176 @@
+/*
+ * forkvm-agent: runs commands the host sends over virtio-vsock (docs/guest-abi.md).
+ *
+ *   forkvm-agent [PORT]     listen on vsock port PORT (default 1024), one process per
+ *                           connection; prints "forkvm-agent: listening on port PORT"
+ *
+ * Protocol, per connection (what `vmm exec` speaks):
+ *   host:  "<cmdlen> <stdinlen>\n", then cmdlen bytes of command, stdinlen bytes of input
+ *   agent: runs `sh -c <command>` with that input on stdin, stdout and stderr together,
+ *          then sends "<status> <outlen>\n" and outlen bytes of output, and closes.
+ *          status is the exit code, 128+N when killed by signal N, 255 if it could not
+ *          run. Output beyond 16 MiB is cut.
+ * The connections a clone inherits from its parent are reset at the clone point; the
+ * listening socket keeps working, so every clone answers on its own vsock socket.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <linux/vm_sockets.h>
+
+#define MAX_IN (16u << 20)
+#define MAX_OUT (16u << 20)
+
+static int read_full(int fd, char *buf, size_t len)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t n = read(fd, buf + got, len - got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        got += (size_t)n;
+    }
+    return 0;
+}
+
+static int write_full(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = write(fd, buf, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        buf += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Reads the "<cmdlen> <stdinlen>\n" line. */
+static int read_request_line(int fd, unsigned long *cmdlen, unsigned long *inlen)
+{
+    char line[64];
+    size_t n = 0;
+    while (n < sizeof(line) - 1) {
+        if (read_full(fd, line + n, 1) != 0)
+            return -1;
+        if (line[n] == '\n')
+            break;
+        n++;
+    }
+    line[n] = 0;
+    char *end;
+    *cmdlen = strtoul(line, &end, 10);
+    if (end == line || *end != ' ')
+        return -1;
+    char *second = end + 1;
+    *inlen = strtoul(second, &end, 10);
+    if (end == second || *end != 0 || *cmdlen == 0 || *cmdlen > MAX_IN || *inlen > MAX_IN)
+        return -1;
+    return 0;
+}
+
+static void serve(int conn)
+{
+    unsigned long cmdlen, inlen;
+    if (read_request_line(conn, &cmdlen, &inlen) != 0)
+        return;
+    char *cmd = malloc(cmdlen + 1);
+    char *in = malloc(inlen + 1);
+    char *out = malloc(MAX_OUT);
+    if (!cmd || !in || !out || read_full(conn, cmd, cmdlen) != 0 || read_full(conn, in, inlen) != 0)
+        return;
+    cmd[cmdlen] = 0;
+
+    /* The input goes through a file so that writing it cannot block on reading output. */
+    char path[] = "/tmp/forkvm-agent-XXXXXX";
+    int infd = mkstemp(path);
+    if (infd < 0 || write_full(infd, in, inlen) != 0 || lseek(infd, 0, SEEK_SET) != 0)
+        infd = -1;
+    if (infd >= 0)
+        unlink(path);
+    int pipefd[2];
+    int status = 255;
+    size_t outlen = 0;
+    if (infd >= 0 && pipe(pipefd) == 0) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            dup2(infd, 0);
+            dup2(pipefd[1], 1);
+            dup2(pipefd[1], 2);
+            close(pipefd[0]);
+            close(pipefd[1]);
+            close(conn);
+            execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+            _exit(255);
+        }
+        close(pipefd[1]);
+        for (;;) {
+            char tmp[4096];
+            ssize_t n = read(pipefd[0], tmp, sizeof(tmp));
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n <= 0)
+                break;
+            size_t keep = (size_t)n;
+            if (outlen + keep > MAX_OUT)
+                keep = MAX_OUT - outlen;
+            memcpy(out + outlen, tmp, keep);
+            outlen += keep;
+        }
+        close(pipefd[0]);
+        int st;
+        if (pid > 0 && waitpid(pid, &st, 0) == pid)
+            status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+    char head[64];
+    int h = snprintf(head, sizeof(head), "%d %zu\n", status, outlen);
+    if (write_full(conn, head, (size_t)h) == 0)
+        write_full(conn, out, outlen);
+}
+
+int main(int argc, char **argv)
+{
+    unsigned port = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 0) : 1024;
+    int s = socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_vm addr = {
+        .svm_family = AF_VSOCK,
+        .svm_port = port,
+        .svm_cid = VMADDR_CID_ANY,
+    };
+    if (s < 0 || bind(s, (struct sockaddr *)&addr, sizeof(addr)) != 0 || listen(s, 64) != 0) {
+        perror("forkvm-agent");
+        return 1;
+    }
+    /* Reap connection handlers automatically. */
+    signal(SIGCHLD, SIG_IGN);
+    printf("forkvm-agent: listening on port %u\n", port);
+    fflush(stdout);
+    for (;;) {
+        int c = accept4(s, NULL, NULL, SOCK_CLOEXEC);
+        if (c < 0) {
+            if (errno == EINTR || errno == ECONNRESET || errno == ECONNABORTED)
+                continue;
+            perror("forkvm-agent: accept");
+            sleep(1);
+            continue;
+        }
+        pid_t pid = fork();
+        if (pid == 0) {
+            signal(SIGCHLD, SIG_DFL);
+            serve(c);
+            _exit(0);
+        }
+        close(c);
+    }
+}

@@ -10,6 +10,8 @@
  *                           (identical in every clone); --no-reseed skips both
  *   forkvm-clone --done S   end this VM with exit status S (the done port)
  *   forkvm-clone --probe    print whether the VMM is forkvm (probe port magic)
+ *   forkvm-clone --reseed   reseed the kernel RNG and drain /dev/hwrng as a clone does
+ *                           (for clones the host made: vmm exec ... -- forkvm-clone --reseed)
  *   forkvm-clone --id       print this VM's clone sequence number (0: not a clone),
  *                           from the identity port; works in clones the host made too
  *
@@ -169,6 +171,8 @@ int main(int argc, char **argv)
                mode == 0 ? "ioperm" : "/dev/port");
         return m == PROBE_MAGIC ? 0 : 1;
     }
+    if (argc > 1 && strcmp(argv[1], "--reseed") == 0)
+        return reseed(mode) != 0 || drain_hwrng() != 0 ? 3 : 0;
     if (argc > 1 && strcmp(argv[1], "--id") == 0) {
         printf("%u\n", in32(mode, IDENTITY_PORT));
         return 0;

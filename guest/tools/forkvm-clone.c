@@ -51,7 +51,7 @@ static int port_access(void)
 {
     int ioperm_errno = 0;
     if (getenv("FORKVM_CLONE_DEVPORT") == NULL) {
-        if (ioperm(PROBE_PORT, ENTROPY_PORT + 4 - PROBE_PORT, 1) == 0)
+        if (ioperm(PROBE_PORT, IDENTITY_PORT + 4 - PROBE_PORT, 1) == 0)
             return 0;
         ioperm_errno = errno;
     }

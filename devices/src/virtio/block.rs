@@ -132,11 +132,8 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        // Only `capacity` (u64 at offset 0) is offered; the rest reads as zero.
-        let cfg = self.sectors.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = cfg.get(offset as usize + i).copied().unwrap_or(0);
-        }
+        // Only `capacity` (u64 at offset 0) is offered.
+        super::read_u64_config(self.sectors, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {
@@ -187,9 +184,7 @@ impl Worker {
         while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
             let head = chain.head_index();
             let written = self.handle(chain);
-            if let Err(e) = self.queue.add_used(&self.mem, head, written) {
-                tracing::warn!("virtio-blk: cannot return descriptor {head}: {e:?}");
-            }
+            super::add_used(&mut self.queue, &self.mem, head, written, "virtio-blk");
             used_any = true;
         }
         if used_any {

@@ -109,6 +109,30 @@ pub(crate) fn single_queue(mut queues: Vec<Queue>, device: &str) -> Result<Queue
     }
 }
 
+/// Reads `data` at `offset` of a configuration space that is one little-endian u64 at
+/// offset 0 (virtio-blk's capacity, virtio-vsock's guest CID); the rest reads as zero.
+pub(crate) fn read_u64_config(value: u64, offset: u64, data: &mut [u8]) {
+    let cfg = value.to_le_bytes();
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = cfg.get(offset as usize + i).copied().unwrap_or(0);
+    }
+}
+
+/// Returns a served chain to the driver with `len` bytes written; a failure (the
+/// driver's used ring is not in guest memory) is logged.
+pub(crate) fn add_used(
+    queue: &mut Queue,
+    mem: &GuestMemoryMmap,
+    head: u16,
+    len: u32,
+    device: &str,
+) {
+    use virtio_queue::QueueT;
+    if let Err(e) = queue.add_used(mem, head, len) {
+        tracing::warn!("{device}: cannot return descriptor {head}: {e:?}");
+    }
+}
+
 /// After a device returned used buffers: raises the interrupt unless the driver asked
 /// not to be notified (VIRTIO_F_EVENT_IDX); an unreadable ring notifies.
 pub(crate) fn notify_used(

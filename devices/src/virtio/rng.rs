@@ -151,9 +151,7 @@ impl RngWorker {
     }
 
     fn add_used(&mut self, head: u16, len: u32) {
-        if let Err(e) = self.queue.add_used(&self.mem, head, len) {
-            tracing::warn!("virtio-rng: cannot return descriptor {head}: {e:?}");
-        }
+        super::add_used(&mut self.queue, &self.mem, head, len, "virtio-rng");
     }
 }
 

@@ -117,10 +117,7 @@ impl VirtioDevice for Vsock {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // guest_cid (le64) at offset 0.
-        let cfg = self.cid.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = cfg.get(offset as usize + i).copied().unwrap_or(0);
-        }
+        super::read_u64_config(self.cid, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, _data: &[u8]) {

@@ -275,9 +275,7 @@ impl Muxer {
                 },
                 Err(e) => tracing::debug!("virtio-vsock: bad tx chain {head}: {e:?}"),
             }
-            if let Err(e) = self.queues[TX].add_used(&self.mem, head, 0) {
-                tracing::warn!("virtio-vsock: cannot return tx descriptor {head}: {e:?}");
-            }
+            crate::virtio::add_used(&mut self.queues[TX], &self.mem, head, 0, "virtio-vsock");
             used_any = true;
         }
         if used_any {
@@ -542,7 +540,7 @@ impl Muxer {
                 Ok(w) if w.available_bytes() >= HEADER_LEN => w,
                 _ => {
                     tracing::debug!("virtio-vsock: rx buffer {head} too small or invalid");
-                    let _ = self.queues[RX].add_used(&self.mem, head, 0);
+                    crate::virtio::add_used(&mut self.queues[RX], &mem, head, 0, "virtio-vsock");
                     used_any = true;
                     continue;
                 }
@@ -568,9 +566,8 @@ impl Muxer {
                 .write_obj(pkt.hdr)
                 .and_then(|()| writer.write_all(&pkt.data))
                 .map_or(0, |()| HEADER_LEN + pkt.data.len());
-            if let Err(e) = self.queues[RX].add_used(&self.mem, head, written as u32) {
-                tracing::warn!("virtio-vsock: cannot return rx descriptor {head}: {e:?}");
-            }
+            let len = written as u32;
+            crate::virtio::add_used(&mut self.queues[RX], &mem, head, len, "virtio-vsock");
             used_any = true;
         }
         if used_any {
@@ -597,9 +594,13 @@ impl Muxer {
             .ok()
             .and_then(|mut w| w.write_obj(EVENT_TRANSPORT_RESET.to_le()).ok())
             .map_or(0, |()| 4);
-        if let Err(e) = self.queues[EVENT].add_used(&self.mem, head, written) {
-            tracing::warn!("virtio-vsock: cannot return event descriptor {head}: {e:?}");
-        }
+        crate::virtio::add_used(
+            &mut self.queues[EVENT],
+            &self.mem,
+            head,
+            written,
+            "virtio-vsock",
+        );
         self.reset_pending = false;
         crate::virtio::notify_used(
             &mut self.queues[EVENT],

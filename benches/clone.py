@@ -27,6 +27,10 @@ usage: benches/clone.py latency [--runs N] [--mem 128,512,2048,4096] [--modes ru
        benches/clone.py e2e [--runs N] [--modes running,paused,warm]
        benches/clone.py sandbox [--runs N] [--rounds R] [--mem MIB]   (root)
        benches/clone.py devices [--runs N] [--rounds R]
+       benches/clone.py vsock [--runs N]
+vsock: a running Linux template with a vsock device and forkvm-agent; each run makes one
+  clone and runs `true` in it through its own vsock socket (vmm exec's protocol): clone
+  latency, first answer from the clone, and the two together from the client's side.
 """
 import argparse
 import json
@@ -309,6 +313,69 @@ def devices(a):
             print(row(f"{name} | {measure}", got[name][i], base))
 
 
+def vsock_exec(path, cmd, timeout=120):
+    """One request to forkvm-agent through a VM's vsock socket; returns (status, output)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    f = s.makefile("rwb")
+    f.write(b"CONNECT 1024\n")
+    f.flush()
+    ok = f.readline()
+    if not ok.startswith(b"OK "):
+        sys.exit(f"vsock: no agent answered: {ok!r}")
+    f.write(f"{len(cmd)} 0\n{cmd}".encode())
+    f.flush()
+    status, n = f.readline().split()
+    out = f.read(int(n))
+    s.close()
+    return int(status), out
+
+
+def vsock(a):
+    guest = ('console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 '
+             'forkvm.run="echo template-$((1+1)); sleep 1000000"')
+    clone_ms, answer_ms, total_ms = [], [], []
+    with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
+        p, sock = start_template(
+            tmp, 256, True, guest=guest, ready=b"template-2",
+            extra=["--initrd", os.path.join(GUEST, "initramfs.cpio"),
+                   "--vsock", os.path.join(tmp, "t.vsock")],
+            kernel=os.path.join(GUEST, "vmlinux"), boot_timeout=600)
+        try:
+            # The agent may start just after the marker line.
+            deadline = time.time() + 120
+            while b"listening on port 1024" not in open(sock + ".console", "rb").read():
+                if time.time() > deadline:
+                    sys.exit("forkvm-agent did not start")
+                time.sleep(0.1)
+            for _ in range(a.runs):
+                t = time.perf_counter()
+                code, answer = api(sock, "POST", "/clones", '{"count":1,"console":"null"}')
+                t_clone = time.perf_counter()
+                if code != 201:
+                    sys.exit(f"clone failed: {code} {answer}")
+                c = json.loads(answer)["clones"][0]
+                status, _ = vsock_exec(c["vsock"], "true")
+                t_answer = time.perf_counter()
+                if status != 0:
+                    sys.exit(f"clone {c['id']}: `true` exited {status}")
+                clone_ms.append((t_clone - t) * 1e3)
+                answer_ms.append((t_answer - t_clone) * 1e3)
+                total_ms.append((t_answer - t) * 1e3)
+                api(sock, "DELETE", f"/clones/{c['id']}")
+        finally:
+            stop_template(p, sock)
+    print(f"vsock request to a fresh clone of a running 256 MiB Linux template, "
+          f"{a.runs} runs (ms):\n")
+    print("| measure | min | median | p99 |")
+    print("|---|---|---|---|")
+    for label, xs in (("POST /clones answered (clone running)", clone_ms),
+                      ("then `true` through the clone's vsock and agent", answer_ms),
+                      ("clone + first answer, client side", total_ms)):
+        print(row(label, xs))
+
+
 def e2e(a):
     print(f"End to end to the clone's guest code: the template's guest writes the probe "
           f"port in a tight loop (probespin=1), so a clone's first probe write marks when "
@@ -384,6 +451,8 @@ def main():
     dv = sub.add_parser("devices")
     dv.add_argument("--runs", type=int, default=100)
     dv.add_argument("--rounds", type=int, default=2)
+    vs = sub.add_parser("vsock")
+    vs.add_argument("--runs", type=int, default=20)
     ee = sub.add_parser("e2e")
     ee.add_argument("--runs", type=int, default=100)
     ee.add_argument("--modes", default=",".join(MODES))
@@ -392,7 +461,7 @@ def main():
         if not os.path.exists(f):
             sys.exit(f"{f} missing: run `make release guest` first")
     {"latency": latency, "fanout": fanout, "e2e": e2e, "sandbox": sandbox,
-     "devices": devices}[a.what](a)
+     "devices": devices, "vsock": vsock}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -158,7 +158,8 @@ const DEVICE: &[i64] = &[
     libc::SYS_fstat,
     libc::SYS_newfstatat,
     libc::SYS_statx,
-    // vsock: host connections to the VM's socket, guest connections to host sockets.
+    // vsock: host connections to the VM's socket, guest connections to host sockets
+    // (`socket` itself only for AF_UNIX: see `unix_sockets_only`).
     libc::SYS_accept4,
     libc::SYS_socket,
     libc::SYS_connect,
@@ -246,8 +247,16 @@ const VMM: &[i64] = &[
     libc::SYS_uname,
 ];
 
+/// Whether `kind` may make Unix sockets only (`socket(AF_UNIX, ...)`: the vsock device
+/// worker connects to host sockets, and vCPU threads, which spawn workers, keep that);
+/// the VMM thread may make any socket, the API thread none.
+pub fn unix_sockets_only(kind: ThreadKind) -> bool {
+    matches!(kind, ThreadKind::Device | ThreadKind::Vcpu)
+}
+
 /// The system calls `kind` may make (without conditions), sorted. `clone` is allowed
-/// for every kind: only with `CLONE_THREAD` except for [`ThreadKind::Vmm`].
+/// for every kind: only with `CLONE_THREAD` except for [`ThreadKind::Vmm`]; `socket`
+/// only with `AF_UNIX` where [`unix_sockets_only`] says so (then it is not listed).
 pub fn allowed(kind: ThreadKind) -> Vec<i64> {
     let lists: &[&[i64]] = match kind {
         ThreadKind::Vmm => &[COMMON, SPAWN, DEVICE, VCPU, API, VMM],
@@ -259,6 +268,9 @@ pub fn allowed(kind: ThreadKind) -> Vec<i64> {
     if kind != ThreadKind::Vmm {
         all.retain(|&n| n != libc::SYS_clone && n != libc::SYS_clone3);
         all.push(libc::SYS_clone);
+    }
+    if unix_sockets_only(kind) {
+        all.retain(|&n| n != libc::SYS_socket);
     }
     all.sort_unstable();
     all.dedup();
@@ -281,6 +293,7 @@ pub fn allowed(kind: ThreadKind) -> Vec<i64> {
 ///   jeq n1 ? ALLOW : next; ... jeq nN ? ALLOW : next
 ///   MISMATCH: ret <mode>;  ALLOW: ret allow;  MISMATCH_ARCH: ret kill-process
 ///   [ENOSYS: ret errno(ENOSYS);  CLONE: ld args[0] low; jset CLONE_THREAD ? ALLOW : MISMATCH]
+///   [SOCKET: ld args[0] low; jeq AF_UNIX ? ALLOW : MISMATCH]   (device and vCPU threads)
 /// ```
 ///
 /// A unit test checks it against seccompiler's program for every call number, both
@@ -300,8 +313,10 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
         BadArch,
         Enosys,
         Clone,
+        Socket,
     }
     let threads_only = kind != ThreadKind::Vmm;
+    let unix_only = unix_sockets_only(kind);
     let mut body: Vec<(u16, To, To, u32)> = vec![
         (LD_W_ABS, To::Next, To::Next, DATA_ARCH),
         (JEQ_K, To::Next, To::BadArch, AUDIT_ARCH_X86_64),
@@ -311,6 +326,9 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
     if threads_only {
         body.push((JEQ_K, To::Enosys, To::Next, libc::SYS_clone3 as u32));
         body.push((JEQ_K, To::Clone, To::Next, libc::SYS_clone as u32));
+    }
+    if unix_only {
+        body.push((JEQ_K, To::Socket, To::Next, libc::SYS_socket as u32));
     }
     for n in allowed(kind) {
         if !(threads_only && n == libc::SYS_clone) {
@@ -325,6 +343,8 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
         at_mismatch + 3,
         at_mismatch + 4,
     );
+    // After the ENOSYS return and the clone block (4 instructions) where they are.
+    let at_socket = at_mismatch + if threads_only { 8 } else { 3 };
     let mut prog = Vec::with_capacity(body.len() + 7);
     for (i, &(code, jt, jf, k)) in body.iter().enumerate() {
         let off = |to: To| -> Result<u8, SeccompError> {
@@ -335,6 +355,7 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
                 To::BadArch => at_bad_arch,
                 To::Enosys => at_enosys,
                 To::Clone => at_clone,
+                To::Socket => at_socket,
             };
             u8::try_from(target - i - 1).map_err(|_| SeccompError::Build {
                 kind: kind.name(),
@@ -358,6 +379,14 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
         // so this block has its own pair of returns).
         prog.push(ins(LD_W_ABS, 0, 0, DATA_ARG0_LOW));
         prog.push(ins(JSET_K, 0, 1, libc::CLONE_THREAD as u32));
+        prog.push(ins(RET_K, 0, 0, RET_ALLOW));
+        prog.push(ins(RET_K, 0, 0, mismatch));
+    }
+    if unix_only {
+        debug_assert_eq!(prog.len(), at_socket);
+        // socket(domain, ...): Unix sockets only.
+        prog.push(ins(LD_W_ABS, 0, 0, DATA_ARG0_LOW));
+        prog.push(ins(JEQ_K, 0, 1, libc::AF_UNIX as u32));
         prog.push(ins(RET_K, 0, 0, RET_ALLOW));
         prog.push(ins(RET_K, 0, 0, mismatch));
     }
@@ -445,6 +474,9 @@ mod tests {
             (libc::CLONE_VM | libc::CLONE_THREAD | libc::CLONE_SIGHAND) as u64,
             libc::CLONE_THREAD as u64 | 1 << 40,
             1 << 40,
+            libc::AF_UNIX as u64,
+            libc::AF_INET as u64,
+            libc::AF_UNIX as u64 | 1 << 40,
         ];
         for kind in ThreadKind::ALL {
             for mode in [
@@ -483,8 +515,14 @@ mod tests {
                     };
                     assert_eq!(run(ours, n as u32, AUDIT_ARCH_X86_64, arg0), RET_ALLOW);
                 }
-                let socket = run(ours, libc::SYS_socket as u32, AUDIT_ARCH_X86_64, 0);
-                assert_eq!(socket == RET_ALLOW, kind == ThreadKind::Vmm);
+                let socket = |domain| {
+                    run(ours, libc::SYS_socket as u32, AUDIT_ARCH_X86_64, domain) == RET_ALLOW
+                };
+                assert_eq!(socket(libc::AF_INET as u64), kind == ThreadKind::Vmm);
+                assert_eq!(
+                    socket(libc::AF_UNIX as u64),
+                    kind == ThreadKind::Vmm || unix_sockets_only(kind)
+                );
             }
         }
     }
@@ -526,6 +564,20 @@ mod tests {
             })?;
             rules.insert(libc::SYS_clone, vec![only_threads]);
             prologue = clone3_enosys();
+        }
+        if unix_sockets_only(kind) {
+            let unix = SeccompCondition::new(
+                0,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::Eq,
+                libc::AF_UNIX as u64,
+            )
+            .and_then(|c| SeccompRule::new(vec![c]))
+            .map_err(|e| SeccompError::Build {
+                kind: kind.name(),
+                why: e.to_string(),
+            })?;
+            rules.insert(libc::SYS_socket, vec![unix]);
         }
         let mut prog = prologue;
         prog.extend(build(rules, mismatch, SeccompAction::Allow)?);

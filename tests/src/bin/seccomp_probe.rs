@@ -1,7 +1,7 @@
 //! Test helper: installs one of the VMM's seccomp filters and makes one system call.
 //!
 //! `seccomp_probe KIND MODE SYSCALL WHERE`: KIND vmm|api|vcpu|device, MODE kill|
-//! kill-thread|log, SYSCALL getpid|socket|clone3, WHERE main|thread (the filter and the
+//! kill-thread|log, SYSCALL getpid|socket|inet-socket|clone3, WHERE main|thread (the filter and the
 //! call on the main thread, or on a second thread: then the main thread prints `thread
 //! finished` or, when it never reports back, `thread gone`). Prints what the call
 //! returned, then `main survived`, and exits 0; a filter that kills the process ends
@@ -20,6 +20,7 @@ fn call(kind: ThreadKind, mode: SeccompMode, syscall: &str) {
         match syscall {
             "getpid" => libc::syscall(libc::SYS_getpid),
             "socket" => libc::syscall(libc::SYS_socket, libc::AF_UNIX, libc::SOCK_STREAM, 0),
+            "inet-socket" => libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM, 0),
             "clone3" => libc::syscall(libc::SYS_clone3, std::ptr::null::<u8>(), 0usize),
             _ => {
                 eprintln!("probe: unknown syscall {syscall}");

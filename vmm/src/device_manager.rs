@@ -252,22 +252,43 @@ impl DeviceManager {
         Ok(())
     }
 
-    /// Parks every virtio device's worker and returns the devices' state (bus order).
-    /// On failure the ones already parked are resumed.
+    /// Parks every virtio device's worker (all at once) and returns the devices' state
+    /// (bus order). On failure every worker is let go again.
     pub fn pause_virtio(&self) -> Result<Vec<MmioTransportState>, WorkerError> {
-        let mut states = Vec::with_capacity(self.virtio.len());
-        for (i, t) in self.virtio.iter().enumerate() {
-            match lock(t).pause() {
-                Ok(s) => states.push(s),
-                Err(e) => {
-                    self.virtio[..i].iter().for_each(|t| {
-                        let _ = lock(t).resume();
-                    });
-                    return Err(e);
-                }
+        let mut requested = 0;
+        let mut result = Ok(());
+        for t in &self.virtio {
+            result = lock(t).request_pause();
+            if result.is_err() {
+                break;
             }
+            requested += 1;
         }
-        Ok(states)
+        // Every request is answered (even after a failure), so no stale state is left
+        // for the next pause to read.
+        let states: Vec<_> = self.virtio[..requested]
+            .iter()
+            .map(|t| lock(t).paused_state())
+            .collect();
+        let states = result.and_then(|()| states.into_iter().collect());
+        if states.is_err() {
+            self.resume_virtio();
+        }
+        states
+    }
+
+    /// Starts the workers of devices a clone restored as running: called once its
+    /// vCPUs run, so starting threads is off the clone's latency path.
+    pub fn start_restored_virtio(&self) -> Result<(), DeviceError> {
+        for t in &self.virtio {
+            let mut t = lock(t);
+            let device = t.name();
+            t.start_restored().map_err(|e| DeviceError::Restore {
+                device,
+                source: e.into(),
+            })?;
+        }
+        Ok(())
     }
 
     /// The virtio devices as `GET /vm` shows them: type, MMIO base, GSI, whether the

@@ -39,6 +39,8 @@ pub struct MmioTransport {
     config_generation: u32,
     /// The running device's worker (None until DRIVER_OK and after a reset).
     worker: Option<Worker>,
+    /// Restored as running, its worker not started yet ([`MmioTransport::start_restored`]).
+    pending_start: bool,
 }
 
 /// `virtio_queue::QueueState` for serde (the crate has no serde support).
@@ -151,12 +153,15 @@ impl MmioTransport {
             status: 0,
             config_generation: 0,
             worker: None,
+            pending_start: false,
         })
     }
 
     /// Rebuilds `device` as it was when `state` was saved (in a clone): registers,
-    /// queues and interrupt status; a device that was running gets a new worker, which
-    /// first serves whatever the driver had queued.
+    /// queues and interrupt status. A device that was running gets a new worker when
+    /// [`MmioTransport::start_restored`] is called (a clone does that once its vCPUs
+    /// run, off the clone's latency path); the worker first serves whatever the driver
+    /// queued, notifications meanwhile included (they wait in the queue eventfds).
     pub fn restore(
         mem: GuestMemoryMmap,
         device: Box<dyn VirtioDevice>,
@@ -191,18 +196,43 @@ impl MmioTransport {
         t.queue_select = state.queue_select;
         t.status = state.status;
         t.config_generation = state.config_generation;
-        if state.activated {
-            t.start_worker()?;
-        }
+        t.pending_start = state.activated;
         t.interrupt.restore(state.interrupt_status)?;
         Ok(t)
+    }
+
+    /// Starts the worker of a device restored as running (no-op otherwise).
+    pub fn start_restored(&mut self) -> Result<(), super::ActivateError> {
+        if std::mem::take(&mut self.pending_start) {
+            self.start_worker()?;
+        }
+        Ok(())
+    }
+
+    /// Whether the device runs (or will, once restored): its queue setup is locked.
+    fn running(&self) -> bool {
+        self.worker.is_some() || self.pending_start
     }
 
     /// Parks the device's worker (if it runs) and returns the device's state; the
     /// worker holds no lock until [`MmioTransport::resume`]. Pausing twice is allowed.
     pub fn pause(&mut self) -> Result<MmioTransportState, WorkerError> {
+        self.request_pause()?;
+        self.paused_state()
+    }
+
+    /// The first half of [`MmioTransport::pause`]: asks the worker to park without
+    /// waiting, so several devices park at once. Must be followed by
+    /// [`MmioTransport::paused_state`].
+    pub fn request_pause(&mut self) -> Result<(), WorkerError> {
+        self.worker.as_ref().map_or(Ok(()), Worker::request_pause)
+    }
+
+    /// The second half of [`MmioTransport::pause`]: waits for the worker to park and
+    /// returns the device's state.
+    pub fn paused_state(&mut self) -> Result<MmioTransportState, WorkerError> {
         let queues = match &self.worker {
-            Some(w) => w.pause()?,
+            Some(w) => w.paused_state()?,
             None => self.queues.iter().map(Queue::state).collect(),
         };
         Ok(MmioTransportState {
@@ -214,7 +244,7 @@ impl MmioTransport {
             status: self.status,
             config_generation: self.config_generation,
             interrupt_status: self.interrupt.status(),
-            activated: self.worker.is_some(),
+            activated: self.running(),
             queues: queues.into_iter().map(SavedQueue).collect(),
         })
     }
@@ -229,9 +259,9 @@ impl MmioTransport {
         self.device.name()
     }
 
-    /// Whether the driver started the device (its worker runs).
+    /// Whether the driver started the device (its worker runs, or will once restored).
     pub fn is_active(&self) -> bool {
-        self.worker.is_some()
+        self.running()
     }
 
     /// Hands the queues to the device and starts its worker.
@@ -264,6 +294,7 @@ impl MmioTransport {
     }
 
     fn reset(&mut self) {
+        self.pending_start = false;
         if let Some(mut w) = self.worker.take() {
             w.stop();
         }
@@ -286,7 +317,7 @@ impl MmioTransport {
         }
         self.status = status;
         let ready = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK;
-        if self.worker.is_none() && status & ready == ready && status & STATUS_FAILED == 0 {
+        if !self.running() && status & ready == ready && status & STATUS_FAILED == 0 {
             self.activate();
         }
     }
@@ -335,7 +366,7 @@ impl MmioTransport {
 
     fn write_reg(&mut self, offset: u64, v: u32) {
         // Queue and feature setup is only allowed before the device runs.
-        let setup = self.worker.is_none();
+        let setup = !self.running();
         let low = |q: &mut Queue, f: fn(&mut Queue, Option<u32>, Option<u32>)| f(q, Some(v), None);
         let high = |q: &mut Queue, f: fn(&mut Queue, Option<u32>, Option<u32>)| f(q, None, Some(v));
         match offset {
@@ -520,6 +551,13 @@ mod tests {
         let mut child =
             MmioTransport::restore(m.clone(), Box::new(Rng::new(None)), interrupt(), &back)
                 .unwrap();
+        assert!(child.is_active(), "restored as running");
+        assert_eq!(
+            child.pause().unwrap(),
+            state,
+            "state before its worker starts"
+        );
+        child.start_restored().unwrap();
         wait_used(&vq, 2);
         assert_eq!(r(&mut child, 0x70), state.status);
         assert_eq!(

@@ -155,7 +155,20 @@ impl Worker {
     /// Parks the worker between two events and returns its queues' state. It holds no
     /// lock while parked, until [`Worker::resume`] or [`Worker::stop`].
     pub fn pause(&self) -> Result<Vec<QueueState>, WorkerError> {
-        self.send(Command::Pause)?;
+        self.request_pause()?;
+        self.paused_state()
+    }
+
+    /// The first half of [`Worker::pause`]: asks the worker to park, without waiting
+    /// (so several workers park at once). Every request must be followed by
+    /// [`Worker::paused_state`].
+    pub fn request_pause(&self) -> Result<(), WorkerError> {
+        self.send(Command::Pause)
+    }
+
+    /// The second half of [`Worker::pause`]: waits until the worker is parked and
+    /// returns its queues' state.
+    pub fn paused_state(&self) -> Result<Vec<QueueState>, WorkerError> {
         self.paused.recv().map_err(|_| WorkerError::Gone(self.name))
     }
 

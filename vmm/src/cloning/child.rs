@@ -321,6 +321,8 @@ fn run_clone(
     let api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;
     let started_vcpus = start_vcpus(prepared.vcpus, &devices, Some(ready))?;
     mark("started", started);
+    devices.start_restored_virtio().map_err(BuildError::from)?;
+    mark("device workers", started);
     // The control socket comes up once the guest runs: it is off the latency path.
     let api = ApiServer::start(&identity.api_sock)?;
     drop(api_ready);

@@ -159,7 +159,14 @@ pub(super) struct Muxer {
     pending_hosts: HashMap<u64, Pending>,
     /// Packets for the guest, waiting for rx buffers.
     pending: VecDeque<Packet>,
+    /// A clone's device owes the guest a transport-reset event.
     reset_pending: bool,
+    /// Host connections wait here from the clone's start until the driver has handled
+    /// the reset (a connection the guest accepted before that would be reset too).
+    held_requests: Option<Vec<Key>>,
+    /// The event queue's avail index when the reset was delivered: the driver adds a
+    /// buffer (and notifies) once it has handled the event.
+    reset_avail: Option<u16>,
     next_token: u64,
     next_local_port: u32,
 }
@@ -185,6 +192,8 @@ impl Muxer {
             tokens: HashMap::new(),
             pending_hosts: HashMap::new(),
             pending: VecDeque::new(),
+            held_requests: reset_pending.then(Vec::new),
+            reset_avail: None,
             reset_pending,
             next_token: TOKEN_LISTENER + 1,
             next_local_port: FIRST_LOCAL_PORT,
@@ -447,7 +456,10 @@ impl Muxer {
             key,
             Conn::new(p.stream, token, ConnState::Connecting, None),
         );
-        self.send_control(key, OP_REQUEST, 0);
+        match self.held_requests.as_mut() {
+            Some(held) => held.push(key),
+            None => self.send_control(key, OP_REQUEST, 0),
+        }
     }
 
     fn local_port(&mut self) -> u32 {
@@ -580,14 +592,27 @@ impl Muxer {
         }
     }
 
-    /// Tells the driver the transport was reset (a clone's first start).
+    /// Tells the driver the transport was reset (a clone's first start); once the
+    /// driver has handled that, lets the held host connections through.
     fn process_event(&mut self) {
+        let avail = self.queues[EVENT]
+            .avail_idx(&self.mem, std::sync::atomic::Ordering::Acquire)
+            .map(|w| w.0);
         if !self.reset_pending {
+            if self.reset_avail.is_some() && avail.ok() != self.reset_avail {
+                self.reset_avail = None;
+                for key in self.held_requests.take().unwrap_or_default() {
+                    if self.conns.contains_key(&key) {
+                        self.send_control(key, OP_REQUEST, 0);
+                    }
+                }
+            }
             return;
         }
         let Some(chain) = self.queues[EVENT].pop_descriptor_chain(&self.mem) else {
             return;
         };
+        self.reset_avail = Some(avail.unwrap_or(0));
         let head = chain.head_index();
         let written = chain
             .writer(&self.mem)

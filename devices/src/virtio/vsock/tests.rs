@@ -17,6 +17,7 @@ use crate::virtio::worker::WorkerContext;
 
 const RX: usize = 0;
 const TX: usize = 1;
+const EVENT: usize = 2;
 
 const WRITE: u16 = 2;
 const GUEST_CID: u64 = 3;
@@ -256,13 +257,32 @@ fn guest_connects_to_a_host_socket_and_unknown_ports_are_refused() {
 }
 
 #[test]
-fn a_restored_device_reports_a_transport_reset() {
+fn a_restored_device_reports_a_transport_reset_and_holds_hosts_until_it_is_handled() {
     let m = mem();
     let path = temp_path("reset");
-    let r = rig(&m, &path, true);
+    let mut r = rig(&m, &path, true);
+    // The worker serves every queue once at start: that is not the driver's answer.
+    r.handler.queue_event(EVENT, &WorkerContext::new(&r.epoll));
     assert_eq!(r.ev.used().idx().load(), 1);
     let id: u32 = m.read_obj(GuestAddress(EVENT_BUF)).unwrap();
     assert_eq!(id, EVENT_TRANSPORT_RESET);
+    // A host connecting before the driver handled the reset waits...
+    r.post_rx(4);
+    let mut host = UnixStream::connect(&path).unwrap();
+    host.write_all(b"CONNECT 1234\n").unwrap();
+    r.pump();
+    assert_eq!(
+        r.rx.used().idx().load(),
+        0,
+        "request sent before the reset was handled"
+    );
+    // ...until the driver refills the event queue and notifies it.
+    let d = SplitDescriptor::new(EVENT_BUF, 4, WRITE, 0);
+    r.ev.add_desc_chains(&[RawDescriptor::from(d)], 1).unwrap();
+    r.handler.queue_event(EVENT, &WorkerContext::new(&r.epoll));
+    let req = r.next_rx();
+    assert_eq!(({ req.hdr.op }, { req.hdr.dst_port }), (OP_REQUEST, 1234));
+    drop(host);
     drop(r);
     assert!(!path.exists(), "socket file removed with the device");
 }

@@ -321,12 +321,15 @@ fn run_clone(
     let api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;
     let started_vcpus = start_vcpus(prepared.vcpus, &devices, Some(ready))?;
     mark("started", started);
-    devices.start_restored_virtio().map_err(BuildError::from)?;
-    mark("device workers", started);
     // The control socket comes up once the guest runs: it is off the latency path.
     let api = ApiServer::start(&identity.api_sock)?;
     drop(api_ready);
     mark("api", started);
+    // Then the device workers (threads that install their seccomp filters first): the
+    // guest's notifications wait in the queue eventfds and host vsock connections in
+    // the listening socket's backlog meanwhile.
+    devices.start_restored_virtio().map_err(BuildError::from)?;
+    mark("device workers", started);
     tracing::info!(
         "clone {} (pid {}) running {} us after launch",
         identity.id,

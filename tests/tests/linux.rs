@@ -105,6 +105,21 @@ fn host_now() -> u64 {
         .as_secs()
 }
 
+/// Every sample is `bytes` bytes in hex and no two are the same.
+fn assert_distinct_hex(samples: &[String], bytes: usize, what: &str) {
+    for h in samples {
+        assert_eq!(h.len(), 2 * bytes, "{bytes} bytes from {what} in hex: {h}");
+    }
+    let mut unique = samples.to_vec();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        samples.len(),
+        "clones share {what} output: {samples:?}"
+    );
+}
+
 fn value_after<'a>(console: &'a str, prefix: &str) -> Option<&'a str> {
     console
         .lines()
@@ -225,31 +240,11 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
     }
     // Each clone's virtio-rng serves its own host entropy, and forkvm-clone discarded
     // what the guest had buffered from the parent's device (docs/clone-uniqueness.md).
-    for h in &hwrngs {
-        assert_eq!(h.len(), 128, "64 bytes from /dev/hwrng in hex: {h}");
-    }
-    let mut unique = hwrngs.clone();
-    unique.sort();
-    unique.dedup();
-    assert_eq!(
-        unique.len(),
-        4,
-        "clones share /dev/hwrng output: {hwrngs:?}"
-    );
-    for r in &rands {
-        assert_eq!(r.len(), 32, "16 random bytes in hex: {r}");
-    }
+    assert_distinct_hex(&hwrngs, 64, "/dev/hwrng");
     // Distinct output is the property users need. Note that Linux also reseeds on its
     // own timer from per-clone interrupt timings, so this alone could pass without
     // forkvm-clone's reseed; its exit status above is what shows the reseed ran.
-    let mut unique = rands.clone();
-    unique.sort();
-    unique.dedup();
-    assert_eq!(
-        unique.len(),
-        4,
-        "clones share /dev/urandom output: {rands:?}"
-    );
+    assert_distinct_hex(&rands, 16, "/dev/urandom");
 
     // Warm clones: pause the template (it prints the time every second), let it
     // prepare two clones, wait, then launch them. Their clocks must have moved on by

@@ -196,11 +196,6 @@ impl DeviceManager {
         })
     }
 
-    /// Number of virtio devices attached.
-    pub fn virtio_count(&self) -> usize {
-        self.virtio.len()
-    }
-
     /// Descriptors of the open disk images (kept open across fork for clones).
     pub fn disk_fds(&self) -> &[RawFd] {
         &self.disk_fds

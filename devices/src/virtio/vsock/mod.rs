@@ -25,7 +25,7 @@ use vm_memory::GuestMemoryMmap;
 use super::worker::QueueHandler;
 use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 
-pub use packet::{HOST_CID, MAX_PENDING_RX};
+pub use packet::HOST_CID;
 
 /// virtio device id of a socket device.
 pub const TYPE_VSOCK: u32 = 19;

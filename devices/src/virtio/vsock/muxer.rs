@@ -201,10 +201,7 @@ impl Muxer {
     }
 
     fn header(&self, key: Key, op: u16) -> Header {
-        let (fwd_cnt, buf_alloc) = self
-            .conns
-            .get(&key)
-            .map_or((0, TX_BUF_ALLOC), |c| (c.fwd_cnt, TX_BUF_ALLOC));
+        let fwd_cnt = self.conns.get(&key).map_or(0, |c| c.fwd_cnt);
         Header {
             src_cid: HOST_CID,
             dst_cid: self.cid,
@@ -214,7 +211,7 @@ impl Muxer {
             type_: TYPE_STREAM,
             op,
             flags: 0,
-            buf_alloc,
+            buf_alloc: TX_BUF_ALLOC,
             fwd_cnt,
         }
     }

@@ -4,9 +4,6 @@ use vm_memory::ByteValued;
 
 /// The host's CID.
 pub const HOST_CID: u64 = 2;
-/// Most control and data packets waiting for a guest rx buffer before host streams
-/// stop being read.
-pub const MAX_PENDING_RX: usize = 256;
 
 pub(crate) const TYPE_STREAM: u16 = 1;
 pub(crate) const OP_REQUEST: u16 = 1;

@@ -6,6 +6,7 @@
 #![deny(missing_docs)]
 
 pub mod bus;
+pub mod clock;
 pub mod entropy;
 pub mod identity;
 pub mod legacy;

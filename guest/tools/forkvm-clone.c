@@ -14,6 +14,13 @@
  *                           (for clones the host made: vmm exec ... -- forkvm-clone --reseed)
  *   forkvm-clone --id       print this VM's clone sequence number (0: not a clone),
  *                           from the identity port; works in clones the host made too
+ *   forkvm-clone --clock    print how far the guest's wall clock is behind the host's
+ *                           (host clock port), in seconds, and the reading's uncertainty:
+ *                           "+3.412345 0.000040"
+ *   forkvm-clone --sync-clock
+ *                           shift the guest's wall clock by that much (adjtimex
+ *                           ADJ_SETOFFSET, so the slow syscall does not add an error) and
+ *                           print the shift; a clone made by the tool does this too
  *
  * Port access: ioperm() and 32-bit port I/O from user mode where the CPU allows it,
  * otherwise /dev/port (byte-wide: clone numbers above 254 then read modulo 256).
@@ -28,6 +35,8 @@
 #include <linux/random.h>
 #include <sys/io.h>
 #include <sys/ioctl.h>
+#include <sys/timex.h>
+#include <time.h>
 #include <unistd.h>
 
 #define PROBE_PORT 0xf40
@@ -35,6 +44,7 @@
 #define DONE_PORT 0xf4c
 #define ENTROPY_PORT 0xf50
 #define IDENTITY_PORT 0xf54
+#define CLOCK_PORT 0xf58
 #define RESEED_BYTES 64
 #define PROBE_MAGIC 0x4d564b46u /* "FKVM" */
 
@@ -51,7 +61,7 @@ static int port_access(void)
 {
     int ioperm_errno = 0;
     if (getenv("FORKVM_CLONE_DEVPORT") == NULL) {
-        if (ioperm(PROBE_PORT, IDENTITY_PORT + 4 - PROBE_PORT, 1) == 0)
+        if (ioperm(PROBE_PORT, CLOCK_PORT + 8 - PROBE_PORT, 1) == 0)
             return 0;
         ioperm_errno = errno;
     }
@@ -118,6 +128,85 @@ static int reseed(int mode)
     return 0;
 }
 
+/* The host's CLOCK_REALTIME in ns: the first read latches it, the second reads the rest. */
+static int64_t host_clock(int mode)
+{
+    uint64_t v;
+    if (mode == 0) {
+        uint32_t lo = inl(CLOCK_PORT);
+        v = (uint64_t)inl(CLOCK_PORT + 4) << 32 | lo;
+    } else {
+        uint8_t b[8];
+        if (pread(devport, b, 8, CLOCK_PORT) != 8) {
+            perror("forkvm-clone: /dev/port read");
+            exit(2);
+        }
+        v = 0;
+        for (int i = 7; i >= 0; i--)
+            v = v << 8 | b[i];
+    }
+    return (int64_t)v;
+}
+
+static int64_t realtime_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/*
+ * Host wall clock minus the guest's, in ns; *window is the reading's uncertainty (half
+ * the guest time around the port read; the best of a few tries).
+ */
+#define CLOCK_TRIES 8
+static int64_t clock_offset(int mode, int64_t *window)
+{
+    int64_t best = 0;
+    *window = INT64_MAX;
+    for (int i = 0; i < CLOCK_TRIES; i++) {
+        int64_t before = realtime_ns();
+        int64_t host = host_clock(mode);
+        int64_t after = realtime_ns();
+        if (host == 0 || host == -1) {
+            fprintf(stderr, "forkvm-clone: the VMM has no host clock port\n");
+            exit(2);
+        }
+        if ((after - before) / 2 < *window) {
+            *window = (after - before) / 2;
+            best = host - (before + (after - before) / 2);
+        }
+    }
+    return best;
+}
+
+static void print_seconds(int64_t ns, int64_t window)
+{
+    int64_t a = ns < 0 ? -ns : ns;
+    printf("%c%lld.%06lld %lld.%06lld\n", ns < 0 ? '-' : '+', (long long)(a / 1000000000),
+           (long long)(a % 1000000000 / 1000), (long long)(window / 1000000000),
+           (long long)(window % 1000000000 / 1000));
+}
+
+/* Shifts the guest's wall clock onto the host's; returns the shift in ns, or exits. */
+static int64_t sync_clock(int mode, int64_t *window)
+{
+    int64_t off = clock_offset(mode, window);
+    struct timex tx = {0};
+    tx.modes = ADJ_SETOFFSET | ADJ_NANO;
+    tx.time.tv_sec = off / 1000000000;
+    tx.time.tv_usec = off % 1000000000;
+    if (tx.time.tv_usec < 0) {
+        tx.time.tv_sec -= 1;
+        tx.time.tv_usec += 1000000000;
+    }
+    if (adjtimex(&tx) < 0) {
+        perror("forkvm-clone: setting the clock");
+        exit(3);
+    }
+    return off;
+}
+
 /*
  * Bytes /dev/hwrng may hold from before the clone point, identical in every clone: the
  * hwrng core's leftover buffer (up to 64 bytes) and the virtio-rng driver's prefetched
@@ -177,6 +266,12 @@ int main(int argc, char **argv)
         printf("%u\n", in32(mode, IDENTITY_PORT));
         return 0;
     }
+    if (argc > 1 && (strcmp(argv[1], "--clock") == 0 || strcmp(argv[1], "--sync-clock") == 0)) {
+        int64_t window;
+        int64_t off = argv[1][2] == 'c' ? clock_offset(mode, &window) : sync_clock(mode, &window);
+        print_seconds(off, window);
+        return 0;
+    }
     if (argc > 2 && strcmp(argv[1], "--done") == 0) {
         out32(mode, DONE_PORT, (uint32_t)strtoul(argv[2], NULL, 0));
         for (;;)
@@ -198,6 +293,10 @@ int main(int argc, char **argv)
     }
     if (r != 0 && do_reseed && (reseed(mode) != 0 || drain_hwrng() != 0))
         return 3;
+    if (r != 0) {
+        int64_t window;
+        sync_clock(mode, &window);
+    }
     printf("%u\n", r);
     return 0;
 }

@@ -105,6 +105,21 @@ fn host_now() -> u64 {
         .as_secs()
 }
 
+/// `forkvm-clone --clock` output ("+0.000002 0.000028": host minus guest wall clock and
+/// the reading's uncertainty, in seconds) within 0.5 s.
+fn assert_clock_right(clock: Option<&str>, who: &str) {
+    let offset: Option<f64> = clock
+        .and_then(|c| c.split_whitespace().next())
+        .and_then(|o| o.parse().ok());
+    let Some(offset) = offset else {
+        panic!("{who}: no clock reading: {clock:?}");
+    };
+    assert!(
+        offset.abs() < 0.5,
+        "{who}: wall clock {offset} s off the host's ({clock:?})"
+    );
+}
+
 /// Every sample is `bytes` bytes in hex and no two are the same.
 fn assert_distinct_hex(samples: &[String], bytes: usize, what: &str) {
     for h in samples {
@@ -141,7 +156,7 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
     // /dev/hwrng, a checksum of a file it reads from the disk for the first time after
     // the clone point (through the restored virtio-blk queue) and of the same file in
     // its initramfs, and the time. The parent then waits to be shut down.
-    let script = r#"r=$(forkvm-clone 3); echo tool-status=$?; echo clone-result=$r; echo rand=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n'); echo hwrng=$(head -c 64 /dev/hwrng | od -An -tx1 | tr -d ' \n'); echo disk=$(md5sum < /mnt/disk/usr/bin/forkvm-cowbench); echo ram=$(md5sum < /usr/bin/forkvm-cowbench); echo time=$(date +%s); echo finished; [ $r = 0 ] && while :; do echo tick=$(date +%s); sleep 1; done"#;
+    let script = r#"r=$(forkvm-clone 3); echo tool-status=$?; echo clone-result=$r; echo rand=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n'); echo hwrng=$(head -c 64 /dev/hwrng | od -An -tx1 | tr -d ' \n'); echo disk=$(md5sum < /mnt/disk/usr/bin/forkvm-cowbench); echo ram=$(md5sum < /usr/bin/forkvm-cowbench); echo time=$(date +%s); echo finished; [ $r = 0 ] && while :; do echo tick=$(date +%s) clock=$(forkvm-clone --clock); sleep 1; done"#;
     let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
     let mut vm = Vm::start(
         &scratch,
@@ -277,10 +292,13 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
         let start = std::time::Instant::now();
         let ticks = loop {
             let text = std::fs::read_to_string(&console).unwrap_or_default();
-            let ticks: Vec<u64> = text
+            let ticks: Vec<(u64, String)> = text
                 .lines()
                 .filter_map(|l| l.trim_end_matches('\r').strip_prefix("tick="))
-                .filter_map(|t| t.parse().ok())
+                .filter_map(|t| {
+                    let (secs, clock) = t.split_once(" clock=")?;
+                    Some((secs.parse().ok()?, clock.to_string()))
+                })
                 .collect();
             if ticks.len() >= 3 {
                 break ticks;
@@ -292,17 +310,14 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
             );
             std::thread::sleep(Duration::from_millis(200));
         };
-        // KNOWN BUG (docs/cloning.md, "Not yet"): warm clones' clocks fall seconds behind
-        // after a pause; this check failed one clean CI run in three. Until it is fixed
-        // the lag is reported here, loudly, instead of failing the suite. Restore the
-        // assertion (second tick >= launch - 2 s) with the fix. The first line may
-        // carry a time read before the pause, so the second is the one compared.
-        if !(ticks[1] + 2 >= launched_at && ticks[1] <= host_now() + 1) {
-            eprintln!(
-                "KNOWN BUG: warm clone {} clock {ticks:?}, launched at host time {launched_at}",
-                c["id"]
-            );
-        }
+        // The first line may carry a time read before the pause: the second is the
+        // first read wholly after the launch.
+        assert!(
+            ticks[1].0 + 2 >= launched_at && ticks[1].0 <= host_now() + 1,
+            "warm clone {} clock {ticks:?}, launched at host time {launched_at}",
+            c["id"]
+        );
+        assert_clock_right(Some(&ticks[1].1), &format!("warm clone {}", c["id"]));
     }
     vm.shutdown(Duration::from_secs(30));
 }
@@ -393,12 +408,17 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
         let sock = std::path::PathBuf::from(c["api_sock"].as_str().unwrap());
         let own = format!("{}.vsock", sock.display());
         assert_eq!(c["vsock"], own.as_str(), "{c}");
-        // Its own number, and the host can have it reseed its kernel RNG (no hwrng
-        // device here: the drain finds none and succeeds).
-        let cmd = "echo id=$(forkvm-clone --id); forkvm-clone --reseed && echo reseeded";
+        // Its own number, its wall clock (the template's, set from the host at boot, moved
+        // on by the VMM: nothing in the clone set it), and the host can have it reseed its
+        // kernel RNG (no hwrng device here: the drain finds none and succeeds).
+        let cmd = "echo id=$(forkvm-clone --id); echo clock=$(forkvm-clone --clock); \
+                   forkvm-clone --reseed && echo reseeded";
         let (code, out, err) = vmm_exec(&sock, &["--", cmd], b"");
         assert_eq!(code, Some(0), "clone {}: {err}", c["id"]);
-        assert_eq!(out, format!("id={}\nreseeded\n", c["id"].as_str().unwrap()));
+        let id = c["id"].as_str().unwrap();
+        assert_eq!(value_after(&out, "id="), Some(id), "{out}");
+        assert!(out.ends_with("reseeded\n"), "{out}");
+        assert_clock_right(value_after(&out, "clock="), &format!("clone {id}"));
     }
     let (code, out, err) = long.join().unwrap();
     assert_eq!((code, out.as_str()), (Some(0), "long-done\n"), "{err}");

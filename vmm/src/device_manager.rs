@@ -9,6 +9,7 @@ use kvm_ioctls::{IoEventAddress, VmFd};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
+use devices::clock::{ClockPort, CLOCK_BASE, CLOCK_LEN};
 use devices::entropy::{EntropyPort, ENTROPY_BASE, ENTROPY_LEN};
 use devices::identity::{IdentityPort, IDENTITY_BASE, IDENTITY_LEN};
 use devices::legacy::{
@@ -181,6 +182,11 @@ impl DeviceManager {
             Arc::new(Mutex::new(IdentityPort::new(clone_seq))),
             IDENTITY_BASE,
             IDENTITY_LEN,
+        )?;
+        pio.insert(
+            Arc::new(Mutex::new(ClockPort::new())),
+            CLOCK_BASE,
+            CLOCK_LEN,
         )?;
 
         Ok(Self {

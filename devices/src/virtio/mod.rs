@@ -2,6 +2,7 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 pub mod rng;
 pub mod vsock;
 pub mod worker;

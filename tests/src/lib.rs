@@ -116,6 +116,65 @@ impl Drop for Scratch {
     }
 }
 
+/// A network namespace made for one test (`ip netns add`), deleted on drop.
+pub struct Netns(pub String);
+
+impl Netns {
+    /// Creates namespace `name` with its loopback up.
+    pub fn new(name: &str) -> Self {
+        let _ = Command::new("ip").args(["netns", "del", name]).output();
+        ip(&["netns", "add", name]);
+        let ns = Self(name.to_string());
+        ns.ip(&["link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// Runs `ip -n NS ARGS` and asserts it succeeded.
+    pub fn ip(&self, args: &[&str]) {
+        let mut all = vec!["-n", &self.0];
+        all.extend_from_slice(args);
+        ip(&all);
+    }
+
+    /// Moves host interface `dev` (a tap) into this namespace, gives it `addr` (CIDR)
+    /// and brings it up.
+    pub fn take(&self, dev: &str, addr: &str) {
+        ip(&["link", "set", dev, "netns", &self.0]);
+        self.ip(&["addr", "add", addr, "dev", dev]);
+        self.ip(&["link", "set", dev, "up"]);
+    }
+
+    /// A counter of `dev` in this namespace (`rx_packets`, `tx_bytes`, ...).
+    pub fn counter(&self, dev: &str, name: &str) -> u64 {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.0, "cat"])
+            .arg(format!("/sys/class/net/{dev}/statistics/{name}"))
+            .output()
+            .expect("ip netns exec");
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{dev} {name} in {}: {out:?}", self.0))
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// Runs `ip ARGS` and asserts it succeeded.
+pub fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("ip");
+    assert!(out.status.success(), "ip {args:?}: {out:?}");
+}
+
+/// Whether host interface `dev` exists (in this namespace).
+pub fn link_exists(dev: &str) -> bool {
+    Path::new("/sys/class/net").join(dev).exists()
+}
+
 /// A `vmm run` process whose console goes to a file.
 pub struct Vm {
     /// The child process.

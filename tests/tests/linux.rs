@@ -445,3 +445,126 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
     vm.shutdown(Duration::from_secs(30));
     assert!(!vsock.exists(), "the template's vsock socket was left");
 }
+
+#[test]
+fn linux_clones_get_their_own_tap_and_reach_their_own_host_peer_only() {
+    // Each side lives in its own network namespace the test makes: the template's tap
+    // and each clone's (created by the clone's VMM, named in POST /clones) get the same
+    // peer address, 10.77.0.1, which only a frame on that very tap can reach.
+    if !tests::kvm_and_root_available("linux_clones_net") {
+        return;
+    }
+    let _one = one_guest();
+    let scratch = Scratch::new("linux-net");
+    let pid = std::process::id();
+    let tap = format!("fkt{}", pid % 100_000_000);
+    let ns: Vec<tests::Netns> = (0..3)
+        .map(|i| tests::Netns::new(&format!("fkvm-test-{pid}-{i}")))
+        .collect();
+    // The parent takes its network down once it has shown it works, so nothing it
+    // sends can be mistaken for a clone's frame on its tap.
+    let ping = "until ping -c1 -W1 10.77.0.1 >/dev/null 2>&1; do sleep 1; done";
+    let script = format!(
+        "ip link set eth0 up; ip addr add 10.77.0.2/24 dev eth0; {ping}; echo net-up; \
+         r=$(forkvm-clone 2); {ping}; echo net-ok-$r; \
+         [ $r = 0 ] && ip link set eth0 down && echo parent-quiet && sleep 1000000"
+    );
+    let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &path("vmlinux"),
+            "--initrd",
+            &path("initramfs.cpio"),
+            "--mem-mib",
+            "256",
+            "--tap",
+            &tap,
+            "--cmdline",
+            &cmdline,
+        ],
+    );
+    let wait_link = |dev: &str| {
+        let start = std::time::Instant::now();
+        while !tests::link_exists(dev) {
+            assert!(start.elapsed() < Duration::from_secs(30), "no tap {dev}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    wait_link(&tap);
+    ns[0].take(&tap, "10.77.0.1/24");
+    vm.wait_console("net-up", LINUX_BOOT);
+    let (_, body) = vm.api("GET", "/vm", None);
+    assert!(body.contains(&format!("\"tap\":\"{tap}\"")), "{body}");
+
+    let start = std::time::Instant::now();
+    let clones = loop {
+        let (_, body) = vm.api("GET", "/clones", None);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let list = v["clones"].as_array().unwrap().clone();
+        if list.len() == 2 {
+            break list;
+        }
+        assert!(start.elapsed() < LINUX_BOOT, "no clones: {body}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let mut macs = vec!["06:00:ac:10:00:02".to_string()];
+    for (c, ns) in clones.iter().zip(&ns[1..]) {
+        let own = c["net"]["tap"].as_str().unwrap();
+        assert_eq!(own, format!("fkvm{}", c["pid"]), "{c}");
+        wait_link(own);
+        ns.take(own, "10.77.0.1/24");
+        macs.push(c["net"]["mac"].as_str().unwrap().to_string());
+    }
+    macs.sort();
+    macs.dedup();
+    assert_eq!(macs.len(), 3, "every card has its own MAC: {macs:?}");
+    vm.wait_console("parent-quiet", LINUX_BOOT);
+    let quiet = ns[0].counter(&tap, "rx_packets");
+    for c in &clones {
+        let k = c["id"].as_str().unwrap();
+        let console = c["console"].as_str().unwrap();
+        let start = std::time::Instant::now();
+        loop {
+            let text = std::fs::read_to_string(console).unwrap_or_default();
+            if text.contains(&format!("net-ok-{k}")) {
+                break;
+            }
+            assert!(
+                start.elapsed() < LINUX_BOOT,
+                "clone {k} did not reach its peer: {text}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    assert_eq!(
+        ns[0].counter(&tap, "rx_packets"),
+        quiet,
+        "a clone's frame reached the template's tap"
+    );
+    // A clone's tap goes with it.
+    for (c, ns) in clones.iter().zip(&ns[1..]) {
+        let own = c["net"]["tap"].as_str().unwrap();
+        let start = std::time::Instant::now();
+        loop {
+            let (_, body) = vm.api("GET", "/clones", None);
+            let gone = !std::process::Command::new("ip")
+                .args(["-n", &ns.0, "link", "show", own])
+                .output()
+                .unwrap()
+                .status
+                .success();
+            if gone && body.contains("\"exited\"") {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "tap {own} of clone {} still there: {body}",
+                c["id"]
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    vm.shutdown(Duration::from_secs(30));
+}

@@ -105,6 +105,101 @@ pub struct VsockConfig {
     pub uds_path: PathBuf,
 }
 
+/// The virtio-net device (one card over a host tap).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    /// The host tap device (created if it does not exist; a clone's is
+    /// [`NetConfig::clone_tap`]).
+    pub tap: String,
+    /// The card's MAC address (a clone's is [`NetConfig::clone_mac`]).
+    pub mac: MacAddr,
+    /// Limit for each direction (None: unlimited).
+    pub rate_limit: Option<devices::rate_limiter::RateLimit>,
+}
+
+impl NetConfig {
+    /// The tap a clone with process id `pid` creates: `fkvm<pid>`, unique among the
+    /// host's live processes and short enough for an interface name.
+    pub fn clone_tap(pid: i32) -> String {
+        format!("fkvm{pid}")
+    }
+
+    /// The MAC address of the clone with process id `pid`: this card's first three
+    /// bytes, then the pid's low 24 bits (Linux pids are below 2^22), so no two live
+    /// clones share one.
+    pub fn clone_mac(&self, pid: i32) -> MacAddr {
+        let p = (pid as u32).to_be_bytes();
+        let m = self.mac.0;
+        MacAddr([m[0], m[1], m[2], p[1], p[2], p[3]])
+    }
+
+    /// This configuration as the clone with process id `pid` uses it.
+    pub fn for_clone(&self, pid: i32) -> Self {
+        Self {
+            tap: Self::clone_tap(pid),
+            mac: self.clone_mac(pid),
+            rate_limit: self.rate_limit,
+        }
+    }
+}
+
+/// An Ethernet MAC address, written `06:00:ac:10:00:02`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MacAddr(pub [u8; 6]);
+
+/// The default MAC: locally administered, unicast.
+pub const DEFAULT_MAC: MacAddr = MacAddr([0x06, 0x00, 0xac, 0x10, 0x00, 0x02]);
+
+/// A MAC address that does not parse.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MacError {
+    /// Not six hexadecimal bytes separated by colons.
+    #[error("invalid MAC address {0:?}: expected six hex bytes like 06:00:ac:10:00:02")]
+    Syntax(String),
+    /// A multicast address cannot be a card's.
+    #[error("invalid MAC address {0:?}: multicast (lowest bit of the first byte set)")]
+    Multicast(String),
+}
+
+impl std::str::FromStr for MacAddr {
+    type Err = MacError;
+    fn from_str(s: &str) -> Result<Self, MacError> {
+        let bytes: Vec<u8> = s
+            .split(':')
+            .map(|b| {
+                (b.len() == 2)
+                    .then(|| u8::from_str_radix(b, 16).ok())
+                    .flatten()
+            })
+            .collect::<Option<_>>()
+            .ok_or_else(|| MacError::Syntax(s.to_string()))?;
+        let mac: [u8; 6] = bytes
+            .try_into()
+            .map_err(|_| MacError::Syntax(s.to_string()))?;
+        if mac[0] & 1 == 1 {
+            return Err(MacError::Multicast(s.to_string()));
+        }
+        Ok(Self(mac))
+    }
+}
+
+impl std::fmt::Display for MacAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let m = self.0;
+        write!(
+            f,
+            "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+            m[0], m[1], m[2], m[3], m[4], m[5]
+        )
+    }
+}
+
+impl serde::Serialize for MacAddr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 /// A complete VM configuration.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -118,6 +213,8 @@ pub struct VmConfig {
     pub rng: Option<RngConfig>,
     /// A virtio-vsock device.
     pub vsock: Option<VsockConfig>,
+    /// A virtio-net device.
+    pub net: Option<NetConfig>,
     /// Guest memory in MiB.
     pub mem_mib: u64,
     /// Number of vCPUs.
@@ -153,6 +250,7 @@ impl VmConfig {
             rootfs: None,
             rng: None,
             vsock: None,
+            net: None,
             mem_mib: 128,
             vcpus: 1,
             cmdline: DEFAULT_CMDLINE.to_string(),
@@ -288,6 +386,39 @@ mod tests {
     fn cfg() -> VmConfig {
         // The test binary itself is a regular file that exists.
         VmConfig::new(std::env::current_exe().unwrap())
+    }
+
+    #[test]
+    fn mac_addresses_parse_print_and_differ_per_clone() {
+        let mac: MacAddr = "06:00:AC:10:00:02".parse().unwrap();
+        assert_eq!(mac, DEFAULT_MAC);
+        assert_eq!(mac.to_string(), "06:00:ac:10:00:02");
+        for bad in [
+            "",
+            "06:00:ac:10:00",
+            "06:00:ac:10:00:02:03",
+            "6:00:ac:10:00:02",
+            "zz:00:ac:10:00:02",
+        ] {
+            assert!(
+                matches!(bad.parse::<MacAddr>(), Err(MacError::Syntax(_))),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            "01:00:5e:00:00:01".parse::<MacAddr>(),
+            Err(MacError::Multicast(_))
+        ));
+        let net = NetConfig {
+            tap: "tap0".into(),
+            mac,
+            rate_limit: None,
+        };
+        let a = net.for_clone(4_194_303);
+        assert_eq!(a.tap, "fkvm4194303");
+        assert!(devices::virtio::net::valid_ifname(&a.tap));
+        assert_eq!(a.mac.to_string(), "06:00:ac:3f:ff:ff");
+        assert_ne!(net.clone_mac(1234), net.clone_mac(1235));
     }
 
     #[test]

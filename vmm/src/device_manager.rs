@@ -19,6 +19,7 @@ use devices::probe::{ProbePort, ProbeStats, PROBE_BASE, PROBE_LEN};
 use devices::trigger::EventFdTrigger;
 use devices::virtio::block::{Block, BlockError};
 use devices::virtio::mmio::{TransportRestoreError, NOTIFY_REG_OFFSET};
+use devices::virtio::net::{open_tap, Net, TapError};
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::{Vsock, VsockError};
 use devices::virtio::{
@@ -66,6 +67,9 @@ pub enum DeviceError {
     /// The vsock device could not be made.
     #[error(transparent)]
     Vsock(#[from] VsockError),
+    /// The network card's tap could not be opened.
+    #[error(transparent)]
+    Tap(#[from] TapError),
     /// A clone's saved device state does not fit its devices.
     #[error("cannot restore {device}: {source}")]
     Restore {
@@ -208,7 +212,8 @@ impl DeviceManager {
     }
 
     /// Attaches the virtio devices `config` asks for, in a fixed order: the root disk
-    /// (virtio-blk, `/dev/vda`), the entropy device, the socket device. With `restore` (a clone), each
+    /// (virtio-blk, `/dev/vda`), the entropy device, the socket device, the network
+    /// card. With `restore` (a clone), each
     /// continues from its saved state and disks use the inherited descriptors.
     pub fn add_virtio_devices(
         &mut self,
@@ -241,6 +246,14 @@ impl DeviceManager {
             let vsock = Vsock::new(v.cid, &v.uds_path, restore.is_some())?;
             let info = serde_json::json!({ "cid": v.cid, "uds_path": v.uds_path });
             self.add_virtio(vm, mem, Box::new(vsock), info, restore)?;
+        }
+        if let Some(n) = &config.net {
+            let tap = open_tap(&n.tap)?;
+            let info = serde_json::json!({
+                "tap": n.tap, "mac": n.mac, "rate_limit": n.rate_limit,
+            });
+            let net = Net::new(tap, n.mac.0, n.rate_limit);
+            self.add_virtio(vm, mem, Box::new(net), info, restore)?;
         }
         if let Some(r) = restore {
             if r.states.len() != self.virtio.len() {

@@ -115,6 +115,16 @@ struct RunArgs {
     /// The guest's vsock CID.
     #[arg(long, default_value_t = 3)]
     vsock_cid: u64,
+    /// Attach a virtio-net card over this host tap device (created if missing, which
+    /// needs CAP_NET_ADMIN). Each clone creates its own tap, `fkvm<its pid>`.
+    #[arg(long)]
+    tap: Option<String>,
+    /// The card's MAC address (a clone's keeps the first three bytes, then its pid).
+    #[arg(long, default_value_t = vmm::config::DEFAULT_MAC, requires = "tap")]
+    mac: vmm::config::MacAddr,
+    /// Rate limit for each direction of the card (same syntax as --rng-rate-limit).
+    #[arg(long, requires = "tap")]
+    net_rate_limit: Option<devices::rate_limiter::RateLimit>,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 128)]
     mem_mib: u64,
@@ -316,6 +326,11 @@ fn main() -> ExitCode {
                 vsock: a.vsock.map(|uds_path| vmm::config::VsockConfig {
                     cid: a.vsock_cid,
                     uds_path,
+                }),
+                net: a.tap.map(|tap| vmm::config::NetConfig {
+                    tap,
+                    mac: a.mac,
+                    rate_limit: a.net_rate_limit,
                 }),
                 mem_mib: a.mem_mib,
                 vcpus: a.vcpus,

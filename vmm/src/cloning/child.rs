@@ -287,6 +287,8 @@ fn run_clone(
     if let (Some(v), Some(path)) = (config.vsock.as_mut(), &identity.vsock) {
         v.uds_path = path.clone();
     }
+    // Its own tap and MAC (the tap is created here; it goes when the clone exits).
+    config.net = config.net.map(|n| n.for_clone(std::process::id() as i32));
     // The guest reads the last part of its id ("2.1" -> 1) from the identity port.
     let seq = identity
         .id

@@ -123,6 +123,9 @@ pub struct CloneInfo {
     /// The clone's vsock socket (with a vsock device).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub vsock: Option<PathBuf>,
+    /// The clone's tap and MAC address (with a network card).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net: Option<CloneNet>,
     /// From the request reaching the VMM to the clone's vCPU 0 entering the guest.
     pub latency_us: Option<u64>,
     /// What became of it.
@@ -131,15 +134,34 @@ pub struct CloneInfo {
     pub cgroup: Option<CloneCgroup>,
 }
 
+/// A clone's network card, as `POST /clones` reports it: the host configures the tap
+/// (address, bridge, namespace) and may give the guest the MAC (docs/clone-network.md).
+#[derive(Debug, Clone, Serialize)]
+pub struct CloneNet {
+    /// The tap the clone created (`fkvm<pid>`); it disappears when the clone exits.
+    pub tap: String,
+    /// The MAC address in the clone's device configuration.
+    pub mac: crate::config::MacAddr,
+}
+
 impl CloneInfo {
     /// A clone just forked or launched, not yet known to run.
-    fn starting(identity: Identity, pid: i32, cgroup: Option<CloneCgroup>) -> Self {
+    fn starting(
+        identity: Identity,
+        pid: i32,
+        cgroup: Option<CloneCgroup>,
+        net: Option<&crate::config::NetConfig>,
+    ) -> Self {
         Self {
             id: identity.id,
             pid,
             api_sock: identity.api_sock,
             console: identity.console,
             vsock: identity.vsock,
+            net: net.map(|n| CloneNet {
+                tap: crate::config::NetConfig::clone_tap(pid),
+                mac: n.clone_mac(pid),
+            }),
             latency_us: None,
             status: CloneStatus::Failed,
             cgroup,
@@ -557,9 +579,10 @@ impl Microvm {
                 None
             };
             match launched {
-                Some((pid, ready, cgroup)) => {
-                    made.push((CloneInfo::starting(identity, pid, cgroup), ready))
-                }
+                Some((pid, ready, cgroup)) => made.push((
+                    CloneInfo::starting(identity, pid, cgroup, self.config.net.as_ref()),
+                    ready,
+                )),
                 None => rest.push(identity),
             }
         }
@@ -675,7 +698,7 @@ impl Microvm {
                 Ok((pid, read_end)) => {
                     self.started_in(pid, taken);
                     made.push((
-                        CloneInfo::starting(identity, pid, cgroup),
+                        CloneInfo::starting(identity, pid, cgroup, self.config.net.as_ref()),
                         File::from(read_end),
                     ));
                 }

@@ -241,12 +241,43 @@ fn bad_inputs_give_clear_errors_not_panics() {
             vec!["status", "--api-sock", "/nonexistent/sock"],
             "cannot connect to /nonexistent/sock",
         ),
+        (
+            vec!["run", "--kernel", &t, "--tap", "no/slash"],
+            "invalid tap name \"no/slash\"",
+        ),
     ];
     for (args, want) in cases {
         let (status, out, err) = run_vmm(&args, BOOT);
         assert_eq!(status.code(), Some(1), "{args:?}: {out}\n{err}");
         assert!(err.contains(want), "{args:?}: expected {want:?} in:\n{err}");
         assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
+    }
+    // Bad values the command line parser refuses (exit status 2).
+    for (args, want) in [
+        (
+            vec![
+                "run",
+                "--kernel",
+                &t,
+                "--tap",
+                "t0",
+                "--mac",
+                "01:00:5e:00:00:01",
+            ],
+            "multicast",
+        ),
+        (
+            vec!["run", "--kernel", &t, "--tap", "t0", "--mac", "06:00"],
+            "six hex bytes",
+        ),
+        (
+            vec!["run", "--kernel", &t, "--mac", "06:00:ac:10:00:02"],
+            "--tap",
+        ),
+    ] {
+        let (status, out, err) = run_vmm(&args, BOOT);
+        assert_eq!(status.code(), Some(2), "{args:?}: {out}\n{err}");
+        assert!(err.contains(want), "{args:?}: expected {want:?} in:\n{err}");
     }
     // The regular file given as a socket path is left alone.
     assert_eq!(std::fs::read(&regular).unwrap(), b"x");

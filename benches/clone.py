@@ -284,8 +284,15 @@ def sandbox(a):
             print(row(f"{mode} | {measure}", xs, base))
 
 
-DEVICES = {"none": [],
-           "disk+rng": ["--rootfs", os.path.join(GUEST, "rootfs.ext4"), "--rng"]}
+def device_sets(tmp):
+    """The device sets compared: none, disk+rng, and those with vsock and a network
+    card (a tap the template creates; every clone creates its own, needs root)."""
+    disk_rng = ["--rootfs", os.path.join(GUEST, "rootfs.ext4"), "--rng"]
+    return {"none": [],
+            "disk+rng": disk_rng,
+            "disk+rng+vsock+net": disk_rng + [
+                "--vsock", os.path.join(tmp, "t.vsock"),
+                "--tap", f"fkb{os.getpid() % 100000000}"]}
 
 
 def devices(a):
@@ -294,12 +301,13 @@ def devices(a):
           f"(ms; ratio of medians to none):\n")
     print("| devices | measure | min | median | p99 | vs none |")
     print("|---|---|---|---|---|---|")
-    got = {m: ([], []) for m in DEVICES}
     guest = ('console=ttyS0 reboot=k panic=-1 quiet '
              'forkvm.run="echo template-$((1+1)); sleep 1000000"')
     with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
+        sets = device_sets(tmp)
+        got = {m: ([], []) for m in sets}
         for _ in range(a.rounds):
-            for name, extra in DEVICES.items():
+            for name, extra in sets.items():
                 vmm_ms, e2e_ms, _ = clone_series(
                     tmp, 256, True, "running", a.runs // a.rounds, guest=guest,
                     ready=b"template-2", probe=False, body='{"count":1,"console":"null"}',
@@ -309,7 +317,7 @@ def devices(a):
                 got[name][1].extend(e2e_ms)
     for i, measure in enumerate(("request to clone vCPU 0 in guest", "client end to end")):
         base = statistics.median(got["none"][i])
-        for name in DEVICES:
+        for name in got:
             print(row(f"{name} | {measure}", got[name][i], base))
 
 

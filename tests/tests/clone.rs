@@ -420,6 +420,36 @@ fn a_vm_with_virtio_devices_clones_and_both_keep_running() {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
+    // Per-clone rate limits replace the template's for that clone only; one for a
+    // device the VM lacks is refused.
+    let (code, answer) = vm.api(
+        "POST",
+        "/clones",
+        Some(r#"{"rate_limits":{"rng":"bytes=8K","disk":"ops=100"}}"#),
+    );
+    assert_eq!(code, 201, "{answer}");
+    let v: Value = serde_json::from_str(&answer).unwrap();
+    let sock = v["clones"][0]["api_sock"].as_str().unwrap().to_string();
+    let (_, status) = api_request(Path::new(&sock), "GET", "/vm", None);
+    let clone: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(
+        clone["devices"][1]["rate_limit"]["bandwidth"]["size"], 8192,
+        "{status}"
+    );
+    assert_eq!(
+        clone["devices"][0]["rate_limit"]["ops"]["size"], 100,
+        "{status}"
+    );
+    let (_, status) = vm.api("GET", "/vm", None);
+    let parent: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(parent["devices"], devices, "the template's limits stay");
+    let (code, answer) = vm.api(
+        "POST",
+        "/clones",
+        Some(r#"{"rate_limits":{"net":"bytes=1K"}}"#),
+    );
+    assert_eq!(code, 400, "{answer}");
+    assert!(answer.contains("network card"), "{answer}");
     let now = last_beat_plain(&vm.console_text());
     vm.wait_console(&format!("tiny: beat {}\n", now + 2), BOOT);
     vm.shutdown(BOOT);

@@ -105,6 +105,44 @@ pub struct VsockConfig {
     pub uds_path: PathBuf,
 }
 
+/// Rate limits for one clone's devices (`POST /clones` `rate_limits`), replacing its
+/// template's for the devices named.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceRateLimits {
+    /// The disk (`--rootfs`).
+    pub disk: Option<devices::rate_limiter::RateLimit>,
+    /// The entropy device (`--rng`).
+    pub rng: Option<devices::rate_limiter::RateLimit>,
+    /// The network card, each direction (`--tap`).
+    pub net: Option<devices::rate_limiter::RateLimit>,
+}
+
+/// A rate limit for a device the VM does not have.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("rate limit for the {0}, which this VM does not have")]
+pub struct NoSuchDevice(pub &'static str);
+
+impl VmConfig {
+    /// Applies `limits` to the devices they name; refuses one for a missing device.
+    pub fn apply_rate_limits(&mut self, limits: &DeviceRateLimits) -> Result<(), NoSuchDevice> {
+        if let Some(l) = limits.disk {
+            if self.rootfs.is_none() {
+                return Err(NoSuchDevice("disk"));
+            }
+            self.rootfs_rate_limit = Some(l);
+        }
+        if let Some(l) = limits.rng {
+            let rng = self.rng.as_mut().ok_or(NoSuchDevice("entropy device"))?;
+            rng.rate_limit = Some(l);
+        }
+        if let Some(l) = limits.net {
+            let net = self.net.as_mut().ok_or(NoSuchDevice("network card"))?;
+            net.rate_limit = Some(l);
+        }
+        Ok(())
+    }
+}
+
 /// The virtio-net device (one card over a host tap).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetConfig {
@@ -209,6 +247,8 @@ pub struct VmConfig {
     pub initrd: Option<PathBuf>,
     /// Optional read-only root/data disk image (virtio-blk).
     pub rootfs: Option<PathBuf>,
+    /// Limit for the disk's reads (bytes) and requests (None: unlimited).
+    pub rootfs_rate_limit: Option<devices::rate_limiter::RateLimit>,
     /// A virtio-rng entropy device, with its optional rate limit.
     pub rng: Option<RngConfig>,
     /// A virtio-vsock device.
@@ -248,6 +288,7 @@ impl VmConfig {
             kernel,
             initrd: None,
             rootfs: None,
+            rootfs_rate_limit: None,
             rng: None,
             vsock: None,
             net: None,
@@ -419,6 +460,35 @@ mod tests {
         assert!(devices::virtio::net::valid_ifname(&a.tap));
         assert_eq!(a.mac.to_string(), "06:00:ac:3f:ff:ff");
         assert_ne!(net.clone_mac(1234), net.clone_mac(1235));
+    }
+
+    #[test]
+    fn per_clone_rate_limits_replace_the_templates_and_need_the_device() {
+        let limit = |s: &str| Some(s.parse().unwrap());
+        let mut c = cfg();
+        c.rng = Some(RngConfig {
+            rate_limit: limit("bytes=1K"),
+        });
+        let both = DeviceRateLimits {
+            rng: limit("bytes=2K"),
+            net: limit("bytes=3K"),
+            ..Default::default()
+        };
+        assert_eq!(
+            c.clone().apply_rate_limits(&both),
+            Err(NoSuchDevice("network card"))
+        );
+        let rng_only = DeviceRateLimits {
+            rng: limit("bytes=2K"),
+            ..Default::default()
+        };
+        c.apply_rate_limits(&rng_only).unwrap();
+        assert_eq!(c.rng.unwrap().rate_limit, limit("bytes=2K"));
+        let disk = DeviceRateLimits {
+            disk: limit("ops=10"),
+            ..Default::default()
+        };
+        assert_eq!(cfg().apply_rate_limits(&disk), Err(NoSuchDevice("disk")));
     }
 
     #[test]

@@ -234,8 +234,11 @@ impl DeviceManager {
                 }
                 None => Block::open(rootfs, "forkvm-rootfs")?,
             };
+            let block = block.with_rate_limit(config.rootfs_rate_limit);
             self.disk_fds.push(block.file().as_raw_fd());
-            let info = serde_json::json!({ "path": rootfs, "read_only": true });
+            let info = serde_json::json!({
+                "path": rootfs, "read_only": true, "rate_limit": config.rootfs_rate_limit,
+            });
             self.add_virtio(vm, mem, Box::new(block), info, restore)?;
         }
         if let Some(rng) = &config.rng {

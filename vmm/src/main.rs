@@ -99,6 +99,10 @@ struct RunArgs {
     /// Read-only disk image, attached as virtio-blk /dev/vda.
     #[arg(long)]
     rootfs: Option<PathBuf>,
+    /// Rate limit for the disk: bytes read and requests (same syntax as
+    /// --rng-rate-limit).
+    #[arg(long, requires = "rootfs")]
+    rootfs_rate_limit: Option<devices::rate_limiter::RateLimit>,
     /// Attach a virtio-rng entropy device (/dev/hwrng in the guest), fed from the
     /// host's getrandom.
     #[arg(long)]
@@ -320,6 +324,7 @@ fn main() -> ExitCode {
                 cgroups: a.cgroups(),
                 initrd: a.initrd,
                 rootfs: a.rootfs,
+                rootfs_rate_limit: a.rootfs_rate_limit,
                 rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
                     rate_limit: a.rng_rate_limit,
                 }),

@@ -262,9 +262,17 @@ impl Microvm {
                 received_ns,
                 console,
                 resource_class,
+                rate_limits,
             } => {
-                match self.make_clones(count, received_ns, None, console, resource_class.as_deref())
-                {
+                let made = self.make_clones(
+                    count,
+                    received_ns,
+                    None,
+                    console,
+                    resource_class.as_deref(),
+                    &rate_limits,
+                );
+                match made {
                     Ok(made) => (
                         ApiReply {
                             status: 201,
@@ -277,6 +285,7 @@ impl Microvm {
                         let status = match e {
                             CloneError::Count(_)
                             | CloneError::PathTooLong(_)
+                            | CloneError::RateLimit(_)
                             | CloneError::Cgroup(P::UnknownClass { .. } | P::NoPools(_)) => 400,
                             CloneError::State(_) | CloneError::TooMany { .. } => 409,
                             CloneError::Cgroup(P::Pool(jailer::cgroup::PoolError::Exhausted {

@@ -6,11 +6,14 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueState, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::{ByteValued, GuestMemoryMmap};
 
-use super::worker::{QueueHandler, WorkerContext};
+use super::worker::{QueueHandler, WorkerContext, FIRST_HANDLER_TOKEN};
 use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use crate::rate_limiter::{RateLimit, RateLimiter};
+use std::os::fd::AsRawFd;
+use vmm_sys_util::epoll::EventSet;
 
 /// virtio device id of a block device.
 pub const TYPE_BLOCK: u32 = 2;
@@ -26,6 +29,7 @@ const VIRTIO_BLK_S_OK: u8 = 0;
 const VIRTIO_BLK_S_IOERR: u8 = 1;
 const VIRTIO_BLK_S_UNSUPP: u8 = 2;
 const ID_BYTES: usize = 20;
+const TOKEN_LIMITER: u64 = FIRST_HANDLER_TOKEN;
 
 /// Errors opening a disk image.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +68,7 @@ pub struct Block {
     sectors: u64,
     id: [u8; ID_BYTES],
     queue_sizes: [u16; 1],
+    limit: Option<RateLimit>,
 }
 
 impl Block {
@@ -100,7 +105,14 @@ impl Block {
             sectors: size / SECTOR_SIZE,
             id: idb,
             queue_sizes: [QUEUE_SIZE],
+            limit: None,
         })
+    }
+
+    /// Limits the device's requests (bytes read, and requests of any kind).
+    pub fn with_rate_limit(mut self, limit: Option<RateLimit>) -> Self {
+        self.limit = limit;
+        self
     }
 
     /// Capacity in 512-byte sectors.
@@ -148,6 +160,12 @@ impl VirtioDevice for Block {
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         let queue = super::single_queue(queues, "virtio-blk")?;
+        let limiter = self
+            .limit
+            .as_ref()
+            .map(RateLimiter::new)
+            .transpose()
+            .map_err(|e| super::WorkerError::Spawn("virtio-blk", e))?;
         Ok(Box::new(Worker {
             file: self.file.clone(),
             sectors: self.sectors,
@@ -155,6 +173,7 @@ impl VirtioDevice for Block {
             mem,
             queue,
             interrupt,
+            limiter,
         }))
     }
 }
@@ -166,11 +185,32 @@ struct Worker {
     mem: GuestMemoryMmap,
     queue: Queue,
     interrupt: Arc<VirtioInterrupt>,
+    limiter: Option<RateLimiter>,
 }
 
 impl QueueHandler for Worker {
+    fn start(&mut self, ctx: &WorkerContext<'_>) {
+        if let Some(l) = &self.limiter {
+            if let Err(e) = ctx.add(l.as_raw_fd(), TOKEN_LIMITER, EventSet::IN) {
+                tracing::error!("virtio-blk: cannot watch the rate limiter: {e}");
+            }
+        }
+    }
+
     fn queue_event(&mut self, _index: usize, _ctx: &WorkerContext<'_>) {
-        self.process_queue();
+        // While blocked, the limiter's timer retries.
+        if !self.limiter.as_ref().is_some_and(RateLimiter::is_blocked) {
+            self.process_queue();
+        }
+    }
+
+    fn handler_event(&mut self, token: u64, _events: EventSet, _ctx: &WorkerContext<'_>) {
+        if token == TOKEN_LIMITER {
+            if let Some(l) = self.limiter.as_mut() {
+                l.timer_fired();
+            }
+            self.process_queue();
+        }
     }
 
     fn queue_states(&self) -> Vec<QueueState> {
@@ -183,6 +223,18 @@ impl Worker {
         let mut used_any = false;
         while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
             let head = chain.head_index();
+            if let Some(l) = self.limiter.as_mut() {
+                // The request's data buffers (its writable bytes less the status byte,
+                // or what it would write): enough for a limit on bytes moved.
+                let bytes = chain
+                    .clone()
+                    .writer(&self.mem)
+                    .map_or(0, |w| w.available_bytes().saturating_sub(1));
+                if !l.consume(bytes as u64) {
+                    self.queue.go_to_previous_position();
+                    break;
+                }
+            }
             let written = self.handle(chain);
             super::add_used(&mut self.queue, &self.mem, head, written, "virtio-blk");
             used_any = true;
@@ -329,6 +381,7 @@ mod tests {
             mem: rig.mem.clone(),
             queue,
             interrupt: Arc::new(VirtioInterrupt::new(rig.irq.try_clone().unwrap())),
+            limiter: None,
         };
         w.process_queue();
         assert_eq!(w.interrupt.status() & 1, 1, "used-buffer interrupt raised");
@@ -342,6 +395,48 @@ mod tests {
             _reserved: 0,
             sector,
         }
+    }
+
+    #[test]
+    fn the_rate_limit_holds_reads_until_the_bucket_refills() {
+        let rig = rig(64);
+        let vq = MockSplitQueue::new(&rig.mem, 16);
+        // Three 1 KiB reads, each: header, data, status.
+        let mut descs = Vec::new();
+        for i in 0..3u64 {
+            let base = 0x10_0000 + i * 0x1_0000;
+            rig.mem
+                .write_obj(hdr(VIRTIO_BLK_T_IN, 2 * i), GuestAddress(base))
+                .unwrap();
+            let at = 3 * i as u16;
+            descs.push(desc(base, 16, NEXT, at + 1));
+            descs.push(desc(base + 0x1000, 1024, NEXT | WRITE, at + 2));
+            descs.push(desc(base + 0x2000, 1, WRITE, 0));
+        }
+        vq.add_desc_chains(&descs, 0).unwrap();
+        let mut w = Worker {
+            file: rig.file.clone(),
+            sectors: 64,
+            id: [0; ID_BYTES],
+            mem: rig.mem.clone(),
+            queue: vq.create_queue().unwrap(),
+            interrupt: Arc::new(VirtioInterrupt::new(rig.irq.try_clone().unwrap())),
+            limiter: Some(RateLimiter::new(&"bytes=2K/50".parse().unwrap()).unwrap()),
+        };
+        w.process_queue();
+        assert_eq!(vq.used().idx().load(), 2, "2 KiB at once, then blocked");
+        assert!(w.limiter.as_ref().unwrap().is_blocked());
+        std::thread::sleep(std::time::Duration::from_millis(40));
+        w.limiter.as_mut().unwrap().timer_fired();
+        w.process_queue();
+        assert_eq!(vq.used().idx().load(), 3);
+        // The held request was served whole: sector 4 is filled with 4s.
+        let mut data = [0u8; 1024];
+        rig.mem
+            .read_slice(&mut data, GuestAddress(0x12_1000))
+            .unwrap();
+        assert_eq!(data[..512], [4u8; 512]);
+        assert_eq!(data[512..], [5u8; 512]);
     }
 
     #[test]

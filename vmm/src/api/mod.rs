@@ -31,6 +31,8 @@ pub enum ApiRequest {
         console: CloneConsole,
         /// Resource class for the clones' cgroups (None: the VMM's first class).
         resource_class: Option<String>,
+        /// Rate limits replacing the template's for these clones' devices.
+        rate_limits: crate::config::DeviceRateLimits,
     },
     /// `GET /clones`
     ListClones,
@@ -75,6 +77,36 @@ struct CreateClones {
     console: CloneConsole,
     #[serde(default)]
     resource_class: Option<String>,
+    #[serde(default)]
+    rate_limits: RateLimitSpecs,
+}
+
+/// `rate_limits` in `POST /clones`: limit texts as on the command line.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RateLimitSpecs {
+    disk: Option<String>,
+    rng: Option<String>,
+    net: Option<String>,
+}
+
+impl RateLimitSpecs {
+    fn parse(&self) -> Result<crate::config::DeviceRateLimits, ApiReply> {
+        let one = |what: &str, spec: &Option<String>| {
+            spec.as_deref()
+                .map(|s| {
+                    s.parse().map_err(|e| {
+                        ApiReply::error(400, format!("invalid rate_limits.{what} {s:?}: {e}"))
+                    })
+                })
+                .transpose()
+        };
+        Ok(crate::config::DeviceRateLimits {
+            disk: one("disk", &self.disk)?,
+            rng: one("rng", &self.rng)?,
+            net: one("net", &self.net)?,
+        })
+    }
 }
 
 fn one() -> u64 {
@@ -149,6 +181,7 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                     count: 1,
                     console: CloneConsole::File,
                     resource_class: None,
+                    rate_limits: RateLimitSpecs::default(),
                 }
             } else {
                 parse_json::<CreateClones>(&req.body)?
@@ -158,6 +191,7 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                 received_ns,
                 console: body.console,
                 resource_class: body.resource_class,
+                rate_limits: body.rate_limits.parse()?,
             })
         }
         ("GET", "/clones") => Ok(ApiRequest::ListClones),
@@ -223,6 +257,22 @@ mod tests {
                 ..
             })
         ));
+        assert!(matches!(
+            route(&req("POST", "/clones", r#"{"rate_limits":{"net":"bytes=2K","rng":"ops=5"}}"#)),
+            Ok(ApiRequest::CreateClones { rate_limits: l, .. })
+                if l.net == Some("bytes=2K".parse().unwrap())
+                    && l.rng == Some("ops=5".parse().unwrap())
+                    && l.disk.is_none()
+        ));
+        for bad in [
+            r#"{"rate_limits":{"net":"bytes=0"}}"#,
+            r#"{"rate_limits":{"net":"fast"}}"#,
+            r#"{"rate_limits":{"gpu":"bytes=1K"}}"#,
+            r#"{"rate_limits":"bytes=1K"}"#,
+        ] {
+            let e = route(&req("POST", "/clones", bad)).unwrap_err();
+            assert_eq!(e.status, 400, "{bad}: {e:?}");
+        }
         assert_eq!(
             route(&req("POST", "/clones", r#"{"console":"tty"}"#))
                 .unwrap_err()

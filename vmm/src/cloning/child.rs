@@ -48,6 +48,9 @@ pub(crate) struct Identity {
     pub console: PathBuf,
     /// Its vsock socket (with a vsock device).
     pub vsock: Option<PathBuf>,
+    /// Rate limits replacing the template's (checked against its devices).
+    #[serde(default)]
+    pub rate_limits: crate::config::DeviceRateLimits,
     /// The vCPU that read the clone port, and the value it reads in this clone.
     pub guest_result: Option<(u8, u64)>,
     /// The cgroup it moves itself into before running guest code.
@@ -287,6 +290,9 @@ fn run_clone(
     if let (Some(v), Some(path)) = (config.vsock.as_mut(), &identity.vsock) {
         v.uds_path = path.clone();
     }
+    config
+        .apply_rate_limits(&identity.rate_limits)
+        .map_err(|e| ChildError::Go(e.to_string()))?;
     // Its own tap and MAC (the tap is created here; it goes when the clone exits).
     config.net = config.net.map(|n| n.for_clone(std::process::id() as i32));
     // The guest reads the last part of its id ("2.1" -> 1) from the identity port.

@@ -81,6 +81,9 @@ pub enum CloneError {
     /// pipe() or fork() failed.
     #[error("cannot start a clone process: {0}")]
     Os(std::io::Error),
+    /// A per-clone rate limit names a device the VM does not have.
+    #[error(transparent)]
+    RateLimit(crate::config::NoSuchDevice),
     /// No cgroup for the clone.
     #[error(transparent)]
     Cgroup(#[from] PlacementError),
@@ -343,6 +346,7 @@ impl Microvm {
             Some(vcpu),
             CloneConsole::File,
             None,
+            &Default::default(),
         );
         match made {
             Ok(made) => tracing::info!(
@@ -386,8 +390,15 @@ impl Microvm {
         requester: Option<u8>,
         console: CloneConsole,
         class: Option<&str>,
+        rate_limits: &crate::config::DeviceRateLimits,
     ) -> Result<Vec<CloneInfo>, CloneError> {
-        if let Err(e) = self.check_clone_request(count) {
+        let checked = self.check_clone_request(count).and_then(|()| {
+            self.config
+                .clone()
+                .apply_rate_limits(rate_limits)
+                .map_err(CloneError::RateLimit)
+        });
+        if let Err(e) = checked {
             self.release_requester(requester, CLONE_FAILED);
             return Err(e);
         }
@@ -420,6 +431,7 @@ impl Microvm {
                 api_sock: sock,
                 console,
                 vsock,
+                rate_limits: *rate_limits,
                 guest_result: requester.map(|v| (v, u64::from(seq))),
                 cgroup: None,
             });

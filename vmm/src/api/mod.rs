@@ -32,7 +32,7 @@ pub enum ApiRequest {
         /// Resource class for the clones' cgroups (None: the VMM's first class).
         resource_class: Option<String>,
         /// Rate limits replacing the template's for these clones' devices.
-        rate_limits: crate::config::DeviceRateLimits,
+        rate_limits: Box<crate::config::DeviceRateLimits>,
     },
     /// `GET /clones`
     ListClones,
@@ -191,7 +191,7 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                 received_ns,
                 console: body.console,
                 resource_class: body.resource_class,
-                rate_limits: body.rate_limits.parse()?,
+                rate_limits: Box::new(body.rate_limits.parse()?),
             })
         }
         ("GET", "/clones") => Ok(ApiRequest::ListClones),

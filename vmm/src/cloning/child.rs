@@ -60,7 +60,7 @@ pub(crate) struct Identity {
 /// How a child starts.
 pub(crate) enum Start {
     /// Launch at once with this identity.
-    Now(Identity),
+    Now(Box<Identity>),
     /// Prepare, then wait for an identity on this pipe (a warm clone).
     Warm {
         /// Read end of the `go` pipe.
@@ -256,7 +256,7 @@ fn run_clone(
                     .unwrap_or_else(|_| Err(std::io::Error::other("placement thread panicked")))
                     .map_err(ChildError::Cgroup)?;
             }
-            identity = id.clone();
+            identity = Identity::clone(id);
         }
         Start::Warm { go, cgroup } => {
             if let Some(p) = cgroup {

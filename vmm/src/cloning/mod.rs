@@ -702,7 +702,7 @@ impl Microvm {
             let forked = pipe()
                 .map_err(CloneError::Os)
                 .and_then(|(read_end, write_end)| {
-                    let start = Start::Now(identity.clone());
+                    let start = Start::Now(Box::new(identity.clone()));
                     let pid = self.fork_child(state, &write_end, start, into)?;
                     Ok((pid, read_end))
                 });

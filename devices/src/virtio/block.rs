@@ -1,10 +1,15 @@
-//! virtio-blk, read-only for now: a disk image the guest reads (and may flush), backed
-//! by a host file, served by the transport's worker thread.
+//! virtio-blk: a disk image backed by a host file, served by the transport's worker
+//! thread. Read-only, or writable through a private copy-on-write [`overlay`] (the
+//! image itself is never written).
+
+pub mod overlay;
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use overlay::Overlay;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::{ByteValued, GuestMemoryMmap};
@@ -62,9 +67,10 @@ struct RequestHeader {
 // SAFETY: plain old data with no padding (u32, u32, u64), valid for any bit pattern.
 unsafe impl ByteValued for RequestHeader {}
 
-/// A read-only virtio-blk device.
+/// A virtio-blk device: read-only, or writable through an overlay.
 pub struct Block {
     file: Arc<File>,
+    overlay: Option<Arc<Mutex<Overlay>>>,
     sectors: u64,
     id: [u8; ID_BYTES],
     queue_sizes: [u16; 1],
@@ -106,7 +112,25 @@ impl Block {
             id: idb,
             queue_sizes: [QUEUE_SIZE],
             limit: None,
+            overlay: None,
         })
+    }
+
+    /// Makes the disk writable: writes go to `overlay`, never to the image.
+    pub fn with_overlay(mut self, overlay: Overlay) -> Self {
+        self.overlay = Some(Arc::new(Mutex::new(overlay)));
+        self
+    }
+
+    /// The overlay, if the disk is writable (the VMM snapshots it for clones while
+    /// the device is parked).
+    pub fn overlay(&self) -> Option<Arc<Mutex<Overlay>>> {
+        self.overlay.clone()
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.sectors * SECTOR_SIZE
     }
 
     /// Limits the device's requests (bytes read, and requests of any kind).
@@ -136,7 +160,12 @@ impl VirtioDevice for Block {
     }
 
     fn avail_features(&self) -> u64 {
-        VIRTIO_F_VERSION_1 | VIRTIO_BLK_F_RO | VIRTIO_BLK_F_FLUSH
+        let ro = if self.overlay.is_some() {
+            0
+        } else {
+            VIRTIO_BLK_F_RO
+        };
+        VIRTIO_F_VERSION_1 | ro | VIRTIO_BLK_F_FLUSH
     }
 
     fn queue_max_sizes(&self) -> &[u16] {
@@ -168,6 +197,7 @@ impl VirtioDevice for Block {
             .map_err(|e| super::WorkerError::Spawn("virtio-blk", e))?;
         Ok(Box::new(Worker {
             file: self.file.clone(),
+            overlay: self.overlay.clone(),
             sectors: self.sectors,
             id: self.id,
             mem,
@@ -180,6 +210,7 @@ impl VirtioDevice for Block {
 
 struct Worker {
     file: Arc<File>,
+    overlay: Option<Arc<Mutex<Overlay>>>,
     sectors: u64,
     id: [u8; ID_BYTES],
     mem: GuestMemoryMmap,
@@ -224,12 +255,17 @@ impl Worker {
         while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
             let head = chain.head_index();
             if let Some(l) = self.limiter.as_mut() {
-                // The request's data buffers (its writable bytes less the status byte,
-                // or what it would write): enough for a limit on bytes moved.
-                let bytes = chain
+                // The request's data: its writable bytes less the status byte (a
+                // read), or its readable bytes less the header (a write).
+                let written = chain
                     .clone()
                     .writer(&self.mem)
                     .map_or(0, |w| w.available_bytes().saturating_sub(1));
+                let read = chain.clone().reader(&self.mem).map_or(0, |r| {
+                    r.available_bytes()
+                        .saturating_sub(std::mem::size_of::<RequestHeader>())
+                });
+                let bytes = written + read;
                 if !l.consume(bytes as u64) {
                     self.queue.go_to_previous_position();
                     break;
@@ -260,45 +296,68 @@ impl Worker {
             return 0;
         };
         let status = match reader.read_obj::<RequestHeader>() {
-            Ok(hdr) => self.execute(hdr, &mut writer, data_len),
+            Ok(hdr) => self.execute(hdr, &mut reader, &mut writer, data_len),
             Err(_) => VIRTIO_BLK_S_IOERR,
         };
         let _ = status_writer.write_obj(status);
         (writer.bytes_written() + status_writer.bytes_written()) as u32
     }
 
+    /// Whether `len` bytes at `sector` lie inside the disk.
+    fn in_range(&self, sector: u64, len: usize) -> bool {
+        sector
+            .checked_mul(SECTOR_SIZE)
+            .and_then(|o| o.checked_add(len as u64))
+            .is_some_and(|e| e <= self.sectors * SECTOR_SIZE)
+    }
+
     fn execute(
         &self,
         hdr: RequestHeader,
+        reader: &mut virtio_queue::Reader<'_, ()>,
         writer: &mut virtio_queue::Writer<'_, ()>,
         data_len: usize,
     ) -> u8 {
-        use std::io::Write;
+        use std::io::{Read, Write};
+        let ok = |r: std::io::Result<()>| match r {
+            Ok(()) => VIRTIO_BLK_S_OK,
+            Err(e) => {
+                tracing::debug!("virtio-blk: request failed: {e}");
+                VIRTIO_BLK_S_IOERR
+            }
+        };
         match hdr.type_ {
             VIRTIO_BLK_T_IN => {
-                let end = hdr
-                    .sector
-                    .checked_mul(SECTOR_SIZE)
-                    .and_then(|o| o.checked_add(data_len as u64));
-                if end.is_none_or(|e| e > self.sectors * SECTOR_SIZE) {
+                if !self.in_range(hdr.sector, data_len) {
                     return VIRTIO_BLK_S_IOERR;
                 }
                 let mut buf = vec![0u8; data_len];
-                if self
-                    .file
-                    .read_exact_at(&mut buf, hdr.sector * SECTOR_SIZE)
-                    .is_err()
-                {
+                let off = hdr.sector * SECTOR_SIZE;
+                let read = match &self.overlay {
+                    Some(o) => lock(o).read_at(&self.file, &mut buf, off),
+                    None => self.file.read_exact_at(&mut buf, off),
+                };
+                ok(read.and_then(|()| writer.write_all(&buf)))
+            }
+            VIRTIO_BLK_T_OUT => {
+                // Read-only device: writes fail.
+                let Some(o) = &self.overlay else {
+                    return VIRTIO_BLK_S_IOERR;
+                };
+                let len = reader.available_bytes();
+                if !self.in_range(hdr.sector, len) {
                     return VIRTIO_BLK_S_IOERR;
                 }
-                match writer.write_all(&buf) {
-                    Ok(()) => VIRTIO_BLK_S_OK,
-                    Err(_) => VIRTIO_BLK_S_IOERR,
-                }
+                let mut buf = vec![0u8; len];
+                ok(reader
+                    .read_exact(&mut buf)
+                    .and_then(|()| lock(o).write_at(&self.file, &buf, hdr.sector * SECTOR_SIZE)))
             }
-            // Read-only device: writes fail, flushes have nothing to do.
-            VIRTIO_BLK_T_OUT => VIRTIO_BLK_S_IOERR,
-            VIRTIO_BLK_T_FLUSH => VIRTIO_BLK_S_OK,
+            // Flushes make the overlay's writes durable (a read-only disk has none).
+            VIRTIO_BLK_T_FLUSH => match &self.overlay {
+                Some(o) => ok(lock(o).flush()),
+                None => VIRTIO_BLK_S_OK,
+            },
             VIRTIO_BLK_T_GET_ID => {
                 let n = data_len.min(ID_BYTES);
                 match writer.write_all(&self.id[..n]) {
@@ -309,6 +368,11 @@ impl Worker {
             _ => VIRTIO_BLK_S_UNSUPP,
         }
     }
+}
+
+fn lock(o: &Mutex<Overlay>) -> std::sync::MutexGuard<'_, Overlay> {
+    // A panic while holding it leaves the overlay as consistent as the last write.
+    o.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]
@@ -343,6 +407,7 @@ mod tests {
         _disk: TempFile,
         file: Arc<File>,
         irq: EventFd,
+        overlay: Option<Arc<Mutex<Overlay>>>,
     }
 
     fn rig(sectors: u64) -> Rig {
@@ -364,6 +429,7 @@ mod tests {
             file: block.file.clone(),
             _disk: TempFile(path),
             irq: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
+            overlay: None,
         }
     }
 
@@ -376,6 +442,7 @@ mod tests {
         let queue: Queue = vq.create_queue().unwrap();
         let mut w = Worker {
             file: rig.file.clone(),
+            overlay: rig.overlay.clone(),
             sectors: rig.file.metadata().unwrap().len() / SECTOR_SIZE,
             id: *b"test-disk\0\0\0\0\0\0\0\0\0\0\0",
             mem: rig.mem.clone(),
@@ -416,6 +483,7 @@ mod tests {
         vq.add_desc_chains(&descs, 0).unwrap();
         let mut w = Worker {
             file: rig.file.clone(),
+            overlay: None,
             sectors: 64,
             id: [0; ID_BYTES],
             mem: rig.mem.clone(),
@@ -490,6 +558,46 @@ mod tests {
         let mut first = [0u8; 512];
         r.file.read_exact_at(&mut first, 0).unwrap();
         assert!(first.iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn with_an_overlay_writes_land_there_and_reads_see_them_not_the_image() {
+        let mut r = rig(16);
+        let image = std::fs::read(&r._disk.0).unwrap();
+        let o = Overlay::create(&std::env::temp_dir(), 16 * SECTOR_SIZE).unwrap();
+        r.overlay = Some(Arc::new(Mutex::new(o)));
+        r.mem
+            .write_slice(&[0xaa; 1024], GuestAddress(DATA))
+            .unwrap();
+        let write = [
+            desc(HDR, 16, NEXT, 1),
+            desc(DATA, 1024, NEXT, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        assert_eq!(run(&r, hdr(VIRTIO_BLK_T_OUT, 3), &write).0, VIRTIO_BLK_S_OK);
+        // Past the end: refused, nothing written.
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_OUT, 15), &write).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        let read = [
+            desc(HDR, 16, NEXT, 1),
+            desc(DATA, 2048, NEXT | WRITE, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        r.mem.write_slice(&[0u8; 2048], GuestAddress(DATA)).unwrap();
+        assert_eq!(run(&r, hdr(VIRTIO_BLK_T_IN, 2), &read).0, VIRTIO_BLK_S_OK);
+        let mut got = vec![0u8; 2048];
+        r.mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+        assert_eq!(got[..512], [2u8; 512], "sector 2 from the image");
+        assert_eq!(got[512..1536], [0xaa; 1024], "sectors 3-4 from the overlay");
+        assert_eq!(got[1536..], [5u8; 512]);
+        let flush = [desc(HDR, 16, NEXT, 1), desc(STATUS, 1, WRITE, 0)];
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_FLUSH, 0), &flush).0,
+            VIRTIO_BLK_S_OK
+        );
+        assert_eq!(std::fs::read(&r._disk.0).unwrap(), image, "image untouched");
     }
 
     #[test]

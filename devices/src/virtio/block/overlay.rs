@@ -1,0 +1,294 @@
+//! A private copy-on-write layer over a read-only base image: the guest's writes go to
+//! an overlay file (sparse, the base's size), in whole 4 KiB blocks, and a bitmap says
+//! which blocks the overlay holds. Reads take each block from the overlay if it holds
+//! it, else from the base. The base is never written.
+//!
+//! The overlay is an anonymous file (`O_TMPFILE` in a directory the user names), so it
+//! is gone when the last descriptor to it closes, however its VM ends. A clone gets a
+//! copy of its parent's overlay made at the clone point ([`Overlay::snapshot`], while
+//! the parent's device is parked), so neither sees the other's later writes.
+//!
+//! Blocks are written whole (a partial write to a block the overlay does not hold yet
+//! reads the rest from the base first), so one bit per block says where it is.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Overlay block size.
+pub const BLOCK: u64 = 4096;
+/// Bytes copied at a time by [`Overlay::snapshot`].
+const COPY_CHUNK: usize = 1 << 20;
+
+/// Errors making an overlay.
+#[derive(Debug, thiserror::Error)]
+pub enum OverlayError {
+    /// The overlay file could not be created or sized.
+    #[error("cannot create an overlay file in {dir}: {source}")]
+    Create {
+        /// The directory.
+        dir: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// A copy of an overlay for a clone: the file and which blocks it holds.
+#[derive(Debug)]
+pub struct OverlaySnapshot {
+    /// The copy (anonymous).
+    pub file: File,
+    present: Vec<u64>,
+}
+
+/// A copy-on-write layer (see the module documentation).
+#[derive(Debug)]
+pub struct Overlay {
+    file: File,
+    dir: PathBuf,
+    size: u64,
+    present: Vec<u64>,
+}
+
+fn tmpfile(dir: &Path, size: u64) -> Result<File, OverlayError> {
+    let err = |source| OverlayError::Create {
+        dir: dir.display().to_string(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC)
+        .open(dir)
+        .map_err(err)?;
+    file.set_len(size).map_err(err)?;
+    Ok(file)
+}
+
+fn blocks(size: u64) -> u64 {
+    size.div_ceil(BLOCK)
+}
+
+impl Overlay {
+    /// An empty overlay for a base of `size` bytes, in directory `dir`.
+    pub fn create(dir: &Path, size: u64) -> Result<Self, OverlayError> {
+        Ok(Self {
+            file: tmpfile(dir, size)?,
+            dir: dir.to_path_buf(),
+            size,
+            present: vec![0; blocks(size).div_ceil(64) as usize],
+        })
+    }
+
+    /// The overlay a clone continues with: its parent's [`Overlay::snapshot`]; later
+    /// snapshots go to `dir`.
+    pub fn from_snapshot(s: OverlaySnapshot, dir: &Path, size: u64) -> Self {
+        Self {
+            file: s.file,
+            dir: dir.to_path_buf(),
+            size,
+            present: s.present,
+        }
+    }
+
+    fn has(&self, b: u64) -> bool {
+        self.present[(b / 64) as usize] & (1 << (b % 64)) != 0
+    }
+
+    fn mark(&mut self, b: u64) {
+        self.present[(b / 64) as usize] |= 1 << (b % 64);
+    }
+
+    /// Blocks the overlay holds.
+    pub fn blocks_present(&self) -> u64 {
+        self.present.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+
+    /// The overlay file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The block-sized pieces of `len` bytes at `off`: (block, offset in it, length).
+    fn pieces(off: u64, len: usize) -> impl Iterator<Item = (u64, u64, usize)> {
+        let mut at = off;
+        let end = off + len as u64;
+        std::iter::from_fn(move || {
+            if at >= end {
+                return None;
+            }
+            let b = at / BLOCK;
+            let within = at % BLOCK;
+            let n = (BLOCK - within).min(end - at);
+            at += n;
+            Some((b, within, n as usize))
+        })
+    }
+
+    /// Reads `buf.len()` bytes at `off` (inside the disk), each block from wherever it is.
+    pub fn read_at(&self, base: &File, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        let mut done = 0;
+        for (b, within, n) in Self::pieces(off, buf.len()) {
+            let from = if self.has(b) { &self.file } else { base };
+            from.read_exact_at(&mut buf[done..done + n], b * BLOCK + within)?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `off` (inside the disk) into the overlay.
+    pub fn write_at(&mut self, base: &File, data: &[u8], off: u64) -> std::io::Result<()> {
+        let mut done = 0;
+        for (b, within, n) in Self::pieces(off, data.len()) {
+            let piece = &data[done..done + n];
+            let start = b * BLOCK;
+            let block_len = BLOCK.min(self.size - start) as usize;
+            if self.has(b) || (within == 0 && n == block_len) {
+                self.file.write_all_at(piece, start + within)?;
+            } else {
+                // First write to this block, and not all of it: the rest comes from
+                // the base, so the overlay holds the whole block from now on.
+                let mut block = vec![0u8; block_len];
+                base.read_exact_at(&mut block, start)?;
+                block[within as usize..within as usize + n].copy_from_slice(piece);
+                self.file.write_all_at(&block, start)?;
+            }
+            self.mark(b);
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Makes the overlay's writes durable.
+    pub fn flush(&self) -> std::io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// A new overlay file holding the same blocks (for a clone: call it while nothing
+    /// writes to this overlay). Costs a copy of the blocks written so far.
+    pub fn snapshot(&self) -> Result<OverlaySnapshot, OverlayError> {
+        let copy = tmpfile(&self.dir, self.size)?;
+        let err = |source| OverlayError::Create {
+            dir: self.dir.display().to_string(),
+            source,
+        };
+        let mut buf = vec![0u8; COPY_CHUNK];
+        let total = blocks(self.size);
+        let mut b = 0;
+        while b < total {
+            if !self.has(b) {
+                b += 1;
+                continue;
+            }
+            // A run of present blocks, at most one buffer long.
+            let start = b;
+            while b < total && self.has(b) && (b - start + 1) * BLOCK <= COPY_CHUNK as u64 {
+                b += 1;
+            }
+            let from = start * BLOCK;
+            let len = ((b * BLOCK).min(self.size) - from) as usize;
+            self.file
+                .read_exact_at(&mut buf[..len], from)
+                .map_err(err)?;
+            copy.write_all_at(&buf[..len], from).map_err(err)?;
+        }
+        Ok(OverlaySnapshot {
+            file: copy,
+            present: self.present.clone(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Base(PathBuf, File);
+
+    impl Drop for Base {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    /// A base image of `size` bytes, byte i = i / 512 (its sector number, truncated).
+    fn base(size: u64) -> Base {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "forkvm-overlay-base-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let data: Vec<u8> = (0..size).map(|i| (i / 512) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let f = File::open(&path).unwrap();
+        Base(path, f)
+    }
+
+    fn dir() -> PathBuf {
+        std::env::temp_dir()
+    }
+
+    #[test]
+    fn reads_fall_through_to_the_base_and_writes_stay_in_the_overlay() {
+        let b = base(64 * 1024);
+        let before = std::fs::read(&b.0).unwrap();
+        let mut o = Overlay::create(&dir(), 64 * 1024).unwrap();
+        let mut buf = vec![0u8; 1024];
+        o.read_at(&b.1, &mut buf, 8192).unwrap();
+        assert_eq!(buf[..512], [16u8; 512]);
+        // A 100-byte write in the middle of block 2: the block is copied in whole.
+        o.write_at(&b.1, &[0xaa; 100], 8192 + 1000).unwrap();
+        assert_eq!(o.blocks_present(), 1);
+        let mut block = vec![0u8; 4096];
+        o.read_at(&b.1, &mut block, 8192).unwrap();
+        assert_eq!(block[..512], [16u8; 512], "rest of the block from the base");
+        assert_eq!(block[1000..1100], [0xaa; 100]);
+        assert_eq!(block[1100..1536], [18u8; 436]);
+        // A write across a block boundary, and a whole block.
+        o.write_at(&b.1, &[0xbb; 200], 3 * 4096 - 100).unwrap();
+        o.write_at(&b.1, &[0xcc; 4096], 5 * 4096).unwrap();
+        assert_eq!(o.blocks_present(), 3, "blocks 2, 3 and 5");
+        let mut span = vec![0u8; 300];
+        o.read_at(&b.1, &mut span, 3 * 4096 - 150).unwrap();
+        assert_eq!(span[..50], [23u8; 50]);
+        assert_eq!(span[50..250], [0xbb; 200]);
+        assert_eq!(span[250..], [24u8; 50]);
+        o.flush().unwrap();
+        assert_eq!(
+            std::fs::read(&b.0).unwrap(),
+            before,
+            "the base is never written"
+        );
+    }
+
+    #[test]
+    fn a_snapshot_holds_the_same_blocks_and_then_goes_its_own_way() {
+        let b = base(40 * 1024 + 512); // Not a whole number of blocks.
+        let mut o = Overlay::create(&dir(), 40 * 1024 + 512).unwrap();
+        o.write_at(&b.1, &[1; 4096], 0).unwrap();
+        o.write_at(&b.1, &[2; 10], 40 * 1024 + 100).unwrap();
+        let copy = o.snapshot().unwrap();
+        let mut c = Overlay::from_snapshot(copy, &dir(), 40 * 1024 + 512);
+        assert_eq!(c.blocks_present(), 2);
+        let mut tail = vec![0u8; 512];
+        c.read_at(&b.1, &mut tail, 40 * 1024).unwrap();
+        assert_eq!(tail[100..110], [2; 10]);
+        assert_eq!(tail[..100], [80u8; 100]);
+        // Writes after the snapshot are private to each side.
+        o.write_at(&b.1, &[3; 4096], 4096).unwrap();
+        c.write_at(&b.1, &[4; 4096], 0).unwrap();
+        let mut x = vec![0u8; 8192];
+        o.read_at(&b.1, &mut x, 0).unwrap();
+        assert_eq!((x[0], x[4096]), (1, 3));
+        c.read_at(&b.1, &mut x, 0).unwrap();
+        assert_eq!((x[0], x[4096]), (4, 8), "block 1 from the base in the copy");
+    }
+
+    #[test]
+    fn an_overlay_directory_that_cannot_hold_one_is_a_clear_error() {
+        let e = Overlay::create(Path::new("/nonexistent/overlays"), 4096).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/overlays"), "{e}");
+    }
+}

@@ -247,8 +247,11 @@ pub struct VmConfig {
     pub initrd: Option<PathBuf>,
     /// Optional read-only root/data disk image (virtio-blk).
     pub rootfs: Option<PathBuf>,
-    /// Limit for the disk's reads (bytes) and requests (None: unlimited).
+    /// Limit for the disk's bytes and requests (None: unlimited).
     pub rootfs_rate_limit: Option<devices::rate_limiter::RateLimit>,
+    /// Makes the disk writable: the guest's writes go to a private copy-on-write
+    /// overlay file in this directory (each clone gets a copy of its parent's).
+    pub rootfs_cow: Option<PathBuf>,
     /// A virtio-rng entropy device, with its optional rate limit.
     pub rng: Option<RngConfig>,
     /// A virtio-vsock device.
@@ -289,6 +292,7 @@ impl VmConfig {
             initrd: None,
             rootfs: None,
             rootfs_rate_limit: None,
+            rootfs_cow: None,
             rng: None,
             vsock: None,
             net: None,

@@ -17,6 +17,7 @@ use devices::legacy::{
 };
 use devices::probe::{ProbePort, ProbeStats, PROBE_BASE, PROBE_LEN};
 use devices::trigger::EventFdTrigger;
+use devices::virtio::block::overlay::{Overlay, OverlayError, OverlaySnapshot};
 use devices::virtio::block::{Block, BlockError};
 use devices::virtio::mmio::{TransportRestoreError, NOTIFY_REG_OFFSET};
 use devices::virtio::net::{open_tap, Net, TapError};
@@ -67,6 +68,9 @@ pub enum DeviceError {
     /// The vsock device could not be made.
     #[error(transparent)]
     Vsock(#[from] VsockError),
+    /// The disk's overlay could not be made.
+    #[error(transparent)]
+    Overlay(#[from] OverlayError),
     /// The network card's tap could not be opened.
     #[error(transparent)]
     Tap(#[from] TapError),
@@ -116,6 +120,8 @@ pub struct DeviceManager {
     virtio_info: Vec<serde_json::Value>,
     /// Descriptors of the open disk images, in device order (a clone inherits them).
     disk_fds: Vec<RawFd>,
+    /// The writable disk's overlay (`--rootfs-cow`).
+    overlay: Option<Arc<Mutex<Overlay>>>,
 }
 
 /// What a clone needs to rebuild its parent's virtio devices.
@@ -124,6 +130,9 @@ pub struct VirtioRestore<'a> {
     pub states: &'a [MmioTransportState],
     /// The parent's open disk images, inherited by fork, in device order.
     pub disk_fds: &'a [RawFd],
+    /// The copy of the parent's disk overlay made for this clone (its descriptor
+    /// inherited by fork).
+    pub overlay: Option<&'a OverlaySnapshot>,
 }
 
 fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceError> {
@@ -203,7 +212,17 @@ impl DeviceManager {
             virtio: Vec::new(),
             virtio_info: Vec::new(),
             disk_fds: Vec::new(),
+            overlay: None,
         })
+    }
+
+    /// A copy of the writable disk's overlay for a clone (None without one). Call it
+    /// while the disk's worker is parked.
+    pub fn snapshot_overlay(&self) -> Result<Option<OverlaySnapshot>, OverlayError> {
+        self.overlay
+            .as_ref()
+            .map(|o| o.lock().unwrap_or_else(|p| p.into_inner()).snapshot())
+            .transpose()
     }
 
     /// Descriptors of the open disk images (kept open across fork for clones).
@@ -234,10 +253,27 @@ impl DeviceManager {
                 }
                 None => Block::open(rootfs, "forkvm-rootfs")?,
             };
-            let block = block.with_rate_limit(config.rootfs_rate_limit);
+            let mut block = block.with_rate_limit(config.rootfs_rate_limit);
+            if let Some(dir) = &config.rootfs_cow {
+                let overlay = match restore.and_then(|r| r.overlay) {
+                    Some(s) => {
+                        // SAFETY: the snapshot's descriptor, made by the parent for this
+                        // clone and kept open across fork; the parent's object owning
+                        // it is never used or dropped here, so this is its only owner.
+                        let file = unsafe { File::from_raw_fd(s.file.as_raw_fd()) };
+                        Overlay::from_snapshot(s.inherited(file), dir, block.size())
+                    }
+                    None => Overlay::create(dir, block.size())?,
+                };
+                block = block.with_overlay(overlay);
+                self.overlay = block.overlay();
+            }
             self.disk_fds.push(block.file().as_raw_fd());
             let info = serde_json::json!({
-                "path": rootfs, "read_only": true, "rate_limit": config.rootfs_rate_limit,
+                "path": rootfs,
+                "read_only": config.rootfs_cow.is_none(),
+                "cow_dir": config.rootfs_cow,
+                "rate_limit": config.rootfs_rate_limit,
             });
             self.add_virtio(vm, mem, Box::new(block), info, restore)?;
         }

@@ -103,6 +103,11 @@ struct RunArgs {
     /// --rng-rate-limit).
     #[arg(long, requires = "rootfs")]
     rootfs_rate_limit: Option<devices::rate_limiter::RateLimit>,
+    /// Make the disk writable through a private copy-on-write overlay, an anonymous
+    /// file in this directory (gone when the VM exits); the image is never written.
+    /// Each clone gets a copy of its parent's overlay.
+    #[arg(long, requires = "rootfs", value_name = "DIR")]
+    rootfs_cow: Option<PathBuf>,
     /// Attach a virtio-rng entropy device (/dev/hwrng in the guest), fed from the
     /// host's getrandom.
     #[arg(long)]
@@ -325,6 +330,7 @@ fn main() -> ExitCode {
                 initrd: a.initrd,
                 rootfs: a.rootfs,
                 rootfs_rate_limit: a.rootfs_rate_limit,
+                rootfs_cow: a.rootfs_cow,
                 rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
                     rate_limit: a.rng_rate_limit,
                 }),

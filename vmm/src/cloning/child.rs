@@ -86,6 +86,8 @@ pub(crate) struct ChildPlan<'a> {
     pub run_size: usize,
     /// The parent's open disk images: kept open, so every clone shares them.
     pub disk_fds: &'a [RawFd],
+    /// The copy of the parent's disk overlay made for this child.
+    pub overlay: Option<&'a devices::virtio::block::overlay::OverlaySnapshot>,
 }
 
 /// Errors rebuilding a VM in a clone.
@@ -152,6 +154,10 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
         unsafe { libc::munmap(*base as *mut libc::c_void, plan.run_size) };
     }
     let mut keep = plan.disk_fds.to_vec();
+    keep.extend(
+        plan.overlay
+            .map(|o| std::os::fd::AsRawFd::as_raw_fd(&o.file)),
+    );
     keep.push(plan.ready);
     if let Start::Warm { go, .. } = plan.start {
         keep.push(go);
@@ -318,6 +324,7 @@ fn run_clone(
             Some(&VirtioRestore {
                 states: &state.devices.virtio,
                 disk_fds: plan.disk_fds,
+                overlay: plan.overlay,
             }),
         )
         .map_err(BuildError::from)?;

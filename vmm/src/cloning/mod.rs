@@ -81,6 +81,9 @@ pub enum CloneError {
     /// pipe() or fork() failed.
     #[error("cannot start a clone process: {0}")]
     Os(std::io::Error),
+    /// The copy of the disk overlay for a clone could not be made.
+    #[error("cannot copy the disk overlay for a clone: {0}")]
+    Overlay(#[from] devices::virtio::block::overlay::OverlayError),
     /// A per-clone rate limit names a device the VM does not have.
     #[error(transparent)]
     RateLimit(crate::config::NoSuchDevice),
@@ -734,6 +737,10 @@ impl Microvm {
         into: Option<&OwnedFd>,
     ) -> Result<i32, CloneError> {
         let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
+        // The child's copy of the disk overlay: the disk's worker is parked, so the
+        // overlay holds exactly what the guest wrote up to the clone point. The parent
+        // closes its descriptor of the copy when this returns.
+        let overlay = self.devices.snapshot_overlay()?;
         let plan = ChildPlan {
             // SAFETY: getpid has no preconditions.
             parent_pid: unsafe { libc::getpid() },
@@ -748,6 +755,7 @@ impl Microvm {
             run_bases: &run_bases,
             run_size: self.kvm_run_size,
             disk_fds: self.devices.disk_fds(),
+            overlay: overlay.as_ref(),
         };
         // SAFETY: every vCPU and virtio worker is parked holding no lock;
         // the API thread may be anywhere, but the child takes none of its locks (logging

@@ -41,6 +41,17 @@ pub struct OverlaySnapshot {
     present: Vec<u64>,
 }
 
+impl OverlaySnapshot {
+    /// This snapshot as a forked child owns it: `file` is its inherited descriptor of
+    /// [`OverlaySnapshot::file`].
+    pub fn inherited(&self, file: File) -> Self {
+        Self {
+            file,
+            present: self.present.clone(),
+        }
+    }
+}
+
 /// A copy-on-write layer (see the module documentation).
 #[derive(Debug)]
 pub struct Overlay {

@@ -11,14 +11,12 @@ use std::sync::{Arc, Mutex};
 
 use overlay::Overlay;
 
-use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{ByteValued, GuestMemoryMmap};
 
-use super::worker::{QueueHandler, WorkerContext, FIRST_HANDLER_TOKEN};
+use super::worker::QueueHandler;
 use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::rate_limiter::{RateLimit, RateLimiter};
-use std::os::fd::AsRawFd;
-use vmm_sys_util::epoll::EventSet;
 
 /// virtio device id of a block device.
 pub const TYPE_BLOCK: u32 = 2;
@@ -34,7 +32,6 @@ const VIRTIO_BLK_S_OK: u8 = 0;
 const VIRTIO_BLK_S_IOERR: u8 = 1;
 const VIRTIO_BLK_S_UNSUPP: u8 = 2;
 const ID_BYTES: usize = 20;
-const TOKEN_LIMITER: u64 = FIRST_HANDLER_TOKEN;
 
 /// Errors opening a disk image.
 #[derive(Debug, thiserror::Error)]
@@ -189,13 +186,8 @@ impl VirtioDevice for Block {
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         let queue = super::single_queue(queues, "virtio-blk")?;
-        let limiter = self
-            .limit
-            .as_ref()
-            .map(RateLimiter::new)
-            .transpose()
-            .map_err(|e| super::WorkerError::Spawn("virtio-blk", e))?;
-        Ok(Box::new(Worker {
+        let limiter = super::new_limiter(self.limit.as_ref(), "virtio-blk")?;
+        Ok(Box::new(super::Limited(Worker {
             file: self.file.clone(),
             overlay: self.overlay.clone(),
             sectors: self.sectors,
@@ -204,7 +196,7 @@ impl VirtioDevice for Block {
             queue,
             interrupt,
             limiter,
-        }))
+        })))
     }
 }
 
@@ -219,33 +211,19 @@ struct Worker {
     limiter: Option<RateLimiter>,
 }
 
-impl QueueHandler for Worker {
-    fn start(&mut self, ctx: &WorkerContext<'_>) {
-        if let Some(l) = &self.limiter {
-            if let Err(e) = ctx.add(l.as_raw_fd(), TOKEN_LIMITER, EventSet::IN) {
-                tracing::error!("virtio-blk: cannot watch the rate limiter: {e}");
-            }
-        }
+impl super::LimitedQueue for Worker {
+    const NAME: &'static str = "virtio-blk";
+
+    fn process_queue(&mut self) {
+        Worker::process_queue(self);
     }
 
-    fn queue_event(&mut self, _index: usize, _ctx: &WorkerContext<'_>) {
-        // While blocked, the limiter's timer retries.
-        if !self.limiter.as_ref().is_some_and(RateLimiter::is_blocked) {
-            self.process_queue();
-        }
+    fn queue(&self) -> &Queue {
+        &self.queue
     }
 
-    fn handler_event(&mut self, token: u64, _events: EventSet, _ctx: &WorkerContext<'_>) {
-        if token == TOKEN_LIMITER {
-            if let Some(l) = self.limiter.as_mut() {
-                l.timer_fired();
-            }
-            self.process_queue();
-        }
-    }
-
-    fn queue_states(&self) -> Vec<QueueState> {
-        vec![self.queue.state()]
+    fn limiter(&mut self) -> Option<&mut RateLimiter> {
+        self.limiter.as_mut()
     }
 }
 

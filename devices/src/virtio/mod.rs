@@ -110,6 +110,74 @@ pub(crate) fn single_queue(mut queues: Vec<Queue>, device: &str) -> Result<Queue
     }
 }
 
+/// A rate limiter for `limit` (None: unlimited), or why its timer cannot be made.
+pub(crate) fn new_limiter(
+    limit: Option<&crate::rate_limiter::RateLimit>,
+    device: &'static str,
+) -> Result<Option<crate::rate_limiter::RateLimiter>, WorkerError> {
+    limit
+        .map(crate::rate_limiter::RateLimiter::new)
+        .transpose()
+        .map_err(|e| WorkerError::Spawn(device, e))
+}
+
+/// A single-queue worker whose requests an optional rate limiter holds back
+/// (virtio-rng, virtio-blk). [`Limited`] gives it the event handling.
+pub(crate) trait LimitedQueue: Send + 'static {
+    /// The device's name, for messages.
+    const NAME: &'static str;
+    /// Serves what the queue holds (stopping where the limiter says so).
+    fn process_queue(&mut self);
+    /// The queue.
+    fn queue(&self) -> &Queue;
+    /// The limiter, if the device has one.
+    fn limiter(&mut self) -> Option<&mut crate::rate_limiter::RateLimiter>;
+}
+
+/// The worker's token for a [`LimitedQueue`]'s limiter timer.
+const TOKEN_LIMITER: u64 = worker::FIRST_HANDLER_TOKEN;
+
+/// A [`LimitedQueue`] as its worker thread runs it: the queue is served on every
+/// notification, unless the limiter holds a request back; then its timer resumes.
+pub(crate) struct Limited<W>(pub W);
+
+impl<W: LimitedQueue> QueueHandler for Limited<W> {
+    fn start(&mut self, ctx: &WorkerContext<'_>) {
+        use std::os::fd::AsRawFd;
+        if let Some(l) = self.0.limiter() {
+            let fd = l.as_raw_fd();
+            if let Err(e) = ctx.add(fd, TOKEN_LIMITER, vmm_sys_util::epoll::EventSet::IN) {
+                tracing::error!("{}: cannot watch the rate limiter: {e}", W::NAME);
+            }
+        }
+    }
+
+    fn queue_event(&mut self, _index: usize, _ctx: &WorkerContext<'_>) {
+        // While blocked, the limiter's timer retries.
+        if !self.0.limiter().is_some_and(|l| l.is_blocked()) {
+            self.0.process_queue();
+        }
+    }
+
+    fn handler_event(
+        &mut self,
+        token: u64,
+        _events: vmm_sys_util::epoll::EventSet,
+        _ctx: &WorkerContext<'_>,
+    ) {
+        if token == TOKEN_LIMITER {
+            if let Some(l) = self.0.limiter() {
+                l.timer_fired();
+            }
+            self.0.process_queue();
+        }
+    }
+
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        vec![self.0.queue().state()]
+    }
+}
+
 /// Reads `data` at `offset` of a configuration space that is one little-endian u64 at
 /// offset 0 (virtio-blk's capacity, virtio-vsock's guest CID); the rest reads as zero.
 pub(crate) fn read_u64_config(value: u64, offset: u64, data: &mut [u8]) {

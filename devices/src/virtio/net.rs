@@ -165,8 +165,7 @@ impl VirtioDevice for Net {
             .backend
             .take()
             .ok_or_else(|| ActivateError::BadQueue("activated twice".into()))?;
-        let worker = NetWorker::new(mem, [rx, tx], interrupt, backend, self.limit.as_ref())
-            .map_err(|e| super::WorkerError::Spawn("virtio-net", e))?;
+        let worker = NetWorker::new(mem, [rx, tx], interrupt, backend, self.limit.as_ref())?;
         Ok(Box::new(worker))
     }
 }
@@ -197,8 +196,8 @@ impl NetWorker {
         interrupt: Arc<VirtioInterrupt>,
         backend: OwnedFd,
         limit: Option<&RateLimit>,
-    ) -> std::io::Result<Self> {
-        let limiter = || limit.map(RateLimiter::new).transpose();
+    ) -> Result<Self, super::WorkerError> {
+        let limiter = || super::new_limiter(limit, "virtio-net");
         Ok(Self {
             mem,
             rx,

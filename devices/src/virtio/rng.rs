@@ -2,14 +2,12 @@
 //! `getrandom`, optionally rate limited. Each clone's device reads its own host entropy,
 //! so clones never share what they get from it.
 
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemoryMmap;
-use vmm_sys_util::epoll::EventSet;
 
-use super::worker::{QueueHandler, WorkerContext, FIRST_HANDLER_TOKEN};
+use super::worker::QueueHandler;
 use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::rate_limiter::{RateLimit, RateLimiter};
 
@@ -18,7 +16,6 @@ pub const TYPE_RNG: u32 = 4;
 const QUEUE_SIZE: u16 = 256;
 /// Most bytes served per request (Linux asks for at most a page).
 const MAX_REQUEST: usize = 64 << 10;
-const TOKEN_LIMITER: u64 = FIRST_HANDLER_TOKEN;
 
 /// The entropy device.
 pub struct Rng {
@@ -70,18 +67,13 @@ impl VirtioDevice for Rng {
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         let queue = super::single_queue(queues, "virtio-rng")?;
-        let limiter = self
-            .limit
-            .as_ref()
-            .map(RateLimiter::new)
-            .transpose()
-            .map_err(|e| super::WorkerError::Spawn("virtio-rng", e))?;
-        Ok(Box::new(RngWorker {
+        let limiter = super::new_limiter(self.limit.as_ref(), "virtio-rng")?;
+        Ok(Box::new(super::Limited(RngWorker {
             mem,
             queue,
             interrupt,
             limiter,
-        }))
+        })))
     }
 }
 
@@ -155,33 +147,19 @@ impl RngWorker {
     }
 }
 
-impl QueueHandler for RngWorker {
-    fn start(&mut self, ctx: &WorkerContext<'_>) {
-        if let Some(l) = &self.limiter {
-            if let Err(e) = ctx.add(l.as_raw_fd(), TOKEN_LIMITER, EventSet::IN) {
-                tracing::error!("virtio-rng: cannot watch the rate limiter: {e}");
-            }
-        }
+impl super::LimitedQueue for RngWorker {
+    const NAME: &'static str = "virtio-rng";
+
+    fn process_queue(&mut self) {
+        RngWorker::process_queue(self);
     }
 
-    fn queue_event(&mut self, _index: usize, _ctx: &WorkerContext<'_>) {
-        // While blocked, the limiter's timer retries.
-        if !self.limiter.as_ref().is_some_and(RateLimiter::is_blocked) {
-            self.process_queue();
-        }
+    fn queue(&self) -> &Queue {
+        &self.queue
     }
 
-    fn handler_event(&mut self, token: u64, _events: EventSet, _ctx: &WorkerContext<'_>) {
-        if token == TOKEN_LIMITER {
-            if let Some(l) = self.limiter.as_mut() {
-                l.timer_fired();
-            }
-            self.process_queue();
-        }
-    }
-
-    fn queue_states(&self) -> Vec<QueueState> {
-        vec![self.queue.state()]
+    fn limiter(&mut self) -> Option<&mut RateLimiter> {
+        self.limiter.as_mut()
     }
 }
 

@@ -144,6 +144,16 @@ impl Netns {
         self.ip(&["link", "set", dev, "up"]);
     }
 
+    /// Whether interface `dev` is in this namespace.
+    pub fn has_link(&self, dev: &str) -> bool {
+        Command::new("ip")
+            .args(["-n", &self.0, "link", "show", dev])
+            .output()
+            .expect("ip")
+            .status
+            .success()
+    }
+
     /// A counter of `dev` in this namespace (`rx_packets`, `tx_bytes`, ...).
     pub fn counter(&self, dev: &str, name: &str) -> u64 {
         let out = Command::new("ip")
@@ -203,6 +213,15 @@ pub fn ip(args: &[&str]) {
 /// Whether host interface `dev` exists (in this namespace).
 pub fn link_exists(dev: &str) -> bool {
     Path::new("/sys/class/net").join(dev).exists()
+}
+
+/// Waits up to 30 s for host interface `dev` (a VMM's new tap) to appear.
+pub fn wait_link(dev: &str) {
+    let start = Instant::now();
+    while !link_exists(dev) {
+        assert!(start.elapsed() < Duration::from_secs(30), "no tap {dev}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// A `vmm run` process whose console goes to a file.

@@ -485,14 +485,7 @@ fn linux_clones_get_their_own_tap_and_reach_their_own_host_peer_only() {
             &cmdline,
         ],
     );
-    let wait_link = |dev: &str| {
-        let start = std::time::Instant::now();
-        while !tests::link_exists(dev) {
-            assert!(start.elapsed() < Duration::from_secs(30), "no tap {dev}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    };
-    wait_link(&tap);
+    tests::wait_link(&tap);
     ns[0].take(&tap, "10.77.0.1/24");
     vm.wait_console("net-up", LINUX_BOOT);
     let (_, body) = vm.api("GET", "/vm", None);
@@ -513,7 +506,7 @@ fn linux_clones_get_their_own_tap_and_reach_their_own_host_peer_only() {
     for (c, ns) in clones.iter().zip(&ns[1..]) {
         let own = c["net"]["tap"].as_str().unwrap();
         assert_eq!(own, format!("fkvm{}", c["pid"]), "{c}");
-        wait_link(own);
+        tests::wait_link(own);
         ns.take(own, "10.77.0.1/24");
         macs.push(c["net"]["mac"].as_str().unwrap().to_string());
     }
@@ -549,13 +542,7 @@ fn linux_clones_get_their_own_tap_and_reach_their_own_host_peer_only() {
         let start = std::time::Instant::now();
         loop {
             let (_, body) = vm.api("GET", "/clones", None);
-            let gone = !std::process::Command::new("ip")
-                .args(["-n", &ns.0, "link", "show", own])
-                .output()
-                .unwrap()
-                .status
-                .success();
-            if gone && body.contains("\"exited\"") {
+            if !ns.has_link(own) && body.contains("\"exited\"") {
                 break;
             }
             assert!(
@@ -629,11 +616,7 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_2_4_8_clones_sending() {
             .map(|c| c["net"]["tap"].as_str().unwrap().to_string())
             .collect();
         for (t, ns) in taps.iter().zip(&ns) {
-            let start = std::time::Instant::now();
-            while !tests::link_exists(t) {
-                assert!(start.elapsed() < Duration::from_secs(30), "no tap {t}");
-                std::thread::sleep(Duration::from_millis(50));
-            }
+            tests::wait_link(t);
             ns.take(t, "10.77.0.1/24");
         }
         // Every clone streaming (well past its bucket's first fill), then the window.
@@ -682,13 +665,7 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_2_4_8_clones_sending() {
         }
         for (t, ns) in taps.iter().zip(&ns) {
             let start = std::time::Instant::now();
-            while std::process::Command::new("ip")
-                .args(["-n", &ns.0, "link", "show", t])
-                .output()
-                .unwrap()
-                .status
-                .success()
-            {
+            while ns.has_link(t) {
                 assert!(start.elapsed() < Duration::from_secs(60), "tap {t} stays");
                 std::thread::sleep(Duration::from_millis(100));
             }

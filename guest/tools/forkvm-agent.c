@@ -1,8 +1,12 @@
 /*
  * forkvm-agent: runs commands the host sends over virtio-vsock (docs/guest-abi.md).
  *
- *   forkvm-agent [PORT]     listen on vsock port PORT (default 1024), one process per
- *                           connection; prints "forkvm-agent: listening on port PORT"
+ *   forkvm-agent [--background] [PORT]
+ *                           listen on vsock port PORT (default 1024), one process per
+ *                           connection; prints "forkvm-agent: listening on port PORT".
+ *                           With --background it returns once listening and serves from
+ *                           a child (init uses it: see docs/guest-kernel.md on why the
+ *                           guest's command must not start while the agent starts).
  *
  * Protocol, per connection (what `vmm exec` speaks):
  *   host:  "<cmdlen> <stdinlen>\n", then cmdlen bytes of command, stdinlen bytes of input
@@ -141,6 +145,11 @@ static void serve(int conn)
 
 int main(int argc, char **argv)
 {
+    int background = argc > 1 && strcmp(argv[1], "--background") == 0;
+    if (background) {
+        argc--;
+        argv++;
+    }
     unsigned port = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 0) : 1024;
     int s = socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_vm addr = {
@@ -156,6 +165,15 @@ int main(int argc, char **argv)
     signal(SIGCHLD, SIG_IGN);
     printf("forkvm-agent: listening on port %u\n", port);
     fflush(stdout);
+    if (background) {
+        pid_t pid = fork();
+        if (pid < 0) {
+            perror("forkvm-agent: fork");
+            return 1;
+        }
+        if (pid > 0)
+            _exit(0);
+    }
     for (;;) {
         int c = accept4(s, NULL, NULL, SOCK_CLOEXEC);
         if (c < 0) {

@@ -281,17 +281,24 @@ impl DeviceManager {
             let info = serde_json::json!({ "rate_limit": rng.rate_limit });
             self.add_virtio(vm, mem, Box::new(Rng::new(rng.rate_limit)), info, restore)?;
         }
+        // A clone's host sides (socket, tap) are opened once its vCPUs run
+        // (open_host_endpoints).
         if let Some(v) = &config.vsock {
-            let vsock = Vsock::new(v.cid, &v.uds_path, restore.is_some())?;
+            let vsock = match restore {
+                Some(_) => Vsock::deferred(v.cid, &v.uds_path, true)?,
+                None => Vsock::new(v.cid, &v.uds_path, false)?,
+            };
             let info = serde_json::json!({ "cid": v.cid, "uds_path": v.uds_path });
             self.add_virtio(vm, mem, Box::new(vsock), info, restore)?;
         }
         if let Some(n) = &config.net {
-            let tap = open_tap(&n.tap)?;
+            let net = match restore {
+                Some(_) => Net::deferred_tap(&n.tap, n.mac.0, n.rate_limit)?,
+                None => Net::new(open_tap(&n.tap)?, n.mac.0, n.rate_limit),
+            };
             let info = serde_json::json!({
                 "tap": n.tap, "mac": n.mac, "rate_limit": n.rate_limit,
             });
-            let net = Net::new(tap, n.mac.0, n.rate_limit);
             self.add_virtio(vm, mem, Box::new(net), info, restore)?;
         }
         if let Some(r) = restore {
@@ -328,6 +335,21 @@ impl DeviceManager {
             self.resume_virtio();
         }
         states
+    }
+
+    /// Opens the host sides (tap, vsock socket) of a clone's devices: called once its
+    /// vCPUs run and before it reports ready, so they are off the clone's latency path
+    /// and there when its parent answers.
+    pub fn open_host_endpoints(&self) -> Result<(), DeviceError> {
+        for t in &self.virtio {
+            let mut t = lock(t);
+            let device = t.name();
+            t.open_host().map_err(|e| DeviceError::Restore {
+                device,
+                source: e.into(),
+            })?;
+        }
+        Ok(())
     }
 
     /// Starts the workers of devices a clone restored as running: called once its

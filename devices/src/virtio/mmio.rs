@@ -259,6 +259,11 @@ impl MmioTransport {
         self.device.name()
     }
 
+    /// Opens the device's deferred host side (see [`VirtioDevice::open_host`]).
+    pub fn open_host(&mut self) -> Result<(), super::ActivateError> {
+        self.device.open_host()
+    }
+
     /// Whether the driver started the device (its worker runs, or will once restored).
     pub fn is_active(&self) -> bool {
         self.running()

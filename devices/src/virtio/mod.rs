@@ -54,6 +54,14 @@ pub enum ActivateError {
     /// The device's worker could not be started.
     #[error(transparent)]
     Worker(#[from] WorkerError),
+    /// The device's host side (its tap, its listening socket) could not be opened.
+    #[error("{device}: {source}")]
+    Host {
+        /// The device.
+        device: &'static str,
+        /// Why.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// The interrupt line of one virtio-mmio device: the status register the driver reads
@@ -233,6 +241,13 @@ pub trait VirtioDevice: Send {
     fn read_config(&self, offset: u64, data: &mut [u8]);
     /// Writes the device-specific configuration space.
     fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// Opens the device's host side (a tap, a listening socket) if it was deferred and
+    /// is not open yet. A clone builds its devices with it deferred and calls this once
+    /// its vCPUs run, before it reports ready: that takes it off the clone's latency
+    /// path. Activation opens it too, should the driver start the device first.
+    fn open_host(&mut self) -> Result<(), ActivateError> {
+        Ok(())
+    }
     /// Starts the device: the driver is ready (DRIVER_OK) with these queues, or a clone
     /// restores a running device. Returns what the worker thread runs.
     fn activate(

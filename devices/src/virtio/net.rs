@@ -101,6 +101,8 @@ pub fn open_tap(name: &str) -> Result<OwnedFd, TapError> {
 /// writes one frame per call, such as a datagram socket).
 pub struct Net {
     backend: Option<OwnedFd>,
+    /// A tap to open by [`VirtioDevice::open_host`] (see [`Net::deferred_tap`]).
+    deferred_tap: Option<String>,
     mac: [u8; 6],
     limit: Option<RateLimit>,
     queue_sizes: [u16; 2],
@@ -111,10 +113,30 @@ impl Net {
     pub fn new(backend: OwnedFd, mac: [u8; 6], limit: Option<RateLimit>) -> Self {
         Self {
             backend: Some(backend),
+            deferred_tap: None,
             mac,
             limit,
             queue_sizes: [QUEUE_SIZE; 2],
         }
+    }
+
+    /// A card over the tap `name`, opened (and created if need be) later by
+    /// [`VirtioDevice::open_host`] or on activation. The name is checked now.
+    pub fn deferred_tap(
+        name: &str,
+        mac: [u8; 6],
+        limit: Option<RateLimit>,
+    ) -> Result<Self, TapError> {
+        if !valid_ifname(name) {
+            return Err(TapError::Name(name.to_string()));
+        }
+        Ok(Self {
+            backend: None,
+            deferred_tap: Some(name.to_string()),
+            mac,
+            limit,
+            queue_sizes: [QUEUE_SIZE; 2],
+        })
     }
 }
 
@@ -151,6 +173,18 @@ impl VirtioDevice for Net {
         tracing::debug!("virtio-net: guest wrote config at {offset:#x}; ignored");
     }
 
+    fn open_host(&mut self) -> Result<(), ActivateError> {
+        if let Some(name) = self.deferred_tap.as_deref() {
+            let tap = open_tap(name).map_err(|e| ActivateError::Host {
+                device: "virtio-net",
+                source: e.into(),
+            })?;
+            self.backend = Some(tap);
+            self.deferred_tap = None;
+        }
+        Ok(())
+    }
+
     fn activate(
         &mut self,
         mem: GuestMemoryMmap,
@@ -158,6 +192,7 @@ impl VirtioDevice for Net {
         queues: Vec<Queue>,
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
+        self.open_host()?;
         let [rx, tx]: [Queue; 2] = queues
             .try_into()
             .map_err(|q: Vec<Queue>| ActivateError::BadQueue(format!("{} queues", q.len())))?;

@@ -10,7 +10,9 @@
 //! A clone made on request does both at once. A warm clone (see `warm.rs`) is forked
 //! ahead of time from a paused template: it prepares, then blocks on its `go` pipe until
 //! a request gives it an identity, re-times its clocks and launches. Its vCPU 0 writes
-//! the time it first enters the guest into the `ready` pipe, which gives the latency.
+//! the time it first enters the guest into the `ready` pipe, which gives the latency;
+//! its control thread writes [`READY_MARK`] once the devices' host sides (tap, vsock
+//! socket) and the control socket are up, after the guest runs.
 
 use std::fs::File;
 use std::os::fd::{FromRawFd, RawFd};
@@ -183,6 +185,10 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// What a clone's control thread writes to the ready pipe once its devices' host sides
+/// and its control socket are up (no CLOCK_MONOTONIC time vCPU 0 writes is this).
+pub(super) const READY_MARK: u64 = u64::MAX;
+
 /// A VM rebuilt from captured state, its vCPUs restored but not started.
 struct Prepared {
     vm: VmFd,
@@ -332,12 +338,22 @@ fn run_clone(
     clone::vm::restore_vm(&prepared.vm, &state.vm)?;
     mark("vm state", started);
     // The parent answers once every write end of the ready pipe is closed: vCPU 0's
-    // (after it wrote its timestamp) and this one (after the control socket is up).
-    let api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;
+    // (after it wrote its timestamp) and this one (after it wrote READY_MARK); a pipe
+    // that ends without the mark is a clone that failed.
+    let mut api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;
     let started_vcpus = start_vcpus(prepared.vcpus, &devices, Some(ready))?;
     mark("started", started);
-    // The control socket comes up once the guest runs: it is off the latency path.
+    // The devices' host sides (tap, vsock socket) and the control socket come up once
+    // the guest runs: they are off the latency path, and there when the parent answers.
+    devices.open_host_endpoints().map_err(BuildError::from)?;
+    mark("host endpoints", started);
     let api = ApiServer::start(&identity.api_sock)?;
+    {
+        use std::io::Write;
+        api_ready
+            .write_all(&READY_MARK.to_le_bytes())
+            .map_err(ChildError::ReadyPipe)?;
+    }
     drop(api_ready);
     mark("api", started);
     // Then the device workers (threads that install their seccomp filters first): the

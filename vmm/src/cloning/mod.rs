@@ -782,13 +782,14 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Reads the 8-byte CLOCK_MONOTONIC timestamp a clone's vCPU 0 writes when it first
-/// enters the guest, then waits for the end of the pipe (the clone's control socket is
-/// up). None on timeout or if the clone died first.
+/// Reads what a clone writes to its ready pipe, in either order: the 8-byte
+/// CLOCK_MONOTONIC time its vCPU 0 first entered the guest, and `READY_MARK` (its host
+/// endpoints and control socket are up); then waits for the end of the pipe. Returns
+/// the time; None on timeout, or if the clone died or failed before both.
 fn wait_ready(f: &mut File, timeout: Duration) -> Option<u64> {
     use std::io::Read;
     let deadline = Instant::now() + timeout;
-    let mut got = Vec::with_capacity(8);
+    let mut got = Vec::with_capacity(16);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         let mut pfd = libc::pollfd {
@@ -807,6 +808,43 @@ fn wait_ready(f: &mut File, timeout: Duration) -> Option<u64> {
             Err(_) => return None,
         }
     }
-    let bytes: [u8; 8] = got.get(..8)?.try_into().ok()?;
-    Some(u64::from_le_bytes(bytes))
+    parse_ready(&got)
+}
+
+/// The vCPU's time from the ready pipe's contents, if they are the time and the mark.
+fn parse_ready(got: &[u8]) -> Option<u64> {
+    if got.len() != 16 {
+        return None;
+    }
+    let first = u64::from_le_bytes(got[..8].try_into().ok()?);
+    let second = u64::from_le_bytes(got[8..].try_into().ok()?);
+    match (first == child::READY_MARK, second == child::READY_MARK) {
+        (true, false) => Some(second),
+        (false, true) => Some(first),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready_bytes(parts: &[u64]) -> Vec<u8> {
+        parts.iter().flat_map(|p| p.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn ready_pipe_needs_the_time_and_the_mark_in_either_order() {
+        let mark = child::READY_MARK;
+        assert_eq!(parse_ready(&ready_bytes(&[42, mark])), Some(42));
+        assert_eq!(parse_ready(&ready_bytes(&[mark, 42])), Some(42));
+        // The vCPU ran but the clone failed before its control socket was up.
+        assert_eq!(parse_ready(&ready_bytes(&[42])), None);
+        // The control thread finished but vCPU 0 never entered the guest.
+        assert_eq!(parse_ready(&ready_bytes(&[mark])), None);
+        assert_eq!(parse_ready(&ready_bytes(&[mark, mark])), None);
+        assert_eq!(parse_ready(&ready_bytes(&[1, 2])), None);
+        assert_eq!(parse_ready(&[]), None);
+        assert_eq!(parse_ready(&ready_bytes(&[42, mark])[..15]), None);
+    }
 }

@@ -241,3 +241,17 @@ fn tap_names_are_checked_before_the_kernel_sees_them() {
     }
     assert!(valid_ifname("fk123456c17"));
 }
+
+#[test]
+fn a_deferred_tap_is_named_now_and_opened_later() {
+    for bad in ["", "a/b", "sixteen-chars-xx"] {
+        assert!(matches!(
+            Net::deferred_tap(bad, MAC, None),
+            Err(TapError::Name(_))
+        ));
+    }
+    // Nothing is opened (or created) until open_host or activation.
+    let net = Net::deferred_tap("fkvm-never", MAC, None).unwrap();
+    assert!(net.backend.is_none());
+    assert_eq!(net.deferred_tap.as_deref(), Some("fkvm-never"));
+}

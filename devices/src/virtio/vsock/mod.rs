@@ -53,7 +53,8 @@ pub enum VsockError {
 pub struct Vsock {
     cid: u64,
     path: PathBuf,
-    listener: UnixListener,
+    /// None until the host socket is bound ([`Vsock::deferred`]).
+    listener: Option<UnixListener>,
     /// A clone's device: tell the driver its connections are gone.
     restored: bool,
     queue_sizes: [u16; 3],
@@ -63,27 +64,39 @@ impl Vsock {
     /// A device with guest CID `cid` whose host side listens on `path` (a stale socket
     /// file there is replaced). `restored` marks a clone's device.
     pub fn new(cid: u64, path: &Path, restored: bool) -> Result<Self, VsockError> {
+        let mut v = Self::deferred(cid, path, restored)?;
+        v.listener = Some(v.listen()?);
+        Ok(v)
+    }
+
+    /// As [`Vsock::new`], but the host socket is bound later, by
+    /// [`VirtioDevice::open_host`] or on activation. The CID is checked now.
+    pub fn deferred(cid: u64, path: &Path, restored: bool) -> Result<Self, VsockError> {
         if !(MIN_GUEST_CID..u64::from(u32::MAX)).contains(&cid) {
             return Err(VsockError::Cid(cid));
         }
+        Ok(Self {
+            cid,
+            path: path.to_path_buf(),
+            listener: None,
+            restored,
+            queue_sizes: [QUEUE_SIZE; 3],
+        })
+    }
+
+    fn listen(&self) -> Result<UnixListener, VsockError> {
         let listen_err = |source| VsockError::Listen {
-            path: path.display().to_string(),
+            path: self.path.display().to_string(),
             source,
         };
-        match std::fs::remove_file(path) {
+        match std::fs::remove_file(&self.path) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(listen_err(e)),
         }
-        let listener = UnixListener::bind(path).map_err(listen_err)?;
+        let listener = UnixListener::bind(&self.path).map_err(listen_err)?;
         listener.set_nonblocking(true).map_err(listen_err)?;
-        Ok(Self {
-            cid,
-            path: path.to_path_buf(),
-            listener,
-            restored,
-            queue_sizes: [QUEUE_SIZE; 3],
-        })
+        Ok(listener)
     }
 
     /// The host socket path.
@@ -94,7 +107,9 @@ impl Vsock {
 
 impl Drop for Vsock {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if self.listener.is_some() {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -124,6 +139,17 @@ impl VirtioDevice for Vsock {
         tracing::debug!("virtio-vsock: guest wrote read-only config at {offset:#x}");
     }
 
+    fn open_host(&mut self) -> Result<(), ActivateError> {
+        if self.listener.is_none() {
+            let listener = self.listen().map_err(|e| ActivateError::Host {
+                device: "virtio-vsock",
+                source: e.into(),
+            })?;
+            self.listener = Some(listener);
+        }
+        Ok(())
+    }
+
     fn activate(
         &mut self,
         mem: GuestMemoryMmap,
@@ -134,8 +160,11 @@ impl VirtioDevice for Vsock {
         let [rx, tx, event]: [Queue; 3] = queues
             .try_into()
             .map_err(|_| ActivateError::BadQueue("virtio-vsock needs three queues".into()))?;
+        self.open_host()?;
         let listener = self
             .listener
+            .as_ref()
+            .ok_or_else(|| ActivateError::BadQueue("virtio-vsock has no host socket".into()))?
             .try_clone()
             .map_err(|e| super::WorkerError::Spawn("virtio-vsock", e))?;
         Ok(Box::new(muxer::Muxer::new(

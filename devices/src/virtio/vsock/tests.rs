@@ -296,3 +296,45 @@ fn bad_cids_are_refused() {
         ));
     }
 }
+
+#[test]
+fn a_deferred_device_binds_its_socket_when_opened_or_activated() {
+    let path = temp_path("deferred");
+    let mut dev = Vsock::deferred(GUEST_CID, &path, true).unwrap();
+    assert!(!path.exists(), "nothing bound before open_host");
+    dev.open_host().unwrap();
+    assert!(path.exists());
+    dev.open_host().unwrap(); // once open, again is a no-op
+    drop(dev);
+    assert!(!path.exists(), "socket file removed with the device");
+
+    // A driver that starts the device first binds it too.
+    let m = mem();
+    let mut dev = Vsock::deferred(GUEST_CID, &path, false).unwrap();
+    let queues = [0x1_0000, 0x2_0000, 0x3_0000].map(|a| {
+        MockSplitQueue::create(&m, GuestAddress(a), 16)
+            .create_queue()
+            .unwrap()
+    });
+    let irq = Arc::new(VirtioInterrupt::new(EventFd::new(0).unwrap()));
+    dev.activate(m.clone(), 0, queues.into(), irq).unwrap();
+    assert!(path.exists());
+    drop(dev);
+
+    // A socket that cannot be bound is the device's error, not a panic.
+    let bad = temp_path("no-such-dir").join("sock");
+    let mut dev = Vsock::deferred(GUEST_CID, &bad, true).unwrap();
+    let e = dev.open_host().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ActivateError::Host {
+                device: "virtio-vsock",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    drop(dev);
+    assert!(!bad.exists());
+}

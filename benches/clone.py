@@ -19,14 +19,16 @@ sandbox: clone latency of a running template without seccomp filters, with them 
   the VMM's figure and end to end to the clone's first guest port write (as e2e).
 devices: clone latency of a running Linux template (its drivers have set the devices
   up, so every clone restores running devices and starts their workers) without virtio
-  devices and with a root disk and an entropy device, one boot per row and round,
-  rounds interleaved.
+  devices, with a root disk and an entropy device, and with those plus vsock and a
+  network card, one boot per row and round, rounds interleaved; --gap MS waits after
+  each clone's deletion (the host kernel's teardown of the exited clone slows the next
+  clone's VM creation when requests follow back to back).
 
 usage: benches/clone.py latency [--runs N] [--mem 128,512,2048,4096] [--modes running,paused,warm]
        benches/clone.py fanout [--counts 100,1000]
        benches/clone.py e2e [--runs N] [--modes running,paused,warm]
        benches/clone.py sandbox [--runs N] [--rounds R] [--mem MIB]   (root)
-       benches/clone.py devices [--runs N] [--rounds R]
+       benches/clone.py devices [--runs N] [--rounds R] [--gap MS]
        benches/clone.py vsock [--runs N]
 vsock: a running Linux template with a vsock device and forkvm-agent; each run makes one
   clone and runs `true` in it through its own vsock socket (vmm exec's protocol): clone
@@ -192,9 +194,10 @@ def wait_warm(sock, n, timeout=30):
 
 
 def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None, extra=(),
-                 body='{"count":1}', jail=False, probe=None, **template):
+                 body='{"count":1}', jail=False, probe=None, gap=0.0, **template):
     """Clones a template `runs` times; with a `guest` that writes the probe port (probe
-    unset or True), the second figure is to the clone's first port write."""
+    unset or True), the second figure is to the clone's first port write. `gap`: seconds
+    to wait after deleting a clone before the next request."""
     kw = {} if guest is None else {"guest": guest, "ready": ready}
     probe = guest is not None if probe is None else probe
     p, sock = start_template(tmp, mem, thp, warm=WARM if mode == "warm" else 0,
@@ -237,6 +240,7 @@ def clone_series(tmp, mem, thp, mode, runs, guest=None, ready=None, extra=(),
             api(sock, "DELETE", f"/clones/{c['id']}")
             if os.path.isfile(host(c["console"])):
                 os.unlink(host(c["console"]))
+            time.sleep(gap)
         note = ""
         if mode == "warm":
             _, body = api(sock, "GET", "/vm")
@@ -297,7 +301,8 @@ def device_sets(tmp):
 
 def devices(a):
     print(f"Clone latency of a running 256 MiB Linux template without and with virtio "
-          f"devices set up by its drivers, {a.runs} clones per row in {a.rounds} rounds "
+          f"devices set up by its drivers, {a.runs} clones per row in {a.rounds} rounds, "
+          f"{a.gap:g} ms between a clone's deletion and the next request "
           f"(ms; ratio of medians to none):\n")
     print("| devices | measure | min | median | p99 | vs none |")
     print("|---|---|---|---|---|---|")
@@ -312,7 +317,8 @@ def devices(a):
                     tmp, 256, True, "running", a.runs // a.rounds, guest=guest,
                     ready=b"template-2", probe=False, body='{"count":1,"console":"null"}',
                     extra=["--initrd", os.path.join(GUEST, "initramfs.cpio")] + extra,
-                    kernel=os.path.join(GUEST, "vmlinux"), boot_timeout=600)
+                    kernel=os.path.join(GUEST, "vmlinux"), boot_timeout=600,
+                    gap=a.gap / 1000)
                 got[name][0].extend(vmm_ms)
                 got[name][1].extend(e2e_ms)
     for i, measure in enumerate(("request to clone vCPU 0 in guest", "client end to end")):
@@ -459,6 +465,9 @@ def main():
     dv = sub.add_parser("devices")
     dv.add_argument("--runs", type=int, default=100)
     dv.add_argument("--rounds", type=int, default=2)
+    dv.add_argument("--gap", type=float, default=0.0,
+                    help="ms to wait after deleting a clone (its exit's teardown in "
+                         "the host kernel can slow the next clone's VM creation)")
     vs = sub.add_parser("vsock")
     vs.add_argument("--runs", type=int, default=20)
     ee = sub.add_parser("e2e")

@@ -156,7 +156,7 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
     // /dev/hwrng, a checksum of a file it reads from the disk for the first time after
     // the clone point (through the restored virtio-blk queue) and of the same file in
     // its initramfs, and the time. The parent then waits to be shut down.
-    let script = r#"r=$(forkvm-clone 3); echo tool-status=$?; echo clone-result=$r; echo rand=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n'); echo hwrng=$(head -c 64 /dev/hwrng | od -An -tx1 | tr -d ' \n'); echo disk=$(md5sum < /mnt/disk/usr/bin/forkvm-cowbench); echo ram=$(md5sum < /usr/bin/forkvm-cowbench); echo time=$(date +%s); echo finished; [ $r = 0 ] && while :; do echo tick=$(date +%s) clock=$(forkvm-clone --clock); sleep 1; done"#;
+    let script = r#"r=$(forkvm-clone 3); echo tool-status=$?; echo clone-result=$r; echo rand=$(od -An -tx1 -N16 /dev/urandom); echo hwrng=$(od -An -tx1 -N64 /dev/hwrng); echo disk=$(md5sum < /mnt/disk/usr/bin/forkvm-cowbench); echo ram=$(md5sum < /usr/bin/forkvm-cowbench); echo time=$(date +%s); echo finished; [ $r = 0 ] && while :; do echo tick=$(date +%s) clock=$(forkvm-clone --clock); sleep 1; done"#;
     let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
     let mut vm = Vm::start(
         &scratch,
@@ -177,8 +177,16 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
         ],
     );
     let parent = vm.wait_console("finished\n", LINUX_BOOT);
-    let mut rands = vec![value_after(&parent, "rand=").unwrap().to_string()];
-    let mut hwrngs = vec![value_after(&parent, "hwrng=").unwrap().to_string()];
+    // One `od` per sample, no pipeline: on this host two processes starting at once
+    // can crash one (docs/guest-kernel.md, "Known host problems"). Its bytes come
+    // space-separated.
+    let hex = |console: &str, prefix: &str| {
+        value_after(console, prefix)
+            .unwrap_or_default()
+            .replace(' ', "")
+    };
+    let mut rands = vec![hex(&parent, "rand=")];
+    let mut hwrngs = vec![hex(&parent, "hwrng=")];
     let disk_sum = |console: &str| {
         let disk = value_after(console, "disk=")
             .unwrap_or_default()
@@ -249,8 +257,8 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
             t + 1 >= test_start && t <= now + 1,
             "clone {k} clock {t}: test started {test_start}, host now {now}"
         );
-        rands.push(value_after(&console, "rand=").unwrap().to_string());
-        hwrngs.push(value_after(&console, "hwrng=").unwrap().to_string());
+        rands.push(hex(&console, "rand="));
+        hwrngs.push(hex(&console, "hwrng="));
         disk_sum(&console);
     }
     // Each clone's virtio-rng serves its own host entropy, and forkvm-clone discarded
@@ -323,7 +331,29 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
 }
 
 /// `vmm exec ARGS` with `input` on its stdin: (exit code, stdout, stderr).
+/// `vmm exec` with `args` and `input`; a command that dies by SIGSEGV (status 139) is
+/// run again, at most twice, and said so: on this host a guest process starting up can
+/// crash for reasons outside the VMM (docs/guest-kernel.md, "Known host problems").
 fn vmm_exec(sock: &std::path::Path, args: &[&str], input: &[u8]) -> (Option<i32>, String, String) {
+    let mut result = vmm_exec_once(sock, args, input);
+    for _ in 0..2 {
+        if result.0 != Some(139) {
+            break;
+        }
+        eprintln!(
+            "WARNING: `vmm exec {args:?}` died by SIGSEGV in the guest (known host problem, \
+             docs/guest-kernel.md); running it again: {result:?}"
+        );
+        result = vmm_exec_once(sock, args, input);
+    }
+    result
+}
+
+fn vmm_exec_once(
+    sock: &std::path::Path,
+    args: &[&str],
+    input: &[u8],
+) -> (Option<i32>, String, String) {
     use std::io::Write;
     let mut child = std::process::Command::new(tests::vmm_bin())
         .arg("exec")

@@ -330,7 +330,6 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
     vm.shutdown(Duration::from_secs(30));
 }
 
-/// `vmm exec ARGS` with `input` on its stdin: (exit code, stdout, stderr).
 /// `vmm exec` with `args` and `input`; a command that dies by SIGSEGV (status 139) is
 /// run again, at most twice, and said so: on this host a guest process starting up can
 /// crash for reasons outside the VMM (docs/guest-kernel.md, "Known host problems").
@@ -349,6 +348,7 @@ fn vmm_exec(sock: &std::path::Path, args: &[&str], input: &[u8]) -> (Option<i32>
     result
 }
 
+/// `vmm exec ARGS` with `input` on its stdin: (exit code, stdout, stderr).
 fn vmm_exec_once(
     sock: &std::path::Path,
     args: &[&str],

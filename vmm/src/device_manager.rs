@@ -24,7 +24,7 @@ use devices::virtio::net::{open_tap, Net, TapError};
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::{Vsock, VsockError};
 use devices::virtio::{
-    MmioTransport, MmioTransportState, VirtioDevice, VirtioInterrupt, WorkerError,
+    ActivateError, MmioTransport, MmioTransportState, VirtioDevice, VirtioInterrupt, WorkerError,
 };
 use devices::{Bus, BusError};
 
@@ -341,24 +341,25 @@ impl DeviceManager {
     /// vCPUs run and before it reports ready, so they are off the clone's latency path
     /// and there when its parent answers.
     pub fn open_host_endpoints(&self) -> Result<(), DeviceError> {
-        for t in &self.virtio {
-            let mut t = lock(t);
-            let device = t.name();
-            t.open_host().map_err(|e| DeviceError::Restore {
-                device,
-                source: e.into(),
-            })?;
-        }
-        Ok(())
+        self.each_restored(MmioTransport::open_host)
     }
 
     /// Starts the workers of devices a clone restored as running: called once its
     /// vCPUs run, so starting threads is off the clone's latency path.
     pub fn start_restored_virtio(&self) -> Result<(), DeviceError> {
+        self.each_restored(MmioTransport::start_restored)
+    }
+
+    /// Runs one step of a clone's device restore on every virtio device, in bus order;
+    /// the first failure names its device.
+    fn each_restored(
+        &self,
+        mut step: impl FnMut(&mut MmioTransport) -> Result<(), ActivateError>,
+    ) -> Result<(), DeviceError> {
         for t in &self.virtio {
             let mut t = lock(t);
             let device = t.name();
-            t.start_restored().map_err(|e| DeviceError::Restore {
+            step(&mut t).map_err(|e| DeviceError::Restore {
                 device,
                 source: e.into(),
             })?;

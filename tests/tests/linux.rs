@@ -719,13 +719,16 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_2_4_8_clones_sending() {
 }
 
 #[test]
-fn linux_clones_write_their_own_copy_of_the_disk_and_the_image_stays_untouched() {
-    // The template writes 1 MiB before the clone point; then clone 1 writes 64 MiB of
-    // its own pattern, and the template and clone 2 4 MiB of theirs, over the same
-    // sectors, and each reads its range back (forkvm-diskcheck, O_DIRECT, so through
-    // the device; about 90 s per 64 MiB each way in this host's slow guest kernel).
-    // Each must read its own data and the template's earlier write; the image file
-    // must stay all zeros; the overlays must never be visible files.
+fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched() {
+    // Three disks: /dev/vda and /dev/vdb writable through overlays, /dev/vdc a shared
+    // read-only base holding a pattern. The template writes 1 MiB to vda before the
+    // clone point; then clone 1 writes 64 MiB of its own pattern, and the template and
+    // clone 2 4 MiB of theirs, over the same sectors, and each reads its range back
+    // (forkvm-diskcheck, O_DIRECT, so through the device; about 90 s per 64 MiB each
+    // way in this host's slow guest kernel); each also writes 1 MiB of its own to vdb
+    // after the clone point, reads the base and fails to write it. Each must read its
+    // own data and the template's earlier write; the images must stay as they were
+    // (all zeros, the base's pattern); the overlays must never be visible files.
     if !kvm_available("linux_clones_cow_disk") {
         return;
     }
@@ -737,13 +740,27 @@ fn linux_clones_write_their_own_copy_of_the_disk_and_the_image_stays_untouched()
         .unwrap()
         .set_len(size)
         .unwrap();
+    let second = scratch.path("second.img");
+    std::fs::File::create(&second)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    // The base: "base\n" repeated over its first MiB, as forkvm-diskcheck writes it.
+    let base = scratch.path("base-ro.img");
+    let mut pattern: Vec<u8> = b"base\n".iter().copied().cycle().take(1 << 20).collect();
+    pattern.resize(4 << 20, 0);
+    std::fs::write(&base, &pattern).unwrap();
     let cow = scratch.path("overlays");
     std::fs::create_dir(&cow).unwrap();
     let script = "forkvm-diskcheck write /dev/vda 64 1 template; \
                   r=$(forkvm-clone 2); if [ $r = 1 ]; then n=64; else n=4; fi; \
                   forkvm-diskcheck write /dev/vda 0 $n clone-$r; \
+                  forkvm-diskcheck write /dev/vdb 0 1 second-$r; \
                   echo own-$r=$(forkvm-diskcheck check /dev/vda 0 $n clone-$r); \
                   echo early-$r=$(forkvm-diskcheck check /dev/vda 64 1 template); \
+                  echo second-$r=$(forkvm-diskcheck check /dev/vdb 0 1 second-$r); \
+                  echo base-$r=$(forkvm-diskcheck check /dev/vdc 0 1 base); \
+                  forkvm-diskcheck write /dev/vdc 0 1 x 2>/dev/null; echo rw-$r=$?; \
                   echo done-$r; [ $r != 1 ] && sleep 1000000";
     let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
     let mut vm = Vm::start(
@@ -757,14 +774,57 @@ fn linux_clones_write_their_own_copy_of_the_disk_and_the_image_stays_untouched()
             &image.display().to_string(),
             "--rootfs-cow",
             &cow.display().to_string(),
+            "--disk",
+            &format!("{},cow={}", second.display(), cow.display()),
+            "--disk",
+            &base.display().to_string(),
             "--mem-mib",
             "256",
             "--cmdline",
             &cmdline,
         ],
     );
+    vm.wait_api(Duration::from_secs(30));
+    let (_, body) = vm.api("GET", "/vm", None);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let disks: Vec<_> = v["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["type"] == "virtio-blk")
+        .map(|d| {
+            (
+                d["path"].as_str().unwrap().to_string(),
+                d["read_only"] == true,
+            )
+        })
+        .collect();
+    assert_eq!(
+        disks,
+        [
+            (image.display().to_string(), false),
+            (second.display().to_string(), false),
+            (base.display().to_string(), true)
+        ],
+        "{body}"
+    );
     let parent = vm.wait_console("done-0", LINUX_BOOT);
     let check = |console: &str, k: &str| {
+        for (what, why) in [
+            ("second", "read back other data from its second disk"),
+            ("base", "did not read the base disk's pattern"),
+        ] {
+            assert_eq!(
+                value_after(console, &format!("{what}-{k}=")),
+                Some("ok"),
+                "side {k} {why}: {console}"
+            );
+        }
+        let rw = value_after(console, &format!("rw-{k}="));
+        assert!(
+            rw.is_some_and(|s| s != "0"),
+            "side {k} wrote the read-only disk ({rw:?}): {console}"
+        );
         assert_eq!(
             value_after(console, &format!("own-{k}=")),
             Some("ok"),
@@ -829,4 +889,10 @@ fn linux_clones_write_their_own_copy_of_the_disk_and_the_image_stays_untouched()
     let data = std::fs::read(&image).unwrap();
     assert_eq!(data.len() as u64, size);
     assert!(data.iter().all(|b| *b == 0), "the image was written");
+    let data = std::fs::read(&second).unwrap();
+    assert!(data.iter().all(|b| *b == 0), "the second image was written");
+    assert!(
+        std::fs::read(&base).unwrap() == pattern,
+        "the base was written"
+    );
 }

@@ -196,6 +196,7 @@ fn bad_inputs_give_clear_errors_not_panics() {
     let regular = regular.display().to_string();
     let t = tiny();
     let long_cmdline = "x".repeat(3000);
+    let cow_not_dir = format!("{t},cow={t}");
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["run", "--kernel", "/nonexistent/vmlinux"],
@@ -245,6 +246,14 @@ fn bad_inputs_give_clear_errors_not_panics() {
             vec!["run", "--kernel", &t, "--tap", "no/slash"],
             "invalid tap name \"no/slash\"",
         ),
+        (
+            vec!["run", "--kernel", &t, "--disk", "/nonexistent.img"],
+            "disk /nonexistent.img: No such file",
+        ),
+        (
+            vec!["run", "--kernel", &t, "--disk", &cow_not_dir],
+            "copy-on-write directory",
+        ),
     ];
     for (args, want) in cases {
         let (status, out, err) = run_vmm(&args, BOOT);
@@ -273,6 +282,14 @@ fn bad_inputs_give_clear_errors_not_panics() {
         (
             vec!["run", "--kernel", &t, "--mac", "06:00:ac:10:00:02"],
             "--tap",
+        ),
+        (
+            vec!["run", "--kernel", &t, "--disk", "a.img,ro"],
+            "unknown or repeated option \"ro\"",
+        ),
+        (
+            vec!["run", "--kernel", &t, "--disk", "a.img,bytes=fast"],
+            "bad rate limit",
         ),
     ] {
         let (status, out, err) = run_vmm(&args, BOOT);

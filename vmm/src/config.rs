@@ -96,6 +96,89 @@ pub struct RngConfig {
     pub rate_limit: Option<devices::rate_limiter::RateLimit>,
 }
 
+/// A virtio-blk disk: `PATH[,cow=DIR][,bytes=..][,ops=..]` (`--disk`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskConfig {
+    /// The image: opened read-only once and never written (clones share the open file).
+    pub path: PathBuf,
+    /// Makes the disk writable: the guest's writes go to a private copy-on-write
+    /// overlay file in this directory (each clone gets a copy of its parent's).
+    pub cow_dir: Option<PathBuf>,
+    /// Limit for the disk's bytes and requests (None: unlimited).
+    pub rate_limit: Option<devices::rate_limiter::RateLimit>,
+}
+
+/// A `--disk` specification that does not parse.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DiskSpecError {
+    /// No image path before the first comma.
+    #[error("disk {0:?}: expected PATH[,cow=DIR][,bytes=SIZE..][,ops=N..]")]
+    NoPath(String),
+    /// An option other than `cow=`, `bytes=` and `ops=`, or one given twice.
+    #[error(
+        "disk {spec:?}: unknown or repeated option {option:?} (expected cow=DIR, bytes=.., ops=..)"
+    )]
+    Option {
+        /// The whole specification.
+        spec: String,
+        /// The option.
+        option: String,
+    },
+    /// The rate limit does not parse.
+    #[error("disk {spec:?}: {source}")]
+    RateLimit {
+        /// The whole specification.
+        spec: String,
+        /// Why.
+        source: devices::rate_limiter::RateLimitError,
+    },
+}
+
+impl std::str::FromStr for DiskConfig {
+    type Err = DiskSpecError;
+
+    /// `images/base.ext4`, `scratch.img,cow=/var/tmp,bytes=10M,ops=1000` (a path may not
+    /// contain a comma).
+    fn from_str(s: &str) -> Result<Self, DiskSpecError> {
+        let mut parts = s.split(',');
+        let path = parts.next().filter(|p| !p.is_empty());
+        let path = PathBuf::from(path.ok_or_else(|| DiskSpecError::NoPath(s.to_string()))?);
+        let mut cow_dir = None;
+        let mut limit = Vec::new();
+        for part in parts {
+            match part.split_once('=') {
+                Some(("cow", dir)) if cow_dir.is_none() && !dir.is_empty() => {
+                    cow_dir = Some(PathBuf::from(dir));
+                }
+                Some(("bytes" | "ops", _)) => limit.push(part),
+                _ => {
+                    return Err(DiskSpecError::Option {
+                        spec: s.to_string(),
+                        option: part.to_string(),
+                    })
+                }
+            }
+        }
+        let rate_limit = match limit.is_empty() {
+            true => None,
+            false => Some(
+                limit
+                    .join(",")
+                    .parse()
+                    .map_err(|source| DiskSpecError::RateLimit {
+                        spec: s.to_string(),
+                        source,
+                    })?,
+            ),
+        };
+        Ok(Self {
+            path,
+            cow_dir,
+            rate_limit,
+        })
+    }
+}
+
 /// The virtio-vsock device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VsockConfig {
@@ -109,7 +192,7 @@ pub struct VsockConfig {
 /// template's for the devices named.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DeviceRateLimits {
-    /// The disk (`--rootfs`).
+    /// Every disk (`--rootfs`, `--disk`), each with a bucket of its own.
     pub disk: Option<devices::rate_limiter::RateLimit>,
     /// The entropy device (`--rng`).
     pub rng: Option<devices::rate_limiter::RateLimit>,
@@ -126,10 +209,12 @@ impl VmConfig {
     /// Applies `limits` to the devices they name; refuses one for a missing device.
     pub fn apply_rate_limits(&mut self, limits: &DeviceRateLimits) -> Result<(), NoSuchDevice> {
         if let Some(l) = limits.disk {
-            if self.rootfs.is_none() {
+            if self.disks.is_empty() {
                 return Err(NoSuchDevice("disk"));
             }
-            self.rootfs_rate_limit = Some(l);
+            for d in &mut self.disks {
+                d.rate_limit = Some(l);
+            }
         }
         if let Some(l) = limits.rng {
             let rng = self.rng.as_mut().ok_or(NoSuchDevice("entropy device"))?;
@@ -245,13 +330,8 @@ pub struct VmConfig {
     pub kernel: PathBuf,
     /// Optional initramfs.
     pub initrd: Option<PathBuf>,
-    /// Optional read-only root/data disk image (virtio-blk).
-    pub rootfs: Option<PathBuf>,
-    /// Limit for the disk's bytes and requests (None: unlimited).
-    pub rootfs_rate_limit: Option<devices::rate_limiter::RateLimit>,
-    /// Makes the disk writable: the guest's writes go to a private copy-on-write
-    /// overlay file in this directory (each clone gets a copy of its parent's).
-    pub rootfs_cow: Option<PathBuf>,
+    /// Disks (virtio-blk), `/dev/vda` first.
+    pub disks: Vec<DiskConfig>,
     /// A virtio-rng entropy device, with its optional rate limit.
     pub rng: Option<RngConfig>,
     /// A virtio-vsock device.
@@ -290,9 +370,7 @@ impl VmConfig {
         Self {
             kernel,
             initrd: None,
-            rootfs: None,
-            rootfs_rate_limit: None,
-            rootfs_cow: None,
+            disks: Vec::new(),
             rng: None,
             vsock: None,
             net: None,
@@ -332,10 +410,13 @@ pub enum ConfigError {
         /// Most allowed here.
         max: u64,
     },
+    /// More virtio devices than interrupt lines for them.
+    #[error("{0} virtio devices requested; at most {max} fit", max = crate::device_manager::MAX_VIRTIO_DEVICES)]
+    TooManyDevices(usize),
     /// A file given does not exist or is not a regular file.
     #[error("{what} {path}: {why}")]
     File {
-        /// kernel, initrd, rootfs.
+        /// kernel, initrd, disk.
         what: &'static str,
         /// The path.
         path: String,
@@ -417,8 +498,24 @@ impl VmConfig {
         if let Some(p) = &self.initrd {
             check_file("initrd", p)?;
         }
-        if let Some(p) = &self.rootfs {
-            check_file("rootfs", p)?;
+        let virtio = self.disks.len()
+            + usize::from(self.rng.is_some())
+            + usize::from(self.vsock.is_some())
+            + usize::from(self.net.is_some());
+        if virtio > crate::device_manager::MAX_VIRTIO_DEVICES {
+            return Err(ConfigError::TooManyDevices(virtio));
+        }
+        for d in &self.disks {
+            check_file("disk", &d.path)?;
+            if let Some(dir) = &d.cow_dir {
+                if !dir.is_dir() {
+                    return Err(ConfigError::File {
+                        what: "copy-on-write directory",
+                        path: dir.display().to_string(),
+                        why: "not a directory".into(),
+                    });
+                }
+            }
         }
         Ok(())
     }
@@ -493,6 +590,90 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(cfg().apply_rate_limits(&disk), Err(NoSuchDevice("disk")));
+    }
+
+    #[test]
+    fn disk_specs_parse_and_bad_ones_say_why() {
+        let d: DiskConfig = "a.img".parse().unwrap();
+        assert_eq!(
+            (d.path, d.cow_dir, d.rate_limit),
+            ("a.img".into(), None, None)
+        );
+        let d: DiskConfig = "/x/b.img,bytes=1M,cow=/tmp,ops=10/100".parse().unwrap();
+        assert_eq!(d.path, PathBuf::from("/x/b.img"));
+        assert_eq!(d.cow_dir, Some("/tmp".into()));
+        assert_eq!(d.rate_limit, Some("bytes=1M,ops=10/100".parse().unwrap()));
+        assert_eq!(
+            "".parse::<DiskConfig>(),
+            Err(DiskSpecError::NoPath("".into()))
+        );
+        assert!(matches!(
+            ",cow=/tmp".parse::<DiskConfig>(),
+            Err(DiskSpecError::NoPath(_))
+        ));
+        for (bad, option) in [
+            ("a,ro", "ro"),
+            ("a,cow=/t,cow=/u", "cow=/u"),
+            ("a,cow=", "cow="),
+            ("a,size=1", "size=1"),
+        ] {
+            assert_eq!(
+                bad.parse::<DiskConfig>(),
+                Err(DiskSpecError::Option {
+                    spec: bad.into(),
+                    option: option.into()
+                })
+            );
+        }
+        for bad in ["a,bytes=x", "a,bytes=1,bytes=2", "a,ops=0"] {
+            assert!(
+                matches!(
+                    bad.parse::<DiskConfig>(),
+                    Err(DiskSpecError::RateLimit { .. })
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn disks_are_checked_and_limited_together() {
+        let exe = std::env::current_exe().unwrap();
+        let disk = |cow: Option<&str>| DiskConfig {
+            path: exe.clone(),
+            cow_dir: cow.map(PathBuf::from),
+            rate_limit: None,
+        };
+        let mut c = cfg();
+        c.disks = vec![disk(None), disk(Some("/tmp"))];
+        assert_eq!(c.validate(8), Ok(()));
+        c.disks[1].cow_dir = Some(exe.clone());
+        assert!(matches!(
+            c.validate(8),
+            Err(ConfigError::File {
+                what: "copy-on-write directory",
+                ..
+            })
+        ));
+        c.disks[1].path = "/nonexistent.img".into();
+        assert!(matches!(
+            c.validate(8),
+            Err(ConfigError::File { what: "disk", .. })
+        ));
+        let max = crate::device_manager::MAX_VIRTIO_DEVICES;
+        c.disks = vec![disk(None); max];
+        assert_eq!(c.validate(8), Ok(()));
+        c.rng = Some(RngConfig::default());
+        assert_eq!(c.validate(8), Err(ConfigError::TooManyDevices(max + 1)));
+        c.rng = None;
+        c.disks.truncate(2);
+        let limit: devices::rate_limiter::RateLimit = "ops=10".parse().unwrap();
+        c.apply_rate_limits(&DeviceRateLimits {
+            disk: Some(limit),
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(c.disks.iter().all(|d| d.rate_limit == Some(limit)));
     }
 
     #[test]

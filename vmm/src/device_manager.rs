@@ -30,11 +30,14 @@ use devices::{Bus, BusError};
 
 use crate::arch::x86_64::layout::{VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START};
 use crate::arch::x86_64::mptable::IOAPIC_PINS;
-use crate::config::{ConsoleSink, VmConfig};
+use crate::config::{ConsoleSink, DiskConfig, VmConfig};
 
 /// First GSI (IOAPIC pin) for virtio-mmio devices; 0-4 are the PIT, keyboard, cascade,
 /// and the serial ports.
 const VIRTIO_FIRST_GSI: u32 = 5;
+
+/// Most virtio devices one VM can have: one IOAPIC pin each from `VIRTIO_FIRST_GSI` up.
+pub const MAX_VIRTIO_DEVICES: usize = IOAPIC_PINS as usize - VIRTIO_FIRST_GSI as usize;
 
 /// Errors creating devices.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +93,17 @@ pub enum DeviceError {
         /// Devices the configuration makes.
         configured: usize,
     },
+    /// The parent passed fewer disk descriptors than the configuration has disks.
+    #[error("parent passed {saved} disk descriptors, the configuration has {configured} disks")]
+    DiskCount {
+        /// Descriptors passed.
+        saved: usize,
+        /// Disks configured.
+        configured: usize,
+    },
+    /// A writable disk in a clone without the copy of its parent's overlay.
+    #[error("no copy of disk {0}'s overlay for this clone")]
+    NoOverlayCopy(usize),
     /// KVM_IRQFD failed.
     #[error("cannot register interrupt GSI {gsi} with KVM: {source}")]
     Irqfd {
@@ -120,8 +134,8 @@ pub struct DeviceManager {
     virtio_info: Vec<serde_json::Value>,
     /// Descriptors of the open disk images, in device order (a clone inherits them).
     disk_fds: Vec<RawFd>,
-    /// The writable disk's overlay (`--rootfs-cow`).
-    overlay: Option<Arc<Mutex<Overlay>>>,
+    /// Each disk's overlay (a writable disk's) or None (a read-only one), in disk order.
+    overlays: Vec<Option<Arc<Mutex<Overlay>>>>,
 }
 
 /// What a clone needs to rebuild its parent's virtio devices.
@@ -130,9 +144,9 @@ pub struct VirtioRestore<'a> {
     pub states: &'a [MmioTransportState],
     /// The parent's open disk images, inherited by fork, in device order.
     pub disk_fds: &'a [RawFd],
-    /// The copy of the parent's disk overlay made for this clone (its descriptor
-    /// inherited by fork).
-    pub overlay: Option<&'a OverlaySnapshot>,
+    /// The copies of the parent's disk overlays made for this clone, in disk order
+    /// (None for a read-only disk; their descriptors inherited by fork).
+    pub overlays: &'a [Option<OverlaySnapshot>],
 }
 
 fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceError> {
@@ -212,17 +226,21 @@ impl DeviceManager {
             virtio: Vec::new(),
             virtio_info: Vec::new(),
             disk_fds: Vec::new(),
-            overlay: None,
+            overlays: Vec::new(),
         })
     }
 
-    /// A copy of the writable disk's overlay for a clone (None without one). Call it
-    /// while the disk's worker is parked.
-    pub fn snapshot_overlay(&self) -> Result<Option<OverlaySnapshot>, OverlayError> {
-        self.overlay
-            .as_ref()
-            .map(|o| o.lock().unwrap_or_else(|p| p.into_inner()).snapshot())
-            .transpose()
+    /// A copy of each writable disk's overlay for a clone, in disk order (None for a
+    /// read-only disk). Call it while the disks' workers are parked.
+    pub fn snapshot_overlays(&self) -> Result<Vec<Option<OverlaySnapshot>>, OverlayError> {
+        self.overlays
+            .iter()
+            .map(|o| {
+                o.as_ref()
+                    .map(|o| o.lock().unwrap_or_else(|p| p.into_inner()).snapshot())
+                    .transpose()
+            })
+            .collect()
     }
 
     /// Descriptors of the open disk images (kept open across fork for clones).
@@ -230,10 +248,10 @@ impl DeviceManager {
         &self.disk_fds
     }
 
-    /// Attaches the virtio devices `config` asks for, in a fixed order: the root disk
-    /// (virtio-blk, `/dev/vda`), the entropy device, the socket device, the network
-    /// card. With `restore` (a clone), each
-    /// continues from its saved state and disks use the inherited descriptors.
+    /// Attaches the virtio devices `config` asks for, in a fixed order: the disks
+    /// (virtio-blk, `/dev/vda`, `/dev/vdb`, ...), the entropy device, the socket device,
+    /// the network card. With `restore` (a clone), each continues from its saved state
+    /// and disks use the inherited descriptors.
     pub fn add_virtio_devices(
         &mut self,
         vm: &VmFd,
@@ -241,39 +259,13 @@ impl DeviceManager {
         config: &VmConfig,
         restore: Option<&VirtioRestore<'_>>,
     ) -> Result<(), DeviceError> {
-        let mut inherited = restore.map(|r| r.disk_fds.iter().copied());
-        if let Some(rootfs) = &config.rootfs {
-            let block = match inherited.as_mut().and_then(Iterator::next) {
-                Some(fd) => {
-                    // SAFETY: a descriptor of the parent's open disk image, kept open
-                    // across fork by the clone; the parent's object owning it is never
-                    // used or dropped in the child, so this is its only owner here.
-                    let file = unsafe { File::from_raw_fd(fd) };
-                    Block::from_file(file, &rootfs.display().to_string(), "forkvm-rootfs")?
-                }
-                None => Block::open(rootfs, "forkvm-rootfs")?,
-            };
-            let mut block = block.with_rate_limit(config.rootfs_rate_limit);
-            if let Some(dir) = &config.rootfs_cow {
-                let overlay = match restore.and_then(|r| r.overlay) {
-                    Some(s) => {
-                        // SAFETY: the snapshot's descriptor, made by the parent for this
-                        // clone and kept open across fork; the parent's object owning
-                        // it is never used or dropped here, so this is its only owner.
-                        let file = unsafe { File::from_raw_fd(s.file.as_raw_fd()) };
-                        Overlay::from_snapshot(s.inherited(file), dir, block.size())
-                    }
-                    None => Overlay::create(dir, block.size())?,
-                };
-                block = block.with_overlay(overlay);
-                self.overlay = block.overlay();
-            }
-            self.disk_fds.push(block.file().as_raw_fd());
+        for (i, disk) in config.disks.iter().enumerate() {
+            let block = self.open_disk(i, disk, restore)?;
             let info = serde_json::json!({
-                "path": rootfs,
-                "read_only": config.rootfs_cow.is_none(),
-                "cow_dir": config.rootfs_cow,
-                "rate_limit": config.rootfs_rate_limit,
+                "path": disk.path,
+                "read_only": disk.cow_dir.is_none(),
+                "cow_dir": disk.cow_dir,
+                "rate_limit": disk.rate_limit,
             });
             self.add_virtio(vm, mem, Box::new(block), info, restore)?;
         }
@@ -310,6 +302,50 @@ impl DeviceManager {
             }
         }
         Ok(())
+    }
+
+    /// Disk `i` (serial `forkvm-disk<i>`): its image opened, or a clone's inherited
+    /// descriptor taken over, and its overlay made, or a clone's copy taken over.
+    fn open_disk(
+        &mut self,
+        i: usize,
+        disk: &DiskConfig,
+        restore: Option<&VirtioRestore<'_>>,
+    ) -> Result<Block, DeviceError> {
+        let id = format!("forkvm-disk{i}");
+        let block = match restore {
+            Some(r) => {
+                let fd = *r.disk_fds.get(i).ok_or(DeviceError::DiskCount {
+                    saved: r.disk_fds.len(),
+                    configured: i + 1,
+                })?;
+                // SAFETY: a descriptor of the parent's open disk image, kept open across
+                // fork by the clone; the parent's object owning it is never used or
+                // dropped in the child, so this is its only owner here.
+                let file = unsafe { File::from_raw_fd(fd) };
+                Block::from_file(file, &disk.path.display().to_string(), &id)?
+            }
+            None => Block::open(&disk.path, &id)?,
+        };
+        let mut block = block.with_rate_limit(disk.rate_limit);
+        if let Some(dir) = &disk.cow_dir {
+            let snapshot = restore.map(|r| r.overlays.get(i).and_then(Option::as_ref));
+            let overlay = match snapshot {
+                Some(Some(s)) => {
+                    // SAFETY: the snapshot's descriptor, made by the parent for this
+                    // clone and kept open across fork; the parent's object owning it is
+                    // never used or dropped here, so this is its only owner.
+                    let file = unsafe { File::from_raw_fd(s.file.as_raw_fd()) };
+                    Overlay::from_snapshot(s.inherited(file), dir, block.size())
+                }
+                Some(None) => return Err(DeviceError::NoOverlayCopy(i)),
+                None => Overlay::create(dir, block.size())?,
+            };
+            block = block.with_overlay(overlay);
+        }
+        self.overlays.push(block.overlay());
+        self.disk_fds.push(block.file().as_raw_fd());
+        Ok(block)
     }
 
     /// Parks every virtio device's worker (all at once) and returns the devices' state

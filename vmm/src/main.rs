@@ -96,7 +96,7 @@ struct RunArgs {
     /// Initramfs image.
     #[arg(long)]
     initrd: Option<PathBuf>,
-    /// Read-only disk image, attached as virtio-blk /dev/vda.
+    /// Read-only disk image, attached as virtio-blk /dev/vda (before any --disk).
     #[arg(long)]
     rootfs: Option<PathBuf>,
     /// Rate limit for the disk: bytes read and requests (same syntax as
@@ -108,6 +108,11 @@ struct RunArgs {
     /// Each clone gets a copy of its parent's overlay.
     #[arg(long, requires = "rootfs", value_name = "DIR")]
     rootfs_cow: Option<PathBuf>,
+    /// Another disk, PATH[,cow=DIR][,bytes=..][,ops=..]: read-only unless cow= names a
+    /// directory for its overlay, limited by bytes=/ops= (as --rng-rate-limit). Repeat
+    /// for more; they follow --rootfs as /dev/vdb, /dev/vdc, ...
+    #[arg(long, value_name = "SPEC")]
+    disk: Vec<vmm::config::DiskConfig>,
     /// Attach a virtio-rng entropy device (/dev/hwrng in the guest), fed from the
     /// host's getrandom.
     #[arg(long)]
@@ -325,12 +330,20 @@ fn main() -> ExitCode {
     }
     match cli.command {
         Command::Run(a) => {
+            let a = *a;
             let config = VmConfig {
                 cgroups: a.cgroups(),
                 initrd: a.initrd,
-                rootfs: a.rootfs,
-                rootfs_rate_limit: a.rootfs_rate_limit,
-                rootfs_cow: a.rootfs_cow,
+                disks: a
+                    .rootfs
+                    .map(|path| vmm::config::DiskConfig {
+                        path,
+                        cow_dir: a.rootfs_cow,
+                        rate_limit: a.rootfs_rate_limit,
+                    })
+                    .into_iter()
+                    .chain(a.disk)
+                    .collect(),
                 rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
                     rate_limit: a.rng_rate_limit,
                 }),

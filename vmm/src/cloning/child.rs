@@ -88,8 +88,8 @@ pub(crate) struct ChildPlan<'a> {
     pub run_size: usize,
     /// The parent's open disk images: kept open, so every clone shares them.
     pub disk_fds: &'a [RawFd],
-    /// The copy of the parent's disk overlay made for this child.
-    pub overlay: Option<&'a devices::virtio::block::overlay::OverlaySnapshot>,
+    /// The copies of the parent's disk overlays made for this child, in disk order.
+    pub overlays: &'a [Option<devices::virtio::block::overlay::OverlaySnapshot>],
 }
 
 /// Errors rebuilding a VM in a clone.
@@ -157,7 +157,9 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     }
     let mut keep = plan.disk_fds.to_vec();
     keep.extend(
-        plan.overlay
+        plan.overlays
+            .iter()
+            .flatten()
             .map(|o| std::os::fd::AsRawFd::as_raw_fd(&o.file)),
     );
     keep.push(plan.ready);
@@ -330,7 +332,7 @@ fn run_clone(
             Some(&VirtioRestore {
                 states: &state.devices.virtio,
                 disk_fds: plan.disk_fds,
-                overlay: plan.overlay,
+                overlays: plan.overlays,
             }),
         )
         .map_err(BuildError::from)?;

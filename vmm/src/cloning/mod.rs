@@ -737,10 +737,10 @@ impl Microvm {
         into: Option<&OwnedFd>,
     ) -> Result<i32, CloneError> {
         let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
-        // The child's copy of the disk overlay: the disk's worker is parked, so the
-        // overlay holds exactly what the guest wrote up to the clone point. The parent
-        // closes its descriptor of the copy when this returns.
-        let overlay = self.devices.snapshot_overlay()?;
+        // The child's copies of the disk overlays: the disks' workers are parked, so
+        // each overlay holds exactly what the guest wrote up to the clone point. The
+        // parent closes its descriptors of the copies when this returns.
+        let overlays = self.devices.snapshot_overlays()?;
         let plan = ChildPlan {
             // SAFETY: getpid has no preconditions.
             parent_pid: unsafe { libc::getpid() },
@@ -755,7 +755,7 @@ impl Microvm {
             run_bases: &run_bases,
             run_size: self.kvm_run_size,
             disk_fds: self.devices.disk_fds(),
-            overlay: overlay.as_ref(),
+            overlays: &overlays,
         };
         // SAFETY: every vCPU and virtio worker is parked holding no lock;
         // the API thread may be anywhere, but the child takes none of its locks (logging

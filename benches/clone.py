@@ -289,12 +289,18 @@ def sandbox(a):
 
 
 def device_sets(tmp):
-    """The device sets compared: none, disk+rng, and those with vsock and a network
-    card (a tap the template creates; every clone creates its own, needs root)."""
+    """The device sets compared: none, disk+rng, and 2 disks (the read-only image and
+    a writable scratch disk, each clone getting a copy of its overlay) + rng + vsock +
+    a network card (a tap the template creates; every clone creates its own, needs
+    root)."""
     disk_rng = ["--rootfs", os.path.join(GUEST, "rootfs.ext4"), "--rng"]
+    scratch = os.path.join(tmp, "scratch.img")
+    with open(scratch, "wb") as f:
+        f.truncate(64 << 20)
     return {"none": [],
             "disk+rng": disk_rng,
-            "disk+rng+vsock+net": disk_rng + [
+            "2 disks+rng+vsock+net": disk_rng + [
+                "--disk", f"{scratch},cow={tmp}",
                 "--vsock", os.path.join(tmp, "t.vsock"),
                 "--tap", f"fkb{os.getpid() % 100000000}"]}
 

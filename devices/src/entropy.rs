@@ -25,22 +25,13 @@ impl EntropyPort {
     }
 }
 
-fn getrandom(buf: &mut [u8]) -> bool {
-    // SAFETY: getrandom writes at most buf.len() bytes into `buf`.
-    let n = unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
-    n == buf.len() as isize
-}
-
 impl BusDevice for EntropyPort {
     fn read(&mut self, _offset: u64, data: &mut [u8]) {
-        if !getrandom(data) {
+        if let Err(e) = crate::util::host_random(data) {
             // Never hand out predictable bytes: all ones tells the guest it failed.
             data.fill(0xff);
             if self.failures == 0 {
-                tracing::warn!(
-                    "entropy port: getrandom failed: {}",
-                    std::io::Error::last_os_error()
-                );
+                tracing::warn!("entropy port: getrandom failed: {e}");
             }
             self.failures += 1;
         }

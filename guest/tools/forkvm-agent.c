@@ -1,12 +1,17 @@
 /*
  * forkvm-agent: runs commands the host sends over virtio-vsock (docs/guest-abi.md).
  *
- *   forkvm-agent [--background] [PORT]
+ *   forkvm-agent [--background] [--no-adopt] [PORT]
  *                           listen on vsock port PORT (default 1024), one process per
  *                           connection; prints "forkvm-agent: listening on port PORT".
  *                           With --background it returns once listening and serves from
  *                           a child (init uses it: see docs/guest-kernel.md on why the
  *                           guest's command must not start while the agent starts).
+ *
+ * In a new clone (the identity block's generation changed since the agent last looked),
+ * the agent runs `forkvm-clone --adopt` before serving the connection: reseed the RNG,
+ * sync the clock, take the clone's network identity. --no-adopt leaves that to the
+ * host.
  *
  * Protocol, per connection (what `vmm exec` speaks):
  *   host:  "<cmdlen> <stdinlen>\n", then cmdlen bytes of command, stdinlen bytes of input
@@ -17,13 +22,9 @@
  * The connections a clone inherits from its parent are reset at the clone point; the
  * listening socket keeps working, so every clone answers on its own vsock socket.
  */
-#define _GNU_SOURCE
-#include <errno.h>
-#include <fcntl.h>
+#include "forkvm-ports.h"
+
 #include <signal.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -143,13 +144,44 @@ static void serve(int conn)
         write_full(conn, out, outlen);
 }
 
+/* Runs `forkvm-clone --adopt` and waits for it; its output goes to the agent's. */
+static void adopt(void)
+{
+    /* Handlers are reaped automatically (SIGCHLD ignored); this child's status is
+     * wanted, so reaping is manual until it is done. */
+    signal(SIGCHLD, SIG_DFL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl("/usr/bin/forkvm-clone", "forkvm-clone", "--adopt", (char *)NULL);
+        _exit(255);
+    }
+    int st = 0;
+    while (pid > 0 && waitpid(pid, &st, 0) < 0 && errno == EINTR)
+        ;
+    signal(SIGCHLD, SIG_IGN);
+    /* Handlers that ended meanwhile. */
+    while (waitpid(-1, NULL, WNOHANG) > 0)
+        ;
+    if (pid < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
+        fprintf(stderr, "forkvm-agent: forkvm-clone --adopt failed (status %d)\n",
+                pid < 0 ? -1 : st);
+}
+
 int main(int argc, char **argv)
 {
-    int background = argc > 1 && strcmp(argv[1], "--background") == 0;
-    if (background) {
+    int background = 0, do_adopt = 1;
+    while (argc > 1 && argv[1][0] == '-') {
+        if (strcmp(argv[1], "--background") == 0)
+            background = 1;
+        else if (strcmp(argv[1], "--no-adopt") == 0)
+            do_adopt = 0;
+        else
+            break;
         argc--;
         argv++;
     }
+    int ports = do_adopt ? ports_open() : -1;
+    uint64_t generation = ports >= 0 ? ports_generation(ports) : 0;
     unsigned port = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 0) : 1024;
     int s = socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_vm addr = {
@@ -182,6 +214,13 @@ int main(int argc, char **argv)
             perror("forkvm-agent: accept");
             sleep(1);
             continue;
+        }
+        if (ports >= 0) {
+            uint64_t now = ports_generation(ports);
+            if (now != generation) {
+                adopt();
+                generation = now;
+            }
         }
         pid_t pid = fork();
         if (pid == 0) {

@@ -21,55 +21,39 @@
  *                           shift the guest's wall clock by that much (adjtimex
  *                           ADJ_SETOFFSET, so the slow syscall does not add an error) and
  *                           print the shift; a clone made by the tool does this too
+ *   forkvm-clone --net      give the first Ethernet interface the MAC address, IPv4
+ *                           address and default gateway of the identity block (what the
+ *                           host set for this VM or clone); prints what it set. A clone
+ *                           made by the tool does this too
+ *   forkvm-clone --adopt    what a clone made by the tool does after the clone point:
+ *                           reseed, drain /dev/hwrng, sync the clock, --net (forkvm-agent
+ *                           runs it before its first command in every new clone)
  *
- * Port access: ioperm() and 32-bit port I/O from user mode where the CPU allows it,
- * otherwise /dev/port (byte-wide: clone numbers above 254 then read modulo 256).
- * Needs root (CAP_SYS_RAWIO).
+ * Port access (forkvm-ports.h): ioperm() and 32-bit port I/O from user mode where the
+ * CPU allows it, otherwise /dev/port (byte-wide: clone numbers above 254 then read
+ * modulo 256). Needs root (CAP_SYS_RAWIO).
  */
-#include <errno.h>
-#include <fcntl.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "forkvm-ports.h"
+
+#include <arpa/inet.h>
 #include <linux/random.h>
-#include <sys/io.h>
+#include <net/if.h>
+#include <net/if_arp.h>
+#include <net/route.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <sys/timex.h>
 #include <time.h>
-#include <unistd.h>
 
-#define PROBE_PORT 0xf40
-#define CLONE_PORT 0xf48
-#define DONE_PORT 0xf4c
-#define ENTROPY_PORT 0xf50
-#define IDENTITY_PORT 0xf54
-#define CLOCK_PORT 0xf58
 #define RESEED_BYTES 64
 #define PROBE_MAGIC 0x4d564b46u /* "FKVM" */
 
-static int devport = -1;
-
-static int use_devport(void)
-{
-    if (devport < 0)
-        devport = open("/dev/port", O_RDWR | O_CLOEXEC);
-    return devport;
-}
-
 static int port_access(void)
 {
-    int ioperm_errno = 0;
-    if (getenv("FORKVM_CLONE_DEVPORT") == NULL) {
-        if (ioperm(PROBE_PORT, CLOCK_PORT + 8 - PROBE_PORT, 1) == 0)
-            return 0;
-        ioperm_errno = errno;
-    }
-    if (use_devport() >= 0)
-        return 1;
-    fprintf(stderr, "forkvm-clone: no port access (ioperm: %s; /dev/port: %s)\n",
-            strerror(ioperm_errno), strerror(errno));
-    exit(2);
+    int mode = ports_open();
+    if (mode < 0)
+        exit(2);
+    return mode;
 }
 
 static void out32(int mode, uint16_t port, uint32_t v)
@@ -243,6 +227,159 @@ static int drain_hwrng(void)
     return 0;
 }
 
+static void print_mac(const uint8_t *m)
+{
+    printf("%02x:%02x:%02x:%02x:%02x:%02x", m[0], m[1], m[2], m[3], m[4], m[5]);
+}
+
+static int ifreq_ioctl(int sock, unsigned long req, struct ifreq *ifr, const char *what)
+{
+    if (ioctl(sock, req, ifr) == 0)
+        return 0;
+    fprintf(stderr, "forkvm-clone: %s on %s: %s\n", what, ifr->ifr_name, strerror(errno));
+    return -1;
+}
+
+static void set_sin(struct sockaddr *sa, const uint8_t *addr)
+{
+    struct sockaddr_in *sin = (struct sockaddr_in *)sa;
+    memset(sin, 0, sizeof(*sin));
+    sin->sin_family = AF_INET;
+    memcpy(&sin->sin_addr, addr, 4);
+}
+
+/* The first Ethernet interface's name in ifr->ifr_name; 0, or -1 if there is none. */
+static int first_ethernet(int sock, struct ifreq *ifr)
+{
+    struct if_nameindex *names = if_nameindex();
+    int found = -1;
+    for (struct if_nameindex *n = names; n && n->if_index != 0 && found < 0; n++) {
+        memset(ifr, 0, sizeof(*ifr));
+        snprintf(ifr->ifr_name, IFNAMSIZ, "%s", n->if_name);
+        if (ioctl(sock, SIOCGIFHWADDR, ifr) == 0 && ifr->ifr_hwaddr.sa_family == ARPHRD_ETHER)
+            found = 0;
+    }
+    if (names)
+        if_freenameindex(names);
+    return found;
+}
+
+/*
+ * Applies the identity block's network identity (docs/clone-network.md): MAC, then
+ * address and netmask, then the default route. Returns 0 (also with no card) or -1.
+ */
+static int apply_net(int mode)
+{
+    uint8_t blk[IDENTITY_BLOCK_LEN];
+    if (ports_read(mode, IDENTITY_BLOCK, blk, sizeof(blk)) != 0) {
+        perror("forkvm-clone: reading the identity block");
+        return -1;
+    }
+    const uint8_t *mac = blk + 8, *addr = blk + 16, *gw = blk + 20;
+    unsigned prefix = blk[14];
+    static const uint8_t zero[6];
+    if (memcmp(mac, zero, 6) == 0) {
+        printf("no network card\n");
+        return 0;
+    }
+    int sock = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    if (sock < 0 || first_ethernet(sock, &ifr) != 0) {
+        fprintf(stderr, "forkvm-clone: no Ethernet interface\n");
+        if (sock >= 0)
+            close(sock);
+        return -1;
+    }
+    int rc = 0;
+    if (memcmp(ifr.ifr_hwaddr.sa_data, mac, 6) != 0) {
+        ifr.ifr_hwaddr.sa_family = ARPHRD_ETHER;
+        memcpy(ifr.ifr_hwaddr.sa_data, mac, 6);
+        int set = ioctl(sock, SIOCSIFHWADDR, &ifr);
+        if (set != 0 && errno == EBUSY) {
+            /* A driver without live address change: down, change, up again. */
+            struct ifreq f = ifr;
+            rc |= ifreq_ioctl(sock, SIOCGIFFLAGS, &f, "reading flags");
+            short flags = f.ifr_flags;
+            f.ifr_flags = flags & ~IFF_UP;
+            rc |= ifreq_ioctl(sock, SIOCSIFFLAGS, &f, "taking down");
+            rc |= ifreq_ioctl(sock, SIOCSIFHWADDR, &ifr, "setting the MAC");
+            f.ifr_flags = flags;
+            rc |= ifreq_ioctl(sock, SIOCSIFFLAGS, &f, "bringing up");
+        } else if (set != 0) {
+            fprintf(stderr, "forkvm-clone: setting the MAC on %s: %s\n", ifr.ifr_name,
+                    strerror(errno));
+            rc = -1;
+        }
+    }
+    printf("%s ", ifr.ifr_name);
+    print_mac(mac);
+    if (rc == 0 && prefix > 0 && prefix <= 32) {
+        set_sin(&ifr.ifr_addr, addr);
+        rc |= ifreq_ioctl(sock, SIOCSIFADDR, &ifr, "setting the address");
+        uint32_t mask = htonl(prefix == 32 ? 0xffffffffu : ~(0xffffffffu >> prefix));
+        set_sin(&ifr.ifr_netmask, (const uint8_t *)&mask);
+        rc |= ifreq_ioctl(sock, SIOCSIFNETMASK, &ifr, "setting the netmask");
+        rc |= ifreq_ioctl(sock, SIOCGIFFLAGS, &ifr, "reading flags");
+        ifr.ifr_flags |= IFF_UP;
+        rc |= ifreq_ioctl(sock, SIOCSIFFLAGS, &ifr, "bringing up");
+        printf(" %u.%u.%u.%u/%u", addr[0], addr[1], addr[2], addr[3], prefix);
+    }
+    if (rc == 0 && prefix > 0 && memcmp(gw, zero, 4) != 0) {
+        struct rtentry rt;
+        memset(&rt, 0, sizeof(rt));
+        set_sin(&rt.rt_dst, zero);
+        set_sin(&rt.rt_genmask, zero);
+        set_sin(&rt.rt_gateway, gw);
+        rt.rt_flags = RTF_UP | RTF_GATEWAY;
+        rt.rt_dev = ifr.ifr_name;
+        /* Replace the template's default routes, whatever their gateway. */
+        struct rtentry old = rt;
+        memset(&old.rt_gateway, 0, sizeof(old.rt_gateway));
+        old.rt_flags = RTF_UP;
+        old.rt_dev = NULL;
+        for (int i = 0; i < 16 && ioctl(sock, SIOCDELRT, &old) == 0; i++)
+            ;
+        if (ioctl(sock, SIOCADDRT, &rt) != 0) {
+            fprintf(stderr, "forkvm-clone: adding the default route: %s\n", strerror(errno));
+            rc = -1;
+        }
+        printf(" via %u.%u.%u.%u", gw[0], gw[1], gw[2], gw[3]);
+    }
+    printf("\n");
+    close(sock);
+    return rc;
+}
+
+/* apply_net with what it prints sent to /dev/null (errors still go to stderr). */
+static int apply_net_quietly(int mode)
+{
+    fflush(stdout);
+    int saved = dup(1), null = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (saved >= 0 && null >= 0)
+        dup2(null, 1);
+    int rc = apply_net(mode);
+    fflush(stdout);
+    if (saved >= 0 && null >= 0)
+        dup2(saved, 1);
+    if (saved >= 0)
+        close(saved);
+    if (null >= 0)
+        close(null);
+    return rc;
+}
+
+/* What a clone does after the clone point; 0, or the exit status of the first failure
+ * (3: reseeding, 4: the network identity). */
+static int adopt(int mode, int print_net)
+{
+    if (reseed(mode) != 0 || drain_hwrng() != 0)
+        return 3;
+    int64_t window;
+    sync_clock(mode, &window);
+    int rc = print_net ? apply_net(mode) : apply_net_quietly(mode);
+    return rc == 0 ? 0 : 4;
+}
+
 int main(int argc, char **argv)
 {
     int mode = port_access();
@@ -262,6 +399,10 @@ int main(int argc, char **argv)
     }
     if (argc > 1 && strcmp(argv[1], "--reseed") == 0)
         return reseed(mode) != 0 || drain_hwrng() != 0 ? 3 : 0;
+    if (argc > 1 && strcmp(argv[1], "--net") == 0)
+        return apply_net(mode) == 0 ? 0 : 4;
+    if (argc > 1 && strcmp(argv[1], "--adopt") == 0)
+        return adopt(mode, 1);
     if (argc > 1 && strcmp(argv[1], "--id") == 0) {
         printf("%u\n", in32(mode, IDENTITY_PORT));
         return 0;
@@ -291,11 +432,16 @@ int main(int argc, char **argv)
         printf("failed\n");
         return 1;
     }
-    if (r != 0 && do_reseed && (reseed(mode) != 0 || drain_hwrng() != 0))
-        return 3;
-    if (r != 0) {
+    if (r != 0 && do_reseed) {
+        /* Quietly: the caller reads the clone number from stdout. */
+        int rc = adopt(mode, 0);
+        if (rc != 0)
+            return rc;
+    } else if (r != 0) {
         int64_t window;
         sync_clock(mode, &window);
+        if (apply_net_quietly(mode) != 0)
+            return 4;
     }
     printf("%u\n", r);
     return 0;

@@ -438,9 +438,9 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
         let sock = std::path::PathBuf::from(c["api_sock"].as_str().unwrap());
         let own = format!("{}.vsock", sock.display());
         assert_eq!(c["vsock"], own.as_str(), "{c}");
-        // Its own number, its wall clock (the template's, set from the host at boot, moved
-        // on by the VMM: nothing in the clone set it), and the host can have it reseed its
-        // kernel RNG (no hwrng device here: the drain finds none and succeeds).
+        // Its own number, its wall clock (set by the agent's `forkvm-clone --adopt` before
+        // this first command), and the host can have it reseed its kernel RNG again (no
+        // hwrng device here: the drain finds none and succeeds).
         let cmd = "echo id=$(forkvm-clone --id); echo clock=$(forkvm-clone --clock); \
                    forkvm-clone --reseed && echo reseeded";
         let (code, out, err) = vmm_exec(&sock, &["--", cmd], b"");
@@ -582,6 +582,152 @@ fn linux_clones_get_their_own_tap_and_reach_their_own_host_peer_only() {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+    vm.shutdown(Duration::from_secs(30));
+}
+
+#[test]
+fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
+    // All taps on one bridge (10.78.0.1 on the host side): the template takes the
+    // address --ipv4 gives it with `forkvm-clone --net`; two clones made with POST
+    // /clones and their own addresses take theirs (and their MACs) through the agent
+    // before the first command each runs; then one clone reaches the other and the
+    // host, the host reaches it, and the bridge learned its new MAC on its own tap.
+    if !tests::kvm_and_root_available("linux_clones_net_identity") {
+        return;
+    }
+    let _one = one_guest();
+    let scratch = Scratch::new("linux-netid");
+    let pid = std::process::id();
+    let tap = format!("fki{}", pid % 100_000_000);
+    let ns = tests::Netns::new(&format!("fkvm-test-{pid}-br"));
+    ns.ip(&["link", "add", "br0", "type", "bridge"]);
+    ns.ip(&["addr", "add", "10.78.0.1/24", "dev", "br0"]);
+    ns.ip(&["link", "set", "br0", "up"]);
+    let attach = |dev: &str| {
+        tests::ip(&["link", "set", dev, "netns", &ns.0]);
+        ns.ip(&["link", "set", dev, "master", "br0"]);
+        ns.ip(&["link", "set", dev, "up"]);
+    };
+    let vsock = scratch.path("vm.vsock");
+    let script = "forkvm-clone --net; \
+                  until ping -c1 -W1 10.78.0.1 >/dev/null 2>&1; do sleep 1; done; \
+                  echo net-up; sleep 1000000";
+    let cmdline =
+        format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run=\"{script}\"");
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &path("vmlinux"),
+            "--initrd",
+            &path("initramfs.cpio"),
+            "--mem-mib",
+            "256",
+            "--tap",
+            &tap,
+            "--ipv4",
+            "10.78.0.2/24",
+            "--gateway",
+            "10.78.0.1",
+            "--vsock",
+            vsock.to_str().unwrap(),
+            "--cmdline",
+            &cmdline,
+        ],
+    );
+    tests::wait_link(&tap);
+    attach(&tap);
+    let console = vm.wait_console("net-up", LINUX_BOOT);
+    assert!(
+        console.contains("eth0 06:00:ac:10:00:02 10.78.0.2/24 via 10.78.0.1\n"),
+        "the template did not take its address: {console}"
+    );
+    let (code, _) = vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#));
+    assert_eq!(code, 204);
+    let (code, body) = vm.api(
+        "POST",
+        "/clones",
+        Some(
+            r#"{"count":2,"console":"null","addresses":[
+                {"ipv4":"10.78.0.11/24","gateway":"10.78.0.1"},{"ipv4":"10.78.0.12/24"}]}"#,
+        ),
+    );
+    assert_eq!(code, 201, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let clones = v["clones"].as_array().unwrap().clone();
+    for (c, addr) in clones.iter().zip(["10.78.0.11/24", "10.78.0.12/24"]) {
+        assert_eq!(c["net"]["ipv4"], addr, "{c}");
+        let own = c["net"]["tap"].as_str().unwrap();
+        tests::wait_link(own);
+        attach(own);
+    }
+    let shows_identity = |c: &serde_json::Value, out: &str| {
+        let mac = c["net"]["mac"].as_str().unwrap();
+        let addr = c["net"]["ipv4"].as_str().unwrap();
+        assert!(
+            out.starts_with(&format!("{mac}\n")),
+            "clone {} kept another MAC: {out}",
+            c["id"]
+        );
+        assert!(
+            out.contains(&format!("inet {addr} ")),
+            "clone {} has no {addr}: {out}",
+            c["id"]
+        );
+    };
+    let sock = |c: &serde_json::Value| std::path::PathBuf::from(c["api_sock"].as_str().unwrap());
+    let show = "cat /sys/class/net/eth0/address; ip addr show dev eth0";
+    let (code, out, err) = vmm_exec(&sock(&clones[1]), &["--", show], b"");
+    assert_eq!(code, Some(0), "{out}{err}");
+    shows_identity(&clones[1], &out);
+    let cmd = format!(
+        "{show}; ip route; ping -c1 -W5 10.78.0.12 >/dev/null && echo peer-ok; \
+         ping -c1 -W5 10.78.0.1 >/dev/null && echo host-ok"
+    );
+    let (code, out, err) = vmm_exec(&sock(&clones[0]), &["--", &cmd], b"");
+    assert_eq!(code, Some(0), "{out}{err}");
+    shows_identity(&clones[0], &out);
+    assert!(out.contains("default via 10.78.0.1 "), "{out}");
+    assert!(
+        out.contains("peer-ok\nhost-ok\n"),
+        "clone 1 did not reach clone 2 and the host: {out}"
+    );
+    // The host answered clone 1's ping: its neighbour table has clone 1's address at
+    // clone 1's own MAC.
+    let (mac, own) = (
+        clones[0]["net"]["mac"].as_str().unwrap(),
+        clones[0]["net"]["tap"].as_str().unwrap(),
+    );
+    let neigh = std::process::Command::new("ip")
+        .args(["-n", &ns.0, "neigh", "show", "10.78.0.11"])
+        .output()
+        .unwrap();
+    let neigh = String::from_utf8_lossy(&neigh.stdout);
+    assert!(
+        neigh.contains(&format!("lladdr {mac} ")),
+        "the host knows 10.78.0.11 at another MAC: {neigh}"
+    );
+    let fdb = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns.0, "bridge", "fdb", "show", "br", "br0"])
+        .output()
+        .unwrap();
+    let fdb = String::from_utf8_lossy(&fdb.stdout);
+    let (mac, own) = (
+        clones[0]["net"]["mac"].as_str().unwrap(),
+        clones[0]["net"]["tap"].as_str().unwrap(),
+    );
+    assert!(
+        fdb.lines()
+            .any(|l| l.starts_with(&format!("{mac} dev {own} "))),
+        "the bridge did not learn clone 1's MAC on its tap: {fdb}"
+    );
+    for c in &clones {
+        vm.api(
+            "DELETE",
+            &format!("/clones/{}", c["id"].as_str().unwrap()),
+            None,
+        );
     }
     vm.shutdown(Duration::from_secs(30));
 }

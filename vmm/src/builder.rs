@@ -288,7 +288,7 @@ fn prepare_guest(
     let mem_bytes = config.mem_mib << 20;
 
     // 6. Devices.
-    let mut devices = DeviceManager::new(vm, &config.console, config.vcpus, 0, None)?;
+    let mut devices = DeviceManager::new(vm, config, 0, None)?;
     devices.add_virtio_devices(vm, mem, config, None)?;
 
     // 7. Kernel, initrd, command line, boot information, MP table.

@@ -238,6 +238,11 @@ pub struct NetConfig {
     pub mac: MacAddr,
     /// Limit for each direction (None: unlimited).
     pub rate_limit: Option<devices::rate_limiter::RateLimit>,
+    /// The address the guest should give the card (identity block; applied by
+    /// `forkvm-clone --net`).
+    pub ipv4: Option<Ipv4Cidr>,
+    /// The default gateway the guest should use (identity block).
+    pub gateway: Option<std::net::Ipv4Addr>,
 }
 
 impl NetConfig {
@@ -256,13 +261,82 @@ impl NetConfig {
         MacAddr([m[0], m[1], m[2], p[1], p[2], p[3]])
     }
 
-    /// This configuration as the clone with process id `pid` uses it.
-    pub fn for_clone(&self, pid: i32) -> Self {
+    /// This configuration as the clone with process id `pid` uses it, with the
+    /// addresses its request gave (the template's otherwise).
+    pub fn for_clone(&self, pid: i32, addresses: Option<&CloneAddresses>) -> Self {
         Self {
             tap: Self::clone_tap(pid),
             mac: self.clone_mac(pid),
             rate_limit: self.rate_limit,
+            ipv4: addresses.map_or(self.ipv4, |a| Some(a.ipv4)),
+            gateway: addresses.map_or(self.gateway, |a| a.gateway),
         }
+    }
+
+    /// What the identity block tells the guest about this card.
+    pub fn identity(&self) -> devices::identity::NetIdentity {
+        devices::identity::NetIdentity {
+            mac: self.mac.0,
+            ipv4: self.ipv4.map(|c| (c.addr, c.prefix)),
+            gateway: self.gateway,
+        }
+    }
+}
+
+/// A clone's own guest addresses (`POST /clones` `net`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CloneAddresses {
+    /// Its address and prefix length.
+    pub ipv4: Ipv4Cidr,
+    /// Its default gateway (None: none).
+    pub gateway: Option<std::net::Ipv4Addr>,
+}
+
+/// An IPv4 address with a prefix length, written `10.0.0.5/24`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ipv4Cidr {
+    /// The address.
+    pub addr: std::net::Ipv4Addr,
+    /// The prefix length, 1 to 32.
+    pub prefix: u8,
+}
+
+/// An IPv4 address with prefix that does not parse.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid address {0:?}: expected an IPv4 address and a prefix length of 1 to 32, like 10.0.0.5/24")]
+pub struct CidrError(pub String);
+
+impl std::str::FromStr for Ipv4Cidr {
+    type Err = CidrError;
+    fn from_str(s: &str) -> Result<Self, CidrError> {
+        let bad = || CidrError(s.to_string());
+        let (addr, prefix) = s.split_once('/').ok_or_else(bad)?;
+        let addr = addr.parse().map_err(|_| bad())?;
+        let prefix = prefix.parse().ok().filter(|p| (1..=32).contains(p));
+        Ok(Self {
+            addr,
+            prefix: prefix.ok_or_else(bad)?,
+        })
+    }
+}
+
+impl std::fmt::Display for Ipv4Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+impl serde::Serialize for Ipv4Cidr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Ipv4Cidr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -555,12 +629,43 @@ mod tests {
             tap: "tap0".into(),
             mac,
             rate_limit: None,
+            ipv4: Some("10.0.0.2/24".parse().unwrap()),
+            gateway: None,
         };
-        let a = net.for_clone(4_194_303);
+        let a = net.for_clone(4_194_303, None);
+        assert_eq!((a.ipv4, a.gateway), (net.ipv4, None));
+        let own = CloneAddresses {
+            ipv4: "10.0.0.9/24".parse().unwrap(),
+            gateway: Some("10.0.0.1".parse().unwrap()),
+        };
+        let b = net.for_clone(7, Some(&own));
+        assert_eq!((b.ipv4, b.gateway), (Some(own.ipv4), own.gateway));
+        assert_eq!(b.identity().ipv4, Some(("10.0.0.9".parse().unwrap(), 24)));
         assert_eq!(a.tap, "fkvm4194303");
         assert!(devices::virtio::net::valid_ifname(&a.tap));
         assert_eq!(a.mac.to_string(), "06:00:ac:3f:ff:ff");
         assert_ne!(net.clone_mac(1234), net.clone_mac(1235));
+    }
+
+    #[test]
+    fn ipv4_prefixes_parse_and_print() {
+        let c: Ipv4Cidr = "10.1.2.3/8".parse().unwrap();
+        assert_eq!((c.addr.octets(), c.prefix), ([10, 1, 2, 3], 8));
+        assert_eq!(c.to_string(), "10.1.2.3/8");
+        for bad in [
+            "10.1.2.3",
+            "10.1.2.3/0",
+            "10.1.2.3/33",
+            "10.1.2/8",
+            "x/8",
+            "/8",
+        ] {
+            assert_eq!(bad.parse::<Ipv4Cidr>(), Err(CidrError(bad.into())), "{bad}");
+        }
+        let json: CloneAddresses =
+            serde_json::from_str(r#"{"ipv4": "10.0.0.5/24", "gateway": "10.0.0.1"}"#).unwrap();
+        assert_eq!(json.ipv4.to_string(), "10.0.0.5/24");
+        assert!(serde_json::from_str::<CloneAddresses>(r#"{"ipv4": "10.0.0.5"}"#).is_err());
     }
 
     #[test]

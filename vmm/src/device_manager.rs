@@ -11,7 +11,10 @@ use vmm_sys_util::eventfd::EventFd;
 
 use devices::clock::{ClockPort, CLOCK_BASE, CLOCK_LEN};
 use devices::entropy::{EntropyPort, ENTROPY_BASE, ENTROPY_LEN};
-use devices::identity::{IdentityPort, IDENTITY_BASE, IDENTITY_LEN};
+use devices::identity::{
+    IdentityBlock, IdentityPort, IDENTITY_BASE, IDENTITY_BLOCK_BASE, IDENTITY_BLOCK_LEN,
+    IDENTITY_LEN,
+};
 use devices::legacy::{
     SerialConsole, SerialConsoleState, SerialRestoreError, COM1_BASE, COM1_GSI, COM1_LEN, I8042,
 };
@@ -30,7 +33,7 @@ use devices::{Bus, BusError};
 
 use crate::arch::x86_64::layout::{VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START};
 use crate::arch::x86_64::mptable::IOAPIC_PINS;
-use crate::config::{ConsoleSink, DiskConfig, VmConfig};
+use crate::config::{ConsoleSink, DiskConfig, NetConfig, VmConfig};
 
 /// First GSI (IOAPIC pin) for virtio-mmio devices; 0-4 are the PIT, keyboard, cascade,
 /// and the serial ports.
@@ -163,16 +166,17 @@ fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceErr
 }
 
 impl DeviceManager {
-    /// Creates the legacy devices (serial, i8042, the probe, entropy and identity ports)
-    /// for a VM with `vcpus` vCPUs whose clone sequence number is `clone_seq` (0 for an
-    /// original VM); with `serial_state`, the console continues from it (a clone).
+    /// Creates the legacy devices (serial, i8042, the probe, entropy, identity and
+    /// clock ports, the identity block) for a VM configured by `config` whose clone
+    /// sequence number is `clone_seq` (0 for an original VM); with `serial_state`, the
+    /// console continues from it (a clone).
     pub fn new(
         vm: &VmFd,
-        console: &ConsoleSink,
-        vcpus: u8,
+        config: &VmConfig,
         clone_seq: u32,
         serial_state: Option<&SerialConsoleState>,
     ) -> Result<Self, DeviceError> {
+        let (console, vcpus) = (&config.console, config.vcpus);
         let mut pio = Bus::new();
 
         let serial_irq = EventFdTrigger::new().map_err(DeviceError::EventFd)?;
@@ -214,6 +218,12 @@ impl DeviceManager {
             Arc::new(Mutex::new(ClockPort::new())),
             CLOCK_BASE,
             CLOCK_LEN,
+        )?;
+        let net = config.net.as_ref().map(NetConfig::identity);
+        pio.insert(
+            Arc::new(Mutex::new(IdentityBlock::new(net.as_ref()))),
+            IDENTITY_BLOCK_BASE,
+            IDENTITY_BLOCK_LEN,
         )?;
 
         Ok(Self {

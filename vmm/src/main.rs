@@ -139,6 +139,14 @@ struct RunArgs {
     /// Rate limit for each direction of the card (same syntax as --rng-rate-limit).
     #[arg(long, requires = "tap")]
     net_rate_limit: Option<devices::rate_limiter::RateLimit>,
+    /// The guest's address for the card, ADDR/PREFIX, told to the guest through the
+    /// identity block (forkvm-clone --net applies it; clones get theirs from POST
+    /// /clones or keep this one).
+    #[arg(long, requires = "tap")]
+    ipv4: Option<vmm::config::Ipv4Cidr>,
+    /// The guest's default gateway, told to the guest as --ipv4 is.
+    #[arg(long, requires = "ipv4")]
+    gateway: Option<std::net::Ipv4Addr>,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 128)]
     mem_mib: u64,
@@ -355,6 +363,8 @@ fn main() -> ExitCode {
                     tap,
                     mac: a.mac,
                     rate_limit: a.net_rate_limit,
+                    ipv4: a.ipv4,
+                    gateway: a.gateway,
                 }),
                 mem_mib: a.mem_mib,
                 vcpus: a.vcpus,

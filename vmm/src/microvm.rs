@@ -263,14 +263,18 @@ impl Microvm {
                 console,
                 resource_class,
                 rate_limits,
+                addresses,
             } => {
                 let made = self.make_clones(
                     count,
                     received_ns,
                     None,
-                    console,
-                    resource_class.as_deref(),
-                    &rate_limits,
+                    &crate::cloning::CloneOptions {
+                        console,
+                        class: resource_class.as_deref(),
+                        rate_limits: &rate_limits,
+                        addresses: &addresses,
+                    },
                 );
                 match made {
                     Ok(made) => (
@@ -286,6 +290,7 @@ impl Microvm {
                             CloneError::Count(_)
                             | CloneError::PathTooLong(_)
                             | CloneError::RateLimit(_)
+                            | CloneError::NoCard
                             | CloneError::Cgroup(P::UnknownClass { .. } | P::NoPools(_)) => 400,
                             CloneError::State(_) | CloneError::TooMany { .. } => 409,
                             CloneError::Cgroup(P::Pool(jailer::cgroup::PoolError::Exhausted {

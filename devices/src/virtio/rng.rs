@@ -10,6 +10,7 @@ use vm_memory::GuestMemoryMmap;
 use super::worker::QueueHandler;
 use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::rate_limiter::{RateLimit, RateLimiter};
+use crate::util::host_random;
 
 /// virtio device id of an entropy source.
 pub const TYPE_RNG: u32 = 4;
@@ -82,25 +83,6 @@ struct RngWorker {
     queue: Queue,
     interrupt: Arc<VirtioInterrupt>,
     limiter: Option<RateLimiter>,
-}
-
-/// Fills `buf` from the host's getrandom.
-fn host_random(buf: &mut [u8]) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        let rest = &mut buf[done..];
-        // SAFETY: `rest` is valid for writes of its length.
-        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        } else {
-            done += n as usize;
-        }
-    }
-    Ok(())
 }
 
 impl RngWorker {

@@ -33,6 +33,8 @@ pub enum ApiRequest {
         resource_class: Option<String>,
         /// Rate limits replacing the template's for these clones' devices.
         rate_limits: Box<crate::config::DeviceRateLimits>,
+        /// Each clone's guest addresses, in order (empty: the template's).
+        addresses: Vec<crate::config::CloneAddresses>,
     },
     /// `GET /clones`
     ListClones,
@@ -79,6 +81,8 @@ struct CreateClones {
     resource_class: Option<String>,
     #[serde(default)]
     rate_limits: RateLimitSpecs,
+    #[serde(default)]
+    addresses: Vec<crate::config::CloneAddresses>,
 }
 
 /// `rate_limits` in `POST /clones`: limit texts as on the command line.
@@ -182,16 +186,28 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                     console: CloneConsole::File,
                     resource_class: None,
                     rate_limits: RateLimitSpecs::default(),
+                    addresses: Vec::new(),
                 }
             } else {
                 parse_json::<CreateClones>(&req.body)?
             };
+            if !body.addresses.is_empty() && body.addresses.len() as u64 != body.count {
+                return Err(ApiReply::error(
+                    400,
+                    format!(
+                        "{} addresses for {} clones: give one per clone or none",
+                        body.addresses.len(),
+                        body.count
+                    ),
+                ));
+            }
             Ok(ApiRequest::CreateClones {
                 count: body.count,
                 received_ns,
                 console: body.console,
                 resource_class: body.resource_class,
                 rate_limits: Box::new(body.rate_limits.parse()?),
+                addresses: body.addresses,
             })
         }
         ("GET", "/clones") => Ok(ApiRequest::ListClones),
@@ -264,7 +280,19 @@ mod tests {
                     && l.rng == Some("ops=5".parse().unwrap())
                     && l.disk.is_none()
         ));
+        assert!(matches!(
+            route(&req(
+                "POST",
+                "/clones",
+                r#"{"count":2,"addresses":[{"ipv4":"10.0.0.5/24"},{"ipv4":"10.0.0.6/24","gateway":"10.0.0.1"}]}"#
+            )),
+            Ok(ApiRequest::CreateClones { addresses: a, .. })
+                if a.len() == 2 && a[1].gateway == Some("10.0.0.1".parse().unwrap())
+        ));
         for bad in [
+            r#"{"count":2,"addresses":[{"ipv4":"10.0.0.5/24"}]}"#,
+            r#"{"addresses":[{"ipv4":"10.0.0.5"}]}"#,
+            r#"{"addresses":[{"ipv4":"10.0.0.5/24","mac":"x"}]}"#,
             r#"{"rate_limits":{"net":"bytes=0"}}"#,
             r#"{"rate_limits":{"net":"fast"}}"#,
             r#"{"rate_limits":{"gpu":"bytes=1K"}}"#,

@@ -53,6 +53,9 @@ pub(crate) struct Identity {
     /// Rate limits replacing the template's (checked against its devices).
     #[serde(default)]
     pub rate_limits: crate::config::DeviceRateLimits,
+    /// Its own guest addresses (None: its template's).
+    #[serde(default)]
+    pub addresses: Option<crate::config::CloneAddresses>,
     /// The vCPU that read the clone port, and the value it reads in this clone.
     pub guest_result: Option<(u8, u64)>,
     /// The cgroup it moves itself into before running guest code.
@@ -308,7 +311,10 @@ fn run_clone(
         .apply_rate_limits(&identity.rate_limits)
         .map_err(|e| ChildError::Go(e.to_string()))?;
     // Its own tap and MAC (the tap is created here; it goes when the clone exits).
-    config.net = config.net.map(|n| n.for_clone(std::process::id() as i32));
+    let pid = std::process::id() as i32;
+    config.net = config
+        .net
+        .map(|n| n.for_clone(pid, identity.addresses.as_ref()));
     // The guest reads the last part of its id ("2.1" -> 1) from the identity port.
     let seq = identity
         .id
@@ -316,14 +322,8 @@ fn run_clone(
         .next()
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
-    let mut devices = DeviceManager::new(
-        &prepared.vm,
-        &config.console,
-        config.vcpus,
-        seq,
-        Some(&state.devices.serial),
-    )
-    .map_err(BuildError::from)?;
+    let mut devices = DeviceManager::new(&prepared.vm, &config, seq, Some(&state.devices.serial))
+        .map_err(BuildError::from)?;
     devices
         .add_virtio_devices(
             &prepared.vm,

@@ -87,9 +87,26 @@ pub enum CloneError {
     /// A per-clone rate limit names a device the VM does not have.
     #[error(transparent)]
     RateLimit(crate::config::NoSuchDevice),
+    /// Addresses for clones of a VM without a network card.
+    #[error("addresses given for clones of a VM without a network card")]
+    NoCard,
     /// No cgroup for the clone.
     #[error(transparent)]
     Cgroup(#[from] PlacementError),
+}
+
+/// How to make clones, beyond how many.
+#[derive(Debug, Clone, Copy)]
+pub struct CloneOptions<'a> {
+    /// Where the clones' consoles go.
+    pub console: CloneConsole,
+    /// The resource class whose pooled cgroups the clones go in (None: the first
+    /// class, when the VMM has cgroup pools).
+    pub class: Option<&'a str>,
+    /// Limits replacing the template's for the clones' devices.
+    pub rate_limits: &'a crate::config::DeviceRateLimits,
+    /// Each clone's guest addresses, in order (empty: the template's).
+    pub addresses: &'a [crate::config::CloneAddresses],
 }
 
 /// What became of a clone.
@@ -146,8 +163,14 @@ pub struct CloneInfo {
 pub struct CloneNet {
     /// The tap the clone created (`fkvm<pid>`); it disappears when the clone exits.
     pub tap: String,
-    /// The MAC address in the clone's device configuration.
+    /// The MAC address in the clone's device configuration and identity block.
     pub mac: crate::config::MacAddr,
+    /// The address its identity block gives the guest.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipv4: Option<crate::config::Ipv4Cidr>,
+    /// The gateway its identity block gives the guest.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<std::net::Ipv4Addr>,
 }
 
 impl CloneInfo {
@@ -158,6 +181,7 @@ impl CloneInfo {
         cgroup: Option<CloneCgroup>,
         net: Option<&crate::config::NetConfig>,
     ) -> Self {
+        let net = net.map(|n| n.for_clone(pid, identity.addresses.as_ref()));
         Self {
             id: identity.id,
             pid,
@@ -165,8 +189,10 @@ impl CloneInfo {
             console: identity.console,
             vsock: identity.vsock,
             net: net.map(|n| CloneNet {
-                tap: crate::config::NetConfig::clone_tap(pid),
-                mac: n.clone_mac(pid),
+                tap: n.tap,
+                mac: n.mac,
+                ipv4: n.ipv4,
+                gateway: n.gateway,
             }),
             latency_us: None,
             status: CloneStatus::Failed,
@@ -347,9 +373,12 @@ impl Microvm {
             u64::from(count),
             requested,
             Some(vcpu),
-            CloneConsole::File,
-            None,
-            &Default::default(),
+            &CloneOptions {
+                console: CloneConsole::File,
+                class: None,
+                rate_limits: &Default::default(),
+                addresses: &[],
+            },
         );
         match made {
             Ok(made) => tracing::info!(
@@ -383,19 +412,24 @@ impl Microvm {
     /// Makes `count` clones. `requested_ns` is when the request reached the VMM
     /// (CLOCK_MONOTONIC), for the latency figures. `requester` is the parked vCPU of a
     /// guest request: each clone's copy of it reads the clone's sequence number, the
-    /// parent's reads 0, or [`CLONE_FAILED`]. `console` says where the clones' consoles
-    /// go. `class` names the resource class whose pooled cgroups the clones go in (None:
-    /// the first class, when the VMM has cgroup pools).
+    /// parent's reads 0, or [`CLONE_FAILED`].
     pub fn make_clones(
         &mut self,
         count: u64,
         requested_ns: u64,
         requester: Option<u8>,
-        console: CloneConsole,
-        class: Option<&str>,
-        rate_limits: &crate::config::DeviceRateLimits,
+        options: &CloneOptions<'_>,
     ) -> Result<Vec<CloneInfo>, CloneError> {
+        let CloneOptions {
+            console,
+            class,
+            rate_limits,
+            addresses,
+        } = *options;
         let checked = self.check_clone_request(count).and_then(|()| {
+            if !addresses.is_empty() && self.config.net.is_none() {
+                return Err(CloneError::NoCard);
+            }
             self.config
                 .clone()
                 .apply_rate_limits(rate_limits)
@@ -435,6 +469,7 @@ impl Microvm {
                 console,
                 vsock,
                 rate_limits: *rate_limits,
+                addresses: addresses.get(n as usize).copied(),
                 guest_result: requester.map(|v| (v, u64::from(seq))),
                 cgroup: None,
             });

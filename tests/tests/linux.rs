@@ -713,10 +713,6 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
         .output()
         .unwrap();
     let fdb = String::from_utf8_lossy(&fdb.stdout);
-    let (mac, own) = (
-        clones[0]["net"]["mac"].as_str().unwrap(),
-        clones[0]["net"]["tap"].as_str().unwrap(),
-    );
     assert!(
         fdb.lines()
             .any(|l| l.starts_with(&format!("{mac} dev {own} "))),
@@ -1041,4 +1037,93 @@ fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched(
         std::fs::read(&base).unwrap() == pattern,
         "the base was written"
     );
+}
+
+/// A tmpfs mounted for one test, unmounted on drop.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: std::path::PathBuf, size: &str) -> Self {
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "mount tmpfs: {out:?}");
+        Self(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).output();
+    }
+}
+
+#[test]
+fn linux_a_full_overlay_file_system_fails_writes_and_clones_cleanly() {
+    // The writable disk's overlays live on a 2 MiB tmpfs. The guest writes 8 MiB: the
+    // write fails with an I/O error once the tmpfs is full; overwriting what it did
+    // write still works and reads back; asking for a clone fails (the clone's copy of
+    // the overlay has no room) with a clear error; the VMM keeps running throughout.
+    if !tests::kvm_and_root_available("linux_full_overlay") {
+        return;
+    }
+    let _one = one_guest();
+    let scratch = Scratch::new("linux-full");
+    let image = scratch.path("disk.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    let cow = Tmpfs::mount(scratch.path("cow"), "2m");
+    let script = "forkvm-diskcheck write /dev/vda 0 8 big; echo big=$?; \
+                  forkvm-diskcheck write /dev/vda 0 1 small; echo small=$?; \
+                  echo check=$(forkvm-diskcheck check /dev/vda 0 1 small); \
+                  echo clone=$(forkvm-clone 1); echo done; sleep 1000000";
+    let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &path("vmlinux"),
+            "--initrd",
+            &path("initramfs.cpio"),
+            "--rootfs",
+            &image.display().to_string(),
+            "--rootfs-cow",
+            &cow.0.display().to_string(),
+            "--mem-mib",
+            "256",
+            "--cmdline",
+            &cmdline,
+        ],
+    );
+    let console = vm.wait_console("\ndone", LINUX_BOOT);
+    assert!(
+        value_after(&console, "big=").is_some_and(|v| v != "0"),
+        "8 MiB fit in a 2 MiB overlay file system? {console}"
+    );
+    assert_eq!(value_after(&console, "small="), Some("0"), "{console}");
+    assert_eq!(value_after(&console, "check="), Some("ok"), "{console}");
+    assert_eq!(value_after(&console, "clone="), Some("failed"), "{console}");
+    let (code, body) = vm.api("GET", "/vm", None);
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"state\":\"running\""), "{body}");
+    let (_, body) = vm.api("GET", "/clones", None);
+    assert!(!body.contains("\"running\""), "a clone runs: {body}");
+    let log = vm.stderr_text();
+    assert!(
+        log.contains("a write to the overlay failed") && log.contains("No space left on device"),
+        "no warning about the failed write: {log}"
+    );
+    assert!(
+        log.contains("cannot copy the disk overlay for a clone"),
+        "no clear error for the clone: {log}"
+    );
+    vm.shutdown(Duration::from_secs(30));
+    drop(cow);
+    let data = std::fs::read(&image).unwrap();
+    assert!(data.iter().all(|b| *b == 0), "the image was written");
 }

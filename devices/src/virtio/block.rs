@@ -196,6 +196,7 @@ impl VirtioDevice for Block {
             queue,
             interrupt,
             limiter,
+            write_failures: std::cell::Cell::new(0),
         })))
     }
 }
@@ -209,6 +210,9 @@ struct Worker {
     queue: Queue,
     interrupt: Arc<VirtioInterrupt>,
     limiter: Option<RateLimiter>,
+    /// Writes that failed in the host (a full overlay file system): the first is
+    /// logged as a warning, the rest at debug level.
+    write_failures: std::cell::Cell<u64>,
 }
 
 impl super::LimitedQueue for Worker {
@@ -327,9 +331,21 @@ impl Worker {
                     return VIRTIO_BLK_S_IOERR;
                 }
                 let mut buf = vec![0u8; len];
-                ok(reader
+                let written = reader
                     .read_exact(&mut buf)
-                    .and_then(|()| lock(o).write_at(&self.file, &buf, hdr.sector * SECTOR_SIZE)))
+                    .and_then(|()| lock(o).write_at(&self.file, &buf, hdr.sector * SECTOR_SIZE));
+                if let Err(e) = &written {
+                    let n = self.write_failures.get() + 1;
+                    self.write_failures.set(n);
+                    if n == 1 {
+                        tracing::warn!(
+                            "virtio-blk {}: a write to the overlay failed, the guest gets an \
+                             I/O error: {e} (further failures are logged at debug level)",
+                            String::from_utf8_lossy(&self.id).trim_end_matches('\0')
+                        );
+                    }
+                }
+                ok(written)
             }
             // Flushes make the overlay's writes durable (a read-only disk has none).
             VIRTIO_BLK_T_FLUSH => match &self.overlay {
@@ -427,6 +443,7 @@ mod tests {
             queue,
             interrupt: Arc::new(VirtioInterrupt::new(rig.irq.try_clone().unwrap())),
             limiter: None,
+            write_failures: Default::default(),
         };
         w.process_queue();
         assert_eq!(w.interrupt.status() & 1, 1, "used-buffer interrupt raised");
@@ -468,6 +485,7 @@ mod tests {
             queue: vq.create_queue().unwrap(),
             interrupt: Arc::new(VirtioInterrupt::new(rig.irq.try_clone().unwrap())),
             limiter: Some(RateLimiter::new(&"bytes=2K/50".parse().unwrap()).unwrap()),
+            write_failures: Default::default(),
         };
         w.process_queue();
         assert_eq!(vq.used().idx().load(), 2, "2 KiB at once, then blocked");

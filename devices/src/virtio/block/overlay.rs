@@ -298,6 +298,27 @@ mod tests {
     }
 
     #[test]
+    fn a_write_the_host_refuses_fails_and_leaves_the_blocks_to_the_base() {
+        let b = base(16 * 1024);
+        let mut o = Overlay::create(&dir(), 16 * 1024).unwrap();
+        o.write_at(&b.1, &[7; 4096], 0).unwrap();
+        // A full file system: /dev/full refuses every write with ENOSPC.
+        o.file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        for (at, len) in [(4096, 4096), (8192 + 100, 10)] {
+            let e = o.write_at(&b.1, &vec![9; len], at).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+        }
+        assert_eq!(o.blocks_present(), 1, "failed writes mark no block");
+        let mut x = vec![0u8; 4096];
+        o.read_at(&b.1, &mut x, 8192).unwrap();
+        assert_eq!(x[..512], [16u8; 512], "block 2 still from the base");
+    }
+
+    #[test]
     fn an_overlay_directory_that_cannot_hold_one_is_a_clear_error() {
         let e = Overlay::create(Path::new("/nonexistent/overlays"), 4096).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/overlays"), "{e}");

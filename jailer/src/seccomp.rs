@@ -211,6 +211,7 @@ const VMM: &[i64] = &[
     libc::SYS_mkdir,
     libc::SYS_rmdir,
     libc::SYS_unlink,
+    libc::SYS_linkat,
     libc::SYS_ftruncate,
     libc::SYS_fsync,
     libc::SYS_fdatasync,

@@ -870,7 +870,8 @@ fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched(
     // way in this host's slow guest kernel); each also writes 1 MiB of its own to vdb
     // after the clone point, reads the base and fails to write it. Each must read its
     // own data and the template's earlier write; the images must stay as they were
-    // (all zeros, the base's pattern); the overlays must never be visible files.
+    // (all zeros, the base's pattern); vda's overlays must never be visible files, and
+    // vdb's (`keep`) must be kept by each VM that ends, not by one killed with SIGKILL.
     if !kvm_available("linux_clones_cow_disk") {
         return;
     }
@@ -917,7 +918,7 @@ fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched(
             "--rootfs-cow",
             &cow.display().to_string(),
             "--disk",
-            &format!("{},cow={}", second.display(), cow.display()),
+            &format!("{},cow={},keep", second.display(), cow.display()),
             "--disk",
             &base.display().to_string(),
             "--mem-mib",
@@ -1022,12 +1023,52 @@ fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched(
         assert!(start.elapsed() < Duration::from_secs(60), "{body}");
         std::thread::sleep(Duration::from_millis(200));
     }
+    // Only vdb keeps its overlay, and not after SIGKILL: clone 1 (which powered off)
+    // has kept its own; the template keeps its own once it ends.
+    let kept = |pid: i64| {
+        let path = cow.join(format!("fkvm{pid}-disk1.overlay"));
+        let data = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let blocks = std::fs::read(path.with_extension("blocks")).unwrap();
+        (data, blocks)
+    };
+    let names = |dir: &std::path::Path| {
+        let mut n: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        n.sort();
+        n
+    };
+    let one = clones.iter().find(|c| c["id"] == "1").unwrap();
+    let one_pid = one["pid"].as_i64().unwrap();
     assert_eq!(
-        std::fs::read_dir(&cow).unwrap().count(),
-        0,
-        "overlays are anonymous files"
+        names(&cow),
+        [
+            format!("fkvm{one_pid}-disk1.blocks"),
+            format!("fkvm{one_pid}-disk1.overlay")
+        ]
+    );
+    let pattern_of =
+        |text: &str| -> Vec<u8> { format!("{text}\n").bytes().cycle().take(1 << 20).collect() };
+    let (data, blocks) = kept(one_pid);
+    assert_eq!(data.len(), 8 << 20);
+    assert!(
+        data[..1 << 20] == pattern_of("second-1"),
+        "clone 1's kept overlay"
+    );
+    assert_eq!(blocks.len(), 2048 / 8, "one bit per block of 8 MiB");
+    assert!(
+        blocks[..32].iter().all(|b| *b == 0xff) && blocks[32..].iter().all(|b| *b == 0),
+        "clone 1 wrote its first MiB and nothing else: {blocks:?}"
     );
     vm.shutdown(Duration::from_secs(30));
+    let template_pid = vm.child.id() as i64;
+    assert_eq!(names(&cow).len(), 4, "{:?}", names(&cow));
+    let (data, _) = kept(template_pid);
+    assert!(
+        data[..1 << 20] == pattern_of("second-0"),
+        "the template's kept overlay"
+    );
     let data = std::fs::read(&image).unwrap();
     assert_eq!(data.len() as u64, size);
     assert!(data.iter().all(|b| *b == 0), "the image was written");

@@ -96,7 +96,7 @@ pub struct RngConfig {
     pub rate_limit: Option<devices::rate_limiter::RateLimit>,
 }
 
-/// A virtio-blk disk: `PATH[,cow=DIR][,bytes=..][,ops=..]` (`--disk`).
+/// A virtio-blk disk: `PATH[,cow=DIR[,keep]][,bytes=..][,ops=..]` (`--disk`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskConfig {
     /// The image: opened read-only once and never written (clones share the open file).
@@ -104,8 +104,32 @@ pub struct DiskConfig {
     /// Makes the disk writable: the guest's writes go to a private copy-on-write
     /// overlay file in this directory (each clone gets a copy of its parent's).
     pub cow_dir: Option<PathBuf>,
+    /// Keep the overlay when the VM ends (not after SIGKILL), as
+    /// [`DiskConfig::kept_path`].
+    pub keep: bool,
     /// Limit for the disk's bytes and requests (None: unlimited).
     pub rate_limit: Option<devices::rate_limiter::RateLimit>,
+}
+
+impl DiskConfig {
+    /// Where disk `index` of the VMM with process id `pid` keeps its overlay when the
+    /// VM ends: `<cow dir>/fkvm<pid>-disk<index>.overlay` (None unless it keeps one).
+    pub fn kept_path(&self, index: usize, pid: i32) -> Option<PathBuf> {
+        let dir = self.cow_dir.as_ref().filter(|_| self.keep)?;
+        Some(dir.join(format!("fkvm{pid}-disk{index}.overlay")))
+    }
+}
+
+/// `disks` with every writable one keeping its overlay or not as `keep` says (None: as
+/// they are).
+pub fn keep_overlays(disks: &[DiskConfig], keep: Option<bool>) -> Vec<DiskConfig> {
+    disks
+        .iter()
+        .map(|d| DiskConfig {
+            keep: keep.filter(|_| d.cow_dir.is_some()).unwrap_or(d.keep),
+            ..d.clone()
+        })
+        .collect()
 }
 
 /// A `--disk` specification that does not parse.
@@ -114,9 +138,9 @@ pub enum DiskSpecError {
     /// No image path before the first comma.
     #[error("disk {0:?}: expected PATH[,cow=DIR][,bytes=SIZE..][,ops=N..]")]
     NoPath(String),
-    /// An option other than `cow=`, `bytes=` and `ops=`, or one given twice.
+    /// An option other than `cow=`, `keep`, `bytes=` and `ops=`, or one given twice.
     #[error(
-        "disk {spec:?}: unknown or repeated option {option:?} (expected cow=DIR, bytes=.., ops=..)"
+        "disk {spec:?}: unknown or repeated option {option:?} (expected cow=DIR, keep, bytes=.., ops=..)"
     )]
     Option {
         /// The whole specification.
@@ -124,6 +148,9 @@ pub enum DiskSpecError {
         /// The option.
         option: String,
     },
+    /// `keep` on a read-only disk.
+    #[error("disk {0:?}: keep needs cow=DIR (a read-only disk has no overlay to keep)")]
+    KeepWithoutCow(String),
     /// The rate limit does not parse.
     #[error("disk {spec:?}: {source}")]
     RateLimit {
@@ -137,15 +164,20 @@ pub enum DiskSpecError {
 impl std::str::FromStr for DiskConfig {
     type Err = DiskSpecError;
 
-    /// `images/base.ext4`, `scratch.img,cow=/var/tmp,bytes=10M,ops=1000` (a path may not
-    /// contain a comma).
+    /// `images/base.ext4`, `scratch.img,cow=/var/tmp,keep,bytes=10M,ops=1000` (a path
+    /// may not contain a comma; `keep` needs `cow=`).
     fn from_str(s: &str) -> Result<Self, DiskSpecError> {
         let mut parts = s.split(',');
         let path = parts.next().filter(|p| !p.is_empty());
         let path = PathBuf::from(path.ok_or_else(|| DiskSpecError::NoPath(s.to_string()))?);
         let mut cow_dir = None;
+        let mut keep = false;
         let mut limit = Vec::new();
         for part in parts {
+            if part == "keep" && !keep {
+                keep = true;
+                continue;
+            }
             match part.split_once('=') {
                 Some(("cow", dir)) if cow_dir.is_none() && !dir.is_empty() => {
                     cow_dir = Some(PathBuf::from(dir));
@@ -158,6 +190,9 @@ impl std::str::FromStr for DiskConfig {
                     })
                 }
             }
+        }
+        if keep && cow_dir.is_none() {
+            return Err(DiskSpecError::KeepWithoutCow(s.to_string()));
         }
         let rate_limit = match limit.is_empty() {
             true => None,
@@ -174,6 +209,7 @@ impl std::str::FromStr for DiskConfig {
         Ok(Self {
             path,
             cow_dir,
+            keep,
             rate_limit,
         })
     }
@@ -705,6 +741,14 @@ mod tests {
             ("a.img".into(), None, None)
         );
         let d: DiskConfig = "/x/b.img,bytes=1M,cow=/tmp,ops=10/100".parse().unwrap();
+        assert!(!d.keep);
+        assert_eq!(d.kept_path(1, 42), None);
+        let k: DiskConfig = "/x/b.img,cow=/tmp,keep".parse().unwrap();
+        assert_eq!(k.kept_path(1, 42), Some("/tmp/fkvm42-disk1.overlay".into()));
+        assert_eq!(
+            "a,keep".parse::<DiskConfig>(),
+            Err(DiskSpecError::KeepWithoutCow("a,keep".into()))
+        );
         assert_eq!(d.path, PathBuf::from("/x/b.img"));
         assert_eq!(d.cow_dir, Some("/tmp".into()));
         assert_eq!(d.rate_limit, Some("bytes=1M,ops=10/100".parse().unwrap()));
@@ -720,6 +764,7 @@ mod tests {
             ("a,ro", "ro"),
             ("a,cow=/t,cow=/u", "cow=/u"),
             ("a,cow=", "cow="),
+            ("a,cow=/t,keep,keep", "keep"),
             ("a,size=1", "size=1"),
         ] {
             assert_eq!(
@@ -747,6 +792,7 @@ mod tests {
         let disk = |cow: Option<&str>| DiskConfig {
             path: exe.clone(),
             cow_dir: cow.map(PathBuf::from),
+            keep: false,
             rate_limit: None,
         };
         let mut c = cfg();

@@ -139,6 +139,8 @@ pub struct DeviceManager {
     disk_fds: Vec<RawFd>,
     /// Each disk's overlay (a writable disk's) or None (a read-only one), in disk order.
     overlays: Vec<Option<Arc<Mutex<Overlay>>>>,
+    /// Where each disk keeps its overlay when the VM ends (None: it does not).
+    kept_paths: Vec<Option<std::path::PathBuf>>,
 }
 
 /// What a clone needs to rebuild its parent's virtio devices.
@@ -237,6 +239,7 @@ impl DeviceManager {
             virtio_info: Vec::new(),
             disk_fds: Vec::new(),
             overlays: Vec::new(),
+            kept_paths: Vec::new(),
         })
     }
 
@@ -275,6 +278,7 @@ impl DeviceManager {
                 "path": disk.path,
                 "read_only": disk.cow_dir.is_none(),
                 "cow_dir": disk.cow_dir,
+                "keep": disk.keep,
                 "rate_limit": disk.rate_limit,
             });
             self.add_virtio(vm, mem, Box::new(block), info, restore)?;
@@ -354,6 +358,8 @@ impl DeviceManager {
             block = block.with_overlay(overlay);
         }
         self.overlays.push(block.overlay());
+        self.kept_paths
+            .push(disk.kept_path(i, std::process::id() as i32));
         self.disk_fds.push(block.file().as_raw_fd());
         Ok(block)
     }
@@ -381,6 +387,27 @@ impl DeviceManager {
             self.resume_virtio();
         }
         states
+    }
+
+    /// For a VM that has ended: parks the device workers and names the overlays of the
+    /// disks configured to keep theirs ([`DiskConfig::kept_path`]). Failures are
+    /// logged; nothing else can be done about them at this point.
+    pub fn keep_overlays(&self) {
+        if self.kept_paths.iter().all(Option::is_none) {
+            return;
+        }
+        if let Err(e) = self.pause_virtio() {
+            tracing::warn!("keeping overlays: a device worker did not park: {e}");
+        }
+        for (overlay, path) in self.overlays.iter().zip(&self.kept_paths) {
+            let (Some(o), Some(path)) = (overlay, path) else {
+                continue;
+            };
+            match o.lock().unwrap_or_else(|p| p.into_inner()).keep(path) {
+                Ok(()) => tracing::info!("kept a disk overlay as {}", path.display()),
+                Err(e) => tracing::error!("{e}"),
+            }
+        }
     }
 
     /// Opens the host sides (tap, vsock socket) of a clone's devices: called once its

@@ -108,9 +108,10 @@ struct RunArgs {
     /// Each clone gets a copy of its parent's overlay.
     #[arg(long, requires = "rootfs", value_name = "DIR")]
     rootfs_cow: Option<PathBuf>,
-    /// Another disk, PATH[,cow=DIR][,bytes=..][,ops=..]: read-only unless cow= names a
-    /// directory for its overlay, limited by bytes=/ops= (as --rng-rate-limit). Repeat
-    /// for more; they follow --rootfs as /dev/vdb, /dev/vdc, ...
+    /// Another disk, PATH[,cow=DIR[,keep]][,bytes=..][,ops=..]: read-only unless cow=
+    /// names a directory for its overlay (kept there as fkvm<pid>-disk<N>.overlay when
+    /// the VM ends, with keep), limited by bytes=/ops= (as --rng-rate-limit). Repeat for
+    /// more; they follow --rootfs as /dev/vdb, /dev/vdc, ...
     #[arg(long, value_name = "SPEC")]
     disk: Vec<vmm::config::DiskConfig>,
     /// Attach a virtio-rng entropy device (/dev/hwrng in the guest), fed from the
@@ -347,6 +348,7 @@ fn main() -> ExitCode {
                     .map(|path| vmm::config::DiskConfig {
                         path,
                         cow_dir: a.rootfs_cow,
+                        keep: false,
                         rate_limit: a.rootfs_rate_limit,
                     })
                     .into_iter()

@@ -264,6 +264,7 @@ impl Microvm {
                 resource_class,
                 rate_limits,
                 addresses,
+                keep_overlays,
             } => {
                 let made = self.make_clones(
                     count,
@@ -274,6 +275,7 @@ impl Microvm {
                         class: resource_class.as_deref(),
                         rate_limits: &rate_limits,
                         addresses: &addresses,
+                        keep_overlays,
                     },
                 );
                 match made {
@@ -291,6 +293,7 @@ impl Microvm {
                             | CloneError::PathTooLong(_)
                             | CloneError::RateLimit(_)
                             | CloneError::NoCard
+                            | CloneError::NoOverlay
                             | CloneError::Cgroup(P::UnknownClass { .. } | P::NoPools(_)) => 400,
                             CloneError::State(_) | CloneError::TooMany { .. } => 409,
                             CloneError::Cgroup(P::Pool(jailer::cgroup::PoolError::Exhausted {
@@ -489,6 +492,7 @@ impl Microvm {
         for v in &mut self.vcpus {
             v.stop();
         }
+        self.devices.keep_overlays();
         // Clones would die with this process anyway (PR_SET_PDEATHSIG); stopping them
         // first lets each remove its socket.
         self.stop_all_clones();

@@ -35,6 +35,8 @@ pub enum ApiRequest {
         rate_limits: Box<crate::config::DeviceRateLimits>,
         /// Each clone's guest addresses, in order (empty: the template's).
         addresses: Vec<crate::config::CloneAddresses>,
+        /// Whether the clones keep their disks' overlays (None: as the template's).
+        keep_overlays: Option<bool>,
     },
     /// `GET /clones`
     ListClones,
@@ -83,6 +85,8 @@ struct CreateClones {
     rate_limits: RateLimitSpecs,
     #[serde(default)]
     addresses: Vec<crate::config::CloneAddresses>,
+    #[serde(default)]
+    keep_overlays: Option<bool>,
 }
 
 /// `rate_limits` in `POST /clones`: limit texts as on the command line.
@@ -187,6 +191,7 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                     resource_class: None,
                     rate_limits: RateLimitSpecs::default(),
                     addresses: Vec::new(),
+                    keep_overlays: None,
                 }
             } else {
                 parse_json::<CreateClones>(&req.body)?
@@ -208,6 +213,7 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                 resource_class: body.resource_class,
                 rate_limits: Box::new(body.rate_limits.parse()?),
                 addresses: body.addresses,
+                keep_overlays: body.keep_overlays,
             })
         }
         ("GET", "/clones") => Ok(ApiRequest::ListClones),
@@ -289,7 +295,15 @@ mod tests {
             Ok(ApiRequest::CreateClones { addresses: a, .. })
                 if a.len() == 2 && a[1].gateway == Some("10.0.0.1".parse().unwrap())
         ));
+        assert!(matches!(
+            route(&req("POST", "/clones", r#"{"keep_overlays":true}"#)),
+            Ok(ApiRequest::CreateClones {
+                keep_overlays: Some(true),
+                ..
+            })
+        ));
         for bad in [
+            r#"{"keep_overlays":"yes"}"#,
             r#"{"count":2,"addresses":[{"ipv4":"10.0.0.5/24"}]}"#,
             r#"{"addresses":[{"ipv4":"10.0.0.5"}]}"#,
             r#"{"addresses":[{"ipv4":"10.0.0.5/24","mac":"x"}]}"#,

@@ -56,6 +56,9 @@ pub(crate) struct Identity {
     /// Its own guest addresses (None: its template's).
     #[serde(default)]
     pub addresses: Option<crate::config::CloneAddresses>,
+    /// Whether it keeps its writable disks' overlays (None: as its template's disks).
+    #[serde(default)]
+    pub keep_overlays: Option<bool>,
     /// The vCPU that read the clone port, and the value it reads in this clone.
     pub guest_result: Option<(u8, u64)>,
     /// The cgroup it moves itself into before running guest code.
@@ -312,6 +315,7 @@ fn run_clone(
         .map_err(|e| ChildError::Go(e.to_string()))?;
     // Its own tap and MAC (the tap is created here; it goes when the clone exits).
     let pid = std::process::id() as i32;
+    config.disks = crate::config::keep_overlays(&config.disks, identity.keep_overlays);
     config.net = config
         .net
         .map(|n| n.for_clone(pid, identity.addresses.as_ref()));

@@ -87,6 +87,9 @@ pub enum CloneError {
     /// A per-clone rate limit names a device the VM does not have.
     #[error(transparent)]
     RateLimit(crate::config::NoSuchDevice),
+    /// Keeping overlays asked for a VM without a writable disk.
+    #[error("keep_overlays given for clones of a VM without a writable disk")]
+    NoOverlay,
     /// Addresses for clones of a VM without a network card.
     #[error("addresses given for clones of a VM without a network card")]
     NoCard,
@@ -107,6 +110,9 @@ pub struct CloneOptions<'a> {
     pub rate_limits: &'a crate::config::DeviceRateLimits,
     /// Each clone's guest addresses, in order (empty: the template's).
     pub addresses: &'a [crate::config::CloneAddresses],
+    /// Whether the clones keep their writable disks' overlays when they end (None: as
+    /// the template's disks say).
+    pub keep_overlays: Option<bool>,
 }
 
 /// What became of a clone.
@@ -149,6 +155,9 @@ pub struct CloneInfo {
     /// The clone's tap and MAC address (with a network card).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub net: Option<CloneNet>,
+    /// Where the clone keeps its disks' overlays when it ends (not after SIGKILL).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kept_overlays: Vec<PathBuf>,
     /// From the request reaching the VMM to the clone's vCPU 0 entering the guest.
     pub latency_us: Option<u64>,
     /// What became of it.
@@ -179,9 +188,14 @@ impl CloneInfo {
         identity: Identity,
         pid: i32,
         cgroup: Option<CloneCgroup>,
-        net: Option<&crate::config::NetConfig>,
+        template: &crate::config::VmConfig,
     ) -> Self {
-        let net = net.map(|n| n.for_clone(pid, identity.addresses.as_ref()));
+        let net = (template.net.as_ref()).map(|n| n.for_clone(pid, identity.addresses.as_ref()));
+        let kept_overlays = crate::config::keep_overlays(&template.disks, identity.keep_overlays)
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| d.kept_path(i, pid))
+            .collect();
         Self {
             id: identity.id,
             pid,
@@ -194,6 +208,7 @@ impl CloneInfo {
                 ipv4: n.ipv4,
                 gateway: n.gateway,
             }),
+            kept_overlays,
             latency_us: None,
             status: CloneStatus::Failed,
             cgroup,
@@ -378,6 +393,7 @@ impl Microvm {
                 class: None,
                 rate_limits: &Default::default(),
                 addresses: &[],
+                keep_overlays: None,
             },
         );
         match made {
@@ -425,10 +441,15 @@ impl Microvm {
             class,
             rate_limits,
             addresses,
+            keep_overlays,
         } = *options;
         let checked = self.check_clone_request(count).and_then(|()| {
             if !addresses.is_empty() && self.config.net.is_none() {
                 return Err(CloneError::NoCard);
+            }
+            if keep_overlays == Some(true) && self.config.disks.iter().all(|d| d.cow_dir.is_none())
+            {
+                return Err(CloneError::NoOverlay);
             }
             self.config
                 .clone()
@@ -470,6 +491,7 @@ impl Microvm {
                 vsock,
                 rate_limits: *rate_limits,
                 addresses: addresses.get(n as usize).copied(),
+                keep_overlays,
                 guest_result: requester.map(|v| (v, u64::from(seq))),
                 cgroup: None,
             });
@@ -630,7 +652,7 @@ impl Microvm {
             };
             match launched {
                 Some((pid, ready, cgroup)) => made.push((
-                    CloneInfo::starting(identity, pid, cgroup, self.config.net.as_ref()),
+                    CloneInfo::starting(identity, pid, cgroup, &self.config),
                     ready,
                 )),
                 None => rest.push(identity),
@@ -748,7 +770,7 @@ impl Microvm {
                 Ok((pid, read_end)) => {
                     self.started_in(pid, taken);
                     made.push((
-                        CloneInfo::starting(identity, pid, cgroup, self.config.net.as_ref()),
+                        CloneInfo::starting(identity, pid, cgroup, &self.config),
                         File::from(read_end),
                     ));
                 }

@@ -8,10 +8,15 @@
 //! copy of its parent's overlay made at the clone point ([`Overlay::snapshot`], while
 //! the parent's device is parked), so neither sees the other's later writes.
 //!
+//! [`Overlay::keep`] gives the file a name when its VM ends, if asked: the overlay
+//! (sparse, the base's size) and a `.blocks` file saying which blocks it holds.
+//!
 //! Blocks are written whole (a partial write to a block the overlay does not hold yet
 //! reads the rest from the base first), so one bit per block says where it is.
 
 use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -20,9 +25,17 @@ pub const BLOCK: u64 = 4096;
 /// Bytes copied at a time by [`Overlay::snapshot`].
 const COPY_CHUNK: usize = 1 << 20;
 
-/// Errors making an overlay.
+/// Errors making or keeping an overlay.
 #[derive(Debug, thiserror::Error)]
 pub enum OverlayError {
+    /// The overlay could not be kept under a name.
+    #[error("cannot keep the overlay as {path}: {source}")]
+    Keep {
+        /// The name asked for.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The overlay file could not be created or sized.
     #[error("cannot create an overlay file in {dir}: {source}")]
     Create {
@@ -171,6 +184,39 @@ impl Overlay {
         Ok(())
     }
 
+    /// Gives the overlay a name, `path` (which must not exist, in the overlay's file
+    /// system), and writes which blocks it holds to `path` with the extension
+    /// `blocks`: one bit per 4 KiB block, block n in bit n % 64 of little-endian u64
+    /// word n / 64. Blocks not held read from the base image. Call it once nothing
+    /// writes to the overlay any more.
+    pub fn keep(&self, path: &Path) -> Result<(), OverlayError> {
+        let err = |source| OverlayError::Keep {
+            path: path.display().to_string(),
+            source,
+        };
+        self.file.sync_data().map_err(err)?;
+        // An O_TMPFILE file gets a name through its /proc link (linkat with
+        // AT_EMPTY_PATH would need CAP_DAC_READ_SEARCH).
+        let from = std::ffi::CString::new(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+            .map_err(|e| err(e.into()))?;
+        let to = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|e| err(e.into()))?;
+        // SAFETY: both are valid NUL-terminated paths that outlive the call.
+        let r = unsafe {
+            libc::linkat(
+                libc::AT_FDCWD,
+                from.as_ptr(),
+                libc::AT_FDCWD,
+                to.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
+        };
+        if r != 0 {
+            return Err(err(std::io::Error::last_os_error()));
+        }
+        let map: Vec<u8> = self.present.iter().flat_map(|w| w.to_le_bytes()).collect();
+        std::fs::write(path.with_extension("blocks"), map).map_err(err)
+    }
+
     /// Makes the overlay's writes durable.
     pub fn flush(&self) -> std::io::Result<()> {
         self.file.sync_data()
@@ -316,6 +362,33 @@ mod tests {
         let mut x = vec![0u8; 4096];
         o.read_at(&b.1, &mut x, 8192).unwrap();
         assert_eq!(x[..512], [16u8; 512], "block 2 still from the base");
+    }
+
+    #[test]
+    fn a_kept_overlay_has_a_name_and_a_block_map() {
+        let b = base(3 * 4096 + 512);
+        let d = std::env::temp_dir().join(format!("forkvm-keep-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let mut o = Overlay::create(&d, 3 * 4096 + 512).unwrap();
+        o.write_at(&b.1, &[5; 10], 4096 + 7).unwrap();
+        let path = d.join("vm-disk0.overlay");
+        o.keep(&path).unwrap();
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!(data.len(), 3 * 4096 + 512);
+        assert_eq!(data[4096 + 7..4096 + 17], [5; 10]);
+        assert_eq!(
+            data[4096..4096 + 7],
+            [8u8; 7],
+            "the rest of the block, from the base"
+        );
+        let map = std::fs::read(path.with_extension("blocks")).unwrap();
+        assert_eq!(map, 2u64.to_le_bytes(), "block 1 only");
+        let e = o.keep(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("vm-disk0.overlay") && e.contains("exists"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

@@ -463,6 +463,95 @@ fn a_jailed_vmm_on_cgroup_v2_forks_clones_with_clone3_and_stops_on_sigterm() {
 }
 
 #[test]
+fn a_jailed_vmms_clones_use_taps_handed_in_and_cannot_create_their_own() {
+    // The jailed VMM has no CAP_NET_ADMIN: it can attach to taps its user owns, which
+    // the host made in its network namespace, and cannot create one. Its card is on such
+    // a tap; a clone handed another (POST /clones taps) runs on it; a clone that has to
+    // create its own fails with a clear error, and the VMM goes on.
+    let test = "a_jailed_vmms_clones_use_taps_handed_in_and_cannot_create_their_own";
+    if !kvm_and_root_available(test) {
+        return;
+    }
+    let scratch = Scratch::new("jail-tap");
+    let id = format!("jt-{}", std::process::id());
+    let netns = Netns::new(&format!("forkvm-{id}"));
+    for tap in ["fkj0", "fkj1"] {
+        let ok = Command::new("ip")
+            .args(["-n", &netns.0, "tuntap", "add", tap, "mode", "tap", "user"])
+            .arg(UID.to_string())
+            .arg("group")
+            .arg(GID.to_string())
+            .status();
+        assert!(ok.is_ok_and(|s| s.success()), "ip tuntap add {tap}");
+    }
+    let tiny = guest_file("tiny.elf");
+    let mut jail = Jailed::start_with(
+        &scratch,
+        &id,
+        &[&tiny],
+        &["--netns", &netns.path()],
+        &[
+            "run",
+            "--kernel",
+            "/tiny.elf",
+            "--mem-mib",
+            "64",
+            "--ap-boot",
+            "direct",
+            "--cmdline",
+            "beat=20",
+            "--console",
+            "/console",
+            "--api-sock",
+            "/api.sock",
+            "--tap",
+            "fkj0",
+        ],
+    );
+    jail.wait_file("console", "tiny: beat 1\n");
+    let (code, body) = jail.api("POST", "/clones", Some(r#"{"taps":["fkj1"]}"#));
+    assert_eq!(code, 201, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let c = &v["clones"][0];
+    assert_eq!(c["net"]["tap"], "fkj1", "{c}");
+    assert_eq!(c["status"]["state"], "running", "{c}");
+    // The tap is busy while that clone holds it: a second clone on it fails.
+    let (code, body) = jail.api("POST", "/clones", Some(r#"{"taps":["fkj1"]}"#));
+    assert_eq!(code, 201, "{body}");
+    assert!(body.contains(r#""state":"failed""#), "{body}");
+    let (code, body) = jail.api("POST", "/clones", None);
+    assert_eq!(code, 201, "{body}");
+    assert!(body.contains(r#""state":"failed""#), "{body}");
+    // A failed clone prints why as it exits, after the parent has seen it fail.
+    let start = Instant::now();
+    loop {
+        let log = jail.stderr_text();
+        if log.contains(r#"cannot attach to tap "fkj1""#)
+            && log.contains(r#"cannot attach to tap "fkvm"#)
+        {
+            break;
+        }
+        assert!(start.elapsed() < BOOT, "{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, body) = jail.api("GET", "/vm", None);
+    assert!(
+        code == 200 && body.contains(r#""state":"running""#),
+        "{body}"
+    );
+    // SAFETY: signals our own child process.
+    unsafe { libc::kill(jail.child.id() as i32, libc::SIGTERM) };
+    let status = jail.wait_exit(BOOT);
+    assert_eq!(status.code(), Some(143), "{}", jail.stderr_text());
+    // Taps the host made stay (persistent); the host removes them with the namespace.
+    let links = Command::new("ip")
+        .args(["-n", &netns.0, "link", "show", "fkj1"])
+        .status()
+        .unwrap();
+    assert!(links.success(), "a handed-in tap was removed");
+}
+
+#[test]
 fn a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused() {
     if !kvm_and_root_available("a_jailed_vmm_cannot_open_host_files_and_bad_jails_are_refused") {
         return;

@@ -718,6 +718,27 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
             .any(|l| l.starts_with(&format!("{mac} dev {own} "))),
         "the bridge did not learn clone 1's MAC on its tap: {fdb}"
     );
+    // Clone 1's tap vanishes behind its back: its frames go nowhere, its VMM says so
+    // once and keeps running, and the clone still answers through vsock.
+    let own = clones[0]["net"]["tap"].as_str().unwrap();
+    ns.ip(&["link", "del", own]);
+    let (code, out, err) = vmm_exec(
+        &sock(&clones[0]),
+        &["--", "ping -c1 -W2 10.78.0.1 >/dev/null; echo ping=$?"],
+        b"",
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(value_after(&out, "ping="), Some("1"), "{out}");
+    let (code, body) = tests::api_request(&sock(&clones[0]), "GET", "/vm", None);
+    assert!(
+        code == 200 && body.contains("\"state\":\"running\""),
+        "{body}"
+    );
+    let log = vm.stderr_text();
+    assert!(
+        log.contains("virtio-net: the tap failed"),
+        "no word of the vanished tap: {log}"
+    );
     for c in &clones {
         vm.api(
             "DELETE",

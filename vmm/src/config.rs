@@ -297,11 +297,12 @@ impl NetConfig {
         MacAddr([m[0], m[1], m[2], p[1], p[2], p[3]])
     }
 
-    /// This configuration as the clone with process id `pid` uses it, with the
-    /// addresses its request gave (the template's otherwise).
-    pub fn for_clone(&self, pid: i32, addresses: Option<&CloneAddresses>) -> Self {
+    /// This configuration as the clone with process id `pid` uses it, with the tap and
+    /// addresses its request gave (its own `fkvm<pid>` and the template's otherwise).
+    pub fn for_clone(&self, pid: i32, own: &CloneNetSpec) -> Self {
+        let addresses = own.addresses.as_ref();
         Self {
-            tap: Self::clone_tap(pid),
+            tap: own.tap.clone().unwrap_or_else(|| Self::clone_tap(pid)),
             mac: self.clone_mac(pid),
             rate_limit: self.rate_limit,
             ipv4: addresses.map_or(self.ipv4, |a| Some(a.ipv4)),
@@ -319,7 +320,16 @@ impl NetConfig {
     }
 }
 
-/// A clone's own guest addresses (`POST /clones` `net`).
+/// What `POST /clones` gave one clone for its card.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CloneNetSpec {
+    /// A tap the caller made for it (`taps`), instead of one it creates.
+    pub tap: Option<String>,
+    /// Its guest addresses (`addresses`), instead of the template's.
+    pub addresses: Option<CloneAddresses>,
+}
+
+/// A clone's own guest addresses (`POST /clones` `addresses`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CloneAddresses {
@@ -668,14 +678,21 @@ mod tests {
             ipv4: Some("10.0.0.2/24".parse().unwrap()),
             gateway: None,
         };
-        let a = net.for_clone(4_194_303, None);
+        let a = net.for_clone(4_194_303, &CloneNetSpec::default());
         assert_eq!((a.ipv4, a.gateway), (net.ipv4, None));
         let own = CloneAddresses {
             ipv4: "10.0.0.9/24".parse().unwrap(),
             gateway: Some("10.0.0.1".parse().unwrap()),
         };
-        let b = net.for_clone(7, Some(&own));
+        let b = net.for_clone(
+            7,
+            &CloneNetSpec {
+                tap: Some("given0".into()),
+                addresses: Some(own),
+            },
+        );
         assert_eq!((b.ipv4, b.gateway), (Some(own.ipv4), own.gateway));
+        assert_eq!(b.tap, "given0");
         assert_eq!(b.identity().ipv4, Some(("10.0.0.9".parse().unwrap(), 24)));
         assert_eq!(a.tap, "fkvm4194303");
         assert!(devices::virtio::net::valid_ifname(&a.tap));

@@ -264,6 +264,7 @@ impl Microvm {
                 resource_class,
                 rate_limits,
                 addresses,
+                taps,
                 keep_overlays,
             } => {
                 let made = self.make_clones(
@@ -275,6 +276,7 @@ impl Microvm {
                         class: resource_class.as_deref(),
                         rate_limits: &rate_limits,
                         addresses: &addresses,
+                        taps: &taps,
                         keep_overlays,
                     },
                 );

@@ -35,6 +35,8 @@ pub enum ApiRequest {
         rate_limits: Box<crate::config::DeviceRateLimits>,
         /// Each clone's guest addresses, in order (empty: the template's).
         addresses: Vec<crate::config::CloneAddresses>,
+        /// Each clone's tap, made by the caller, in order (empty: each makes its own).
+        taps: Vec<String>,
         /// Whether the clones keep their disks' overlays (None: as the template's).
         keep_overlays: Option<bool>,
     },
@@ -85,6 +87,8 @@ struct CreateClones {
     rate_limits: RateLimitSpecs,
     #[serde(default)]
     addresses: Vec<crate::config::CloneAddresses>,
+    #[serde(default)]
+    taps: Vec<String>,
     #[serde(default)]
     keep_overlays: Option<bool>,
 }
@@ -191,20 +195,33 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                     resource_class: None,
                     rate_limits: RateLimitSpecs::default(),
                     addresses: Vec::new(),
+                    taps: Vec::new(),
                     keep_overlays: None,
                 }
             } else {
                 parse_json::<CreateClones>(&req.body)?
             };
-            if !body.addresses.is_empty() && body.addresses.len() as u64 != body.count {
-                return Err(ApiReply::error(
-                    400,
-                    format!(
-                        "{} addresses for {} clones: give one per clone or none",
-                        body.addresses.len(),
-                        body.count
-                    ),
-                ));
+            for (what, n) in [
+                ("addresses", body.addresses.len()),
+                ("taps", body.taps.len()),
+            ] {
+                if n != 0 && n as u64 != body.count {
+                    return Err(ApiReply::error(
+                        400,
+                        format!(
+                            "{n} {what} for {} clones: give one per clone or none",
+                            body.count
+                        ),
+                    ));
+                }
+            }
+            for (i, tap) in body.taps.iter().enumerate() {
+                if !devices::virtio::net::valid_ifname(tap) {
+                    return Err(ApiReply::error(400, format!("invalid tap name {tap:?}")));
+                }
+                if body.taps[..i].contains(tap) {
+                    return Err(ApiReply::error(400, format!("tap {tap:?} given twice")));
+                }
             }
             Ok(ApiRequest::CreateClones {
                 count: body.count,
@@ -213,6 +230,7 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
                 resource_class: body.resource_class,
                 rate_limits: Box::new(body.rate_limits.parse()?),
                 addresses: body.addresses,
+                taps: body.taps,
                 keep_overlays: body.keep_overlays,
             })
         }
@@ -302,7 +320,15 @@ mod tests {
                 ..
             })
         ));
+        assert!(matches!(
+            route(&req("POST", "/clones", r#"{"count":2,"taps":["t1","t2"]}"#)),
+            Ok(ApiRequest::CreateClones { taps: t, .. }) if t == ["t1", "t2"]
+        ));
         for bad in [
+            r#"{"count":2,"taps":["t1"]}"#,
+            r#"{"count":2,"taps":["t1","t1"]}"#,
+            r#"{"taps":["no/slash"]}"#,
+            r#"{"taps":["a-name-far-too-long-for-linux"]}"#,
             r#"{"keep_overlays":"yes"}"#,
             r#"{"count":2,"addresses":[{"ipv4":"10.0.0.5/24"}]}"#,
             r#"{"addresses":[{"ipv4":"10.0.0.5"}]}"#,

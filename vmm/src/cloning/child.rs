@@ -53,9 +53,9 @@ pub(crate) struct Identity {
     /// Rate limits replacing the template's (checked against its devices).
     #[serde(default)]
     pub rate_limits: crate::config::DeviceRateLimits,
-    /// Its own guest addresses (None: its template's).
+    /// Its own tap and guest addresses (None: its own new tap, the template's addresses).
     #[serde(default)]
-    pub addresses: Option<crate::config::CloneAddresses>,
+    pub net: crate::config::CloneNetSpec,
     /// Whether it keeps its writable disks' overlays (None: as its template's disks).
     #[serde(default)]
     pub keep_overlays: Option<bool>,
@@ -316,9 +316,7 @@ fn run_clone(
     // Its own tap and MAC (the tap is created here; it goes when the clone exits).
     let pid = std::process::id() as i32;
     config.disks = crate::config::keep_overlays(&config.disks, identity.keep_overlays);
-    config.net = config
-        .net
-        .map(|n| n.for_clone(pid, identity.addresses.as_ref()));
+    config.net = config.net.map(|n| n.for_clone(pid, &identity.net));
     // The guest reads the last part of its id ("2.1" -> 1) from the identity port.
     let seq = identity
         .id

@@ -90,8 +90,8 @@ pub enum CloneError {
     /// Keeping overlays asked for a VM without a writable disk.
     #[error("keep_overlays given for clones of a VM without a writable disk")]
     NoOverlay,
-    /// Addresses for clones of a VM without a network card.
-    #[error("addresses given for clones of a VM without a network card")]
+    /// Taps or addresses for clones of a VM without a network card.
+    #[error("taps or addresses given for clones of a VM without a network card")]
     NoCard,
     /// No cgroup for the clone.
     #[error(transparent)]
@@ -110,6 +110,8 @@ pub struct CloneOptions<'a> {
     pub rate_limits: &'a crate::config::DeviceRateLimits,
     /// Each clone's guest addresses, in order (empty: the template's).
     pub addresses: &'a [crate::config::CloneAddresses],
+    /// Each clone's tap, made by the caller, in order (empty: each creates its own).
+    pub taps: &'a [String],
     /// Whether the clones keep their writable disks' overlays when they end (None: as
     /// the template's disks say).
     pub keep_overlays: Option<bool>,
@@ -190,7 +192,7 @@ impl CloneInfo {
         cgroup: Option<CloneCgroup>,
         template: &crate::config::VmConfig,
     ) -> Self {
-        let net = (template.net.as_ref()).map(|n| n.for_clone(pid, identity.addresses.as_ref()));
+        let net = (template.net.as_ref()).map(|n| n.for_clone(pid, &identity.net));
         let kept_overlays = crate::config::keep_overlays(&template.disks, identity.keep_overlays)
             .iter()
             .enumerate()
@@ -393,6 +395,7 @@ impl Microvm {
                 class: None,
                 rate_limits: &Default::default(),
                 addresses: &[],
+                taps: &[],
                 keep_overlays: None,
             },
         );
@@ -441,10 +444,11 @@ impl Microvm {
             class,
             rate_limits,
             addresses,
+            taps,
             keep_overlays,
         } = *options;
         let checked = self.check_clone_request(count).and_then(|()| {
-            if !addresses.is_empty() && self.config.net.is_none() {
+            if !(addresses.is_empty() && taps.is_empty()) && self.config.net.is_none() {
                 return Err(CloneError::NoCard);
             }
             if keep_overlays == Some(true) && self.config.disks.iter().all(|d| d.cow_dir.is_none())
@@ -490,7 +494,10 @@ impl Microvm {
                 console,
                 vsock,
                 rate_limits: *rate_limits,
-                addresses: addresses.get(n as usize).copied(),
+                net: crate::config::CloneNetSpec {
+                    tap: taps.get(n as usize).cloned(),
+                    addresses: addresses.get(n as usize).copied(),
+                },
                 keep_overlays,
                 guest_result: requester.map(|v| (v, u64::from(seq))),
                 cgroup: None,

@@ -804,7 +804,9 @@ impl Microvm {
         // The child's copies of the disk overlays: the disks' workers are parked, so
         // each overlay holds exactly what the guest wrote up to the clone point. The
         // parent closes its descriptors of the copies when this returns.
+        let t0 = Instant::now();
         let overlays = self.devices.snapshot_overlays()?;
+        let t_overlays = t0.elapsed();
         let plan = ChildPlan {
             // SAFETY: getpid has no preconditions.
             parent_pid: unsafe { libc::getpid() },
@@ -828,7 +830,14 @@ impl Microvm {
         match unsafe { cgroups::fork_into(into) } {
             -1 => Err(CloneError::Os(std::io::Error::last_os_error())),
             0 => child_main(plan),
-            pid => Ok(pid),
+            pid => {
+                tracing::debug!(
+                    "clone {pid}: overlay copies {} us, fork {} us",
+                    t_overlays.as_micros(),
+                    (t0.elapsed() - t_overlays).as_micros()
+                );
+                Ok(pid)
+            }
         }
     }
 }

@@ -230,7 +230,9 @@ impl Overlay {
             dir: self.dir.display().to_string(),
             source,
         };
-        let mut buf = vec![0u8; COPY_CHUNK];
+        // Allocated at the first block to copy: a template that never wrote copies
+        // nothing and should not pay for a buffer.
+        let mut buf = Vec::new();
         let total = blocks(self.size);
         let mut b = 0;
         while b < total {
@@ -245,6 +247,7 @@ impl Overlay {
             }
             let from = start * BLOCK;
             let len = ((b * BLOCK).min(self.size) - from) as usize;
+            buf.resize(COPY_CHUNK, 0);
             self.file
                 .read_exact_at(&mut buf[..len], from)
                 .map_err(err)?;

@@ -139,8 +139,6 @@ pub struct DeviceManager {
     disk_fds: Vec<RawFd>,
     /// Each disk's overlay (a writable disk's) or None (a read-only one), in disk order.
     overlays: Vec<Option<Arc<Mutex<Overlay>>>>,
-    /// Where each disk keeps its overlay when the VM ends (None: it does not).
-    kept_paths: Vec<Option<std::path::PathBuf>>,
 }
 
 /// What a clone needs to rebuild its parent's virtio devices.
@@ -239,7 +237,6 @@ impl DeviceManager {
             virtio_info: Vec::new(),
             disk_fds: Vec::new(),
             overlays: Vec::new(),
-            kept_paths: Vec::new(),
         })
     }
 
@@ -358,8 +355,6 @@ impl DeviceManager {
             block = block.with_overlay(overlay);
         }
         self.overlays.push(block.overlay());
-        self.kept_paths
-            .push(disk.kept_path(i, std::process::id() as i32));
         self.disk_fds.push(block.file().as_raw_fd());
         Ok(block)
     }
@@ -390,16 +385,21 @@ impl DeviceManager {
     }
 
     /// For a VM that has ended: parks the device workers and names the overlays of the
-    /// disks configured to keep theirs ([`DiskConfig::kept_path`]). Failures are
-    /// logged; nothing else can be done about them at this point.
-    pub fn keep_overlays(&self) {
-        if self.kept_paths.iter().all(Option::is_none) {
+    /// `disks` (the configuration these devices were made from) that keep theirs
+    /// ([`DiskConfig::kept_path`]). Failures are logged; nothing else can be done about
+    /// them at this point.
+    pub fn keep_overlays(&self, disks: &[DiskConfig]) {
+        let pid = std::process::id() as i32;
+        let kept: Vec<_> = (disks.iter().enumerate())
+            .map(|(i, d)| d.kept_path(i, pid))
+            .collect();
+        if kept.iter().all(Option::is_none) {
             return;
         }
         if let Err(e) = self.pause_virtio() {
             tracing::warn!("keeping overlays: a device worker did not park: {e}");
         }
-        for (overlay, path) in self.overlays.iter().zip(&self.kept_paths) {
+        for (overlay, path) in self.overlays.iter().zip(&kept) {
             let (Some(o), Some(path)) = (overlay, path) else {
                 continue;
             };

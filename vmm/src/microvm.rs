@@ -494,7 +494,7 @@ impl Microvm {
         for v in &mut self.vcpus {
             v.stop();
         }
-        self.devices.keep_overlays();
+        self.devices.keep_overlays(&self.config.disks);
         // Clones would die with this process anyway (PR_SET_PDEATHSIG); stopping them
         // first lets each remove its socket.
         self.stop_all_clones();

@@ -79,30 +79,29 @@ impl Jailed {
     /// The tiny guest (64 MiB, beat every 20 ms) jailed with `jailer_args`, its clones
     /// in cgroup class `class`; returns once it has printed a heartbeat.
     fn tiny(scratch: &Scratch, id: &str, jailer_args: &[&str], class: &str) -> Self {
+        Self::tiny_with(scratch, id, jailer_args, &["--cgroup-class", class])
+    }
+
+    /// As [`Jailed::tiny`], with `vmm_args` added to `vmm run`'s instead of a class.
+    fn tiny_with(scratch: &Scratch, id: &str, jailer_args: &[&str], vmm_args: &[&str]) -> Self {
         let tiny = guest_file("tiny.elf");
-        let mut jail = Self::start_with(
-            scratch,
-            id,
-            &[&tiny],
-            jailer_args,
-            &[
-                "run",
-                "--kernel",
-                "/tiny.elf",
-                "--mem-mib",
-                "64",
-                "--ap-boot",
-                "direct",
-                "--cmdline",
-                "beat=20",
-                "--console",
-                "/console",
-                "--api-sock",
-                "/api.sock",
-                "--cgroup-class",
-                class,
-            ],
-        );
+        let mut args = vec![
+            "run",
+            "--kernel",
+            "/tiny.elf",
+            "--mem-mib",
+            "64",
+            "--ap-boot",
+            "direct",
+            "--cmdline",
+            "beat=20",
+            "--console",
+            "/console",
+            "--api-sock",
+            "/api.sock",
+        ];
+        args.extend_from_slice(vmm_args);
+        let mut jail = Self::start_with(scratch, id, &[&tiny], jailer_args, &args);
         jail.wait_file("console", "tiny: beat 1\n");
         jail
     }
@@ -484,31 +483,12 @@ fn a_jailed_vmms_clones_use_taps_handed_in_and_cannot_create_their_own() {
             .status();
         assert!(ok.is_ok_and(|s| s.success()), "ip tuntap add {tap}");
     }
-    let tiny = guest_file("tiny.elf");
-    let mut jail = Jailed::start_with(
+    let mut jail = Jailed::tiny_with(
         &scratch,
         &id,
-        &[&tiny],
         &["--netns", &netns.path()],
-        &[
-            "run",
-            "--kernel",
-            "/tiny.elf",
-            "--mem-mib",
-            "64",
-            "--ap-boot",
-            "direct",
-            "--cmdline",
-            "beat=20",
-            "--console",
-            "/console",
-            "--api-sock",
-            "/api.sock",
-            "--tap",
-            "fkj0",
-        ],
+        &["--tap", "fkj0"],
     );
-    jail.wait_file("console", "tiny: beat 1\n");
     let (code, body) = jail.api("POST", "/clones", Some(r#"{"taps":["fkj1"]}"#));
     assert_eq!(code, 201, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();

@@ -115,20 +115,14 @@ static int reseed(int mode)
 /* The host's CLOCK_REALTIME in ns: the first read latches it, the second reads the rest. */
 static int64_t host_clock(int mode)
 {
-    uint64_t v;
-    if (mode == 0) {
-        uint32_t lo = inl(CLOCK_PORT);
-        v = (uint64_t)inl(CLOCK_PORT + 4) << 32 | lo;
-    } else {
-        uint8_t b[8];
-        if (pread(devport, b, 8, CLOCK_PORT) != 8) {
-            perror("forkvm-clone: /dev/port read");
-            exit(2);
-        }
-        v = 0;
-        for (int i = 7; i >= 0; i--)
-            v = v << 8 | b[i];
+    uint8_t b[8];
+    if (ports_read(mode, CLOCK_PORT, b, 8) != 0) {
+        perror("forkvm-clone: /dev/port read");
+        exit(2);
     }
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | b[i];
     return (int64_t)v;
 }
 
@@ -384,15 +378,10 @@ int main(int argc, char **argv)
 {
     int mode = port_access();
     if (argc > 1 && strcmp(argv[1], "--probe") == 0) {
-        uint32_t m = 0;
-        if (mode == 0) {
-            m = inl(PROBE_PORT);
-        } else {
-            uint8_t b[4];
-            if (pread(devport, b, 4, PROBE_PORT) != 4)
-                return 2;
-            m = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-        }
+        uint8_t b[4];
+        if (ports_read(mode, PROBE_PORT, b, 4) != 0)
+            return 2;
+        uint32_t m = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
         printf("%s (port access: %s)\n", m == PROBE_MAGIC ? "forkvm" : "not forkvm",
                mode == 0 ? "ioperm" : "/dev/port");
         return m == PROBE_MAGIC ? 0 : 1;

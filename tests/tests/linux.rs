@@ -592,7 +592,8 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     // address --ipv4 gives it with `forkvm-clone --net`; two clones made with POST
     // /clones and their own addresses take theirs (and their MACs) through the agent
     // before the first command each runs; then one clone reaches the other and the
-    // host, the host reaches it, and the bridge learned its new MAC on its own tap.
+    // host, the host knows it at its new MAC, and the bridge learned that MAC on its
+    // own tap. Then clone 1's tap is deleted under it.
     if !tests::kvm_and_root_available("linux_clones_net_identity") {
         return;
     }

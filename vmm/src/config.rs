@@ -136,7 +136,7 @@ pub fn keep_overlays(disks: &[DiskConfig], keep: Option<bool>) -> Vec<DiskConfig
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DiskSpecError {
     /// No image path before the first comma.
-    #[error("disk {0:?}: expected PATH[,cow=DIR][,bytes=SIZE..][,ops=N..]")]
+    #[error("disk {0:?}: expected PATH[,cow=DIR[,keep]][,bytes=SIZE..][,ops=N..]")]
     NoPath(String),
     /// An option other than `cow=`, `keep`, `bytes=` and `ops=`, or one given twice.
     #[error(

@@ -110,7 +110,26 @@ fn pool_stats(vm: &Vm, class: &str) -> Value {
 
 /// The cgroup of `pid` in the hierarchy whose /proc/PID/cgroup line ends in `:ctrl:`.
 fn cgroup_of(pid: i64, ctrl: &str) -> String {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    cgroup_in(&format!("/proc/{pid}/cgroup"), ctrl)
+}
+
+/// The cgroups of every thread of `pid` in that hierarchy (a v1 clone moves its only
+/// thread: every thread it starts afterwards must be there too).
+fn thread_cgroups(pid: i64, ctrl: &str) -> Vec<String> {
+    let tasks: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(tasks.len() > 1, "clone {pid} has threads: {tasks:?}");
+    tasks
+        .iter()
+        .map(|t| cgroup_in(&format!("/proc/{pid}/task/{t}/cgroup"), ctrl))
+        .collect()
+}
+
+fn cgroup_in(file: &str, ctrl: &str) -> String {
+    let text = std::fs::read_to_string(file).unwrap_or_default();
     text.lines()
         .find_map(|l| {
             let mut f = l.splitn(3, ':');
@@ -178,9 +197,11 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
         let class = c["cgroup"]["class"].as_str().unwrap();
         let path = format!("/{}", c["cgroup"]["path"].as_str().unwrap());
         assert!(path.starts_with(&format!("{base}/{class}-")), "{c}");
-        assert_eq!(c["cgroup"]["placed_by"], "procs");
+        assert_eq!(c["cgroup"]["placed_by"], "tasks");
         for ctrl in V1 {
-            assert_eq!(cgroup_of(pid, ctrl), path, "clone {pid} in {ctrl}");
+            for got in thread_cgroups(pid, ctrl) {
+                assert_eq!(got, path, "a thread of clone {pid} in {ctrl}");
+            }
         }
         let limit =
             std::fs::read_to_string(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"))

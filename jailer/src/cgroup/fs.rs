@@ -282,8 +282,8 @@ impl CgroupFs {
 
     /// Delegates the parent directory to `uid`:`gid` for a jailed VMM (`jailer`): creates
     /// it with an empty child `leaf` for the VMM itself, and hands the VMM the parent's
-    /// directory and the files a delegatee writes (`cgroup.procs`, and on v2
-    /// `cgroup.subtree_control` and `cgroup.threads`). On v2 the offered controllers are
+    /// directory and the files a delegatee writes (`cgroup.procs`, on v1 `tasks`, and on
+    /// v2 `cgroup.subtree_control` and `cgroup.threads`). On v2 the offered controllers are
     /// enabled down to the parent's own parent only: the VMM enables them in the parent
     /// once it sits in `leaf` (a cgroup with processes cannot). Returns the parent
     /// directories, one per hierarchy.
@@ -305,6 +305,7 @@ impl CgroupFs {
             for path in [
                 parent.clone(),
                 parent.join("cgroup.procs"),
+                parent.join("tasks"),
                 parent.join("cgroup.subtree_control"),
                 parent.join("cgroup.threads"),
             ] {
@@ -363,12 +364,18 @@ impl CgroupFs {
             ],
             (CgroupVersion::V1, "cpu") => &[
                 ("cgroup.procs", ""),
+                ("tasks", ""),
                 ("cpu.cfs_period_us", "100000\n"),
                 ("cpu.cfs_quota_us", "-1\n"),
             ],
-            (CgroupVersion::V1, "cpuacct") => &[("cgroup.procs", ""), ("cpuacct.usage", "0\n")],
+            (CgroupVersion::V1, "cpuacct") => &[
+                ("cgroup.procs", ""),
+                ("tasks", ""),
+                ("cpuacct.usage", "0\n"),
+            ],
             (CgroupVersion::V1, "memory") => &[
                 ("cgroup.procs", ""),
+                ("tasks", ""),
                 ("memory.limit_in_bytes", "9223372036854771712\n"),
                 ("memory.max_usage_in_bytes", "0\n"),
                 (
@@ -376,7 +383,7 @@ impl CgroupFs {
                     "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n",
                 ),
             ],
-            (CgroupVersion::V1, _) => &[("cgroup.procs", ""), ("pids.max", "max\n")],
+            (CgroupVersion::V1, _) => &[("cgroup.procs", ""), ("tasks", ""), ("pids.max", "max\n")],
         };
         for (file, value) in files {
             let path = dir.join(file);
@@ -482,14 +489,18 @@ impl CgroupFs {
         Ok(pids)
     }
 
-    /// The `cgroup.procs` file of cgroup `name` in every hierarchy: a process writing
-    /// "0" to each moves itself in (how a clone places itself before running guest
-    /// code).
-    pub fn procs_files(&self, name: &str) -> Vec<PathBuf> {
-        self.dirs(name)
-            .into_iter()
-            .map(|d| d.join("cgroup.procs"))
-            .collect()
+    /// The files of cgroup `name`, one per hierarchy, a process's *only* thread writes
+    /// "0" to in order to move itself in (how a clone places itself before running
+    /// guest code). On v1 that is `tasks`: moving the calling thread alone does not take
+    /// the cgroup core's thread-group lock for writing, whose first taking after a quiet
+    /// spell waits for an RCU grace period (milliseconds); a process of one thread has
+    /// moved whole. On v2, `cgroup.procs`.
+    pub fn self_move_files(&self, name: &str) -> Vec<PathBuf> {
+        let file = match self.version {
+            CgroupVersion::V1 => "tasks",
+            CgroupVersion::V2 => "cgroup.procs",
+        };
+        self.dirs(name).into_iter().map(|d| d.join(file)).collect()
     }
 
     /// Moves process `pid` into cgroup `name` in every hierarchy.

@@ -8,10 +8,12 @@
 //! Placement happens before the clone runs guest code:
 //! - cgroup v2, clone forked on request: `clone3(CLONE_INTO_CGROUP)`, so the child is
 //!   born inside its cgroup and nothing migrates;
-//! - cgroup v1, and warm clones (forked before their class was known): the child writes
-//!   "0" to the cgroup's `cgroup.procs` in every hierarchy (moving itself) before it
-//!   prepares or starts its vCPUs. Memory it allocated before the move stays charged to
-//!   the template's cgroup (v1 does not move charges).
+//! - cgroup v1, and warm clones (forked before their class was known): the child, while
+//!   it is still its process's only thread, writes "0" to the cgroup's `tasks` file in
+//!   every hierarchy (v1; `cgroup.procs` on v2), moving itself, before it rebuilds the VM
+//!   or starts a thread. Moving one thread does not take the cgroup core's thread-group
+//!   lock for writing, so no RCU grace period is waited for. Memory a warm clone
+//!   allocated before a move stays charged to where it was (v1 does not move charges).
 //!
 //! Pools live in the template: a clone has none of its own, so its clones stay in its
 //! cgroup (a request naming a class on a clone is refused).
@@ -74,9 +76,9 @@ pub enum PlacementError {
 /// Where a clone goes, as the child is told.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Placement {
-    /// `cgroup.procs` files the child writes "0" to; empty when it is born inside
-    /// (`clone3(CLONE_INTO_CGROUP)`).
-    pub procs: Vec<PathBuf>,
+    /// The files the child's only thread writes "0" to (v1 `tasks`, v2
+    /// `cgroup.procs`); empty when it is born inside (`clone3(CLONE_INTO_CGROUP)`).
+    pub files: Vec<PathBuf>,
 }
 
 /// A clone's cgroup, as `GET /clones` reports it.
@@ -86,7 +88,8 @@ pub struct CloneCgroup {
     pub class: String,
     /// Cgroup path below each hierarchy's root.
     pub path: String,
-    /// How it was placed: "clone3" (born inside, v2) or "procs" (moved itself in).
+    /// How it was placed: "clone3" (born inside, v2), "tasks" (moved its only thread in,
+    /// v1) or "procs" (moved itself in through `cgroup.procs`, v2).
     pub placed_by: &'static str,
     /// What it used: so far while it runs, in total once it exited.
     pub usage: Option<Usage>,
@@ -199,16 +202,20 @@ impl ClonePools {
     pub(crate) fn placement(&self, taken: &Taken) -> (Placement, CloneCgroup) {
         let born_inside = taken.dir.is_some();
         let placement = Placement {
-            procs: if born_inside {
+            files: if born_inside {
                 Vec::new()
             } else {
-                self.fs.procs_files(&taken.lease.name)
+                self.fs.self_move_files(&taken.lease.name)
             },
         };
         let shown = CloneCgroup {
             class: self.pools[taken.pool].class_name().to_string(),
             path: format!("{}/{}", self.fs.parent(), taken.lease.name),
-            placed_by: if born_inside { "clone3" } else { "procs" },
+            placed_by: match (born_inside, self.fs.version()) {
+                (true, _) => "clone3",
+                (false, CgroupVersion::V1) => "tasks",
+                (false, CgroupVersion::V2) => "procs",
+            },
             usage: None,
         };
         (placement, shown)
@@ -304,10 +311,11 @@ impl Drop for ClonePools {
     }
 }
 
-/// Moves the calling process into a cgroup by writing "0" to each `cgroup.procs` file.
-/// Called by a clone before it runs guest code.
+/// Moves the calling process into a cgroup by writing "0" to each of its files. Called
+/// by a clone before it runs guest code, while the calling thread is its process's only
+/// one (on v1 only the calling thread moves; threads started afterwards follow it).
 pub(crate) fn place_self(placement: &Placement) -> std::io::Result<()> {
-    for path in &placement.procs {
+    for path in &placement.files {
         std::fs::write(path, "0")
             .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
     }

@@ -257,13 +257,10 @@ fn run_clone(
     let identity;
     match &plan.start {
         Start::Now(id) => {
-            // Moving into a v1 cgroup waits in the kernel (the cgroup core's
-            // thread-group lock): a second thread does it while this one rebuilds the
-            // VM, and the vCPUs start only after it is done.
-            let placing = id
-                .cgroup
-                .clone()
-                .map(|p| std::thread::spawn(move || place_self(&p)));
+            // First, while this is the process's only thread (see place_self).
+            if let Some(p) = &id.cgroup {
+                place_self(p).map_err(ChildError::Cgroup)?;
+            }
             state = advanced(plan.state);
             if let Some((vcpu, value)) = id.guest_result {
                 if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
@@ -271,11 +268,6 @@ fn run_clone(
                 }
             }
             prepared = prepare(&state, plan.mem)?;
-            if let Some(t) = placing {
-                t.join()
-                    .unwrap_or_else(|_| Err(std::io::Error::other("placement thread panicked")))
-                    .map_err(ChildError::Cgroup)?;
-            }
             identity = Identity::clone(id);
         }
         Start::Warm { go, cgroup } => {

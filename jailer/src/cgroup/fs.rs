@@ -6,6 +6,7 @@
 //! creates the interface files there, [`CgroupFs::create`] writes them with the
 //! kernel's defaults and [`CgroupFs::remove`] deletes them.
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use super::{CgroupError, ResourceClass, Usage};
@@ -47,6 +48,8 @@ pub struct CgroupFs {
     root: PathBuf,
     parent: String,
     fake: bool,
+    /// v1: the controllers mounted (looked up once: the clone path asks often).
+    controllers: Vec<&'static str>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
@@ -111,11 +114,17 @@ impl CgroupFs {
                 )))
             }
         };
+        let controllers = V1_CONTROLLERS
+            .iter()
+            .copied()
+            .filter(|c| version == CgroupVersion::V1 && root.join(c).is_dir())
+            .collect();
         Ok(Self {
             version,
             root,
             parent: parent.to_string(),
             fake: false,
+            controllers,
         })
     }
 
@@ -126,6 +135,7 @@ impl CgroupFs {
             root: root.to_path_buf(),
             parent: parent.to_string(),
             fake: true,
+            controllers: V1_CONTROLLERS.to_vec(),
         };
         for dir in fs.parent_dirs() {
             std::fs::create_dir_all(&dir).map_err(io(&dir))?;
@@ -142,11 +152,10 @@ impl CgroupFs {
     fn parent_dirs(&self) -> Vec<PathBuf> {
         match self.version {
             CgroupVersion::V2 => vec![self.root.join(&self.parent)],
-            CgroupVersion::V1 => V1_CONTROLLERS
+            CgroupVersion::V1 => self
+                .controllers
                 .iter()
-                .map(|c| self.root.join(c))
-                .filter(|d| self.fake || d.is_dir())
-                .map(|d| d.join(&self.parent))
+                .map(|c| self.root.join(c).join(&self.parent))
                 .collect(),
         }
     }
@@ -174,7 +183,7 @@ impl CgroupFs {
 
     /// Opens the v2 directory of `name` for `clone3(CLONE_INTO_CGROUP)` (see
     /// [`super::fork_into`]); None on v1.
-    pub fn open_v2_dir(&self, name: &str) -> Result<Option<std::os::fd::OwnedFd>, CgroupError> {
+    pub fn open_v2_dir(&self, name: &str) -> Result<Option<OwnedFd>, CgroupError> {
         use std::os::unix::fs::OpenOptionsExt;
         let Some(path) = self.v2_dir(name) else {
             return Ok(None);
@@ -253,6 +262,15 @@ impl CgroupFs {
     /// Whether cgroup `name` exists in every hierarchy.
     pub fn exists(&self, name: &str) -> bool {
         self.dirs(name).iter().all(|d| d.is_dir())
+    }
+
+    /// Whether cgroup `name`'s directory exists in the first hierarchy: one `stat`, for
+    /// the clone path (each costs ~10 us here). A cgroup removed from another
+    /// hierarchy only is found when its clone cannot enter it.
+    pub fn exists_in_first(&self, name: &str) -> bool {
+        self.parent_dirs()
+            .first()
+            .is_some_and(|p| p.join(name).is_dir())
     }
 
     /// Creates cgroup `name` (and the forkvm parent if needed) with `class`'s limits.
@@ -501,6 +519,21 @@ impl CgroupFs {
             CgroupVersion::V2 => "cgroup.procs",
         };
         self.dirs(name).into_iter().map(|d| d.join(file)).collect()
+    }
+
+    /// [`CgroupFs::self_move_files`] opened for writing (close-on-exec), so a clone can
+    /// move itself in without opening them on its way.
+    pub fn open_self_move_files(&self, name: &str) -> Result<Vec<OwnedFd>, CgroupError> {
+        self.self_move_files(name)
+            .into_iter()
+            .map(|path| {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .map(OwnedFd::from)
+                    .map_err(io(&path))
+            })
+            .collect()
     }
 
     /// Moves process `pid` into cgroup `name` in every hierarchy.

@@ -186,6 +186,11 @@ impl CgroupPool {
         }
     }
 
+    /// Names of the idle cgroups, next to be taken first.
+    pub fn idle_names(&self) -> Vec<String> {
+        self.lock().idle.iter().map(|i| i.name.clone()).collect()
+    }
+
     fn total(st: &State) -> usize {
         st.idle.len() + st.in_use.len()
     }
@@ -223,10 +228,10 @@ impl CgroupPool {
         };
         let mut st = self.lock();
         loop {
-            // The clone path: only a stat per hierarchy here. Emptiness and
-            // accounting were settled when the cgroup became idle.
+            // The clone path: only a stat of the first hierarchy's directory here.
+            // Emptiness and accounting were settled when the cgroup became idle.
             while let Some(idle) = st.idle.pop_front() {
-                if !self.fs.exists(&idle.name) {
+                if !self.fs.exists_in_first(&idle.name) {
                     // Removed behind our back: the refill replaces it.
                     st.stats.vanished += 1;
                     continue;

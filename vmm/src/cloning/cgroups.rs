@@ -19,8 +19,9 @@
 //! cgroup (a request naming a class on a clone is refused).
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 pub(crate) use jailer::cgroup::fork_into;
@@ -79,6 +80,11 @@ pub(crate) struct Placement {
     /// The files the child's only thread writes "0" to (v1 `tasks`, v2
     /// `cgroup.procs`); empty when it is born inside (`clone3(CLONE_INTO_CGROUP)`).
     pub files: Vec<PathBuf>,
+    /// The same files opened ahead by the parent and inherited (a clone forked on
+    /// request; empty for a warm clone's launch message): writing them spares the
+    /// clone opening each file on its way. A path is used when its file fails.
+    #[serde(skip)]
+    pub fds: Vec<RawFd>,
 }
 
 /// A clone's cgroup, as `GET /clones` reports it.
@@ -101,6 +107,8 @@ pub(crate) struct Taken {
     lease: Lease,
     /// The v2 directory, open for `clone3(CLONE_INTO_CGROUP)`.
     pub dir: Option<OwnedFd>,
+    /// v1: its files the clone moves itself in with, when opened ahead.
+    files: Vec<OwnedFd>,
 }
 
 /// The pools of one VMM and the cgroups its clones hold.
@@ -110,6 +118,13 @@ pub struct ClonePools {
     /// Cgroups of live clones, by pid.
     leases: HashMap<i32, (usize, Lease)>,
     last_upkeep: Instant,
+    /// Files of idle cgroups opened ahead, by name (v2: the directory for clone3; v1:
+    /// the files a clone moves itself in with), so that neither the parent nor the
+    /// clone opens them on the clone path.
+    opened: Mutex<HashMap<String, Vec<OwnedFd>>>,
+    /// Files of cgroups taken by clones forked since, closed after the parent resumed
+    /// (closing a cgroup file costs microseconds the clone path need not wait for).
+    spent: Vec<OwnedFd>,
 }
 
 impl ClonePools {
@@ -135,6 +150,8 @@ impl ClonePools {
             pools: Vec::with_capacity(cfg.classes.len()),
             leases: HashMap::new(),
             last_upkeep: Instant::now(),
+            opened: Mutex::new(HashMap::new()),
+            spent: Vec::new(),
         };
         for (name, class) in &cfg.classes {
             let pool = CgroupPool::new(made.fs.clone(), name, class.clone(), pool_cfg).map_err(
@@ -145,6 +162,7 @@ impl ClonePools {
             )?;
             made.pools.push(pool);
         }
+        made.open_ahead();
         tracing::info!(
             "cgroup pools ({:?}) under {parent}: {}",
             made.fs.version(),
@@ -183,18 +201,67 @@ impl ClonePools {
     pub(crate) fn take(&self, class: Option<&str>) -> Result<Taken, PlacementError> {
         let pool = self.class_index(class)?;
         let lease = self.pools[pool].acquire()?;
-        let dir = match self.fs.open_v2_dir(&lease.name) {
-            Ok(dir) => dir,
+        let ahead = self.opened_files().remove(&lease.name);
+        let opened = match (ahead, self.fs.version()) {
+            (Some(files), _) => Ok(files),
+            (None, CgroupVersion::V2) => self
+                .fs
+                .open_v2_dir(&lease.name)
+                .map(|d| d.into_iter().collect()),
+            // v1: the clone opens the paths itself.
+            (None, CgroupVersion::V1) => Ok(Vec::new()),
+        };
+        let mut files = match opened {
+            Ok(files) => files,
             Err(e) => {
                 self.give_back(Taken {
                     pool,
                     lease,
                     dir: None,
+                    files: Vec::new(),
                 });
                 return Err(PlacementError::Open(e));
             }
         };
-        Ok(Taken { pool, lease, dir })
+        let dir = match self.fs.version() {
+            CgroupVersion::V2 => files.pop(),
+            CgroupVersion::V1 => None,
+        };
+        Ok(Taken {
+            pool,
+            lease,
+            dir,
+            files,
+        })
+    }
+
+    fn opened_files(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<OwnedFd>>> {
+        self.opened.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Opens the files of every idle cgroup that has none open yet and closes those of
+    /// cgroups no longer idle (off the clone path: at start, after upkeep and after a
+    /// clone's cgroup comes back). A cgroup whose files cannot be opened is left to be
+    /// opened when taken.
+    fn open_ahead(&self) {
+        let idle: Vec<String> = self.pools.iter().flat_map(CgroupPool::idle_names).collect();
+        let mut opened = self.opened_files();
+        opened.retain(|name, _| idle.contains(name));
+        for name in idle {
+            if opened.contains_key(&name) {
+                continue;
+            }
+            let files = match self.fs.version() {
+                CgroupVersion::V2 => self.fs.open_v2_dir(&name).map(|d| d.into_iter().collect()),
+                CgroupVersion::V1 => self.fs.open_self_move_files(&name),
+            };
+            match files {
+                Ok(files) => {
+                    opened.insert(name, files);
+                }
+                Err(e) => tracing::debug!("cgroup {name}: opening ahead: {e}"),
+            }
+        }
     }
 
     /// What the child is told (nothing to do when it is born inside, v2) and what
@@ -207,6 +274,7 @@ impl ClonePools {
             } else {
                 self.fs.self_move_files(&taken.lease.name)
             },
+            fds: taken.files.iter().map(AsRawFd::as_raw_fd).collect(),
         };
         let shown = CloneCgroup {
             class: self.pools[taken.pool].class_name().to_string(),
@@ -226,23 +294,33 @@ impl ClonePools {
         if let Err(e) = self.pools[taken.pool].release(taken.lease) {
             tracing::warn!("cgroup pool: {e}");
         }
+        self.open_ahead();
     }
 
     /// Records that clone `pid` holds `taken`.
     pub(crate) fn started(&mut self, pid: i32, taken: Taken) {
+        self.spent.extend(taken.dir);
+        self.spent.extend(taken.files);
         self.leases.insert(pid, (taken.pool, taken.lease));
+    }
+
+    /// Closes the files of cgroups taken by clones forked since the last call.
+    pub(crate) fn close_spent(&mut self) {
+        self.spent.clear();
     }
 
     /// Clone `pid` is gone (reaped): its cgroup goes back to the pool. Returns its usage.
     pub(crate) fn exited(&mut self, pid: i32) -> Option<Usage> {
         let (pool, lease) = self.leases.remove(&pid)?;
-        match self.pools[pool].release(lease) {
+        let usage = match self.pools[pool].release(lease) {
             Ok(u) => Some(u),
             Err(e) => {
                 tracing::warn!("cgroup of clone pid {pid}: {e}");
                 None
             }
-        }
+        };
+        self.open_ahead();
+        usage
     }
 
     /// What clone `pid` has used so far.
@@ -253,6 +331,7 @@ impl ClonePools {
 
     /// Refills and shrinks the pools when `UPKEEP_PERIOD` has passed (event loop).
     pub(crate) fn upkeep(&mut self) {
+        self.close_spent();
         if self.upkeep_due_in() != Some(Duration::ZERO) {
             return;
         }
@@ -262,6 +341,7 @@ impl ClonePools {
                 tracing::warn!("cgroup pool {}: {e}", p.class_name());
             }
         }
+        self.open_ahead();
     }
 
     /// Time until the next upkeep is due; None while no pool needs one (the event
@@ -311,13 +391,72 @@ impl Drop for ClonePools {
     }
 }
 
-/// Moves the calling process into a cgroup by writing "0" to each of its files. Called
-/// by a clone before it runs guest code, while the calling thread is its process's only
-/// one (on v1 only the calling thread moves; threads started afterwards follow it).
+/// Moves the calling process into a cgroup by writing "0" to each of its files (the
+/// inherited ones first; each is closed after). Called by a clone before it runs guest
+/// code, while the calling thread is its process's only one (on v1 only the calling
+/// thread moves; threads started afterwards follow it).
 pub(crate) fn place_self(placement: &Placement) -> std::io::Result<()> {
-    for path in &placement.files {
-        std::fs::write(path, "0")
-            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    let mut result = Ok(());
+    for (i, path) in placement.files.iter().enumerate() {
+        if let Some(&fd) = placement.fds.get(i) {
+            // SAFETY: `fd` is an inherited descriptor of this placement, written once and
+            // closed here; nothing else in the clone uses it.
+            let wrote = unsafe {
+                let n = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                n == 1
+            };
+            if wrote {
+                continue;
+            }
+        }
+        if result.is_ok() {
+            result = std::fs::write(path, "0")
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())));
+        }
     }
-    Ok(())
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::IntoRawFd;
+
+    #[test]
+    fn place_self_writes_the_inherited_files_and_falls_back_to_the_paths() {
+        let dir = std::env::temp_dir().join(format!("forkvm-place-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (a, b, ro) = (dir.join("a"), dir.join("b"), dir.join("ro"));
+        for f in [&a, &b, &ro] {
+            std::fs::write(f, "").unwrap();
+        }
+        let open = |p: &PathBuf, write: bool| {
+            std::fs::OpenOptions::new()
+                .read(!write)
+                .write(write)
+                .open(p)
+                .unwrap()
+                .into_raw_fd()
+        };
+        // The first file is written through its descriptor (its path does not exist);
+        // the second's descriptor cannot be written, so its path is.
+        let placement = Placement {
+            files: vec![dir.join("missing/a"), b.clone()],
+            fds: vec![open(&a, true), open(&ro, false)],
+        };
+        place_self(&placement).unwrap();
+        assert_eq!(std::fs::read_to_string(&a).unwrap(), "0");
+        assert_eq!(std::fs::read_to_string(&b).unwrap(), "0");
+        assert_eq!(std::fs::read_to_string(&ro).unwrap(), "");
+
+        // Without descriptors, a path that cannot be written is an error naming it.
+        let err = place_self(&Placement {
+            files: vec![dir.join("missing/a")],
+            fds: Vec::new(),
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("missing/a"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -169,8 +169,9 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
             .map(|o| std::os::fd::AsRawFd::as_raw_fd(&o.file)),
     );
     keep.push(plan.ready);
-    if let Start::Warm { go, .. } = plan.start {
-        keep.push(go);
+    match &plan.start {
+        Start::Warm { go, .. } => keep.push(*go),
+        Start::Now(id) => keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied())),
     }
     close_all_but(&keep);
     // SAFETY: the ready pipe's write end, kept open above, owned from here on.
@@ -260,6 +261,7 @@ fn run_clone(
             // First, while this is the process's only thread (see place_self).
             if let Some(p) = &id.cgroup {
                 place_self(p).map_err(ChildError::Cgroup)?;
+                mark("placed", started);
             }
             state = advanced(plan.state);
             if let Some((vcpu, value)) = id.guest_result {
@@ -282,6 +284,7 @@ fn run_clone(
             mark("go", started);
             if let Some(p) = &id.cgroup {
                 place_self(p).map_err(ChildError::Cgroup)?;
+                mark("placed", started);
             }
             state = advanced(plan.state);
             for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {

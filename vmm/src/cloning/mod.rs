@@ -626,6 +626,9 @@ impl Microvm {
                 tracing::error!("resuming after cloning failed: {e}");
             }
         }
+        if let Some(pools) = self.cgroups.as_mut() {
+            pools.close_spent();
+        }
         tracing::debug!(
             "clone: paused {} us, captured {} us, forked {} us, resumed {} us (cumulative)",
             t_pause.as_micros(),

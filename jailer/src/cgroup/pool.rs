@@ -295,7 +295,11 @@ impl CgroupPool {
         self.released.notify_one();
         let name = lease.name;
         if !self.fs.exists(&name) {
+            // Gone from at least one hierarchy: what is left elsewhere goes too.
             st.stats.vanished += 1;
+            if let Err(e) = self.fs.remove(&name) {
+                tracing::warn!("cgroup {name} (vanished in part): {e}");
+            }
             return Ok(Usage::default());
         }
         if !self.fs.procs(&name)?.is_empty() {
@@ -625,6 +629,15 @@ mod tests {
         let l = pool.acquire().unwrap();
         assert_ne!(l.name, first);
         assert_eq!(pool.stats().vanished, 1);
+        // One removed from a hierarchy other than the first is taken (a take looks at
+        // the first only); at release the rest of it is removed too.
+        let next = pool.acquire().unwrap();
+        std::fs::remove_dir_all(root.0.join("memory/forkvm").join(&next.name)).unwrap();
+        let gone = next.name.clone();
+        assert_eq!(pool.release(next).unwrap(), Usage::default());
+        assert_eq!(pool.stats().vanished, 2);
+        assert!(!pool.fs().list().unwrap().contains(&gone));
+        assert!(!root.0.join("pids/forkvm").join(&gone).exists());
         // Everything goes: destroy, then cleanup removes the parent.
         pool.destroy().unwrap();
         assert!(pool.fs().list().unwrap().is_empty());

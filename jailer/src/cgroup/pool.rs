@@ -186,7 +186,7 @@ impl CgroupPool {
         }
     }
 
-    /// Names of the idle cgroups, next to be taken first.
+    /// Names of the idle cgroups, the next to be taken first.
     pub fn idle_names(&self) -> Vec<String> {
         self.lock().idle.iter().map(|i| i.name.clone()).collect()
     }

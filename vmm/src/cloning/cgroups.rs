@@ -118,9 +118,9 @@ pub struct ClonePools {
     /// Cgroups of live clones, by pid.
     leases: HashMap<i32, (usize, Lease)>,
     last_upkeep: Instant,
-    /// Files of idle cgroups opened ahead, by name (v2: the directory for clone3; v1:
-    /// the files a clone moves itself in with), so that neither the parent nor the
-    /// clone opens them on the clone path.
+    /// Files of the cgroup each pool hands out next, opened ahead, by name (v2: the
+    /// directory for clone3; v1: the files a clone moves itself in with), so that
+    /// neither the parent nor the clone opens them on the clone path.
     opened: Mutex<HashMap<String, Vec<OwnedFd>>>,
     /// Files of cgroups taken by clones forked since, closed after the parent resumed
     /// (closing a cgroup file costs microseconds the clone path need not wait for).
@@ -239,12 +239,17 @@ impl ClonePools {
         self.opened.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Opens the files of every idle cgroup that has none open yet and closes those of
-    /// cgroups no longer idle (off the clone path: at start, after upkeep and after a
-    /// clone's cgroup comes back). A cgroup whose files cannot be opened is left to be
-    /// opened when taken.
+    /// Opens the files of the cgroup each pool hands out next, and closes those of
+    /// cgroups no longer next (off the clone path: at start, after upkeep and after a
+    /// clone's cgroup comes back). Only the next: every clone inherits all of them and
+    /// closes those it does not use, each close costing the clone microseconds. A
+    /// cgroup whose files cannot be opened is left to be opened when taken.
     fn open_ahead(&self) {
-        let idle: Vec<String> = self.pools.iter().flat_map(CgroupPool::idle_names).collect();
+        let idle: Vec<String> = self
+            .pools
+            .iter()
+            .filter_map(|p| p.idle_names().into_iter().next())
+            .collect();
         let mut opened = self.opened_files();
         opened.retain(|name, _| idle.contains(name));
         for name in idle {

@@ -33,7 +33,7 @@ use crate::device_manager::{DeviceError, DeviceManager};
 use crate::microvm::{HostReport, Microvm, VmState};
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
 use crate::vstate::memory::{create_guest_memory, MemoryError};
-use crate::vstate::vcpu::{StartMode, Vcpu, VcpuError, VcpuEvent, VcpuHandle};
+use crate::vstate::vcpu::{FirstEntry, StartMode, Vcpu, VcpuError, VcpuEvent, VcpuHandle};
 use crate::vstate::vm::{create_vm, VmError};
 
 /// Errors building a microVM, one per stage.
@@ -230,11 +230,11 @@ pub(crate) struct StartedVcpus {
     pub(crate) exit_evt: EventFd,
 }
 
-/// Stage 9: one thread per vCPU. `ready` goes to vCPU 0 (see [`Vcpu::start`]).
+/// Stage 9: one thread per vCPU. `first_entry` goes to vCPU 0 (see [`Vcpu::start`]).
 pub(crate) fn start_vcpus(
     vcpus: Vec<Vcpu>,
     devices: &DeviceManager,
-    mut ready: Option<std::fs::File>,
+    mut first_entry: Option<FirstEntry>,
 ) -> Result<StartedVcpus, BuildError> {
     let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd)?;
     let (event_tx, events) = channel();
@@ -246,7 +246,7 @@ pub(crate) fn start_vcpus(
             devices.mmio.clone(),
             event_tx.clone(),
             evt,
-            ready.take(),
+            first_entry.take(),
         )?);
     }
     Ok(StartedVcpus {

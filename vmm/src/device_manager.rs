@@ -253,6 +253,30 @@ impl DeviceManager {
             .collect()
     }
 
+    /// Whether a writable disk has no spare overlay file made for the next clone.
+    pub fn wants_spare_overlays(&self) -> bool {
+        self.overlays.iter().flatten().any(|o| {
+            o.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .wants_spare()
+                .is_some()
+        })
+    }
+
+    /// Makes each writable disk's spare overlay file for the next clone (off the clone
+    /// path; the file is made without holding the overlay). A failure is logged: the
+    /// next clone then makes its own file, as without a spare.
+    pub fn make_spare_overlays(&self) {
+        for o in self.overlays.iter().flatten() {
+            let wanted = o.lock().unwrap_or_else(|p| p.into_inner()).wants_spare();
+            let Some((dir, size)) = wanted else { continue };
+            match Overlay::new_spare(&dir, size) {
+                Ok(f) => o.lock().unwrap_or_else(|p| p.into_inner()).set_spare(f),
+                Err(e) => tracing::warn!("spare overlay file: {e}"),
+            }
+        }
+    }
+
     /// Descriptors of the open disk images (kept open across fork for clones).
     pub fn disk_fds(&self) -> &[RawFd] {
         &self.disk_fds

@@ -133,8 +133,10 @@ pub struct Microvm {
     pub(crate) pending_events: std::collections::VecDeque<(u8, VcpuEvent)>,
 }
 
-/// How long after a clone request the event loop waits before forking a warm clone.
-const WARM_REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(5);
+/// How long after a clone request the event loop waits before preparing the next clone
+/// (forking a warm clone, making spare overlay files): work done at once would compete
+/// with the clone just made and with the answer to its request.
+pub(crate) const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(5);
 
 const TOKEN_RESET: u64 = 1;
 const TOKEN_VCPU_EXIT: u64 = 2;
@@ -418,11 +420,15 @@ impl Microvm {
             // being written by the API thread, would wait for it.
             let mut timeout = if self.wants_warm_clone() {
                 let since = self.warm.since_last_launch();
-                WARM_REFILL_DELAY.saturating_sub(since).as_millis() as i32
+                REFILL_DELAY.saturating_sub(since).as_millis() as i32
             } else {
                 -1
             };
-            if let Some(due) = self.cgroups.as_ref().and_then(|c| c.upkeep_due_in()) {
+            let due = [
+                self.cgroups.as_ref().and_then(|c| c.upkeep_due_in()),
+                self.spares_due_in(),
+            ];
+            for due in due.into_iter().flatten() {
                 let due = due.as_millis() as i32;
                 timeout = if timeout < 0 { due } else { timeout.min(due) };
             }
@@ -431,8 +437,11 @@ impl Microvm {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(RunError::EventLoop(e)),
             };
-            if self.wants_warm_clone() && self.warm.since_last_launch() >= WARM_REFILL_DELAY {
+            if self.wants_warm_clone() && self.warm.since_last_launch() >= REFILL_DELAY {
                 self.add_warm_clone();
+            }
+            if self.spares_due_in() == Some(std::time::Duration::ZERO) {
+                self.make_spares();
             }
             if let Some(c) = self.cgroups.as_mut() {
                 c.upkeep();

@@ -162,6 +162,16 @@ pub enum StartMode {
     WaitForSipi,
 }
 
+/// Where a clone's vCPU 0 reports that it is about to enter the guest for the first time.
+pub struct FirstEntry {
+    /// The parent's ready pipe: gets the CLOCK_MONOTONIC time in nanoseconds (8 bytes),
+    /// then is closed.
+    pub pipe: std::fs::File,
+    /// Then told: the clone's main thread waits for it before the rest of its start-up,
+    /// so that the vCPU has a CPU first.
+    pub entered: std::sync::mpsc::SyncSender<()>,
+}
+
 /// A created, configured vCPU that has not started running.
 pub struct Vcpu {
     id: u8,
@@ -271,15 +281,15 @@ impl Vcpu {
     }
 
     /// Starts the vCPU thread. It reports its final exit on `exits` and signals
-    /// `exit_evt`. With `ready`, the thread writes the CLOCK_MONOTONIC time in
-    /// nanoseconds (8 bytes) to it just before it first enters the guest, then closes it.
+    /// `exit_evt`. With `first_entry`, the thread reports there just before it first
+    /// enters the guest.
     pub fn start(
         mut self,
         pio: Bus,
         mmio: Bus,
         events: Sender<(u8, VcpuEvent)>,
         event_evt: EventFd,
-        ready: Option<std::fs::File>,
+        first_entry: Option<FirstEntry>,
     ) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler()?;
         let id = self.id;
@@ -290,9 +300,11 @@ impl Vcpu {
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
-                if let Some(mut f) = ready {
+                if let Some(FirstEntry { mut pipe, entered }) = first_entry {
                     use std::io::Write;
-                    let _ = f.write_all(&monotonic_ns().to_le_bytes());
+                    let _ = pipe.write_all(&monotonic_ns().to_le_bytes());
+                    drop(pipe);
+                    let _ = entered.send(());
                 }
                 let reason = self.run_loop(&pio, &mmio, &cmd_rx, &reply_tx, &events, &event_evt);
                 let _ = events.send((id, VcpuEvent::Exited(reason)));

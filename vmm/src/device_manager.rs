@@ -253,25 +253,31 @@ impl DeviceManager {
             .collect()
     }
 
-    /// Whether a writable disk has no spare overlay file made for the next clone.
+    /// Whether a writable disk may have no spare overlay file made for the next clone.
+    /// The event loop asks: an overlay its disk's worker holds (during a request, a
+    /// flush may take milliseconds) is not waited for and counts as wanting one.
     pub fn wants_spare_overlays(&self) -> bool {
-        self.overlays.iter().flatten().any(|o| {
-            o.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .wants_spare()
-                .is_some()
-        })
+        self.overlays
+            .iter()
+            .flatten()
+            .any(|o| o.try_lock().map_or(true, |o| o.wants_spare().is_some()))
     }
 
     /// Makes each writable disk's spare overlay file for the next clone (off the clone
-    /// path; the file is made without holding the overlay). A failure is logged: the
-    /// next clone then makes its own file, as without a spare.
+    /// path; the file is made without holding the overlay, and an overlay its worker
+    /// holds is skipped rather than waited for: its next clone makes its own file). A
+    /// failure is logged, with the same effect.
     pub fn make_spare_overlays(&self) {
         for o in self.overlays.iter().flatten() {
-            let wanted = o.lock().unwrap_or_else(|p| p.into_inner()).wants_spare();
-            let Some((dir, size)) = wanted else { continue };
+            let Some((dir, size)) = o.try_lock().ok().and_then(|o| o.wants_spare()) else {
+                continue;
+            };
             match Overlay::new_spare(&dir, size) {
-                Ok(f) => o.lock().unwrap_or_else(|p| p.into_inner()).set_spare(f),
+                Ok(f) => {
+                    if let Ok(mut o) = o.try_lock() {
+                        o.set_spare(f);
+                    }
+                }
                 Err(e) => tracing::warn!("spare overlay file: {e}"),
             }
         }

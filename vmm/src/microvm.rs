@@ -138,6 +138,12 @@ pub struct Microvm {
 /// with the clone just made and with the answer to its request.
 pub(crate) const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(5);
 
+/// An epoll timeout for `d`, rounded up: rounded down, the loop would wake before the
+/// time and spin with timeout 0 until it.
+fn wait_ms(d: std::time::Duration) -> i32 {
+    i32::try_from(d.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
+}
+
 const TOKEN_RESET: u64 = 1;
 const TOKEN_VCPU_EXIT: u64 = 2;
 const TOKEN_API: u64 = 3;
@@ -420,7 +426,7 @@ impl Microvm {
             // being written by the API thread, would wait for it.
             let mut timeout = if self.wants_warm_clone() {
                 let since = self.warm.since_last_launch();
-                REFILL_DELAY.saturating_sub(since).as_millis() as i32
+                wait_ms(REFILL_DELAY.saturating_sub(since))
             } else {
                 -1
             };
@@ -429,7 +435,7 @@ impl Microvm {
                 self.spares_due_in(),
             ];
             for due in due.into_iter().flatten() {
-                let due = due.as_millis() as i32;
+                let due = wait_ms(due);
                 timeout = if timeout < 0 { due } else { timeout.min(due) };
             }
             let n = match epoll.wait(timeout, &mut events) {

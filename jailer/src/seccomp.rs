@@ -24,7 +24,7 @@ use seccompiler::{apply_filter, sock_filter};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ThreadKind {
     /// The VMM's main thread: event loop, control requests, forking clones and, in a
-    /// clone, rebuilding the VM (also the cgroup placement thread it spawns).
+    /// clone, moving itself into its cgroup and rebuilding the VM.
     Vmm,
     /// The control socket's thread.
     Api,

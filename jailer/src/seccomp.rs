@@ -124,6 +124,9 @@ const COMMON: &[i64] = &[
     libc::SYS_restart_syscall,
     libc::SYS_getrandom,
     libc::SYS_write,
+    // glibc's report of a fatal error it detects (heap corruption, a failed check) goes
+    // to stderr with writev (main sets LIBC_FATAL_STDERR_), then abort.
+    libc::SYS_writev,
     libc::SYS_close,
     libc::SYS_fcntl,
 ];

@@ -603,7 +603,7 @@ fn probe(args: &str) -> (Option<i32>, Option<i32>, String) {
     (
         out.status.code(),
         out.status.signal(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
     )
 }
 
@@ -651,4 +651,12 @@ fn a_syscall_outside_the_filter_kills_the_process_or_thread() {
         "{out}"
     );
     assert!(out.contains("thread finished"), "{out}");
+    // A fatal error glibc detects (here a double free) is reported on stderr under
+    // every filter and ends the process with SIGABRT: not a silent SIGSYS for opening
+    // /dev/tty or calling writev, as it was for a VMM killed in its virtio-blk worker.
+    for kind in ["vmm", "api", "vcpu", "device"] {
+        let (code, sig, out) = probe(&format!("{kind} kill glibc-fatal thread"));
+        assert_eq!((code, sig), (None, Some(libc::SIGABRT)), "{kind}: {out}");
+        assert!(out.contains("double free"), "{kind}: {out}");
+    }
 }

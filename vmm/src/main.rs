@@ -331,6 +331,11 @@ fn raise_nofile_limit() {
 }
 
 fn main() -> ExitCode {
+    // glibc reports a fatal error it detects (heap corruption, a failed check) on
+    // /dev/tty unless this is set: opening it is outside every thread's seccomp filter,
+    // so the process died of SIGSYS without a word. With it, the message goes to stderr.
+    // Set before any thread exists.
+    std::env::set_var("LIBC_FATAL_STDERR_", "1");
     let cli = Cli::parse();
     raise_nofile_limit();
     if let Err(e) = init_logging(&cli.log_level) {

@@ -1,7 +1,8 @@
 //! Test helper: installs one of the VMM's seccomp filters and makes one system call.
 //!
 //! `seccomp_probe KIND MODE SYSCALL WHERE`: KIND vmm|api|vcpu|device, MODE kill|
-//! kill-thread|log, SYSCALL getpid|socket|inet-socket|clone3, WHERE main|thread (the filter and the
+//! kill-thread|log, SYSCALL getpid|socket|inet-socket|clone3|glibc-fatal, WHERE main|thread
+//! (glibc-fatal: a double free, which glibc detects, reports and aborts on; the filter and the
 //! call on the main thread, or on a second thread: then the main thread prints `thread
 //! finished` or, when it never reports back, `thread gone`). Prints what the call
 //! returned, then `main survived`, and exits 0; a filter that kills the process ends
@@ -22,6 +23,14 @@ fn call(kind: ThreadKind, mode: SeccompMode, syscall: &str) {
             "socket" => libc::syscall(libc::SYS_socket, libc::AF_UNIX, libc::SOCK_STREAM, 0),
             "inet-socket" => libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM, 0),
             "clone3" => libc::syscall(libc::SYS_clone3, std::ptr::null::<u8>(), 0usize),
+            // Deliberately freed twice: glibc's check catches it before anything is
+            // reused, reports it and aborts (how the VMM would meet heap corruption).
+            "glibc-fatal" => {
+                let p = libc::malloc(32);
+                libc::free(p);
+                libc::free(p);
+                0
+            }
             _ => {
                 eprintln!("probe: unknown syscall {syscall}");
                 std::process::exit(2);
@@ -33,6 +42,8 @@ fn call(kind: ThreadKind, mode: SeccompMode, syscall: &str) {
 }
 
 fn main() {
+    // As the VMM does (vmm/src/main.rs): glibc's fatal-error report goes to stderr.
+    std::env::set_var("LIBC_FATAL_STDERR_", "1");
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [kind, mode, syscall, place] = args.as_slice() else {
         eprintln!("usage: seccomp_probe KIND MODE SYSCALL main|thread");

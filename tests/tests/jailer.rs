@@ -653,7 +653,7 @@ fn a_syscall_outside_the_filter_kills_the_process_or_thread() {
     assert!(out.contains("thread finished"), "{out}");
     // A fatal error glibc detects (here a double free) is reported on stderr under
     // every filter and ends the process with SIGABRT: not a silent SIGSYS for opening
-    // /dev/tty or calling writev, as it was for a VMM killed in its virtio-blk worker.
+    // /dev/tty or calling writev.
     for kind in ["vmm", "api", "vcpu", "device"] {
         let (code, sig, out) = probe(&format!("{kind} kill glibc-fatal thread"));
         assert_eq!((code, sig), (None, Some(libc::SIGABRT)), "{kind}: {out}");

@@ -72,7 +72,7 @@ pub struct Overlay {
     dir: PathBuf,
     size: u64,
     present: Vec<u64>,
-    /// An empty file made ahead (see [`Overlay::make_spare`]) for the next snapshot.
+    /// An empty file made ahead (see [`Overlay::wants_spare`]) for the next snapshot.
     spare: Option<File>,
 }
 

@@ -204,10 +204,7 @@ impl ClonePools {
         let ahead = self.opened_files().remove(&lease.name);
         let opened = match (ahead, self.fs.version()) {
             (Some(files), _) => Ok(files),
-            (None, CgroupVersion::V2) => self
-                .fs
-                .open_v2_dir(&lease.name)
-                .map(|d| d.into_iter().collect()),
+            (None, CgroupVersion::V2) => self.open_files(&lease.name),
             // v1: the clone opens the paths itself.
             (None, CgroupVersion::V1) => Ok(Vec::new()),
         };
@@ -239,6 +236,15 @@ impl ClonePools {
         self.opened.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The files of cgroup `name` a clone is placed with: v2, the directory for clone3;
+    /// v1, the files the clone moves itself in with.
+    fn open_files(&self, name: &str) -> Result<Vec<OwnedFd>, jailer::cgroup::CgroupError> {
+        match self.fs.version() {
+            CgroupVersion::V2 => self.fs.open_v2_dir(name).map(|d| d.into_iter().collect()),
+            CgroupVersion::V1 => self.fs.open_self_move_files(name),
+        }
+    }
+
     /// Opens the files of the cgroup each pool hands out next, and closes those of
     /// cgroups no longer next (off the clone path: at start, after upkeep and after a
     /// clone's cgroup comes back). Only the next: every clone inherits all of them and
@@ -256,11 +262,7 @@ impl ClonePools {
             if opened.contains_key(&name) {
                 continue;
             }
-            let files = match self.fs.version() {
-                CgroupVersion::V2 => self.fs.open_v2_dir(&name).map(|d| d.into_iter().collect()),
-                CgroupVersion::V1 => self.fs.open_self_move_files(&name),
-            };
-            match files {
+            match self.open_files(&name) {
                 Ok(files) => {
                     opened.insert(name, files);
                 }

@@ -424,20 +424,13 @@ impl Microvm {
             // Warm clones are added a moment after the last clone request: fork()
             // holds this process's memory map, so the answer to that request, still
             // being written by the API thread, would wait for it.
-            let mut timeout = if self.wants_warm_clone() {
-                let since = self.warm.since_last_launch();
-                wait_ms(REFILL_DELAY.saturating_sub(since))
-            } else {
-                -1
-            };
             let due = [
+                self.wants_warm_clone()
+                    .then(|| REFILL_DELAY.saturating_sub(self.warm.since_last_launch())),
                 self.cgroups.as_ref().and_then(|c| c.upkeep_due_in()),
                 self.spares_due_in(),
             ];
-            for due in due.into_iter().flatten() {
-                let due = wait_ms(due);
-                timeout = if timeout < 0 { due } else { timeout.min(due) };
-            }
+            let timeout = due.into_iter().flatten().min().map_or(-1, wait_ms);
             let n = match epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,

@@ -344,9 +344,20 @@ impl Vm {
         assert!(status.success(), "exit {status}\n{}", self.stderr_text());
     }
 
-    /// One API request: returns (status, body).
+    /// One API request: returns (status, body). If the control socket does not take
+    /// the connection, panics with whether the VMM still runs and its log.
     pub fn api(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-        api_request(&self.sock, method, path, body)
+        let stream = UnixStream::connect(&self.sock).unwrap_or_else(|e| {
+            let pid = self.child.id();
+            let alive = Path::new(&format!("/proc/{pid}")).exists();
+            panic!(
+                "{method} {path}: cannot connect to {}: {e} (VMM {pid} {})\n--- log:\n{}",
+                self.sock.display(),
+                if alive { "still runs" } else { "has exited" },
+                self.stderr_text()
+            )
+        });
+        request_on(stream, &http_request(method, path, body))
     }
 
     fn kill(&mut self) {
@@ -384,19 +395,30 @@ pub fn tiny_vm(scratch: &Scratch, mem_mib: &str, vcpus: &str, cmdline: &str) -> 
     )
 }
 
-/// Sends a raw HTTP request over a Unix socket and returns (status, body).
-pub fn api_request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+/// One HTTP request's bytes.
+fn http_request(method: &str, path: &str, body: Option<&str>) -> Vec<u8> {
     let body = body.unwrap_or("");
-    let req = format!(
+    format!(
         "{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
-    );
-    raw_request(sock, req.as_bytes())
+    )
+    .into_bytes()
+}
+
+/// Sends a raw HTTP request over a Unix socket and returns (status, body).
+pub fn api_request(sock: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    raw_request(sock, &http_request(method, path, body))
 }
 
 /// Sends raw bytes and returns (status, body).
 pub fn raw_request(sock: &Path, bytes: &[u8]) -> (u16, String) {
-    let mut s = UnixStream::connect(sock).expect("connect API socket");
+    let s = UnixStream::connect(sock)
+        .unwrap_or_else(|e| panic!("connect API socket {}: {e}", sock.display()));
+    request_on(s, bytes)
+}
+
+/// Sends `bytes` on a connected control socket and returns (status, body).
+fn request_on(mut s: UnixStream, bytes: &[u8]) -> (u16, String) {
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     s.write_all(bytes).expect("send request");
     let _ = s.shutdown(std::net::Shutdown::Write);

@@ -336,6 +336,7 @@ fn main() -> ExitCode {
     // so the process died of SIGSYS without a word. With it, the message goes to stderr.
     // Set before any thread exists.
     std::env::set_var("LIBC_FATAL_STDERR_", "1");
+    vmm::sandbox::install_panic_hook();
     let cli = Cli::parse();
     raise_nofile_limit();
     if let Err(e) = init_logging(&cli.log_level) {

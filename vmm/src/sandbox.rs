@@ -3,6 +3,7 @@
 //! A clone inherits the compiled programs with the rest of its memory, so its new
 //! threads only install them.
 
+use std::cell::Cell;
 use std::sync::OnceLock;
 
 use jailer::seccomp::BpfProgram;
@@ -28,7 +29,36 @@ pub fn init(mode: SeccompMode) -> Result<(), SeccompError> {
 pub fn enter(kind: ThreadKind) -> Result<(), SeccompError> {
     let i = ThreadKind::ALL.iter().position(|&k| k == kind).unwrap_or(0);
     match PROGRAMS.get().and_then(|all| all[i].as_ref()) {
-        Some(prog) => jailer::seccomp::install(kind, prog),
+        Some(prog) => {
+            jailer::seccomp::install(kind, prog)?;
+            FILTERED.with(|f| f.set(true));
+            Ok(())
+        }
         None => Ok(()),
     }
+}
+
+thread_local! {
+    /// Whether this thread runs under a seccomp filter.
+    static FILTERED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes a panic on a filtered thread report itself in one lock-free `write(2)` and
+/// without a backtrace: symbolizing one opens files, outside every filter, so the
+/// process would die of SIGSYS in the middle of the report (and a forked clone could
+/// block on the stderr lock another thread of its parent held). Threads without a
+/// filter keep the previous hook. For the `vmm` binary; a library user decides.
+pub fn install_panic_hook() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if FILTERED.with(|f| f.get()) {
+            let thread = std::thread::current();
+            crate::logging::raw_eprintln(&format!(
+                "vmm: thread '{}' {info} (no backtrace under seccomp; --seccomp off for one)",
+                thread.name().unwrap_or("<unnamed>")
+            ));
+        } else {
+            previous(info);
+        }
+    }));
 }

@@ -177,22 +177,35 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     // SAFETY: the ready pipe's write end, kept open above, owned from here on.
     let ready = unsafe { File::from_raw_fd(plan.ready) };
     let mut name = String::from("(warm)");
-    let code = match run_clone(&plan, ready, &mut name) {
-        Ok(outcome) => {
+    // A panic must end the clone here: unwinding further would run the destructors of
+    // the parent's objects this process inherited (its control socket's, which removes
+    // the parent's socket file, among them).
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_clone(&plan, ready, &mut name)
+    }));
+    let code = match run {
+        Ok(Ok(outcome)) => {
             if let RunOutcome::Error(msg) = &outcome {
                 raw_eprintln(&format!("vmm: clone {name}: guest stopped: {msg}"));
             }
             outcome.exit_code()
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             raw_eprintln(&format!("vmm: clone {name}: {e}"));
             1
+        }
+        Err(_) => {
+            raw_eprintln(&format!("vmm: clone {name}: panicked (reported above)"));
+            PANIC_EXIT
         }
     };
     // Exit without running the parent's atexit handlers or flushing its stdio buffers.
     // SAFETY: _exit has no preconditions.
     unsafe { libc::_exit(code) }
 }
+
+/// A clone's exit status after a panic on its main thread (as a Rust program's).
+const PANIC_EXIT: i32 = 101;
 
 /// What a clone's control thread writes to the ready pipe once its devices' host sides
 /// and its control socket are up (no CLOCK_MONOTONIC time vCPU 0 writes is this).

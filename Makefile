@@ -26,6 +26,7 @@ test: deps guest build
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace --quiet
 
 bench: deps guest release
 	./benches/boot.sh

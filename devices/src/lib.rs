@@ -1,7 +1,7 @@
 //! Device models for forkvm, with no KVM dependency.
 //!
 //! Devices here are plain state machines driven through a [`bus::Bus`] by the VMM's vCPU
-//! threads. Interrupts leave a device through a [`trigger::Trigger`]-style eventfd that the
+//! threads. Interrupts leave a device through a [`trigger::EventFdTrigger`] (an eventfd) that the
 //! VMM wires to KVM as an irqfd, so nothing here knows about KVM.
 #![deny(missing_docs)]
 

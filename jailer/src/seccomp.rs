@@ -284,18 +284,20 @@ pub fn allowed(kind: ThreadKind) -> Vec<i64> {
 /// `kind`'s filter under `mode` as one BPF program (none when off), compiled here rather
 /// than by seccompiler.
 ///
-/// Installing a filter grows with its length (the kernel checks and compiles it) and a
-/// clone's new threads install theirs. seccompiler emits 4-5 instructions per allowed
-/// call (266 for the vCPU list: about 0.18 ms per install here, +9% clone latency); an
-/// allowlist without argument conditions needs one comparison per call (63 for the vCPU
-/// list, about 0.09 ms). The layout:
+/// Installing a filter costs the time the kernel takes to run it once for every system
+/// call number (it caches which calls are always allowed): 2.2 us per instruction a
+/// call passes through here. seccompiler emits 4-5 instructions per allowed call, tried
+/// one after another (266 for the vCPU list); one comparison per call (76) still cost
+/// 0.13-0.15 ms per install, on the clone path for its vCPU threads. So the calls are
+/// found by binary search: a number passes through about 4 + log2(n/4) + 4 instructions.
 ///
 /// ```text
-///   ld arch; jeq X86_64 ? next : MISMATCH_ARCH
+///   ld arch; jeq X86_64 ? next : BAD_ARCH
 ///   ld nr;   jge X32_BIT ? MISMATCH : next
-///   [jeq clone3 ? ENOSYS : next; jeq clone ? CLONE : next]   (not the VMM thread)
-///   jeq n1 ? ALLOW : next; ... jeq nN ? ALLOW : next
-///   MISMATCH: ret <mode>;  ALLOW: ret allow;  MISMATCH_ARCH: ret kill-process
+///   jge n_mid ? (right half) : (left half)          recursively, down to 4 calls:
+///   jeq n1 ? T1 : next; ... jeq n4 ? T4 : MISMATCH     T: ALLOW, or ENOSYS (clone3),
+///                                                     CLONE, SOCKET (narrow kinds)
+///   MISMATCH: ret <mode>;  ALLOW: ret allow;  BAD_ARCH: ret kill-process
 ///   [ENOSYS: ret errno(ENOSYS);  CLONE: ld args[0] low; jset CLONE_THREAD ? ALLOW : MISMATCH]
 ///   [SOCKET: ld args[0] low; jeq AF_UNIX ? ALLOW : MISMATCH]   (device and vCPU threads)
 /// ```
@@ -309,36 +311,35 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
         SeccompMode::KillThread => RET_KILL_THREAD,
         SeccompMode::Log => RET_LOG,
     };
-    #[derive(Clone, Copy)]
-    enum To {
-        Next,
-        Mismatch,
-        Allow,
-        BadArch,
-        Enosys,
-        Clone,
-        Socket,
-    }
     let threads_only = kind != ThreadKind::Vmm;
     let unix_only = unix_sockets_only(kind);
+    // Where each call with a decision of its own goes: the allowed ones; clone3 answers
+    // ENOSYS where only threads may be made (glibc then uses clone); socket checks the
+    // domain where only Unix sockets may be made.
+    let mut calls: Vec<(u32, To)> = allowed(kind)
+        .into_iter()
+        .map(|n| {
+            let to = match n {
+                libc::SYS_clone if threads_only => To::Clone,
+                _ => To::Allow,
+            };
+            (n as u32, to)
+        })
+        .collect();
+    if threads_only {
+        calls.push((libc::SYS_clone3 as u32, To::Enosys));
+    }
+    if unix_only {
+        calls.push((libc::SYS_socket as u32, To::Socket));
+    }
+    calls.sort_unstable_by_key(|&(nr, _)| nr);
     let mut body: Vec<(u16, To, To, u32)> = vec![
         (LD_W_ABS, To::Next, To::Next, DATA_ARCH),
         (JEQ_K, To::Next, To::BadArch, AUDIT_ARCH_X86_64),
         (LD_W_ABS, To::Next, To::Next, DATA_NR),
         (JGE_K, To::Mismatch, To::Next, X32_SYSCALL_BIT),
     ];
-    if threads_only {
-        body.push((JEQ_K, To::Enosys, To::Next, libc::SYS_clone3 as u32));
-        body.push((JEQ_K, To::Clone, To::Next, libc::SYS_clone as u32));
-    }
-    if unix_only {
-        body.push((JEQ_K, To::Socket, To::Next, libc::SYS_socket as u32));
-    }
-    for n in allowed(kind) {
-        if !(threads_only && n == libc::SYS_clone) {
-            body.push((JEQ_K, To::Allow, To::Next, n as u32));
-        }
-    }
+    search(&calls, &mut body);
     // The targets, in the order they follow the comparisons.
     let at_mismatch = body.len();
     let (at_allow, at_bad_arch, at_enosys, at_clone) = (
@@ -349,11 +350,12 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
     );
     // After the ENOSYS return and the clone block (4 instructions) where they are.
     let at_socket = at_mismatch + if threads_only { 8 } else { 3 };
-    let mut prog = Vec::with_capacity(body.len() + 7);
+    let mut prog = Vec::with_capacity(body.len() + 11);
     for (i, &(code, jt, jf, k)) in body.iter().enumerate() {
         let off = |to: To| -> Result<u8, SeccompError> {
             let target = match to {
                 To::Next => return Ok(0),
+                To::At(at) => at,
                 To::Mismatch => at_mismatch,
                 To::Allow => at_allow,
                 To::BadArch => at_bad_arch,
@@ -395,6 +397,51 @@ pub fn program(kind: ThreadKind, mode: SeccompMode) -> Result<Option<BpfProgram>
         prog.push(ins(RET_K, 0, 0, mismatch));
     }
     Ok(Some(prog))
+}
+
+/// Where a comparison in [`program`] jumps: the next instruction, an instruction of the
+/// search by index, or one of the blocks after it.
+#[derive(Clone, Copy)]
+enum To {
+    Next,
+    At(usize),
+    Mismatch,
+    Allow,
+    BadArch,
+    Enosys,
+    Clone,
+    Socket,
+}
+
+/// The most calls a leaf of the search compares one after another.
+const LEAF_CALLS: usize = 4;
+
+/// Appends the comparisons that send each call number in `calls` (sorted) to its
+/// target and every other number to the mismatch action: `jge` on the middle number
+/// down to [`LEAF_CALLS`] numbers, then one `jeq` each. The accumulator holds the
+/// number.
+fn search(calls: &[(u32, To)], body: &mut Vec<(u16, To, To, u32)>) {
+    if calls.len() <= LEAF_CALLS {
+        for (i, &(nr, to)) in calls.iter().enumerate() {
+            let otherwise = if i + 1 == calls.len() {
+                To::Mismatch
+            } else {
+                To::Next
+            };
+            body.push((JEQ_K, to, otherwise, nr));
+        }
+        if calls.is_empty() {
+            // Nothing allowed: either way to the mismatch action.
+            body.push((JEQ_K, To::Mismatch, To::Mismatch, 0));
+        }
+        return;
+    }
+    let (low, high) = calls.split_at(calls.len() / 2);
+    let split = body.len();
+    body.push((JGE_K, To::Next, To::Next, high[0].0));
+    search(low, body);
+    body[split].1 = To::At(body.len());
+    search(high, body);
 }
 
 const LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS

@@ -461,6 +461,19 @@ const RET_ERRNO: u32 = 0x0005_0000;
 const RET_LOG: u32 = 0x7ffc_0000;
 const RET_ALLOW: u32 = 0x7fff_0000;
 
+/// Keeps glibc's allocator from opening a file under a filter; call it before the first
+/// filter. The first time `free` shrinks a thread's heap (not the main one: any thread
+/// that frees 128 KiB at the top of its heap, such as a device worker at the end of a VM),
+/// glibc reads `/proc/sys/vm/overcommit_memory` once per process to choose how: an
+/// `openat` no thread but the VMM's may make, and the process died of SIGSYS. With a trim
+/// threshold above the largest thread heap (64 MiB) no thread heap is ever shrunk (its
+/// free memory is kept for reuse; wholly free heaps are still unmapped, and allocations
+/// from 128 KiB up are still mapped and unmapped on their own).
+pub fn prepare_libc() {
+    // SAFETY: mallopt only sets a parameter of the allocator.
+    unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30) };
+}
+
 /// Installs `kind`'s filter on the calling thread (nothing when `mode` is off).
 pub fn apply(kind: ThreadKind, mode: SeccompMode) -> Result<(), SeccompError> {
     match program(kind, mode)? {

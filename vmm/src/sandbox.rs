@@ -13,8 +13,12 @@ pub use jailer::seccomp::{SeccompError, SeccompMode, ThreadKind};
 static PROGRAMS: OnceLock<Vec<Option<BpfProgram>>> = OnceLock::new();
 
 /// Compiles every kind's filter for `mode` (the first call wins; a library user that
-/// never calls it gets no filters). Also makes device worker threads install theirs.
+/// never calls it gets no filters) and prepares glibc for them
+/// ([`jailer::seccomp::prepare_libc`]). Also makes device worker threads install theirs.
 pub fn init(mode: SeccompMode) -> Result<(), SeccompError> {
+    if mode != SeccompMode::Off {
+        jailer::seccomp::prepare_libc();
+    }
     let progs = ThreadKind::ALL
         .iter()
         .map(|&k| jailer::seccomp::program(k, mode))

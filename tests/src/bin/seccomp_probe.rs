@@ -1,8 +1,11 @@
 //! Test helper: installs one of the VMM's seccomp filters and makes one system call.
 //!
 //! `seccomp_probe KIND MODE SYSCALL WHERE`: KIND vmm|api|vcpu|device, MODE kill|
-//! kill-thread|log, SYSCALL getpid|socket|inet-socket|clone3|glibc-fatal, WHERE main|thread
-//! (glibc-fatal: a double free, which glibc detects, reports and aborts on; the filter and the
+//! kill-thread|log, SYSCALL getpid|socket|inet-socket|clone3|glibc-fatal|heap-trim|
+//! heap-trim-unprepared, WHERE main|thread
+//! (glibc-fatal: a double free, which glibc detects, reports and aborts on; heap-trim: 2 MiB
+//! allocated in 64 KiB blocks and freed, which shrinks a thread's heap; -unprepared without
+//! `prepare_libc`, which the VMM calls and the probe otherwise calls too; the filter and the
 //! call on the main thread, or on a second thread: then the main thread prints `thread
 //! finished` or, when it never reports back, `thread gone`). Prints what the call
 //! returned, then `main survived`, and exits 0; a filter that kills the process ends
@@ -31,6 +34,11 @@ fn call(kind: ThreadKind, mode: SeccompMode, syscall: &str) {
                 libc::free(p);
                 0
             }
+            "heap-trim" | "heap-trim-unprepared" => {
+                let blocks: Vec<Vec<u8>> = (0..32).map(|_| vec![1u8; 64 << 10]).collect();
+                drop(std::hint::black_box(blocks));
+                0
+            }
             _ => {
                 eprintln!("probe: unknown syscall {syscall}");
                 std::process::exit(2);
@@ -49,6 +57,9 @@ fn main() {
         eprintln!("usage: seccomp_probe KIND MODE SYSCALL main|thread");
         std::process::exit(2);
     };
+    if syscall != "heap-trim-unprepared" {
+        jailer::seccomp::prepare_libc();
+    }
     let kind = match ThreadKind::ALL.iter().find(|k| k.name() == kind) {
         Some(k) => *k,
         None => {

@@ -6,7 +6,7 @@ round times a full write pass over MIB MiB with no clone in between (baseline), 
 one clone through the clone port, and times the first write pass after it in the
 parent and in the clone. Prints min / median / max per kind and the median ratio.
 
-usage: benches/cow.py [--mib 64] [--rounds 10] [--mem-mib 512]
+usage: benches/cow.py [--mib 64] [--rounds 10] [--mem-mib 512] [--no-thp]
 """
 import argparse
 import os
@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--mem-mib", type=int, default=512)
+    ap.add_argument("--no-thp", action="store_true",
+                    help="guest RAM without transparent huge pages (vmm run --no-thp)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="forkvm-cow-") as tmp:
         sock = os.path.join(tmp, "vm.sock")
@@ -35,7 +37,8 @@ def main():
                    f'forkvm.run="forkvm-cowbench {a.mib} {a.rounds}"')
         p = subprocess.Popen([VMM, "run", "--kernel", f"{G}/vmlinux", "--initrd",
                               f"{G}/initramfs.cpio", "--mem-mib", str(a.mem_mib),
-                              "--api-sock", sock, "--console", console, "--cmdline", cmdline],
+                              "--api-sock", sock, "--console", console, "--cmdline", cmdline]
+                             + (["--no-thp"] if a.no_thp else []),
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         deadline = time.time() + 600
         while p.poll() is None and time.time() < deadline:
@@ -55,7 +58,8 @@ def main():
     if not all(res.values()):
         sys.exit(f"missing results: { {k: len(v) for k, v in res.items()} }")
     base = statistics.median(res["base"])
-    print(f"First write pass over {a.mib} MiB in a Linux guest ({a.mem_mib} MiB), "
+    thp = "without" if a.no_thp else "with"
+    print(f"First write pass over {a.mib} MiB in a Linux guest ({a.mem_mib} MiB, {thp} THP), "
           f"{a.rounds} rounds (ms):\n")
     print("| pass | n | min | median | max | median vs baseline |")
     print("|---|---|---|---|---|---|")

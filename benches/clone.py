@@ -25,7 +25,7 @@ devices: clone latency of a running Linux template (its drivers have set the dev
   clone's VM creation when requests follow back to back).
 
 usage: benches/clone.py latency [--runs N] [--mem 128,512,2048,4096] [--modes running,paused,warm]
-       benches/clone.py fanout [--counts 100,1000]
+       benches/clone.py fanout [--counts 100,1000] [--dirs /tmp,/dev/shm] [--rounds N]
        benches/clone.py e2e [--runs N] [--modes running,paused,warm]
        benches/clone.py sandbox [--runs N] [--rounds R] [--mem MIB]   (root)
        benches/clone.py devices [--runs N] [--rounds R] [--gap MS]
@@ -432,33 +432,44 @@ def pss_kb(pid):
 
 
 def fanout(a):
+    dirs = a.dirs.split(",") if a.dirs else [tempfile.gettempdir()]
     print("Fan-out: one POST /clones {count: N} on a running 256 MiB template (all memory "
           "touched), wall time until the answer (every clone's guest running, sockets up), "
-          "and PSS per clone process:\n")
-    print("| clones | total | per clone | PSS per clone, median | template PSS |")
-    print("|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
-        for n in [int(x) for x in a.counts.split(",")]:
-            p, sock = start_template(tmp, 256, True)
-            try:
-                t = time.perf_counter()
-                code, body = api(sock, "POST", "/clones", json.dumps({"count": n}))
-                total = time.perf_counter() - t
-                if code != 201:
-                    sys.exit(f"fan-out failed: {code} {body}")
-                clones = json.loads(body)["clones"]
-                bad = [c for c in clones if c["status"]["state"] != "running"]
-                if bad:
-                    sys.exit(f"{len(bad)} clones did not start: {bad[:3]}")
-                time.sleep(0.5)
-                pss = [pss_kb(c["pid"]) for c in clones]
-                pss = [x for x in pss if x is not None]
-                tpl = pss_kb(p.pid)
-            finally:
-                stop_template(p, sock)
-            print(f"| {n} | {total*1e3:.0f} ms | {total*1e3/n:.2f} ms | "
-                  f"{statistics.median(pss)/1024:.1f} MiB | {tpl/1024:.1f} MiB |")
-            sys.stdout.flush()
+          "and PSS per clone process; the template's socket (so every clone's socket and "
+          f"console file) in each directory, {a.rounds} interleaved round(s):\n")
+    print("| directory | clones | total | per clone | PSS per clone, median | template PSS |")
+    print("|---|---|---|---|---|---|")
+    totals = {}
+    for _ in range(a.rounds):
+        for d in dirs:
+            with tempfile.TemporaryDirectory(prefix="forkvm-bench-", dir=d) as tmp:
+                for n in [int(x) for x in a.counts.split(",")]:
+                    p, sock = start_template(tmp, 256, True)
+                    try:
+                        t = time.perf_counter()
+                        code, body = api(sock, "POST", "/clones", json.dumps({"count": n}))
+                        total = time.perf_counter() - t
+                        if code != 201:
+                            sys.exit(f"fan-out failed: {code} {body}")
+                        clones = json.loads(body)["clones"]
+                        bad = [c for c in clones if c["status"]["state"] != "running"]
+                        if bad:
+                            sys.exit(f"{len(bad)} clones did not start: {bad[:3]}")
+                        time.sleep(0.5)
+                        pss = [pss_kb(c["pid"]) for c in clones]
+                        pss = [x for x in pss if x is not None]
+                        tpl = pss_kb(p.pid)
+                    finally:
+                        stop_template(p, sock)
+                    totals.setdefault((d, n), []).append(total * 1e3)
+                    print(f"| {d} | {n} | {total*1e3:.0f} ms | {total*1e3/n:.2f} ms | "
+                          f"{statistics.median(pss)/1024:.1f} MiB | {tpl/1024:.1f} MiB |")
+                    sys.stdout.flush()
+    if a.rounds > 1:
+        print("\n| directory | clones | min | median | max (ms) |")
+        print("|---|---|---|---|---|")
+        for (d, n), xs in totals.items():
+            print(f"| {d} | {n} | {min(xs):.0f} | {statistics.median(xs):.0f} | {max(xs):.0f} |")
 
 
 def main():
@@ -470,6 +481,10 @@ def main():
     lat.add_argument("--modes", default=",".join(MODES))
     fo = sub.add_parser("fanout")
     fo.add_argument("--counts", default="100,1000")
+    fo.add_argument("--dirs", default="",
+                    help="comma-separated directories for the sockets and consoles "
+                         "(default: the temporary directory)")
+    fo.add_argument("--rounds", type=int, default=1)
     sb = sub.add_parser("sandbox")
     sb.add_argument("--runs", type=int, default=200)
     sb.add_argument("--rounds", type=int, default=4)

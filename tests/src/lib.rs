@@ -302,6 +302,29 @@ impl Vm {
         }
     }
 
+    /// Waits until the console holds a whole line that starts with `prefix` (a guest
+    /// prints a line a character at a time: a test that saw only the prefix could read
+    /// the rest before it is written) and returns the console.
+    pub fn wait_console_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        let start = Instant::now();
+        loop {
+            let text = self.wait_console(prefix, timeout.saturating_sub(start.elapsed()));
+            if text
+                .split_once(prefix)
+                .is_some_and(|(_, rest)| rest.contains('\n'))
+            {
+                return text;
+            }
+            if start.elapsed() > timeout {
+                self.kill();
+                panic!(
+                    "console line {prefix:?} not finished within {timeout:?}\n--- console:\n{text}"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits for the VMM to exit, killing it after `timeout`.
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
         let start = Instant::now();
@@ -351,10 +374,11 @@ impl Vm {
             let pid = self.child.id();
             let alive = Path::new(&format!("/proc/{pid}")).exists();
             panic!(
-                "{method} {path}: cannot connect to {}: {e} (VMM {pid} {})\n--- log:\n{}",
+                "{method} {path}: cannot connect to {}: {e} (VMM {pid} {})\n--- log:\n{}\n--- console (end):\n{}",
                 self.sock.display(),
                 if alive { "still runs" } else { "has exited" },
-                self.stderr_text()
+                self.stderr_text(),
+                tail(&self.console_text(), 3000)
             )
         });
         request_on(stream, &http_request(method, path, body))
@@ -393,6 +417,15 @@ pub fn tiny_vm(scratch: &Scratch, mem_mib: &str, vcpus: &str, cmdline: &str) -> 
             cmdline,
         ],
     )
+}
+
+/// The last `max` bytes of `text` (from a character boundary).
+fn tail(text: &str, max: usize) -> &str {
+    let mut at = text.len().saturating_sub(max);
+    while !text.is_char_boundary(at) {
+        at += 1;
+    }
+    &text[at..]
 }
 
 /// One HTTP request's bytes.

@@ -536,7 +536,7 @@ fn guest_requested_clones_get_fork_like_results_and_isolated_memory() {
     // their number as exit status.
     let mut vm = tiny_vm(&scratch, "64", "1", "ticks=2 beat=20 clonetest=3 done=1");
     let slow = Duration::from_secs(120); // 2 MiB loops at CPL 0 run in the emulator here
-    let parent = vm.wait_console("tiny: own pattern, clone 0", slow);
+    let parent = vm.wait_console_line("tiny: own pattern, clone 0", slow);
     assert!(parent.contains("tiny: clone 0\n"), "{parent}");
     assert!(
         parent.contains("tiny: inherited pattern, clone 0 ok\n"),

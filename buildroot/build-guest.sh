@@ -111,6 +111,7 @@ done
 install -m 0755 "$repo/guest/init/init" "$root/init"
 install -m 0755 "$repo/guest/init/init" "$root/sbin/init"
 echo "forkvm guest $(cat "$repo/guest/init/VERSION")" > "$root/etc/forkvm-release"
+mkfifo -m 0600 "$root/etc/forkvm-idle"   # init waits on it while it serves the agent
 
 # Both compressed and plain: on a PVM host the guest kernel's gunzip runs in the
 # instruction emulator and the plain archive unpacks about 2x faster (docs/benchmarks.md).

@@ -395,10 +395,11 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
             "--mem-mib",
             "256",
             "--cmdline",
-            r#"console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run="sleep 1000000""#,
+            "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
         ],
     );
-    vm.wait_console("forkvm-agent: listening on port 1024", LINUX_BOOT);
+    // Init serves the agent once nothing else in the guest is starting up.
+    vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
     // The template: input, output and exit status go through; it is not a clone.
     let (code, out, err) = vmm_exec(
         &vm.sock,
@@ -613,7 +614,7 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     let vsock = scratch.path("vm.vsock");
     let script = "forkvm-clone --net; \
                   until ping -c1 -W1 10.78.0.1 >/dev/null 2>&1; do sleep 1; done; \
-                  echo net-up; sleep 1000000";
+                  echo net-up";
     let cmdline =
         format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run=\"{script}\"");
     let mut vm = Vm::start(
@@ -639,7 +640,8 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     );
     tests::wait_link(&tap);
     attach(&tap);
-    let console = vm.wait_console("net-up", LINUX_BOOT);
+    let console = vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
+    assert!(console.contains("net-up\n"), "{console}");
     assert!(
         console.contains("eth0 06:00:ac:10:00:02 10.78.0.2/24 via 10.78.0.1\n"),
         "the template did not take its address: {console}"

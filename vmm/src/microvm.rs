@@ -466,7 +466,7 @@ impl Microvm {
                         let _ = api.evt.read();
                         while let Ok((req, reply_tx)) = api.requests.try_recv() {
                             let (reply, outcome) = self.answer(req);
-                            let _ = reply_tx.send(reply);
+                            reply_tx.send(reply);
                             if let Some(o) = outcome {
                                 break 'run o;
                             }

@@ -130,11 +130,12 @@ pub enum CgroupError {
 ///
 /// # Safety
 /// As for fork(). With `cgroup`, the child also starts without glibc's fork handling:
-/// malloc's locks are not taken around the call (another thread inside malloc at that
-/// moment leaves its arena locked in the child) and the child's thread descriptor keeps
-/// the parent's thread id. The caller must have every other thread parked outside
-/// malloc, or accept that a child whose new threads pick such an arena would hang; the
-/// child must not rely on the cached thread id (raise() and Rust's std do not).
+/// malloc's locks are not taken around the call (another thread inside malloc or free at
+/// that moment leaves its arena locked in the child, which then hangs when it allocates
+/// from that arena) and the child's thread descriptor keeps the parent's thread id. The
+/// caller must keep every other thread out of malloc across the call (the VMM's fork
+/// gate does); the child must not rely on the cached thread id (raise() and Rust's std
+/// do not).
 pub unsafe fn fork_into(cgroup: Option<&OwnedFd>) -> i32 {
     let Some(dir) = cgroup else {
         // SAFETY: the caller upholds fork()'s contract.

@@ -1,10 +1,13 @@
 //! The API thread: accepts connections on the control socket and relays requests.
 
+use std::cell::RefCell;
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -12,9 +15,24 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::http::{read_request, write_response, HttpError};
 use super::{route, ApiReply, ApiRequest};
+use crate::cloning::gate::Pass;
 
-/// A request with the channel its answer goes back on.
-pub type PendingRequest = (ApiRequest, Sender<ApiReply>);
+/// A request with the slot its answer goes back in.
+pub type PendingRequest = (ApiRequest, Replier);
+
+/// Where the VMM leaves its answer to one request. The API thread waits on it without
+/// allocating (a channel's receiver allocates as it starts to wait), so that it never
+/// is inside malloc while a clone may be forked (see `cloning::gate`).
+pub struct Replier(Arc<(Mutex<Option<ApiReply>>, Condvar)>);
+
+impl Replier {
+    /// Hands the answer to the waiting API thread (dropped if it gave up waiting).
+    pub fn send(self, reply: ApiReply) {
+        let (slot, ready) = &*self.0;
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(reply);
+        ready.notify_one();
+    }
+}
 
 /// Errors starting the API server.
 #[derive(Debug, thiserror::Error)]
@@ -118,10 +136,14 @@ impl Drop for ApiServer {
 }
 
 fn serve(listener: UnixListener, tx: Sender<PendingRequest>, evt: EventFd) {
+    // Blocked in accept() without a pass: a clone may be forked meanwhile (see
+    // `cloning::gate`).
     for conn in listener.incoming() {
+        // Held from here to the end of the connection, but for its blocking calls.
+        let pass = RefCell::new(Pass::take());
         match conn {
             Ok(stream) => {
-                if let Err(e) = handle(stream, &tx, &evt) {
+                if let Err(e) = handle(stream, &tx, &evt, &pass) {
                     tracing::debug!("API connection: {e}");
                 }
             }
@@ -135,28 +157,78 @@ fn serve(listener: UnixListener, tx: Sender<PendingRequest>, evt: EventFd) {
     }
 }
 
-fn handle(stream: UnixStream, tx: &Sender<PendingRequest>, evt: &EventFd) -> std::io::Result<()> {
+/// The connection's stream, read and written without the thread's pass (a client may
+/// take its time; a fork must not wait for it). Everything else the API thread does
+/// holds the pass.
+#[derive(Clone, Copy)]
+struct Gated<'a> {
+    stream: &'a UnixStream,
+    pass: &'a RefCell<Pass>,
+}
+
+impl Read for Gated<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let mut s = self.stream;
+        self.pass.borrow_mut().released(|| s.read(buf))
+    }
+}
+
+impl Write for Gated<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut s = self.stream;
+        self.pass.borrow_mut().released(|| s.write(buf))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn handle(
+    stream: UnixStream,
+    tx: &Sender<PendingRequest>,
+    evt: &EventFd,
+    pass: &RefCell<Pass>,
+) -> std::io::Result<()> {
     stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
     stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
-    let reply = match read_request(&stream) {
+    let io = Gated {
+        stream: &stream,
+        pass,
+    };
+    let reply = match read_request(io) {
         Ok(req) => match route(&req) {
-            Ok(api_req) => relay(api_req, tx, evt),
+            Ok(api_req) => relay(api_req, tx, evt, pass),
             Err(reply) => reply,
         },
         Err(HttpError::TooLarge(m)) => ApiReply::error(413, m),
         Err(HttpError::Malformed(m)) => ApiReply::error(400, m),
         Err(HttpError::Io(e)) => return Err(e),
     };
-    write_response(&stream, reply.status, reply.body.as_deref())
+    write_response(io, reply.status, reply.body.as_deref())
 }
 
-fn relay(req: ApiRequest, tx: &Sender<PendingRequest>, evt: &EventFd) -> ApiReply {
-    let (reply_tx, reply_rx) = channel();
-    if tx.send((req, reply_tx)).is_err() {
+fn relay(
+    req: ApiRequest,
+    tx: &Sender<PendingRequest>,
+    evt: &EventFd,
+    pass: &RefCell<Pass>,
+) -> ApiReply {
+    let answer = Arc::new((Mutex::new(None), Condvar::new()));
+    if tx.send((req, Replier(answer.clone()))).is_err() {
         return ApiReply::error(503, "the VMM is shutting down");
     }
     let _ = evt.write(1);
-    reply_rx
-        .recv_timeout(ANSWER_TIMEOUT)
-        .unwrap_or_else(|_| ApiReply::error(503, "the VMM did not answer in time"))
+    // The main thread answers, and may fork meanwhile: wait without the pass.
+    let (slot, ready) = &*answer;
+    pass.borrow_mut()
+        .released(|| {
+            let guard = slot.lock().unwrap_or_else(|p| p.into_inner());
+            ready
+                .wait_timeout_while(guard, ANSWER_TIMEOUT, |a| a.is_none())
+                .unwrap_or_else(|p| p.into_inner())
+                .0
+                .take()
+        })
+        .unwrap_or_else(|| ApiReply::error(503, "the VMM did not answer in time"))
 }

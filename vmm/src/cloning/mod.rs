@@ -15,6 +15,7 @@
 
 pub mod cgroups;
 mod child;
+pub mod gate;
 pub mod warm;
 
 use std::fs::File;
@@ -877,11 +878,11 @@ impl Microvm {
             disk_fds: self.devices.disk_fds(),
             overlays: &overlays,
         };
-        // SAFETY: every vCPU and virtio worker is parked holding no lock;
-        // the API thread may be anywhere, but the child takes none of its locks (logging
-        // is lock-free; glibc's fork makes malloc usable after it). With `into`, clone3
-        // skips glibc's fork handling: see `fork_into` for what that leaves.
-        match unsafe { cgroups::fork_into(into) } {
+        // SAFETY: every vCPU and virtio worker is parked holding no lock, and the API
+        // thread holds none while the gate is closed (see `gate`): so neither fork() nor
+        // clone3 (which skips glibc's fork handling, see `fork_into`) leaves the child a
+        // lock or a malloc arena that nobody will release.
+        match gate::closed(|| unsafe { cgroups::fork_into(into) }) {
             -1 => Err(CloneError::Os(std::io::Error::last_os_error())),
             0 => child_main(plan),
             pid => {

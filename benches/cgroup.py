@@ -10,10 +10,12 @@ ops: per-operation cost at concurrency 1, 2, 4, 8 on this host's v1 hierarchy an
 clone: clone latency (request reaching the VMM to the clone's vCPU 0 in the guest) of a
   running 128 MiB tiny template without cgroups, with pooled cgroups, and with a fresh
   cgroup per clone (--cgroup-pool-size 0: created at the request, removed at exit), on
-  v1 and v2, in interleaved rounds in one run.
+  v1 and v2, in interleaved rounds in one run. --templates warm measures warm clones of
+  a paused template instead (launched from a pool of clones forked ahead, each already
+  in its cgroup).
 
 usage: benches/cgroup.py ops [--iters N] [--conc 1,2,4,8]
-       benches/cgroup.py clone [--runs N]
+       benches/cgroup.py clone [--runs N] [--rounds N] [--templates running,warm]
 """
 import argparse
 import json
@@ -52,32 +54,33 @@ MODES = {
 }
 
 
-def series(tmp, version, mode, runs):
+def series(tmp, version, mode, runs, template):
     extra = list(MODES[mode])
     if mode != "none":
         extra += ["--cgroup-version", version, "--cgroup-parent", f"forkvm-bench-{os.getpid()}"]
         if version == "2":
             # This host's v2 mount may offer no pids controller: no limit there.
             extra[1] = "c"
-    return cb.clone_series(tmp, 128, True, "running", runs, extra=extra,
+    return cb.clone_series(tmp, 128, True, template, runs, extra=extra,
                            body='{"count":1,"console":"null"}')[0]
 
 
 def clone(a):
-    print(f"Clone latency with cgroups, running 128 MiB tiny template, {a.runs} clones per "
-          f"cell in {a.rounds} interleaved rounds (ms; ratio of medians to no cgroup):\n")
-    print("| cgroup | placement | min | median | p99 | vs none |")
-    print("|---|---|---|---|---|---|")
+    print(f"Clone latency with cgroups, 128 MiB tiny template, {a.runs} clones per cell in "
+          f"{a.rounds} interleaved rounds (ms; ratio of medians to no cgroup):\n")
+    print("| template | cgroup | placement | min | median | p99 | vs none |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
-        for version in ("1", "2"):
-            got = {m: [] for m in MODES}
-            for _ in range(a.rounds):
-                for mode in MODES:
-                    got[mode] += series(tmp, version, mode, a.runs // a.rounds)
-            base = statistics.median(got["none"])
-            for mode, xs in got.items():
-                print(cb.row(f"v{version} | {mode}", xs, base))
-            sys.stdout.flush()
+        for template in a.templates.split(","):
+            for version in ("1", "2"):
+                got = {m: [] for m in MODES}
+                for _ in range(a.rounds):
+                    for mode in MODES:
+                        got[mode] += series(tmp, version, mode, a.runs // a.rounds, template)
+                base = statistics.median(got["none"])
+                for mode, xs in got.items():
+                    print(cb.row(f"{template} | v{version} | {mode}", xs, base))
+                sys.stdout.flush()
 
 
 def main():
@@ -89,6 +92,8 @@ def main():
     c = sub.add_parser("clone")
     c.add_argument("--runs", type=int, default=200)
     c.add_argument("--rounds", type=int, default=4)
+    c.add_argument("--templates", default="running",
+                   help="running and/or warm (a paused template with warm clones)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("cgroup benchmarks need root")

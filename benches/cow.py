@@ -5,8 +5,11 @@ Boots the Linux template (plain initramfs) running `forkvm-cowbench MIB ROUNDS`:
 round times a full write pass over MIB MiB with no clone in between (baseline), makes
 one clone through the clone port, and times the first write pass after it in the
 parent and in the clone. Prints min / median / max per kind and the median ratio.
+With --read-first, each of those write passes is preceded by a timed read pass over the
+same memory, so the table also shows what mapping the pages again costs without copying
+them.
 
-usage: benches/cow.py [--mib 64] [--rounds 10] [--mem-mib 512] [--no-thp]
+usage: benches/cow.py [--mib 64] [--rounds 10] [--mem-mib 512] [--no-thp] [--read-first]
 """
 import argparse
 import os
@@ -29,12 +32,15 @@ def main():
     ap.add_argument("--mem-mib", type=int, default=512)
     ap.add_argument("--no-thp", action="store_true",
                     help="guest RAM without transparent huge pages (vmm run --no-thp)")
+    ap.add_argument("--read-first", action="store_true",
+                    help="time a read pass before each write pass")
     a = ap.parse_args()
+    read = " read" if a.read_first else ""
     with tempfile.TemporaryDirectory(prefix="forkvm-cow-") as tmp:
         sock = os.path.join(tmp, "vm.sock")
         console = os.path.join(tmp, "vm.console")
         cmdline = (f'console=ttyS0 reboot=k panic=-1 quiet '
-                   f'forkvm.run="forkvm-cowbench {a.mib} {a.rounds}"')
+                   f'forkvm.run="forkvm-cowbench {a.mib} {a.rounds}{read}"')
         p = subprocess.Popen([VMM, "run", "--kernel", f"{G}/vmlinux", "--initrd",
                               f"{G}/initramfs.cpio", "--mem-mib", str(a.mem_mib),
                               "--api-sock", sock, "--console", console, "--cmdline", cmdline]
@@ -50,24 +56,29 @@ def main():
         for name in sorted(os.listdir(tmp)):
             if name.endswith("console"):
                 lines += open(os.path.join(tmp, name), errors="replace").read().splitlines()
-    res = {"base": [], "parent": [], "clone": []}
+    kinds = ("base", "parent", "clone")
+    res = {k + sfx: [] for k in kinds for sfx in (("-read", "") if a.read_first else ("",))}
     for line in lines:
-        m = re.match(r"cow (base|parent|clone) (\d+) ([0-9.]+)", line.strip())
-        if m:
+        m = re.match(r"cow ((?:base|parent|clone)(?:-read)?) (\d+) ([0-9.]+)", line.strip())
+        if m and m.group(1) in res:
             res[m.group(1)].append(float(m.group(3)))
     if not all(res.values()):
         sys.exit(f"missing results: { {k: len(v) for k, v in res.items()} }")
-    base = statistics.median(res["base"])
     thp = "without" if a.no_thp else "with"
-    print(f"First write pass over {a.mib} MiB in a Linux guest ({a.mem_mib} MiB, {thp} THP), "
+    what = "Read pass, then write pass" if a.read_first else "First write pass"
+    print(f"{what} over {a.mib} MiB in a Linux guest ({a.mem_mib} MiB, {thp} THP), "
           f"{a.rounds} rounds (ms):\n")
     print("| pass | n | min | median | max | median vs baseline |")
     print("|---|---|---|---|---|---|")
-    for k, label in (("base", "no clone (baseline)"), ("parent", "parent, after a clone"),
-                     ("clone", "clone, after the clone point")):
-        xs = res[k]
-        print(f"| {label} | {len(xs)} | {min(xs):.1f} | {statistics.median(xs):.1f} | "
-              f"{max(xs):.1f} | {statistics.median(xs)/base:.1f}x |")
+    labels = {"base": "no clone (baseline)", "parent": "parent, after a clone",
+              "clone": "clone, after the clone point"}
+    for sfx, op in ((("-read", "read"),) if a.read_first else ()) + (("", "write"),):
+        base = statistics.median(res["base" + sfx])
+        for k in kinds:
+            xs = res[k + sfx]
+            label = f"{op}: {labels[k]}" if a.read_first else labels[k]
+            print(f"| {label} | {len(xs)} | {min(xs):.1f} | {statistics.median(xs):.1f} | "
+                  f"{max(xs):.1f} | {statistics.median(xs)/base:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -194,10 +194,20 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     tracing::debug!("build stages: {}", timer.report());
 
     let warm = crate::cloning::warm::WarmPool::new(config.warm_clones);
+    let kvm_run_size = kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?;
+    let host = HostReport {
+        kvm: kvm.host,
+        quirks_applied: !hidden.is_empty(),
+        hidden_cpuid: hidden.iter().map(|h| h.name).collect(),
+        kernel_switches: quirk_switches,
+        skipped_msrs,
+        memory: mem_info,
+    };
     Ok(Microvm {
         config,
         _vm: vm,
         _mem: mem,
+        kvm,
         devices,
         vcpus: started_vcpus.handles,
         vcpu_events: started_vcpus.events,
@@ -207,16 +217,9 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
         warm,
         cgroups,
         clone_id: String::new(),
-        kvm_run_size: kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?,
+        kvm_run_size,
         pending_events: Default::default(),
-        host: HostReport {
-            kvm: kvm.host,
-            quirks_applied: !hidden.is_empty(),
-            hidden_cpuid: hidden.iter().map(|h| h.name).collect(),
-            kernel_switches: quirk_switches,
-            skipped_msrs,
-            memory: mem_info,
-        },
+        host,
         cmdline,
         state: VmState::Running,
         started: Instant::now(),

@@ -108,6 +108,8 @@ pub struct Microvm {
     pub(crate) _vm: VmFd,
     /// Guest RAM, mapped for as long as the VM exists.
     pub(crate) _mem: GuestMemoryMmap,
+    /// /dev/kvm, kept open for the clones (see [`KvmContext::inherited`]).
+    pub(crate) kvm: crate::vstate::kvm::KvmContext,
     pub(crate) devices: DeviceManager,
     pub(crate) vcpus: Vec<VcpuHandle>,
     pub(crate) vcpu_events: Receiver<(u8, VcpuEvent)>,

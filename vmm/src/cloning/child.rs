@@ -86,6 +86,8 @@ pub(crate) struct ChildPlan<'a> {
     pub start: Start,
     pub state: &'a MicrovmState,
     pub mem: &'a GuestMemoryMmap,
+    /// The parent's /dev/kvm: the clone creates its VM through it.
+    pub kvm: &'a KvmContext,
     pub config: &'a VmConfig,
     pub host: &'a HostReport,
     pub cmdline: &'a str,
@@ -169,6 +171,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
             .map(|o| std::os::fd::AsRawFd::as_raw_fd(&o.file)),
     );
     keep.push(plan.ready);
+    keep.push(std::os::fd::AsRawFd::as_raw_fd(&plan.kvm.kvm));
     match &plan.start {
         Start::Warm { go, .. } => keep.push(*go),
         Start::Now(id) => keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied())),
@@ -218,9 +221,12 @@ struct Prepared {
 }
 
 /// Creates the VM on the inherited memory and restores every vCPU from `state`.
-fn prepare(state: &MicrovmState, mem: &GuestMemoryMmap) -> Result<Prepared, ChildError> {
-    let kvm = KvmContext::open().map_err(BuildError::from)?;
-    let vm = create_vm(&kvm, mem).map_err(BuildError::from)?;
+fn prepare(
+    kvm: &KvmContext,
+    state: &MicrovmState,
+    mem: &GuestMemoryMmap,
+) -> Result<Prepared, ChildError> {
+    let vm = create_vm(kvm, mem).map_err(BuildError::from)?;
     let mut vcpus = Vec::with_capacity(state.vcpus.len());
     for s in &state.vcpus {
         let (v, skipped) = Vcpu::from_state(&vm, s)?;
@@ -263,6 +269,8 @@ fn run_clone(
     name: &mut String,
 ) -> Result<RunOutcome, ChildError> {
     let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
+    // SAFETY: the parent's KvmContext in this process is never dropped (see child_main).
+    let kvm = unsafe { plan.kvm.inherited() };
     let started = Instant::now();
     let mut marks: Vec<(&str, u128)> = Vec::new();
     let mut mark = |what, at: Instant| marks.push((what, at.elapsed().as_micros()));
@@ -282,14 +290,14 @@ fn run_clone(
                     v.regs.rax = value;
                 }
             }
-            prepared = prepare(&state, plan.mem)?;
+            prepared = prepare(&kvm, &state, plan.mem)?;
             identity = Identity::clone(id);
         }
         Start::Warm { go, cgroup } => {
             if let Some(p) = cgroup {
                 place_self(p).map_err(ChildError::Cgroup)?;
             }
-            prepared = prepare(plan.state, plan.mem)?;
+            prepared = prepare(&kvm, plan.state, plan.mem)?;
             mark("prepared", started);
             let Some(id) = wait_for_go(*go)? else {
                 return Ok(RunOutcome::ApiShutdown);
@@ -394,6 +402,7 @@ fn run_clone(
         config,
         _vm: prepared.vm,
         _mem: plan.mem.clone(),
+        kvm,
         devices,
         vcpus: started_vcpus.handles,
         vcpu_events: started_vcpus.events,

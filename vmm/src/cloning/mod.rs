@@ -869,6 +869,7 @@ impl Microvm {
             start,
             state,
             mem: &self._mem,
+            kvm: &self.kvm,
             config: &self.config,
             host: &self.host,
             cmdline: &self.cmdline,

@@ -34,6 +34,19 @@ impl Replier {
     }
 }
 
+impl Drop for Replier {
+    /// A request dropped unanswered (the VMM stopped with it queued) is answered at once,
+    /// so its client and the API thread do not wait out the timeout.
+    fn drop(&mut self) {
+        let (slot, ready) = &*self.0;
+        let mut answer = slot.lock().unwrap_or_else(|p| p.into_inner());
+        if answer.is_none() {
+            *answer = Some(ApiReply::error(503, "the VMM is shutting down"));
+        }
+        ready.notify_one();
+    }
+}
+
 /// Errors starting the API server.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiServerError {
@@ -128,6 +141,10 @@ impl Drop for ApiServer {
         // SAFETY: the listener fd is owned by the API thread, which is still running (we
         // join it below); shutdown() only wakes its accept() with an error.
         unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+        // Requests queued now will not be answered: dropping the receiver drops them (each
+        // answered "shutting down" by its Replier) and refuses any sent later, so the
+        // thread ends at once instead of waiting out ANSWER_TIMEOUT.
+        drop(std::mem::replace(&mut self.requests, channel().1));
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -231,4 +248,68 @@ fn relay(
                 .take()
         })
         .unwrap_or_else(|| ApiReply::error(503, "the VMM did not answer in time"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn relay_answered_by(answer: impl FnOnce(Replier) + Send + 'static) -> ApiReply {
+        let (tx, rx) = channel::<PendingRequest>();
+        let evt = EventFd::new(EFD_NONBLOCK).unwrap();
+        let vmm = std::thread::spawn(move || {
+            let (_req, replier) = rx.recv().unwrap();
+            answer(replier);
+        });
+        let pass = RefCell::new(Pass::take());
+        let reply = relay(ApiRequest::GetVm, &tx, &evt, &pass);
+        vmm.join().unwrap();
+        reply
+    }
+
+    #[test]
+    fn an_answer_reaches_the_waiting_api_thread() {
+        let reply = relay_answered_by(|r| {
+            std::thread::sleep(Duration::from_millis(20));
+            r.send(ApiReply::error(409, "busy"));
+        });
+        assert_eq!(reply.status, 409);
+    }
+
+    #[test]
+    fn stopping_the_server_answers_a_queued_request() {
+        let dir = std::env::temp_dir().join(format!("forkvm-api-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("api.sock");
+        let server = ApiServer::start(&path).unwrap();
+        let client = {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut s = UnixStream::connect(&path).unwrap();
+                s.write_all(b"GET /vm HTTP/1.1\r\n\r\n").unwrap();
+                let mut answer = String::new();
+                s.read_to_string(&mut answer).unwrap();
+                answer
+            })
+        };
+        // Queued (the API thread signals each request), never taken by a VMM.
+        while server.evt.read().is_err() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(server);
+        let answer = client.join().unwrap();
+        // Not "did not answer in time" (after ANSWER_TIMEOUT, with the drop waiting).
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.contains("shutting down"), "{answer}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_request_dropped_unanswered_is_refused_not_timed_out() {
+        // Without an answer the API thread would wait out ANSWER_TIMEOUT and say "did not
+        // answer in time".
+        let reply = relay_answered_by(drop);
+        assert_eq!(reply.status, 503);
+        assert!(reply.body.unwrap().contains("shutting down"));
+    }
 }

@@ -420,36 +420,63 @@ fn unified_mount(test: &str) -> Option<&'static str> {
     Some(unified)
 }
 
+/// A tiny template placing clones in v2 cgroups of `classes` (the first is the default),
+/// with two warm clones once paused, up and beating. Fields drop in order: the VMM
+/// before its cgroup parent is cleaned up.
+struct V2Template {
+    vm: Vm,
+    parent: Parent,
+    unified: &'static str,
+    _serial: std::sync::MutexGuard<'static, ()>,
+    _scratch: Scratch,
+}
+
+/// None (skipped loudly; failing under CI) without KVM, root or a cgroup2 mount.
+fn v2_template(test: &str, tag: &str, classes: &[&str]) -> Option<V2Template> {
+    if !kvm_and_root_available(test) {
+        return None;
+    }
+    let unified = unified_mount(test)?;
+    let scratch = Scratch::new(&format!("cg-{tag}"));
+    let serial = one_at_a_time();
+    let parent = Parent::new(tag);
+    // This host's v2 mount has no controllers: classes without limits still place.
+    let mut args: Vec<&str> = classes.iter().flat_map(|c| ["--cgroup-class", c]).collect();
+    args.extend([
+        "--cgroup-version",
+        "2",
+        "--cgroup-parent",
+        &parent,
+        "--warm-clones",
+        "2",
+    ]);
+    let mut vm = template(&scratch, "ticks=2 beat=10", &args);
+    vm.wait_console("tiny: beat 2\n", BOOT);
+    vm.wait_api(BOOT);
+    Some(V2Template {
+        vm,
+        parent,
+        unified,
+        _serial: serial,
+        _scratch: scratch,
+    })
+}
+
+/// The `warm_clones` counters of `GET /vm`.
+fn warm_clones(vm: &Vm) -> Value {
+    let (_, t) = vm.api("GET", "/vm", None);
+    serde_json::from_str::<Value>(&t).unwrap()["warm_clones"].clone()
+}
+
 /// clone3 skips glibc's fork handling: a clone forked while the API thread was inside
 /// malloc hung at its first allocation. The fork gate keeps the API thread out of malloc
 /// while a clone is forked; without it this test failed in 3 of 4 runs.
 #[test]
 fn v2_clones_forked_while_the_api_is_busy_all_start() {
-    if !kvm_and_root_available("cgroups_v2_busy_api") {
-        return;
-    }
-    let Some(_) = unified_mount("cgroups_v2_busy_api") else {
+    let Some(mut t) = v2_template("cgroups_v2_busy_api", "v2busy", &["plain"]) else {
         return;
     };
-    let scratch = Scratch::new("cg-v2-busy");
-    let _serial = one_at_a_time();
-    let parent = Parent::new("v2busy");
-    let mut vm = template(
-        &scratch,
-        "ticks=2 beat=10",
-        &[
-            "--cgroup-class",
-            "plain",
-            "--cgroup-version",
-            "2",
-            "--cgroup-parent",
-            &parent,
-            "--warm-clones",
-            "2",
-        ],
-    );
-    vm.wait_console("tiny: beat 2\n", BOOT);
-    vm.wait_api(BOOT);
+    let V2Template { vm, parent, .. } = &mut t;
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     // A client keeps the API thread busy (parsing, formatting, freeing) meanwhile.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -471,7 +498,7 @@ fn v2_clones_forked_while_the_api_is_busy_all_start() {
     // Each launch makes the pool refill (a clone3 a few ms later); a clone that hung
     // would fail its launch (not running within the ready timeout).
     for _ in 0..LAUNCHES {
-        let c = fork(&vm, r#"{"count":1,"console":"null"}"#).remove(0);
+        let c = fork(vm, r#"{"count":1,"console":"null"}"#).remove(0);
         assert_eq!(c["cgroup"]["placed_by"], "clone3", "{c}");
         let id = c["id"].as_str().unwrap();
         assert_eq!(vm.api("DELETE", &format!("/clones/{id}"), None).0, 200);
@@ -484,47 +511,25 @@ fn v2_clones_forked_while_the_api_is_busy_all_start() {
             "the API was not kept busy: {polls} requests"
         );
     }
-    let warm = {
-        let (_, t) = vm.api("GET", "/vm", None);
-        serde_json::from_str::<Value>(&t).unwrap()["warm_clones"].clone()
-    };
+    let warm = warm_clones(vm);
     assert!(warm["launched"].as_u64().unwrap() > 0, "{warm}");
     vm.shutdown(BOOT);
-    assert_no_cgroups_left(&parent);
+    assert_no_cgroups_left(parent);
 }
 
 #[test]
 fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
-    if !kvm_and_root_available("cgroups_v2_clone3") {
-        return;
-    }
-    let Some(unified) = unified_mount("cgroups_v2_clone3") else {
+    let Some(mut t) = v2_template("cgroups_v2_clone3", "v2", &["plain", "other"]) else {
         return;
     };
-    let scratch = Scratch::new("cg-v2");
-    let _serial = one_at_a_time();
-    let parent = Parent::new("v2");
-    // This host's v2 mount has no controllers: classes without limits still place.
-    let mut vm = template(
-        &scratch,
-        "ticks=2 beat=10",
-        &[
-            "--cgroup-class",
-            "plain",
-            "--cgroup-class",
-            "other",
-            "--cgroup-version",
-            "2",
-            "--cgroup-parent",
-            &parent,
-            "--warm-clones",
-            "2",
-        ],
-    );
-    vm.wait_console("tiny: beat 2\n", BOOT);
-    vm.wait_api(BOOT);
+    let V2Template {
+        vm,
+        parent,
+        unified,
+        ..
+    } = &mut t;
     let base = format!("/{}/vmm-{}", parent.0, vm.child.id());
-    let made = fork(&vm, r#"{"count":2}"#);
+    let made = fork(vm, r#"{"count":2}"#);
     for c in &made {
         assert_eq!(c["cgroup"]["placed_by"], "clone3", "{c}");
         let path = format!("/{}", c["cgroup"]["path"].as_str().unwrap());
@@ -533,17 +538,14 @@ fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
     }
     // Paused with warm clones: each waits in a cgroup of the first class already.
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
-    wait_until("two warm clones", BOOT, || {
-        let (_, t) = vm.api("GET", "/vm", None);
-        serde_json::from_str::<Value>(&t).unwrap()["warm_clones"]["ready"] == 2
-    });
-    assert_eq!(pool_stats(&vm, "plain")["in_use"], 4);
-    let warm = fork(&vm, r#"{"count":1}"#).remove(0);
+    wait_until("two warm clones", BOOT, || warm_clones(vm)["ready"] == 2);
+    assert_eq!(pool_stats(vm, "plain")["in_use"], 4);
+    let warm = fork(vm, r#"{"count":1}"#).remove(0);
     assert_eq!(warm["cgroup"]["placed_by"], "clone3", "{warm}");
     let wpath = format!("/{}", warm["cgroup"]["path"].as_str().unwrap());
     assert_eq!(cgroup_of(warm["pid"].as_i64().unwrap(), ""), wpath);
     // Another class is not what the warm clones sit in: forked on request.
-    let other = fork(&vm, r#"{"resource_class":"other"}"#).remove(0);
+    let other = fork(vm, r#"{"resource_class":"other"}"#).remove(0);
     assert!(other["cgroup"]["path"]
         .as_str()
         .unwrap()
@@ -557,7 +559,7 @@ fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
         vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#)).0,
         204
     );
-    assert_eq!(pool_stats(&vm, "plain")["in_use"], 3);
+    assert_eq!(pool_stats(vm, "plain")["in_use"], 3);
 
     // A class with a limit this v2 mount cannot enforce is refused at start.
     let offered =
@@ -573,7 +575,7 @@ fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
                 "--cgroup-version",
                 "2",
                 "--cgroup-parent",
-                &parent,
+                parent,
             ],
         );
         let status = bad.wait_exit(BOOT);
@@ -582,5 +584,5 @@ fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
         assert!(err.contains("controller is not enabled"), "{err}");
     }
     vm.shutdown(BOOT);
-    assert_no_cgroups_left(&parent);
+    assert_no_cgroups_left(parent);
 }

@@ -26,17 +26,17 @@ pub type PendingRequest = (ApiRequest, Replier);
 pub struct Replier(Arc<(Mutex<Option<ApiReply>>, Condvar)>);
 
 impl Replier {
-    /// Hands the answer to the waiting API thread (dropped if it gave up waiting).
+    /// Hands the answer to the waiting API thread (dropped if it gave up waiting); the
+    /// thread is woken as `self` drops.
     pub fn send(self, reply: ApiReply) {
-        let (slot, ready) = &*self.0;
-        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(reply);
-        ready.notify_one();
+        *self.0 .0.lock().unwrap_or_else(|p| p.into_inner()) = Some(reply);
     }
 }
 
 impl Drop for Replier {
-    /// A request dropped unanswered (the VMM stopped with it queued) is answered at once,
-    /// so its client and the API thread do not wait out the timeout.
+    /// Wakes the waiting API thread. A request dropped unanswered (the VMM stopped with
+    /// it queued, or it could not be queued) is answered at once, so its client and the
+    /// API thread do not wait out the timeout.
     fn drop(&mut self) {
         let (slot, ready) = &*self.0;
         let mut answer = slot.lock().unwrap_or_else(|p| p.into_inner());
@@ -232,10 +232,10 @@ fn relay(
     pass: &RefCell<Pass>,
 ) -> ApiReply {
     let answer = Arc::new((Mutex::new(None), Condvar::new()));
-    if tx.send((req, Replier(answer.clone()))).is_err() {
-        return ApiReply::error(503, "the VMM is shutting down");
+    // Not queued (the VMM is stopping): the Replier, dropped with the error, answered.
+    if tx.send((req, Replier(answer.clone()))).is_ok() {
+        let _ = evt.write(1);
     }
-    let _ = evt.write(1);
     // The main thread answers, and may fork meanwhile: wait without the pass.
     let (slot, ready) = &*answer;
     pass.borrow_mut()
@@ -302,6 +302,19 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
         assert!(answer.contains("shutting down"), "{answer}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_request_the_vmm_no_longer_takes_is_refused() {
+        let (tx, rx) = channel::<PendingRequest>();
+        drop(rx);
+        let evt = EventFd::new(EFD_NONBLOCK).unwrap();
+        let pass = RefCell::new(Pass::take());
+        let reply = relay(ApiRequest::GetVm, &tx, &evt, &pass);
+        assert_eq!(reply.status, 503);
+        assert!(reply.body.unwrap().contains("shutting down"));
+        // Nothing was queued, so nothing was signalled.
+        assert!(evt.read().is_err());
     }
 
     #[test]

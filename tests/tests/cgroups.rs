@@ -102,6 +102,24 @@ fn clone_by_id(vm: &Vm, id: &str) -> Value {
         .unwrap_or_else(|| panic!("no clone {id}"))
 }
 
+fn forker_seat(vm: &Vm) -> String {
+    let (_, text) = vm.api("GET", "/vm", None);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["cgroups"]["forker_seat"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// `pids.max` of the v1 cgroup at `path` (below the hierarchy's root).
+fn pids_max(path: &str) -> String {
+    let file = format!("/sys/fs/cgroup/pids{path}/pids.max");
+    std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("{file}: {e}"))
+        .trim()
+        .to_string()
+}
+
 fn pool_stats(vm: &Vm, class: &str) -> Value {
     let (_, text) = vm.api("GET", "/vm", None);
     let v: Value = serde_json::from_str(&text).unwrap();
@@ -184,10 +202,21 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
     vm.wait_api(BOOT);
     let vmm_pid = vm.child.id();
     let base = format!("/{}/vmm-{vmm_pid}", parent.0);
-    // Pre-created: two per class, limits written.
-    for class in ["small", "big"] {
-        assert_eq!(pool_stats(&vm, class)["idle"], 2, "{class}");
-    }
+    // Pre-created: two per class, limits written; one of the default class is the
+    // forker's seat (it waits inside for the next clone).
+    wait_until("the forker to take its seat", BOOT, || {
+        pool_stats(&vm, "small")["in_use"] == 1
+    });
+    assert_eq!(pool_stats(&vm, "small")["idle"], 1);
+    assert_eq!(pool_stats(&vm, "big")["idle"], 2);
+    let seat = forker_seat(&vm);
+    let seat_path = format!("{base}/{seat}");
+    assert!(seat.starts_with("small-"), "{seat}");
+    assert_eq!(
+        pids_max(&seat_path),
+        "65",
+        "the seat's pids.max is raised by one for the forker"
+    );
 
     // Three clones of the default class (more than the pool holds ready), one big.
     let mut made = fork(&vm, r#"{"count":3}"#);
@@ -197,7 +226,6 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
         let class = c["cgroup"]["class"].as_str().unwrap();
         let path = format!("/{}", c["cgroup"]["path"].as_str().unwrap());
         assert!(path.starts_with(&format!("{base}/{class}-")), "{c}");
-        assert_eq!(c["cgroup"]["placed_by"], "tasks");
         for ctrl in V1 {
             for got in thread_cgroups(pid, ctrl) {
                 assert_eq!(got, path, "a thread of clone {pid} in {ctrl}");
@@ -217,6 +245,22 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
     }
     assert_eq!(made[0]["cgroup"]["class"], "small");
     assert_eq!(made[3]["cgroup"]["class"], "big");
+    // A request's first clone of the default class is born in the seat; the rest, and
+    // other classes, move themselves in.
+    let placed: Vec<&str> = made
+        .iter()
+        .map(|c| c["cgroup"]["placed_by"].as_str().unwrap())
+        .collect();
+    assert_eq!(placed, ["forker", "tasks", "tasks", "tasks"]);
+    assert_eq!(
+        format!("/{}", made[0]["cgroup"]["path"].as_str().unwrap()),
+        seat_path
+    );
+    // Once the forker has moved on to a new seat, the old one's pids.max is the class's.
+    wait_until("a new seat", BOOT, || forker_seat(&vm) != seat);
+    wait_until("the old seat's pids.max restored", BOOT, || {
+        pids_max(&seat_path) == "64"
+    });
     // The template itself is not moved.
     assert!(!cgroup_of(i64::from(vmm_pid), "memory").contains(&*parent));
 
@@ -233,14 +277,18 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
     let (code, text) = vm.api("POST", "/clones", Some(r#"{"resource_class":"huge"}"#));
     assert_eq!(code, 400, "{text}");
     assert!(text.contains("unknown resource class"), "{text}");
-    assert_eq!(pool_stats(&vm, "small")["in_use"], 3);
+    assert_eq!(
+        pool_stats(&vm, "small")["in_use"],
+        4,
+        "three clones and the seat"
+    );
 
     // Stopped through the API: its cgroup returns, with the final usage.
     let id = made[0]["id"].as_str().unwrap();
     assert_eq!(vm.api("DELETE", &format!("/clones/{id}"), None).0, 200);
     let stopped = clone_by_id(&vm, id);
     assert!(stopped["cgroup"]["usage"]["cpu_us"].as_u64().unwrap() > 0);
-    assert_eq!(pool_stats(&vm, "small")["in_use"], 2);
+    assert_eq!(pool_stats(&vm, "small")["in_use"], 3);
 
     // Killed behind the VMM's back: reaped and reclaimed.
     let victim = &made[1];
@@ -248,7 +296,7 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
     // SAFETY: signals a clone this test's VMM made.
     unsafe { libc::kill(vpid as i32, libc::SIGKILL) };
     wait_until("the killed clone's cgroup to return", BOOT, || {
-        pool_stats(&vm, "small")["in_use"] == 1
+        pool_stats(&vm, "small")["in_use"] == 2
     });
     let killed = clone_by_id(&vm, victim["id"].as_str().unwrap());
     assert_eq!(killed["status"]["state"], "killed", "{killed}");
@@ -290,6 +338,85 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
             "clone {pid} left"
         );
     }
+    assert_no_cgroups_left(&parent);
+}
+
+/// The forker (v1) waits in the cgroup of the next clone and stays in it after the fork
+/// until it has a new seat: with a pool of one cgroup there is none, so it is still in
+/// the clone's cgroup when that clone dies. Emptying the cgroup then must not kill the
+/// VMM (its forker thread makes the VMM's pid show in `cgroup.procs`).
+#[test]
+fn the_forker_leaves_a_cgroup_before_the_pool_empties_it() {
+    if !kvm_and_root_available("cgroups_v1_forker") {
+        return;
+    }
+    let scratch = Scratch::new("cg-forker");
+    let _serial = one_at_a_time();
+    let parent = Parent::new("forker");
+    let mut vm = template(
+        &scratch,
+        "tickless=1",
+        &[
+            "--cgroup-class",
+            "solo:pids=16",
+            "--cgroup-pool-size",
+            "1",
+            "--cgroup-pool-max",
+            "1",
+            "--cgroup-version",
+            "1",
+            "--cgroup-parent",
+            &parent,
+        ],
+    );
+    vm.wait_console("tiny: tickless\n", BOOT);
+    vm.wait_api(BOOT);
+    let vmm_pid = vm.child.id();
+    let base = format!("/{}/vmm-{vmm_pid}", parent.0);
+    for round in 0..3 {
+        wait_until("the forker to take its seat", BOOT, || {
+            !forker_seat(&vm).is_empty()
+        });
+        let seat = format!("{base}/{}", forker_seat(&vm));
+        assert_eq!(pids_max(&seat), "17", "round {round}");
+        let c = fork(&vm, "{}").remove(0);
+        assert_eq!(c["cgroup"]["placed_by"], "forker", "round {round}: {c}");
+        let pid = c["pid"].as_i64().unwrap();
+        for ctrl in V1 {
+            for got in thread_cgroups(pid, ctrl) {
+                assert_eq!(
+                    got, seat,
+                    "round {round}: a thread of clone {pid} in {ctrl}"
+                );
+            }
+        }
+        // No cgroup left for a new seat: the forker is still in the clone's.
+        assert_eq!(forker_seat(&vm), "", "round {round}");
+        let tasks = std::fs::read_to_string(format!("/sys/fs/cgroup/pids{seat}/tasks")).unwrap();
+        let forker = tasks
+            .split_whitespace()
+            .filter_map(|t| t.parse::<i64>().ok())
+            .find(|t| Path::new(&format!("/proc/{vmm_pid}/task/{t}")).exists());
+        assert!(
+            forker.is_some(),
+            "round {round}: the forker is not in {seat}: {tasks}"
+        );
+        // SAFETY: signals a clone this test's VMM made.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        wait_until("the killed clone to be reaped", BOOT, || {
+            clone_by_id(&vm, c["id"].as_str().unwrap())["status"]["state"] == "killed"
+        });
+        // The VMM lives on, and its forker went home first.
+        assert_eq!(vm.api("GET", "/vm", None).0, 200, "round {round}");
+        // Its cgroup was emptied, released and became the seat again: the one cgroup
+        // the pool ever made.
+        wait_until("the seat again", BOOT, || !forker_seat(&vm).is_empty());
+        assert_eq!(format!("{base}/{}", forker_seat(&vm)), seat);
+        let stats = pool_stats(&vm, "solo");
+        assert_eq!(stats["created"], 1, "round {round}: {stats}");
+        assert_eq!(stats["removed"], 0, "round {round}: {stats}");
+    }
+    vm.shutdown(BOOT);
     assert_no_cgroups_left(&parent);
 }
 

@@ -536,6 +536,38 @@ impl CgroupFs {
             .collect()
     }
 
+    /// The `tasks` files (v1) of the cgroups the calling thread is in now, one per
+    /// hierarchy of this driver, opened for writing (close-on-exec): a thread that
+    /// leaves for a pooled cgroup writes "0" to them to come back. Read from
+    /// `/proc/thread-self/cgroup`, whose paths are relative to each hierarchy's mount
+    /// (also in a cgroup namespace, as the jail mounts it). None on v2 or a fake root.
+    pub fn open_own_move_files(&self) -> Result<Vec<OwnedFd>, CgroupError> {
+        let own = Path::new("/proc/thread-self/cgroup");
+        let text = std::fs::read_to_string(own).map_err(io(own))?;
+        self.controllers
+            .iter()
+            .map(|c| {
+                let rel = text
+                    .lines()
+                    .filter_map(|l| l.split_once(':')?.1.split_once(':'))
+                    .find(|(ctrls, _)| ctrls.split(',').any(|x| x == *c))
+                    .map(|(_, path)| path.trim_start_matches('/'))
+                    .ok_or_else(|| CgroupError::NoHierarchy(format!("{c} not in {own:?}")))?;
+                let path = self.root.join(c).join(rel).join("tasks");
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .map(OwnedFd::from)
+                    .map_err(io(&path))
+            })
+            .collect()
+    }
+
+    /// The `pids.max` file of cgroup `name`.
+    pub fn pids_max_file(&self, name: &str) -> PathBuf {
+        self.dir("pids", name).join("pids.max")
+    }
+
     /// Moves process `pid` into cgroup `name` in every hierarchy.
     pub fn place(&self, name: &str, pid: i32) -> Result<(), CgroupError> {
         for dir in self.dirs(name) {
@@ -603,7 +635,10 @@ impl CgroupFs {
         if self.version == CgroupVersion::V2 && self.write("", name, "cgroup.kill", "1").is_ok() {
             return Ok(());
         }
-        for pid in self.procs(name)? {
+        // A thread of this process in the cgroup (a VMM's forker, see the VMM) makes
+        // its pid show here: never kill ourselves; the caller finds the cgroup busy.
+        let own = std::process::id() as i32;
+        for pid in self.procs(name)?.into_iter().filter(|&p| p != own) {
             // SAFETY: sends a signal; no memory is touched.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }

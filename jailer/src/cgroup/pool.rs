@@ -260,6 +260,20 @@ impl CgroupPool {
         }
     }
 
+    /// Takes an idle cgroup if there is one, without creating or waiting (for a
+    /// cgroup set aside ahead of a request).
+    pub fn try_take_idle(&self) -> Option<Lease> {
+        let mut st = self.lock();
+        while let Some(idle) = st.idle.pop_front() {
+            if self.fs.exists_in_first(&idle.name) {
+                st.in_use.insert(idle.name.clone(), idle.base);
+                return Some(Lease { name: idle.name });
+            }
+            st.stats.vanished += 1;
+        }
+        None
+    }
+
     fn exhausted(&self) -> PoolError {
         PoolError::Exhausted {
             class: self.class_name.clone(),

@@ -8,8 +8,12 @@
 //! Placement happens before the clone runs guest code:
 //! - cgroup v2, clone forked on request: `clone3(CLONE_INTO_CGROUP)`, so the child is
 //!   born inside its cgroup and nothing migrates;
-//! - cgroup v1, and warm clones (forked before their class was known): the child, while
-//!   it is still its process's only thread, writes "0" to the cgroup's `tasks` file in
+//! - cgroup v1, the first clone of a request of the default class: forked by the
+//!   [`Forker`], a thread parked ahead in the cgroup set aside for it (the seat), so
+//!   the child is born inside;
+//! - cgroup v1 otherwise, and warm clones (forked before their class was known): the
+//!   child, while it is still its process's only thread, writes "0" to the cgroup's
+//!   `tasks` file in
 //!   every hierarchy (v1; `cgroup.procs` on v2), moving itself, before it rebuilds the VM
 //!   or starts a thread. Moving one thread does not take the cgroup core's thread-group
 //!   lock for writing, so no RCU grace period is waited for. Memory a warm clone
@@ -29,6 +33,7 @@ use jailer::cgroup::pool::Lease;
 use jailer::cgroup::{CgroupFs, CgroupPool, CgroupVersion, PoolConfig, Usage, WhenExhausted};
 use serde::{Deserialize, Serialize};
 
+use super::forker::{Forker, Restore};
 use crate::config::CgroupConfig;
 
 /// How often the event loop refills and shrinks the pools.
@@ -94,8 +99,9 @@ pub struct CloneCgroup {
     pub class: String,
     /// Cgroup path below each hierarchy's root.
     pub path: String,
-    /// How it was placed: "clone3" (born inside, v2), "tasks" (moved its only thread in,
-    /// v1) or "procs" (moved itself in through `cgroup.procs`, v2).
+    /// How it was placed: "clone3" (born inside, v2), "forker" (born inside, v1: forked
+    /// by a thread waiting there), "tasks" (moved its only thread in, v1) or "procs"
+    /// (moved itself in through `cgroup.procs`, v2).
     pub placed_by: &'static str,
     /// What it used: so far while it runs, in total once it exited.
     pub usage: Option<Usage>,
@@ -109,6 +115,15 @@ pub(crate) struct Taken {
     pub dir: Option<OwnedFd>,
     /// v1: its files the clone moves itself in with, when opened ahead.
     files: Vec<OwnedFd>,
+    /// The forker's seat: forked by the forker, born inside when it sits there.
+    seat: bool,
+}
+
+impl Taken {
+    /// The cgroup's name under the pools' parent.
+    pub(crate) fn name(&self) -> &str {
+        &self.lease.name
+    }
 }
 
 /// The pools of one VMM and the cgroups its clones hold.
@@ -125,6 +140,15 @@ pub struct ClonePools {
     /// Files of cgroups taken by clones forked since, closed after the parent resumed
     /// (closing a cgroup file costs microseconds the clone path need not wait for).
     spent: Vec<OwnedFd>,
+    /// v1: the thread that forks a request's first clone of the default class inside
+    /// its cgroup (see [`Forker`]); None on v2, or when it could not start.
+    forker: Option<Forker>,
+    /// The cgroup of the default class set aside for the forker's next clone, the
+    /// forker sitting (or on its way) inside.
+    seat: Mutex<Option<Lease>>,
+    /// `pids.max` values to write back (raised by one for the forker) once the forker
+    /// has left those cgroups, for seats whose clone started.
+    restore: Mutex<Vec<Restore>>,
 }
 
 impl ClonePools {
@@ -152,6 +176,9 @@ impl ClonePools {
             last_upkeep: Instant::now(),
             opened: Mutex::new(HashMap::new()),
             spent: Vec::new(),
+            forker: None,
+            seat: Mutex::new(None),
+            restore: Mutex::new(Vec::new()),
         };
         for (name, class) in &cfg.classes {
             let pool = CgroupPool::new(made.fs.clone(), name, class.clone(), pool_cfg).map_err(
@@ -162,7 +189,15 @@ impl ClonePools {
             )?;
             made.pools.push(pool);
         }
+        if made.fs.version() == CgroupVersion::V1 {
+            match made.fs.open_own_move_files().map(Forker::start) {
+                Ok(Ok(f)) => made.forker = Some(f),
+                Ok(Err(e)) => tracing::warn!("{e}; v1 clones move themselves in"),
+                Err(e) => tracing::warn!("cgroup forker: {e}; v1 clones move themselves in"),
+            }
+        }
         made.open_ahead();
+        made.reseat();
         tracing::info!(
             "cgroup pools ({:?}) under {parent}: {}",
             made.fs.version(),
@@ -216,6 +251,7 @@ impl ClonePools {
                     lease,
                     dir: None,
                     files: Vec::new(),
+                    seat: false,
                 });
                 return Err(PlacementError::Open(e));
             }
@@ -229,7 +265,70 @@ impl ClonePools {
             lease,
             dir,
             files,
+            seat: false,
         })
+    }
+
+    /// The forker's seat, for a clone of `class` (None: the default class) when the
+    /// forker waits for one there.
+    pub(crate) fn take_seat(&self, class: Option<&str>) -> Option<Taken> {
+        if !self.is_default(class) || !self.forker.as_ref().is_some_and(Forker::is_alive) {
+            return None;
+        }
+        let lease = lock(&self.seat).take()?;
+        Some(Taken {
+            pool: 0,
+            lease,
+            dir: None,
+            files: Vec::new(),
+            seat: true,
+        })
+    }
+
+    /// The forker, when `taken` is its seat.
+    pub(crate) fn forker_for(&self, taken: &Taken) -> Option<&Forker> {
+        self.forker.as_ref().filter(|_| taken.seat)
+    }
+
+    /// Sets an idle cgroup of the default class aside as the forker's seat and sends
+    /// the forker there (without waiting), when it has none: after start, after a
+    /// request took it, from upkeep. Its `pids.max` is raised by one while the forker
+    /// may be inside, and those of seats that clones took are written back once the
+    /// forker has left them. Off the clone path: the move costs the kernel a migration
+    /// per hierarchy.
+    pub(crate) fn reseat(&self) {
+        let Some(forker) = self.forker.as_ref().filter(|f| f.is_alive()) else {
+            return;
+        };
+        let mut seat = lock(&self.seat);
+        if seat.is_some() {
+            return;
+        }
+        let Some(lease) = self.pools[0].try_take_idle() else {
+            return;
+        };
+        let ahead = self.opened_files().remove(&lease.name);
+        let files = match ahead.map_or_else(|| self.open_files(&lease.name), Ok) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!("cgroup forker seat {}: {e}", lease.name);
+                if let Err(e) = self.pools[0].release(lease) {
+                    tracing::warn!("cgroup pool: {e}");
+                }
+                return;
+            }
+        };
+        if let Some(max) = self.pools[0].class().pids_max {
+            let path = self.fs.pids_max_file(&lease.name);
+            if let Err(e) = std::fs::write(&path, (max + 1).to_string()) {
+                tracing::warn!("cgroup forker seat: {}: {e}", path.display());
+            }
+        }
+        let restore = std::mem::take(&mut *lock(&self.restore));
+        forker.seat(&lease.name, files, restore);
+        *seat = Some(lease);
+        drop(seat);
+        self.open_ahead();
     }
 
     fn opened_files(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<OwnedFd>>> {
@@ -296,8 +395,16 @@ impl ClonePools {
         (placement, shown)
     }
 
-    /// Returns a cgroup whose clone was never started.
+    /// Returns a cgroup whose clone was never started (a seat stays the seat).
     pub(crate) fn give_back(&self, taken: Taken) {
+        if taken.seat {
+            let mut seat = lock(&self.seat);
+            if seat.is_none() {
+                *seat = Some(taken.lease);
+                return;
+            }
+        }
+        self.leave(&taken.lease.name);
         if let Err(e) = self.pools[taken.pool].release(taken.lease) {
             tracing::warn!("cgroup pool: {e}");
         }
@@ -306,6 +413,13 @@ impl ClonePools {
 
     /// Records that clone `pid` holds `taken`.
     pub(crate) fn started(&mut self, pid: i32, taken: Taken) {
+        if let Some(max) = self.pools[taken.pool]
+            .class()
+            .pids_max
+            .filter(|_| taken.seat)
+        {
+            lock(&self.restore).push((self.fs.pids_max_file(&taken.lease.name), max.to_string()));
+        }
         self.spent.extend(taken.dir);
         self.spent.extend(taken.files);
         self.leases.insert(pid, (taken.pool, taken.lease));
@@ -319,6 +433,7 @@ impl ClonePools {
     /// Clone `pid` is gone (reaped): its cgroup goes back to the pool. Returns its usage.
     pub(crate) fn exited(&mut self, pid: i32) -> Option<Usage> {
         let (pool, lease) = self.leases.remove(&pid)?;
+        self.leave(&lease.name);
         let usage = match self.pools[pool].release(lease) {
             Ok(u) => Some(u),
             Err(e) => {
@@ -327,7 +442,21 @@ impl ClonePools {
             }
         };
         self.open_ahead();
+        self.reseat();
         usage
+    }
+
+    /// Before cgroup `name` is emptied and reused: the forker must not be inside (it
+    /// would be killed with it, and the VMM with it), and its `pids.max` is rewritten
+    /// with the rest of its limits, so no restore for it is left pending.
+    fn leave(&self, name: &str) {
+        if let Some(f) = &self.forker {
+            if !f.leave(name) {
+                tracing::warn!("cgroup forker: cannot leave {name}; releasing it will fail");
+            }
+        }
+        let pids = self.fs.pids_max_file(name);
+        lock(&self.restore).retain(|(p, _)| *p != pids);
     }
 
     /// What clone `pid` has used so far.
@@ -349,6 +478,7 @@ impl ClonePools {
             }
         }
         self.open_ahead();
+        self.reseat();
     }
 
     /// Time until the next upkeep is due; None while no pool needs one (the event
@@ -376,6 +506,7 @@ impl ClonePools {
             "version": self.fs.version(),
             "parent": self.fs.parent(),
             "pools": pools,
+            "forker_seat": lock(&self.seat).as_ref().map(|l| l.name.clone()),
         })
     }
 }
@@ -384,6 +515,9 @@ impl Drop for ClonePools {
     /// Kills whatever is left in this VMM's cgroups and removes them and its parent
     /// (live clones are stopped and reaped before, at shutdown).
     fn drop(&mut self) {
+        // Home and ended first: its cgroup is killed below (its children, which would
+        // die with it, were stopped before).
+        drop(self.forker.take());
         for pid in self.leases.keys().copied().collect::<Vec<_>>() {
             self.exited(pid);
         }
@@ -396,6 +530,10 @@ impl Drop for ClonePools {
             tracing::warn!("removing cgroup parent {}: {e}", self.fs.parent());
         }
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Moves the calling process into a cgroup by writing "0" to each of its files (the

@@ -15,6 +15,7 @@
 
 pub mod cgroups;
 mod child;
+mod forker;
 pub mod gate;
 pub mod warm;
 
@@ -567,6 +568,10 @@ impl Microvm {
         if devices_parked {
             self.devices.resume_virtio();
         }
+        // The clones are up: the forker may move on to the next one's cgroup.
+        if let Some(p) = &self.cgroups {
+            p.reseat();
+        }
         let infos: Vec<CloneInfo> = made.into_iter().map(|(i, _)| i).collect();
         self.warm.note_request();
         self.clones.made += count as u32;
@@ -588,7 +593,9 @@ impl Microvm {
         };
         let mut clones = Vec::with_capacity(identities.len());
         for identity in identities {
-            match pools.take(class) {
+            // The first may be the forker's (v1): born inside its cgroup.
+            let seat = clones.is_empty().then(|| pools.take_seat(class)).flatten();
+            match seat.map_or_else(|| pools.take(class), Ok) {
                 Ok(t) => clones.push((identity, Some(t))),
                 Err(e) => {
                     self.give_back(clones.into_iter().map(|(_, t)| t));
@@ -818,18 +825,23 @@ impl Microvm {
         let mut made = Vec::with_capacity(clones.len());
         let mut clones = clones.into_iter();
         while let Some((mut identity, taken)) = clones.next() {
-            let (placement, cgroup) = self.placement(taken.as_ref());
+            let (placement, mut cgroup) = self.placement(taken.as_ref());
             identity.cgroup = placement;
-            let into = taken.as_ref().and_then(|t| t.dir.as_ref());
             let forked = pipe()
                 .map_err(CloneError::Os)
                 .and_then(|(read_end, write_end)| {
                     let start = Start::Now(Box::new(identity.clone()));
-                    let pid = self.fork_child(state, &write_end, start, into)?;
-                    Ok((pid, read_end))
+                    let forked = self.fork_child(state, &write_end, start, taken.as_ref())?;
+                    Ok((forked, read_end))
                 });
             match forked {
-                Ok((pid, read_end)) => {
+                Ok(((pid, born_inside), read_end)) => {
+                    if born_inside {
+                        identity.cgroup = None;
+                        if let Some(c) = cgroup.as_mut() {
+                            c.placed_by = "forker";
+                        }
+                    }
                     self.started_in(pid, taken);
                     made.push((
                         CloneInfo::starting(identity, pid, cgroup, &self.config),
@@ -846,15 +858,17 @@ impl Microvm {
     }
 
     /// Forks one child that rebuilds this VM from `state` and starts per `start`;
-    /// `ready` is the write end of its ready pipe; `into` an open v2 cgroup directory
-    /// the child is born in. Returns the child's pid. Every vCPU must be parked.
+    /// `ready` is the write end of its ready pipe; `taken` its cgroup: the child is born
+    /// in it when it is a v2 one (`clone3`) or the forker's seat with the forker
+    /// inside (v1). Returns the child's pid and whether it was born inside its cgroup
+    /// that way. Every vCPU must be parked.
     pub(super) fn fork_child(
         &self,
         state: &MicrovmState,
         ready: &OwnedFd,
         start: Start,
-        into: Option<&OwnedFd>,
-    ) -> Result<i32, CloneError> {
+        taken: Option<&Taken>,
+    ) -> Result<(i32, bool), CloneError> {
         let run_bases: Vec<usize> = self.vcpus.iter().map(|v| v.kvm_run_base()).collect();
         // The child's copies of the disk overlays: the disks' workers are parked, so
         // each overlay holds exactly what the guest wrote up to the clone point. The
@@ -879,22 +893,50 @@ impl Microvm {
             disk_fds: self.devices.disk_fds(),
             overlays: &overlays,
         };
-        // SAFETY: every vCPU and virtio worker is parked holding no lock, and the API
-        // thread holds none while the gate is closed (see `gate`): so neither fork() nor
-        // clone3 (which skips glibc's fork handling, see `fork_into`) leaves the child a
-        // lock or a malloc arena that nobody will release.
-        match gate::closed(|| unsafe { cgroups::fork_into(into) }) {
-            -1 => Err(CloneError::Os(std::io::Error::last_os_error())),
-            0 => child_main(plan),
-            pid => {
-                tracing::debug!(
-                    "clone {pid}: overlay copies {} us, fork {} us",
-                    t_overlays.as_micros(),
-                    (t0.elapsed() - t_overlays).as_micros()
-                );
-                Ok(pid)
+        let into = taken.and_then(|t| t.dir.as_ref());
+        let fork = |mut plan: ChildPlan<'_>, born_inside: bool| {
+            if let (true, Start::Now(id)) = (born_inside, &mut plan.start) {
+                id.cgroup = None;
             }
-        }
+            // SAFETY: every vCPU and virtio worker is parked holding no lock, the API
+            // thread holds none while the gate is closed (see `gate`), and on the
+            // forker the main thread waits for this without holding one: so neither
+            // fork() nor clone3 (which skips glibc's fork handling, see `fork_into`)
+            // leaves the child a lock or a malloc arena that nobody will release.
+            match gate::closed(|| unsafe { cgroups::fork_into(into) }) {
+                // Read on the thread that forked.
+                -1 => Err(CloneError::Os(std::io::Error::last_os_error())),
+                0 => child_main(plan),
+                pid => Ok(pid),
+            }
+        };
+        let forker = self
+            .cgroups
+            .as_ref()
+            .zip(taken)
+            .and_then(|(p, t)| Some((p.forker_for(t)?, t.name())));
+        let mut plan = Some(plan);
+        let on_forker = forker.and_then(|(f, name)| {
+            f.run(|seated| {
+                let born = seated == Some(name);
+                plan.take().map(|p| (fork(p, born), born))
+            })
+            .flatten()
+        });
+        let (forked, born_inside) = match (on_forker, plan) {
+            (Some(done), _) => done,
+            // No forker, or it is gone: from this thread (the clone moves itself in).
+            (None, Some(plan)) => (fork(plan, false), false),
+            (None, None) => unreachable!("the plan is taken only by a fork"),
+        };
+        let pid = forked?;
+        tracing::debug!(
+            "clone {pid}: overlay copies {} us, fork {} us{}",
+            t_overlays.as_micros(),
+            (t0.elapsed() - t_overlays).as_micros(),
+            if born_inside { " (forker)" } else { "" }
+        );
+        Ok((pid, born_inside))
     }
 }
 

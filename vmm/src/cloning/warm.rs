@@ -194,10 +194,9 @@ impl Microvm {
             go: go_read.as_raw_fd(),
             cgroup: placement,
         };
-        let into = taken.as_ref().and_then(|t| t.dir.as_ref());
         // The VM is paused: every vCPU is parked.
-        let pid = match self.fork_child(&state, &ready_write, start, into) {
-            Ok(pid) => pid,
+        let pid = match self.fork_child(&state, &ready_write, start, taken.as_ref()) {
+            Ok((pid, _)) => pid,
             Err(e) => {
                 self.give_back([taken]);
                 return Err(e);

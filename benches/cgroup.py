@@ -12,10 +12,12 @@ clone: clone latency (request reaching the VMM to the clone's vCPU 0 in the gues
   cgroup per clone (--cgroup-pool-size 0: created at the request, removed at exit), on
   v1 and v2, in interleaved rounds in one run. --templates warm measures warm clones of
   a paused template instead (launched from a pool of clones forked ahead, each already
-  in its cgroup).
+  in its cgroup). --baseline VMM adds that binary's none and pooled cells to the same
+  rounds (an A/B of two builds).
 
 usage: benches/cgroup.py ops [--iters N] [--conc 1,2,4,8]
        benches/cgroup.py clone [--runs N] [--rounds N] [--templates running,warm]
+                               [--versions 1,2] [--baseline VMM]
 """
 import argparse
 import json
@@ -47,6 +49,8 @@ def ops(a):
         sys.stdout.flush()
 
 
+DEFAULT_VMM = cb.VMM
+
 MODES = {
     "none": [],
     "pooled": ["--cgroup-class", "c:pids=1000", "--cgroup-pool-size", "8"],
@@ -54,7 +58,8 @@ MODES = {
 }
 
 
-def series(tmp, version, mode, runs, template):
+def series(tmp, version, mode, runs, template, vmm=None):
+    cb.VMM = vmm or DEFAULT_VMM
     extra = list(MODES[mode])
     if mode != "none":
         extra += ["--cgroup-version", version, "--cgroup-parent", f"forkvm-bench-{os.getpid()}"]
@@ -72,14 +77,19 @@ def clone(a):
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
         for template in a.templates.split(","):
-            for version in ("1", "2"):
-                got = {m: [] for m in MODES}
+            for version in a.versions.split(","):
+                cells = [(m, None) for m in MODES]
+                if a.baseline:
+                    cells += [("none", a.baseline), ("pooled", a.baseline)]
+                got = {c: [] for c in cells}
                 for _ in range(a.rounds):
-                    for mode in MODES:
-                        got[mode] += series(tmp, version, mode, a.runs // a.rounds, template)
-                base = statistics.median(got["none"])
-                for mode, xs in got.items():
-                    print(cb.row(f"{template} | v{version} | {mode}", xs, base))
+                    for mode, vmm in cells:
+                        got[(mode, vmm)] += series(tmp, version, mode, a.runs // a.rounds,
+                                                   template, vmm)
+                for (mode, vmm), xs in got.items():
+                    base = statistics.median(got[("none", vmm)])
+                    label = mode if vmm is None else f"{mode} (baseline binary)"
+                    print(cb.row(f"{template} | v{version} | {label}", xs, base))
                 sys.stdout.flush()
 
 
@@ -94,6 +104,10 @@ def main():
     c.add_argument("--rounds", type=int, default=4)
     c.add_argument("--templates", default="running",
                    help="running and/or warm (a paused template with warm clones)")
+    c.add_argument("--versions", default="1,2", help="cgroup versions: 1 and/or 2")
+    c.add_argument("--baseline", metavar="VMM",
+                   help="another vmm binary (an earlier build): its none and pooled cells "
+                        "run interleaved with the others, each compared to its own none")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("cgroup benchmarks need root")

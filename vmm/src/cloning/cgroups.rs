@@ -9,8 +9,8 @@
 //! - cgroup v2, clone forked on request: `clone3(CLONE_INTO_CGROUP)`, so the child is
 //!   born inside its cgroup and nothing migrates;
 //! - cgroup v1, the first clone of a request of the default class: forked by the
-//!   [`Forker`], a thread parked ahead in the cgroup set aside for it (the seat), so
-//!   the child is born inside;
+//!   forker (`cloning::forker`), a thread parked ahead in the cgroup set aside for it
+//!   (the seat), so the child is born inside;
 //! - cgroup v1 otherwise, and warm clones (forked before their class was known): the
 //!   child, while it is still its process's only thread, writes "0" to the cgroup's
 //!   `tasks` file in

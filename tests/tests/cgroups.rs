@@ -75,6 +75,19 @@ fn template(scratch: &Scratch, cmdline: &str, extra: &[&str]) -> Vm {
     Vm::start(scratch, &args)
 }
 
+/// A ticking tiny template whose clones go in v1 cgroup pools under `parent`, set up by
+/// `pool_args`; returns it once it ticks and answers, with its pools' parent path
+/// (`/<parent>/vmm-<pid>`).
+fn v1_template(scratch: &Scratch, parent: &Parent, pool_args: &[&str]) -> (Vm, String) {
+    let mut args = pool_args.to_vec();
+    args.extend_from_slice(&["--cgroup-version", "1", "--cgroup-parent", parent]);
+    let mut vm = template(scratch, "tickless=1", &args);
+    vm.wait_console("tiny: tickless\n", BOOT);
+    vm.wait_api(BOOT);
+    let base = format!("/{}/vmm-{}", parent.0, vm.child.id());
+    (vm, base)
+}
+
 fn fork(vm: &Vm, body: &str) -> Vec<Value> {
     let (code, text) = vm.api("POST", "/clones", Some(body));
     assert_eq!(code, 201, "{text}");
@@ -182,9 +195,9 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
     let scratch = Scratch::new("cg-v1");
     let _serial = one_at_a_time();
     let parent = Parent::new("v1");
-    let mut vm = template(
+    let (mut vm, base) = v1_template(
         &scratch,
-        "tickless=1",
+        &parent,
         &[
             "--cgroup-class",
             "small:cpu=0.5,memory=64M,pids=64",
@@ -192,16 +205,9 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
             "big",
             "--cgroup-pool-size",
             "2",
-            "--cgroup-version",
-            "1",
-            "--cgroup-parent",
-            &parent,
         ],
     );
-    vm.wait_console("tiny: tickless\n", BOOT);
-    vm.wait_api(BOOT);
     let vmm_pid = vm.child.id();
-    let base = format!("/{}/vmm-{vmm_pid}", parent.0);
     // Pre-created: two per class, limits written; one of the default class is the
     // forker's seat (it waits inside for the next clone).
     wait_until("the forker to take its seat", BOOT, || {
@@ -353,9 +359,9 @@ fn the_forker_leaves_a_cgroup_before_the_pool_empties_it() {
     let scratch = Scratch::new("cg-forker");
     let _serial = one_at_a_time();
     let parent = Parent::new("forker");
-    let mut vm = template(
+    let (mut vm, base) = v1_template(
         &scratch,
-        "tickless=1",
+        &parent,
         &[
             "--cgroup-class",
             "solo:pids=16",
@@ -363,16 +369,9 @@ fn the_forker_leaves_a_cgroup_before_the_pool_empties_it() {
             "1",
             "--cgroup-pool-max",
             "1",
-            "--cgroup-version",
-            "1",
-            "--cgroup-parent",
-            &parent,
         ],
     );
-    vm.wait_console("tiny: tickless\n", BOOT);
-    vm.wait_api(BOOT);
     let vmm_pid = vm.child.id();
-    let base = format!("/{}/vmm-{vmm_pid}", parent.0);
     for round in 0..3 {
         wait_until("the forker to take its seat", BOOT, || {
             !forker_seat(&vm).is_empty()

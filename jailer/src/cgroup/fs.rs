@@ -60,6 +60,15 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
 }
 
 /// Names of the directories in `dir`, sorted (none when `dir` does not exist).
+/// Opens a cgroup file for writing (close-on-exec).
+fn open_to_write(path: &Path) -> Result<OwnedFd, CgroupError> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map(OwnedFd::from)
+        .map_err(io(path))
+}
+
 fn subdirs(dir: &Path) -> Result<Vec<String>, CgroupError> {
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
@@ -526,13 +535,7 @@ impl CgroupFs {
     pub fn open_self_move_files(&self, name: &str) -> Result<Vec<OwnedFd>, CgroupError> {
         self.self_move_files(name)
             .into_iter()
-            .map(|path| {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .map(OwnedFd::from)
-                    .map_err(io(&path))
-            })
+            .map(|path| open_to_write(&path))
             .collect()
     }
 
@@ -540,7 +543,8 @@ impl CgroupFs {
     /// hierarchy of this driver, opened for writing (close-on-exec): a thread that
     /// leaves for a pooled cgroup writes "0" to them to come back. Read from
     /// `/proc/thread-self/cgroup`, whose paths are relative to each hierarchy's mount
-    /// (also in a cgroup namespace, as the jail mounts it). None on v2 or a fake root.
+    /// (also in a cgroup namespace, as the jail mounts it). Empty on v2 (no v1
+    /// controllers); a fake root has no such files.
     pub fn open_own_move_files(&self) -> Result<Vec<OwnedFd>, CgroupError> {
         let own = Path::new("/proc/thread-self/cgroup");
         let text = std::fs::read_to_string(own).map_err(io(own))?;
@@ -553,12 +557,7 @@ impl CgroupFs {
                     .find(|(ctrls, _)| ctrls.split(',').any(|x| x == *c))
                     .map(|(_, path)| path.trim_start_matches('/'))
                     .ok_or_else(|| CgroupError::NoHierarchy(format!("{c} not in {own:?}")))?;
-                let path = self.root.join(c).join(rel).join("tasks");
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&path)
-                    .map(OwnedFd::from)
-                    .map_err(io(&path))
+                open_to_write(&self.root.join(c).join(rel).join("tasks"))
             })
             .collect()
     }

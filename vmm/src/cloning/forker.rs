@@ -255,7 +255,7 @@ fn serve(shared: &Shared, home: &[OwnedFd]) {
             (st.job.take().expect("checked"), st.seated.clone())
         };
         let quit = matches!(job, Job::Quit);
-        // What the job leaves: Some((seated, inside)) when it moved.
+        // Where a move took the forker (None: home), and whether wholly.
         let moved = match job {
             Job::Seat {
                 name,
@@ -264,9 +264,9 @@ fn serve(shared: &Shared, home: &[OwnedFd]) {
             } => {
                 let whole = move_self(&files);
                 write_restores(&restore);
-                Some((whole.then(|| name.clone()), name, whole))
+                Some((Some(name), whole))
             }
-            Job::Home | Job::Quit => Some((None, String::new(), move_self(home))),
+            Job::Home | Job::Quit => Some((None, move_self(home))),
             Job::Run(Borrowed(f)) => {
                 // SAFETY: see `Forker::run`: the lender waits until this job is done.
                 unsafe { (*f)(seated.as_deref()) };
@@ -274,15 +274,15 @@ fn serve(shared: &Shared, home: &[OwnedFd]) {
             }
         };
         let mut st = shared.lock();
-        if let Some((seat, name, whole)) = moved {
-            st.seated = seat;
-            match (whole, name.is_empty()) {
+        if let Some((to, whole)) = moved {
+            st.seated = to.clone().filter(|_| whole);
+            match (to, whole) {
                 // Wholly in one cgroup, or wholly home.
-                (true, false) => st.inside = vec![name],
-                (true, true) => st.inside.clear(),
+                (Some(name), true) => st.inside = vec![name],
+                (None, true) => st.inside.clear(),
                 // In part: it may be in the new one too.
-                (false, false) => st.inside.push(name),
-                (false, true) => {}
+                (Some(name), false) => st.inside.push(name),
+                (None, false) => {}
             }
         }
         st.busy = false;

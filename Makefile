@@ -28,5 +28,8 @@ lint:
 	$(CARGO) clippy --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace --quiet
 
+# A short standard set (a few minutes); each bench has more (benches/*.py --help).
 bench: deps guest release
-	./benches/boot.sh
+	python3 benches/boot.py
+	python3 benches/clone.py latency --runs 50 --mem 128
+	python3 benches/clone.py fanout --counts 100 --dirs /dev/shm

@@ -24,7 +24,12 @@ devices: clone latency of a running Linux template (its drivers have set the dev
   each clone's deletion (the host kernel's teardown of the exited clone slows the next
   clone's VM creation when requests follow back to back).
 
+ab: two builds side by side (--baseline VMM, another build's binary, against this one),
+  in interleaved rounds: clone latency of a running, a paused and a warm template
+  (--mem MiB), and the wall time of one N-clone fan-out (--fanout N, 256 MiB) per round.
+
 usage: benches/clone.py latency [--runs N] [--mem 128,512,2048,4096] [--modes running,paused,warm]
+       benches/clone.py ab --baseline VMM [--runs N] [--rounds R] [--mem MIB] [--fanout N]
        benches/clone.py fanout [--counts 100,1000] [--dirs /tmp,/dev/shm] [--rounds N]
        benches/clone.py e2e [--runs N] [--modes running,paused,warm]
        benches/clone.py sandbox [--runs N] [--rounds R] [--mem MIB]   (root)
@@ -424,6 +429,60 @@ def pss_kb(pid):
     return None
 
 
+def fanout_once(tmp, n, while_up=None):
+    """One POST /clones {count: n} on a running 256 MiB template: its wall time (ms), and
+    what while_up(clones, template pid) returns, called while the clones run."""
+    p, sock = start_template(tmp, 256, True)
+    try:
+        t = time.perf_counter()
+        code, body = api(sock, "POST", "/clones", json.dumps({"count": n}))
+        total = time.perf_counter() - t
+        if code != 201:
+            sys.exit(f"fan-out failed: {code} {body}")
+        clones = json.loads(body)["clones"]
+        bad = [c for c in clones if c["status"]["state"] != "running"]
+        if bad:
+            sys.exit(f"{len(bad)} clones did not start: {bad[:3]}")
+        return total * 1e3, while_up(clones, p.pid) if while_up else None
+    finally:
+        stop_template(p, sock)
+
+
+def ab(a):
+    global VMM
+    versions = {"baseline": os.path.abspath(a.baseline), "this build": VMM}
+    modes = a.modes.split(",")
+    print(f"A/B of two builds, interleaved rounds ({a.rounds}); clone latency of a {a.mem} MiB "
+          f"tiny template, {a.runs} clones per row; one {a.fanout}-clone fan-out of a 256 MiB "
+          f"template per round; sockets on /dev/shm (ms; ratio of medians to the baseline):\n")
+    print(f"baseline: {versions['baseline']}\n")
+    got = {(v, m): ([], []) for v in versions for m in modes}
+    fan = {v: [] for v in versions}
+    with tempfile.TemporaryDirectory(prefix="forkvm-bench-", dir="/dev/shm") as tmp:
+        for _ in range(a.rounds):
+            for v, path in versions.items():
+                VMM = path
+                for mode in modes:
+                    vmm_ms, e2e_ms, _ = clone_series(tmp, a.mem, True, mode,
+                                                     a.runs // a.rounds)
+                    got[(v, mode)][0].extend(vmm_ms)
+                    got[(v, mode)][1].extend(e2e_ms)
+                if a.fanout:
+                    fan[v].append(fanout_once(tmp, a.fanout)[0])
+    print("| template | measure | build | min | median | p99 | vs baseline |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in modes:
+        for i, measure in enumerate(("request to clone vCPU 0 in guest", "client end to end")):
+            base = statistics.median(got[("baseline", mode)][i])
+            for v in versions:
+                print(row(f"{mode} | {measure} | {v}", got[(v, mode)][i], base))
+    if a.fanout:
+        base = statistics.median(fan["baseline"])
+        for v in versions:
+            print(row(f"running, 256 MiB | {a.fanout}-clone fan-out, whole request | {v}",
+                      fan[v], base))
+
+
 def fanout(a):
     dirs = a.dirs.split(",") if a.dirs else [tempfile.gettempdir()]
     print("Fan-out: one POST /clones {count: N} on a running 256 MiB template (all memory "
@@ -437,23 +496,12 @@ def fanout(a):
         for d in dirs:
             with tempfile.TemporaryDirectory(prefix="forkvm-bench-", dir=d) as tmp:
                 for n in [int(x) for x in a.counts.split(",")]:
-                    p, sock = start_template(tmp, 256, True)
-                    try:
-                        t = time.perf_counter()
-                        code, body = api(sock, "POST", "/clones", json.dumps({"count": n}))
-                        total = time.perf_counter() - t
-                        if code != 201:
-                            sys.exit(f"fan-out failed: {code} {body}")
-                        clones = json.loads(body)["clones"]
-                        bad = [c for c in clones if c["status"]["state"] != "running"]
-                        if bad:
-                            sys.exit(f"{len(bad)} clones did not start: {bad[:3]}")
+                    def sizes(clones, template_pid):
                         time.sleep(0.5)
                         pss = [pss_kb(c["pid"]) for c in clones]
-                        pss = [x for x in pss if x is not None]
-                        tpl = pss_kb(p.pid)
-                    finally:
-                        stop_template(p, sock)
+                        return [x for x in pss if x is not None], pss_kb(template_pid)
+                    total, (pss, tpl) = fanout_once(tmp, n, sizes)
+                    total /= 1e3
                     totals.setdefault((d, n), []).append(total * 1e3)
                     print(f"| {d} | {n} | {total*1e3:.0f} ms | {total*1e3/n:.2f} ms | "
                           f"{statistics.median(pss)/1024:.1f} MiB | {tpl/1024:.1f} MiB |")
@@ -490,6 +538,13 @@ def main():
                          "the host kernel can slow the next clone's VM creation)")
     vs = sub.add_parser("vsock")
     vs.add_argument("--runs", type=int, default=20)
+    abp = sub.add_parser("ab")
+    abp.add_argument("--baseline", required=True, help="the other build's vmm binary")
+    abp.add_argument("--runs", type=int, default=200)
+    abp.add_argument("--rounds", type=int, default=4)
+    abp.add_argument("--mem", type=int, default=128)
+    abp.add_argument("--modes", default=",".join(MODES))
+    abp.add_argument("--fanout", type=int, default=1000, help="clones per fan-out (0: none)")
     ee = sub.add_parser("e2e")
     ee.add_argument("--runs", type=int, default=100)
     ee.add_argument("--modes", default=",".join(MODES))
@@ -498,7 +553,7 @@ def main():
         if not os.path.exists(f):
             sys.exit(f"{f} missing: run `make release guest` first")
     {"latency": latency, "fanout": fanout, "e2e": e2e, "sandbox": sandbox,
-     "devices": devices, "vsock": vsock}[a.what](a)
+     "devices": devices, "vsock": vsock, "ab": ab}[a.what](a)
 
 
 if __name__ == "__main__":

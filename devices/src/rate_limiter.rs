@@ -7,105 +7,11 @@
 //! bucket is full and leaves it in debt, so the average rate still holds for large I/O.
 
 use std::os::fd::{AsRawFd, RawFd};
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use vmm_sys_util::timerfd::TimerFd;
 
-/// One bucket's configuration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BucketConfig {
-    /// Tokens the bucket holds when full (bytes or operations).
-    pub size: u64,
-    /// Extra tokens available once, at start.
-    #[serde(default)]
-    pub one_time_burst: u64,
-    /// Milliseconds to refill a whole bucket from empty.
-    pub refill_time_ms: u64,
-}
-
-/// A rate limit for one device: bandwidth (bytes) and/or operations.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RateLimit {
-    /// Bytes.
-    #[serde(default)]
-    pub bandwidth: Option<BucketConfig>,
-    /// Operations (requests, frames).
-    #[serde(default)]
-    pub ops: Option<BucketConfig>,
-}
-
-/// Errors parsing or checking a rate limit.
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum RateLimitError {
-    /// The text is not `bytes=SIZE[/MS][+BURST],ops=N[/MS][+BURST]`.
-    #[error("bad rate limit {0:?}: expected bytes=SIZE[/MS][+BURST] and/or ops=N[/MS][+BURST], e.g. bytes=10M,ops=1000/1000")]
-    Syntax(String),
-    /// A bucket of size 0 or a refill time of 0 would block or divide by zero.
-    #[error("bad rate limit: {0} needs a size and a refill time above 0")]
-    Zero(&'static str),
-}
-
-fn parse_size(s: &str) -> Option<u64> {
-    let (num, mult) = match s.char_indices().last()? {
-        (i, 'K' | 'k') => (&s[..i], 1u64 << 10),
-        (i, 'M' | 'm') => (&s[..i], 1 << 20),
-        (i, 'G' | 'g') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<u64>().ok()?.checked_mul(mult)
-}
-
-fn parse_bucket(s: &str) -> Option<BucketConfig> {
-    let (rest, burst) = match s.split_once('+') {
-        Some((r, b)) => (r, parse_size(b)?),
-        None => (s, 0),
-    };
-    let (size, ms) = match rest.split_once('/') {
-        Some((sz, ms)) => (parse_size(sz)?, ms.parse().ok()?),
-        None => (parse_size(rest)?, 1000),
-    };
-    Some(BucketConfig {
-        size,
-        one_time_burst: burst,
-        refill_time_ms: ms,
-    })
-}
-
-impl FromStr for RateLimit {
-    type Err = RateLimitError;
-
-    /// `bytes=10M` is 10 MiB per second; `ops=500/100+1000` is 500 operations per 100 ms
-    /// with a one-time burst of 1000; both may be given, comma-separated.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || RateLimitError::Syntax(s.to_string());
-        let mut limit = RateLimit::default();
-        for part in s.split(',') {
-            let (key, value) = part.split_once('=').ok_or_else(bad)?;
-            let bucket = parse_bucket(value).ok_or_else(bad)?;
-            match key {
-                "bytes" if limit.bandwidth.is_none() => limit.bandwidth = Some(bucket),
-                "ops" if limit.ops.is_none() => limit.ops = Some(bucket),
-                _ => return Err(bad()),
-            }
-        }
-        limit.check()?;
-        Ok(limit)
-    }
-}
-
-impl RateLimit {
-    /// Refuses buckets that could never refill.
-    pub fn check(&self) -> Result<(), RateLimitError> {
-        for (name, b) in [("bytes", self.bandwidth), ("ops", self.ops)] {
-            if b.is_some_and(|b| b.size == 0 || b.refill_time_ms == 0) {
-                return Err(RateLimitError::Zero(name));
-            }
-        }
-        Ok(())
-    }
-}
+pub use api_types::rate_limit::{BucketConfig, RateLimit, RateLimitError};
 
 /// A bucket in use.
 #[derive(Debug)]
@@ -256,42 +162,6 @@ impl AsRawFd for RateLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_specs() {
-        let l: RateLimit = "bytes=10M,ops=500/100+1000".parse().unwrap();
-        assert_eq!(
-            l.bandwidth,
-            Some(BucketConfig {
-                size: 10 << 20,
-                one_time_burst: 0,
-                refill_time_ms: 1000
-            })
-        );
-        assert_eq!(
-            l.ops,
-            Some(BucketConfig {
-                size: 500,
-                one_time_burst: 1000,
-                refill_time_ms: 100
-            })
-        );
-        let only_ops: RateLimit = "ops=7".parse().unwrap();
-        assert!(only_ops.bandwidth.is_none());
-        for bad in [
-            "",
-            "bytes",
-            "bytes=",
-            "bytes=x",
-            "bytes=1/0",
-            "bytes=0",
-            "pps=1",
-            "bytes=1,bytes=2",
-            "bytes=99999999999999999999G",
-        ] {
-            assert!(bad.parse::<RateLimit>().is_err(), "{bad:?} accepted");
-        }
-    }
 
     fn limiter(spec: &str) -> RateLimiter {
         RateLimiter::new(&spec.parse().unwrap()).unwrap()

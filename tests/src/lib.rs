@@ -450,20 +450,14 @@ pub fn raw_request(sock: &Path, bytes: &[u8]) -> (u16, String) {
     request_on(s, bytes)
 }
 
-/// Sends `bytes` on a connected control socket and returns (status, body).
+/// Sends `bytes` on a connected control socket and returns (status, body), read with
+/// the VMM's own response reader.
 fn request_on(mut s: UnixStream, bytes: &[u8]) -> (u16, String) {
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     s.write_all(bytes).expect("send request");
     let _ = s.shutdown(std::net::Shutdown::Write);
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read response");
-    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad response {out:?}"));
-    (status, body.to_string())
+    let r = vmm::api::http::read_response(&s).unwrap_or_else(|e| panic!("bad response: {e}"));
+    (r.status, r.body)
 }
 
 /// Runs `vmm ARGS` to completion with a timeout; returns (status, stdout, stderr).

@@ -285,7 +285,17 @@ fn bad_inputs_give_clear_errors_not_panics() {
         ),
         (
             vec!["run", "--kernel", &t, "--disk", "a.img,ro"],
-            "unknown or repeated option \"ro\"",
+            "unknown option \"ro\"",
+        ),
+        (
+            vec![
+                "run",
+                "--kernel",
+                &t,
+                "--disk",
+                "a.img,cow=/tmp,cow=/var/tmp",
+            ],
+            "\"cow\" is given twice",
         ),
         (
             vec!["run", "--kernel", &t, "--disk", "a.img,bytes=fast"],

@@ -1,7 +1,9 @@
-//! From a [`VmConfig`] to a running [`Microvm`], as an explicit, ordered list of stages.
+//! From a [`VmConfig`] to the parts of a running VM ([`VmParts`], made into a
+//! [`crate::microvm::Microvm`] by its one constructor), as an explicit, ordered list of
+//! stages.
 //!
 //! 1. open KVM, check capabilities, recognise the host
-//! 2. validate the configuration against the host; make the clones' cgroup pools
+//! 2. validate the configuration against the host
 //! 3. decide host quirks (CPUID features to hide, kernel switches to add)
 //! 4. map guest memory
 //! 5. create the VM: memory slots first, then TSS, irqchip, PIT
@@ -10,7 +12,6 @@
 //! 8. create and configure vCPUs
 //! 9. start vCPU threads
 
-use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 
 use clone::vcpu::CaptureSpec;
@@ -18,7 +19,6 @@ use std::time::Instant;
 
 use kvm_ioctls::VmFd;
 use vm_memory::GuestMemoryMmap;
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::arch::x86_64::boot::{
     load_initrd, load_kernel, write_boot_info, write_cmdline, BootError, LoadedInitrd,
@@ -30,11 +30,13 @@ use crate::arch::x86_64::mptable::{self, MptableError};
 use crate::arch::x86_64::regs::BootProtocol;
 use crate::config::{ApBoot, ConfigError, VmConfig};
 use crate::device_manager::{DeviceError, DeviceManager};
-use crate::microvm::{HostReport, Microvm, VmState};
+use crate::logging::StageTimer;
+use crate::microvm::VmParts;
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
 use crate::vstate::memory::{create_guest_memory, MemoryError};
-use crate::vstate::vcpu::{FirstEntry, StartMode, Vcpu, VcpuError, VcpuEvent, VcpuHandle};
+use crate::vstate::vcpu::{start_vcpus, StartMode, Vcpu, VcpuError};
 use crate::vstate::vm::{create_vm, VmError};
+use api_types::vm::HostReport;
 
 /// Errors building a microVM, one per stage.
 #[derive(Debug, thiserror::Error)]
@@ -63,12 +65,6 @@ pub enum BuildError {
     /// Stages 8 and 9.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
-    /// An eventfd for vCPU exits.
-    #[error("cannot create an eventfd: {0}")]
-    EventFd(std::io::Error),
-    /// Stage 2: the clones' cgroup pools.
-    #[error(transparent)]
-    Cgroups(#[from] crate::cloning::cgroups::CgroupSetupError),
 }
 
 /// Kernel switches every guest gets on a PVM host beyond the CPUID ones: mitigations use
@@ -92,35 +88,6 @@ pub fn host_quirks(host: HostKind, enabled: bool) -> (&'static [FeatureBit], Str
     }
 }
 
-/// Logs how long each build stage took (debug level), for finding start-up costs.
-struct StageTimer {
-    last: Instant,
-    stages: Vec<(&'static str, u128)>,
-}
-
-impl StageTimer {
-    fn new() -> Self {
-        Self {
-            last: Instant::now(),
-            stages: Vec::new(),
-        }
-    }
-
-    fn done(&mut self, stage: &'static str) {
-        let now = Instant::now();
-        self.stages.push((stage, (now - self.last).as_micros()));
-        self.last = now;
-    }
-
-    fn report(&self) -> String {
-        self.stages
-            .iter()
-            .map(|(s, us)| format!("{s} {us}us"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
-}
-
 /// What stages 6 to 8 produce.
 struct Prepared {
     devices: DeviceManager,
@@ -130,7 +97,7 @@ struct Prepared {
 }
 
 /// Builds and starts the VM described by `config`.
-pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
+pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
     let started = Instant::now();
     let mut timer = StageTimer::new();
 
@@ -139,13 +106,7 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     timer.done("kvm");
     // 2. Configuration.
     config.validate(kvm.max_vcpus)?;
-    // Dropped (cgroups removed) if a later stage fails.
-    let cgroups = config
-        .cgroups
-        .as_ref()
-        .map(crate::cloning::cgroups::ClonePools::new)
-        .transpose()?;
-    timer.done("config, cgroups");
+    timer.done("config");
     // 3. Host quirks.
     let (hidden, quirk_switches) = host_quirks(kvm.host, config.host_quirks);
     if kvm.host == HostKind::Pvm {
@@ -183,7 +144,7 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     let capture_spec = capture_spec(&kvm, &vm)?;
 
     // 9. Start.
-    let started_vcpus = start_vcpus(vcpus, &devices, None)?;
+    let started_vcpus = start_vcpus(vcpus, &devices.pio, &devices.mmio, None)?;
     timer.done("start");
     tracing::info!(
         "VM started in {} us: {} vCPUs, {} MiB",
@@ -193,69 +154,26 @@ pub fn build_microvm(config: VmConfig) -> Result<Microvm, BuildError> {
     );
     tracing::debug!("build stages: {}", timer.report());
 
-    let warm = crate::cloning::warm::WarmPool::new(config.warm_clones);
     let kvm_run_size = kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?;
     let host = HostReport {
         kvm: kvm.host,
         quirks_applied: !hidden.is_empty(),
-        hidden_cpuid: hidden.iter().map(|h| h.name).collect(),
+        hidden_cpuid: hidden.iter().map(|h| h.name.to_string()).collect(),
         kernel_switches: quirk_switches,
         skipped_msrs,
         memory: mem_info,
     };
-    Ok(Microvm {
+    Ok(VmParts {
         config,
-        _vm: vm,
-        _mem: mem,
+        vm,
+        mem,
         kvm,
         devices,
-        vcpus: started_vcpus.handles,
-        vcpu_events: started_vcpus.events,
-        vcpu_exit_evt: started_vcpus.exit_evt,
-        capture_spec: Arc::new(capture_spec),
-        clones: Default::default(),
-        warm,
-        cgroups,
-        clone_id: String::new(),
-        kvm_run_size,
-        pending_events: Default::default(),
+        vcpus: started_vcpus,
         host,
         cmdline,
-        state: VmState::Running,
-        started: Instant::now(),
-    })
-}
-
-/// Running vCPU threads and where they report their exits.
-pub(crate) struct StartedVcpus {
-    pub(crate) handles: Vec<VcpuHandle>,
-    pub(crate) events: Receiver<(u8, VcpuEvent)>,
-    pub(crate) exit_evt: EventFd,
-}
-
-/// Stage 9: one thread per vCPU. `first_entry` goes to vCPU 0 (see [`Vcpu::start`]).
-pub(crate) fn start_vcpus(
-    vcpus: Vec<Vcpu>,
-    devices: &DeviceManager,
-    mut first_entry: Option<FirstEntry>,
-) -> Result<StartedVcpus, BuildError> {
-    let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    let (event_tx, events) = channel();
-    let mut handles = Vec::with_capacity(vcpus.len());
-    for vcpu in vcpus {
-        let evt = exit_evt.try_clone().map_err(BuildError::EventFd)?;
-        handles.push(vcpu.start(
-            devices.pio.clone(),
-            devices.mmio.clone(),
-            event_tx.clone(),
-            evt,
-            first_entry.take(),
-        )?);
-    }
-    Ok(StartedVcpus {
-        handles,
-        events,
-        exit_evt,
+        capture_spec: Arc::new(capture_spec),
+        kvm_run_size,
     })
 }
 

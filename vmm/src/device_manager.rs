@@ -31,16 +31,11 @@ use devices::virtio::{
 };
 use devices::{Bus, BusError};
 
+use api_types::vm::{VirtioDeviceInfo, VirtioKind};
+
 use crate::arch::x86_64::layout::{VIRTIO_MMIO_SIZE, VIRTIO_MMIO_START};
-use crate::arch::x86_64::mptable::IOAPIC_PINS;
+use crate::arch::x86_64::mptable::{IOAPIC_PINS, VIRTIO_FIRST_GSI};
 use crate::config::{ConsoleSink, DiskConfig, NetConfig, VmConfig};
-
-/// First GSI (IOAPIC pin) for virtio-mmio devices; 0-4 are the PIT, keyboard, cascade,
-/// and the serial ports.
-const VIRTIO_FIRST_GSI: u32 = 5;
-
-/// Most virtio devices one VM can have: one IOAPIC pin each from `VIRTIO_FIRST_GSI` up.
-pub const MAX_VIRTIO_DEVICES: usize = IOAPIC_PINS as usize - VIRTIO_FIRST_GSI as usize;
 
 /// Errors creating devices.
 #[derive(Debug, thiserror::Error)]
@@ -134,7 +129,7 @@ pub struct DeviceManager {
     /// The virtio devices, in bus order.
     virtio: Vec<Arc<Mutex<MmioTransport>>>,
     /// What `GET /vm` says of each virtio device (type, place, limits), in bus order.
-    virtio_info: Vec<serde_json::Value>,
+    virtio_info: Vec<VirtioDeviceInfo>,
     /// Descriptors of the open disk images, in device order (a clone inherits them).
     disk_fds: Vec<RawFd>,
     /// Each disk's overlay (a writable disk's) or None (a read-only one), in disk order.
@@ -301,17 +296,19 @@ impl DeviceManager {
     ) -> Result<(), DeviceError> {
         for (i, disk) in config.disks.iter().enumerate() {
             let block = self.open_disk(i, disk, restore)?;
-            let info = serde_json::json!({
-                "path": disk.path,
-                "read_only": disk.cow_dir.is_none(),
-                "cow_dir": disk.cow_dir,
-                "keep": disk.keep,
-                "rate_limit": disk.rate_limit,
-            });
+            let info = VirtioKind::Block {
+                path: disk.path.clone(),
+                read_only: disk.cow_dir.is_none(),
+                cow_dir: disk.cow_dir.clone(),
+                keep: disk.keep,
+                rate_limit: disk.rate_limit,
+            };
             self.add_virtio(vm, mem, Box::new(block), info, restore)?;
         }
         if let Some(rng) = &config.rng {
-            let info = serde_json::json!({ "rate_limit": rng.rate_limit });
+            let info = VirtioKind::Rng {
+                rate_limit: rng.rate_limit,
+            };
             self.add_virtio(vm, mem, Box::new(Rng::new(rng.rate_limit)), info, restore)?;
         }
         // A clone's host sides (socket, tap) are opened once its vCPUs run
@@ -321,7 +318,10 @@ impl DeviceManager {
                 Some(_) => Vsock::deferred(v.cid, &v.uds_path, true)?,
                 None => Vsock::new(v.cid, &v.uds_path, false)?,
             };
-            let info = serde_json::json!({ "cid": v.cid, "uds_path": v.uds_path });
+            let info = VirtioKind::Vsock {
+                cid: v.cid,
+                uds_path: v.uds_path.clone(),
+            };
             self.add_virtio(vm, mem, Box::new(vsock), info, restore)?;
         }
         if let Some(n) = &config.net {
@@ -329,9 +329,11 @@ impl DeviceManager {
                 Some(_) => Net::deferred_tap(&n.tap, n.mac.0, n.rate_limit)?,
                 None => Net::new(open_tap(&n.tap)?, n.mac.0, n.rate_limit),
             };
-            let info = serde_json::json!({
-                "tap": n.tap, "mac": n.mac, "rate_limit": n.rate_limit,
-            });
+            let info = VirtioKind::Net {
+                tap: n.tap.clone(),
+                mac: n.mac,
+                rate_limit: n.rate_limit,
+            };
             self.add_virtio(vm, mem, Box::new(net), info, restore)?;
         }
         if let Some(r) = restore {
@@ -472,14 +474,13 @@ impl DeviceManager {
 
     /// The virtio devices as `GET /vm` shows them: type, MMIO base, GSI, whether the
     /// driver started it, and its own settings.
-    pub fn describe_virtio(&self) -> Vec<serde_json::Value> {
+    pub fn describe_virtio(&self) -> Vec<VirtioDeviceInfo> {
         self.virtio
             .iter()
             .zip(&self.virtio_info)
-            .map(|(t, info)| {
-                let mut v = info.clone();
-                v["active"] = lock(t).is_active().into();
-                v
+            .map(|(t, info)| VirtioDeviceInfo {
+                active: lock(t).is_active(),
+                ..info.clone()
             })
             .collect()
     }
@@ -499,7 +500,7 @@ impl DeviceManager {
         vm: &VmFd,
         mem: &GuestMemoryMmap,
         device: Box<dyn VirtioDevice>,
-        mut info: serde_json::Value,
+        kind: VirtioKind,
         restore: Option<&VirtioRestore<'_>>,
     ) -> Result<(), DeviceError> {
         let index = self.virtio.len();
@@ -542,10 +543,12 @@ impl DeviceManager {
         self.mmio
             .insert(transport.clone(), base, VIRTIO_MMIO_SIZE)?;
         self.virtio.push(transport);
-        info["type"] = name.into();
-        info["mmio_base"] = format!("{base:#x}").into();
-        info["gsi"] = gsi.into();
-        self.virtio_info.push(info);
+        self.virtio_info.push(VirtioDeviceInfo {
+            mmio_base: format!("{base:#x}"),
+            gsi,
+            active: false,
+            kind,
+        });
         self.cmdline_extra
             .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
         Ok(())

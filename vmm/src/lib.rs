@@ -7,16 +7,24 @@ pub mod arch;
 pub mod builder;
 pub mod cloning;
 pub mod config;
+pub mod controller;
 pub mod device_manager;
+pub mod gate;
 pub mod logging;
 pub mod microvm;
+pub mod rpc;
 pub mod sandbox;
+pub mod signals;
 pub mod vstate;
 
 use api::server::{ApiServer, ApiServerError};
 use builder::{build_microvm, BuildError};
+use cloning::cgroups::CgroupSetupError;
+use cloning::Cloner;
 use config::VmConfig;
-use microvm::{block_shutdown_signals, RunError, RunOutcome};
+use controller::{RunError, Vmm};
+use microvm::{Microvm, RunOutcome};
+use signals::block_shutdown_signals;
 
 /// Errors running a VM from start to finish.
 #[derive(Debug, thiserror::Error)]
@@ -27,12 +35,18 @@ pub enum VmmError {
     /// The VM could not be built.
     #[error(transparent)]
     Build(#[from] BuildError),
+    /// The clones' cgroup pools could not be made.
+    #[error(transparent)]
+    Cgroups(#[from] CgroupSetupError),
     /// The event loop failed.
     #[error(transparent)]
     Run(#[from] RunError),
     /// Shutdown signals could not be routed to the event loop.
     #[error("cannot set up signal handling: {0}")]
     Signals(std::io::Error),
+    /// The queue between the control socket and the event loop could not be made.
+    #[error("cannot set up the control queue: {0}")]
+    Queue(std::io::Error),
     /// A seccomp filter could not be built or installed.
     #[error(transparent)]
     Seccomp(#[from] sandbox::SeccompError),
@@ -46,13 +60,34 @@ pub fn run(config: VmConfig) -> Result<RunOutcome, VmmError> {
     let signals = block_shutdown_signals().map_err(VmmError::Signals)?;
     // Compiled before any thread starts: each installs its kind's filter first.
     sandbox::init(config.seccomp)?;
+    let (sender, actions) = rpc::channel().map_err(VmmError::Queue)?;
     let api = config
         .api_sock
         .as_deref()
-        .map(ApiServer::start)
+        .map(|path| ApiServer::start(path, sender))
         .transpose()?;
-    let vm = build_microvm(config)?;
+    let actions = api.is_some().then_some(actions);
+    // The queue's end goes (refusing what is queued) before the server, whose thread
+    // may wait for an answer.
+    let outcome = serve(config, actions, &signals);
+    drop(api);
+    outcome
+}
+
+/// Makes the clones' cgroup pools and the VM, and runs the event loop on `actions`.
+fn serve(
+    config: VmConfig,
+    actions: Option<rpc::ActionReceiver>,
+    signals: &std::os::fd::OwnedFd,
+) -> Result<RunOutcome, VmmError> {
+    if let Some(c) = &config.cgroups {
+        c.check()
+            .map_err(|e| BuildError::Config(config::ConfigError::Cgroups(e)))?;
+    }
+    // Before the VM: nothing runs guest code if the pools cannot be made.
+    let clones = Cloner::new(&config, controller::serve_clone)?;
+    let vm = Microvm::new(build_microvm(config)?);
     // The event loop's filter covers forking clones and rebuilding VMs in them.
     sandbox::enter(sandbox::ThreadKind::Vmm)?;
-    Ok(vm.run(api.as_ref(), Some(&signals))?)
+    Ok(Vmm::new(vm, clones).run(actions, Some(signals))?)
 }

@@ -49,3 +49,42 @@ pub fn raw_eprintln(msg: &str) {
     line.push('\n');
     let _ = RawStderr.write_all(line.as_bytes());
 }
+
+/// How long each stage of a start-up took (logged at debug level, for finding costs):
+/// the VM build's stages, a clone's rebuild.
+pub struct StageTimer {
+    last: std::time::Instant,
+    stages: Vec<(&'static str, u128)>,
+}
+
+impl StageTimer {
+    /// Starts timing the first stage now.
+    pub fn new() -> Self {
+        Self {
+            last: std::time::Instant::now(),
+            stages: Vec::new(),
+        }
+    }
+
+    /// The stage under way is done: records its time and starts the next.
+    pub fn done(&mut self, stage: &'static str) {
+        let now = std::time::Instant::now();
+        self.stages.push((stage, (now - self.last).as_micros()));
+        self.last = now;
+    }
+
+    /// `stage 12us, stage 40us, ...`.
+    pub fn report(&self) -> String {
+        self.stages
+            .iter()
+            .map(|(s, us)| format!("{s} {us}us"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+impl Default for StageTimer {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,10 +1,11 @@
 //! `vmm`: the forkvm monitor's command line.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use api_types::{CloneConsole, TargetState};
 use vmm::api::client;
 use vmm::config::{
     parse_cgroup_class, ApBoot, CgroupConfig, ConsoleSink, VmConfig, DEFAULT_CMDLINE,
@@ -44,6 +45,8 @@ enum Command {
     /// Run a shell command in the guest through vsock and forkvm-agent; prints its
     /// output and exits with its status.
     Exec(ExecArgs),
+    /// Print the control API's OpenAPI description (YAML; docs/api/openapi.yaml).
+    Openapi,
 }
 
 #[derive(clap::Args)]
@@ -74,8 +77,8 @@ struct ForkArgs {
     #[arg(long, default_value_t = 1)]
     count: u64,
     /// Where the clones' consoles go: a file per clone, or nowhere.
-    #[arg(long, default_value = "file", value_parser = ["file", "null"])]
-    console: String,
+    #[arg(long, value_enum, default_value_t = CloneConsole::File)]
+    console: CloneConsole,
     /// Resource class of the clones' cgroups (default: the VM's first --cgroup-class).
     #[arg(long)]
     class: Option<String>,
@@ -102,7 +105,7 @@ struct RunArgs {
     /// Rate limit for the disk: bytes read and requests (same syntax as
     /// --rng-rate-limit).
     #[arg(long, requires = "rootfs")]
-    rootfs_rate_limit: Option<devices::rate_limiter::RateLimit>,
+    rootfs_rate_limit: Option<api_types::RateLimit>,
     /// Make the disk writable through a private copy-on-write overlay, an anonymous
     /// file in this directory (gone when the VM exits); the image is never written.
     /// Each clone gets a copy of its parent's overlay.
@@ -121,7 +124,7 @@ struct RunArgs {
     /// Rate limit for the entropy device: bytes=SIZE[/MS][+BURST],ops=N[/MS][+BURST]
     /// (SIZE may end in K, M or G; MS is the refill period, default 1000). Implies --rng.
     #[arg(long)]
-    rng_rate_limit: Option<devices::rate_limiter::RateLimit>,
+    rng_rate_limit: Option<api_types::RateLimit>,
     /// Attach a virtio-vsock device whose host side listens on this Unix socket (hosts
     /// connect and write `CONNECT <port>`; guest connections to host port P reach
     /// `PATH_P`). Each clone listens on `<its control socket>.vsock`.
@@ -139,7 +142,7 @@ struct RunArgs {
     mac: vmm::config::MacAddr,
     /// Rate limit for each direction of the card (same syntax as --rng-rate-limit).
     #[arg(long, requires = "tap")]
-    net_rate_limit: Option<devices::rate_limiter::RateLimit>,
+    net_rate_limit: Option<api_types::RateLimit>,
     /// The guest's address for the card, ADDR/PREFIX, told to the guest through the
     /// identity block (forkvm-clone --net applies it; clones get theirs from POST
     /// /clones or keep this one).
@@ -183,10 +186,10 @@ struct RunArgs {
     /// a pool of ready cgroups and every clone is placed in one. Repeat for more classes;
     /// the first is the default.
     #[arg(long = "cgroup-class", value_parser = parse_cgroup_class)]
-    cgroup_classes: Vec<(String, jailer::cgroup::ResourceClass)>,
+    cgroup_classes: Vec<(String, api_types::ResourceClass)>,
     /// cgroup version for the pools, 1 or 2 (default: v2 on a v2-only host, else v1).
     #[arg(long)]
-    cgroup_version: Option<jailer::cgroup::CgroupVersion>,
+    cgroup_version: Option<api_types::cgroup::CgroupVersion>,
     /// Directory in each cgroup hierarchy that the pools go under (as `<dir>/vmm-<pid>`).
     #[arg(long, default_value = "forkvm")]
     cgroup_parent: String,
@@ -230,17 +233,16 @@ fn init_logging(level: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn api_call(sock: &Path, method: &str, path: &str, body: Option<&str>) -> ExitCode {
-    match client::request(sock, method, path, body) {
-        Ok(r) if (200..300).contains(&r.status) => {
-            if !r.body.is_empty() {
-                println!("{}", r.body);
+/// Prints what a control-socket call returned (as JSON, if anything) or its error.
+fn print_answer<T: serde::Serialize>(answer: Result<T, client::ClientError>) -> ExitCode {
+    match answer {
+        Ok(value) => {
+            match serde_json::to_value(&value) {
+                Ok(serde_json::Value::Null) => {}
+                Ok(v) => println!("{v}"),
+                Err(e) => eprintln!("vmm: {e}"),
             }
             ExitCode::SUCCESS
-        }
-        Ok(r) => {
-            eprintln!("vmm: error {}: {}", r.status, r.body);
-            ExitCode::FAILURE
         }
         Err(e) => {
             eprintln!("vmm: {e}");
@@ -273,42 +275,41 @@ fn exec(e: &ExecArgs) -> ExitCode {
 }
 
 fn fork(f: &ForkArgs) -> ExitCode {
-    let mut body = serde_json::json!({ "count": f.count, "console": f.console });
-    if let Some(c) = &f.class {
-        body["resource_class"] = c.clone().into();
-    }
-    let body = body.to_string();
-    let r = match client::request(&f.api_sock, "POST", "/clones", Some(&body)) {
-        Ok(r) => r,
+    let request = api_types::CreateClones {
+        count: f.count,
+        console: f.console,
+        resource_class: f.class.clone(),
+        ..Default::default()
+    };
+    let made = match client::create_clones(&f.api_sock, &request) {
+        Ok(list) => list.clones,
         Err(e) => {
             eprintln!("vmm: {e}");
             return ExitCode::FAILURE;
         }
     };
-    if r.status != 201 {
-        eprintln!("vmm: error {}: {}", r.status, r.body);
-        return ExitCode::FAILURE;
-    }
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(&r.body) else {
-        eprintln!("vmm: unexpected answer: {}", r.body);
-        return ExitCode::FAILURE;
-    };
     println!(
         "{:<8} {:>8} {:>12}  {:<10} api_sock / console",
         "id", "pid", "latency_us", "status"
     );
-    for c in v["clones"].as_array().into_iter().flatten() {
+    for c in made {
+        let latency = c.latency_us.map_or_else(|| "-".into(), |l| l.to_string());
+        let status = serde_json::to_value(c.status).map_or_else(
+            |_| "?".into(),
+            |v| v["state"].as_str().unwrap_or("?").to_string(),
+        );
         println!(
             "{:<8} {:>8} {:>12}  {:<10} {} {}",
-            c["id"].as_str().unwrap_or("?"),
-            c["pid"],
-            c["latency_us"],
-            c["status"]["state"].as_str().unwrap_or("?"),
-            c["api_sock"].as_str().unwrap_or("?"),
-            c["console"].as_str().unwrap_or("?"),
+            c.id,
+            c.pid,
+            latency,
+            status,
+            c.api_sock.display(),
+            c.console.display(),
         );
-        if let Some(cg) = c["cgroup"]["path"].as_str() {
-            println!("{:<8} cgroup {cg} ({})", "", c["cgroup"]["placed_by"]);
+        if let Some(cg) = c.cgroup {
+            let placed = serde_json::to_value(cg.placed_by).unwrap_or_default();
+            println!("{:<8} cgroup {} ({placed})", "", cg.path);
         }
     }
     ExitCode::SUCCESS
@@ -400,17 +401,16 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Status(s) => api_call(&s.api_sock, "GET", "/vm", None),
-        Command::Pause(s) => api_call(&s.api_sock, "PATCH", "/vm", Some(r#"{"state":"paused"}"#)),
-        Command::Resume(s) => api_call(&s.api_sock, "PATCH", "/vm", Some(r#"{"state":"running"}"#)),
+        Command::Status(s) => print_answer(client::describe_vm(&s.api_sock)),
+        Command::Pause(s) => print_answer(client::set_state(&s.api_sock, TargetState::Paused)),
+        Command::Resume(s) => print_answer(client::set_state(&s.api_sock, TargetState::Running)),
         Command::Fork(f) => fork(&f),
-        Command::Clones(s) => api_call(&s.api_sock, "GET", "/clones", None),
+        Command::Clones(s) => print_answer(client::list_clones(&s.api_sock)),
         Command::Exec(e) => exec(&e),
-        Command::Shutdown(s) => api_call(
-            &s.api_sock,
-            "PUT",
-            "/actions",
-            Some(r#"{"action_type":"shutdown"}"#),
-        ),
+        Command::Openapi => {
+            print!("{}", vmm::api::spec::openapi_yaml());
+            ExitCode::SUCCESS
+        }
+        Command::Shutdown(s) => print_answer(client::shutdown(&s.api_sock)),
     }
 }

@@ -19,18 +19,17 @@ use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::rate_limiter::{RateLimit, RateLimiter};
 
 /// virtio device id of a block device.
-pub const TYPE_BLOCK: u32 = 2;
+pub const TYPE_BLOCK: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 const SECTOR_SIZE: u64 = 512;
 const QUEUE_SIZE: u16 = 256;
-const VIRTIO_BLK_F_RO: u64 = 1 << 5;
-const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
-const VIRTIO_BLK_T_IN: u32 = 0;
-const VIRTIO_BLK_T_OUT: u32 = 1;
-const VIRTIO_BLK_T_FLUSH: u32 = 4;
-const VIRTIO_BLK_T_GET_ID: u32 = 8;
-const VIRTIO_BLK_S_OK: u8 = 0;
-const VIRTIO_BLK_S_IOERR: u8 = 1;
-const VIRTIO_BLK_S_UNSUPP: u8 = 2;
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+};
+const VIRTIO_BLK_F_RO: u64 = 1 << virtio_bindings::virtio_blk::VIRTIO_BLK_F_RO;
+const VIRTIO_BLK_F_FLUSH: u64 = 1 << virtio_bindings::virtio_blk::VIRTIO_BLK_F_FLUSH;
+const VIRTIO_BLK_S_OK: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK as u8;
+const VIRTIO_BLK_S_IOERR: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR as u8;
+const VIRTIO_BLK_S_UNSUPP: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_UNSUPP as u8;
 const ID_BYTES: usize = 20;
 
 /// Errors opening a disk image.

@@ -15,14 +15,44 @@ const MAGIC: u32 = 0x7472_6976; // "virt"
 const VERSION: u32 = 2;
 const VENDOR_ID: u32 = 0x4b46_5646; // "FVFK"
 /// Offset of the queue-notify register (where ioeventfds are registered).
-pub const NOTIFY_REG_OFFSET: u64 = 0x50;
-const CONFIG_SPACE_OFFSET: u64 = 0x100;
+pub const NOTIFY_REG_OFFSET: u64 = reg(mm::VIRTIO_MMIO_QUEUE_NOTIFY);
+const CONFIG_SPACE_OFFSET: u64 = reg(mm::VIRTIO_MMIO_CONFIG);
 
-const STATUS_ACKNOWLEDGE: u32 = 1;
-const STATUS_DRIVER: u32 = 2;
-const STATUS_DRIVER_OK: u32 = 4;
-const STATUS_FEATURES_OK: u32 = 8;
-const STATUS_FAILED: u32 = 0x80;
+use virtio_bindings::virtio_mmio as mm;
+
+/// A register's offset, as the bus gives it.
+const fn reg(offset: u32) -> u64 {
+    offset as u64
+}
+
+const MAGIC_VALUE: u64 = reg(mm::VIRTIO_MMIO_MAGIC_VALUE);
+const VERSION_REG: u64 = reg(mm::VIRTIO_MMIO_VERSION);
+const DEVICE_ID: u64 = reg(mm::VIRTIO_MMIO_DEVICE_ID);
+const VENDOR_ID_REG: u64 = reg(mm::VIRTIO_MMIO_VENDOR_ID);
+const DEVICE_FEATURES: u64 = reg(mm::VIRTIO_MMIO_DEVICE_FEATURES);
+const DEVICE_FEATURES_SEL: u64 = reg(mm::VIRTIO_MMIO_DEVICE_FEATURES_SEL);
+const DRIVER_FEATURES: u64 = reg(mm::VIRTIO_MMIO_DRIVER_FEATURES);
+const DRIVER_FEATURES_SEL: u64 = reg(mm::VIRTIO_MMIO_DRIVER_FEATURES_SEL);
+const QUEUE_SEL: u64 = reg(mm::VIRTIO_MMIO_QUEUE_SEL);
+const QUEUE_NUM_MAX: u64 = reg(mm::VIRTIO_MMIO_QUEUE_NUM_MAX);
+const QUEUE_NUM: u64 = reg(mm::VIRTIO_MMIO_QUEUE_NUM);
+const QUEUE_READY: u64 = reg(mm::VIRTIO_MMIO_QUEUE_READY);
+const INTERRUPT_STATUS: u64 = reg(mm::VIRTIO_MMIO_INTERRUPT_STATUS);
+const INTERRUPT_ACK: u64 = reg(mm::VIRTIO_MMIO_INTERRUPT_ACK);
+const STATUS: u64 = reg(mm::VIRTIO_MMIO_STATUS);
+const QUEUE_DESC_LOW: u64 = reg(mm::VIRTIO_MMIO_QUEUE_DESC_LOW);
+const QUEUE_DESC_HIGH: u64 = reg(mm::VIRTIO_MMIO_QUEUE_DESC_HIGH);
+const QUEUE_AVAIL_LOW: u64 = reg(mm::VIRTIO_MMIO_QUEUE_AVAIL_LOW);
+const QUEUE_AVAIL_HIGH: u64 = reg(mm::VIRTIO_MMIO_QUEUE_AVAIL_HIGH);
+const QUEUE_USED_LOW: u64 = reg(mm::VIRTIO_MMIO_QUEUE_USED_LOW);
+const QUEUE_USED_HIGH: u64 = reg(mm::VIRTIO_MMIO_QUEUE_USED_HIGH);
+const CONFIG_GENERATION: u64 = reg(mm::VIRTIO_MMIO_CONFIG_GENERATION);
+
+use virtio_bindings::virtio_config::{
+    VIRTIO_CONFIG_S_ACKNOWLEDGE as STATUS_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER as STATUS_DRIVER,
+    VIRTIO_CONFIG_S_DRIVER_OK as STATUS_DRIVER_OK, VIRTIO_CONFIG_S_FAILED as STATUS_FAILED,
+    VIRTIO_CONFIG_S_FEATURES_OK as STATUS_FEATURES_OK,
+};
 
 /// A virtio device on the MMIO bus.
 pub struct MmioTransport {
@@ -348,11 +378,11 @@ impl MmioTransport {
 
     fn read_reg(&mut self, offset: u64) -> u32 {
         match offset {
-            0x00 => MAGIC,
-            0x04 => VERSION,
-            0x08 => self.device.device_type(),
-            0x0c => VENDOR_ID,
-            0x10 => {
+            MAGIC_VALUE => MAGIC,
+            VERSION_REG => VERSION,
+            DEVICE_ID => self.device.device_type(),
+            VENDOR_ID_REG => VENDOR_ID,
+            DEVICE_FEATURES => {
                 let f = self.device.avail_features();
                 match self.features_select {
                     0 => f as u32,
@@ -360,11 +390,11 @@ impl MmioTransport {
                     _ => 0,
                 }
             }
-            0x34 => self.selected_queue().map_or(0, |q| u32::from(q.max_size())),
-            0x44 => self.selected_queue().map_or(0, |q| u32::from(q.ready())),
-            0x60 => self.interrupt.status(),
-            0x70 => self.status,
-            0xfc => self.config_generation,
+            QUEUE_NUM_MAX => self.selected_queue().map_or(0, |q| u32::from(q.max_size())),
+            QUEUE_READY => self.selected_queue().map_or(0, |q| u32::from(q.ready())),
+            INTERRUPT_STATUS => self.interrupt.status(),
+            STATUS => self.status,
+            CONFIG_GENERATION => self.config_generation,
             _ => 0,
         }
     }
@@ -375,8 +405,8 @@ impl MmioTransport {
         let low = |q: &mut Queue, f: fn(&mut Queue, Option<u32>, Option<u32>)| f(q, Some(v), None);
         let high = |q: &mut Queue, f: fn(&mut Queue, Option<u32>, Option<u32>)| f(q, None, Some(v));
         match offset {
-            0x14 => self.features_select = v,
-            0x20 if setup => {
+            DEVICE_FEATURES_SEL => self.features_select = v,
+            DRIVER_FEATURES if setup => {
                 let shift = match self.acked_features_select {
                     0 => 0,
                     1 => 32,
@@ -385,14 +415,14 @@ impl MmioTransport {
                 let offered = self.device.avail_features();
                 self.acked_features |= (u64::from(v) << shift) & offered;
             }
-            0x24 => self.acked_features_select = v,
-            0x30 => self.queue_select = v,
-            0x38 if setup => {
+            DRIVER_FEATURES_SEL => self.acked_features_select = v,
+            QUEUE_SEL => self.queue_select = v,
+            QUEUE_NUM if setup => {
                 if let Some(q) = self.selected_queue() {
                     q.set_size(v as u16);
                 }
             }
-            0x44 if setup => {
+            QUEUE_READY if setup => {
                 if let Some(q) = self.selected_queue() {
                     q.set_ready(v == 1);
                 }
@@ -403,13 +433,16 @@ impl MmioTransport {
                     let _ = evt.write(1);
                 }
             }
-            0x64 => self.interrupt.ack(v),
-            0x70 => self.set_status(v),
-            0x80 | 0x84 | 0x90 | 0x94 | 0xa0 | 0xa4 if setup => {
+            INTERRUPT_ACK => self.interrupt.ack(v),
+            STATUS => self.set_status(v),
+            QUEUE_DESC_LOW | QUEUE_DESC_HIGH | QUEUE_AVAIL_LOW | QUEUE_AVAIL_HIGH
+            | QUEUE_USED_LOW | QUEUE_USED_HIGH
+                if setup =>
+            {
                 if let Some(q) = self.queues.get_mut(self.queue_select as usize) {
                     let f: fn(&mut Queue, Option<u32>, Option<u32>) = match offset {
-                        0x80 | 0x84 => QueueT::set_desc_table_address,
-                        0x90 | 0x94 => QueueT::set_avail_ring_address,
+                        QUEUE_DESC_LOW | QUEUE_DESC_HIGH => QueueT::set_desc_table_address,
+                        QUEUE_AVAIL_LOW | QUEUE_AVAIL_HIGH => QueueT::set_avail_ring_address,
                         _ => QueueT::set_used_ring_address,
                     };
                     if offset & 0x4 == 0 {

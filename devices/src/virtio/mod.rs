@@ -39,11 +39,11 @@ pub(crate) fn worker_started(device: &str) -> bool {
 }
 
 /// Feature bit every modern device offers: VIRTIO_F_VERSION_1.
-pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+pub const VIRTIO_F_VERSION_1: u64 = 1 << virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 /// Interrupt status bit: a used buffer was added to a queue.
-pub const VIRTIO_MMIO_INT_VRING: u32 = 0x1;
+pub const VIRTIO_MMIO_INT_VRING: u32 = virtio_bindings::virtio_mmio::VIRTIO_MMIO_INT_VRING;
 /// Interrupt status bit: the configuration changed.
-pub const VIRTIO_MMIO_INT_CONFIG: u32 = 0x2;
+pub const VIRTIO_MMIO_INT_CONFIG: u32 = virtio_bindings::virtio_mmio::VIRTIO_MMIO_INT_CONFIG;
 
 /// Errors activating a device.
 #[derive(Debug, thiserror::Error)]

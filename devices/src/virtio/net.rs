@@ -22,9 +22,9 @@ use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::rate_limiter::{RateLimit, RateLimiter};
 
 /// virtio device id of a network card.
-pub const TYPE_NET: u32 = 1;
+pub const TYPE_NET: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 /// Feature: the device has a MAC address in its configuration space.
-pub const VIRTIO_NET_F_MAC: u64 = 1 << 5;
+pub const VIRTIO_NET_F_MAC: u64 = 1 << virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
 const QUEUE_SIZE: u16 = 256;
 const RX: usize = 0;
 const TX: usize = 1;
@@ -55,16 +55,7 @@ pub enum TapError {
     },
 }
 
-/// Whether `name` can name a network interface.
-pub fn valid_ifname(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() < libc::IFNAMSIZ
-        && name != "."
-        && name != ".."
-        && !name
-            .chars()
-            .any(|c| c == '/' || c == ':' || c.is_whitespace() || c == '\0')
-}
+pub use api_types::net::valid_ifname;
 
 /// Opens (creating it if it does not exist, which needs CAP_NET_ADMIN) the tap device
 /// `name`, non-blocking, without packet information or a vnet header. A tap the VMM

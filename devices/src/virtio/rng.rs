@@ -13,7 +13,7 @@ use crate::rate_limiter::{RateLimit, RateLimiter};
 use crate::util::host_random;
 
 /// virtio device id of an entropy source.
-pub const TYPE_RNG: u32 = 4;
+pub const TYPE_RNG: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_RNG;
 const QUEUE_SIZE: u16 = 256;
 /// Most bytes served per request (Linux asks for at most a page).
 const MAX_REQUEST: usize = 64 << 10;

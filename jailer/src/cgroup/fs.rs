@@ -18,28 +18,7 @@ const CPU_PERIOD_US: u64 = 100_000;
 /// What v1 `memory.limit_in_bytes` reads when unlimited (page-aligned i64::MAX).
 const V1_UNLIMITED: &str = "9223372036854771712";
 
-/// Which cgroup interface.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CgroupVersion {
-    /// One hierarchy per controller.
-    V1,
-    /// The unified hierarchy.
-    V2,
-}
-
-impl std::str::FromStr for CgroupVersion {
-    type Err = String;
-
-    /// `1` or `2` (as the command lines take it).
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "1" => Ok(Self::V1),
-            "2" => Ok(Self::V2),
-            _ => Err(format!("{s:?}: cgroup version is 1 or 2")),
-        }
-    }
-}
+pub use api_types::cgroup::CgroupVersion;
 
 /// The cgroup files of one hierarchy root.
 #[derive(Debug, Clone)]

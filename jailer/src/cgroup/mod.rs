@@ -12,78 +12,7 @@ pub use pool::{CgroupPool, PoolConfig, PoolError, WhenExhausted};
 
 use std::os::fd::{AsRawFd, OwnedFd};
 
-use serde::{Deserialize, Serialize};
-
-/// Limits shared by every cgroup of one pool.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ResourceClass {
-    /// CPU time per period, in CPUs (0.5: half a CPU). None: unlimited.
-    pub cpu_quota: Option<f64>,
-    /// Memory limit in bytes. None: unlimited.
-    pub memory_limit: Option<u64>,
-    /// Most tasks. None: unlimited.
-    pub pids_max: Option<u64>,
-}
-
-impl std::str::FromStr for ResourceClass {
-    type Err = String;
-
-    /// Parses `cpu=0.5,memory=64M,pids=100` (any subset, in any order; memory takes
-    /// K, M or G suffixes, powers of 1024). An empty string is the unlimited class.
-    fn from_str(s: &str) -> Result<Self, String> {
-        let mut class = ResourceClass::default();
-        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let (key, value) = item
-                .split_once('=')
-                .ok_or_else(|| format!("{item:?}: expected key=value"))?;
-            let bad = |what: &str| format!("{item:?}: {what}");
-            match key {
-                "cpu" => {
-                    let q: f64 = value.parse().map_err(|_| bad("not a number of CPUs"))?;
-                    if !(0.01..=1024.0).contains(&q) {
-                        return Err(bad("CPUs must be 0.01 to 1024"));
-                    }
-                    class.cpu_quota = Some(q);
-                }
-                "memory" => {
-                    let (digits, shift) = match value.as_bytes().last() {
-                        Some(b'K' | b'k') => (&value[..value.len() - 1], 10),
-                        Some(b'M' | b'm') => (&value[..value.len() - 1], 20),
-                        Some(b'G' | b'g') => (&value[..value.len() - 1], 30),
-                        _ => (value, 0),
-                    };
-                    let n: u64 = digits.parse().map_err(|_| bad("not a size"))?;
-                    let bytes = n
-                        .checked_mul(1 << shift)
-                        .filter(|b| *b >= 4 << 20)
-                        .ok_or_else(|| bad("memory must be at least 4M and fit 64 bits"))?;
-                    class.memory_limit = Some(bytes);
-                }
-                "pids" => {
-                    let n: u64 = value.parse().map_err(|_| bad("not a count"))?;
-                    if n == 0 {
-                        return Err(bad("pids must be at least 1"));
-                    }
-                    class.pids_max = Some(n);
-                }
-                _ => return Err(bad("unknown limit; use cpu, memory or pids")),
-            }
-        }
-        Ok(class)
-    }
-}
-
-/// What one clone used while it held a cgroup.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Usage {
-    /// CPU time, microseconds.
-    pub cpu_us: u64,
-    /// Peak memory, bytes (v2 without `memory.peak`: memory at release).
-    pub memory_peak: u64,
-    /// OOM kills in the cgroup.
-    pub oom_kills: u64,
-}
+pub use api_types::cgroup::{ResourceClass, Usage};
 
 /// Errors from cgroup files.
 #[derive(Debug, thiserror::Error)]
@@ -155,41 +84,5 @@ pub unsafe fn fork_into(cgroup: Option<&OwnedFd>) -> i32 {
             &args as *const libc::clone_args,
             std::mem::size_of::<libc::clone_args>(),
         ) as i32
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_resource_classes() {
-        let c: ResourceClass = "cpu=0.5, memory=64M,pids=32".parse().unwrap();
-        assert_eq!(
-            c,
-            ResourceClass {
-                cpu_quota: Some(0.5),
-                memory_limit: Some(64 << 20),
-                pids_max: Some(32),
-            }
-        );
-        assert_eq!("".parse::<ResourceClass>(), Ok(ResourceClass::default()));
-        assert_eq!(
-            "memory=1G".parse::<ResourceClass>().unwrap().memory_limit,
-            Some(1 << 30)
-        );
-        for bad in [
-            "cpu",
-            "cpu=0",
-            "cpu=x",
-            "cpu=NaN",
-            "memory=1K",
-            "memory=99999999999G",
-            "memory=-1",
-            "pids=0",
-            "disk=1",
-        ] {
-            assert!(bad.parse::<ResourceClass>().is_err(), "{bad} accepted");
-        }
     }
 }

@@ -20,8 +20,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-
 use super::{CgroupError, CgroupFs, ResourceClass, Usage};
 
 /// What `acquire` does when every cgroup is in use and the pool is at `max`.
@@ -77,20 +75,7 @@ pub struct Lease {
     pub name: String,
 }
 
-/// Pool counters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct PoolStats {
-    /// Ready now.
-    pub idle: usize,
-    /// Leased now.
-    pub in_use: usize,
-    /// Created since start.
-    pub created: u64,
-    /// Removed since start (shrinking, replaced, destroyed).
-    pub removed: u64,
-    /// Found removed behind the pool's back and replaced.
-    pub vanished: u64,
-}
+pub use api_types::cgroup::PoolStats;
 
 struct Idle {
     name: String,

@@ -1,9 +1,17 @@
-//! A client for the control socket, used by the `vmm` CLI subcommands and tests.
+//! A blocking client for the control socket, used by the `vmm` CLI subcommands: one
+//! function per endpoint, taking and returning `api_types`.
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
+
+use api_types::{
+    Action, ActionType, CloneInfo, CloneList, CreateClones, ErrorBody, TargetState, VmInfo,
+    VmUpdate,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use super::http::{read_response, HttpError, Response};
 
@@ -21,9 +29,27 @@ pub enum ClientError {
     /// The exchange failed.
     #[error("API exchange failed: {0}")]
     Exchange(#[from] HttpError),
+    /// The VMM refused or failed the request.
+    #[error("error {status}: {message}")]
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// The VMM's message.
+        message: String,
+    },
+    /// The answer was not what the API describes.
+    #[error("unexpected answer ({status}): {reason}: {body}")]
+    Decode {
+        /// The HTTP status.
+        status: u16,
+        /// Why it did not decode.
+        reason: String,
+        /// The body.
+        body: String,
+    },
 }
 
-/// Sends one request and reads the answer.
+/// Sends one request and reads the answer, whatever its status.
 pub fn request(
     sock: &Path,
     method: &str,
@@ -44,4 +70,96 @@ pub fn request(
     );
     s.write_all(msg.as_bytes()).map_err(HttpError::Io)?;
     Ok(read_response(&s)?)
+}
+
+/// The answer's body as `T` if its status is a success, else the VMM's error.
+fn decode<T: DeserializeOwned>(r: Response) -> Result<T, ClientError> {
+    if !(200..300).contains(&r.status) {
+        let message = serde_json::from_str::<ErrorBody>(&r.body).map_or(r.body, |e| e.error);
+        return Err(ClientError::Refused {
+            status: r.status,
+            message,
+        });
+    }
+    // No body (204) reads as JSON null.
+    let text = if r.body.is_empty() { "null" } else { &r.body };
+    serde_json::from_str(text).map_err(|e| ClientError::Decode {
+        status: r.status,
+        reason: e.to_string(),
+        body: r.body.clone(),
+    })
+}
+
+fn call<T: DeserializeOwned>(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&impl Serialize>,
+) -> Result<T, ClientError> {
+    let text = body.map(|b| serde_json::to_string(b).expect("API bodies serialize"));
+    decode(request(sock, method, path, text.as_deref())?)
+}
+
+const NO_BODY: Option<&()> = None;
+
+/// `GET /vm`.
+pub fn describe_vm(sock: &Path) -> Result<VmInfo, ClientError> {
+    call(sock, "GET", "/vm", NO_BODY)
+}
+
+/// `PATCH /vm`: pause or resume.
+pub fn set_state(sock: &Path, state: TargetState) -> Result<(), ClientError> {
+    call(sock, "PATCH", "/vm", Some(&VmUpdate { state }))
+}
+
+/// `PUT /actions` shutdown.
+pub fn shutdown(sock: &Path) -> Result<(), ClientError> {
+    let action = Action {
+        action_type: ActionType::Shutdown,
+    };
+    call(sock, "PUT", "/actions", Some(&action))
+}
+
+/// `POST /clones`.
+pub fn create_clones(sock: &Path, request: &CreateClones) -> Result<CloneList, ClientError> {
+    call(sock, "POST", "/clones", Some(request))
+}
+
+/// `GET /clones`.
+pub fn list_clones(sock: &Path) -> Result<CloneList, ClientError> {
+    call(sock, "GET", "/clones", NO_BODY)
+}
+
+/// `DELETE /clones/{id}`.
+pub fn delete_clone(sock: &Path, id: &str) -> Result<CloneInfo, ClientError> {
+    call(sock, "DELETE", &format!("/clones/{id}"), NO_BODY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn response(status: u16, body: &str) -> Response {
+        Response {
+            status,
+            body: body.into(),
+        }
+    }
+
+    #[test]
+    fn answers_decode_and_errors_carry_the_vmms_message() {
+        let list: CloneList = decode(response(200, r#"{"clones":[]}"#)).unwrap();
+        assert!(list.clones.is_empty());
+        decode::<()>(response(204, "")).unwrap();
+        match decode::<CloneList>(response(409, r#"{"error":"busy"}"#)) {
+            Err(ClientError::Refused { status, message }) => {
+                assert_eq!((status, message.as_str()), (409, "busy"))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            decode::<CloneList>(response(200, r#"{"clones":7}"#)),
+            Err(ClientError::Decode { status: 200, .. })
+        ));
+    }
 }

@@ -9,6 +9,8 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use api_types::vm::VirtioKind;
+
 use super::client::{self, ClientError};
 
 /// What the command did.
@@ -50,16 +52,13 @@ pub enum ExecError {
 
 /// The host path of the VM's vsock socket, from `GET /vm`.
 pub fn vsock_path(api_sock: &Path) -> Result<PathBuf, ExecError> {
-    let r = client::request(api_sock, "GET", "/vm", None)?;
-    let v: serde_json::Value =
-        serde_json::from_str(&r.body).map_err(|e| ExecError::Protocol(e.to_string()))?;
-    v["devices"]
-        .as_array()
+    let vm = client::describe_vm(api_sock)?;
+    vm.devices
         .into_iter()
-        .flatten()
-        .find(|d| d["type"] == "virtio-vsock")
-        .and_then(|d| d["uds_path"].as_str())
-        .map(PathBuf::from)
+        .find_map(|d| match d.kind {
+            VirtioKind::Vsock { uds_path, .. } => Some(uds_path),
+            _ => None,
+        })
         .ok_or(ExecError::NoVsock)
 }
 

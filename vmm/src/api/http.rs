@@ -1,12 +1,15 @@
-//! A small blocking HTTP/1.1 request parser and response writer, enough for the control
-//! API: one request per connection, bodies sized by Content-Length.
+//! HTTP/1.1 for the control API, over `httparse`: a blocking request reader and response
+//! writer for the server (one request per connection, bodies sized by Content-Length),
+//! and a response reader for clients (the `vmm` CLI and the tests).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 
 /// Largest header block accepted.
 pub const MAX_HEADER_BYTES: usize = 8 * 1024;
 /// Largest body accepted.
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Most headers a request may have.
+const MAX_HEADERS: usize = 64;
 
 /// Errors reading a request; each maps to a 4xx answer.
 #[derive(Debug, thiserror::Error)]
@@ -33,58 +36,35 @@ pub struct Request {
     pub body: Vec<u8>,
 }
 
-/// Reads one request from `stream`.
-pub fn read_request<R: Read>(stream: R) -> Result<Request, HttpError> {
-    let mut reader = BufReader::new(stream.take((MAX_HEADER_BYTES + MAX_BODY_BYTES + 1) as u64));
-    let mut header_bytes = 0usize;
-    let mut line = String::new();
-    let mut read_line = |reader: &mut BufReader<_>, line: &mut String| -> Result<(), HttpError> {
-        line.clear();
-        let n = reader.read_line(line)?;
-        if n == 0 {
-            return Err(HttpError::Malformed("connection closed mid-request".into()));
-        }
-        header_bytes += n;
-        if header_bytes > MAX_HEADER_BYTES {
+/// The parts of a complete header block that matter here.
+struct Head {
+    method: String,
+    path: String,
+    content_length: usize,
+    /// Bytes of the buffer the header block took.
+    len: usize,
+}
+
+/// Parses the header block at the start of `buf`; None while it is incomplete.
+fn parse_head(buf: &[u8]) -> Result<Option<Head>, HttpError> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => {
             return Err(HttpError::TooLarge(format!(
-                "headers over {MAX_HEADER_BYTES} bytes"
-            )));
+                "more than {MAX_HEADERS} headers"
+            )))
         }
-        Ok(())
+        Err(e) => return Err(HttpError::Malformed(e.to_string())),
     };
-
-    read_line(&mut reader, &mut line)?;
-    let mut parts = line.split_whitespace();
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(HttpError::Malformed(format!(
-            "bad request line {:?}",
-            line.trim_end()
-        )));
-    };
-    if !version.starts_with("HTTP/1.") {
-        return Err(HttpError::Malformed(format!(
-            "unsupported version {version}"
-        )));
-    }
-    let method = method.to_string();
-    let path = target.split('?').next().unwrap_or("").to_string();
-
     let mut content_length = 0usize;
-    loop {
-        read_line(&mut reader, &mut line)?;
-        let l = line.trim_end_matches(['\r', '\n']);
-        if l.is_empty() {
-            break;
-        }
-        let Some((name, value)) = l.split_once(':') else {
-            return Err(HttpError::Malformed(format!("bad header {l:?}")));
-        };
-        let name = name.trim().to_ascii_lowercase();
-        let value = value.trim();
-        if name == "content-length" {
+    for h in req.headers.iter() {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            let value = String::from_utf8_lossy(h.value);
             content_length = value
+                .trim()
                 .parse()
                 .map_err(|_| HttpError::Malformed(format!("bad Content-Length {value:?}")))?;
             if content_length > MAX_BODY_BYTES {
@@ -92,15 +72,53 @@ pub fn read_request<R: Read>(stream: R) -> Result<Request, HttpError> {
                     "body of {content_length} bytes; at most {MAX_BODY_BYTES}"
                 )));
             }
-        } else if name == "transfer-encoding" {
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
             return Err(HttpError::Malformed(
                 "Transfer-Encoding is not supported; send Content-Length".into(),
             ));
         }
     }
-    let mut body = vec![0u8; content_length];
-    reader.read_exact(&mut body)?;
-    Ok(Request { method, path, body })
+    let target = req.path.unwrap_or("");
+    Ok(Some(Head {
+        method: req.method.unwrap_or("").to_string(),
+        path: target.split('?').next().unwrap_or("").to_string(),
+        content_length,
+        len,
+    }))
+}
+
+/// Reads one request from `stream`.
+pub fn read_request<R: Read>(mut stream: R) -> Result<Request, HttpError> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    let head = loop {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            return Err(HttpError::Malformed("connection closed mid-request".into()));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let head = parse_head(&buf)?;
+        if head.as_ref().map_or(buf.len(), |h| h.len) > MAX_HEADER_BYTES {
+            return Err(HttpError::TooLarge(format!(
+                "headers over {MAX_HEADER_BYTES} bytes"
+            )));
+        }
+        if let Some(head) = head {
+            break head;
+        }
+    };
+    let mut body = buf.split_off(head.len);
+    body.truncate(head.content_length);
+    if body.len() < head.content_length {
+        let got = body.len();
+        body.resize(head.content_length, 0);
+        stream.read_exact(&mut body[got..])?;
+    }
+    Ok(Request {
+        method: head.method,
+        path: head.path,
+        body,
+    })
 }
 
 fn reason(status: u16) -> &'static str {
@@ -148,18 +166,18 @@ pub struct Response {
 pub fn read_response<R: Read>(mut r: R) -> Result<Response, HttpError> {
     let mut raw = Vec::new();
     r.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| HttpError::Malformed("response without header end".into()))?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| HttpError::Malformed(format!("bad status line in {head:?}")))?;
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut headers);
+    let len = match resp.parse(&raw) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => {
+            return Err(HttpError::Malformed("response without header end".into()))
+        }
+        Err(e) => return Err(HttpError::Malformed(format!("bad response: {e}"))),
+    };
     Ok(Response {
-        status,
-        body: body.to_string(),
+        status: resp.code.unwrap_or(0),
+        body: String::from_utf8_lossy(&raw[len..]).into_owned(),
     })
 }
 

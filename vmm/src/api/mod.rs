@@ -1,135 +1,25 @@
-//! The control API: REST over a Unix socket (docs/api/openapi.yaml).
+//! The control API's edge: REST over a Unix socket (docs/api/openapi.yaml).
 //!
-//! A dedicated thread accepts connections and parses requests; it hands each one to the
-//! VMM's event loop through a channel (waking it with an eventfd) and writes the answer.
-//! No async runtime: the VMM process must fork cleanly.
+//! This is the only place that knows HTTP. A dedicated thread (`server`) accepts
+//! connections and parses requests (`http`); [`route`] turns each into a typed
+//! [`VmmAction`] (or answers it directly when it is invalid), the event loop answers it
+//! with typed data or a typed error, and [`reply`] turns that into a status and a JSON
+//! body. The bodies are `api_types`, which clients (`client`, the `vmm` CLI, the tests)
+//! read back. No async runtime: the VMM process must fork cleanly.
 
 pub mod client;
 pub mod exec;
 pub mod http;
 pub mod server;
+pub mod spec;
 
-use serde::Deserialize;
+use api_types::{Action, ActionType, CreateClones, ErrorBody, VmUpdate};
+use serde::{Deserialize, Serialize};
 
-/// A request the VMM's event loop answers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ApiRequest {
-    /// `GET /vm`
-    GetVm,
-    /// `PATCH /vm {"state": ...}`
-    SetState(TargetState),
-    /// `PUT /actions {"action_type": "shutdown"}`
-    Shutdown,
-    /// `POST /clones {"count": N}`; `received_ns` is when the request arrived
-    /// (CLOCK_MONOTONIC), for latency figures.
-    CreateClones {
-        /// How many.
-        count: u64,
-        /// Arrival time.
-        received_ns: u64,
-        /// Where the clones' consoles go.
-        console: CloneConsole,
-        /// Resource class for the clones' cgroups (None: the VMM's first class).
-        resource_class: Option<String>,
-        /// Rate limits replacing the template's for these clones' devices.
-        rate_limits: Box<crate::config::DeviceRateLimits>,
-        /// Each clone's guest addresses, in order (empty: the template's).
-        addresses: Vec<crate::config::CloneAddresses>,
-        /// Each clone's tap, made by the caller, in order (empty: each makes its own).
-        taps: Vec<String>,
-        /// Whether the clones keep their disks' overlays (None: as the template's).
-        keep_overlays: Option<bool>,
-    },
-    /// `GET /clones`
-    ListClones,
-    /// `DELETE /clones/{id}`
-    DeleteClone(String),
-}
-
-/// States a user may ask for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TargetState {
-    /// Stop running guest code (memory and devices stay).
-    Paused,
-    /// Run again.
-    Running,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PatchVm {
-    state: TargetState,
-}
-
-/// Where a clone's serial console goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CloneConsole {
-    /// A file per clone, `<clone socket>.console` (discarded when the parent's own
-    /// console is `null`).
-    #[default]
-    File,
-    /// Discarded.
-    Null,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CreateClones {
-    #[serde(default = "one")]
-    count: u64,
-    #[serde(default)]
-    console: CloneConsole,
-    #[serde(default)]
-    resource_class: Option<String>,
-    #[serde(default)]
-    rate_limits: RateLimitSpecs,
-    #[serde(default)]
-    addresses: Vec<crate::config::CloneAddresses>,
-    #[serde(default)]
-    taps: Vec<String>,
-    #[serde(default)]
-    keep_overlays: Option<bool>,
-}
-
-/// `rate_limits` in `POST /clones`: limit texts as on the command line.
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RateLimitSpecs {
-    disk: Option<String>,
-    rng: Option<String>,
-    net: Option<String>,
-}
-
-impl RateLimitSpecs {
-    fn parse(&self) -> Result<crate::config::DeviceRateLimits, ApiReply> {
-        let one = |what: &str, spec: &Option<String>| {
-            spec.as_deref()
-                .map(|s| {
-                    s.parse().map_err(|e| {
-                        ApiReply::error(400, format!("invalid rate_limits.{what} {s:?}: {e}"))
-                    })
-                })
-                .transpose()
-        };
-        Ok(crate::config::DeviceRateLimits {
-            disk: one("disk", &self.disk)?,
-            rng: one("rng", &self.rng)?,
-            net: one("net", &self.net)?,
-        })
-    }
-}
-
-fn one() -> u64 {
-    1
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Action {
-    action_type: String,
-}
+use crate::cloning::cgroups::PlacementError;
+use crate::cloning::CloneError;
+use crate::microvm::StateError;
+use crate::rpc::{VmmAction, VmmActionError, VmmData, VmmResponse};
 
 /// An answer: status and optional JSON body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,13 +31,17 @@ pub struct ApiReply {
 }
 
 impl ApiReply {
-    /// 200 with a JSON body.
-    pub fn ok(body: serde_json::Value) -> Self {
-        Self {
-            status: 200,
-            body: Some(body.to_string()),
+    /// `status` with `body` as JSON.
+    pub fn json(status: u16, body: &impl Serialize) -> Self {
+        match serde_json::to_string(body) {
+            Ok(text) => Self {
+                status,
+                body: Some(text),
+            },
+            Err(e) => Self::error(500, format!("cannot encode the answer: {e}")),
         }
     }
+
     /// 204.
     pub fn no_content() -> Self {
         Self {
@@ -155,11 +49,15 @@ impl ApiReply {
             body: None,
         }
     }
-    /// An error status with `{"error": message}`.
+
+    /// An error status with an [`ErrorBody`].
     pub fn error(status: u16, message: impl std::fmt::Display) -> Self {
+        let body = ErrorBody {
+            error: message.to_string(),
+        };
         Self {
             status,
-            body: Some(serde_json::json!({ "error": message.to_string() }).to_string()),
+            body: serde_json::to_string(&body).ok(),
         }
     }
 }
@@ -169,75 +67,39 @@ fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiReply> {
         .map_err(|e| ApiReply::error(400, format!("invalid JSON body: {e}")))
 }
 
-/// Maps an HTTP request to an API request, or answers it directly when it is invalid.
-pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
+/// Maps an HTTP request to an action, or answers it directly when it is invalid.
+pub fn route(req: &http::Request) -> Result<VmmAction, ApiReply> {
     match (req.method.as_str(), req.path.as_str()) {
-        ("GET", "/vm") => Ok(ApiRequest::GetVm),
-        ("PATCH", "/vm") => Ok(ApiRequest::SetState(
-            parse_json::<PatchVm>(&req.body)?.state,
+        ("GET", "/vm") => Ok(VmmAction::DescribeVm),
+        ("PATCH", "/vm") => Ok(VmmAction::SetState(
+            parse_json::<VmUpdate>(&req.body)?.state,
         )),
-        ("PUT", "/actions") => {
-            let a: Action = parse_json(&req.body)?;
-            match a.action_type.as_str() {
-                "shutdown" => Ok(ApiRequest::Shutdown),
-                other => Err(ApiReply::error(
-                    400,
-                    format!("unknown action_type {other:?}; supported: \"shutdown\""),
-                )),
-            }
-        }
+        ("PUT", "/actions") => match parse_json::<Action>(&req.body)?.action_type {
+            ActionType::Shutdown => Ok(VmmAction::Shutdown),
+        },
         ("POST", "/clones") => {
             let received_ns = crate::vstate::vcpu::monotonic_ns();
-            let body = if req.body.iter().all(u8::is_ascii_whitespace) {
-                CreateClones {
-                    count: 1,
-                    console: CloneConsole::File,
-                    resource_class: None,
-                    rate_limits: RateLimitSpecs::default(),
-                    addresses: Vec::new(),
-                    taps: Vec::new(),
-                    keep_overlays: None,
-                }
+            let request = if req.body.iter().all(u8::is_ascii_whitespace) {
+                CreateClones::default()
             } else {
                 parse_json::<CreateClones>(&req.body)?
             };
-            for (what, n) in [
-                ("addresses", body.addresses.len()),
-                ("taps", body.taps.len()),
-            ] {
-                if n != 0 && n as u64 != body.count {
-                    return Err(ApiReply::error(
-                        400,
-                        format!(
-                            "{n} {what} for {} clones: give one per clone or none",
-                            body.count
-                        ),
-                    ));
-                }
-            }
-            for (i, tap) in body.taps.iter().enumerate() {
-                if !devices::virtio::net::valid_ifname(tap) {
-                    return Err(ApiReply::error(400, format!("invalid tap name {tap:?}")));
-                }
-                if body.taps[..i].contains(tap) {
-                    return Err(ApiReply::error(400, format!("tap {tap:?} given twice")));
-                }
-            }
-            Ok(ApiRequest::CreateClones {
-                count: body.count,
+            request.check().map_err(|e| ApiReply::error(400, e))?;
+            Ok(VmmAction::CreateClones {
+                request: Box::new(request),
                 received_ns,
-                console: body.console,
-                resource_class: body.resource_class,
-                rate_limits: Box::new(body.rate_limits.parse()?),
-                addresses: body.addresses,
-                taps: body.taps,
-                keep_overlays: body.keep_overlays,
             })
         }
-        ("GET", "/clones") => Ok(ApiRequest::ListClones),
-        ("DELETE", path) if path.starts_with("/clones/") && path.len() > "/clones/".len() => Ok(
-            ApiRequest::DeleteClone(path["/clones/".len()..].to_string()),
-        ),
+        ("GET", "/clones") => Ok(VmmAction::ListClones),
+        (method, path) if path.starts_with("/clones/") && path.len() > "/clones/".len() => {
+            match method {
+                "DELETE" => Ok(VmmAction::DeleteClone(path["/clones/".len()..].to_string())),
+                _ => Err(ApiReply::error(
+                    405,
+                    format!("{method} is not allowed on {path}"),
+                )),
+            }
+        }
         (_, "/vm") | (_, "/actions") | (_, "/clones") => Err(ApiReply::error(
             405,
             format!("{} is not allowed on {}", req.method, req.path),
@@ -246,9 +108,47 @@ pub fn route(req: &http::Request) -> Result<ApiRequest, ApiReply> {
     }
 }
 
+/// The answer to an action, as a status and a body.
+pub fn reply(response: VmmResponse) -> ApiReply {
+    match response {
+        Ok(VmmData::Empty) => ApiReply::no_content(),
+        Ok(VmmData::Vm(vm)) => ApiReply::json(200, &vm),
+        Ok(VmmData::CreatedClones(list)) => ApiReply::json(201, &list),
+        Ok(VmmData::Clones(list)) => ApiReply::json(200, &list),
+        Ok(VmmData::Clone(info)) => ApiReply::json(200, &info),
+        Err(e) => ApiReply::error(status_of(&e), e),
+    }
+}
+
+/// The status of a refused or failed action: the caller's mistake (400, 404), the VM's
+/// state (409), a resource the host is out of for now (503), or the host failing (500).
+pub fn status_of(e: &VmmActionError) -> u16 {
+    use jailer::cgroup::PoolError;
+    match e {
+        VmmActionError::SetState(StateError::Transition { .. }) => 409,
+        VmmActionError::SetState(StateError::Vcpu(_)) => 500,
+        VmmActionError::CreateClones(c) => match c {
+            CloneError::Count(_)
+            | CloneError::PathTooLong(_)
+            | CloneError::RateLimit(_)
+            | CloneError::NoCard
+            | CloneError::NoOverlay
+            | CloneError::Cgroup(
+                PlacementError::UnknownClass { .. } | PlacementError::NoPools(_),
+            ) => 400,
+            CloneError::State(_) | CloneError::TooMany { .. } => 409,
+            CloneError::Cgroup(PlacementError::Pool(PoolError::Exhausted { .. })) => 503,
+            _ => 500,
+        },
+        VmmActionError::NoSuchClone(_) => 404,
+        VmmActionError::ShuttingDown => 503,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use api_types::{CloneConsole, TargetState};
 
     fn req(method: &str, path: &str, body: &str) -> http::Request {
         http::Request {
@@ -258,141 +158,106 @@ mod tests {
         }
     }
 
+    fn created(body: &str) -> CreateClones {
+        match route(&req("POST", "/clones", body)) {
+            Ok(VmmAction::CreateClones { request, .. }) => *request,
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
     #[test]
     fn routes() {
-        assert_eq!(route(&req("GET", "/vm", "")), Ok(ApiRequest::GetVm));
+        assert_eq!(route(&req("GET", "/vm", "")), Ok(VmmAction::DescribeVm));
         assert_eq!(
             route(&req("PATCH", "/vm", r#"{"state":"paused"}"#)),
-            Ok(ApiRequest::SetState(TargetState::Paused))
+            Ok(VmmAction::SetState(TargetState::Paused))
         );
         assert_eq!(
             route(&req("PUT", "/actions", r#"{"action_type":"shutdown"}"#)),
-            Ok(ApiRequest::Shutdown)
+            Ok(VmmAction::Shutdown)
         );
-        assert!(matches!(
-            route(&req("POST", "/clones", r#"{"count":3}"#)),
-            Ok(ApiRequest::CreateClones { count: 3, .. })
-        ));
-        assert!(matches!(
-            route(&req("POST", "/clones", "")),
-            Ok(ApiRequest::CreateClones {
-                count: 1,
-                console: CloneConsole::File,
-                ..
-            })
-        ));
-        assert!(matches!(
-            route(&req("POST", "/clones", r#"{"resource_class":"small"}"#)),
-            Ok(ApiRequest::CreateClones {
-                count: 1,
-                resource_class: Some(c),
-                ..
-            }) if c == "small"
-        ));
-        assert!(matches!(
-            route(&req("POST", "/clones", r#"{"count":2,"console":"null"}"#)),
-            Ok(ApiRequest::CreateClones {
-                count: 2,
-                console: CloneConsole::Null,
-                ..
-            })
-        ));
-        assert!(matches!(
-            route(&req("POST", "/clones", r#"{"rate_limits":{"net":"bytes=2K","rng":"ops=5"}}"#)),
-            Ok(ApiRequest::CreateClones { rate_limits: l, .. })
-                if l.net == Some("bytes=2K".parse().unwrap())
-                    && l.rng == Some("ops=5".parse().unwrap())
-                    && l.disk.is_none()
-        ));
-        assert!(matches!(
-            route(&req(
-                "POST",
-                "/clones",
-                r#"{"count":2,"addresses":[{"ipv4":"10.0.0.5/24"},{"ipv4":"10.0.0.6/24","gateway":"10.0.0.1"}]}"#
-            )),
-            Ok(ApiRequest::CreateClones { addresses: a, .. })
-                if a.len() == 2 && a[1].gateway == Some("10.0.0.1".parse().unwrap())
-        ));
-        assert!(matches!(
-            route(&req("POST", "/clones", r#"{"keep_overlays":true}"#)),
-            Ok(ApiRequest::CreateClones {
-                keep_overlays: Some(true),
-                ..
-            })
-        ));
-        assert!(matches!(
-            route(&req("POST", "/clones", r#"{"count":2,"taps":["t1","t2"]}"#)),
-            Ok(ApiRequest::CreateClones { taps: t, .. }) if t == ["t1", "t2"]
-        ));
-        for bad in [
-            r#"{"count":2,"taps":["t1"]}"#,
-            r#"{"count":2,"taps":["t1","t1"]}"#,
-            r#"{"taps":["no/slash"]}"#,
-            r#"{"taps":["a-name-far-too-long-for-linux"]}"#,
-            r#"{"keep_overlays":"yes"}"#,
-            r#"{"count":2,"addresses":[{"ipv4":"10.0.0.5/24"}]}"#,
-            r#"{"addresses":[{"ipv4":"10.0.0.5"}]}"#,
-            r#"{"addresses":[{"ipv4":"10.0.0.5/24","mac":"x"}]}"#,
-            r#"{"rate_limits":{"net":"bytes=0"}}"#,
-            r#"{"rate_limits":{"net":"fast"}}"#,
-            r#"{"rate_limits":{"gpu":"bytes=1K"}}"#,
-            r#"{"rate_limits":"bytes=1K"}"#,
-        ] {
-            let e = route(&req("POST", "/clones", bad)).unwrap_err();
-            assert_eq!(e.status, 400, "{bad}: {e:?}");
-        }
+        assert_eq!(created(r#"{"count":3}"#).count, 3);
+        assert_eq!(created(""), CreateClones::default());
         assert_eq!(
-            route(&req("POST", "/clones", r#"{"console":"tty"}"#))
-                .unwrap_err()
-                .status,
-            400
+            created(r#"{"resource_class":"small"}"#)
+                .resource_class
+                .as_deref(),
+            Some("small")
         );
         assert_eq!(
-            route(&req("GET", "/clones", "")),
-            Ok(ApiRequest::ListClones)
+            created(r#"{"count":2,"console":"null"}"#).console,
+            CloneConsole::Null
         );
+        assert_eq!(
+            created(r#"{"count":2,"taps":["t1","t2"]}"#).taps,
+            ["t1", "t2"]
+        );
+        assert_eq!(route(&req("GET", "/clones", "")), Ok(VmmAction::ListClones));
         assert_eq!(
             route(&req("DELETE", "/clones/2.1", "")),
-            Ok(ApiRequest::DeleteClone("2.1".into()))
+            Ok(VmmAction::DeleteClone("2.1".into()))
         );
     }
 
     #[test]
     fn rejects_bad_requests_with_reasons() {
-        assert_eq!(route(&req("PATCH", "/vm", "{")).unwrap_err().status, 400);
-        assert_eq!(
-            route(&req("PATCH", "/vm", r#"{"state":"frozen"}"#))
-                .unwrap_err()
-                .status,
-            400
-        );
-        assert_eq!(
-            route(&req("PATCH", "/vm", r#"{"state":"paused","x":1}"#))
-                .unwrap_err()
-                .status,
-            400
-        );
+        let status = |m: &str, p: &str, b: &str| route(&req(m, p, b)).unwrap_err().status;
+        assert_eq!(status("PATCH", "/vm", "{"), 400);
+        assert_eq!(status("PATCH", "/vm", r#"{"state":"frozen"}"#), 400);
+        assert_eq!(status("PATCH", "/vm", r#"{"state":"paused","x":1}"#), 400);
         let e = route(&req("PUT", "/actions", r#"{"action_type":"reboot"}"#)).unwrap_err();
         assert_eq!(e.status, 400);
         assert!(e.body.unwrap().contains("reboot"));
-        assert_eq!(route(&req("DELETE", "/vm", "")).unwrap_err().status, 405);
-        assert_eq!(route(&req("PUT", "/clones", "")).unwrap_err().status, 405);
+        assert_eq!(status("DELETE", "/vm", ""), 405);
+        assert_eq!(status("PUT", "/clones", ""), 405);
+        for bad in [
+            r#"{"count":"many"}"#,
+            r#"{"count":2,"x":1}"#,
+            r#"{"count":2,"taps":["t1"]}"#,
+            r#"{"taps":["a-name-far-too-long-for-linux"]}"#,
+            r#"{"rate_limits":{"net":"fast"}}"#,
+            r#"{"console":"tty"}"#,
+        ] {
+            assert_eq!(status("POST", "/clones", bad), 400, "{bad}");
+        }
+        assert_eq!(status("DELETE", "/clones/", ""), 404);
+        assert_eq!(status("GET", "/nope", ""), 404);
+    }
+
+    #[test]
+    fn answers_and_errors_map_to_statuses_and_bodies() {
+        assert_eq!(reply(Ok(VmmData::Empty)), ApiReply::no_content());
+        let list = api_types::CloneList::default();
+        let r = reply(Ok(VmmData::CreatedClones(list.clone())));
         assert_eq!(
-            route(&req("POST", "/clones", r#"{"count":"many"}"#))
-                .unwrap_err()
-                .status,
-            400
+            (r.status, r.body.as_deref()),
+            (201, Some(r#"{"clones":[]}"#))
         );
+        assert_eq!(reply(Ok(VmmData::Clones(list))).status, 200);
+        let e = |e: VmmActionError| reply(Err(e));
+        let r = e(VmmActionError::NoSuchClone("7".into()));
+        assert_eq!(r.status, 404);
+        let body: ErrorBody = serde_json::from_str(r.body.as_deref().unwrap()).unwrap();
+        assert_eq!(body.error, "no running clone with id \"7\"");
+        assert_eq!(e(VmmActionError::ShuttingDown).status, 503);
+        let transition = StateError::Transition {
+            from: "paused",
+            to: "paused",
+        };
+        let r = e(transition.into());
+        assert_eq!(r.status, 409);
+        assert!(r.body.unwrap().contains("cannot go from paused to paused"));
+        assert_eq!(e(CloneError::Count(0).into()).status, 400);
+        assert_eq!(e(CloneError::NoCard.into()).status, 400);
+        assert_eq!(e(CloneError::TooMany { live: 1 }.into()).status, 409);
         assert_eq!(
-            route(&req("POST", "/clones", r#"{"count":2,"x":1}"#))
-                .unwrap_err()
-                .status,
-            400
+            e(CloneError::Os(std::io::Error::other("x")).into()).status,
+            500
         );
-        assert_eq!(
-            route(&req("DELETE", "/clones/", "")).unwrap_err().status,
-            404
-        );
-        assert_eq!(route(&req("GET", "/nope", "")).unwrap_err().status, 404);
+        let exhausted = PlacementError::Pool(jailer::cgroup::PoolError::Exhausted {
+            class: "a".into(),
+            max: 1,
+        });
+        assert_eq!(e(CloneError::Cgroup(exhausted).into()).status, 503);
     }
 }

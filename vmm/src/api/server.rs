@@ -6,46 +6,13 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-
 use super::http::{read_request, write_response, HttpError};
-use super::{route, ApiReply, ApiRequest};
-use crate::cloning::gate::Pass;
-
-/// A request with the slot its answer goes back in.
-pub type PendingRequest = (ApiRequest, Replier);
-
-/// Where the VMM leaves its answer to one request. The API thread waits on it without
-/// allocating (a channel's receiver allocates as it starts to wait), so that it never
-/// is inside malloc while a clone may be forked (see `cloning::gate`).
-pub struct Replier(Arc<(Mutex<Option<ApiReply>>, Condvar)>);
-
-impl Replier {
-    /// Hands the answer to the waiting API thread (dropped if it gave up waiting); the
-    /// thread is woken as `self` drops.
-    pub fn send(self, reply: ApiReply) {
-        *self.0 .0.lock().unwrap_or_else(|p| p.into_inner()) = Some(reply);
-    }
-}
-
-impl Drop for Replier {
-    /// Wakes the waiting API thread. A request dropped unanswered (the VMM stopped with
-    /// it queued, or it could not be queued) is answered at once, so its client and the
-    /// API thread do not wait out the timeout.
-    fn drop(&mut self) {
-        let (slot, ready) = &*self.0;
-        let mut answer = slot.lock().unwrap_or_else(|p| p.into_inner());
-        if answer.is_none() {
-            *answer = Some(ApiReply::error(503, "the VMM is shutting down"));
-        }
-        ready.notify_one();
-    }
-}
+use super::{reply, route, ApiReply};
+use crate::gate::Pass;
+use crate::rpc::{ActionSender, VmmAction};
 
 /// Errors starting the API server.
 #[derive(Debug, thiserror::Error)]
@@ -76,10 +43,6 @@ pub struct ApiServer {
     path: PathBuf,
     listener_fd: i32,
     thread: Option<JoinHandle<()>>,
-    /// Written once per request queued on `requests`.
-    pub evt: EventFd,
-    /// Requests for the VMM to answer.
-    pub requests: Receiver<PendingRequest>,
 }
 
 fn bind(path: &Path) -> Result<UnixListener, ApiServerError> {
@@ -101,22 +64,20 @@ fn bind(path: &Path) -> Result<UnixListener, ApiServerError> {
 }
 
 impl ApiServer {
-    /// Binds `path` and starts the API thread.
-    pub fn start(path: &Path) -> Result<Self, ApiServerError> {
+    /// Binds `path` and starts the API thread, which queues each request's action on
+    /// `actions`.
+    pub fn start(path: &Path, actions: ActionSender) -> Result<Self, ApiServerError> {
         let err = |source| ApiServerError::Bind {
             path: path.display().to_string(),
             source,
         };
         let listener = bind(path)?;
-        let evt = EventFd::new(EFD_NONBLOCK).map_err(err)?;
-        let thread_evt = evt.try_clone().map_err(err)?;
-        let (tx, rx) = channel();
         let listener_fd = listener.as_raw_fd();
         let thread = std::thread::Builder::new()
             .name("api".into())
             .spawn(
                 move || match crate::sandbox::enter(crate::sandbox::ThreadKind::Api) {
-                    Ok(()) => serve(listener, tx, thread_evt),
+                    Ok(()) => serve(listener, &actions),
                     Err(e) => tracing::error!("API thread: {e}; the control socket is not served"),
                 },
             )
@@ -125,8 +86,6 @@ impl ApiServer {
             path: path.to_path_buf(),
             listener_fd,
             thread: Some(thread),
-            evt,
-            requests: rx,
         })
     }
 
@@ -141,10 +100,8 @@ impl Drop for ApiServer {
         // SAFETY: the listener fd is owned by the API thread, which is still running (we
         // join it below); shutdown() only wakes its accept() with an error.
         unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
-        // Requests queued now will not be answered: dropping the receiver drops them (each
-        // answered "shutting down" by its Replier) and refuses any sent later, so the
-        // thread ends at once instead of waiting out ANSWER_TIMEOUT.
-        drop(std::mem::replace(&mut self.requests, channel().1));
+        // The event loop dropped its end of the action queue before (refusing what was
+        // queued), so the thread is not waiting out ANSWER_TIMEOUT.
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -152,7 +109,7 @@ impl Drop for ApiServer {
     }
 }
 
-fn serve(listener: UnixListener, tx: Sender<PendingRequest>, evt: EventFd) {
+fn serve(listener: UnixListener, actions: &ActionSender) {
     // Blocked in accept() without a pass: a clone may be forked meanwhile (see
     // `cloning::gate`).
     for conn in listener.incoming() {
@@ -160,7 +117,7 @@ fn serve(listener: UnixListener, tx: Sender<PendingRequest>, evt: EventFd) {
         let pass = RefCell::new(Pass::take());
         match conn {
             Ok(stream) => {
-                if let Err(e) = handle(stream, &tx, &evt, &pass) {
+                if let Err(e) = handle(stream, actions, &pass) {
                     tracing::debug!("API connection: {e}");
                 }
             }
@@ -201,12 +158,7 @@ impl Write for Gated<'_> {
     }
 }
 
-fn handle(
-    stream: UnixStream,
-    tx: &Sender<PendingRequest>,
-    evt: &EventFd,
-    pass: &RefCell<Pass>,
-) -> std::io::Result<()> {
+fn handle(stream: UnixStream, actions: &ActionSender, pass: &RefCell<Pass>) -> std::io::Result<()> {
     stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
     stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
     let io = Gated {
@@ -215,7 +167,7 @@ fn handle(
     };
     let reply = match read_request(io) {
         Ok(req) => match route(&req) {
-            Ok(api_req) => relay(api_req, tx, evt, pass),
+            Ok(action) => relay(action, actions, pass),
             Err(reply) => reply,
         },
         Err(HttpError::TooLarge(m)) => ApiReply::error(413, m),
@@ -225,63 +177,27 @@ fn handle(
     write_response(io, reply.status, reply.body.as_deref())
 }
 
-fn relay(
-    req: ApiRequest,
-    tx: &Sender<PendingRequest>,
-    evt: &EventFd,
-    pass: &RefCell<Pass>,
-) -> ApiReply {
-    let answer = Arc::new((Mutex::new(None), Condvar::new()));
-    // Not queued (the VMM is stopping): the Replier, dropped with the error, answered.
-    if tx.send((req, Replier(answer.clone()))).is_ok() {
-        let _ = evt.write(1);
-    }
+/// Queues `action` for the event loop and waits for its answer.
+fn relay(action: VmmAction, actions: &ActionSender, pass: &RefCell<Pass>) -> ApiReply {
+    let answer = actions.send(action);
     // The main thread answers, and may fork meanwhile: wait without the pass.
-    let (slot, ready) = &*answer;
-    pass.borrow_mut()
-        .released(|| {
-            let guard = slot.lock().unwrap_or_else(|p| p.into_inner());
-            ready
-                .wait_timeout_while(guard, ANSWER_TIMEOUT, |a| a.is_none())
-                .unwrap_or_else(|p| p.into_inner())
-                .0
-                .take()
-        })
-        .unwrap_or_else(|| ApiReply::error(503, "the VMM did not answer in time"))
+    match pass.borrow_mut().released(|| answer.wait(ANSWER_TIMEOUT)) {
+        Some(response) => reply(response),
+        None => ApiReply::error(503, "the VMM did not answer in time"),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn relay_answered_by(answer: impl FnOnce(Replier) + Send + 'static) -> ApiReply {
-        let (tx, rx) = channel::<PendingRequest>();
-        let evt = EventFd::new(EFD_NONBLOCK).unwrap();
-        let vmm = std::thread::spawn(move || {
-            let (_req, replier) = rx.recv().unwrap();
-            answer(replier);
-        });
-        let pass = RefCell::new(Pass::take());
-        let reply = relay(ApiRequest::GetVm, &tx, &evt, &pass);
-        vmm.join().unwrap();
-        reply
-    }
-
     #[test]
-    fn an_answer_reaches_the_waiting_api_thread() {
-        let reply = relay_answered_by(|r| {
-            std::thread::sleep(Duration::from_millis(20));
-            r.send(ApiReply::error(409, "busy"));
-        });
-        assert_eq!(reply.status, 409);
-    }
-
-    #[test]
-    fn stopping_the_server_answers_a_queued_request() {
+    fn stopping_the_vmm_answers_a_queued_request() {
         let dir = std::env::temp_dir().join(format!("forkvm-api-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("api.sock");
-        let server = ApiServer::start(&path).unwrap();
+        let (tx, actions) = crate::rpc::channel().unwrap();
+        let server = ApiServer::start(&path, tx).unwrap();
         let client = {
             let path = path.clone();
             std::thread::spawn(move || {
@@ -293,36 +209,16 @@ mod tests {
             })
         };
         // Queued (the API thread signals each request), never taken by a VMM.
-        while server.evt.read().is_err() {
+        while actions.evt().read().is_err() {
             std::thread::sleep(Duration::from_millis(1));
         }
+        // The event loop ends: its end of the queue goes first, then the server.
+        drop(actions);
         drop(server);
         let answer = client.join().unwrap();
-        // Not "did not answer in time" (after ANSWER_TIMEOUT, with the drop waiting).
+        // Not "did not answer in time" (after ANSWER_TIMEOUT).
         assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
         assert!(answer.contains("shutting down"), "{answer}");
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn a_request_the_vmm_no_longer_takes_is_refused() {
-        let (tx, rx) = channel::<PendingRequest>();
-        drop(rx);
-        let evt = EventFd::new(EFD_NONBLOCK).unwrap();
-        let pass = RefCell::new(Pass::take());
-        let reply = relay(ApiRequest::GetVm, &tx, &evt, &pass);
-        assert_eq!(reply.status, 503);
-        assert!(reply.body.unwrap().contains("shutting down"));
-        // Nothing was queued, so nothing was signalled.
-        assert!(evt.read().is_err());
-    }
-
-    #[test]
-    fn a_request_dropped_unanswered_is_refused_not_timed_out() {
-        // Without an answer the API thread would wait out ANSWER_TIMEOUT and say "did not
-        // answer in time".
-        let reply = relay_answered_by(drop);
-        assert_eq!(reply.status, 503);
-        assert!(reply.body.unwrap().contains("shutting down"));
     }
 }

@@ -28,6 +28,8 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use api_types::cgroup::{CgroupsReport, PlacedBy, PoolReport};
+use api_types::CloneCgroup;
 pub(crate) use jailer::cgroup::fork_into;
 use jailer::cgroup::pool::Lease;
 use jailer::cgroup::{CgroupFs, CgroupPool, CgroupVersion, PoolConfig, Usage, WhenExhausted};
@@ -90,21 +92,6 @@ pub(crate) struct Placement {
     /// clone opening each file on its way. A path is used when its file fails.
     #[serde(skip)]
     pub fds: Vec<RawFd>,
-}
-
-/// A clone's cgroup, as `GET /clones` reports it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct CloneCgroup {
-    /// Resource class.
-    pub class: String,
-    /// Cgroup path below each hierarchy's root.
-    pub path: String,
-    /// How it was placed: "clone3" (born inside, v2), "forker" (born inside, v1: forked
-    /// by a thread waiting there), "tasks" (moved its only thread in, v1) or "procs"
-    /// (moved itself in through `cgroup.procs`, v2).
-    pub placed_by: &'static str,
-    /// What it used: so far while it runs, in total once it exited.
-    pub usage: Option<Usage>,
 }
 
 /// A cgroup taken for a clone that is about to be forked.
@@ -386,9 +373,9 @@ impl ClonePools {
             class: self.pools[taken.pool].class_name().to_string(),
             path: format!("{}/{}", self.fs.parent(), taken.lease.name),
             placed_by: match (born_inside, self.fs.version()) {
-                (true, _) => "clone3",
-                (false, CgroupVersion::V1) => "tasks",
-                (false, CgroupVersion::V2) => "procs",
+                (true, _) => PlacedBy::Clone3,
+                (false, CgroupVersion::V1) => PlacedBy::Tasks,
+                (false, CgroupVersion::V2) => PlacedBy::Procs,
             },
             usage: None,
         };
@@ -491,23 +478,21 @@ impl ClonePools {
     }
 
     /// Pool counters for `GET /vm`.
-    pub fn report(&self) -> serde_json::Value {
-        let pools: serde_json::Map<String, serde_json::Value> = self
-            .pools
-            .iter()
-            .map(|p| {
-                (
-                    p.class_name().to_string(),
-                    serde_json::json!({ "class": p.class(), "stats": p.stats() }),
-                )
-            })
-            .collect();
-        serde_json::json!({
-            "version": self.fs.version(),
-            "parent": self.fs.parent(),
-            "pools": pools,
-            "forker_seat": lock(&self.seat).as_ref().map(|l| l.name.clone()),
-        })
+    pub fn report(&self) -> CgroupsReport {
+        CgroupsReport {
+            version: self.fs.version(),
+            parent: self.fs.parent().to_string(),
+            pools: (self.pools.iter())
+                .map(|p| {
+                    let report = PoolReport {
+                        class: p.class().clone(),
+                        stats: p.stats(),
+                    };
+                    (p.class_name().to_string(), report)
+                })
+                .collect(),
+            forker_seat: lock(&self.seat).as_ref().map(|l| l.name.clone()),
+        }
     }
 }
 

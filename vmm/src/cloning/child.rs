@@ -1,69 +1,49 @@
-//! The child side of a clone: rebuild the VM around the inherited guest RAM and run it.
+//! Stage 5, the child's rebuild: a new VM around the inherited guest RAM.
 //!
 //! A child starts with only the forking thread. It dies with its parent
 //! (`PR_SET_PDEATHSIG`), unmaps the parent's `kvm_run` pages, closes every inherited file
 //! descriptor but its pipes, and never drops the parent's objects (their threads do not
-//! exist in the child). It then creates a new VM on the inherited guest memory (memory
-//! slots first) and restores its vCPUs ([`prepare`]), then gets its identity, devices,
-//! VM-wide state, threads and control socket ([`launch`]).
+//! exist in the child). Then, in order:
 //!
-//! A clone made on request does both at once. A warm clone (see `warm.rs`) is forked
+//! 1. it moves itself into its cgroup, if it was not born inside (`cgroups.rs`);
+//! 2. [`prepare`]: a new VM on the inherited memory (memory slots first, then TSS,
+//!    irqchip, PIT), its vCPUs restored from the captured state;
+//! 3. [`launch`]: its configuration (sockets, console, tap, limits from its
+//!    [`Identity`]), its devices restored from their state, the VM-wide state, its vCPU
+//!    threads started; once vCPU 0 is in the guest, the devices' host sides (tap, vsock
+//!    socket) are opened;
+//! 4. the rebuilt VM goes to the `serve` hook the controller gave the [`Cloner`]: the
+//!    controller opens its control socket, marks it ready ([`ReadyMark`]), starts its
+//!    device workers and runs its event loop. (The event loop is the controller's, a
+//!    layer above this one: the hook keeps this module from depending on it.)
+//!
+//! A clone made on request does all of it at once. A warm clone (`warm.rs`) is forked
 //! ahead of time from a paused template: it prepares, then blocks on its `go` pipe until
 //! a request gives it an identity, re-times its clocks and launches. Its vCPU 0 writes
 //! the time it first enters the guest into the `ready` pipe, which gives the latency;
-//! its control thread writes [`READY_MARK`] once the devices' host sides (tap, vsock
-//! socket) and the control socket are up, after the guest runs.
+//! the controller writes [`READY_MARK`] once the control socket is up.
 
 use std::fs::File;
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::VmFd;
-use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
 
-use clone::vcpu::CaptureSpec;
 use clone::MicrovmState;
 
 use super::cgroups::{place_self, Placement};
-use super::CloneTable;
-use crate::api::server::ApiServer;
-use crate::builder::{start_vcpus, BuildError};
-use crate::config::{ConsoleSink, VmConfig};
-use crate::device_manager::{DeviceManager, VirtioRestore};
-use crate::logging::raw_eprintln;
-use crate::microvm::{block_shutdown_signals, HostReport, Microvm, RunOutcome, VmState};
+use super::request::Identity;
+use super::Cloner;
+use crate::config::{keep_overlays, ConsoleSink, VmConfig};
+use crate::device_manager::{DeviceError, DeviceManager, VirtioRestore};
+use crate::logging::{raw_eprintln, StageTimer};
+use crate::microvm::{Microvm, RunOutcome, VmParts};
+use crate::signals::block_shutdown_signals;
 use crate::vstate::kvm::KvmContext;
-use crate::vstate::vcpu::{monotonic_ns, FirstEntry, Vcpu, VcpuError};
-use crate::vstate::vm::create_vm;
-
-/// What a clone is told about itself when it is launched.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct Identity {
-    /// Clone id.
-    pub id: String,
-    /// Its control socket.
-    pub api_sock: PathBuf,
-    /// Its console sink.
-    pub console: PathBuf,
-    /// Its vsock socket (with a vsock device).
-    pub vsock: Option<PathBuf>,
-    /// Rate limits replacing the template's (checked against its devices).
-    #[serde(default)]
-    pub rate_limits: crate::config::DeviceRateLimits,
-    /// Its own tap and guest addresses (None: its own new tap, the template's addresses).
-    #[serde(default)]
-    pub net: crate::config::CloneNetSpec,
-    /// Whether it keeps its writable disks' overlays (None: as its template's disks).
-    #[serde(default)]
-    pub keep_overlays: Option<bool>,
-    /// The vCPU that read the clone port, and the value it reads in this clone.
-    pub guest_result: Option<(u8, u64)>,
-    /// The cgroup it moves itself into before running guest code.
-    pub cgroup: Option<Placement>,
-}
+use crate::vstate::vcpu::{monotonic_ns, start_vcpus, FirstEntry, Vcpu, VcpuError};
+use crate::vstate::vm::{create_vm, VmError};
 
 /// How a child starts.
 pub(crate) enum Start {
@@ -85,39 +65,68 @@ pub(crate) struct ChildPlan<'a> {
     pub ready: RawFd,
     pub start: Start,
     pub state: &'a MicrovmState,
-    pub mem: &'a GuestMemoryMmap,
-    /// The parent's /dev/kvm: the clone creates its VM through it.
-    pub kvm: &'a KvmContext,
-    pub config: &'a VmConfig,
-    pub host: &'a HostReport,
-    pub cmdline: &'a str,
-    pub spec: &'a Arc<CaptureSpec>,
+    /// The parent's VM: the child takes its configuration, memory, /dev/kvm, open disk
+    /// images and host report (and never drops it).
+    pub template: &'a Microvm,
+    /// What serves the rebuilt VM.
+    pub serve: ServeClone,
+    /// The parent's vCPUs' kvm_run mappings, unmapped in the child.
     pub run_bases: &'a [usize],
-    pub run_size: usize,
-    /// The parent's open disk images: kept open, so every clone shares them.
-    pub disk_fds: &'a [RawFd],
     /// The copies of the parent's disk overlays made for this child, in disk order.
     pub overlays: &'a [Option<devices::virtio::block::overlay::OverlaySnapshot>],
+}
+
+/// A clone's rebuilt VM, running, as the `serve` hook gets it.
+pub struct RebuiltClone {
+    /// The VM: vCPUs running, host endpoints open, device workers not started yet
+    /// (`DeviceManager::start_restored_virtio`).
+    pub vm: Microvm,
+    /// Its own clone state (it may be cloned in turn).
+    pub cloner: Cloner,
+    /// Where its control socket goes.
+    pub api_sock: PathBuf,
+    /// Its signalfd (shutdown signals and SIGCHLD).
+    pub signals: OwnedFd,
+    /// Tells the parent the clone is up, once its control socket is.
+    pub ready: ReadyMark,
+}
+
+/// Serves a rebuilt clone until it stops (the controller's event loop).
+pub type ServeClone = fn(RebuiltClone) -> Result<RunOutcome, ServeError>;
+
+/// Why serving a clone failed.
+pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The clone's end of its ready pipe, held until its control socket is up.
+pub struct ReadyMark(File);
+
+impl ReadyMark {
+    /// Tells the parent the clone's control socket and host endpoints are up (the
+    /// parent answers once vCPU 0's time and this mark are in and the pipe is closed).
+    pub fn send(mut self) -> std::io::Result<()> {
+        use std::io::Write;
+        self.0.write_all(&READY_MARK.to_le_bytes())
+    }
 }
 
 /// Errors rebuilding a VM in a clone.
 #[derive(Debug, thiserror::Error)]
 pub enum ChildError {
-    /// Building the VM failed.
+    /// Creating the VM failed.
     #[error(transparent)]
-    Build(#[from] BuildError),
-    /// Restoring vCPU state failed.
+    Vm(#[from] VmError),
+    /// Creating the devices failed.
+    #[error(transparent)]
+    Devices(#[from] DeviceError),
+    /// Restoring or starting a vCPU failed.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
     /// Restoring VM state failed.
     #[error(transparent)]
     VmState(#[from] clone::vm::VmStateError),
-    /// The control socket could not be served.
-    #[error(transparent)]
-    Api(#[from] crate::api::server::ApiServerError),
-    /// Running failed.
-    #[error(transparent)]
-    Run(#[from] crate::microvm::RunError),
+    /// Serving the clone failed.
+    #[error("{0}")]
+    Serve(ServeError),
     /// Signal routing failed.
     #[error("cannot set up signal handling: {0}")]
     Signals(std::io::Error),
@@ -161,9 +170,9 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     for base in plan.run_bases {
         // SAFETY: these are the parent's vCPU kvm_run mappings, inherited by fork; no
         // thread of this process uses them (their owners exist only in the parent).
-        unsafe { libc::munmap(*base as *mut libc::c_void, plan.run_size) };
+        unsafe { libc::munmap(*base as *mut libc::c_void, plan.template.kvm_run_size()) };
     }
-    let mut keep = plan.disk_fds.to_vec();
+    let mut keep = plan.template.devices().disk_fds().to_vec();
     keep.extend(
         plan.overlays
             .iter()
@@ -171,7 +180,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
             .map(|o| std::os::fd::AsRawFd::as_raw_fd(&o.file)),
     );
     keep.push(plan.ready);
-    keep.push(std::os::fd::AsRawFd::as_raw_fd(&plan.kvm.kvm));
+    keep.push(std::os::fd::AsRawFd::as_raw_fd(&plan.template.kvm().kvm));
     match &plan.start {
         Start::Warm { go, .. } => keep.push(*go),
         Start::Now(id) => keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied())),
@@ -212,7 +221,7 @@ const PANIC_EXIT: i32 = 101;
 
 /// What a clone's control thread writes to the ready pipe once its devices' host sides
 /// and its control socket are up (no CLOCK_MONOTONIC time vCPU 0 writes is this).
-pub(super) const READY_MARK: u64 = u64::MAX;
+pub(crate) const READY_MARK: u64 = u64::MAX;
 
 /// A VM rebuilt from captured state, its vCPUs restored but not started.
 struct Prepared {
@@ -226,7 +235,7 @@ fn prepare(
     state: &MicrovmState,
     mem: &GuestMemoryMmap,
 ) -> Result<Prepared, ChildError> {
-    let vm = create_vm(kvm, mem).map_err(BuildError::from)?;
+    let vm = create_vm(kvm, mem)?;
     let mut vcpus = Vec::with_capacity(state.vcpus.len());
     for s in &state.vcpus {
         let (v, skipped) = Vcpu::from_state(&vm, s)?;
@@ -263,6 +272,144 @@ fn advanced(state: &MicrovmState) -> MicrovmState {
     state
 }
 
+/// A clone made on request: into its cgroup, then its VM prepared from the state as
+/// of now (clocks advanced, its guest result set).
+fn prepare_now(
+    kvm: &KvmContext,
+    plan: &ChildPlan<'_>,
+    id: &Identity,
+    marks: &mut StageTimer,
+) -> Result<(MicrovmState, Prepared), ChildError> {
+    // First, while this is the process's only thread (see place_self).
+    if let Some(p) = &id.cgroup {
+        place_self(p).map_err(ChildError::Cgroup)?;
+        marks.done("placed");
+    }
+    let mut state = advanced(plan.state);
+    if let Some((vcpu, value)) = id.guest_result {
+        if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
+            v.regs.rax = value;
+        }
+    }
+    let prepared = prepare(kvm, &state, plan.template.memory())?;
+    Ok((state, prepared))
+}
+
+/// A warm clone: into the default class's cgroup, its VM prepared, then it waits for
+/// its identity and re-times its vCPUs to the launch. None: discarded unlaunched.
+fn prepare_warm(
+    kvm: &KvmContext,
+    plan: &ChildPlan<'_>,
+    go: RawFd,
+    cgroup: Option<&Placement>,
+    marks: &mut StageTimer,
+) -> Result<Option<(MicrovmState, Prepared, Identity)>, ChildError> {
+    if let Some(p) = cgroup {
+        place_self(p).map_err(ChildError::Cgroup)?;
+    }
+    let prepared = prepare(kvm, plan.state, plan.template.memory())?;
+    marks.done("prepared");
+    let Some(id) = wait_for_go(go)? else {
+        return Ok(None);
+    };
+    marks.done("go");
+    if let Some(p) = &id.cgroup {
+        place_self(p).map_err(ChildError::Cgroup)?;
+        marks.done("placed");
+    }
+    let state = advanced(plan.state);
+    for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {
+        let rax = id
+            .guest_result
+            .and_then(|(vcpu, value)| (vcpu == s.id).then_some(value));
+        v.retime(s, rax)?;
+    }
+    Ok(Some((state, prepared, id)))
+}
+
+/// The template's configuration as clone `id` uses it: its own sockets, console, tap,
+/// MAC, limits and overlay policy.
+fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildError> {
+    let mut config = template.clone();
+    config.api_sock = Some(id.api_sock.clone());
+    config.console = ConsoleSink::File(id.console.clone());
+    if let (Some(v), Some(path)) = (config.vsock.as_mut(), &id.vsock) {
+        v.uds_path = path.clone();
+    }
+    config
+        .apply_rate_limits(&id.rate_limits)
+        .map_err(|e| ChildError::Go(e.to_string()))?;
+    // Its own tap and MAC (the tap is created here; it goes when the clone exits).
+    let pid = std::process::id() as i32;
+    config.disks = keep_overlays(&config.disks, id.keep_overlays);
+    config.net = config.net.map(|n| n.for_clone(pid, &id.net));
+    Ok(config)
+}
+
+/// Devices, VM-wide state and vCPU threads of the clone with `config`; returns once
+/// vCPU 0 is in the guest (or 20 ms have passed) and the devices' host sides are open.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    plan: &ChildPlan<'_>,
+    kvm: KvmContext,
+    prepared: Prepared,
+    state: &MicrovmState,
+    config: VmConfig,
+    seq: u32,
+    ready: File,
+    marks: &mut StageTimer,
+) -> Result<VmParts, ChildError> {
+    let template = plan.template;
+    let mem = template.memory();
+    let mut devices = DeviceManager::new(&prepared.vm, &config, seq, Some(&state.devices.serial))?;
+    devices.add_virtio_devices(
+        &prepared.vm,
+        mem,
+        &config,
+        Some(&VirtioRestore {
+            states: &state.devices.virtio,
+            disk_fds: template.devices().disk_fds(),
+            overlays: plan.overlays,
+        }),
+    )?;
+    marks.done("devices");
+    clone::vm::restore_vm(&prepared.vm, &state.vm)?;
+    marks.done("vm state");
+    let (entered, vcpu0_entered) = std::sync::mpsc::sync_channel(1);
+    let first_entry = FirstEntry {
+        pipe: ready,
+        entered,
+    };
+    let vcpus = start_vcpus(
+        prepared.vcpus,
+        &devices.pio,
+        &devices.mmio,
+        Some(first_entry),
+    )?;
+    marks.done("started");
+    // The rest waits until vCPU 0 is in the guest: this thread's work (sockets, device
+    // workers) took the CPU the new vCPU thread needed (0.5 ms later into the guest with
+    // every device, on 2 CPUs shared with the parent).
+    let _ = vcpu0_entered.recv_timeout(Duration::from_millis(20));
+    marks.done("vcpu 0 entered");
+    // The devices' host sides (tap, vsock socket) come up once the guest runs: they are
+    // off the latency path, and there when the parent answers.
+    devices.open_host_endpoints()?;
+    marks.done("host endpoints");
+    Ok(VmParts {
+        config,
+        vm: prepared.vm,
+        mem: mem.clone(),
+        kvm,
+        devices,
+        vcpus,
+        host: template.host().clone(),
+        cmdline: template.cmdline().to_string(),
+        capture_spec: template.capture_spec().clone(),
+        kvm_run_size: template.kvm_run_size(),
+    })
+}
+
 fn run_clone(
     plan: &ChildPlan<'_>,
     ready: File,
@@ -270,155 +417,46 @@ fn run_clone(
 ) -> Result<RunOutcome, ChildError> {
     let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
     // SAFETY: the parent's KvmContext in this process is never dropped (see child_main).
-    let kvm = unsafe { plan.kvm.inherited() };
-    let started = Instant::now();
-    let mut marks: Vec<(&str, u128)> = Vec::new();
-    let mut mark = |what, at: Instant| marks.push((what, at.elapsed().as_micros()));
-    let mut state;
-    let prepared;
-    let identity;
-    match &plan.start {
+    let kvm = unsafe { plan.template.kvm().inherited() };
+    let mut marks = StageTimer::new();
+    let (state, prepared, identity) = match &plan.start {
         Start::Now(id) => {
-            // First, while this is the process's only thread (see place_self).
-            if let Some(p) = &id.cgroup {
-                place_self(p).map_err(ChildError::Cgroup)?;
-                mark("placed", started);
-            }
-            state = advanced(plan.state);
-            if let Some((vcpu, value)) = id.guest_result {
-                if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
-                    v.regs.rax = value;
-                }
-            }
-            prepared = prepare(&kvm, &state, plan.mem)?;
-            identity = Identity::clone(id);
+            let (state, prepared) = prepare_now(&kvm, plan, id, &mut marks)?;
+            (state, prepared, Identity::clone(id))
         }
         Start::Warm { go, cgroup } => {
-            if let Some(p) = cgroup {
-                place_self(p).map_err(ChildError::Cgroup)?;
+            match prepare_warm(&kvm, plan, *go, cgroup.as_ref(), &mut marks)? {
+                Some(warm) => warm,
+                None => return Ok(RunOutcome::ApiShutdown),
             }
-            prepared = prepare(&kvm, plan.state, plan.mem)?;
-            mark("prepared", started);
-            let Some(id) = wait_for_go(*go)? else {
-                return Ok(RunOutcome::ApiShutdown);
-            };
-            mark("go", started);
-            if let Some(p) = &id.cgroup {
-                place_self(p).map_err(ChildError::Cgroup)?;
-                mark("placed", started);
-            }
-            state = advanced(plan.state);
-            for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {
-                let rax = id
-                    .guest_result
-                    .and_then(|(vcpu, value)| (vcpu == s.id).then_some(value));
-                v.retime(s, rax)?;
-            }
-            identity = id;
         }
-    }
-    *name = identity.id.clone();
+    };
+    name.clone_from(&identity.id);
     let launched = Instant::now();
-    mark("vcpus", started);
-    let mut config = plan.config.clone();
-    config.api_sock = Some(identity.api_sock.clone());
-    config.console = ConsoleSink::File(identity.console.clone());
-    if let (Some(v), Some(path)) = (config.vsock.as_mut(), &identity.vsock) {
-        v.uds_path = path.clone();
-    }
-    config
-        .apply_rate_limits(&identity.rate_limits)
-        .map_err(|e| ChildError::Go(e.to_string()))?;
-    // Its own tap and MAC (the tap is created here; it goes when the clone exits).
-    let pid = std::process::id() as i32;
-    config.disks = crate::config::keep_overlays(&config.disks, identity.keep_overlays);
-    config.net = config.net.map(|n| n.for_clone(pid, &identity.net));
+    marks.done("vcpus");
+    let config = clone_config(plan.template.config(), &identity)?;
     // The guest reads the last part of its id ("2.1" -> 1) from the identity port.
-    let seq = identity
-        .id
-        .rsplit('.')
-        .next()
+    let seq = (identity.id.rsplit('.').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
-    let mut devices = DeviceManager::new(&prepared.vm, &config, seq, Some(&state.devices.serial))
-        .map_err(BuildError::from)?;
-    devices
-        .add_virtio_devices(
-            &prepared.vm,
-            plan.mem,
-            &config,
-            Some(&VirtioRestore {
-                states: &state.devices.virtio,
-                disk_fds: plan.disk_fds,
-                overlays: plan.overlays,
-            }),
-        )
-        .map_err(BuildError::from)?;
-    mark("devices", started);
-    clone::vm::restore_vm(&prepared.vm, &state.vm)?;
-    mark("vm state", started);
     // The parent answers once every write end of the ready pipe is closed: vCPU 0's
-    // (after it wrote its timestamp) and this one (after it wrote READY_MARK); a pipe
-    // that ends without the mark is a clone that failed.
-    let mut api_ready = ready.try_clone().map_err(ChildError::ReadyPipe)?;
-    let (entered, vcpu0_entered) = std::sync::mpsc::sync_channel(1);
-    let first_entry = FirstEntry {
-        pipe: ready,
-        entered,
-    };
-    let started_vcpus = start_vcpus(prepared.vcpus, &devices, Some(first_entry))?;
-    mark("started", started);
-    // The rest waits until vCPU 0 is in the guest: this thread's work (sockets, device
-    // workers) took the CPU the new vCPU thread needed (0.5 ms later into the guest with
-    // every device, on 2 CPUs shared with the parent).
-    let _ = vcpu0_entered.recv_timeout(Duration::from_millis(20));
-    mark("vcpu 0 entered", started);
-    // The devices' host sides (tap, vsock socket) and the control socket come up once
-    // the guest runs: they are off the latency path, and there when the parent answers.
-    devices.open_host_endpoints().map_err(BuildError::from)?;
-    mark("host endpoints", started);
-    let api = ApiServer::start(&identity.api_sock)?;
-    {
-        use std::io::Write;
-        api_ready
-            .write_all(&READY_MARK.to_le_bytes())
-            .map_err(ChildError::ReadyPipe)?;
-    }
-    drop(api_ready);
-    mark("api", started);
-    // Then the device workers (threads that install their seccomp filters first): the
-    // guest's notifications wait in the queue eventfds and host vsock connections in
-    // the listening socket's backlog meanwhile.
-    devices.start_restored_virtio().map_err(BuildError::from)?;
-    mark("device workers", started);
+    // (after it wrote its timestamp) and the ReadyMark (after the control socket is up);
+    // a pipe that ends without the mark is a clone that failed.
+    let mark = ready.try_clone().map_err(ChildError::ReadyPipe)?;
+    let parts = launch(plan, kvm, prepared, &state, config, seq, ready, &mut marks)?;
     tracing::info!(
         "clone {} (pid {}) running {} us after launch",
         identity.id,
         std::process::id(),
         launched.elapsed().as_micros()
     );
-    tracing::debug!("clone {} stages (cumulative us): {marks:?}", identity.id);
-    let microvm = Microvm {
-        config,
-        _vm: prepared.vm,
-        _mem: plan.mem.clone(),
-        kvm,
-        devices,
-        vcpus: started_vcpus.handles,
-        vcpu_events: started_vcpus.events,
-        vcpu_exit_evt: started_vcpus.exit_evt,
-        host: plan.host.clone(),
-        cmdline: plan.cmdline.to_string(),
-        state: VmState::Running,
-        started: Instant::now(),
-        capture_spec: plan.spec.clone(),
-        clones: CloneTable::default(),
-        warm: Default::default(),
-        // Pools belong to the template; a clone's clones stay in its cgroup.
-        cgroups: None,
-        clone_id: identity.id,
-        kvm_run_size: plan.run_size,
-        pending_events: Default::default(),
+    tracing::debug!("clone {} stages: {}", identity.id, marks.report());
+    let rebuilt = RebuiltClone {
+        vm: Microvm::new(parts),
+        cloner: Cloner::for_clone(identity.id, plan.serve),
+        api_sock: identity.api_sock,
+        signals,
+        ready: ReadyMark(mark),
     };
-    Ok(microvm.run(Some(&api), Some(&signals))?)
+    (plan.serve)(rebuilt).map_err(ChildError::Serve)
 }

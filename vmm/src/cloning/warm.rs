@@ -1,4 +1,6 @@
-//! Warm clones: pre-built clones of a paused template, launched on request.
+//! Stage 6, warm clones: for a paused template, stages 4 and 5 are done ahead of the
+//! request; the request only hands a clone its identity. The spare overlay files each
+//! clone of a writable disk needs are made ahead here too.
 //!
 //! While a template is paused its memory and vCPU state cannot change, so a clone
 //! forked now is the same as one forked when the request comes. With `--warm-clones N`
@@ -21,17 +23,25 @@ use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use serde::Serialize;
+use std::time::{Duration, Instant};
 
+use api_types::vm::{VmState, WarmReport};
+use api_types::CloneCgroup;
 use clone::MicrovmState;
 
-use super::cgroups::CloneCgroup;
-use super::child::{Identity, Start};
-use super::{pipe, CloneError};
-use crate::microvm::{Microvm, VmState};
+use super::capture::capture;
+use super::cgroups::ClonePools;
+use super::child::{ServeClone, Start};
+use super::fork::{fork_child, pipe};
+use super::request::{give_back, Identity};
+use super::CloneError;
+use crate::config::MAX_WARM_CLONES;
+use crate::microvm::Microvm;
 
-/// Most warm clones a VM may keep.
-pub const MAX_WARM_CLONES: usize = 256;
+/// How long after a clone request the event loop waits before preparing the next clone
+/// (forking a warm clone, making spare overlay files): work done at once would compete
+/// with the clone just made and with the answer to its request.
+pub const REFILL_DELAY: Duration = Duration::from_millis(5);
 
 /// A forked, prepared clone waiting for its identity.
 struct WarmClone {
@@ -50,27 +60,14 @@ pub struct WarmPool {
     /// How many to keep ready while paused.
     target: usize,
     /// The paused VM's captured state, valid until it resumes.
-    pub(super) epoch: Option<Arc<MicrovmState>>,
+    epoch: Option<Arc<MicrovmState>>,
     clones: VecDeque<WarmClone>,
     /// Warm clones launched since start.
     launched: u64,
     /// Warm clones discarded unused.
     discarded: u64,
     /// When clones were last requested.
-    last_request: Option<std::time::Instant>,
-}
-
-/// What `GET /vm` reports about the pool.
-#[derive(Debug, Serialize)]
-pub struct WarmReport {
-    /// Kept ready while the VM is paused.
-    pub target: usize,
-    /// Forked and waiting now.
-    pub ready: usize,
-    /// Launched on requests so far.
-    pub launched: u64,
-    /// Discarded unused so far (the template resumed or changed).
-    pub discarded: u64,
+    last_request: Option<Instant>,
 }
 
 impl WarmPool {
@@ -92,26 +89,25 @@ impl WarmPool {
     }
 
     /// Time since clones were last requested (long ago if never).
-    pub fn since_last_launch(&self) -> std::time::Duration {
-        self.last_request
-            .map_or(std::time::Duration::MAX, |t| t.elapsed())
+    pub fn since_last_launch(&self) -> Duration {
+        self.last_request.map_or(Duration::MAX, |t| t.elapsed())
     }
 
     /// Records a clone request (the refill waits a moment after one).
     pub(super) fn note_request(&mut self) {
-        self.last_request = Some(std::time::Instant::now());
+        self.last_request = Some(Instant::now());
     }
 
     /// Whether `pid` was a warm clone (it died: forget it).
-    pub fn reaped(&mut self, pid: i32) -> bool {
+    pub(super) fn reaped(&mut self, pid: i32) -> bool {
         let before = self.clones.len();
         self.clones.retain(|c| c.pid != pid);
         before != self.clones.len()
     }
 
     /// Kills and reaps every warm clone and forgets the captured state. Returns the
-    /// pids it reaped.
-    pub fn discard(&mut self) -> Vec<i32> {
+    /// pids it reaped (their cgroups go back to their pools).
+    fn discard_all(&mut self) -> Vec<i32> {
         self.epoch = None;
         let mut pids = Vec::with_capacity(self.clones.len());
         for c in self.clones.drain(..) {
@@ -132,78 +128,106 @@ impl WarmPool {
         self.launched += 1;
         Some(c)
     }
-}
 
-impl Drop for WarmPool {
-    fn drop(&mut self) {
-        self.discard();
-    }
-}
-
-impl Microvm {
-    /// Discards every warm clone (see [`WarmPool::discard`]) and returns their cgroups
-    /// to the pool.
-    pub(crate) fn discard_warm_clones(&mut self) {
-        for pid in self.warm.discard() {
-            if let Some(c) = self.cgroups.as_mut() {
-                c.exited(pid);
+    /// Discards every warm clone (the template changed) and returns their cgroups.
+    pub(super) fn discard(&mut self, pools: Option<&mut ClonePools>) {
+        let pids = self.discard_all();
+        if let Some(p) = pools {
+            for pid in pids {
+                p.exited(pid);
             }
         }
     }
 
-    /// Whether the event loop should add a warm clone now.
-    pub(crate) fn wants_warm_clone(&self) -> bool {
-        self.state == VmState::Paused
-            && self.warm.clones.len() < self.warm.target
-            && self.pending_events.is_empty()
+    /// Whether the event loop should add a warm clone to `vm`'s pool now.
+    pub(super) fn wants_clone(&self, vm: &Microvm) -> bool {
+        vm.state() == VmState::Paused
+            && self.clones.len() < self.target
+            && vm.pending_events().is_empty()
+    }
+
+    /// Time until a warm clone is due (zero: now); None when none is wanted.
+    pub(super) fn due_in(&self, vm: &Microvm) -> Option<Duration> {
+        self.wants_clone(vm)
+            .then(|| REFILL_DELAY.saturating_sub(self.since_last_launch()))
     }
 
     /// The paused VM's state, captured once per pause.
-    pub(super) fn epoch_state(&mut self) -> Result<Arc<MicrovmState>, CloneError> {
-        if let Some(s) = &self.warm.epoch {
+    pub(super) fn epoch_state(
+        &mut self,
+        vm: &mut Microvm,
+    ) -> Result<Arc<MicrovmState>, CloneError> {
+        if let Some(s) = &self.epoch {
             return Ok(s.clone());
         }
-        let s = Arc::new(self.capture()?);
-        self.warm.epoch = Some(s.clone());
+        let s = Arc::new(capture(vm)?);
+        self.epoch = Some(s.clone());
         Ok(s)
     }
 
     /// Forks one warm clone. Errors are logged; the pool stops growing until the VM
     /// is paused again.
-    pub(crate) fn add_warm_clone(&mut self) {
-        if let Err(e) = self.try_add_warm_clone() {
+    pub(super) fn add(
+        &mut self,
+        vm: &mut Microvm,
+        pools: Option<&mut ClonePools>,
+        serve: ServeClone,
+    ) {
+        if let Err(e) = self.try_add(vm, pools, serve) {
             tracing::warn!(
                 "cannot make a warm clone: {e}; keeping {}",
-                self.warm.clones.len()
+                self.clones.len()
             );
-            self.warm.target = self.warm.clones.len();
+            self.target = self.clones.len();
         }
     }
 
-    fn try_add_warm_clone(&mut self) -> Result<(), CloneError> {
-        let state = self.epoch_state()?;
+    fn try_add(
+        &mut self,
+        vm: &mut Microvm,
+        pools: Option<&mut ClonePools>,
+        serve: ServeClone,
+    ) -> Result<(), CloneError> {
+        let state = self.epoch_state(vm)?;
         let (ready_read, ready_write) = pipe().map_err(CloneError::Os)?;
         let (go_read, go_write) = pipe().map_err(CloneError::Os)?;
         // A cgroup of the first class, entered now, off any request's path.
-        let taken = match &self.cgroups {
+        let taken = match pools.as_deref() {
             Some(p) => Some(p.take(None)?),
             None => None,
         };
-        let (placement, cgroup) = self.placement(taken.as_ref());
+        let (placement, cgroup) = match (pools.as_deref(), taken.as_ref()) {
+            (Some(p), Some(t)) => {
+                let (placement, shown) = p.placement(t);
+                (Some(placement), Some(shown))
+            }
+            _ => (None, None),
+        };
         let start = Start::Warm {
             go: go_read.as_raw_fd(),
             cgroup: placement,
         };
         // The VM is paused: every vCPU is parked.
-        let pid = match self.fork_child(&state, &ready_write, start, taken.as_ref()) {
+        let forked = fork_child(
+            vm,
+            pools.as_deref(),
+            serve,
+            &state,
+            &ready_write,
+            start,
+            taken.as_ref(),
+        );
+        let pid = match forked {
             Ok((pid, _)) => pid,
             Err(e) => {
-                self.give_back([taken]);
+                give_back(pools.as_deref(), [taken]);
                 return Err(e);
             }
         };
-        self.started_in(pid, taken);
-        self.warm.clones.push_back(WarmClone {
+        if let (Some(p), Some(t)) = (pools, taken) {
+            p.started(pid, t);
+        }
+        self.clones.push_back(WarmClone {
             pid,
             go: File::from(go_write),
             ready: File::from(ready_read),
@@ -214,12 +238,13 @@ impl Microvm {
 
     /// Launches a warm clone with `identity`; returns its pid, ready pipe and cgroup, or
     /// None when no warm clone is ready.
-    pub(super) fn launch_warm_clone(
+    pub(super) fn launch(
         &mut self,
         identity: &Identity,
+        mut pools: Option<&mut ClonePools>,
     ) -> Option<(i32, File, Option<CloneCgroup>)> {
         loop {
-            let mut c = self.warm.take()?;
+            let mut c = self.take()?;
             let msg = serde_json::to_vec(identity).expect("an identity serializes");
             // The go pipe is new and holds far less than a pipe buffer: this does not
             // block. The child reads to end of file, so closing the pipe sends it.
@@ -229,9 +254,55 @@ impl Microvm {
             // The warm clone died: reap it and try the next.
             // SAFETY: reaping our own child by pid.
             unsafe { libc::waitpid(c.pid, std::ptr::null_mut(), 0) };
-            if let Some(p) = self.cgroups.as_mut() {
+            if let Some(p) = pools.as_deref_mut() {
                 p.exited(c.pid);
             }
         }
+    }
+}
+
+impl Drop for WarmPool {
+    fn drop(&mut self) {
+        self.discard_all();
+    }
+}
+
+/// The spare overlay files of a VM's writable disks, made ahead so that each clone
+/// takes a file made off its path instead of creating one.
+#[derive(Debug, Default)]
+pub(super) struct Spares {
+    /// The clone count when they were last made (None: never).
+    made_at: Option<u32>,
+}
+
+impl Spares {
+    /// Time until they are to be made (zero: now), None when none is to be made. They
+    /// are made once a moment after each clone request ([`REFILL_DELAY`], as warm
+    /// clones), and once at start by a VM that is not a clone (a clone makes them only
+    /// once it has been cloned itself). `made` is the VM's clone count.
+    pub(super) fn due_in(
+        &self,
+        vm: &Microvm,
+        made: u32,
+        is_clone: bool,
+        warm: &WarmPool,
+    ) -> Option<Duration> {
+        if self.made_at == Some(made) {
+            return None;
+        }
+        let since = match made {
+            0 if !is_clone => Duration::MAX,
+            0 => return None,
+            _ => warm.since_last_launch(),
+        };
+        vm.devices()
+            .wants_spare_overlays()
+            .then(|| REFILL_DELAY.saturating_sub(since))
+    }
+
+    /// Makes them.
+    pub(super) fn make(&mut self, vm: &Microvm, made: u32) {
+        self.made_at = Some(made);
+        vm.devices().make_spare_overlays();
     }
 }

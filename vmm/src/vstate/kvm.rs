@@ -4,7 +4,6 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
 
 use kvm_ioctls::{Cap, Kvm};
-use serde::Serialize;
 
 /// Errors opening and checking KVM.
 #[derive(Debug, thiserror::Error)]
@@ -28,29 +27,19 @@ pub enum KvmError {
     Cpuid(kvm_ioctls::Error),
 }
 
-/// What provides /dev/kvm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum HostKind {
-    /// Hardware virtualization (VT-x or AMD-V).
-    Hardware,
-    /// PVM, a software hypervisor on top of KVM (module `kvm_pvm`).
-    Pvm,
+pub use api_types::vm::HostKind;
+
+/// Reads the host kind from sysfs.
+pub fn detect_host() -> HostKind {
+    detect_host_at(Path::new("/sys/module"))
 }
 
-impl HostKind {
-    /// Reads the host kind from sysfs.
-    pub fn detect() -> Self {
-        Self::detect_at(Path::new("/sys/module"))
-    }
-
-    /// Reads the host kind from a sysfs module directory (tests use a fake root).
-    pub fn detect_at(sys_module: &Path) -> Self {
-        if sys_module.join("kvm_pvm").exists() {
-            HostKind::Pvm
-        } else {
-            HostKind::Hardware
-        }
+/// Reads the host kind from a sysfs module directory (tests use a fake root).
+pub fn detect_host_at(sys_module: &Path) -> HostKind {
+    if sys_module.join("kvm_pvm").exists() {
+        HostKind::Pvm
+    } else {
+        HostKind::Hardware
     }
 }
 
@@ -91,7 +80,7 @@ impl KvmContext {
         Ok(Self {
             kvm,
             max_vcpus,
-            host: HostKind::detect(),
+            host: detect_host(),
         })
     }
 
@@ -121,9 +110,9 @@ mod tests {
     fn detects_pvm_from_sysfs() {
         let root = std::env::temp_dir().join(format!("forkvm-sysmod-{}", std::process::id()));
         std::fs::create_dir_all(root.join("kvm_intel")).unwrap();
-        assert_eq!(HostKind::detect_at(&root), HostKind::Hardware);
+        assert_eq!(detect_host_at(&root), HostKind::Hardware);
         std::fs::create_dir_all(root.join("kvm_pvm")).unwrap();
-        assert_eq!(HostKind::detect_at(&root), HostKind::Pvm);
+        assert_eq!(detect_host_at(&root), HostKind::Pvm);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -21,14 +21,7 @@ pub enum MemoryError {
     Prefault(std::io::Error),
 }
 
-/// Whether transparent huge pages were advised, and how the mappings are aligned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct MemoryInfo {
-    /// MADV_HUGEPAGE succeeded on every region.
-    pub thp_advised: bool,
-    /// Every region starts on a 2 MiB host boundary (needed for huge pages to be used).
-    pub huge_aligned: bool,
-}
+pub use api_types::vm::MemoryInfo;
 
 const HUGE_PAGE: usize = 2 << 20;
 

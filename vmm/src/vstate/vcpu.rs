@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use kvm_bindings::{kvm_mp_state, CpuId, KVM_MP_STATE_RUNNABLE};
 use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
-use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use clone::vcpu::{restore_vcpu, save_vcpu, CaptureSpec};
@@ -98,6 +98,9 @@ pub enum VcpuError {
     /// The vCPU thread is gone.
     #[error("vCPU {0} thread has exited")]
     Gone(u8),
+    /// The eventfd vCPU threads report on could not be made.
+    #[error("cannot create an eventfd for vCPU events: {0}")]
+    EventFd(std::io::Error),
 }
 
 /// Why a vCPU stopped running guest code for good.
@@ -631,6 +634,44 @@ impl Drop for VcpuHandle {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Running vCPU threads and where they report their exits.
+pub struct StartedVcpus {
+    /// One handle per vCPU thread, by index.
+    pub handles: Vec<VcpuHandle>,
+    /// Where the threads report their events.
+    pub events: Receiver<(u8, VcpuEvent)>,
+    /// Written whenever an event is reported.
+    pub exit_evt: EventFd,
+}
+
+/// Starts one thread per vCPU (the build's last stage, and a clone's launch).
+/// `first_entry` goes to vCPU 0 (see [`Vcpu::start`]).
+pub fn start_vcpus(
+    vcpus: Vec<Vcpu>,
+    pio: &Bus,
+    mmio: &Bus,
+    mut first_entry: Option<FirstEntry>,
+) -> Result<StartedVcpus, VcpuError> {
+    let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(VcpuError::EventFd)?;
+    let (event_tx, events) = channel();
+    let mut handles = Vec::with_capacity(vcpus.len());
+    for vcpu in vcpus {
+        let evt = exit_evt.try_clone().map_err(VcpuError::EventFd)?;
+        handles.push(vcpu.start(
+            pio.clone(),
+            mmio.clone(),
+            event_tx.clone(),
+            evt,
+            first_entry.take(),
+        )?);
+    }
+    Ok(StartedVcpus {
+        handles,
+        events,
+        exit_evt,
+    })
 }
 
 /// LAPIC local interrupt pins: LINT0 as ExtINT (the PIC), LINT1 as NMI.

@@ -28,7 +28,7 @@ use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 pub use packet::HOST_CID;
 
 /// virtio device id of a socket device.
-pub const TYPE_VSOCK: u32 = 19;
+pub const TYPE_VSOCK: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
 const QUEUE_SIZE: u16 = 256;
 /// Lowest guest CID (0-2 are reserved).
 pub const MIN_GUEST_CID: u64 = 3;

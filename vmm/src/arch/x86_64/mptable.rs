@@ -13,6 +13,11 @@ use super::layout::{APIC_START, EBDA_START, IOAPIC_START};
 pub const MAX_VCPUS: u8 = 254;
 /// IOAPIC pins; ISA IRQ n is routed to pin n.
 pub const IOAPIC_PINS: u8 = 24;
+/// First GSI (IOAPIC pin) for virtio-mmio devices; 0-4 are the PIT, keyboard, cascade,
+/// and the serial ports.
+pub const VIRTIO_FIRST_GSI: u32 = 5;
+/// Most virtio devices one VM can have: one IOAPIC pin each from `VIRTIO_FIRST_GSI` up.
+pub const MAX_VIRTIO_DEVICES: usize = IOAPIC_PINS as usize - VIRTIO_FIRST_GSI as usize;
 
 const APIC_VERSION: u8 = 0x14;
 const IOAPIC_VERSION: u8 = 0x11;

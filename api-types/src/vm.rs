@@ -1,0 +1,272 @@
+//! The VM as a whole: its lifecycle state, `GET /vm`, `PATCH /vm` and `PUT /actions`.
+
+use std::path::PathBuf;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::cgroup::CgroupsReport;
+use crate::net::MacAddr;
+use crate::rate_limit::RateLimit;
+
+/// Lifecycle states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum VmState {
+    /// vCPUs run guest code.
+    Running,
+    /// vCPUs are parked outside KVM_RUN; memory and devices keep their state.
+    Paused,
+    /// Stopping for good.
+    Stopped,
+}
+
+impl VmState {
+    /// Whether the lifecycle allows going from `self` to `to`.
+    pub fn valid_transition(self, to: VmState) -> bool {
+        matches!(
+            (self, to),
+            (VmState::Running, VmState::Paused)
+                | (VmState::Paused, VmState::Running)
+                | (VmState::Running, VmState::Stopped)
+                | (VmState::Paused, VmState::Stopped)
+        )
+    }
+}
+
+/// States a user may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TargetState {
+    /// Stop running guest code (memory and devices stay).
+    Paused,
+    /// Run again.
+    Running,
+}
+
+impl From<TargetState> for VmState {
+    fn from(t: TargetState) -> Self {
+        match t {
+            TargetState::Paused => VmState::Paused,
+            TargetState::Running => VmState::Running,
+        }
+    }
+}
+
+/// `PATCH /vm`: pause or resume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VmUpdate {
+    /// The state to go to.
+    pub state: TargetState,
+}
+
+/// What `PUT /actions` can do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ActionType {
+    /// Stop the VM; the VMM exits with status 0.
+    Shutdown,
+}
+
+/// `PUT /actions`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Action {
+    /// What to do.
+    pub action_type: ActionType,
+}
+
+/// How application processors (vCPUs other than 0) start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "snake_case")]
+pub enum ApBoot {
+    /// They wait for INIT/SIPI from the boot vCPU, as on real hardware (Linux).
+    Sipi,
+    /// The VMM starts every vCPU at the kernel entry itself (guests that expect it, such
+    /// as forkvm's tiny test guest).
+    Direct,
+}
+
+/// What provides /dev/kvm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HostKind {
+    /// Hardware virtualization (VT-x or AMD-V).
+    Hardware,
+    /// PVM, a software hypervisor on top of KVM (module `kvm_pvm`).
+    Pvm,
+}
+
+/// Whether transparent huge pages were advised, and how the mappings are aligned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct MemoryInfo {
+    /// MADV_HUGEPAGE succeeded on every region.
+    pub thp_advised: bool,
+    /// Every region starts on a 2 MiB host boundary (needed for huge pages to be used).
+    pub huge_aligned: bool,
+}
+
+/// How the host was handled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct HostReport {
+    /// What provides KVM.
+    pub kvm: HostKind,
+    /// Whether host quirks were applied.
+    pub quirks_applied: bool,
+    /// CPUID features hidden from the guest.
+    pub hidden_cpuid: Vec<String>,
+    /// Kernel switches the VMM added.
+    pub kernel_switches: String,
+    /// MSRs the host refused at boot.
+    pub skipped_msrs: Vec<u32>,
+    /// Guest memory backing.
+    pub memory: MemoryInfo,
+}
+
+/// The warm-clone pool, in `GET /vm`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct WarmReport {
+    /// Kept ready while the VM is paused.
+    pub target: usize,
+    /// Forked and waiting now.
+    pub ready: usize,
+    /// Launched on requests so far.
+    pub launched: u64,
+    /// Discarded unused so far (the template resumed or changed).
+    pub discarded: u64,
+}
+
+/// The probe port's counters (forkvm's test guests write it), in `GET /vm`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ProbeReport {
+    /// Writes so far.
+    pub writes: u64,
+    /// The last value written.
+    pub last: u32,
+    /// Host CLOCK_MONOTONIC (ns) of the first write, 0 before any.
+    pub first_write_ns: u64,
+}
+
+/// One virtio device, in `GET /vm`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct VirtioDeviceInfo {
+    /// Base of its virtio-mmio registers, `0x...`.
+    pub mmio_base: String,
+    /// Its interrupt line.
+    pub gsi: u32,
+    /// Whether the guest's driver started it.
+    pub active: bool,
+    /// Its type and settings.
+    #[serde(flatten)]
+    pub kind: VirtioKind,
+}
+
+/// A virtio device's type (`type`) and settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type")]
+pub enum VirtioKind {
+    /// A disk.
+    #[serde(rename = "virtio-blk")]
+    Block {
+        /// The image.
+        path: PathBuf,
+        /// Whether the guest's writes are refused (no overlay).
+        read_only: bool,
+        /// Where its copy-on-write overlay files go.
+        cow_dir: Option<PathBuf>,
+        /// Whether a VM that ends keeps its overlay.
+        keep: bool,
+        /// Its rate limit.
+        rate_limit: Option<RateLimit>,
+    },
+    /// The entropy device.
+    #[serde(rename = "virtio-rng")]
+    Rng {
+        /// Its rate limit.
+        rate_limit: Option<RateLimit>,
+    },
+    /// The socket device.
+    #[serde(rename = "virtio-vsock")]
+    Vsock {
+        /// The guest's CID.
+        cid: u64,
+        /// The host side's Unix socket.
+        uds_path: PathBuf,
+    },
+    /// The network card.
+    #[serde(rename = "virtio-net")]
+    Net {
+        /// The host tap.
+        tap: String,
+        /// The card's MAC address.
+        mac: MacAddr,
+        /// Its rate limit, each direction.
+        rate_limit: Option<RateLimit>,
+    },
+}
+
+/// `GET /vm`: the VM's state and configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct VmInfo {
+    /// Lifecycle state.
+    pub state: VmState,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest memory, MiB.
+    pub memory_mib: u64,
+    /// The kernel image.
+    pub kernel: String,
+    /// The whole command line the guest got.
+    pub cmdline: String,
+    /// How vCPUs other than 0 started.
+    pub ap_boot: ApBoot,
+    /// Milliseconds since this VM (or clone) started running.
+    pub uptime_ms: u64,
+    /// This VM's clone id: "" for an original, "2", "2.1", ... for clones.
+    pub clone_id: String,
+    /// Warm clones.
+    pub warm_clones: WarmReport,
+    /// Cgroup pools for clones (None: none).
+    pub cgroups: Option<CgroupsReport>,
+    /// The host.
+    pub host: HostReport,
+    /// Virtio devices, in bus order.
+    pub devices: Vec<VirtioDeviceInfo>,
+    /// The probe port.
+    pub probe: ProbeReport,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifecycle_transitions() {
+        use VmState::*;
+        assert!(Running.valid_transition(Paused));
+        assert!(Paused.valid_transition(Running));
+        assert!(!Running.valid_transition(Running));
+        assert!(!Paused.valid_transition(Paused));
+        assert!(!Stopped.valid_transition(Running));
+        assert!(Paused.valid_transition(Stopped));
+    }
+
+    #[test]
+    fn devices_show_their_type_beside_the_common_fields() {
+        let d = VirtioDeviceInfo {
+            mmio_base: "0xd0000000".into(),
+            gsi: 5,
+            active: false,
+            kind: VirtioKind::Vsock {
+                cid: 3,
+                uds_path: "/tmp/v.sock".into(),
+            },
+        };
+        let v = serde_json::to_value(&d).unwrap();
+        assert_eq!(v["type"], "virtio-vsock");
+        assert_eq!(v["cid"], 3);
+        assert_eq!(serde_json::from_value::<VirtioDeviceInfo>(v).unwrap(), d);
+    }
+}

@@ -1,0 +1,395 @@
+//! The control API's OpenAPI description, generated: the paths from [`ROUTES`] (the
+//! routes [`super::route`] answers, which its tests check against this table) and the
+//! bodies' schemas from the `api_types` themselves (doc comments included), so the
+//! description cannot drift from what the server sends.
+//!
+//! `vmm openapi` prints it; `docs/api/openapi.yaml` is that output, and a test fails
+//! while the file is stale.
+
+use api_types::{Action, CloneInfo, CloneList, CreateClones, ErrorBody, VmInfo, VmUpdate};
+use schemars::generate::SchemaSettings;
+use schemars::{JsonSchema, Schema, SchemaGenerator};
+use serde_json::{json, Map, Value};
+
+/// A body's schema, added to the generator's components.
+type SchemaFn = fn(&mut SchemaGenerator) -> Schema;
+
+fn schema<T: JsonSchema>(g: &mut SchemaGenerator) -> Schema {
+    g.subschema_for::<T>()
+}
+
+/// One answer a route gives.
+pub struct Answer {
+    /// HTTP status.
+    pub status: u16,
+    /// When it is given.
+    pub description: &'static str,
+    /// Its body's schema (None: no body, or the error body for statuses of 400 up).
+    pub body: Option<SchemaFn>,
+}
+
+/// One route of the control API.
+pub struct Route {
+    /// HTTP method.
+    pub method: &'static str,
+    /// Path, with `{id}` for a parameter.
+    pub path: &'static str,
+    /// What it does.
+    pub summary: &'static str,
+    /// The request body's schema and whether a body is required.
+    pub request: Option<(SchemaFn, bool)>,
+    /// Its answers, beyond [`COMMON`].
+    pub answers: &'static [Answer],
+}
+
+const fn answer(status: u16, description: &'static str) -> Answer {
+    Answer {
+        status,
+        description,
+        body: None,
+    }
+}
+
+/// Answers every route may give.
+pub const COMMON: &[Answer] = &[
+    answer(
+        400,
+        "The request is not valid HTTP/1.x, or its body not what this route takes.",
+    ),
+    answer(413, "Headers over 8 KiB or a body over 64 KiB."),
+    answer(
+        503,
+        "The VMM is shutting down, or did not answer within 10 s.",
+    ),
+];
+
+/// Every route the server answers.
+pub const ROUTES: &[Route] = &[
+    Route {
+        method: "get",
+        path: "/vm",
+        summary: "The VM's state and configuration.",
+        request: None,
+        answers: &[Answer {
+            status: 200,
+            description: "The VM.",
+            body: Some(schema::<VmInfo>),
+        }],
+    },
+    Route {
+        method: "patch",
+        path: "/vm",
+        summary: "Pause or resume every vCPU (a paused VM's devices are parked too).",
+        request: Some((schema::<VmUpdate>, true)),
+        answers: &[
+            answer(204, "Done; the VM is in the requested state."),
+            answer(409, "Not a valid transition (pausing a paused VM, ...)."),
+            answer(500, "A vCPU did not park or resume."),
+        ],
+    },
+    Route {
+        method: "put",
+        path: "/actions",
+        summary: "Act on the VM.",
+        request: Some((schema::<Action>, true)),
+        answers: &[answer(
+            204,
+            "Accepted; the VMM is stopping (exit status 0).",
+        )],
+    },
+    Route {
+        method: "post",
+        path: "/clones",
+        summary: "Clone the VM (fork). Answers once every clone's guest runs and its socket is up.",
+        request: Some((schema::<CreateClones>, false)),
+        answers: &[
+            Answer {
+                status: 201,
+                description: "The clones, each running or failed (its status says).",
+                body: Some(schema::<CloneList>),
+            },
+            answer(
+                409,
+                "The VM is stopping, or too many clones are live (2000 at most).",
+            ),
+            answer(
+                503,
+                "The resource class's cgroup pool is exhausted (after --cgroup-wait-ms).",
+            ),
+            answer(
+                500,
+                "The host failed: fork, capture, an overlay copy, a cgroup operation.",
+            ),
+        ],
+    },
+    Route {
+        method: "get",
+        path: "/clones",
+        summary: "Every clone this VM made, oldest first, with live clones' cgroup usage read now.",
+        request: None,
+        answers: &[Answer {
+            status: 200,
+            description: "The clones.",
+            body: Some(schema::<CloneList>),
+        }],
+    },
+    Route {
+        method: "delete",
+        path: "/clones/{id}",
+        summary: "Stop a live clone (SIGTERM, SIGKILL after 3 s) and reap it.",
+        request: None,
+        answers: &[
+            Answer {
+                status: 200,
+                description: "The clone, as it ended.",
+                body: Some(schema::<CloneInfo>),
+            },
+            answer(404, "No live clone has this id."),
+        ],
+    },
+];
+
+/// The methods a path can be asked with; those a path does not take answer 405.
+pub const METHODS: &[&str] = &["get", "put", "post", "patch", "delete"];
+
+const DESCRIPTION: &str = "REST over the Unix socket given with `vmm run --api-sock PATH`. \
+One request per connection (the server answers with `Connection: close`); bodies are JSON \
+and sized by Content-Length (at most 64 KiB; headers at most 8 KiB). Every error carries \
+`{\"error\": \"message\"}`. Unknown paths answer 404; methods a path does not take, 405. \
+Generated from forkvm's route table and `api_types` (`vmm openapi`).";
+
+/// The OpenAPI 3.0 description of the control API.
+pub fn openapi() -> Value {
+    let mut g = SchemaSettings::openapi3().into_generator();
+    let error = serde_json::to_value(schema::<ErrorBody>(&mut g)).unwrap_or_default();
+    let mut paths = Map::new();
+    for route in ROUTES {
+        let operation = operation(route, &mut g, &error);
+        let path = paths
+            .entry(route.path)
+            .or_insert_with(|| json!({}))
+            .as_object_mut()
+            .expect("paths are objects");
+        path.insert(route.method.into(), operation);
+    }
+    for (path, item) in paths.iter_mut() {
+        let item = item.as_object_mut().expect("paths are objects");
+        let missing: Vec<&str> = (METHODS.iter().copied())
+            .filter(|m| !item.contains_key(*m))
+            .collect();
+        for method in missing {
+            let mut op = json!({
+                "summary": format!("Not allowed on {path}."),
+                "responses": { "405": error_answer("Not allowed on this path.", &error) },
+            });
+            if path.contains('{') {
+                op["parameters"] = id_parameter();
+            }
+            item.insert(method.into(), op);
+        }
+    }
+    let schemas = Value::Object(g.take_definitions(true));
+    json!({
+        "openapi": "3.0.3",
+        "info": {
+            "title": "forkvm control API",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": DESCRIPTION,
+        },
+        "paths": paths,
+        "components": { "schemas": schemas },
+    })
+}
+
+fn error_answer(description: &str, error: &Value) -> Value {
+    json!({
+        "description": description,
+        "content": { "application/json": { "schema": error } },
+    })
+}
+
+fn id_parameter() -> Value {
+    json!([{
+        "name": "id",
+        "in": "path",
+        "required": true,
+        "description": "The clone's id, as `POST /clones` gave it (`2`, `2.1`, ...).",
+        "schema": { "type": "string" },
+    }])
+}
+
+fn operation(route: &Route, g: &mut SchemaGenerator, error: &Value) -> Value {
+    let mut responses = Map::new();
+    for a in route.answers.iter().chain(COMMON) {
+        let key = a.status.to_string();
+        if responses.contains_key(&key) {
+            continue;
+        }
+        let value = match (a.body, a.status) {
+            (Some(body), _) => json!({
+                "description": a.description,
+                "content": { "application/json": { "schema": body(g) } },
+            }),
+            (None, 400..) => error_answer(a.description, error),
+            (None, _) => json!({ "description": a.description }),
+        };
+        responses.insert(key, value);
+    }
+    let mut op = json!({ "summary": route.summary, "responses": responses });
+    if let Some((body, required)) = route.request {
+        op["requestBody"] = json!({
+            "required": required,
+            "content": { "application/json": { "schema": body(g) } },
+        });
+    }
+    if route.path.contains('{') {
+        op["parameters"] = id_parameter();
+    }
+    op
+}
+
+/// [`openapi`] as YAML.
+pub fn openapi_yaml() -> String {
+    serde_norway::to_string(&openapi()).expect("a JSON value serializes to YAML")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{route, status_of, ApiReply};
+    use crate::cloning::cgroups::PlacementError;
+    use crate::cloning::CloneError;
+    use crate::microvm::StateError;
+    use crate::rpc::{VmmAction, VmmActionError};
+
+    fn request(method: &str, path: &str) -> crate::api::http::Request {
+        crate::api::http::Request {
+            method: method.to_uppercase(),
+            path: path.into(),
+            body: Vec::new(),
+        }
+    }
+
+    /// `path` as the spec writes it.
+    fn template(path: &str) -> &str {
+        match path {
+            p if p.starts_with("/clones/") => "/clones/{id}",
+            p => p,
+        }
+    }
+
+    fn statuses(method: &str, path: &str) -> Vec<u16> {
+        let spec = openapi();
+        let op = &spec["paths"][template(path)][method];
+        let responses = op["responses"].as_object().cloned().unwrap_or_default();
+        responses.keys().map(|k| k.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn the_router_answers_exactly_the_routes_in_the_spec() {
+        for path in [
+            "/vm",
+            "/actions",
+            "/clones",
+            "/clones/2.1",
+            "/nope",
+            "/vm/x",
+        ] {
+            for method in METHODS {
+                let known = ROUTES
+                    .iter()
+                    .any(|r| r.path == template(path) && r.method == *method);
+                match route(&request(method, path)) {
+                    // A body the route needs is missing: 400, the route exists.
+                    Ok(_) | Err(ApiReply { status: 400, .. }) => {
+                        assert!(known, "{method} {path} is routed but not in the spec")
+                    }
+                    Err(r) if r.status == 405 => {
+                        assert!(!known, "{method} {path} is in the spec but refused");
+                        assert_eq!(statuses(method, path), [405], "{method} {path}");
+                    }
+                    Err(r) => {
+                        assert_eq!(r.status, 404, "{method} {path}");
+                        assert!(openapi()["paths"].get(template(path)).is_none(), "{path}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_status_an_action_can_end_with_is_in_the_spec() {
+        use jailer::cgroup::PoolError;
+        let clone_errors = [
+            CloneError::Count(0),
+            CloneError::TooMany { live: 1 },
+            CloneError::State(api_types::VmState::Stopped),
+            CloneError::PathTooLong("p".into()),
+            CloneError::Os(std::io::Error::other("x")),
+            CloneError::RateLimit(crate::config::NoSuchDevice("disk")),
+            CloneError::NoOverlay,
+            CloneError::NoCard,
+            CloneError::Cgroup(PlacementError::NoPools("c".into())),
+            CloneError::Cgroup(PlacementError::UnknownClass {
+                class: "c".into(),
+                known: vec![],
+            }),
+            CloneError::Cgroup(PlacementError::Pool(PoolError::Exhausted {
+                class: "c".into(),
+                max: 1,
+            })),
+            CloneError::Cgroup(PlacementError::Pool(PoolError::Config("x".into()))),
+        ];
+        let mut cases: Vec<(&str, &str, VmmActionError)> = clone_errors
+            .into_iter()
+            .map(|e| ("post", "/clones", e.into()))
+            .collect();
+        cases.push((
+            "patch",
+            "/vm",
+            StateError::Transition {
+                from: "paused",
+                to: "paused",
+            }
+            .into(),
+        ));
+        cases.push((
+            "patch",
+            "/vm",
+            StateError::Vcpu(crate::vstate::vcpu::VcpuError::Gone(0)).into(),
+        ));
+        cases.push((
+            "delete",
+            "/clones/7",
+            VmmActionError::NoSuchClone("7".into()),
+        ));
+        for r in ROUTES {
+            cases.push((r.method, r.path, VmmActionError::ShuttingDown));
+        }
+        for (method, path, e) in &cases {
+            let status = status_of(e);
+            assert!(
+                statuses(method, path).contains(&status),
+                "{method} {path} can answer {status} ({e}), which the spec does not list"
+            );
+        }
+        // What the router itself answers.
+        let parsed = route(&request("patch", "/vm")).unwrap_err();
+        assert!(statuses("patch", "/vm").contains(&parsed.status));
+        assert!(matches!(
+            route(&request("post", "/clones")),
+            Ok(VmmAction::CreateClones { .. })
+        ));
+    }
+
+    #[test]
+    fn the_spec_file_is_generated_from_the_types() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/api/openapi.yaml");
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == openapi_yaml(),
+            "docs/api/openapi.yaml is stale: regenerate it with \
+             `cargo run -p vmm -- openapi > docs/api/openapi.yaml`"
+        );
+    }
+}

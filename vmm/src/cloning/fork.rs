@@ -1,0 +1,246 @@
+//! Stage 4, fork: one child per clone, each forked through the fork gate
+//! (`crate::gate`: no other thread holds a lock or is inside malloc) into its cgroup
+//! where it has one: born inside with `clone3(CLONE_INTO_CGROUP)` on v2, forked by the
+//! forker thread waiting inside on v1 (`forker.rs`), or moving itself in first
+//! (`cgroups.rs`). Guest RAM is anonymous `MAP_PRIVATE` memory, so every child shares
+//! it copy-on-write; each writable disk's overlay is copied for it first.
+//!
+//! The parent then waits on each child's ready pipe (below) for the time its vCPU 0
+//! first entered the guest and the mark that its sockets are up.
+//!
+//! Next, in the child: the rebuild (`child.rs`).
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use api_types::cgroup::PlacedBy;
+use api_types::CloneInfo;
+use clone::MicrovmState;
+
+use super::cgroups::{self, ClonePools, Taken};
+use super::child::{child_main, ChildPlan, ServeClone, Start, READY_MARK};
+use super::request::{give_back, starting_info, NewClone};
+use super::CloneError;
+use crate::microvm::Microvm;
+
+/// How long the parent waits for a clone's vCPU 0 to enter the guest.
+pub(super) const READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Forks one child that rebuilds `vm` from `state` and starts per `start`; `ready` is
+/// the write end of its ready pipe; `taken` its cgroup: the child is born in it when
+/// it is a v2 one (`clone3`) or the forker's seat with the forker inside (v1). Returns
+/// the child's pid and whether it was born inside its cgroup that way. Every vCPU
+/// must be parked.
+pub(super) fn fork_child(
+    vm: &Microvm,
+    pools: Option<&ClonePools>,
+    serve: ServeClone,
+    state: &MicrovmState,
+    ready: &OwnedFd,
+    start: Start,
+    taken: Option<&Taken>,
+) -> Result<(i32, bool), CloneError> {
+    let run_bases: Vec<usize> = vm.vcpus().iter().map(|v| v.kvm_run_base()).collect();
+    // The child's copies of the disk overlays: the disks' workers are parked, so each
+    // overlay holds exactly what the guest wrote up to the clone point. The parent
+    // closes its descriptors of the copies when this returns.
+    let t0 = Instant::now();
+    let overlays = vm.devices().snapshot_overlays()?;
+    let t_overlays = t0.elapsed();
+    let plan = ChildPlan {
+        // SAFETY: getpid has no preconditions.
+        parent_pid: unsafe { libc::getpid() },
+        ready: ready.as_raw_fd(),
+        start,
+        state,
+        template: vm,
+        serve,
+        run_bases: &run_bases,
+        overlays: &overlays,
+    };
+    let into = taken.and_then(|t| t.dir.as_ref());
+    let fork = |mut plan: ChildPlan<'_>, born_inside: bool| {
+        if let (true, Start::Now(id)) = (born_inside, &mut plan.start) {
+            id.cgroup = None;
+        }
+        // SAFETY: every vCPU and virtio worker is parked holding no lock, the API
+        // thread holds none while the gate is closed (see `gate`), and on the forker
+        // the main thread waits for this without holding one: so neither fork() nor
+        // clone3 (which skips glibc's fork handling, see `fork_into`) leaves the child a
+        // lock or a malloc arena that nobody will release.
+        match crate::gate::closed(|| unsafe { cgroups::fork_into(into) }) {
+            // Read on the thread that forked.
+            -1 => Err(CloneError::Os(std::io::Error::last_os_error())),
+            0 => child_main(plan),
+            pid => Ok(pid),
+        }
+    };
+    let forker = pools
+        .zip(taken)
+        .and_then(|(p, t)| Some((p.forker_for(t)?, t.name())));
+    let mut plan = Some(plan);
+    let on_forker = forker.and_then(|(f, name)| {
+        f.run(|seated| {
+            let born = seated == Some(name);
+            plan.take().map(|p| (fork(p, born), born))
+        })
+        .flatten()
+    });
+    let (forked, born_inside) = match (on_forker, plan) {
+        (Some(done), _) => done,
+        // No forker, or it is gone: from this thread (the clone moves itself in).
+        (None, Some(plan)) => (fork(plan, false), false),
+        (None, None) => unreachable!("the plan is taken only by a fork"),
+    };
+    let pid = forked?;
+    tracing::debug!(
+        "clone {pid}: overlay copies {} us, fork {} us{}",
+        t_overlays.as_micros(),
+        (t0.elapsed() - t_overlays).as_micros(),
+        if born_inside { " (forker)" } else { "" }
+    );
+    Ok((pid, born_inside))
+}
+
+/// Forks a child for each of `clones` (identity and cgroup), launching each at once.
+/// Returns each clone's record and the read end of its ready pipe. On failure the
+/// cgroups of the clones not started go back to their pools.
+pub(super) fn fork_all(
+    vm: &Microvm,
+    mut pools: Option<&mut ClonePools>,
+    serve: ServeClone,
+    state: &MicrovmState,
+    clones: Vec<NewClone>,
+) -> Result<Vec<(CloneInfo, File)>, CloneError> {
+    let mut made = Vec::with_capacity(clones.len());
+    let mut clones = clones.into_iter();
+    while let Some((mut identity, taken)) = clones.next() {
+        let (placement, mut cgroup) = match (pools.as_deref(), taken.as_ref()) {
+            (Some(p), Some(t)) => {
+                let (placement, shown) = p.placement(t);
+                (Some(placement), Some(shown))
+            }
+            _ => (None, None),
+        };
+        identity.cgroup = placement;
+        let forked = pipe()
+            .map_err(CloneError::Os)
+            .and_then(|(read_end, write_end)| {
+                let start = Start::Now(Box::new(identity.clone()));
+                let forked = fork_child(
+                    vm,
+                    pools.as_deref(),
+                    serve,
+                    state,
+                    &write_end,
+                    start,
+                    taken.as_ref(),
+                )?;
+                Ok((forked, read_end))
+            });
+        match forked {
+            Ok(((pid, born_inside), read_end)) => {
+                if born_inside {
+                    identity.cgroup = None;
+                    if let Some(c) = cgroup.as_mut() {
+                        c.placed_by = PlacedBy::Forker;
+                    }
+                }
+                if let (Some(p), Some(t)) = (pools.as_deref_mut(), taken) {
+                    p.started(pid, t);
+                }
+                made.push((
+                    starting_info(identity, pid, cgroup, vm.config()),
+                    File::from(read_end),
+                ));
+            }
+            Err(e) => {
+                give_back(
+                    pools.as_deref(),
+                    std::iter::once(taken).chain(clones.map(|(_, t)| t)),
+                );
+                return Err(e);
+            }
+        }
+    }
+    Ok(made)
+}
+
+/// A new pipe, both ends close-on-exec: (read end, write end).
+pub(super) fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 returns.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 returned two new descriptors that nothing else owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Reads what a clone writes to its ready pipe, in either order: the 8-byte
+/// CLOCK_MONOTONIC time its vCPU 0 first entered the guest, and `READY_MARK` (its host
+/// endpoints and control socket are up); then waits for the end of the pipe. Returns
+/// the time; None on timeout, or if the clone died or failed before both.
+pub(super) fn wait_ready(f: &mut File, timeout: Duration) -> Option<u64> {
+    use std::io::Read;
+    let deadline = Instant::now() + timeout;
+    let mut got = Vec::with_capacity(16);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut pfd = libc::pollfd {
+            fd: f.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        if unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) } != 1 {
+            return None;
+        }
+        let mut b = [0u8; 8];
+        match f.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(_) => return None,
+        }
+    }
+    parse_ready(&got)
+}
+
+/// The vCPU's time from the ready pipe's contents, if they are the time and the mark.
+fn parse_ready(got: &[u8]) -> Option<u64> {
+    if got.len() != 16 {
+        return None;
+    }
+    let first = u64::from_le_bytes(got[..8].try_into().ok()?);
+    let second = u64::from_le_bytes(got[8..].try_into().ok()?);
+    match (first == READY_MARK, second == READY_MARK) {
+        (true, false) => Some(second),
+        (false, true) => Some(first),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready_bytes(parts: &[u64]) -> Vec<u8> {
+        parts.iter().flat_map(|p| p.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn ready_pipe_needs_the_time_and_the_mark_in_either_order() {
+        let mark = READY_MARK;
+        assert_eq!(parse_ready(&ready_bytes(&[42, mark])), Some(42));
+        assert_eq!(parse_ready(&ready_bytes(&[mark, 42])), Some(42));
+        // The vCPU ran but the clone failed before its control socket was up.
+        assert_eq!(parse_ready(&ready_bytes(&[42])), None);
+        // The control thread finished but vCPU 0 never entered the guest.
+        assert_eq!(parse_ready(&ready_bytes(&[mark])), None);
+        assert_eq!(parse_ready(&ready_bytes(&[mark, mark])), None);
+        assert_eq!(parse_ready(&ready_bytes(&[1, 2])), None);
+        assert_eq!(parse_ready(&[]), None);
+        assert_eq!(parse_ready(&ready_bytes(&[42, mark])[..15]), None);
+    }
+}

@@ -1,0 +1,257 @@
+//! Stage 1, the request: `POST /clones` or a guest's read of the clone port is checked
+//! against the VM, and each clone to make gets its [`Identity`] (id, sockets, console,
+//! card, limits) and, with cgroup pools, a cgroup of its class.
+//!
+//! Next: a running VM is quiesced (`quiesce.rs`); a paused one reuses its captured
+//! state and warm clones (`warm.rs`).
+
+use std::path::PathBuf;
+
+use api_types::clones::MAX_CLONES_PER_REQUEST;
+use api_types::{CloneCgroup, CloneConsole, CloneInfo, CloneNet, CloneStatus, CreateClones};
+use serde::{Deserialize, Serialize};
+
+use super::cgroups::{ClonePools, Placement, PlacementError, Taken};
+use super::table::CloneTable;
+use crate::config::{keep_overlays, CloneNetSpec, ConsoleSink, VmConfig, MAX_LIVE_CLONES};
+use crate::microvm::Microvm;
+use api_types::vm::VmState;
+
+/// What a guest reads from the clone port when its request failed.
+pub const CLONE_FAILED: u64 = 0xffff_ffff;
+/// Longest Unix socket path (sun_path holds 108 bytes with the terminating NUL).
+const MAX_SOCK_PATH: usize = 107;
+
+/// Errors making clones. The parent keeps running (or stays paused) after any of them.
+#[derive(Debug, thiserror::Error)]
+pub enum CloneError {
+    /// Count out of range.
+    #[error("clone count must be 1 to {MAX_CLONES_PER_REQUEST}, not {0}")]
+    Count(u64),
+    /// Too many live clones.
+    #[error("{live} clones are running; at most {MAX_LIVE_CLONES} may be")]
+    TooMany {
+        /// Live clones now.
+        live: usize,
+    },
+    /// The VM is not in a state that can be cloned.
+    #[error("cannot clone a VM that is {0:?}")]
+    State(VmState),
+    /// A virtio device's worker could not be paused.
+    #[error("pausing devices failed: {0}")]
+    Devices(#[from] devices::virtio::WorkerError),
+    /// Pausing or capturing a vCPU failed.
+    #[error("capturing vCPU state failed: {0}")]
+    Vcpu(#[from] crate::vstate::vcpu::VcpuError),
+    /// Reading VM state failed.
+    #[error("capturing VM state failed: {0}")]
+    VmState(#[from] clone::vm::VmStateError),
+    /// A clone's socket path would be too long.
+    #[error(
+        "clone socket path {0} is longer than {MAX_SOCK_PATH} bytes; use a shorter --api-sock"
+    )]
+    PathTooLong(String),
+    /// pipe() or fork() failed.
+    #[error("cannot start a clone process: {0}")]
+    Os(std::io::Error),
+    /// The copy of the disk overlay for a clone could not be made.
+    #[error("cannot copy the disk overlay for a clone: {0}")]
+    Overlay(#[from] devices::virtio::block::overlay::OverlayError),
+    /// A per-clone rate limit names a device the VM does not have.
+    #[error(transparent)]
+    RateLimit(crate::config::NoSuchDevice),
+    /// Keeping overlays asked for a VM without a writable disk.
+    #[error("keep_overlays given for clones of a VM without a writable disk")]
+    NoOverlay,
+    /// Taps or addresses for clones of a VM without a network card.
+    #[error("taps or addresses given for clones of a VM without a network card")]
+    NoCard,
+    /// No cgroup for the clone.
+    #[error(transparent)]
+    Cgroup(#[from] PlacementError),
+}
+
+/// What a clone is told about itself when it is launched.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Identity {
+    /// Clone id.
+    pub id: String,
+    /// Its control socket.
+    pub api_sock: PathBuf,
+    /// Its console sink.
+    pub console: PathBuf,
+    /// Its vsock socket (with a vsock device).
+    pub vsock: Option<PathBuf>,
+    /// Rate limits replacing the template's (checked against its devices).
+    #[serde(default)]
+    pub rate_limits: api_types::CloneRateLimits,
+    /// Its own tap and guest addresses (None: its own new tap, the template's addresses).
+    #[serde(default)]
+    pub net: CloneNetSpec,
+    /// Whether it keeps its writable disks' overlays (None: as its template's disks).
+    #[serde(default)]
+    pub keep_overlays: Option<bool>,
+    /// The vCPU that read the clone port, and the value it reads in this clone.
+    pub guest_result: Option<(u8, u64)>,
+    /// The cgroup it moves itself into before running guest code.
+    pub cgroup: Option<Placement>,
+}
+
+/// A clone about to be made: its identity and its cgroup (with cgroup pools).
+pub(super) type NewClone = (Identity, Option<Taken>);
+
+/// Checks `req` against the VM and its live clones.
+pub(super) fn check(
+    vm: &Microvm,
+    table: &CloneTable,
+    req: &CreateClones,
+) -> Result<(), CloneError> {
+    let count = req.count;
+    if count == 0 || count > u64::from(MAX_CLONES_PER_REQUEST) {
+        return Err(CloneError::Count(count));
+    }
+    if !matches!(vm.state(), VmState::Running | VmState::Paused) {
+        return Err(CloneError::State(vm.state()));
+    }
+    let live = table.live().count();
+    if live + count as usize > MAX_LIVE_CLONES {
+        return Err(CloneError::TooMany { live });
+    }
+    let config = vm.config();
+    if !(req.addresses.is_empty() && req.taps.is_empty()) && config.net.is_none() {
+        return Err(CloneError::NoCard);
+    }
+    if req.keep_overlays == Some(true) && config.disks.iter().all(|d| d.cow_dir.is_none()) {
+        return Err(CloneError::NoOverlay);
+    }
+    config
+        .clone()
+        .apply_rate_limits(&req.rate_limits)
+        .map_err(CloneError::RateLimit)
+}
+
+/// Where clone files go: the control socket path, or a per-process one.
+fn clone_base(config: &VmConfig) -> PathBuf {
+    config
+        .api_sock
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("forkvm-{}.sock", std::process::id())))
+}
+
+/// The identities of the `req.count` clones to make: clone `n` of a VM whose id is
+/// `clone_id` ("" for an original) that has made `made` clones so far is
+/// `<clone_id>.<made + n>`, with its socket at `<api sock>.<made + n>`. `requester` is
+/// the parked vCPU of a guest request: each clone's copy reads its sequence number.
+pub(super) fn identities(
+    config: &VmConfig,
+    clone_id: &str,
+    made: u32,
+    req: &CreateClones,
+    requester: Option<u8>,
+) -> Result<Vec<Identity>, CloneError> {
+    let base = clone_base(config);
+    let mut identities = Vec::with_capacity(req.count as usize);
+    for n in 0..req.count as u32 {
+        let seq = made + n + 1;
+        let id = match clone_id {
+            "" => seq.to_string(),
+            parent => format!("{parent}.{seq}"),
+        };
+        let sock = PathBuf::from(format!("{}.{seq}", base.display()));
+        let vsock =
+            (config.vsock.as_ref()).map(|_| PathBuf::from(format!("{}.vsock", sock.display())));
+        for p in std::iter::once(&sock).chain(vsock.as_ref()) {
+            if p.as_os_str().len() > MAX_SOCK_PATH {
+                return Err(CloneError::PathTooLong(p.display().to_string()));
+            }
+        }
+        let console = match (&config.console, req.console) {
+            (ConsoleSink::Null, _) | (_, CloneConsole::Null) => PathBuf::from("/dev/null"),
+            _ => PathBuf::from(format!("{}.console", sock.display())),
+        };
+        identities.push(Identity {
+            id,
+            api_sock: sock,
+            console,
+            vsock,
+            rate_limits: req.rate_limits,
+            net: CloneNetSpec {
+                tap: req.taps.get(n as usize).cloned(),
+                addresses: req.addresses.get(n as usize).copied(),
+            },
+            keep_overlays: req.keep_overlays,
+            guest_result: requester.map(|v| (v, u64::from(seq))),
+            cgroup: None,
+        });
+    }
+    Ok(identities)
+}
+
+/// Pairs each identity with a cgroup from the pool of `class` (none without pools).
+/// The first may be the forker's seat (v1): born inside its cgroup.
+pub(super) fn take_cgroups(
+    pools: Option<&ClonePools>,
+    identities: Vec<Identity>,
+    class: Option<&str>,
+) -> Result<Vec<NewClone>, CloneError> {
+    let Some(pools) = pools else {
+        if let Some(c) = class {
+            return Err(PlacementError::NoPools(c.to_string()).into());
+        }
+        return Ok(identities.into_iter().map(|i| (i, None)).collect());
+    };
+    let mut clones: Vec<NewClone> = Vec::with_capacity(identities.len());
+    for identity in identities {
+        let seat = clones.is_empty().then(|| pools.take_seat(class)).flatten();
+        match seat.map_or_else(|| pools.take(class), Ok) {
+            Ok(t) => clones.push((identity, Some(t))),
+            Err(e) => {
+                give_back(Some(pools), clones.into_iter().map(|(_, t)| t));
+                return Err(e.into());
+            }
+        }
+    }
+    Ok(clones)
+}
+
+/// Returns the cgroups of clones that were not started.
+pub(super) fn give_back(
+    pools: Option<&ClonePools>,
+    taken: impl IntoIterator<Item = Option<Taken>>,
+) {
+    if let Some(pools) = pools {
+        taken.into_iter().flatten().for_each(|t| pools.give_back(t));
+    }
+}
+
+/// The record of a clone just forked or launched, not yet known to run.
+pub(super) fn starting_info(
+    identity: Identity,
+    pid: i32,
+    cgroup: Option<CloneCgroup>,
+    template: &VmConfig,
+) -> CloneInfo {
+    let net = (template.net.as_ref()).map(|n| n.for_clone(pid, &identity.net));
+    let kept_overlays = keep_overlays(&template.disks, identity.keep_overlays)
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| d.kept_path(i, pid))
+        .collect();
+    CloneInfo {
+        id: identity.id,
+        pid,
+        api_sock: identity.api_sock,
+        console: identity.console,
+        vsock: identity.vsock,
+        net: net.map(|n| CloneNet {
+            tap: n.tap,
+            mac: n.mac,
+            ipv4: n.ipv4,
+            gateway: n.gateway,
+        }),
+        kept_overlays,
+        latency_us: None,
+        status: CloneStatus::Failed,
+        cgroup,
+    }
+}

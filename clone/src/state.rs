@@ -6,8 +6,8 @@ use kvm_bindings::{
 };
 use serde::{Deserialize, Serialize};
 
-use devices::legacy::SerialConsoleState;
-use devices::virtio::MmioTransportState;
+use devices::control::ControlState;
+pub use devices::DeviceStates;
 
 /// One vCPU's architectural and KVM state.
 #[derive(Clone, Serialize, Deserialize)]
@@ -37,6 +37,9 @@ pub struct VcpuState {
     pub vcpu_events: kvm_vcpu_events,
     /// TSC frequency in kHz, when KVM reports it.
     pub tsc_khz: Option<u32>,
+    /// The vCPU's forkvm control ports (`devices::control`).
+    #[serde(default)]
+    pub control: ControlState,
 }
 
 impl std::fmt::Debug for VcpuState {
@@ -65,15 +68,6 @@ pub struct VmState {
     pub ioapic: kvm_irqchip,
 }
 
-/// Device state carried into a clone.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct DeviceStates {
-    /// The serial console's registers and unread input.
-    pub serial: SerialConsoleState,
-    /// Every virtio device's transport and queue state, in bus order.
-    pub virtio: Vec<MmioTransportState>,
-}
-
 /// Everything a clone needs besides guest memory, which it inherits copy-on-write.
 #[derive(Clone, Serialize, Deserialize)]
 pub struct MicrovmState {
@@ -84,7 +78,7 @@ pub struct MicrovmState {
     pub vm: VmState,
     /// Per-vCPU state, by index.
     pub vcpus: Vec<VcpuState>,
-    /// Device state.
+    /// Every device's state, in bus order (the device manager's list).
     pub devices: DeviceStates,
 }
 
@@ -137,6 +131,7 @@ mod tests {
             ],
             vcpu_events: Default::default(),
             tsc_khz,
+            control: Default::default(),
         };
         MicrovmState {
             captured_at_ns: 0,

@@ -94,6 +94,7 @@ pub fn save_vcpu(
             msrs,
             vcpu_events,
             tsc_khz,
+            control: Default::default(),
         },
         skipped,
     ))

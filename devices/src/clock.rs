@@ -15,7 +15,10 @@
 //! Little endian, any width: `inl(0xf58)` then `inl(0xf5c)`, or eight byte reads from
 //! 0xf58 upwards (as `/dev/port` does).
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 
 /// Port base.
 pub const CLOCK_BASE: u64 = 0xf58;
@@ -52,6 +55,34 @@ impl ClockPort {
     /// A port reading `now` (for tests).
     pub fn with_clock(now: fn() -> u64) -> Self {
         Self { latched: 0, now }
+    }
+}
+
+/// The clock port's state: the time latched by the last read of its base, which reads
+/// of its other bytes return (a clone made between a guest's two reads gives it the
+/// same value its parent would).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockState {
+    /// Latched CLOCK_REALTIME, ns.
+    pub latched: u64,
+}
+
+impl Persist for ClockPort {
+    type State = ClockState;
+    type ConstructorArgs = ();
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> ClockState {
+        ClockState {
+            latched: self.latched,
+        }
+    }
+
+    fn restore(_: (), state: &ClockState) -> Result<Self, Self::Error> {
+        Ok(Self {
+            latched: state.latched,
+            now: realtime_ns,
+        })
     }
 }
 

@@ -5,7 +5,10 @@
 //! |-------|-----------------------|---------|
 //! | 0xf50 | host random bytes     | ignored |
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 
 /// Port base.
 pub const ENTROPY_BASE: u64 = 0xf50;
@@ -22,6 +25,31 @@ impl EntropyPort {
     /// A new entropy port.
     pub fn new() -> Self {
         Self::default()
+    }
+}
+
+/// The entropy port's state: how many reads failed (only the first is logged).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntropyState {
+    /// Failed reads so far.
+    pub failures: u64,
+}
+
+impl Persist for EntropyPort {
+    type State = EntropyState;
+    type ConstructorArgs = ();
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> EntropyState {
+        EntropyState {
+            failures: self.failures,
+        }
+    }
+
+    fn restore(_: (), state: &EntropyState) -> Result<Self, Self::Error> {
+        Ok(Self {
+            failures: state.failures,
+        })
     }
 }
 

@@ -19,7 +19,10 @@
 //! | 20     | 4     | IPv4 default gateway (0.0.0.0: none) |
 //! | 24     | 8     | 0 |
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 use crate::util::fill_le;
 
 /// Port base.
@@ -37,6 +40,29 @@ impl IdentityPort {
     /// The port of a VM whose clone sequence number is `seq` (0: not a clone).
     pub fn new(seq: u32) -> Self {
         Self { seq }
+    }
+}
+
+/// The identity port's state: the sequence number it reads. A restored VM is a new
+/// one, so its own number comes from the constructor, not from here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdentityState {
+    /// The saved VM's clone sequence number.
+    pub seq: u32,
+}
+
+impl Persist for IdentityPort {
+    type State = IdentityState;
+    /// The new VM's clone sequence number.
+    type ConstructorArgs = u32;
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> IdentityState {
+        IdentityState { seq: self.seq }
+    }
+
+    fn restore(seq: u32, _: &IdentityState) -> Result<Self, Self::Error> {
+        Ok(Self::new(seq))
     }
 }
 
@@ -96,6 +122,32 @@ impl IdentityBlock {
             }
         }
         Self { bytes }
+    }
+}
+
+/// The identity block's state: its bytes. A restored VM is a new one, with a new
+/// generation and its own card's identity, so they are made again from the
+/// constructor's, not from here.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdentityBlockState {
+    /// The saved VM's block.
+    pub bytes: Vec<u8>,
+}
+
+impl Persist for IdentityBlock {
+    type State = IdentityBlockState;
+    /// The new VM's card identity (None: no card).
+    type ConstructorArgs = Option<NetIdentity>;
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> IdentityBlockState {
+        IdentityBlockState {
+            bytes: self.bytes.to_vec(),
+        }
+    }
+
+    fn restore(net: Option<NetIdentity>, _: &IdentityBlockState) -> Result<Self, Self::Error> {
+        Ok(Self::new(net.as_ref()))
     }
 }
 

@@ -7,13 +7,18 @@
 
 pub mod bus;
 pub mod clock;
+pub mod control;
 pub mod entropy;
 pub mod identity;
 pub mod legacy;
+pub mod persist;
 pub mod probe;
 pub mod rate_limiter;
+pub mod saved;
 pub mod trigger;
 pub mod util;
 pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError};
+pub use persist::Persist;
+pub use saved::{DeviceState, DeviceStates};

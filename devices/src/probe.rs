@@ -9,7 +9,10 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 use crate::util::{fill_le, monotonic_ns, read_le};
 
 /// Port base.
@@ -53,6 +56,29 @@ impl ProbePort {
     /// A probe reporting `vcpus` vCPUs and recording writes into `stats`.
     pub fn new(vcpus: u32, stats: Arc<ProbeStats>) -> Self {
         Self { vcpus, stats }
+    }
+}
+
+/// The probe's state: the vCPU count it reports. What the guest wrote is not carried:
+/// a clone counts its own writes (its first one times its start).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeState {
+    /// vCPUs reported.
+    pub vcpus: u32,
+}
+
+impl Persist for ProbePort {
+    type State = ProbeState;
+    /// Where the new VM's probe records writes.
+    type ConstructorArgs = Arc<ProbeStats>;
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> ProbeState {
+        ProbeState { vcpus: self.vcpus }
+    }
+
+    fn restore(stats: Arc<ProbeStats>, state: &ProbeState) -> Result<Self, Self::Error> {
+        Ok(Self::new(state.vcpus, stats))
     }
 }
 

@@ -6,7 +6,9 @@
 //! knows HTTP. [`serve_clone`] is what a clone runs once its VM is rebuilt: the same
 //! loop, on its own control socket.
 
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
+
+use nix::sys::signalfd::SignalFd;
 
 use api_types::vm::{TargetState, VmInfo};
 use api_types::CloneList;
@@ -109,7 +111,7 @@ impl Vmm {
     pub fn run(
         mut self,
         actions: Option<ActionReceiver>,
-        signals: Option<&OwnedFd>,
+        signals: Option<&SignalFd>,
     ) -> Result<RunOutcome, RunError> {
         let epoll = Epoll::new().map_err(RunError::EventLoop)?;
         let add = |fd: RawFd, token: u64| {
@@ -197,7 +199,7 @@ impl Vmm {
                         }
                     }
                     TOKEN_SIGNAL => {
-                        while let Some(sig) = signals.and_then(|s| read_signal(s.as_raw_fd())) {
+                        while let Some(sig) = signals.and_then(read_signal) {
                             if sig == libc::SIGCHLD {
                                 self.clones.reap();
                                 continue;

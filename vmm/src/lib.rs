@@ -78,7 +78,7 @@ pub fn run(config: VmConfig) -> Result<RunOutcome, VmmError> {
 fn serve(
     config: VmConfig,
     actions: Option<rpc::ActionReceiver>,
-    signals: &std::os::fd::OwnedFd,
+    signals: &nix::sys::signalfd::SignalFd,
 ) -> Result<RunOutcome, VmmError> {
     if let Some(c) = &config.cgroups {
         c.check()

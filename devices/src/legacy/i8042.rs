@@ -3,7 +3,10 @@
 
 use vm_superio::I8042Device;
 
+use serde::{Deserialize, Serialize};
+
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 use crate::trigger::EventFdTrigger;
 
 /// i8042 decoding ports 0x60-0x64. A reset command (0xfe to port 0x64) signals the
@@ -23,6 +26,26 @@ impl I8042 {
         Self {
             dev: I8042Device::new(reset),
         }
+    }
+}
+
+/// The i8042's state: none. It keeps no registers (every read returns 0) and acts on
+/// one command alone, the CPU reset; the line it signals is the new VM's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct I8042State {}
+
+impl Persist for I8042 {
+    type State = I8042State;
+    type ConstructorArgs = EventFdTrigger;
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> I8042State {
+        I8042State {}
+    }
+
+    /// A controller that signals `reset`.
+    fn restore(reset: EventFdTrigger, _: &I8042State) -> Result<Self, Self::Error> {
+        Ok(Self::new(reset))
     }
 }
 

@@ -3,7 +3,8 @@
 mod i8042;
 mod serial;
 
-pub use i8042::I8042;
+pub use i8042::{I8042State, I8042};
 pub use serial::{
-    SerialConsole, SerialConsoleState, SerialRestoreError, COM1_BASE, COM1_GSI, COM1_LEN,
+    SerialArgs, SerialConsole, SerialConsoleState, SerialRestoreError, COM1_BASE, COM1_GSI,
+    COM1_LEN,
 };

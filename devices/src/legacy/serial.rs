@@ -7,6 +7,7 @@ use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::Serial;
 
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 use crate::trigger::EventFdTrigger;
 
 /// Port base of COM1.
@@ -92,26 +93,36 @@ impl From<&SerialConsoleState> for SerialState {
 #[error("invalid serial console state: {0}")]
 pub struct SerialRestoreError(String);
 
-impl SerialConsole {
-    /// The state a clone needs.
-    pub fn save(&self) -> SerialConsoleState {
+/// What a console is made with: the line it raises and where guest output goes.
+pub struct SerialArgs {
+    /// Raised when the UART interrupts (an irqfd).
+    pub interrupt: EventFdTrigger,
+    /// Where guest output goes.
+    pub out: Box<dyn Write + Send>,
+}
+
+impl Persist for SerialConsole {
+    type State = SerialConsoleState;
+    type ConstructorArgs = SerialArgs;
+    type Error = SerialRestoreError;
+
+    /// The UART's registers and the input the guest has not read.
+    fn save(&self) -> SerialConsoleState {
         self.serial.state().into()
     }
 
-    /// A console continuing from `state`, raising `interrupt` and writing to `out`.
-    pub fn restore(
-        state: &SerialConsoleState,
-        interrupt: EventFdTrigger,
-        out: Box<dyn Write + Send>,
-    ) -> Result<Self, SerialRestoreError> {
-        let serial = Serial::from_state(&state.into(), interrupt, NoEvents, out)
+    /// A console continuing from `state`.
+    fn restore(args: SerialArgs, state: &SerialConsoleState) -> Result<Self, SerialRestoreError> {
+        let serial = Serial::from_state(&state.into(), args.interrupt, NoEvents, args.out)
             .map_err(|e| SerialRestoreError(format!("{e:?}")))?;
         Ok(Self {
             serial,
             write_errors: 0,
         })
     }
+}
 
+impl SerialConsole {
     /// A console that raises `interrupt` and writes guest output to `out`.
     pub fn new(interrupt: EventFdTrigger, out: Box<dyn Write + Send>) -> Self {
         Self {
@@ -203,8 +214,11 @@ mod tests {
         assert_eq!(state.interrupt_enable, 0x03);
         assert_eq!(state.in_buffer, b"ab");
         let json = serde_json_like(&state);
-        let mut copy =
-            SerialConsole::restore(&state, EventFdTrigger::new().unwrap(), Box::new(sink)).unwrap();
+        let args = SerialArgs {
+            interrupt: EventFdTrigger::new().unwrap(),
+            out: Box::new(sink),
+        };
+        let mut copy = SerialConsole::restore(args, &state).unwrap();
         assert_eq!(copy.save(), state, "{json}");
         let mut b = [0u8];
         copy.read(7, &mut b);

@@ -11,11 +11,13 @@ use std::sync::{Arc, Mutex};
 
 use overlay::Overlay;
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{ByteValued, GuestMemoryMmap};
 
 use super::worker::QueueHandler;
-use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use super::{ActivateError, VirtioDevice, VirtioDeviceState, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use crate::persist::Persist;
 use crate::rate_limiter::{RateLimit, RateLimiter};
 
 /// virtio device id of a block device.
@@ -51,6 +53,77 @@ pub enum BlockError {
         /// Its size.
         size: u64,
     },
+    /// The image is not the one the saved state was of.
+    #[error("disk image {path} does not match the saved disk: {why}")]
+    Changed {
+        /// The path.
+        path: String,
+        /// What differs.
+        why: String,
+    },
+}
+
+/// A disk's own state (its queue is its transport's; a writable disk's overlay is
+/// copied for a clone apart from this, while the disk is parked).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockState {
+    /// The serial the guest reads (`forkvm-disk<N>`).
+    pub id: String,
+    /// Capacity in 512-byte sectors, as the guest's driver read it.
+    pub sectors: u64,
+    /// Whether the guest's writes go to an overlay (else they are refused).
+    pub writable: bool,
+}
+
+/// What a disk is made with.
+pub struct BlockArgs {
+    /// The image, open (a clone's inherited descriptor).
+    pub file: File,
+    /// The image's name in errors.
+    pub shown: String,
+    /// The writable disk's overlay (a clone's copy of its parent's).
+    pub overlay: Option<Overlay>,
+    /// The disk's rate limit (a clone's may differ from its template's).
+    pub limit: Option<RateLimit>,
+}
+
+impl Persist for Block {
+    type State = BlockState;
+    type ConstructorArgs = BlockArgs;
+    type Error = BlockError;
+
+    fn save(&self) -> BlockState {
+        let end = self.id.iter().position(|b| *b == 0).unwrap_or(ID_BYTES);
+        BlockState {
+            id: String::from_utf8_lossy(&self.id[..end]).into_owned(),
+            sectors: self.sectors,
+            writable: self.overlay.is_some(),
+        }
+    }
+
+    /// The disk over `args.file`, which must be as large as the saved one, writable
+    /// (with an overlay) if it was.
+    fn restore(args: BlockArgs, state: &BlockState) -> Result<Self, BlockError> {
+        let block = Self::from_file(args.file, &args.shown, &state.id)?;
+        let changed = |why: String| BlockError::Changed {
+            path: args.shown.clone(),
+            why,
+        };
+        if block.sectors != state.sectors {
+            return Err(changed(format!(
+                "{} sectors, the saved disk had {}",
+                block.sectors, state.sectors
+            )));
+        }
+        if state.writable != args.overlay.is_some() {
+            return Err(changed(format!("saved writable: {}", state.writable)));
+        }
+        let block = block.with_rate_limit(args.limit);
+        Ok(match args.overlay {
+            Some(o) => block.with_overlay(o),
+            None => block,
+        })
+    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -147,6 +220,10 @@ impl Block {
 }
 
 impl VirtioDevice for Block {
+    fn state(&self) -> VirtioDeviceState {
+        VirtioDeviceState::Block(self.save())
+    }
+
     fn name(&self) -> &'static str {
         "virtio-blk"
     }

@@ -8,8 +8,9 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::worker::{Worker, WorkerError};
-use super::{VirtioDevice, VirtioInterrupt};
+use super::{VirtioDevice, VirtioDeviceState, VirtioInterrupt};
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 
 const MAGIC: u32 = 0x7472_6976; // "virt"
 const VERSION: u32 = 2;
@@ -71,6 +72,8 @@ pub struct MmioTransport {
     worker: Option<Worker>,
     /// Restored as running, its worker not started yet ([`MmioTransport::start_restored`]).
     pending_start: bool,
+    /// The queues as the worker reported them when it parked (None: not parked).
+    parked: Option<Vec<QueueState>>,
 }
 
 /// `virtio_queue::QueueState` for serde (the crate has no serde support).
@@ -93,10 +96,12 @@ struct QueueStateDef {
 pub struct SavedQueue(#[serde(with = "QueueStateDef")] pub QueueState);
 
 /// Everything a virtio-mmio device carries into a clone: the transport registers, the
-/// interrupt status and each queue's state. The device itself is rebuilt from the VM's
-/// configuration (same devices, same order).
+/// interrupt status, each queue's state, and the device's own state (from which the VMM
+/// makes the device again, with the new VM's host resources).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MmioTransportState {
+    /// The device's own state.
+    pub device: VirtioDeviceState,
     /// virtio device id, checked on restore.
     pub device_type: u32,
     /// Feature word the driver reads next.
@@ -184,21 +189,16 @@ impl MmioTransport {
             config_generation: 0,
             worker: None,
             pending_start: false,
+            parked: None,
         })
     }
 
-    /// Rebuilds `device` as it was when `state` was saved (in a clone): registers,
-    /// queues and interrupt status. A device that was running gets a new worker when
-    /// [`MmioTransport::start_restored`] is called (a clone does that once its vCPUs
-    /// run, off the clone's latency path); the worker first serves whatever the driver
-    /// queued, notifications meanwhile included (they wait in the queue eventfds).
-    pub fn restore(
-        mem: GuestMemoryMmap,
-        device: Box<dyn VirtioDevice>,
-        interrupt: Arc<VirtioInterrupt>,
+    /// [`Persist::restore`].
+    fn restore_from(
+        args: TransportArgs,
         state: &MmioTransportState,
     ) -> Result<Self, TransportRestoreError> {
-        let mut t = Self::new(mem, device, interrupt)?;
+        let mut t = Self::new(args.mem, args.device, args.interrupt)?;
         if state.device_type != t.device.device_type() || state.queues.len() != t.queues.len() {
             return Err(TransportRestoreError::Mismatch {
                 saved: state.device_type,
@@ -248,39 +248,29 @@ impl MmioTransport {
     /// worker holds no lock until [`MmioTransport::resume`]. Pausing twice is allowed.
     pub fn pause(&mut self) -> Result<MmioTransportState, WorkerError> {
         self.request_pause()?;
-        self.paused_state()
+        self.wait_parked()?;
+        Ok(self.save())
     }
 
     /// The first half of [`MmioTransport::pause`]: asks the worker to park without
     /// waiting, so several devices park at once. Must be followed by
-    /// [`MmioTransport::paused_state`].
+    /// [`MmioTransport::wait_parked`].
     pub fn request_pause(&mut self) -> Result<(), WorkerError> {
         self.worker.as_ref().map_or(Ok(()), Worker::request_pause)
     }
 
     /// The second half of [`MmioTransport::pause`]: waits for the worker to park and
-    /// returns the device's state.
-    pub fn paused_state(&mut self) -> Result<MmioTransportState, WorkerError> {
-        let queues = match &self.worker {
-            Some(w) => w.paused_state()?,
-            None => self.queues.iter().map(Queue::state).collect(),
-        };
-        Ok(MmioTransportState {
-            device_type: self.device.device_type(),
-            features_select: self.features_select,
-            acked_features_select: self.acked_features_select,
-            acked_features: self.acked_features,
-            queue_select: self.queue_select,
-            status: self.status,
-            config_generation: self.config_generation,
-            interrupt_status: self.interrupt.status(),
-            activated: self.running(),
-            queues: queues.into_iter().map(SavedQueue).collect(),
-        })
+    /// keeps the queue state it reports, for [`Persist::save`].
+    pub fn wait_parked(&mut self) -> Result<(), WorkerError> {
+        if let Some(w) = &self.worker {
+            self.parked = Some(w.paused_state()?);
+        }
+        Ok(())
     }
 
     /// Lets a paused worker go on.
     pub fn resume(&mut self) -> Result<(), WorkerError> {
+        self.parked = None;
         self.worker.as_ref().map_or(Ok(()), Worker::resume)
     }
 
@@ -457,6 +447,59 @@ impl MmioTransport {
     }
 }
 
+/// What a transport is made with.
+pub struct TransportArgs {
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// The device, made (or restored) already.
+    pub device: Box<dyn VirtioDevice>,
+    /// Raises its interrupt line.
+    pub interrupt: Arc<VirtioInterrupt>,
+}
+
+impl Persist for MmioTransport {
+    type State = MmioTransportState;
+    type ConstructorArgs = TransportArgs;
+    type Error = TransportRestoreError;
+
+    /// The registers, the interrupt status, the queues and the device's own state. A
+    /// running device's queues are its worker's: pause it first
+    /// ([`MmioTransport::request_pause`] and [`MmioTransport::wait_parked`]); unpaused, the
+    /// state has no queues, which a restore refuses.
+    fn save(&self) -> MmioTransportState {
+        let queues = match (&self.parked, &self.worker) {
+            (Some(parked), _) => parked.clone(),
+            (None, Some(_)) => Vec::new(),
+            (None, None) => self.queues.iter().map(Queue::state).collect(),
+        };
+        MmioTransportState {
+            device: self.device.state(),
+            device_type: self.device.device_type(),
+            features_select: self.features_select,
+            acked_features_select: self.acked_features_select,
+            acked_features: self.acked_features,
+            queue_select: self.queue_select,
+            status: self.status,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+            activated: self.running(),
+            queues: queues.into_iter().map(SavedQueue).collect(),
+        }
+    }
+
+    /// Rebuilds the device as it was when `state` was saved (in a clone): registers,
+    /// queues and interrupt status. A device that was running gets a new worker when
+    /// [`MmioTransport::start_restored`] is called (a clone does that once its vCPUs
+    /// run, off the clone's latency path); the worker first serves whatever the driver
+    /// queued, notifications meanwhile included (they wait in the queue eventfds).
+    fn restore(
+        args: TransportArgs,
+        state: &MmioTransportState,
+    ) -> Result<Self, TransportRestoreError> {
+        Self::restore_from(args, state)
+    }
+}
+
 impl BusDevice for MmioTransport {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         if offset >= CONFIG_SPACE_OFFSET {
@@ -586,9 +629,12 @@ mod tests {
         // ...the restored device serves it when it starts, then serves new ones.
         let json = serde_json::to_string(&state).unwrap();
         let back: MmioTransportState = serde_json::from_str(&json).unwrap();
-        let mut child =
-            MmioTransport::restore(m.clone(), Box::new(Rng::new(None)), interrupt(), &back)
-                .unwrap();
+        let args = TransportArgs {
+            mem: m.clone(),
+            device: Box::new(Rng::new(None)),
+            interrupt: interrupt(),
+        };
+        let mut child = MmioTransport::restore(args, &back).unwrap();
         assert!(child.is_active(), "restored as running");
         assert_eq!(
             child.pause().unwrap(),
@@ -621,7 +667,12 @@ mod tests {
         std::fs::write(&disk, [0u8; 512]).unwrap();
         let block = Block::open(&disk, "d").unwrap();
         std::fs::remove_file(&disk).unwrap();
-        let e = MmioTransport::restore(m.clone(), Box::new(block), interrupt(), &state)
+        let args = |device: Box<dyn VirtioDevice>| TransportArgs {
+            mem: m.clone(),
+            device,
+            interrupt: interrupt(),
+        };
+        let e = MmioTransport::restore(args(Box::new(block)), &state)
             .err()
             .unwrap();
         assert!(
@@ -632,7 +683,7 @@ mod tests {
         let mut bad = state.clone();
         bad.queues[0].0.size = 3; // not a power of two
         bad.queues[0].0.ready = true;
-        let e = MmioTransport::restore(m.clone(), Box::new(Rng::new(None)), interrupt(), &bad)
+        let e = MmioTransport::restore(args(Box::new(Rng::new(None))), &bad)
             .err()
             .unwrap();
         assert!(

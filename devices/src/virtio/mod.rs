@@ -9,6 +9,7 @@ pub mod worker;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
@@ -226,9 +227,55 @@ pub(crate) fn notify_used(
     }
 }
 
+/// A virtio device's own state, beside its transport's: each device's [`crate::persist::Persist`] state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VirtioDeviceState {
+    /// virtio-blk.
+    Block(block::BlockState),
+    /// virtio-rng.
+    Rng(rng::RngState),
+    /// virtio-vsock.
+    Vsock(vsock::VsockState),
+    /// virtio-net.
+    Net(net::NetState),
+}
+
+/// A virtio device whose own state is one [`VirtioDeviceState`] variant.
+pub trait VirtioPersist: crate::persist::Persist {
+    /// The kind of device, for messages.
+    const KIND: &'static str;
+    /// Its state in a saved transport's, if the transport's device is of its kind.
+    fn unwrap(state: &VirtioDeviceState) -> Option<&Self::State>;
+}
+
+macro_rules! virtio_persist {
+    ($($device:ty => $variant:ident, $kind:literal;)*) => {$(
+        impl VirtioPersist for $device {
+            const KIND: &'static str = $kind;
+
+            fn unwrap(state: &VirtioDeviceState) -> Option<&Self::State> {
+                match state {
+                    VirtioDeviceState::$variant(s) => Some(s),
+                    _ => None,
+                }
+            }
+        }
+    )*};
+}
+
+virtio_persist! {
+    block::Block => Block, "virtio-blk";
+    rng::Rng => Rng, "virtio-rng";
+    vsock::Vsock => Vsock, "virtio-vsock";
+    net::Net => Net, "virtio-net";
+}
+
 /// A virtio device model, driven by a transport. The transport owns the device's
 /// worker thread: [`VirtioDevice::activate`] hands it the handler that serves the queues.
 pub trait VirtioDevice: Send {
+    /// The device's own state, its [`crate::persist::Persist::save`]; the transport saves its queues and
+    /// registers beside it.
+    fn state(&self) -> VirtioDeviceState;
     /// Short name, used for the worker thread and in messages ("virtio-blk", ...).
     fn name(&self) -> &'static str;
     /// virtio device id (2 = block, ...).

@@ -13,12 +13,14 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::EventSet;
 
 use super::worker::{QueueHandler, WorkerContext, FIRST_HANDLER_TOKEN};
-use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use super::{ActivateError, VirtioDevice, VirtioDeviceState, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use crate::persist::Persist;
 use crate::rate_limiter::{RateLimit, RateLimiter};
 
 /// virtio device id of a network card.
@@ -131,7 +133,43 @@ impl Net {
     }
 }
 
+/// The network card's own state: its MAC address. A restored card takes the new VM's
+/// (a clone has its own), over the new VM's tap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetState {
+    /// The saved card's MAC address.
+    pub mac: [u8; 6],
+}
+
+/// What a card is made with.
+pub struct NetArgs {
+    /// The tap (opened, and created if need be, later by `open_host`).
+    pub tap: String,
+    /// Its MAC address.
+    pub mac: [u8; 6],
+    /// Its rate limit, each direction.
+    pub limit: Option<RateLimit>,
+}
+
+impl Persist for Net {
+    type State = NetState;
+    type ConstructorArgs = NetArgs;
+    type Error = TapError;
+
+    fn save(&self) -> NetState {
+        NetState { mac: self.mac }
+    }
+
+    fn restore(args: NetArgs, _: &NetState) -> Result<Self, TapError> {
+        Self::deferred_tap(&args.tap, args.mac, args.limit)
+    }
+}
+
 impl VirtioDevice for Net {
+    fn state(&self) -> VirtioDeviceState {
+        VirtioDeviceState::Net(self.save())
+    }
+
     fn name(&self) -> &'static str {
         "virtio-net"
     }

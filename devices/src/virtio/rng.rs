@@ -4,11 +4,13 @@
 
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::GuestMemoryMmap;
 
 use super::worker::QueueHandler;
-use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use super::{ActivateError, VirtioDevice, VirtioDeviceState, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use crate::persist::Persist;
 use crate::rate_limiter::{RateLimit, RateLimiter};
 use crate::util::host_random;
 
@@ -34,7 +36,31 @@ impl Rng {
     }
 }
 
+/// The entropy device's own state: none. It keeps nothing between requests (its queue is
+/// its transport's); its rate limit is the new VM's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngState {}
+
+impl Persist for Rng {
+    type State = RngState;
+    /// Its rate limit.
+    type ConstructorArgs = Option<RateLimit>;
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> RngState {
+        RngState {}
+    }
+
+    fn restore(limit: Option<RateLimit>, _: &RngState) -> Result<Self, Self::Error> {
+        Ok(Self::new(limit))
+    }
+}
+
 impl VirtioDevice for Rng {
+    fn state(&self) -> VirtioDeviceState {
+        VirtioDeviceState::Rng(self.save())
+    }
+
     fn name(&self) -> &'static str {
         "virtio-rng"
     }

@@ -617,8 +617,10 @@ impl CgroupFs {
         // its pid show here: never kill ourselves; the caller finds the cgroup busy.
         let own = std::process::id() as i32;
         for pid in self.procs(name)?.into_iter().filter(|&p| p != own) {
-            // SAFETY: sends a signal; no memory is touched.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
         Ok(())
     }

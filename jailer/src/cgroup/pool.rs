@@ -701,8 +701,7 @@ mod tests {
     /// gone after cleanup. Needs root; fails instead of skipping under CI.
     #[test]
     fn real_hierarchy_place_release_cleanup() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if !nix::unistd::geteuid().is_root() {
             assert!(
                 std::env::var_os("CI").is_none(),
                 "cgroup tests need root in CI"

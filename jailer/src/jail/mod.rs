@@ -14,11 +14,17 @@
 
 mod rootfs;
 
-use std::ffi::CString;
 use std::io::Read;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::signal::{signal, SigHandler, Signal};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{pipe2, Pid};
 
 use crate::cgroup::{pool::cleanup, CgroupError, CgroupFs, CgroupVersion};
 
@@ -257,17 +263,13 @@ pub fn run(cfg: &JailConfig) -> Result<i32, JailError> {
     let plan = rootfs::Plan::new(cfg, &exec_name, &root, &libs, fs.version(), jail_cgroups)?;
 
     let (rd, wr) = pipe()?;
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
         // SAFETY: installs an async-signal-safe handler that only calls kill().
-        unsafe { libc::signal(sig, forward as *const () as libc::sighandler_t) };
+        let _ = unsafe { signal(sig, SigHandler::Handler(forward)) };
     }
-    // SAFETY: unshare only changes which pid namespace this process's next child gets.
-    if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
-        return Err(JailError::Sys(
-            "unshare(CLONE_NEWPID)",
-            std::io::Error::last_os_error(),
-        ));
-    }
+    // Only changes which pid namespace this process's next child gets.
+    unshare(CloneFlags::CLONE_NEWPID)
+        .map_err(|e| JailError::Sys("unshare(CLONE_NEWPID)", e.into()))?;
     // SAFETY: the jailer is single-threaded (see the contract above), so the child may
     // allocate; it only sets up the jail and executes the VMM or exits.
     let pid = unsafe { libc::fork() };
@@ -296,41 +298,26 @@ pub fn run(cfg: &JailConfig) -> Result<i32, JailError> {
     if !why.is_empty() {
         return Err(JailError::Setup(why));
     }
-    Ok(if libc::WIFEXITED(status) {
-        libc::WEXITSTATUS(status)
-    } else {
-        128 + libc::WTERMSIG(status)
+    Ok(match status {
+        WaitStatus::Exited(_, code) => code,
+        WaitStatus::Signaled(_, sig, _) => 128 + sig as i32,
+        other => return Err(JailError::Setup(format!("unexpected VMM status {other:?}"))),
     })
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd), JailError> {
-    let mut fds = [0; 2];
-    // SAFETY: pipe2 writes two fds into the array.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(JailError::Sys("pipe2", std::io::Error::last_os_error()));
-    }
-    // SAFETY: both fds were just created and are owned by nobody else.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    pipe2(OFlag::O_CLOEXEC).map_err(|e| JailError::Sys("pipe2", e.into()))
 }
 
-fn wait(pid: i32) -> Result<i32, JailError> {
-    let mut status = 0;
+/// Waits for the VMM to end (a signal forwarded meanwhile interrupts the wait: go on).
+fn wait(pid: i32) -> Result<WaitStatus, JailError> {
     loop {
-        // SAFETY: waits for our own child; `status` is a valid out pointer.
-        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
-        if r == pid {
-            return Ok(status);
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(JailError::Sys("waitpid", e));
+        match waitpid(Pid::from_raw(pid), None) {
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(JailError::Sys("waitpid", e.into())),
+            Ok(status) => return Ok(status),
         }
     }
-}
-
-fn cstring(path: &Path) -> Result<CString, String> {
-    CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("{}: path has a NUL byte", path.display()))
 }
 
 #[cfg(test)]

@@ -4,7 +4,15 @@ use std::ffi::CString;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
 
-use super::{cstring, io_err, JailConfig, JailError, VMM_LEAF};
+use nix::mount::{MntFlags, MsFlags};
+use nix::sched::CloneFlags;
+use nix::sys::prctl;
+use nix::sys::resource::{setrlimit, Resource};
+use nix::sys::signal::Signal;
+use nix::sys::stat::{Mode, SFlag};
+use nix::unistd::{Gid, Uid};
+
+use super::{io_err, JailConfig, JailError, VMM_LEAF};
 use crate::cgroup::CgroupVersion;
 
 /// Device nodes made in the jail's `/dev`: (path, mode, owned by the VMM's user).
@@ -159,36 +167,24 @@ impl Plan {
             Ok(()) => {}
             Err(e) => return e,
         }
-        let mut argv: Vec<*const libc::c_char> = self.argv.iter().map(|a| a.as_ptr()).collect();
-        argv.push(std::ptr::null());
-        let envp: [*const libc::c_char; 1] = [std::ptr::null()];
-        // SAFETY: exec and argv are NUL-terminated strings that outlive the call; both
-        // arrays end with a null pointer.
-        unsafe { libc::execve(self.exec.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
-        format!(
-            "executing {:?} in the jail: {}",
-            self.exec,
-            std::io::Error::last_os_error()
-        )
+        let envp: [&std::ffi::CStr; 0] = [];
+        let Err(e) = nix::unistd::execve(&self.exec, &self.argv, &envp);
+        format!("executing {:?} in the jail: {e}", self.exec)
     }
 
     fn enter(&self) -> Result<(), String> {
         if let Some(ns) = &self.netns {
             let f = std::fs::File::open(ns).map_err(|e| format!("netns {}: {e}", ns.display()))?;
-            use std::os::fd::AsRawFd;
-            // SAFETY: setns on an fd we own; it only changes this process's namespace.
-            if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(sys(&format!("setns({})", ns.display())));
-            }
+            nix::sched::setns(&f, CloneFlags::CLONE_NEWNET)
+                .map_err(|e| format!("setns({}): {e}", ns.display()))?;
         }
         // The cgroup namespace's root is `jail-<id>`: join it, unshare, then move down
         // into the VMM's own leaf (on v2 a cgroup with processes cannot enable
         // controllers for its children, so the VMM must not stay in the root).
         self.join_cgroups(None)?;
-        // SAFETY: unshare only gives this process new mount and cgroup namespaces.
-        if unsafe { libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWCGROUP) } != 0 {
-            return Err(sys("unshare(mount, cgroup)"));
-        }
+        // New mount and cgroup namespaces for this process.
+        nix::sched::unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWCGROUP)
+            .map_err(|e| format!("unshare(mount, cgroup): {e}"))?;
         self.join_cgroups(Some(VMM_LEAF))?;
         // Nothing mounted below propagates back to the host.
         mount(
@@ -247,11 +243,9 @@ impl Plan {
             }
             let node = root.join(&path[1..]);
             mkdir_p(node.parent().unwrap_or(&dev), 0o755)?;
-            let c = cstring(&node)?;
-            // SAFETY: `c` is a NUL-terminated path; mknod creates a device node.
-            if unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | mode, meta.rdev()) } != 0 {
-                return Err(sys(&format!("mknod {}", node.display())));
-            }
+            let perm = Mode::from_bits_truncate(mode);
+            nix::sys::stat::mknod(&node, SFlag::S_IFCHR, perm, meta.rdev())
+                .map_err(|e| format!("mknod {}: {e}", node.display()))?;
             // The exact mode (mknod applied the umask).
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&node, std::fs::Permissions::from_mode(mode))
@@ -336,46 +330,27 @@ impl Plan {
     }
 
     fn limit_and_drop(&self) -> Result<(), String> {
-        let set = |res, soft: u64, what: &str| {
-            let lim = libc::rlimit {
-                rlim_cur: soft,
-                rlim_max: soft,
-            };
-            // SAFETY: setrlimit reads `lim`, a valid struct.
-            if unsafe { libc::setrlimit(res, &lim) } != 0 {
-                return Err(sys(what));
-            }
-            Ok(())
-        };
-        set(libc::RLIMIT_NOFILE, self.rlimit_nofile, "setrlimit(NOFILE)")?;
+        fn err(what: &'static str) -> impl Fn(nix::Error) -> String {
+            move |e| format!("{what}: {e}")
+        }
+        let nofile = self.rlimit_nofile;
+        setrlimit(Resource::RLIMIT_NOFILE, nofile, nofile).map_err(err("setrlimit(NOFILE)"))?;
         if let Some(fsize) = self.rlimit_fsize {
-            set(libc::RLIMIT_FSIZE, fsize, "setrlimit(FSIZE)")?;
+            setrlimit(Resource::RLIMIT_FSIZE, fsize, fsize).map_err(err("setrlimit(FSIZE)"))?;
         }
-        // SAFETY: each call changes only this process's credentials or flags; their
-        // results are checked.
-        unsafe {
-            if libc::setgroups(0, std::ptr::null()) != 0 {
-                return Err(sys("setgroups"));
-            }
-            if libc::setresgid(self.gid, self.gid, self.gid) != 0 {
-                return Err(sys("setresgid"));
-            }
-            if libc::setresuid(self.uid, self.uid, self.uid) != 0 {
-                return Err(sys("setresuid"));
-            }
-            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
-                return Err(sys("prctl(NO_NEW_PRIVS)"));
-            }
-            // The VMM (and with it every clone in its pid namespace) dies with the
-            // jailer. Set after the uid change, which clears it. (getppid() is 0 across
-            // the pid namespace, so a jailer that died before this line goes unnoticed;
-            // its cgroups are then left for `jailer cleanup`.)
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                return Err(sys("prctl(PDEATHSIG)"));
-            }
-            // Every inherited descriptor beyond stdio closes at exec.
-            libc::close_range(3, u32::MAX, libc::CLOSE_RANGE_CLOEXEC as libc::c_int);
-        }
+        let (uid, gid) = (Uid::from_raw(self.uid), Gid::from_raw(self.gid));
+        nix::unistd::setgroups(&[]).map_err(err("setgroups"))?;
+        nix::unistd::setresgid(gid, gid, gid).map_err(err("setresgid"))?;
+        nix::unistd::setresuid(uid, uid, uid).map_err(err("setresuid"))?;
+        prctl::set_no_new_privs().map_err(err("prctl(NO_NEW_PRIVS)"))?;
+        // The VMM (and with it every clone in its pid namespace) dies with the jailer.
+        // Set after the uid change, which clears it. (getppid() is 0 across the pid
+        // namespace, so a jailer that died before this line goes unnoticed; its cgroups
+        // are then left for `jailer cleanup`.)
+        prctl::set_pdeathsig(Signal::SIGKILL).map_err(err("prctl(PDEATHSIG)"))?;
+        // Every inherited descriptor beyond stdio closes at exec (nix has no close_range).
+        // SAFETY: only sets close-on-exec on this process's descriptors from 3 up.
+        unsafe { libc::close_range(3, u32::MAX, libc::CLOSE_RANGE_CLOEXEC as libc::c_int) };
         Ok(())
     }
 }
@@ -422,10 +397,6 @@ fn v1_hierarchies() -> (Vec<V1Mount>, Vec<(String, PathBuf)>) {
     (mounts, links)
 }
 
-fn sys(what: &str) -> String {
-    format!("{what}: {}", std::io::Error::last_os_error())
-}
-
 fn mkdir_p(dir: &Path, mode: u32) -> Result<(), String> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
@@ -442,22 +413,15 @@ fn mount(
     flags: libc::c_ulong,
     data: Option<&str>,
 ) -> Result<(), String> {
-    let src = source.map(cstring).transpose()?;
-    let tgt = cstring(target)?;
-    let fst = fstype.map(|f| CString::new(f).unwrap_or_default());
-    let dat = data.map(|d| CString::new(d).unwrap_or_default());
-    let ptr = |c: &Option<CString>| c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
-    // SAFETY: every pointer is null or a NUL-terminated string that outlives the call.
-    let r = unsafe { libc::mount(ptr(&src), tgt.as_ptr(), ptr(&fst), flags, ptr(&dat).cast()) };
-    if r != 0 {
-        return Err(sys(&format!(
-            "mount {} on {} ({})",
+    let flags = MsFlags::from_bits_truncate(flags);
+    nix::mount::mount(source, target, fstype, flags, data).map_err(|e| {
+        format!(
+            "mount {} on {} ({}): {e}",
             source.map_or("none".into(), |s| s.display().to_string()),
             target.display(),
             fstype.unwrap_or("bind/remount")
-        )));
-    }
-    Ok(())
+        )
+    })
 }
 
 /// Binds `host` at `target` read-only, without setuid or devices, executable only when
@@ -475,16 +439,9 @@ fn bind_read_only(host: &Path, target: &Path, exec: bool) -> Result<(), String> 
 /// Makes `root` the process's `/` and drops the old root from its view.
 fn pivot_into(root: &Path) -> Result<(), String> {
     std::env::set_current_dir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
-    let dot = c".";
-    // SAFETY: pivot_root with "." for both: the old root is stacked on the new one and
-    // detached below; the strings are static.
-    unsafe {
-        if libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) != 0 {
-            return Err(sys("pivot_root"));
-        }
-        if libc::umount2(dot.as_ptr(), libc::MNT_DETACH) != 0 {
-            return Err(sys("detaching the old root"));
-        }
-    }
+    // "." for both: the old root is stacked on the new one and detached below.
+    nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
+    nix::mount::umount2(".", MntFlags::MNT_DETACH)
+        .map_err(|e| format!("detaching the old root: {e}"))?;
     std::env::set_current_dir("/").map_err(|e| format!("chdir /: {e}"))
 }

@@ -10,7 +10,7 @@
 //!
 //! Next: the fork (`fork.rs`).
 
-use clone::{DeviceStates, MicrovmState};
+use clone::MicrovmState;
 
 use super::CloneError;
 use crate::microvm::Microvm;
@@ -19,13 +19,8 @@ use crate::microvm::Microvm;
 /// vCPU must be parked; the virtio workers are parked here and stay so until the VM
 /// resumes.
 pub(super) fn capture(vm: &mut Microvm) -> Result<MicrovmState, CloneError> {
-    let virtio = vm.devices().pause_virtio()?;
-    let serial = vm
-        .devices()
-        .serial
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .save();
+    vm.devices().pause_virtio()?;
+    let devices = vm.devices().save();
     let spec = vm.capture_spec().clone();
     for v in vm.vcpus() {
         v.request_capture(spec.clone())?;
@@ -50,6 +45,6 @@ pub(super) fn capture(vm: &mut Microvm) -> Result<MicrovmState, CloneError> {
         captured_at_ns: crate::vstate::vcpu::monotonic_ns(),
         vm: vm_state,
         vcpus,
-        devices: DeviceStates { serial, virtio },
+        devices,
     })
 }

@@ -24,7 +24,7 @@
 //! the controller writes [`READY_MARK`] once the control socket is up.
 
 use std::fs::File;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{FromRawFd, RawFd};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -86,7 +86,7 @@ pub struct RebuiltClone {
     /// Where its control socket goes.
     pub api_sock: PathBuf,
     /// Its signalfd (shutdown signals and SIGCHLD).
-    pub signals: OwnedFd,
+    pub signals: nix::sys::signalfd::SignalFd,
     /// Tells the parent the clone is up, once its control socket is.
     pub ready: ReadyMark,
 }
@@ -160,12 +160,10 @@ fn close_all_but(keep: &[RawFd]) {
 
 /// The child side of fork(). Never returns.
 pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
-    // SAFETY: prctl/getppid have no memory-safety preconditions.
-    unsafe {
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-        if libc::getppid() != plan.parent_pid {
-            libc::_exit(1);
-        }
+    let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+    if nix::unistd::getppid().as_raw() != plan.parent_pid {
+        // SAFETY: _exit has no preconditions; the parent is gone already.
+        unsafe { libc::_exit(1) }
     }
     for base in plan.run_bases {
         // SAFETY: these are the parent's vCPU kvm_run mappings, inherited by fork; no
@@ -361,13 +359,13 @@ fn launch(
 ) -> Result<VmParts, ChildError> {
     let template = plan.template;
     let mem = template.memory();
-    let mut devices = DeviceManager::new(&prepared.vm, &config, seq, Some(&state.devices.serial))?;
+    let mut devices = DeviceManager::new(&prepared.vm, &config, seq, Some(&state.devices))?;
     devices.add_virtio_devices(
         &prepared.vm,
         mem,
         &config,
         Some(&VirtioRestore {
-            states: &state.devices.virtio,
+            states: &state.devices,
             disk_fds: template.devices().disk_fds(),
             overlays: plan.overlays,
         }),

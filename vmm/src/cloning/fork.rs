@@ -11,7 +11,9 @@
 //! Next, in the child: the rebuild (`child.rs`).
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use std::time::{Duration, Instant};
 
 use api_types::cgroup::PlacedBy;
@@ -49,8 +51,7 @@ pub(super) fn fork_child(
     let overlays = vm.devices().snapshot_overlays()?;
     let t_overlays = t0.elapsed();
     let plan = ChildPlan {
-        // SAFETY: getpid has no preconditions.
-        parent_pid: unsafe { libc::getpid() },
+        parent_pid: nix::unistd::getpid().as_raw(),
         ready: ready.as_raw_fd(),
         start,
         state,
@@ -169,13 +170,7 @@ pub(super) fn fork_all(
 
 /// A new pipe, both ends close-on-exec: (read end, write end).
 pub(super) fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0; 2];
-    // SAFETY: `fds` has room for the two descriptors pipe2 returns.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: pipe2 returned two new descriptors that nothing else owns.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    Ok(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?)
 }
 
 /// Reads what a clone writes to its ready pipe, in either order: the 8-byte
@@ -188,13 +183,9 @@ pub(super) fn wait_ready(f: &mut File, timeout: Duration) -> Option<u64> {
     let mut got = Vec::with_capacity(16);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut pfd = libc::pollfd {
-            fd: f.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        if unsafe { libc::poll(&mut pfd, 1, left.as_millis() as i32) } != 1 {
+        let mut fds = [PollFd::new(f.as_fd(), PollFlags::POLLIN)];
+        let timeout = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+        if poll(&mut fds, timeout) != Ok(1) {
             return None;
         }
         let mut b = [0u8; 8];

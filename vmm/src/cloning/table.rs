@@ -5,6 +5,9 @@
 use std::time::{Duration, Instant};
 
 use api_types::{CloneInfo, CloneStatus};
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
 
 use super::cgroups::ClonePools;
 
@@ -41,21 +44,20 @@ impl CloneTable {
         self.clones.iter().filter(|c| c.status.is_live())
     }
 
-    /// Records the exit of `pid`, from waitpid's `status`, with its cgroup's usage (its
-    /// cgroup goes back to the pool).
-    fn reaped(&mut self, pools: Option<&mut ClonePools>, pid: i32, status: i32) {
+    /// Records the exit of `pid` as `status` says, with its cgroup's usage (its cgroup
+    /// goes back to the pool).
+    fn reaped(&mut self, pools: Option<&mut ClonePools>, pid: i32, status: WaitStatus) {
         let usage = pools.and_then(|p| p.exited(pid));
         let Some(c) = self.clones.iter_mut().find(|c| c.pid == pid) else {
             return;
         };
         let oom = usage.is_some_and(|u| u.oom_kills > 0);
-        c.status = if libc::WIFSIGNALED(status) {
-            match libc::WTERMSIG(status) {
-                libc::SIGKILL if oom => CloneStatus::OomKilled,
-                sig => CloneStatus::Killed(sig),
-            }
-        } else {
-            CloneStatus::Exited(libc::WEXITSTATUS(status))
+        c.status = match status {
+            WaitStatus::Signaled(_, Signal::SIGKILL, _) if oom => CloneStatus::OomKilled,
+            WaitStatus::Signaled(_, sig, _) => CloneStatus::Killed(sig as i32),
+            WaitStatus::Exited(_, code) => CloneStatus::Exited(code),
+            // Stopped, continued: not an end (waitpid without WUNTRACED does not report it).
+            _ => return,
         };
         if let Some(cg) = c.cgroup.as_mut() {
             cg.usage = usage;
@@ -76,12 +78,13 @@ impl CloneTable {
         mut is_warm: impl FnMut(i32) -> bool,
     ) {
         loop {
-            let mut status = 0;
-            // SAFETY: waitpid with WNOHANG on our own children; `status` is a valid int.
-            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-            if pid <= 0 {
+            let status = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(status) => status,
+            };
+            let Some(pid) = status.pid().map(Pid::as_raw) else {
                 break;
-            }
+            };
             if !is_warm(pid) {
                 self.reaped(pools.as_deref_mut(), pid, status);
             } else if let Some(p) = pools.as_deref_mut() {
@@ -121,9 +124,7 @@ impl CloneTable {
     /// SIGTERM, then SIGKILL after a grace period; reaps.
     fn stop_and_reap(&mut self, pools: Option<&mut ClonePools>, pid: i32) {
         stop_pid(pid, STOP_TIMEOUT);
-        let mut status = 0;
-        // SAFETY: `pid` is our child; blocking wait after it was told to exit.
-        if unsafe { libc::waitpid(pid, &mut status, 0) } == pid {
+        if let Ok(status) = waitpid(Pid::from_raw(pid), None) {
             self.reaped(pools, pid, status);
         }
     }
@@ -131,28 +132,16 @@ impl CloneTable {
 
 /// SIGTERM, wait up to `grace` for the process to exit, then SIGKILL. Does not reap.
 fn stop_pid(pid: i32, grace: Duration) {
-    // SAFETY: signalling our own child by pid.
-    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let pid = Pid::from_raw(pid);
+    let _ = kill(pid, Signal::SIGTERM);
     let start = Instant::now();
+    let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
     while start.elapsed() < grace {
-        // SAFETY: siginfo_t is plain data that waitid fills.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        // SAFETY: waits on our own child; WNOWAIT leaves it for the caller to reap.
-        let r = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                pid as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-            )
-        };
-        // SAFETY: after a successful waitid the si_pid field is initialised (0 when the
-        // child has not exited yet).
-        if r != 0 || unsafe { info.si_pid() } != 0 {
-            return;
+        // WNOWAIT leaves it for the caller to reap.
+        match waitid(Id::Pid(pid), flags) {
+            Ok(WaitStatus::StillAlive) => std::thread::sleep(Duration::from_millis(2)),
+            _ => return,
         }
-        std::thread::sleep(Duration::from_millis(2));
     }
-    // SAFETY: as above.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let _ = kill(pid, Signal::SIGKILL);
 }

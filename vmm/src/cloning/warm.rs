@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 use api_types::vm::{VmState, WarmReport};
 use api_types::CloneCgroup;
 use clone::MicrovmState;
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::waitpid;
+use nix::unistd::Pid;
 
 use super::capture::capture;
 use super::cgroups::ClonePools;
@@ -111,11 +114,9 @@ impl WarmPool {
         self.epoch = None;
         let mut pids = Vec::with_capacity(self.clones.len());
         for c in self.clones.drain(..) {
-            // SAFETY: signalling and reaping our own child by pid.
-            unsafe {
-                libc::kill(c.pid, libc::SIGKILL);
-                libc::waitpid(c.pid, std::ptr::null_mut(), 0);
-            }
+            let pid = Pid::from_raw(c.pid);
+            let _ = kill(pid, Signal::SIGKILL);
+            let _ = waitpid(pid, None);
             self.discarded += 1;
             pids.push(c.pid);
         }
@@ -252,8 +253,7 @@ impl WarmPool {
                 return Some((c.pid, c.ready, c.cgroup));
             }
             // The warm clone died: reap it and try the next.
-            // SAFETY: reaping our own child by pid.
-            unsafe { libc::waitpid(c.pid, std::ptr::null_mut(), 0) };
+            let _ = waitpid(Pid::from_raw(c.pid), None);
             if let Some(p) = pools.as_deref_mut() {
                 p.exited(c.pid);
             }

@@ -19,9 +19,10 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use clone::vcpu::{restore_vcpu, save_vcpu, CaptureSpec};
 use clone::VcpuState;
+use devices::control::{ControlPorts, ControlRequest};
 pub use devices::util::monotonic_ns;
-use devices::util::{fill_le, read_le};
 use devices::Bus;
+use devices::Persist;
 
 use crate::arch::x86_64::msr::{boot_msr_entries, set_msrs_skipping, MsrError};
 use crate::arch::x86_64::regs::{boot_fpu, boot_regs, setup_sregs, EntryPoint, RegsError};
@@ -128,14 +129,6 @@ pub enum VcpuEvent {
     Done(u32),
 }
 
-/// Port a guest reads to be cloned (and writes to set the count).
-pub const CLONE_PORT: u16 = 0xf48;
-/// Port a guest writes its completion status to.
-pub const DONE_PORT: u16 = 0xf4c;
-/// Value a guest reads from the clone port while its request is in progress; it never
-/// sees it, because the VMM sets the result before the vCPU runs again.
-const CLONE_PENDING: u32 = 0xffff_fffe;
-
 /// Commands to a vCPU thread.
 enum Command {
     Pause,
@@ -179,8 +172,8 @@ pub struct FirstEntry {
 pub struct Vcpu {
     id: u8,
     fd: VcpuFd,
-    /// Clones the guest's next clone-port read asks for.
-    clone_count: u32,
+    /// This vCPU's forkvm control ports (clone, done).
+    control: ControlPorts,
 }
 
 fn kick_signal() -> i32 {
@@ -200,12 +193,8 @@ fn install_kick_handler() -> Result<(), VcpuError> {
 }
 
 impl Vcpu {
-    fn new(id: u8, fd: VcpuFd) -> Self {
-        Self {
-            id,
-            fd,
-            clone_count: 1,
-        }
+    fn new(id: u8, fd: VcpuFd, control: ControlPorts) -> Self {
+        Self { id, fd, control }
     }
 
     /// Creates vCPU `id` and configures CPUID, MSRs, LAPIC LINTs and, for
@@ -241,7 +230,7 @@ impl Vcpu {
                 .map_err(cfg("mp_state"))?;
             }
         }
-        Ok((Self::new(id, fd), skipped))
+        Ok((Self::new(id, fd, ControlPorts::default()), skipped))
     }
 
     /// Creates a vCPU from saved state (a clone's). Returns it and the MSRs the host
@@ -252,7 +241,8 @@ impl Vcpu {
             .create_vcpu(u64::from(id))
             .map_err(|source| VcpuError::Create { id, source })?;
         let skipped = restore_vcpu(&fd, state)?;
-        Ok((Self::new(id, fd), skipped))
+        let Ok(control) = ControlPorts::restore((), &state.control);
+        Ok((Self::new(id, fd, control), skipped))
     }
 
     /// Re-times a restored vCPU that has not run yet: writes the TSC, then the TSC
@@ -358,22 +348,22 @@ impl Vcpu {
             }
             match result {
                 Ok(exit) => match exit {
-                    VcpuExit::IoIn(CLONE_PORT, data) => {
-                        fill_le(data, CLONE_PENDING);
-                        report(VcpuEvent::CloneRequest(self.clone_count));
-                        // Complete the IN, then stop before the next guest instruction and
-                        // wait, parked, for the VMM to clone and resume us.
-                        self.fd.set_kvm_immediate_exit(1);
-                        parked = true;
+                    VcpuExit::IoIn(port, data) if ControlPorts::decodes(port) => {
+                        if let Some(ControlRequest::Clone(count)) = self.control.read(port, data) {
+                            report(VcpuEvent::CloneRequest(count));
+                            // Complete the IN, then stop before the next guest instruction
+                            // and wait, parked, for the VMM to clone and resume us.
+                            self.fd.set_kvm_immediate_exit(1);
+                            parked = true;
+                        }
                     }
                     VcpuExit::IoIn(port, data) => {
                         pio.read(u64::from(port), data);
                     }
-                    VcpuExit::IoOut(CLONE_PORT, data) => {
-                        self.clone_count = read_le(data);
-                    }
-                    VcpuExit::IoOut(DONE_PORT, data) => {
-                        report(VcpuEvent::Done(read_le(data)));
+                    VcpuExit::IoOut(port, data) if ControlPorts::decodes(port) => {
+                        if let Some(ControlRequest::Done(code)) = self.control.write(port, data) {
+                            report(VcpuEvent::Done(code));
+                        }
                     }
                     VcpuExit::IoOut(port, data) => {
                         pio.write(u64::from(port), data);
@@ -452,8 +442,9 @@ impl Vcpu {
                     }
                 }
                 Some(Command::Capture(spec)) => {
+                    let control = self.control.save();
                     let r = save_vcpu(&self.fd, self.id, &spec)
-                        .map(|(state, skipped)| (Box::new(state), skipped))
+                        .map(|(state, skipped)| (Box::new(VcpuState { control, ..state }), skipped))
                         .map_err(|e| e.to_string());
                     let _ = replies.send(Reply::Captured(r));
                 }

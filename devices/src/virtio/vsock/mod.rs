@@ -19,11 +19,13 @@ use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 
 use super::worker::QueueHandler;
-use super::{ActivateError, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use super::{ActivateError, VirtioDevice, VirtioDeviceState, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use crate::persist::Persist;
 
 pub use packet::HOST_CID;
 
@@ -113,7 +115,35 @@ impl Drop for Vsock {
     }
 }
 
+/// The socket device's own state: the guest's CID. Connections are not carried: a
+/// restored device tells the driver they are gone (a transport reset), and its host
+/// socket is the new VM's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VsockState {
+    /// The guest's CID.
+    pub cid: u64,
+}
+
+impl Persist for Vsock {
+    type State = VsockState;
+    /// The new VM's host socket path (bound later, by `open_host`).
+    type ConstructorArgs = PathBuf;
+    type Error = VsockError;
+
+    fn save(&self) -> VsockState {
+        VsockState { cid: self.cid }
+    }
+
+    fn restore(path: PathBuf, state: &VsockState) -> Result<Self, VsockError> {
+        Self::deferred(state.cid, &path, true)
+    }
+}
+
 impl VirtioDevice for Vsock {
+    fn state(&self) -> VirtioDeviceState {
+        VirtioDeviceState::Vsock(self.save())
+    }
+
     fn name(&self) -> &'static str {
         "virtio-vsock"
     }

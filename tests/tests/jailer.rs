@@ -38,6 +38,13 @@ impl Jailed {
         jailer_args: &[&str],
         vmm_args: &[&str],
     ) -> Self {
+        // Tests run in parallel: two jails with one id would share a jail directory and
+        // a cgroup parent, and one's cleanup would kill the other's VMM.
+        static IDS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+        let mut ids = IDS.lock().unwrap_or_else(|p| p.into_inner());
+        assert!(!ids.iter().any(|i| i == id), "jail id {id} used twice");
+        ids.push(id.to_string());
+        drop(ids);
         let parent = format!("forkvm-test-{id}");
         let base = scratch.path("jails");
         let stderr = scratch.path(&format!("{id}.stderr"));
@@ -472,7 +479,7 @@ fn a_jailed_vmms_clones_use_taps_handed_in_and_cannot_create_their_own() {
         return;
     }
     let scratch = Scratch::new("jail-tap");
-    let id = format!("jt-{}", std::process::id());
+    let id = format!("jn-{}", std::process::id());
     let netns = Netns::new(&format!("forkvm-{id}"));
     for tap in ["fkj0", "fkj1"] {
         let ok = Command::new("ip")

@@ -87,6 +87,13 @@ pub struct BlockArgs {
     pub limit: Option<RateLimit>,
 }
 
+impl BlockState {
+    /// Capacity in bytes.
+    pub fn size(&self) -> u64 {
+        self.sectors * SECTOR_SIZE
+    }
+}
+
 impl Persist for Block {
     type State = BlockState;
     type ConstructorArgs = BlockArgs;

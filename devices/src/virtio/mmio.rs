@@ -193,44 +193,6 @@ impl MmioTransport {
         })
     }
 
-    /// [`Persist::restore`].
-    fn restore_from(
-        args: TransportArgs,
-        state: &MmioTransportState,
-    ) -> Result<Self, TransportRestoreError> {
-        let mut t = Self::new(args.mem, args.device, args.interrupt)?;
-        if state.device_type != t.device.device_type() || state.queues.len() != t.queues.len() {
-            return Err(TransportRestoreError::Mismatch {
-                saved: state.device_type,
-                saved_queues: state.queues.len(),
-                device: t.device.device_type(),
-                queues: t.queues.len(),
-            });
-        }
-        for (index, (q, saved)) in t.queues.iter_mut().zip(&state.queues).enumerate() {
-            let max = t.device.queue_max_sizes()[index];
-            if saved.0.max_size != max {
-                return Err(TransportRestoreError::Queue {
-                    index,
-                    reason: format!("max size {} (this device: {max})", saved.0.max_size),
-                });
-            }
-            *q = Queue::try_from(saved.0).map_err(|e| TransportRestoreError::Queue {
-                index,
-                reason: format!("{e:?}"),
-            })?;
-        }
-        t.features_select = state.features_select;
-        t.acked_features_select = state.acked_features_select;
-        t.acked_features = state.acked_features & t.device.avail_features();
-        t.queue_select = state.queue_select;
-        t.status = state.status;
-        t.config_generation = state.config_generation;
-        t.pending_start = state.activated;
-        t.interrupt.restore(state.interrupt_status)?;
-        Ok(t)
-    }
-
     /// Starts the worker of a device restored as running (no-op otherwise).
     pub fn start_restored(&mut self) -> Result<(), super::ActivateError> {
         if std::mem::take(&mut self.pending_start) {
@@ -496,7 +458,37 @@ impl Persist for MmioTransport {
         args: TransportArgs,
         state: &MmioTransportState,
     ) -> Result<Self, TransportRestoreError> {
-        Self::restore_from(args, state)
+        let mut t = Self::new(args.mem, args.device, args.interrupt)?;
+        if state.device_type != t.device.device_type() || state.queues.len() != t.queues.len() {
+            return Err(TransportRestoreError::Mismatch {
+                saved: state.device_type,
+                saved_queues: state.queues.len(),
+                device: t.device.device_type(),
+                queues: t.queues.len(),
+            });
+        }
+        for (index, (q, saved)) in t.queues.iter_mut().zip(&state.queues).enumerate() {
+            let max = t.device.queue_max_sizes()[index];
+            if saved.0.max_size != max {
+                return Err(TransportRestoreError::Queue {
+                    index,
+                    reason: format!("max size {} (this device: {max})", saved.0.max_size),
+                });
+            }
+            *q = Queue::try_from(saved.0).map_err(|e| TransportRestoreError::Queue {
+                index,
+                reason: format!("{e:?}"),
+            })?;
+        }
+        t.features_select = state.features_select;
+        t.acked_features_select = state.acked_features_select;
+        t.acked_features = state.acked_features & t.device.avail_features();
+        t.queue_select = state.queue_select;
+        t.status = state.status;
+        t.config_generation = state.config_generation;
+        t.pending_start = state.activated;
+        t.interrupt.restore(state.interrupt_status)?;
+        Ok(t)
     }
 }
 

@@ -521,6 +521,28 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Where a clone in `taken` goes and what `GET /clones` shows: both None without
+/// cgroup pools.
+pub(super) fn placement_of(
+    pools: Option<&ClonePools>,
+    taken: Option<&Taken>,
+) -> (Option<Placement>, Option<CloneCgroup>) {
+    match pools.zip(taken) {
+        Some((p, t)) => {
+            let (placement, shown) = p.placement(t);
+            (Some(placement), Some(shown))
+        }
+        None => (None, None),
+    }
+}
+
+/// Records that clone `pid` was started in `taken` (nothing without cgroup pools).
+pub(super) fn started_in(pools: Option<&mut ClonePools>, pid: i32, taken: Option<Taken>) {
+    if let (Some(p), Some(t)) = (pools, taken) {
+        p.started(pid, t);
+    }
+}
+
 /// Moves the calling process into a cgroup by writing "0" to each of its files (the
 /// inherited ones first; each is closed after). Called by a clone before it runs guest
 /// code, while the calling thread is its process's only one (on v1 only the calling

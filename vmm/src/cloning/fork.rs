@@ -117,13 +117,7 @@ pub(super) fn fork_all(
     let mut made = Vec::with_capacity(clones.len());
     let mut clones = clones.into_iter();
     while let Some((mut identity, taken)) = clones.next() {
-        let (placement, mut cgroup) = match (pools.as_deref(), taken.as_ref()) {
-            (Some(p), Some(t)) => {
-                let (placement, shown) = p.placement(t);
-                (Some(placement), Some(shown))
-            }
-            _ => (None, None),
-        };
+        let (placement, mut cgroup) = cgroups::placement_of(pools.as_deref(), taken.as_ref());
         identity.cgroup = placement;
         let forked = pipe()
             .map_err(CloneError::Os)
@@ -148,9 +142,7 @@ pub(super) fn fork_all(
                         c.placed_by = PlacedBy::Forker;
                     }
                 }
-                if let (Some(p), Some(t)) = (pools.as_deref_mut(), taken) {
-                    p.started(pid, t);
-                }
+                cgroups::started_in(pools.as_deref_mut(), pid, taken);
                 made.push((
                     starting_info(identity, pid, cgroup, vm.config()),
                     File::from(read_end),

@@ -33,7 +33,7 @@ use nix::sys::wait::waitpid;
 use nix::unistd::Pid;
 
 use super::capture::capture;
-use super::cgroups::ClonePools;
+use super::cgroups::{placement_of, started_in, ClonePools};
 use super::child::{ServeClone, Start};
 use super::fork::{fork_child, pipe};
 use super::request::{give_back, Identity};
@@ -197,13 +197,7 @@ impl WarmPool {
             Some(p) => Some(p.take(None)?),
             None => None,
         };
-        let (placement, cgroup) = match (pools.as_deref(), taken.as_ref()) {
-            (Some(p), Some(t)) => {
-                let (placement, shown) = p.placement(t);
-                (Some(placement), Some(shown))
-            }
-            _ => (None, None),
-        };
+        let (placement, cgroup) = placement_of(pools.as_deref(), taken.as_ref());
         let start = Start::Warm {
             go: go_read.as_raw_fd(),
             cgroup: placement,
@@ -225,9 +219,7 @@ impl WarmPool {
                 return Err(e);
             }
         };
-        if let (Some(p), Some(t)) = (pools, taken) {
-            p.started(pid, t);
-        }
+        started_in(pools, pid, taken);
         self.clones.push_back(WarmClone {
             pid,
             go: File::from(go_write),

@@ -224,11 +224,7 @@ impl DeviceManager {
                         // clone and kept open across fork; the parent's object owning it
                         // is never used or dropped here, so this is its only owner.
                         let file = unsafe { File::from_raw_fd(s.file.as_raw_fd()) };
-                        Some(Overlay::from_snapshot(
-                            s.inherited(file),
-                            dir,
-                            saved.sectors * 512,
-                        ))
+                        Some(Overlay::from_snapshot(s.inherited(file), dir, saved.size()))
                     }
                     (Some(_), None) => return Err(DeviceError::NoOverlayCopy(i)),
                     (None, _) => None,

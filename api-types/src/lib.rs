@@ -14,12 +14,14 @@
 //! | `POST /clones` | [`CreateClones`] (optional) | 201 [`CloneList`] |
 //! | `GET /clones` | | 200 [`CloneList`] |
 //! | `DELETE /clones/{id}` | | 200 [`CloneInfo`] |
+//! | `POST /invocations` | the payload; [`InvokeOptions`] in the query | 200 the reply |
 //!
 //! Every error answer carries an [`ErrorBody`].
 #![deny(missing_docs)]
 
 pub mod cgroup;
 pub mod clones;
+pub mod invoke;
 pub mod net;
 pub mod options;
 pub mod rate_limit;
@@ -30,6 +32,7 @@ pub use clones::{
     CloneAddresses, CloneConsole, CloneInfo, CloneList, CloneNet, CloneRateLimits, CloneStatus,
     CreateClones,
 };
+pub use invoke::{InvokeOptions, InvokeReport, Outcome};
 pub use net::{Ipv4Cidr, MacAddr};
 pub use rate_limit::RateLimit;
 pub use vm::{Action, ActionType, TargetState, VmInfo, VmState, VmUpdate};

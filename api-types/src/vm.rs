@@ -228,6 +228,8 @@ pub struct VmInfo {
     pub clone_id: String,
     /// Warm clones.
     pub warm_clones: WarmReport,
+    /// Invocations: the mailbox, whether a runtime waits.
+    pub invoke: crate::invoke::InvokeReport,
     /// Cgroup pools for clones (None: none).
     pub cgroups: Option<CgroupsReport>,
     /// The host.

@@ -11,6 +11,7 @@ pub mod control;
 pub mod entropy;
 pub mod identity;
 pub mod legacy;
+pub mod mailbox;
 pub mod persist;
 pub mod probe;
 pub mod rate_limiter;

@@ -30,6 +30,12 @@
  *             every `beat` ticks (exit= does not apply)
  *   dirty=M   after the checks, the BSP rewrites M MiB from 16 MiB every beat,
  *             printing "tiny: dirty pass K" (memory-limit tests)
+ *   invoke=1  after the checks, the BSP masks its timer, prints "tiny: invoke ready"
+ *             and serves invocations through the invoke port: an echo handler whose
+ *             reply is the payload and a 48-byte trailer (the identity port's clone
+ *             number, the request's sequence number, its 32 bytes of entropy); a
+ *             payload starting with one of the words in docs/tiny-guest.md makes it
+ *             fail, hang, crash or reply wrongly instead
  *
  * See docs/tiny-guest.md.
  */
@@ -51,6 +57,12 @@
 #define CLONETEST_MIB   2
 #define CLONE_PORT      0xf48   /* forkvm clone port: write count, read result */
 #define DONE_PORT       0xf4c   /* forkvm done port: write exit status */
+#define IDENTITY_PORT   0xf54   /* forkvm identity port: read the clone number */
+#define INVOKE_PORT     0xf80   /* forkvm invoke port: read waits, write replies */
+#define MAILBOX_ADDR_PORT 0xf84 /* forkvm: the mailbox's guest-physical address */
+#define MAILBOX_SIZE_PORT 0xf88 /* forkvm: the mailbox's size */
+#define REPLY_MAGIC     0x50524b46 /* "FKRP" */
+#define TRAILER_BYTES   48
 
     .code32
     .section .text.entry, "ax"
@@ -205,6 +217,8 @@ bsp_main:
     jne  busy_beats
     cmpq $0, opt_probespin(%rip)
     jne  probe_spin
+    cmpq $0, opt_invoke(%rip)
+    jne  invoke_loop
     cmpq $0, opt_tickless(%rip)
     je   heartbeat
     /* tickless=1: stop this CPU's timer and halt for good (idle clones cost nothing). */
@@ -298,6 +312,107 @@ probe_spin:
 1:  movl $0x5,  %eax
     outl %eax, %dx
     jmp  1b
+
+/*
+ * invoke=1: serve invocations (docs/invoke.md). r15 = mailbox, r14 = its size.
+ * Each request: eax = payload length from the invoke port (all ones: no request, wait
+ * again); the first 4 payload bytes pick the behaviour; the default echoes.
+ */
+invoke_loop:
+    movl $LAPIC, %ebx
+    movl $(TIMER_VECTOR | (1 << 16)), LAPIC_LVT_TIMER(%rbx)
+    movl $MAILBOX_ADDR_PORT, %edx
+    inl  %dx, %eax
+    movl %eax, %r15d
+    movl $MAILBOX_SIZE_PORT, %edx
+    inl  %dx, %eax
+    movl %eax, %r14d
+    leaq msg_invoke(%rip), %rdi
+    call lock_serial
+    call puts
+    call unlock_serial
+1:  movl $INVOKE_PORT, %edx
+    inl  %dx, %eax                  /* parks until a request is in the mailbox */
+    cmpl $0xffffffff, %eax
+    je   1b
+    movl %eax, %ecx                 /* rcx = payload length */
+    xorl %eax, %eax
+    cmpl $4, %ecx
+    jb   2f
+    movl 64(%r15), %eax             /* the payload's first word */
+2:  cmpl $0x6c696166, %eax          /* "fail": the handler fails */
+    je   inv_fail
+    cmpl $0x676e6168, %eax          /* "hang": never replies */
+    je   inv_hang
+    cmpl $0x66666f70, %eax          /* "poff": powers off */
+    je   inv_poweroff
+    cmpl $0x68737263, %eax          /* "crsh": triple fault */
+    je   inv_crash
+    cmpl $0x62726167, %eax          /* "garb": garbage header */
+    je   inv_garbage
+    cmpl $0x6c676962, %eax          /* "bigl": a length past the mailbox */
+    je   inv_biglen
+    cmpl $0x656e6f64, %eax          /* "done": ends the VM with status 7 */
+    je   inv_done
+    /* Echo: the payload stays where it is; the trailer goes after it. */
+    leaq 64(%r15,%rcx), %rdi
+    movl $IDENTITY_PORT, %edx
+    inl  %dx, %eax
+    movq %rax, (%rdi)
+    movq 16(%r15), %rax             /* the request's sequence number */
+    movq %rax, 8(%rdi)
+    leaq 32(%r15), %rsi             /* its entropy */
+    addq $16, %rdi
+    movl %ecx, %r8d
+    movl $32, %ecx
+    rep movsb
+    leal TRAILER_BYTES(%r8), %ecx
+    xorl %eax, %eax                 /* status ok */
+inv_reply:                          /* ecx = length, eax = status */
+    movl $REPLY_MAGIC, (%r15)
+    movw $1, 4(%r15)
+    movw %ax, 6(%r15)
+    movl %ecx, 8(%r15)
+    movl %ecx, %eax
+    movl $INVOKE_PORT, %edx
+    outl %eax, %dx                  /* parks until the VMM took the reply */
+    jmp  1b
+inv_fail:
+    leaq msg_failed(%rip), %rsi
+    leaq 64(%r15), %rdi
+    movl $(msg_failed_end - msg_failed), %ecx
+    rep movsb
+    movl $(msg_failed_end - msg_failed), %ecx
+    movl $1, %eax
+    jmp  inv_reply
+inv_hang:
+    sti
+3:  hlt
+    jmp  3b
+inv_poweroff:
+    movb $0xfe, %al
+    outb %al, $0x64
+    jmp  inv_hang
+inv_crash:
+    lidt null_idt(%rip)
+    int3
+inv_garbage:
+    movq $0x5555555555555555, %rax
+    movq %rax, (%r15)
+    movq %rax, 8(%r15)
+    movl %ecx, %eax
+    movl $INVOKE_PORT, %edx
+    outl %eax, %dx
+    jmp  1b
+inv_biglen:
+    movl $0x7fffffff, %ecx
+    xorl %eax, %eax
+    jmp  inv_reply
+inv_done:
+    movl $7, %eax
+    movl $DONE_PORT, %edx
+    outl %eax, %dx
+    jmp  inv_hang
 
 /*
  * dirty=M: rewrites M MiB from MEMTEST_BASE every beat with the pass number and prints
@@ -579,6 +694,9 @@ parse_cmdline:
     leaq key_dirty(%rip), %rdi
     leaq opt_dirty(%rip), %rdx
     call cmdline_opt
+    leaq key_invoke(%rip), %rdi
+    leaq opt_invoke(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -651,6 +769,13 @@ key_tickless:   .asciz "tickless="
 key_probespin:  .asciz "probespin="
 key_dirty:      .asciz "dirty="
 msg_dirty:      .asciz "tiny: dirty pass "
+key_invoke:     .asciz "invoke="
+msg_invoke:     .asciz "tiny: invoke ready\n"
+msg_failed:     .ascii "tiny: the handler failed"
+msg_failed_end:
+null_idt:
+    .word 0
+    .quad 0
 
     .align 16
 gdt:
@@ -677,6 +802,7 @@ opt_done:    .quad 0
 opt_tickless: .quad 0
 opt_probespin: .quad 0
 opt_dirty:   .quad 0
+opt_invoke:  .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

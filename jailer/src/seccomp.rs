@@ -239,6 +239,10 @@ const VMM: &[i64] = &[
     libc::SYS_sendto,
     libc::SYS_setsockopt,
     libc::SYS_getsockopt,
+    // A warm clone's launch channel, which carries an invocation's connection.
+    libc::SYS_socketpair,
+    libc::SYS_sendmsg,
+    libc::SYS_recvmsg,
     libc::SYS_clone,
     libc::SYS_clone3,
     libc::SYS_wait4,

@@ -124,7 +124,12 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
     }
 
     // 4. Memory.
-    let (mem, mem_info) = create_guest_memory(config.mem_mib << 20, config.thp, config.prefault)?;
+    let (mem, mem_info) = create_guest_memory(
+        config.mem_mib << 20,
+        config.thp,
+        config.prefault,
+        config.mailbox(),
+    )?;
     timer.done("memory");
 
     // 5. VM with its memory slots.
@@ -256,7 +261,7 @@ fn prepare_guest(
         } else {
             StartMode::WaitForSipi
         };
-        let (vcpu, skipped) = Vcpu::create(vm, mem, id, &cpuid, start)?;
+        let (vcpu, skipped) = Vcpu::create(vm, mem, id, &cpuid, start, config.mailbox())?;
         if id == 0 && !skipped.is_empty() {
             tracing::info!("host refused MSRs {skipped:#x?}; skipped them");
             skipped_msrs = skipped;

@@ -354,6 +354,11 @@ pub struct VmConfig {
     pub ap_boot: ApBoot,
     /// Warm clones to keep ready while the VM is paused (`cloning::warm`).
     pub warm_clones: usize,
+    /// The invocation mailbox's size in MiB (0: none; docs/invoke.md).
+    pub mailbox_mib: u32,
+    /// A template: the VM pauses itself the first time its runtime waits for a
+    /// request, and each invocation runs in a clone of it.
+    pub template: bool,
     /// Pooled cgroups for clones (None: clones stay in the VMM's cgroup).
     pub cgroups: Option<CgroupConfig>,
     /// What a system call outside a thread's seccomp filter does (`crate::sandbox`).
@@ -380,9 +385,21 @@ impl VmConfig {
             prefault: false,
             ap_boot: ApBoot::Sipi,
             warm_clones: 0,
+            mailbox_mib: DEFAULT_MAILBOX_MIB,
+            template: false,
             cgroups: None,
             seccomp: jailer::seccomp::SeccompMode::KillProcess,
         }
+    }
+}
+
+/// The mailbox size a VM gets unless told otherwise, in MiB.
+pub const DEFAULT_MAILBOX_MIB: u32 = 4;
+
+impl VmConfig {
+    /// Where the invocation mailbox is and how large.
+    pub fn mailbox(&self) -> devices::mailbox::MailboxWindow {
+        devices::mailbox::MailboxWindow::of_size(self.mailbox_mib << 20)
     }
 }
 
@@ -392,6 +409,9 @@ pub enum ConfigError {
     /// Too many warm clones.
     #[error("{0} warm clones requested; at most {max} may be kept", max = MAX_WARM_CLONES)]
     WarmClones(usize),
+    /// Mailbox too large, or missing for a template.
+    #[error("mailbox of {0} MiB: a VM's mailbox is 1 to {max} MiB (0: none, not for a template)", max = devices::mailbox::MAX_MAILBOX_BYTES >> 20)]
+    Mailbox(u32),
     /// Bad cgroup pool settings.
     #[error("cgroup classes: {0}")]
     Cgroups(String),
@@ -477,6 +497,10 @@ impl VmConfig {
     pub fn validate(&self, host_max_vcpus: usize) -> Result<(), ConfigError> {
         if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
             return Err(ConfigError::MemSize(self.mem_mib));
+        }
+        let max_mailbox = (devices::mailbox::MAX_MAILBOX_BYTES >> 20) as u32;
+        if self.mailbox_mib > max_mailbox || (self.template && self.mailbox_mib == 0) {
+            return Err(ConfigError::Mailbox(self.mailbox_mib));
         }
         if self.warm_clones > MAX_WARM_CLONES {
             return Err(ConfigError::WarmClones(self.warm_clones));

@@ -10,15 +10,27 @@ use std::os::fd::{AsRawFd, RawFd};
 
 use nix::sys::signalfd::SignalFd;
 
+use api_types::invoke::Outcome;
 use api_types::vm::{TargetState, VmInfo};
-use api_types::CloneList;
+use api_types::{CloneList, CloneStatus};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
+use crate::api::http::BodyLimits;
 use crate::api::server::ApiServer;
 use crate::cloning::{Cloner, RebuiltClone, ServeError};
 use crate::config::ConsoleSink;
+use crate::config::VmConfig;
+use crate::invoke::{Finished, Invocation, InvokeError, Invoker, Route};
 use crate::microvm::{Input, Microvm, RunOutcome};
 use crate::rpc::{ActionReceiver, VmmAction, VmmActionError, VmmData, VmmResponse};
+
+/// The request bodies the control socket of a VM with `config` takes: invocations up to
+/// what its mailbox holds.
+pub fn body_limits(config: &VmConfig) -> BodyLimits {
+    BodyLimits {
+        invocation: config.mailbox().capacity(),
+    }
+}
 use crate::signals::read_signal;
 use crate::vstate::vcpu::VcpuEvent;
 
@@ -30,10 +42,11 @@ pub enum RunError {
     EventLoop(std::io::Error),
 }
 
-/// A VM and its clone side.
+/// A VM, its clone side and its invocation side.
 pub struct Vmm {
     vm: Microvm,
     clones: Cloner,
+    invoker: Invoker,
 }
 
 const TOKEN_RESET: u64 = 1;
@@ -51,7 +64,12 @@ fn wait_ms(d: std::time::Duration) -> i32 {
 impl Vmm {
     /// The VMM of `vm`, whose clones `clones` makes.
     pub fn new(vm: Microvm, clones: Cloner) -> Self {
-        Self { vm, clones }
+        let invoker = Invoker::new(vm.config());
+        Self {
+            vm,
+            clones,
+            invoker,
+        }
     }
 
     /// What `GET /vm` shows.
@@ -60,7 +78,55 @@ impl Vmm {
             self.clones.clone_id(),
             self.clones.warm_report(),
             self.clones.cgroups_report(),
+            self.invoker.report(),
         )
+    }
+
+    /// Runs invocation `inv`: in a clone of a template (which answers the caller), or
+    /// in place.
+    fn invoke(&mut self, inv: Invocation) -> VmmResponse {
+        match self.invoker.route(&self.vm, inv.payload.len())? {
+            Route::Clone(vcpu) => {
+                let delivery = self.invoker.hand_to_clone(&inv, vcpu);
+                let info = self.clones.invoke(&mut self.vm, inv, delivery)?;
+                if info.status == CloneStatus::Failed {
+                    return Err(InvokeError::CloneFailed(info.id).into());
+                }
+            }
+            Route::InPlace(vcpu) => self.invoker.deliver(&self.vm, inv, vcpu)?,
+        }
+        Ok(VmmData::Invoked)
+    }
+
+    /// Answers the caller of finished invocation `f`; returns how the VM ends when it
+    /// does (it served its one invocation), or resumes the runtime (keep-alive).
+    fn answer(&mut self, f: Finished) -> Option<RunOutcome> {
+        let console = match (&self.vm.config().console, f.outcome) {
+            (_, Outcome::Ok) => None,
+            (ConsoleSink::File(path), _) => crate::api::invoke::console_tail(path),
+            _ => None,
+        };
+        let socket = self.vm.config().api_sock.clone().unwrap_or_default();
+        if let Err(e) = crate::api::invoke::answer(&f, self.clones.clone_id(), &socket, console) {
+            tracing::warn!("cannot answer the invocation's caller: {e}");
+        }
+        tracing::info!(
+            "invocation answered: {} in {} us (handler {} us)",
+            f.outcome.as_str(),
+            f.timings.total_us,
+            f.timings.handler_us
+        );
+        if !f.keep_alive {
+            return Some(RunOutcome::Invoked);
+        }
+        let resumed = (self.vm.vcpus().get(usize::from(f.vcpu))).map(|v| v.resume());
+        match resumed {
+            Some(Ok(())) => None,
+            _ => Some(RunOutcome::Error(format!(
+                "cannot resume the runtime's vCPU {}",
+                f.vcpu
+            ))),
+        }
     }
 
     /// Takes one action. `Shutdown` is answered here; the loop then stops.
@@ -71,11 +137,13 @@ impl Vmm {
                 self.vm.set_state(target)?;
                 if target == TargetState::Running {
                     // The guest runs on: what was captured and forked while paused is
-                    // stale.
+                    // stale, and a waiting runtime reads "no request".
                     self.clones.discard_warm_clones();
+                    self.invoker.resumed();
                 }
                 Ok(VmmData::Empty)
             }
+            VmmAction::Invoke(inv) => self.invoke(*inv),
             VmmAction::Shutdown => Ok(VmmData::Empty),
             VmmAction::CreateClones {
                 request,
@@ -98,11 +166,31 @@ impl Vmm {
 
     /// Handles one vCPU event; returns how the VM ends when it does.
     fn vcpu_event(&mut self, id: u8, event: VcpuEvent) -> Option<RunOutcome> {
-        if let VcpuEvent::CloneRequest(count) = event {
-            self.clones.guest_request(&mut self.vm, id, count);
-            return None;
+        match event {
+            VcpuEvent::CloneRequest(count) => {
+                self.clones.guest_request(&mut self.vm, id, count);
+                None
+            }
+            VcpuEvent::InvokeWait => {
+                if self.invoker.runtime_waits(&self.vm, id) {
+                    // A template: paused where its runtime waits, its warm clones made.
+                    match self.vm.set_state(TargetState::Paused) {
+                        Ok(()) => tracing::info!("template ready: its runtime waits on vCPU {id}"),
+                        Err(e) => tracing::error!("cannot pause the template: {e}"),
+                    }
+                }
+                None
+            }
+            VcpuEvent::InvokeReply(len) => match self.invoker.runtime_replied(&self.vm, id, len) {
+                Some(f) => self.answer(f),
+                None => {
+                    tracing::warn!("vCPU {id} replied with no invocation in flight; resuming it");
+                    let _ = self.vm.vcpus().get(usize::from(id)).map(|v| v.resume());
+                    None
+                }
+            },
+            event => RunOutcome::of_vcpu_event(id, &event),
         }
-        RunOutcome::of_vcpu_event(id, &event)
     }
 
     /// Runs the event loop until the VM stops, then stops every vCPU thread and every
@@ -150,13 +238,19 @@ impl Vmm {
             // upkeep) waits a moment after the last request: fork() holds this process's
             // memory map, so the answer to that request, still being written by the API
             // thread, would wait for it.
-            let timeout = self.clones.due_in(&self.vm).map_or(-1, wait_ms);
+            let due = [self.clones.due_in(&self.vm), self.invoker.due_in()];
+            let timeout = due.into_iter().flatten().min().map_or(-1, wait_ms);
             let n = match epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(RunError::EventLoop(e)),
             };
             self.clones.do_due_work(&mut self.vm);
+            if let Some(f) = self.invoker.expire() {
+                if let Some(outcome) = self.answer(f) {
+                    break 'run outcome;
+                }
+            }
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_RESET => {
@@ -212,12 +306,29 @@ impl Vmm {
                 }
             }
         };
+        // An invocation the guest did not answer is answered now.
+        if let Some(f) = self.invoker.guest_stopped(&describe_outcome(&outcome)) {
+            self.answer(f);
+        }
         // Actions still queued are refused ("shutting down") rather than left waiting.
         drop(actions);
         self.clones.discard_warm_clones();
         self.vm.stop();
         self.clones.shut_down();
         Ok(outcome)
+    }
+}
+
+/// What an invocation's caller is told when the VM ended with `outcome` before the
+/// runtime replied.
+fn describe_outcome(outcome: &RunOutcome) -> String {
+    match outcome {
+        RunOutcome::GuestPowerOff => "the guest powered off".into(),
+        RunOutcome::ApiShutdown => "the VM was shut down through its API".into(),
+        RunOutcome::Signal(s) => format!("the VMM got signal {s}"),
+        RunOutcome::GuestDone(code) => format!("the guest ended with status {code}"),
+        RunOutcome::Error(e) => e.clone(),
+        RunOutcome::Invoked => "the VM ended".into(),
     }
 }
 
@@ -228,10 +339,15 @@ impl Vmm {
 /// loop until it stops.
 pub fn serve_clone(clone: RebuiltClone) -> Result<RunOutcome, ServeError> {
     let (sender, actions) = crate::rpc::channel()?;
-    let api = ApiServer::start(&clone.api_sock, sender)?;
+    let limits = body_limits(clone.vm.config());
+    let api = ApiServer::start(&clone.api_sock, sender, limits)?;
     clone.ready.send()?;
     clone.vm.devices().start_restored_virtio()?;
-    let outcome = Vmm::new(clone.vm, clone.cloner).run(Some(actions), Some(&clone.signals))?;
+    let mut vmm = Vmm::new(clone.vm, clone.cloner);
+    if let Some(invoker) = clone.invoker {
+        vmm.invoker = invoker;
+    }
+    let outcome = vmm.run(Some(actions), Some(&clone.signals))?;
     drop(api);
     Ok(outcome)
 }

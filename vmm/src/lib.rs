@@ -10,6 +10,7 @@ pub mod config;
 pub mod controller;
 pub mod device_manager;
 pub mod gate;
+pub mod invoke;
 pub mod logging;
 pub mod microvm;
 pub mod rpc;
@@ -64,7 +65,7 @@ pub fn run(config: VmConfig) -> Result<RunOutcome, VmmError> {
     let api = config
         .api_sock
         .as_deref()
-        .map(|path| ApiServer::start(path, sender))
+        .map(|path| ApiServer::start(path, sender, controller::body_limits(&config)))
         .transpose()?;
     let actions = api.is_some().then_some(actions);
     // The queue's end goes (refusing what is queued) before the server, whose thread

@@ -45,8 +45,33 @@ enum Command {
     /// Run a shell command in the guest through vsock and forkvm-agent; prints its
     /// output and exits with its status.
     Exec(ExecArgs),
+    /// Run an invocation (POST /invocations): prints the handler's reply; exits 0 when
+    /// the handler returned, 1 otherwise (the error on stderr).
+    Invoke(InvokeArgs),
     /// Print the control API's OpenAPI description (YAML; docs/api/openapi.yaml).
     Openapi,
+}
+
+#[derive(clap::Args)]
+struct InvokeArgs {
+    /// The template's (or a keep-alive clone's) control socket.
+    #[arg(long)]
+    api_sock: PathBuf,
+    /// The payload: text, `@FILE`, or `-` for standard input (default: empty).
+    #[arg(long)]
+    data: Option<String>,
+    /// How long the handler may take, in milliseconds.
+    #[arg(long)]
+    timeout_ms: Option<u64>,
+    /// The clone's resource class (with cgroup pools).
+    #[arg(long)]
+    class: Option<String>,
+    /// The clone serves further invocations on its own socket after this one.
+    #[arg(long)]
+    keep_alive: bool,
+    /// Print the outcome, clone id, socket and timings on stderr.
+    #[arg(long, short)]
+    verbose: bool,
 }
 
 #[derive(clap::Args)]
@@ -202,6 +227,14 @@ struct RunArgs {
     /// How long a clone request waits for a free cgroup at the maximum (0: fail at once).
     #[arg(long, default_value_t = 0)]
     cgroup_wait_ms: u64,
+    /// The invocation mailbox's size in MiB (0: none; 1 to 256): the largest request
+    /// or reply is this less 64 bytes.
+    #[arg(long, default_value_t = vmm::config::DEFAULT_MAILBOX_MIB)]
+    mailbox_mib: u32,
+    /// A template: pause the first time the guest's runtime waits for a request; each
+    /// invocation then runs in a clone of it (keep --warm-clones ready).
+    #[arg(long)]
+    template: bool,
     /// Seccomp filters per thread kind: a system call outside them kills the process
     /// (kill), only the thread (kill-thread), is logged to the kernel log (log), or
     /// no filters (off).
@@ -326,6 +359,55 @@ fn raise_nofile_limit() {
     }
 }
 
+fn invoke(i: &InvokeArgs) -> ExitCode {
+    use std::io::{Read, Write};
+    let payload = match i.data.as_deref() {
+        None => Ok(Vec::new()),
+        Some("-") => {
+            let mut v = Vec::new();
+            std::io::stdin().read_to_end(&mut v).map(|_| v)
+        }
+        Some(d) => match d.strip_prefix('@') {
+            Some(file) => std::fs::read(file),
+            None => Ok(d.as_bytes().to_vec()),
+        },
+    };
+    let payload = match payload {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("vmm: reading the payload: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let options = api_types::InvokeOptions {
+        timeout_ms: i.timeout_ms,
+        resource_class: i.class.clone(),
+        keep_alive: i.keep_alive,
+        ..Default::default()
+    };
+    let r = match client::invoke(&i.api_sock, &options, &payload) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vmm: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if i.verbose {
+        for (name, value) in r.headers.iter().filter(|(n, _)| n.starts_with("x-forkvm-")) {
+            eprintln!("{name}: {value}");
+        }
+    }
+    if r.status == 200 {
+        let mut out = std::io::stdout();
+        let _ = out.write_all(&r.bytes).and_then(|()| out.flush());
+        return ExitCode::SUCCESS;
+    }
+    let message =
+        serde_json::from_str::<api_types::ErrorBody>(&r.body).map_or(r.body.clone(), |e| e.error);
+    eprintln!("vmm: error {}: {message}", r.status);
+    ExitCode::FAILURE
+}
+
 fn main() -> ExitCode {
     // glibc reports a fatal error it detects (heap corruption, a failed check) on
     // /dev/tty unless this is set: opening it is outside every thread's seccomp filter,
@@ -380,6 +462,8 @@ fn main() -> ExitCode {
                 prefault: a.prefault,
                 ap_boot: a.ap_boot,
                 warm_clones: a.warm_clones,
+                mailbox_mib: a.mailbox_mib,
+                template: a.template,
                 seccomp: a.seccomp,
                 ..VmConfig::new(a.kernel)
             };
@@ -402,6 +486,7 @@ fn main() -> ExitCode {
         Command::Fork(f) => fork(&f),
         Command::Clones(s) => print_answer(client::list_clones(&s.api_sock)),
         Command::Exec(e) => exec(&e),
+        Command::Invoke(i) => invoke(&i),
         Command::Openapi => {
             print!("{}", vmm::api::spec::openapi_yaml());
             ExitCode::SUCCESS

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use api_types::cgroup::CgroupsReport;
+use api_types::invoke::InvokeReport;
 use api_types::vm::{HostReport, ProbeReport, TargetState, VmInfo, VmState, WarmReport};
 use clone::vcpu::CaptureSpec;
 use kvm_ioctls::VmFd;
@@ -37,21 +38,23 @@ pub enum RunOutcome {
     GuestDone(u32),
     /// The guest or KVM failed.
     Error(String),
+    /// The VM served its invocation and ended (a clone made for one).
+    Invoked,
 }
 
 impl RunOutcome {
     /// The process exit status for this outcome.
     pub fn exit_code(&self) -> i32 {
         match self {
-            RunOutcome::GuestPowerOff | RunOutcome::ApiShutdown => 0,
+            RunOutcome::GuestPowerOff | RunOutcome::ApiShutdown | RunOutcome::Invoked => 0,
             RunOutcome::Signal(s) => 128 + s,
             RunOutcome::GuestDone(code) => (*code & 0xff) as i32,
             RunOutcome::Error(_) => 1,
         }
     }
 
-    /// How vCPU `id`'s `event` ends the VM, if it does (a clone request does not: the
-    /// controller hands it to the cloning stages).
+    /// How vCPU `id`'s `event` ends the VM, if it does (clone and invoke requests do
+    /// not: the controller hands them on).
     pub fn of_vcpu_event(id: u8, event: &VcpuEvent) -> Option<Self> {
         match event {
             VcpuEvent::Exited(VcpuExitReason::SystemEvent(kind)) => {
@@ -64,7 +67,10 @@ impl RunOutcome {
             VcpuEvent::Exited(VcpuExitReason::Failed(msg)) => {
                 Some(RunOutcome::Error(format!("vCPU {id}: {msg}")))
             }
-            VcpuEvent::Exited(VcpuExitReason::Stopped) | VcpuEvent::CloneRequest(_) => None,
+            VcpuEvent::Exited(VcpuExitReason::Stopped)
+            | VcpuEvent::CloneRequest(_)
+            | VcpuEvent::InvokeWait
+            | VcpuEvent::InvokeReply(_) => None,
             VcpuEvent::Done(code) => {
                 tracing::info!("guest signalled done with status {code}");
                 Some(RunOutcome::GuestDone(*code))
@@ -273,6 +279,7 @@ impl Microvm {
         clone_id: &str,
         warm_clones: WarmReport,
         cgroups: Option<CgroupsReport>,
+        invoke: InvokeReport,
     ) -> VmInfo {
         let probe = &self.devices.probe;
         VmInfo {
@@ -285,6 +292,7 @@ impl Microvm {
             uptime_ms: self.started.elapsed().as_millis() as u64,
             clone_id: clone_id.to_string(),
             warm_clones,
+            invoke,
             cgroups,
             host: self.host.clone(),
             devices: self.devices.describe_virtio(),

@@ -19,6 +19,7 @@ use api_types::{CloneInfo, CloneList, CreateClones, TargetState, VmInfo};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::cloning::CloneError;
+use crate::invoke::{Invocation, InvokeError};
 use crate::microvm::StateError;
 
 /// What the VMM core can be asked to do.
@@ -42,6 +43,9 @@ pub enum VmmAction {
     ListClones,
     /// Stop one clone (`DELETE /clones/{id}`).
     DeleteClone(String),
+    /// Run an invocation (`POST /invocations`): in a clone of a template, or in place.
+    /// The VM that runs it answers on its connection.
+    Invoke(Box<Invocation>),
 }
 
 /// What the VMM core answers.
@@ -57,6 +61,8 @@ pub enum VmmData {
     Clones(CloneList),
     /// One clone, as it ended.
     Clone(Box<CloneInfo>),
+    /// The invocation is on its way; the VM that runs it answers the caller.
+    Invoked,
 }
 
 /// Why the VMM core refused or failed an action, per operation.
@@ -68,6 +74,9 @@ pub enum VmmActionError {
     /// Making clones failed (the VM goes on as before).
     #[error(transparent)]
     CreateClones(#[from] CloneError),
+    /// The invocation was refused before it reached a runtime.
+    #[error(transparent)]
+    Invoke(#[from] InvokeError),
     /// No live clone has this id.
     #[error("no running clone with id {0:?}")]
     NoSuchClone(String),

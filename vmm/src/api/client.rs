@@ -6,6 +6,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
+use api_types::invoke::InvokeOptions;
 use api_types::{
     Action, ActionType, CloneInfo, CloneList, CreateClones, ErrorBody, TargetState, VmInfo,
     VmUpdate,
@@ -56,20 +57,57 @@ pub fn request(
     path: &str,
     body: Option<&str>,
 ) -> Result<Response, ClientError> {
+    let body = body.unwrap_or("").as_bytes();
+    let json = Some("application/json");
+    request_bytes(sock, method, path, json, body, Duration::from_secs(30))
+}
+
+/// Sends one request with a body of `content_type` and reads the answer within
+/// `timeout`, whatever its status.
+pub fn request_bytes(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    content_type: Option<&str>,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<Response, ClientError> {
     let mut s = UnixStream::connect(sock).map_err(|source| ClientError::Connect {
         path: sock.display().to_string(),
         source,
     })?;
-    let timeout = Some(Duration::from_secs(30));
-    s.set_read_timeout(timeout).map_err(HttpError::Io)?;
-    s.set_write_timeout(timeout).map_err(HttpError::Io)?;
-    let body = body.unwrap_or("");
-    let msg = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+    s.set_read_timeout(Some(timeout)).map_err(HttpError::Io)?;
+    s.set_write_timeout(Some(timeout)).map_err(HttpError::Io)?;
+    let kind = content_type.map_or(String::new(), |k| format!("Content-Type: {k}\r\n"));
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{kind}Content-Length: {}\r\n\r\n",
         body.len()
     );
-    s.write_all(msg.as_bytes()).map_err(HttpError::Io)?;
+    s.write_all(head.as_bytes()).map_err(HttpError::Io)?;
+    s.write_all(body).map_err(HttpError::Io)?;
     Ok(read_response(&s)?)
+}
+
+/// `POST /invocations`: runs the handler on `payload`; the answer, whatever its status
+/// (its `x-forkvm-outcome` header says how the handler ended). Waits for the options'
+/// timeout and 10 s more.
+pub fn invoke(
+    sock: &Path,
+    options: &InvokeOptions,
+    payload: &[u8],
+) -> Result<Response, ClientError> {
+    let query = serde_urlencoded::to_string(options).map_err(|e| ClientError::Decode {
+        status: 0,
+        reason: e.to_string(),
+        body: String::new(),
+    })?;
+    let path = match query.as_str() {
+        "" => "/invocations".to_string(),
+        q => format!("/invocations?{q}"),
+    };
+    let wait = Duration::from_millis(options.timeout_ms()) + Duration::from_secs(10);
+    let kind = Some("application/octet-stream");
+    request_bytes(sock, "POST", &path, kind, payload, wait)
 }
 
 /// The answer's body as `T` if its status is a success, else the VMM's error.
@@ -143,6 +181,8 @@ mod tests {
         Response {
             status,
             body: body.into(),
+            bytes: body.as_bytes().to_vec(),
+            headers: Vec::new(),
         }
     }
 

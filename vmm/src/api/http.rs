@@ -26,27 +26,58 @@ pub enum HttpError {
 }
 
 /// A parsed request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Request {
     /// GET, PUT, PATCH, POST, DELETE, ...
     pub method: String,
     /// Path without query string.
     pub path: String,
+    /// The query string, without the `?` ("" without one).
+    pub query: String,
     /// Body bytes.
     pub body: Vec<u8>,
+    /// The connection it came on, for requests answered elsewhere (an invocation's, by
+    /// the VM that runs it); set by the server.
+    pub conn: Option<crate::invoke::Connection>,
+}
+
+/// The largest body a request to `path` may have: [`MAX_BODY_BYTES`], or for
+/// invocations what the mailbox holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BodyLimits {
+    /// `POST /invocations`.
+    pub invocation: usize,
+}
+
+impl Default for BodyLimits {
+    fn default() -> Self {
+        Self {
+            invocation: MAX_BODY_BYTES,
+        }
+    }
+}
+
+impl BodyLimits {
+    fn of(&self, path: &str) -> usize {
+        match path {
+            "/invocations" => self.invocation,
+            _ => MAX_BODY_BYTES,
+        }
+    }
 }
 
 /// The parts of a complete header block that matter here.
 struct Head {
     method: String,
     path: String,
+    query: String,
     content_length: usize,
     /// Bytes of the buffer the header block took.
     len: usize,
 }
 
 /// Parses the header block at the start of `buf`; None while it is incomplete.
-fn parse_head(buf: &[u8]) -> Result<Option<Head>, HttpError> {
+fn parse_head(buf: &[u8], limits: &BodyLimits) -> Result<Option<Head>, HttpError> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
     let len = match req.parse(buf) {
@@ -60,6 +91,9 @@ fn parse_head(buf: &[u8]) -> Result<Option<Head>, HttpError> {
         Err(e) => return Err(HttpError::Malformed(e.to_string())),
     };
     let mut content_length = 0usize;
+    let target = req.path.unwrap_or("");
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let max_body = limits.of(path);
     for h in req.headers.iter() {
         if h.name.eq_ignore_ascii_case("content-length") {
             let value = String::from_utf8_lossy(h.value);
@@ -67,9 +101,9 @@ fn parse_head(buf: &[u8]) -> Result<Option<Head>, HttpError> {
                 .trim()
                 .parse()
                 .map_err(|_| HttpError::Malformed(format!("bad Content-Length {value:?}")))?;
-            if content_length > MAX_BODY_BYTES {
+            if content_length > max_body {
                 return Err(HttpError::TooLarge(format!(
-                    "body of {content_length} bytes; at most {MAX_BODY_BYTES}"
+                    "body of {content_length} bytes; at most {max_body}"
                 )));
             }
         } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
@@ -78,17 +112,25 @@ fn parse_head(buf: &[u8]) -> Result<Option<Head>, HttpError> {
             ));
         }
     }
-    let target = req.path.unwrap_or("");
     Ok(Some(Head {
         method: req.method.unwrap_or("").to_string(),
-        path: target.split('?').next().unwrap_or("").to_string(),
+        path: path.to_string(),
+        query: query.to_string(),
         content_length,
         len,
     }))
 }
 
-/// Reads one request from `stream`.
-pub fn read_request<R: Read>(mut stream: R) -> Result<Request, HttpError> {
+/// Reads one request from `stream`, bodies within the default limits.
+pub fn read_request<R: Read>(stream: R) -> Result<Request, HttpError> {
+    read_request_within(stream, &BodyLimits::default())
+}
+
+/// Reads one request from `stream`, its body within `limits`.
+pub fn read_request_within<R: Read>(
+    mut stream: R,
+    limits: &BodyLimits,
+) -> Result<Request, HttpError> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     let head = loop {
@@ -97,7 +139,7 @@ pub fn read_request<R: Read>(mut stream: R) -> Result<Request, HttpError> {
             return Err(HttpError::Malformed("connection closed mid-request".into()));
         }
         buf.extend_from_slice(&chunk[..n]);
-        let head = parse_head(&buf)?;
+        let head = parse_head(&buf, limits)?;
         if head.as_ref().map_or(buf.len(), |h| h.len) > MAX_HEADER_BYTES {
             return Err(HttpError::TooLarge(format!(
                 "headers over {MAX_HEADER_BYTES} bytes"
@@ -117,7 +159,9 @@ pub fn read_request<R: Read>(mut stream: R) -> Result<Request, HttpError> {
     Ok(Request {
         method: head.method,
         path: head.path,
+        query: head.query,
         body,
+        conn: None,
     })
 }
 
@@ -132,24 +176,42 @@ fn reason(status: u16) -> &'static str {
         409 => "Conflict",
         413 => "Payload Too Large",
         500 => "Internal Server Error",
+        502 => "Bad Gateway",
         503 => "Service Unavailable",
+        504 => "Gateway Timeout",
         _ => "Unknown",
     }
 }
 
 /// Writes a response with an optional JSON body and closes the exchange.
-pub fn write_response<W: Write>(mut w: W, status: u16, body: Option<&str>) -> std::io::Result<()> {
+pub fn write_response<W: Write>(w: W, status: u16, body: Option<&str>) -> std::io::Result<()> {
     let body = body.unwrap_or("");
+    let kind = (!body.is_empty()).then_some("application/json");
+    write_response_with(w, status, &[], kind, body.as_bytes())
+}
+
+/// Writes a response with extra `headers`, a body of type `content_type` (None: no
+/// Content-Type) and closes the exchange.
+pub fn write_response_with<W: Write>(
+    mut w: W,
+    status: u16,
+    headers: &[(&str, String)],
+    content_type: Option<&str>,
+    body: &[u8],
+) -> std::io::Result<()> {
     let mut head = format!("HTTP/1.1 {status} {}\r\n", reason(status));
-    if !body.is_empty() {
-        head.push_str("Content-Type: application/json\r\n");
+    if let Some(kind) = content_type {
+        head.push_str(&format!("Content-Type: {kind}\r\n"));
+    }
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
     }
     head.push_str(&format!(
         "Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     ));
     w.write_all(head.as_bytes())?;
-    w.write_all(body.as_bytes())?;
+    w.write_all(body)?;
     w.flush()
 }
 
@@ -158,8 +220,21 @@ pub fn write_response<W: Write>(mut w: W, status: u16, body: Option<&str>) -> st
 pub struct Response {
     /// Status code.
     pub status: u16,
-    /// Body text.
+    /// Body text (bytes that are not UTF-8 replaced).
     pub body: String,
+    /// The body's bytes.
+    pub bytes: Vec<u8>,
+    /// Headers, names in lower case, in order.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Response {
+    /// The value of header `name` (lower case), if present.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        (self.headers.iter())
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// Reads a whole response (the server closes the connection after it).
@@ -175,9 +250,17 @@ pub fn read_response<R: Read>(mut r: R) -> Result<Response, HttpError> {
         }
         Err(e) => return Err(HttpError::Malformed(format!("bad response: {e}"))),
     };
+    let headers = (resp.headers.iter())
+        .map(|h| {
+            let value = String::from_utf8_lossy(h.value).into_owned();
+            (h.name.to_ascii_lowercase(), value)
+        })
+        .collect();
     Ok(Response {
         status: resp.code.unwrap_or(0),
         body: String::from_utf8_lossy(&raw[len..]).into_owned(),
+        bytes: raw[len..].to_vec(),
+        headers,
     })
 }
 
@@ -191,7 +274,37 @@ mod tests {
         let r = read_request(&raw[..]).unwrap();
         assert_eq!(r.method, "PATCH");
         assert_eq!(r.path, "/vm");
+        assert_eq!(r.query, "x=1");
         assert_eq!(r.body, b"{\"state\":\"paused\"}");
+    }
+
+    #[test]
+    fn invocations_take_bodies_up_to_the_mailbox() {
+        let limits = BodyLimits {
+            invocation: 1 << 20,
+        };
+        let head =
+            |path: &str, n: usize| format!("POST {path} HTTP/1.1\r\nContent-Length: {n}\r\n\r\n");
+        let body = vec![7u8; 100_000];
+        let mut raw = head("/invocations?keep_alive=true", body.len()).into_bytes();
+        raw.extend_from_slice(&body);
+        let r = read_request_within(&raw[..], &limits).unwrap();
+        assert_eq!(
+            (r.path.as_str(), r.query.as_str()),
+            ("/invocations", "keep_alive=true")
+        );
+        assert_eq!(r.body, body);
+        // Elsewhere the limit stays, and past the mailbox it is refused unread.
+        let raw = head("/clones", 100_000);
+        assert!(matches!(
+            read_request_within(raw.as_bytes(), &limits),
+            Err(HttpError::TooLarge(_))
+        ));
+        let raw = head("/invocations", (1 << 20) + 1);
+        assert!(matches!(
+            read_request_within(raw.as_bytes(), &limits),
+            Err(HttpError::TooLarge(_))
+        ));
     }
 
     #[test]
@@ -240,5 +353,11 @@ mod tests {
         let mut out = Vec::new();
         write_response(&mut out, 204, None).unwrap();
         assert_eq!(read_response(&out[..]).unwrap().status, 204);
+        let mut out = Vec::new();
+        let headers = [("X-Forkvm-Outcome", "ok".to_string())];
+        write_response_with(&mut out, 200, &headers, None, &[0, 159, 146, 150]).unwrap();
+        let r = read_response(&out[..]).unwrap();
+        assert_eq!(r.bytes, [0, 159, 146, 150]);
+        assert_eq!(r.header("x-forkvm-outcome"), Some("ok"));
     }
 }

@@ -10,6 +10,7 @@
 pub mod client;
 pub mod exec;
 pub mod http;
+pub mod invoke;
 pub mod server;
 pub mod spec;
 
@@ -18,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cloning::cgroups::PlacementError;
 use crate::cloning::CloneError;
+use crate::invoke::InvokeError;
 use crate::microvm::StateError;
 use crate::rpc::{VmmAction, VmmActionError, VmmData, VmmResponse};
 
@@ -68,7 +70,7 @@ fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiReply> {
 }
 
 /// Maps an HTTP request to an action, or answers it directly when it is invalid.
-pub fn route(req: &http::Request) -> Result<VmmAction, ApiReply> {
+pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
     match (req.method.as_str(), req.path.as_str()) {
         ("GET", "/vm") => Ok(VmmAction::DescribeVm),
         ("PATCH", "/vm") => Ok(VmmAction::SetState(
@@ -91,6 +93,7 @@ pub fn route(req: &http::Request) -> Result<VmmAction, ApiReply> {
             })
         }
         ("GET", "/clones") => Ok(VmmAction::ListClones),
+        ("POST", "/invocations") => invoke::route(req).map(|i| VmmAction::Invoke(Box::new(i))),
         (method, path) if path.starts_with("/clones/") && path.len() > "/clones/".len() => {
             match method {
                 "DELETE" => Ok(VmmAction::DeleteClone(path["/clones/".len()..].to_string())),
@@ -100,10 +103,12 @@ pub fn route(req: &http::Request) -> Result<VmmAction, ApiReply> {
                 )),
             }
         }
-        (_, "/vm") | (_, "/actions") | (_, "/clones") => Err(ApiReply::error(
-            405,
-            format!("{} is not allowed on {}", req.method, req.path),
-        )),
+        (_, "/vm") | (_, "/actions") | (_, "/clones") | (_, "/invocations") => {
+            Err(ApiReply::error(
+                405,
+                format!("{} is not allowed on {}", req.method, req.path),
+            ))
+        }
         (_, path) => Err(ApiReply::error(404, format!("no such resource {path}"))),
     }
 }
@@ -116,6 +121,8 @@ pub fn reply(response: VmmResponse) -> ApiReply {
         Ok(VmmData::CreatedClones(list)) => ApiReply::json(201, &list),
         Ok(VmmData::Clones(list)) => ApiReply::json(200, &list),
         Ok(VmmData::Clone(info)) => ApiReply::json(200, &info),
+        // The server writes nothing for an invocation on its way (see `server`).
+        Ok(VmmData::Invoked) => ApiReply::no_content(),
         Err(e) => ApiReply::error(status_of(&e), e),
     }
 }
@@ -140,6 +147,11 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             CloneError::Cgroup(PlacementError::Pool(PoolError::Exhausted { .. })) => 503,
             _ => 500,
         },
+        VmmActionError::Invoke(e) => match e {
+            InvokeError::NoMailbox | InvokeError::NotWaiting | InvokeError::Busy => 409,
+            InvokeError::TooLarge { .. } => 413,
+            InvokeError::Mailbox(_) | InvokeError::Vcpu(_) | InvokeError::CloneFailed(_) => 500,
+        },
         VmmActionError::NoSuchClone(_) => 404,
         VmmActionError::ShuttingDown => 503,
     }
@@ -155,11 +167,12 @@ mod tests {
             method: method.into(),
             path: path.into(),
             body: body.as_bytes().to_vec(),
+            ..Default::default()
         }
     }
 
     fn created(body: &str) -> CreateClones {
-        match route(&req("POST", "/clones", body)) {
+        match route(req("POST", "/clones", body)) {
             Ok(VmmAction::CreateClones { request, .. }) => *request,
             other => panic!("{body}: {other:?}"),
         }
@@ -167,13 +180,13 @@ mod tests {
 
     #[test]
     fn routes() {
-        assert_eq!(route(&req("GET", "/vm", "")), Ok(VmmAction::DescribeVm));
+        assert_eq!(route(req("GET", "/vm", "")), Ok(VmmAction::DescribeVm));
         assert_eq!(
-            route(&req("PATCH", "/vm", r#"{"state":"paused"}"#)),
+            route(req("PATCH", "/vm", r#"{"state":"paused"}"#)),
             Ok(VmmAction::SetState(TargetState::Paused))
         );
         assert_eq!(
-            route(&req("PUT", "/actions", r#"{"action_type":"shutdown"}"#)),
+            route(req("PUT", "/actions", r#"{"action_type":"shutdown"}"#)),
             Ok(VmmAction::Shutdown)
         );
         assert_eq!(created(r#"{"count":3}"#).count, 3);
@@ -192,20 +205,20 @@ mod tests {
             created(r#"{"count":2,"taps":["t1","t2"]}"#).taps,
             ["t1", "t2"]
         );
-        assert_eq!(route(&req("GET", "/clones", "")), Ok(VmmAction::ListClones));
+        assert_eq!(route(req("GET", "/clones", "")), Ok(VmmAction::ListClones));
         assert_eq!(
-            route(&req("DELETE", "/clones/2.1", "")),
+            route(req("DELETE", "/clones/2.1", "")),
             Ok(VmmAction::DeleteClone("2.1".into()))
         );
     }
 
     #[test]
     fn rejects_bad_requests_with_reasons() {
-        let status = |m: &str, p: &str, b: &str| route(&req(m, p, b)).unwrap_err().status;
+        let status = |m: &str, p: &str, b: &str| route(req(m, p, b)).unwrap_err().status;
         assert_eq!(status("PATCH", "/vm", "{"), 400);
         assert_eq!(status("PATCH", "/vm", r#"{"state":"frozen"}"#), 400);
         assert_eq!(status("PATCH", "/vm", r#"{"state":"paused","x":1}"#), 400);
-        let e = route(&req("PUT", "/actions", r#"{"action_type":"reboot"}"#)).unwrap_err();
+        let e = route(req("PUT", "/actions", r#"{"action_type":"reboot"}"#)).unwrap_err();
         assert_eq!(e.status, 400);
         assert!(e.body.unwrap().contains("reboot"));
         assert_eq!(status("DELETE", "/vm", ""), 405);

@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::http::{read_request, write_response, HttpError};
+use super::http::{read_request_within, write_response, BodyLimits, HttpError};
 use super::{reply, route, ApiReply};
 use crate::gate::Pass;
-use crate::rpc::{ActionSender, VmmAction};
+use crate::rpc::{ActionSender, VmmAction, VmmData};
 
 /// Errors starting the API server.
 #[derive(Debug, thiserror::Error)]
@@ -65,8 +65,12 @@ fn bind(path: &Path) -> Result<UnixListener, ApiServerError> {
 
 impl ApiServer {
     /// Binds `path` and starts the API thread, which queues each request's action on
-    /// `actions`.
-    pub fn start(path: &Path, actions: ActionSender) -> Result<Self, ApiServerError> {
+    /// `actions`; bodies within `limits`.
+    pub fn start(
+        path: &Path,
+        actions: ActionSender,
+        limits: BodyLimits,
+    ) -> Result<Self, ApiServerError> {
         let err = |source| ApiServerError::Bind {
             path: path.display().to_string(),
             source,
@@ -77,7 +81,7 @@ impl ApiServer {
             .name("api".into())
             .spawn(
                 move || match crate::sandbox::enter(crate::sandbox::ThreadKind::Api) {
-                    Ok(()) => serve(listener, &actions),
+                    Ok(()) => serve(listener, &actions, &limits),
                     Err(e) => tracing::error!("API thread: {e}; the control socket is not served"),
                 },
             )
@@ -109,7 +113,7 @@ impl Drop for ApiServer {
     }
 }
 
-fn serve(listener: UnixListener, actions: &ActionSender) {
+fn serve(listener: UnixListener, actions: &ActionSender, limits: &BodyLimits) {
     // Blocked in accept() without a pass: a clone may be forked meanwhile (see
     // `cloning::gate`).
     for conn in listener.incoming() {
@@ -117,7 +121,7 @@ fn serve(listener: UnixListener, actions: &ActionSender) {
         let pass = RefCell::new(Pass::take());
         match conn {
             Ok(stream) => {
-                if let Err(e) = handle(stream, actions, &pass) {
+                if let Err(e) = handle(stream, actions, &pass, limits) {
                     tracing::debug!("API connection: {e}");
                 }
             }
@@ -158,18 +162,32 @@ impl Write for Gated<'_> {
     }
 }
 
-fn handle(stream: UnixStream, actions: &ActionSender, pass: &RefCell<Pass>) -> std::io::Result<()> {
+fn handle(
+    stream: UnixStream,
+    actions: &ActionSender,
+    pass: &RefCell<Pass>,
+    limits: &BodyLimits,
+) -> std::io::Result<()> {
     stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
     stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
     let io = Gated {
         stream: &stream,
         pass,
     };
-    let reply = match read_request(io) {
-        Ok(req) => match route(&req) {
-            Ok(action) => relay(action, actions, pass),
-            Err(reply) => reply,
-        },
+    let reply = match read_request_within(io, limits) {
+        Ok(mut req) => {
+            if req.path == "/invocations" {
+                // The VM that runs the handler answers on its own copy.
+                req.conn = Some(crate::invoke::Connection::new(stream.try_clone()?));
+            }
+            match route(req) {
+                Ok(action) => match relay(action, actions, pass) {
+                    Some(reply) => reply,
+                    None => return Ok(()),
+                },
+                Err(reply) => reply,
+            }
+        }
         Err(HttpError::TooLarge(m)) => ApiReply::error(413, m),
         Err(HttpError::Malformed(m)) => ApiReply::error(400, m),
         Err(HttpError::Io(e)) => return Err(e),
@@ -177,13 +195,15 @@ fn handle(stream: UnixStream, actions: &ActionSender, pass: &RefCell<Pass>) -> s
     write_response(io, reply.status, reply.body.as_deref())
 }
 
-/// Queues `action` for the event loop and waits for its answer.
-fn relay(action: VmmAction, actions: &ActionSender, pass: &RefCell<Pass>) -> ApiReply {
+/// Queues `action` for the event loop and waits for its answer; None when another VM
+/// answers the caller (an invocation on its way).
+fn relay(action: VmmAction, actions: &ActionSender, pass: &RefCell<Pass>) -> Option<ApiReply> {
     let answer = actions.send(action);
     // The main thread answers, and may fork meanwhile: wait without the pass.
     match pass.borrow_mut().released(|| answer.wait(ANSWER_TIMEOUT)) {
-        Some(response) => reply(response),
-        None => ApiReply::error(503, "the VMM did not answer in time"),
+        Some(Ok(VmmData::Invoked)) => None,
+        Some(response) => Some(reply(response)),
+        None => Some(ApiReply::error(503, "the VMM did not answer in time")),
     }
 }
 
@@ -197,7 +217,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("api.sock");
         let (tx, actions) = crate::rpc::channel().unwrap();
-        let server = ApiServer::start(&path, tx).unwrap();
+        let server = ApiServer::start(&path, tx, BodyLimits::default()).unwrap();
         let client = {
             let path = path.clone();
             std::thread::spawn(move || {

@@ -6,7 +6,9 @@
 //! `vmm openapi` prints it; `docs/api/openapi.yaml` is that output, and a test fails
 //! while the file is stale.
 
-use api_types::{Action, CloneInfo, CloneList, CreateClones, ErrorBody, VmInfo, VmUpdate};
+use api_types::{
+    Action, CloneInfo, CloneList, CreateClones, ErrorBody, InvokeOptions, VmInfo, VmUpdate,
+};
 use schemars::generate::SchemaSettings;
 use schemars::{JsonSchema, Schema, SchemaGenerator};
 use serde_json::{json, Map, Value};
@@ -40,6 +42,11 @@ pub struct Route {
     pub request: Option<(SchemaFn, bool)>,
     /// Its answers, beyond [`COMMON`].
     pub answers: &'static [Answer],
+    /// The query parameters it takes: each property of this object schema is one.
+    pub query: Option<SchemaFn>,
+    /// Its request body and its 200 answer are raw bytes (an invocation's payload and
+    /// reply), not JSON.
+    pub raw: bool,
 }
 
 const fn answer(status: u16, description: &'static str) -> Answer {
@@ -56,7 +63,10 @@ pub const COMMON: &[Answer] = &[
         400,
         "The request is not valid HTTP/1.x, or its body not what this route takes.",
     ),
-    answer(413, "Headers over 8 KiB or a body over 64 KiB."),
+    answer(
+        413,
+        "Headers over 8 KiB or a body over 64 KiB (an invocation's: over the mailbox).",
+    ),
     answer(
         503,
         "The VMM is shutting down, or did not answer within 10 s.",
@@ -75,6 +85,8 @@ pub const ROUTES: &[Route] = &[
             description: "The VM.",
             body: Some(schema::<VmInfo>),
         }],
+        query: None,
+        raw: false,
     },
     Route {
         method: "patch",
@@ -86,6 +98,8 @@ pub const ROUTES: &[Route] = &[
             answer(409, "Not a valid transition (pausing a paused VM, ...)."),
             answer(500, "A vCPU did not park or resume."),
         ],
+        query: None,
+        raw: false,
     },
     Route {
         method: "put",
@@ -96,6 +110,8 @@ pub const ROUTES: &[Route] = &[
             204,
             "Accepted; the VMM is stopping (exit status 0).",
         )],
+        query: None,
+        raw: false,
     },
     Route {
         method: "post",
@@ -121,6 +137,8 @@ pub const ROUTES: &[Route] = &[
                 "The host failed: fork, capture, an overlay copy, a cgroup operation.",
             ),
         ],
+        query: None,
+        raw: false,
     },
     Route {
         method: "get",
@@ -132,6 +150,8 @@ pub const ROUTES: &[Route] = &[
             description: "The clones.",
             body: Some(schema::<CloneList>),
         }],
+        query: None,
+        raw: false,
     },
     Route {
         method: "delete",
@@ -146,6 +166,25 @@ pub const ROUTES: &[Route] = &[
             },
             answer(404, "No live clone has this id."),
         ],
+        query: None,
+        raw: false,
+    },
+    Route {
+        method: "post",
+        path: "/invocations",
+        summary: "Run the handler on the body (raw bytes): in a fresh clone of a template, or in place in a VM whose runtime waits (docs/invoke.md). The VM that runs it answers.",
+        request: None,
+        answers: &[
+            answer(200, "The handler's reply, as raw bytes; x-forkvm-* headers give the clone and the timings."),
+            answer(409, "No runtime waits for a request (not started, busy, or a template not paused), or the VM has no mailbox."),
+            answer(413, "The body does not fit the mailbox (--mailbox-mib, less 64 bytes)."),
+            answer(500, "The handler failed (x-forkvm-outcome: handler_error; the error has its text), or the host failed to start the clone."),
+            answer(502, "The guest stopped before its runtime replied, or the reply was malformed; the error quotes the clone's console."),
+            answer(503, "The resource class's cgroup pool is exhausted, or the VMM is shutting down."),
+            answer(504, "The handler did not reply within timeout_ms; the clone is stopped."),
+        ],
+        query: Some(schema::<InvokeOptions>),
+        raw: true,
     },
 ];
 
@@ -226,6 +265,10 @@ fn operation(route: &Route, g: &mut SchemaGenerator, error: &Value) -> Value {
             continue;
         }
         let value = match (a.body, a.status) {
+            (None, 200) if route.raw => json!({
+                "description": a.description,
+                "content": { "application/octet-stream": { "schema": { "type": "string", "format": "binary" } } },
+            }),
             (Some(body), _) => json!({
                 "description": a.description,
                 "content": { "application/json": { "schema": body(g) } },
@@ -242,10 +285,52 @@ fn operation(route: &Route, g: &mut SchemaGenerator, error: &Value) -> Value {
             "content": { "application/json": { "schema": body(g) } },
         });
     }
+    if route.raw {
+        op["requestBody"] = json!({
+            "required": false,
+            "content": { "application/octet-stream": { "schema": { "type": "string", "format": "binary" } } },
+        });
+    }
     if route.path.contains('{') {
         op["parameters"] = id_parameter();
     }
+    if let Some(query) = route.query {
+        op["parameters"] = query_parameters(query(g), g);
+    }
     op
+}
+
+/// One query parameter per property of the object schema `schema` (a reference into
+/// the generator's definitions).
+fn query_parameters(schema: Schema, g: &mut SchemaGenerator) -> Value {
+    let value = serde_json::to_value(schema).unwrap_or_default();
+    let resolved = match value.get("$ref").and_then(Value::as_str) {
+        Some(r) => {
+            let name = r.rsplit('/').next().unwrap_or_default();
+            Value::Object(
+                g.definitions()
+                    .get(name)
+                    .cloned()
+                    .map_or_else(Map::new, |d| d.as_object().cloned().unwrap_or_default()),
+            )
+        }
+        None => value,
+    };
+    let props = resolved["properties"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    let params: Vec<Value> = props
+        .into_iter()
+        .map(|(name, mut prop)| {
+            let description = prop
+                .as_object_mut()
+                .and_then(|p| p.remove("description"))
+                .unwrap_or(Value::Null);
+            json!({ "name": name, "in": "query", "required": false, "description": description, "schema": prop })
+        })
+        .collect();
+    Value::Array(params)
 }
 
 /// [`openapi`] as YAML.
@@ -263,10 +348,12 @@ mod tests {
     use crate::rpc::{VmmAction, VmmActionError};
 
     fn request(method: &str, path: &str) -> crate::api::http::Request {
+        let (conn, _) = std::os::unix::net::UnixStream::pair().unwrap();
         crate::api::http::Request {
             method: method.to_uppercase(),
             path: path.into(),
-            body: Vec::new(),
+            conn: Some(crate::invoke::Connection::new(conn)),
+            ..Default::default()
         }
     }
 
@@ -292,6 +379,7 @@ mod tests {
             "/actions",
             "/clones",
             "/clones/2.1",
+            "/invocations",
             "/nope",
             "/vm/x",
         ] {
@@ -299,7 +387,7 @@ mod tests {
                 let known = ROUTES
                     .iter()
                     .any(|r| r.path == template(path) && r.method == *method);
-                match route(&request(method, path)) {
+                match route(request(method, path)) {
                     // A body the route needs is missing: 400, the route exists.
                     Ok(_) | Err(ApiReply { status: 400, .. }) => {
                         assert!(known, "{method} {path} is routed but not in the spec")
@@ -363,6 +451,31 @@ mod tests {
             "/clones/7",
             VmmActionError::NoSuchClone("7".into()),
         ));
+        use crate::invoke::InvokeError;
+        for e in [
+            InvokeError::NoMailbox,
+            InvokeError::NotWaiting,
+            InvokeError::Busy,
+            InvokeError::TooLarge {
+                length: 2,
+                capacity: 1,
+            },
+            InvokeError::CloneFailed("1".into()),
+            InvokeError::Vcpu(crate::vstate::vcpu::VcpuError::Gone(0)),
+        ] {
+            cases.push(("post", "/invocations", e.into()));
+        }
+        for c in [
+            CloneError::Cgroup(PlacementError::Pool(PoolError::Exhausted {
+                class: "c".into(),
+                max: 1,
+            })),
+            CloneError::Cgroup(PlacementError::NoPools("c".into())),
+            CloneError::TooMany { live: 1 },
+            CloneError::Os(std::io::Error::other("x")),
+        ] {
+            cases.push(("post", "/invocations", c.into()));
+        }
         for r in ROUTES {
             cases.push((r.method, r.path, VmmActionError::ShuttingDown));
         }
@@ -374,10 +487,10 @@ mod tests {
             );
         }
         // What the router itself answers.
-        let parsed = route(&request("patch", "/vm")).unwrap_err();
+        let parsed = route(request("patch", "/vm")).unwrap_err();
         assert!(statuses("patch", "/vm").contains(&parsed.status));
         assert!(matches!(
-            route(&request("post", "/clones")),
+            route(request("post", "/clones")),
             Ok(VmmAction::CreateClones { .. })
         ));
     }

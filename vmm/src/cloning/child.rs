@@ -23,8 +23,9 @@
 //! the time it first enters the guest into the `ready` pipe, which gives the latency;
 //! the controller writes [`READY_MARK`] once the control socket is up.
 
+use std::borrow::Cow;
 use std::fs::File;
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,7 @@ use super::request::Identity;
 use super::Cloner;
 use crate::config::{keep_overlays, ConsoleSink, VmConfig};
 use crate::device_manager::{DeviceError, DeviceManager, VirtioRestore};
+use crate::invoke::{Connection, InvokeError, Invoker};
 use crate::logging::{raw_eprintln, StageTimer};
 use crate::microvm::{Microvm, RunOutcome, VmParts};
 use crate::signals::block_shutdown_signals;
@@ -49,9 +51,9 @@ use crate::vstate::vm::{create_vm, VmError};
 pub(crate) enum Start {
     /// Launch at once with this identity.
     Now(Box<Identity>),
-    /// Prepare, then wait for an identity on this pipe (a warm clone).
+    /// Prepare, then wait for an identity on this channel (a warm clone).
     Warm {
-        /// Read end of the `go` pipe.
+        /// The child's end of the go channel (`fork::go_channel`).
         go: RawFd,
         /// The cgroup it moves itself into at once (the first class's).
         cgroup: Option<Placement>,
@@ -89,6 +91,8 @@ pub struct RebuiltClone {
     pub signals: nix::sys::signalfd::SignalFd,
     /// Tells the parent the clone is up, once its control socket is.
     pub ready: ReadyMark,
+    /// The invocation it serves, its request in the mailbox (a template's clone).
+    pub invoker: Option<Invoker>,
 }
 
 /// Serves a rebuilt clone until it stops (the controller's event loop).
@@ -139,6 +143,9 @@ pub enum ChildError {
     /// The clone could not move itself into its cgroup (it does not run unconfined).
     #[error("cannot enter its cgroup: {0}")]
     Cgroup(std::io::Error),
+    /// The invocation's request could not be delivered.
+    #[error("cannot deliver the invocation: {0}")]
+    Invoke(#[from] InvokeError),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -181,7 +188,10 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     keep.push(std::os::fd::AsRawFd::as_raw_fd(&plan.template.kvm().kvm));
     match &plan.start {
         Start::Warm { go, .. } => keep.push(*go),
-        Start::Now(id) => keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied())),
+        Start::Now(id) => {
+            keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied()));
+            keep.extend(id.carried.iter().map(|c| c.conn.stream().as_raw_fd()));
+        }
     }
     close_all_but(&keep);
     // SAFETY: the ready pipe's write end, kept open above, owned from here on.
@@ -232,11 +242,12 @@ fn prepare(
     kvm: &KvmContext,
     state: &MicrovmState,
     mem: &GuestMemoryMmap,
+    mailbox: devices::mailbox::MailboxWindow,
 ) -> Result<Prepared, ChildError> {
     let vm = create_vm(kvm, mem)?;
     let mut vcpus = Vec::with_capacity(state.vcpus.len());
     for s in &state.vcpus {
-        let (v, skipped) = Vcpu::from_state(&vm, s)?;
+        let (v, skipped) = Vcpu::from_state(&vm, s, mailbox)?;
         if !skipped.is_empty() {
             tracing::debug!("clone: host refused MSRs {skipped:#x?}");
         }
@@ -245,21 +256,64 @@ fn prepare(
     Ok(Prepared { vm, vcpus })
 }
 
-/// Reads the launch message (one JSON document) from the `go` pipe; None when the
-/// parent closed it without launching (the warm clone is discarded).
-fn wait_for_go(go: RawFd) -> Result<Option<Identity>, ChildError> {
+/// What a warm clone receives: its identity, and an invocation's payload and connection.
+type Go = (Identity, Option<(Vec<u8>, OwnedFd)>);
+
+/// Reads the launch message from the go channel (`warm::send_go`): the identity's
+/// length (4 bytes), the identity (JSON) with an invocation's connection attached, then
+/// the invocation's payload to the end. None when the parent closed the channel without
+/// launching (the warm clone is discarded).
+fn wait_for_go(go: RawFd) -> Result<Option<Go>, ChildError> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     use std::io::Read;
-    // SAFETY: the go pipe's read end, kept open by close_all_but, owned from here on.
-    let mut f = unsafe { File::from_raw_fd(go) };
-    let mut buf = Vec::new();
-    f.read_to_end(&mut buf)
-        .map_err(|e| ChildError::Go(e.to_string()))?;
-    if buf.is_empty() {
+    let bad = |e: &dyn std::fmt::Display| ChildError::Go(e.to_string());
+    // SAFETY: the go channel's end, kept open by close_all_but, owned from here on.
+    let mut f = unsafe { std::os::unix::net::UnixStream::from_raw_fd(go) };
+    let mut first = vec![0u8; 64 * 1024];
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let (got, conn) = loop {
+        let mut iov = [std::io::IoSliceMut::new(&mut first)];
+        let msg = match recvmsg::<()>(go, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            r => r.map_err(|e| bad(&e))?,
+        };
+        let mut conn = None;
+        for c in msg.cmsgs().map_err(|e| bad(&e))? {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                for fd in fds {
+                    // SAFETY: a descriptor just received, owned by nobody else.
+                    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+                    conn.get_or_insert(owned);
+                }
+            }
+        }
+        break (msg.bytes, conn);
+    };
+    if got == 0 {
         return Ok(None);
     }
-    serde_json::from_slice(&buf)
-        .map(Some)
-        .map_err(|e| ChildError::Go(e.to_string()))
+    let mut buf = first;
+    buf.truncate(got);
+    f.read_to_end(&mut buf).map_err(|e| bad(&e))?;
+    if buf.len() < 4 {
+        return Err(ChildError::Go("launch message cut short".into()));
+    }
+    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    let json = buf
+        .get(4..4 + len)
+        .ok_or_else(|| bad(&"identity cut short"))?;
+    let identity: Identity = serde_json::from_slice(json).map_err(|e| bad(&e))?;
+    let payload = buf.split_off(4 + len);
+    let carried = match (identity.delivery.is_some(), conn) {
+        (true, Some(conn)) => Some((payload, conn)),
+        (true, None) => {
+            return Err(ChildError::Go(
+                "an invocation without its connection".into(),
+            ))
+        }
+        (false, _) => None,
+    };
+    Ok(Some((identity, carried)))
 }
 
 /// `state` with the guest's clocks moved on to now, as if it had kept running since the
@@ -289,7 +343,12 @@ fn prepare_now(
             v.regs.rax = value;
         }
     }
-    let prepared = prepare(kvm, &state, plan.template.memory())?;
+    let prepared = prepare(
+        kvm,
+        &state,
+        plan.template.memory(),
+        plan.template.config().mailbox(),
+    )?;
     Ok((state, prepared))
 }
 
@@ -301,13 +360,18 @@ fn prepare_warm(
     go: RawFd,
     cgroup: Option<&Placement>,
     marks: &mut StageTimer,
-) -> Result<Option<(MicrovmState, Prepared, Identity)>, ChildError> {
+) -> Result<Option<(MicrovmState, Prepared, Go)>, ChildError> {
     if let Some(p) = cgroup {
         place_self(p).map_err(ChildError::Cgroup)?;
     }
-    let prepared = prepare(kvm, plan.state, plan.template.memory())?;
+    let prepared = prepare(
+        kvm,
+        plan.state,
+        plan.template.memory(),
+        plan.template.config().mailbox(),
+    )?;
     marks.done("prepared");
-    let Some(id) = wait_for_go(go)? else {
+    let Some((id, carried)) = wait_for_go(go)? else {
         return Ok(None);
     };
     marks.done("go");
@@ -322,7 +386,7 @@ fn prepare_warm(
             .and_then(|(vcpu, value)| (vcpu == s.id).then_some(value));
         v.retime(s, rax)?;
     }
-    Ok(Some((state, prepared, id)))
+    Ok(Some((state, prepared, (id, carried))))
 }
 
 /// The template's configuration as clone `id` uses it: its own sockets, console, tap,
@@ -330,6 +394,8 @@ fn prepare_warm(
 fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildError> {
     let mut config = template.clone();
     config.api_sock = Some(id.api_sock.clone());
+    // A clone serves its invocations in place.
+    config.template = false;
     config.console = ConsoleSink::File(id.console.clone());
     if let (Some(v), Some(path)) = (config.vsock.as_mut(), &id.vsock) {
         v.uds_path = path.clone();
@@ -417,14 +483,24 @@ fn run_clone(
     // SAFETY: the parent's KvmContext in this process is never dropped (see child_main).
     let kvm = unsafe { plan.template.kvm().inherited() };
     let mut marks = StageTimer::new();
-    let (state, prepared, identity) = match &plan.start {
+    let (state, prepared, (identity, carried)) = match &plan.start {
         Start::Now(id) => {
             let (state, prepared) = prepare_now(&kvm, plan, id, &mut marks)?;
-            (state, prepared, Identity::clone(id))
+            let carried = (id.carried.as_ref()).map(|c| {
+                // SAFETY: the connection's descriptor, inherited and kept open by
+                // close_all_but; its owner in this process (the parent's) is never
+                // dropped, so this is its only owner here.
+                let fd = unsafe { OwnedFd::from_raw_fd(c.conn.stream().as_raw_fd()) };
+                (Cow::Borrowed(c.payload.as_slice()), fd)
+            });
+            (state, prepared, (Identity::clone(id), carried))
         }
         Start::Warm { go, cgroup } => {
             match prepare_warm(&kvm, plan, *go, cgroup.as_ref(), &mut marks)? {
-                Some(warm) => warm,
+                Some((state, prepared, (id, carried))) => {
+                    let carried = carried.map(|(p, fd)| (Cow::Owned(p), fd));
+                    (state, prepared, (id, carried))
+                }
                 None => return Ok(RunOutcome::ApiShutdown),
             }
         }
@@ -441,6 +517,16 @@ fn run_clone(
     // (after it wrote its timestamp) and the ReadyMark (after the control socket is up);
     // a pipe that ends without the mark is a clone that failed.
     let mark = ready.try_clone().map_err(ChildError::ReadyPipe)?;
+    // An invocation's request goes into the clone's copy of the mailbox before its
+    // vCPUs run (the runtime's port read already has the length, `guest_result`).
+    let invoker = match (&identity.delivery, carried) {
+        (Some(d), Some((payload, conn))) => {
+            let conn = Connection::new(std::os::unix::net::UnixStream::from(conn));
+            let mem = plan.template.memory();
+            Some(Invoker::in_clone(&config, mem, d, &payload, conn)?)
+        }
+        _ => None,
+    };
     let parts = launch(plan, kvm, prepared, &state, config, seq, ready, &mut marks)?;
     tracing::info!(
         "clone {} (pid {}) running {} us after launch",
@@ -455,6 +541,7 @@ fn run_clone(
         api_sock: identity.api_sock,
         signals,
         ready: ReadyMark(mark),
+        invoker,
     };
     (plan.serve)(rebuilt).map_err(ChildError::Serve)
 }

@@ -160,6 +160,22 @@ pub(super) fn fork_all(
     Ok(made)
 }
 
+/// A warm clone's go channel, both ends close-on-exec: (the child's end, the parent's).
+/// A socket, so that an invocation's connection can travel with the launch message;
+/// the parent's end gives up on a write after two seconds (a stuck child).
+pub(super) fn go_channel() -> std::io::Result<(OwnedFd, std::os::unix::net::UnixStream)> {
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    let (child, parent) = socketpair(
+        AddressFamily::Unix,
+        SockType::Stream,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )?;
+    let parent = std::os::unix::net::UnixStream::from(parent);
+    parent.set_write_timeout(Some(Duration::from_secs(2)))?;
+    Ok((child, parent))
+}
+
 /// A new pipe, both ends close-on-exec: (read end, write end).
 pub(super) fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     Ok(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?)

@@ -112,16 +112,30 @@ impl Cloner {
         received_ns: u64,
         requester: Option<u8>,
     ) -> Result<Vec<CloneInfo>, CloneError> {
+        self.make_clones_with(vm, req, received_ns, requester, |_| {})
+    }
+
+    /// [`Cloner::make_clones`], with `prepare` adding to each clone's identity.
+    fn make_clones_with(
+        &mut self,
+        vm: &mut Microvm,
+        req: &CreateClones,
+        received_ns: u64,
+        requester: Option<u8>,
+        prepare: impl FnMut(&mut request::Identity),
+    ) -> Result<Vec<CloneInfo>, CloneError> {
         // 1. The request.
         self.reap();
         let identities = request::check(vm, &self.table, req).and_then(|()| {
-            request::identities(
+            let mut identities = request::identities(
                 vm.config(),
                 &self.clone_id,
                 self.table.made(),
                 req,
                 requester,
-            )
+            )?;
+            identities.iter_mut().for_each(prepare);
+            Ok(identities)
         });
         let identities = match identities {
             Ok(i) => i,
@@ -177,6 +191,35 @@ impl Cloner {
         self.warm.note_request();
         self.table.record(req.count as u32, &infos);
         Ok(infos)
+    }
+
+    /// Runs invocation `inv` in a clone of this paused template (`delivery`: what the
+    /// clone is told): a warm clone when one is ready, else one forked now. The clone
+    /// answers the caller; this returns once it runs.
+    pub fn invoke(
+        &mut self,
+        vm: &mut Microvm,
+        inv: crate::invoke::Invocation,
+        delivery: crate::invoke::Delivery,
+    ) -> Result<CloneInfo, CloneError> {
+        let req = CreateClones {
+            count: 1,
+            resource_class: inv.options.resource_class.clone(),
+            rate_limits: inv.options.rate_limits(),
+            ..CreateClones::default()
+        };
+        let carried = Arc::new(request::Carried {
+            payload: inv.payload,
+            conn: inv.conn,
+        });
+        let prepare = |identity: &mut request::Identity| {
+            identity.guest_result = Some((delivery.vcpu, u64::from(delivery.length)));
+            identity.delivery = Some(delivery.clone());
+            identity.carried = Some(carried.clone());
+        };
+        let mut made = self.make_clones_with(vm, &req, inv.received_ns, None, prepare)?;
+        self.table.forget_when_reaped(made.iter().map(|c| c.pid));
+        Ok(made.remove(0))
     }
 
     /// A guest read the clone port on vCPU `vcpu` (which parked itself) asking for

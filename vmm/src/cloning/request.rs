@@ -95,6 +95,22 @@ pub(crate) struct Identity {
     pub guest_result: Option<(u8, u64)>,
     /// The cgroup it moves itself into before running guest code.
     pub cgroup: Option<Placement>,
+    /// The invocation it serves (a clone of a template): what it is told about it.
+    #[serde(default)]
+    pub delivery: Option<crate::invoke::Delivery>,
+    /// The invocation's payload and connection: inherited by a clone forked now, sent
+    /// after the identity to a warm clone.
+    #[serde(skip)]
+    pub carried: Option<std::sync::Arc<Carried>>,
+}
+
+/// An invocation's payload and the caller's connection, on their way to a clone.
+#[derive(Debug)]
+pub(crate) struct Carried {
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// The caller's connection.
+    pub conn: crate::invoke::Connection,
 }
 
 /// A clone about to be made: its identity and its cgroup (with cgroup pools).
@@ -182,6 +198,8 @@ pub(super) fn identities(
             keep_overlays: req.keep_overlays,
             guest_result: requester.map(|v| (v, u64::from(seq))),
             cgroup: None,
+            delivery: None,
+            carried: None,
         });
     }
     Ok(identities)

@@ -2,6 +2,7 @@
 //! exits, stopped on `DELETE /clones/{id}` or when the VM stops). A clone's cgroup goes
 //! back to its pool when it is reaped, with its usage kept in its record.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use api_types::{CloneInfo, CloneStatus};
@@ -20,6 +21,9 @@ pub struct CloneTable {
     /// Clones made so far (their ids count from it).
     made: u32,
     clones: Vec<CloneInfo>,
+    /// Clones whose record goes when they end (invocation clones: a template makes one
+    /// per request), with their console file.
+    transient: HashSet<i32>,
 }
 
 impl CloneTable {
@@ -37,6 +41,11 @@ impl CloneTable {
     pub(super) fn record(&mut self, count: u32, infos: &[CloneInfo]) {
         self.made += count;
         self.clones.extend(infos.iter().cloned());
+    }
+
+    /// Forgets the clones `pids` once they end (their records and console files).
+    pub(super) fn forget_when_reaped(&mut self, pids: impl IntoIterator<Item = i32>) {
+        self.transient.extend(pids);
     }
 
     /// The clones not reaped yet.
@@ -67,6 +76,12 @@ impl CloneTable {
         if let Some(v) = &c.vsock {
             let _ = std::fs::remove_file(v);
         }
+        if self.transient.remove(&pid) {
+            if c.console != std::path::Path::new("/dev/null") {
+                let _ = std::fs::remove_file(&c.console);
+            }
+            self.clones.retain(|c| c.pid != pid);
+        }
     }
 
     /// Reaps every exited child without blocking: a clone's record gets its status; a
@@ -96,8 +111,13 @@ impl CloneTable {
     /// Stops the live clone `id` and reaps it; None if no live clone has that id.
     pub(super) fn stop(&mut self, pools: Option<&mut ClonePools>, id: &str) -> Option<CloneInfo> {
         let pid = self.live().find(|c| c.id == id)?.pid;
+        let before = self.clones.iter().find(|c| c.id == id).cloned();
         self.stop_and_reap(pools, pid);
-        self.clones.iter().find(|c| c.id == id).cloned()
+        // A transient record is gone once reaped: report it as it was, stopped.
+        (self.clones.iter().find(|c| c.id == id).cloned()).or(before.map(|mut c| {
+            c.status = CloneStatus::Killed(libc::SIGTERM);
+            c
+        }))
     }
 
     /// Stops every live clone (the parent is shutting down).

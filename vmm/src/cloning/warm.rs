@@ -35,7 +35,7 @@ use nix::unistd::Pid;
 use super::capture::capture;
 use super::cgroups::{placement_of, started_in, ClonePools};
 use super::child::{ServeClone, Start};
-use super::fork::{fork_child, pipe};
+use super::fork::{fork_child, go_channel, pipe};
 use super::request::{give_back, Identity};
 use super::CloneError;
 use crate::config::MAX_WARM_CLONES;
@@ -49,8 +49,8 @@ pub const REFILL_DELAY: Duration = Duration::from_millis(5);
 /// A forked, prepared clone waiting for its identity.
 struct WarmClone {
     pid: i32,
-    /// Write end of its go pipe.
-    go: File,
+    /// The parent's end of its go channel.
+    go: std::os::unix::net::UnixStream,
     /// Read end of its ready pipe.
     ready: File,
     /// The cgroup (of the first class) it already sits in, with cgroup pools.
@@ -191,7 +191,7 @@ impl WarmPool {
     ) -> Result<(), CloneError> {
         let state = self.epoch_state(vm)?;
         let (ready_read, ready_write) = pipe().map_err(CloneError::Os)?;
-        let (go_read, go_write) = pipe().map_err(CloneError::Os)?;
+        let (go_read, go_write) = go_channel().map_err(CloneError::Os)?;
         // A cgroup of the first class, entered now, off any request's path.
         let taken = match pools.as_deref() {
             Some(p) => Some(p.take(None)?),
@@ -222,7 +222,7 @@ impl WarmPool {
         started_in(pools, pid, taken);
         self.clones.push_back(WarmClone {
             pid,
-            go: File::from(go_write),
+            go: go_write,
             ready: File::from(ready_read),
             cgroup,
         });
@@ -237,11 +237,8 @@ impl WarmPool {
         mut pools: Option<&mut ClonePools>,
     ) -> Option<(i32, File, Option<CloneCgroup>)> {
         loop {
-            let mut c = self.take()?;
-            let msg = serde_json::to_vec(identity).expect("an identity serializes");
-            // The go pipe is new and holds far less than a pipe buffer: this does not
-            // block. The child reads to end of file, so closing the pipe sends it.
-            if c.go.write_all(&msg).is_ok() {
+            let c = self.take()?;
+            if send_go(&c.go, identity).is_ok() {
                 return Some((c.pid, c.ready, c.cgroup));
             }
             // The warm clone died: reap it and try the next.
@@ -251,6 +248,35 @@ impl WarmPool {
             }
         }
     }
+}
+
+/// Sends a warm clone its launch message: the identity (JSON, after its length as 4
+/// bytes) with an invocation's connection attached, then the invocation's payload. The
+/// clone reads to the end, which closing the channel marks. The identity fits the
+/// socket's buffer; a payload larger than it is written as the clone reads it (it waits
+/// for this message), within the channel's send timeout.
+fn send_go(go: &std::os::unix::net::UnixStream, identity: &Identity) -> std::io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let json = serde_json::to_vec(identity).map_err(std::io::Error::other)?;
+    let len = (json.len() as u32).to_le_bytes();
+    let conn = identity
+        .carried
+        .as_ref()
+        .map(|c| c.conn.stream().as_raw_fd());
+    let fds: Vec<i32> = conn.into_iter().collect();
+    let cmsgs: Vec<ControlMessage<'_>> = match fds.is_empty() {
+        true => Vec::new(),
+        false => vec![ControlMessage::ScmRights(&fds)],
+    };
+    let iov = [std::io::IoSlice::new(&len), std::io::IoSlice::new(&json)];
+    let sent = sendmsg::<()>(go.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+    let mut w = go;
+    let whole: Vec<u8> = len.iter().chain(json.iter()).copied().collect();
+    w.write_all(&whole[sent..])?;
+    if let Some(c) = &identity.carried {
+        w.write_all(&c.payload)?;
+    }
+    Ok(())
 }
 
 impl Drop for WarmPool {

@@ -20,6 +20,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use clone::vcpu::{restore_vcpu, save_vcpu, CaptureSpec};
 use clone::VcpuState;
 use devices::control::{ControlPorts, ControlRequest};
+use devices::mailbox::MailboxWindow;
 pub use devices::util::monotonic_ns;
 use devices::Bus;
 use devices::Persist;
@@ -127,6 +128,12 @@ pub enum VcpuEvent {
     CloneRequest(u32),
     /// The guest signalled it is done, with this status.
     Done(u32),
+    /// A runtime waits on the invoke port for a request; the vCPU has parked itself
+    /// (docs/invoke.md).
+    InvokeWait,
+    /// A runtime replied through the invoke port with this payload length; the vCPU has
+    /// parked itself until the VMM took the reply.
+    InvokeReply(u32),
 }
 
 /// Commands to a vCPU thread.
@@ -172,7 +179,7 @@ pub struct FirstEntry {
 pub struct Vcpu {
     id: u8,
     fd: VcpuFd,
-    /// This vCPU's forkvm control ports (clone, done).
+    /// This vCPU's forkvm control ports (clone, done, invoke).
     control: ControlPorts,
 }
 
@@ -207,6 +214,7 @@ impl Vcpu {
         id: u8,
         cpuid: &CpuId,
         start: StartMode,
+        mailbox: MailboxWindow,
     ) -> Result<(Self, Vec<u32>), VcpuError> {
         let fd = vm
             .create_vcpu(u64::from(id))
@@ -230,18 +238,22 @@ impl Vcpu {
                 .map_err(cfg("mp_state"))?;
             }
         }
-        Ok((Self::new(id, fd, ControlPorts::default()), skipped))
+        Ok((Self::new(id, fd, ControlPorts::new(mailbox)), skipped))
     }
 
-    /// Creates a vCPU from saved state (a clone's). Returns it and the MSRs the host
-    /// refused.
-    pub fn from_state(vm: &VmFd, state: &VcpuState) -> Result<(Self, Vec<u32>), VcpuError> {
+    /// Creates a vCPU from saved state (a clone's), in a VM with `mailbox`. Returns it
+    /// and the MSRs the host refused.
+    pub fn from_state(
+        vm: &VmFd,
+        state: &VcpuState,
+        mailbox: MailboxWindow,
+    ) -> Result<(Self, Vec<u32>), VcpuError> {
         let id = state.id;
         let fd = vm
             .create_vcpu(u64::from(id))
             .map_err(|source| VcpuError::Create { id, source })?;
         let skipped = restore_vcpu(&fd, state)?;
-        let Ok(control) = ControlPorts::restore((), &state.control);
+        let Ok(control) = ControlPorts::restore(mailbox, &state.control);
         Ok((Self::new(id, fd, control), skipped))
     }
 
@@ -349,20 +361,31 @@ impl Vcpu {
             match result {
                 Ok(exit) => match exit {
                     VcpuExit::IoIn(port, data) if ControlPorts::decodes(port) => {
-                        if let Some(ControlRequest::Clone(count)) = self.control.read(port, data) {
-                            report(VcpuEvent::CloneRequest(count));
-                            // Complete the IN, then stop before the next guest instruction
-                            // and wait, parked, for the VMM to clone and resume us.
-                            self.fd.set_kvm_immediate_exit(1);
-                            parked = true;
-                        }
+                        let event = match self.control.read(port, data) {
+                            Some(ControlRequest::Clone(count)) => VcpuEvent::CloneRequest(count),
+                            Some(ControlRequest::Wait) => VcpuEvent::InvokeWait,
+                            _ => continue,
+                        };
+                        report(event);
+                        // Complete the IN, then stop before the next guest instruction
+                        // and wait, parked, for the VMM to resume us (with the result
+                        // in RAX).
+                        self.fd.set_kvm_immediate_exit(1);
+                        parked = true;
                     }
                     VcpuExit::IoIn(port, data) => {
                         pio.read(u64::from(port), data);
                     }
                     VcpuExit::IoOut(port, data) if ControlPorts::decodes(port) => {
-                        if let Some(ControlRequest::Done(code)) = self.control.write(port, data) {
-                            report(VcpuEvent::Done(code));
+                        match self.control.write(port, data) {
+                            Some(ControlRequest::Done(code)) => report(VcpuEvent::Done(code)),
+                            Some(ControlRequest::Reply(len)) => {
+                                report(VcpuEvent::InvokeReply(len));
+                                // As above: parked until the VMM took the reply.
+                                self.fd.set_kvm_immediate_exit(1);
+                                parked = true;
+                            }
+                            _ => {}
                         }
                     }
                     VcpuExit::IoOut(port, data) => {

@@ -1,0 +1,203 @@
+//! Invocations (`POST /invocations`, docs/invoke.md): the options a request takes in its
+//! query string, the headers its answer carries, and the runtime's state in `GET /vm`.
+//!
+//! The request body is the payload, as is; the answer's body is the handler's reply, as
+//! is (200), or an [`crate::ErrorBody`] (4xx, 5xx).
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::clones::CloneRateLimits;
+use crate::rate_limit::RateLimit;
+
+/// Header of every invocation answer from a VM that ran the handler: how it ended
+/// ([`Outcome`]).
+pub const HEADER_OUTCOME: &str = "x-forkvm-outcome";
+/// Header: the id of the clone that ran the handler ("" when it ran in place).
+pub const HEADER_CLONE_ID: &str = "x-forkvm-clone-id";
+/// Header: the control socket of the VM that ran the handler (a keep-alive clone takes
+/// further invocations there).
+pub const HEADER_SOCKET: &str = "x-forkvm-socket";
+/// Header: microseconds from the request's arrival to the clone's vCPUs starting with
+/// the request in its mailbox.
+pub const HEADER_CLONE_US: &str = "x-forkvm-clone-us";
+/// Header: microseconds from then to the runtime's reply.
+pub const HEADER_HANDLER_US: &str = "x-forkvm-handler-us";
+/// Header: microseconds from the request's arrival to the reply taken.
+pub const HEADER_TOTAL_US: &str = "x-forkvm-total-us";
+
+/// The largest timeout an invocation may ask for.
+pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
+/// The timeout of an invocation that names none.
+pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
+
+/// The options of `POST /invocations`, from its query string
+/// (`?timeout_ms=500&keep_alive=true`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct InvokeOptions {
+    /// How long the handler may take, in milliseconds (default 30000, at most
+    /// 3600000); past it the answer is 504 and the clone is stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// The clone's resource class (with cgroup pools), as for `POST /clones`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_class: Option<String>,
+    /// After replying, the clone waits for further invocations on its own control
+    /// socket (the answer's `x-forkvm-socket`) instead of ending.
+    #[serde(default)]
+    pub keep_alive: bool,
+    /// The clone's disk rate limit (`bytes=2M,ops=100`).
+    #[serde(
+        default,
+        with = "crate::rate_limit::text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(with = "Option<String>")]
+    pub disk_rate: Option<RateLimit>,
+    /// The clone's network rate limit.
+    #[serde(
+        default,
+        with = "crate::rate_limit::text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(with = "Option<String>")]
+    pub net_rate: Option<RateLimit>,
+    /// The clone's entropy device rate limit.
+    #[serde(
+        default,
+        with = "crate::rate_limit::text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(with = "Option<String>")]
+    pub rng_rate: Option<RateLimit>,
+}
+
+impl InvokeOptions {
+    /// The timeout asked for, or the default.
+    pub fn timeout_ms(&self) -> u64 {
+        self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS)
+    }
+
+    /// The per-clone rate limits asked for.
+    pub fn rate_limits(&self) -> CloneRateLimits {
+        CloneRateLimits {
+            disk: self.disk_rate,
+            rng: self.rng_rate,
+            net: self.net_rate,
+        }
+    }
+
+    /// Checks the values.
+    pub fn check(&self) -> Result<(), String> {
+        match self.timeout_ms {
+            Some(0) => Err("timeout_ms must be at least 1".into()),
+            Some(t) if t > MAX_TIMEOUT_MS => {
+                Err(format!("timeout_ms {t} is over {MAX_TIMEOUT_MS}"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// How an invocation ended, in the answer's `x-forkvm-outcome` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The handler returned: 200, the body is its reply.
+    Ok,
+    /// The handler failed: 500, the error names the runtime's text.
+    HandlerError,
+    /// The runtime's reply could not be read (garbage header, bad length): 502.
+    BadReply,
+    /// The guest stopped (crashed, powered off, ended) before it replied: 502.
+    GuestStopped,
+    /// No reply within the timeout: 504.
+    Timeout,
+}
+
+impl Outcome {
+    /// The header's text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::HandlerError => "handler_error",
+            Self::BadReply => "bad_reply",
+            Self::GuestStopped => "guest_stopped",
+            Self::Timeout => "timeout",
+        }
+    }
+
+    /// The answer's status.
+    pub fn status(self) -> u16 {
+        match self {
+            Self::Ok => 200,
+            Self::HandlerError => 500,
+            Self::BadReply | Self::GuestStopped => 502,
+            Self::Timeout => 504,
+        }
+    }
+}
+
+impl std::str::FromStr for Outcome {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        [
+            Self::Ok,
+            Self::HandlerError,
+            Self::BadReply,
+            Self::GuestStopped,
+            Self::Timeout,
+        ]
+        .into_iter()
+        .find(|o| o.as_str() == s)
+        .ok_or_else(|| format!("unknown outcome {s:?}"))
+    }
+}
+
+/// The VM's invocation side, in `GET /vm`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct InvokeReport {
+    /// The mailbox's size in bytes (0: none).
+    pub mailbox_bytes: u64,
+    /// Whether the VM is a template (each invocation runs in a clone of it).
+    pub template: bool,
+    /// Whether a runtime waits on the invoke port: the VM takes invocations.
+    pub waiting: bool,
+    /// Whether an invocation runs in this VM now.
+    pub in_flight: bool,
+    /// Invocations handed to a clone or delivered in place so far.
+    pub started: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_read_back_and_map_to_statuses() {
+        for o in [
+            Outcome::Ok,
+            Outcome::HandlerError,
+            Outcome::BadReply,
+            Outcome::GuestStopped,
+            Outcome::Timeout,
+        ] {
+            assert_eq!(o.as_str().parse::<Outcome>(), Ok(o));
+        }
+        assert_eq!(Outcome::Timeout.status(), 504);
+        assert!("nope".parse::<Outcome>().is_err());
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let mut o = InvokeOptions::default();
+        assert_eq!(o.timeout_ms(), DEFAULT_TIMEOUT_MS);
+        assert!(o.check().is_ok());
+        o.timeout_ms = Some(0);
+        assert!(o.check().is_err());
+        o.timeout_ms = Some(MAX_TIMEOUT_MS + 1);
+        assert!(o.check().is_err());
+    }
+}

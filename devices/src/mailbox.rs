@@ -1,0 +1,351 @@
+//! The invocation mailbox: guest-visible memory outside guest RAM through which a
+//! request reaches a guest runtime and its reply comes back (docs/invoke.md).
+//!
+//! The mailbox is one KVM memory slot of its own at [`MAILBOX_START`], in the MMIO gap
+//! below 4 GiB, so the guest kernel never treats it as RAM: nothing in the guest can
+//! allocate, move or reuse it. A runtime finds it through the invoke ports
+//! (`control.rs`) and maps it (a Linux guest through `/dev/mem`). Its host memory is
+//! anonymous and private, as guest RAM is: a clone shares its parent's copy-on-write,
+//! and its VMM writes the clone's request into its own copy before the clone's vCPU
+//! runs.
+//!
+//! Layout: a 64-byte header at offset 0, then the payload. The VMM writes a
+//! [`RequestHeader`]; the runtime answers with a [`ReplyHeader`] in the same place and
+//! writes the reply's payload length to the invoke port. All fields are little-endian.
+
+use vm_memory::{Bytes, GuestAddress, GuestMemory};
+
+/// Guest-physical address of the mailbox (the start of the MMIO gap).
+pub const MAILBOX_START: u64 = 0xc000_0000;
+/// Largest mailbox: it ends before the virtio-mmio devices at 0xd000_0000.
+pub const MAX_MAILBOX_BYTES: u64 = 0x1000_0000;
+/// Bytes of header before the payload.
+pub const HEADER_BYTES: usize = 64;
+/// "FKRQ": a request header.
+pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"FKRQ");
+/// "FKRP": a reply header.
+pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"FKRP");
+/// The mailbox layout's version.
+pub const VERSION: u16 = 1;
+/// Request kind: call the handler with the payload.
+pub const KIND_INVOKE: u16 = 1;
+/// Request flag: the runtime waits for further requests after this one (keep-alive).
+pub const FLAG_KEEP_ALIVE: u32 = 1;
+/// Bytes of fresh host entropy in every request header.
+pub const ENTROPY_BYTES: usize = 32;
+
+/// Where the mailbox is in guest-physical memory and how large it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MailboxWindow {
+    /// Guest-physical address (0: no mailbox).
+    pub addr: u32,
+    /// Size in bytes (0: no mailbox).
+    pub size: u32,
+}
+
+impl MailboxWindow {
+    /// A window of `size` bytes at [`MAILBOX_START`] (none when `size` is 0).
+    pub fn of_size(size: u32) -> Self {
+        match size {
+            0 => Self::default(),
+            size => Self {
+                addr: MAILBOX_START as u32,
+                size,
+            },
+        }
+    }
+
+    /// Whether the VM has a mailbox.
+    pub fn exists(&self) -> bool {
+        self.size as usize > HEADER_BYTES
+    }
+
+    /// The largest payload a request or reply may carry.
+    pub fn capacity(&self) -> usize {
+        (self.size as usize).saturating_sub(HEADER_BYTES)
+    }
+
+    fn at(&self, offset: usize) -> GuestAddress {
+        GuestAddress(u64::from(self.addr) + offset as u64)
+    }
+}
+
+/// A request's header, as the VMM writes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestHeader {
+    /// [`KIND_INVOKE`].
+    pub kind: u16,
+    /// [`FLAG_KEEP_ALIVE`] or 0.
+    pub flags: u32,
+    /// Payload length.
+    pub length: u32,
+    /// This VM's invocation number (1 for the first).
+    pub sequence: u64,
+    /// How long the handler may take, in milliseconds (0: no limit).
+    pub timeout_ms: u32,
+    /// Fresh host random bytes, for the runtime to seed its own PRNGs.
+    pub entropy: [u8; ENTROPY_BYTES],
+}
+
+impl RequestHeader {
+    /// The header's 64 bytes.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&REQUEST_MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&self.kind.to_le_bytes());
+        b[8..12].copy_from_slice(&self.flags.to_le_bytes());
+        b[12..16].copy_from_slice(&self.length.to_le_bytes());
+        b[16..24].copy_from_slice(&self.sequence.to_le_bytes());
+        b[24..28].copy_from_slice(&self.timeout_ms.to_le_bytes());
+        b[32..64].copy_from_slice(&self.entropy);
+        b
+    }
+}
+
+/// What a runtime's reply says about the handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyStatus {
+    /// The handler returned; the payload is its result.
+    Ok,
+    /// The handler failed; the payload is the error's text.
+    HandlerError,
+}
+
+/// A reply's header, as the runtime writes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplyHeader {
+    /// The handler's outcome.
+    pub status: ReplyStatus,
+    /// Payload length.
+    pub length: u32,
+}
+
+/// Why a reply in the mailbox cannot be taken; the caller gets a 502.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplyError {
+    /// The header does not start with [`REPLY_MAGIC`].
+    #[error("the reply header's magic is {0:#010x}, not \"FKRP\"")]
+    Magic(u32),
+    /// Another layout version.
+    #[error("the reply header has version {0}; this VMM reads version {VERSION}")]
+    Version(u16),
+    /// An unknown status.
+    #[error("the reply header has unknown status {0}")]
+    Status(u16),
+    /// The port and the header disagree on the length.
+    #[error(
+        "the runtime wrote a reply length of {port} bytes to the port but {header} in the header"
+    )]
+    Length {
+        /// Written to the port.
+        port: u32,
+        /// In the header.
+        header: u32,
+    },
+    /// Longer than the mailbox holds.
+    #[error("a reply of {length} bytes does not fit the mailbox's {capacity}")]
+    TooLarge {
+        /// Claimed.
+        length: u32,
+        /// Most that fits.
+        capacity: usize,
+    },
+    /// The VM has no mailbox.
+    #[error("the VM has no mailbox")]
+    NoMailbox,
+    /// Guest memory could not be read or written.
+    #[error("cannot access the mailbox: {0}")]
+    Memory(String),
+}
+
+impl ReplyHeader {
+    /// The header's 64 bytes (what a runtime writes; for tests and host-side tools).
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        let status: u16 = match self.status {
+            ReplyStatus::Ok => 0,
+            ReplyStatus::HandlerError => 1,
+        };
+        b[6..8].copy_from_slice(&status.to_le_bytes());
+        b[8..12].copy_from_slice(&self.length.to_le_bytes());
+        b
+    }
+
+    /// Reads a header, checking it against the length written to the port and the
+    /// mailbox's capacity.
+    pub fn decode(b: &[u8; HEADER_BYTES], port: u32, capacity: usize) -> Result<Self, ReplyError> {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        if u32_at(0) != REPLY_MAGIC {
+            return Err(ReplyError::Magic(u32_at(0)));
+        }
+        if u16_at(4) != VERSION {
+            return Err(ReplyError::Version(u16_at(4)));
+        }
+        let status = match u16_at(6) {
+            0 => ReplyStatus::Ok,
+            1 => ReplyStatus::HandlerError,
+            s => return Err(ReplyError::Status(s)),
+        };
+        let length = u32_at(8);
+        if length != port {
+            return Err(ReplyError::Length {
+                port,
+                header: length,
+            });
+        }
+        if length as usize > capacity {
+            return Err(ReplyError::TooLarge { length, capacity });
+        }
+        Ok(Self { status, length })
+    }
+}
+
+/// Writes a request (header and payload) into the mailbox `window` of `mem`. The
+/// caller has checked the payload fits ([`MailboxWindow::capacity`]).
+pub fn write_request<M: GuestMemory>(
+    mem: &M,
+    window: MailboxWindow,
+    header: &RequestHeader,
+    payload: &[u8],
+) -> Result<(), ReplyError> {
+    if !window.exists() {
+        return Err(ReplyError::NoMailbox);
+    }
+    if payload.len() > window.capacity() {
+        return Err(ReplyError::TooLarge {
+            length: payload.len() as u32,
+            capacity: window.capacity(),
+        });
+    }
+    let memory = |e: vm_memory::GuestMemoryError| ReplyError::Memory(e.to_string());
+    mem.write_slice(payload, window.at(HEADER_BYTES))
+        .map_err(memory)?;
+    mem.write_slice(&header.encode(), window.at(0))
+        .map_err(memory)
+}
+
+/// Reads the reply the runtime wrote, `port` being the length it wrote to the invoke
+/// port: its header and payload.
+pub fn read_reply<M: GuestMemory>(
+    mem: &M,
+    window: MailboxWindow,
+    port: u32,
+) -> Result<(ReplyHeader, Vec<u8>), ReplyError> {
+    if !window.exists() {
+        return Err(ReplyError::NoMailbox);
+    }
+    let memory = |e: vm_memory::GuestMemoryError| ReplyError::Memory(e.to_string());
+    let mut raw = [0u8; HEADER_BYTES];
+    mem.read_slice(&mut raw, window.at(0)).map_err(memory)?;
+    let header = ReplyHeader::decode(&raw, port, window.capacity())?;
+    let mut payload = vec![0u8; header.length as usize];
+    mem.read_slice(&mut payload, window.at(HEADER_BYTES))
+        .map_err(memory)?;
+    Ok((header, payload))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::GuestMemoryMmap;
+
+    fn mem(size: usize) -> (GuestMemoryMmap, MailboxWindow) {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(MAILBOX_START), size)]).unwrap();
+        (mem, MailboxWindow::of_size(size as u32))
+    }
+
+    #[test]
+    fn a_request_is_written_where_the_abi_says() {
+        let (m, w) = mem(4096);
+        let h = RequestHeader {
+            kind: KIND_INVOKE,
+            flags: FLAG_KEEP_ALIVE,
+            length: 5,
+            sequence: 7,
+            timeout_ms: 1500,
+            entropy: [0xab; ENTROPY_BYTES],
+        };
+        write_request(&m, w, &h, b"hello").unwrap();
+        let mut raw = [0u8; 69];
+        m.read_slice(&mut raw, GuestAddress(MAILBOX_START)).unwrap();
+        assert_eq!(&raw[0..4], b"FKRQ");
+        assert_eq!(raw[4..6], [1, 0]);
+        assert_eq!(raw[6..8], [1, 0]);
+        assert_eq!(raw[8..12], [1, 0, 0, 0]);
+        assert_eq!(raw[12..16], [5, 0, 0, 0]);
+        assert_eq!(raw[16..24], 7u64.to_le_bytes());
+        assert_eq!(raw[24..28], 1500u32.to_le_bytes());
+        assert_eq!(raw[28..32], [0; 4]);
+        assert_eq!(raw[32..64], [0xab; 32]);
+        assert_eq!(&raw[64..], b"hello");
+        // One byte over the capacity is refused, not cut.
+        let big = vec![0u8; w.capacity() + 1];
+        assert!(matches!(
+            write_request(&m, w, &h, &big),
+            Err(ReplyError::TooLarge { .. })
+        ));
+        assert!(write_request(&m, w, &h, &big[1..]).is_ok());
+    }
+
+    #[test]
+    fn a_reply_is_checked_before_it_is_taken() {
+        let (m, w) = mem(4096);
+        let put = |h: &[u8; HEADER_BYTES], payload: &[u8]| {
+            m.write_slice(h, GuestAddress(MAILBOX_START)).unwrap();
+            m.write_slice(payload, GuestAddress(MAILBOX_START + 64))
+                .unwrap();
+        };
+        let ok = ReplyHeader {
+            status: ReplyStatus::Ok,
+            length: 3,
+        };
+        put(&ok.encode(), b"abc");
+        assert_eq!(read_reply(&m, w, 3).unwrap(), (ok, b"abc".to_vec()));
+        let failed = ReplyHeader {
+            status: ReplyStatus::HandlerError,
+            length: 2,
+        };
+        put(&failed.encode(), b"no");
+        assert_eq!(
+            read_reply(&m, w, 2).unwrap().0.status,
+            ReplyStatus::HandlerError
+        );
+        // The port and the header disagree.
+        assert_eq!(
+            read_reply(&m, w, 3).unwrap_err(),
+            ReplyError::Length { port: 3, header: 2 }
+        );
+        // Garbage.
+        put(&[0x55; HEADER_BYTES], b"");
+        assert!(matches!(read_reply(&m, w, 0), Err(ReplyError::Magic(_))));
+        let mut h = ok.encode();
+        h[4] = 9;
+        put(&h, b"");
+        assert_eq!(read_reply(&m, w, 3).unwrap_err(), ReplyError::Version(9));
+        let mut h = ok.encode();
+        h[6] = 7;
+        put(&h, b"");
+        assert_eq!(read_reply(&m, w, 3).unwrap_err(), ReplyError::Status(7));
+        // Longer than the mailbox.
+        let huge = ReplyHeader {
+            status: ReplyStatus::Ok,
+            length: 4096,
+        };
+        put(&huge.encode(), b"");
+        assert!(matches!(
+            read_reply(&m, w, 4096),
+            Err(ReplyError::TooLarge {
+                length: 4096,
+                capacity: 4032
+            })
+        ));
+        assert_eq!(
+            read_reply(&m, MailboxWindow::default(), 0).unwrap_err(),
+            ReplyError::NoMailbox
+        );
+    }
+}

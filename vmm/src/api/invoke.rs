@@ -1,0 +1,177 @@
+//! `POST /invocations` at the HTTP edge: the request becomes an [`Invocation`] carrying
+//! its connection, and the VM that runs the handler answers on that connection with
+//! [`answer`] (docs/invoke.md).
+
+use std::io::Read;
+use std::path::Path;
+use std::time::Duration;
+
+use api_types::invoke::{
+    InvokeOptions, Outcome, HEADER_CLONE_ID, HEADER_CLONE_US, HEADER_HANDLER_US, HEADER_OUTCOME,
+    HEADER_SOCKET, HEADER_TOTAL_US,
+};
+use api_types::ErrorBody;
+
+use super::http::{self, write_response_with};
+use super::ApiReply;
+use crate::invoke::{Finished, Invocation};
+
+/// How long the VM that ran the handler may take to write the answer to the caller.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How much of the console an error answer quotes.
+const CONSOLE_TAIL_BYTES: u64 = 2048;
+
+/// The invocation `req` asks for: its options from the query string.
+pub fn route(req: http::Request) -> Result<Invocation, ApiReply> {
+    let received_ns = crate::vstate::vcpu::monotonic_ns();
+    let options: InvokeOptions = serde_urlencoded::from_str(&req.query)
+        .map_err(|e| ApiReply::error(400, format!("invalid query string: {e}")))?;
+    options.check().map_err(|e| ApiReply::error(400, e))?;
+    let conn =
+        (req.conn).ok_or_else(|| ApiReply::error(500, "the request's connection is gone"))?;
+    Ok(Invocation {
+        options,
+        payload: req.body,
+        conn,
+        received_ns,
+    })
+}
+
+/// The last bytes of the console file `path` (a clone's), for an error answer; None
+/// when there is none or it cannot be read.
+pub fn console_tail(path: &Path) -> Option<String> {
+    use std::io::{Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(CONSOLE_TAIL_BYTES)))
+        .ok()?;
+    let mut tail = Vec::new();
+    f.read_to_end(&mut tail).ok()?;
+    Some(String::from_utf8_lossy(&tail).into_owned())
+}
+
+/// Answers the caller of the finished invocation `f`, run in the VM with clone id
+/// `clone_id` serving on `socket`; an error answer quotes `console` (the VM's console
+/// tail) when given.
+pub fn answer(
+    f: &Finished,
+    clone_id: &str,
+    socket: &Path,
+    console: Option<String>,
+) -> std::io::Result<()> {
+    let t = f.timings;
+    let headers = [
+        (HEADER_OUTCOME, f.outcome.as_str().to_string()),
+        (HEADER_CLONE_ID, clone_id.to_string()),
+        (HEADER_SOCKET, socket.display().to_string()),
+        (HEADER_CLONE_US, t.clone_us.to_string()),
+        (HEADER_HANDLER_US, t.handler_us.to_string()),
+        (HEADER_TOTAL_US, t.total_us.to_string()),
+    ];
+    let stream = f.conn.stream();
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    if f.outcome == Outcome::Ok {
+        let kind = Some("application/octet-stream");
+        return write_response_with(stream, 200, &headers, kind, &f.body);
+    }
+    let mut error = match f.outcome {
+        Outcome::HandlerError => {
+            format!("the handler failed: {}", String::from_utf8_lossy(&f.body))
+        }
+        _ => String::from_utf8_lossy(&f.body).into_owned(),
+    };
+    if let Some(tail) = console.filter(|t| !t.is_empty()) {
+        error.push_str("\n--- console tail ---\n");
+        error.push_str(&tail);
+    }
+    let body = serde_json::to_vec(&ErrorBody { error }).unwrap_or_default();
+    let kind = Some("application/json");
+    write_response_with(stream, f.outcome.status(), &headers, kind, &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::invoke::{Connection, Timings};
+    use std::os::unix::net::UnixStream;
+
+    fn finished(outcome: Outcome, body: &[u8]) -> (Finished, UnixStream) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let f = Finished {
+            conn: Connection::new(ours),
+            outcome,
+            body: body.to_vec(),
+            timings: Timings {
+                clone_us: 1,
+                handler_us: 2,
+                total_us: 3,
+            },
+            keep_alive: false,
+            vcpu: 0,
+        };
+        (f, theirs)
+    }
+
+    fn answered(f: Finished, them: UnixStream, console: Option<&str>) -> http::Response {
+        answer(&f, "4", Path::new("/tmp/s.4"), console.map(String::from)).unwrap();
+        drop(f);
+        http::read_response(them).unwrap()
+    }
+
+    #[test]
+    fn a_reply_is_the_body_and_the_timings_are_headers() {
+        let (f, them) = finished(Outcome::Ok, b"\x00\xffecho");
+        let r = answered(f, them, Some("ignored"));
+        assert_eq!(r.status, 200);
+        assert_eq!(r.bytes, b"\x00\xffecho");
+        assert_eq!(r.header("x-forkvm-outcome"), Some("ok"));
+        assert_eq!(r.header("x-forkvm-clone-id"), Some("4"));
+        assert_eq!(r.header("x-forkvm-socket"), Some("/tmp/s.4"));
+        assert_eq!(r.header("x-forkvm-handler-us"), Some("2"));
+        assert_eq!(r.header("content-type"), Some("application/octet-stream"));
+    }
+
+    #[test]
+    fn failures_carry_the_runtime_text_and_the_console_tail() {
+        let (f, them) = finished(Outcome::HandlerError, b"ZeroDivisionError");
+        let r = answered(f, them, None);
+        assert_eq!(r.status, 500);
+        let e: ErrorBody = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(e.error, "the handler failed: ZeroDivisionError");
+        let (f, them) = finished(Outcome::Timeout, b"late");
+        let r = answered(f, them, Some("tiny: beat 3\n"));
+        assert_eq!(r.status, 504);
+        let e: ErrorBody = serde_json::from_str(&r.body).unwrap();
+        assert!(
+            e.error.ends_with("--- console tail ---\ntiny: beat 3\n"),
+            "{}",
+            e.error
+        );
+    }
+
+    #[test]
+    fn options_come_from_the_query_string() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let req = |query: &str| http::Request {
+            method: "POST".into(),
+            path: "/invocations".into(),
+            query: query.into(),
+            body: b"x".to_vec(),
+            conn: Some(Connection::new(a.try_clone().unwrap())),
+        };
+        let inv = route(req("timeout_ms=250&keep_alive=true&net_rate=bytes%3D1M")).unwrap();
+        assert_eq!(inv.options.timeout_ms, Some(250));
+        assert!(inv.options.keep_alive);
+        assert!(inv.options.net_rate.is_some());
+        assert_eq!(inv.payload, b"x");
+        assert_eq!(route(req("")).unwrap().options, InvokeOptions::default());
+        for bad in [
+            "timeout_ms=0",
+            "timeout_ms=soon",
+            "colour=red",
+            "keep_alive=perhaps",
+        ] {
+            assert_eq!(route(req(bad)).unwrap_err().status, 400, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,389 @@
+//! Invocations, the VMM's side (docs/invoke.md): a request reaches a guest runtime
+//! waiting on the invoke port through the mailbox, with no guest kernel on the path,
+//! and the runtime's reply goes back to the caller.
+//!
+//! A runtime reads the invoke port; its vCPU parks ([`Invoker::runtime_waits`]). Then:
+//! - in a **template** (`--template`) the VM pauses itself there, and each invocation
+//!   runs in a clone of it: the clone's VMM writes the request into its own copy of the
+//!   mailbox and sets the parked read's result before its vCPUs run
+//!   ([`Invoker::in_clone`]), and answers the caller itself;
+//! - in any other VM (a keep-alive clone, a VM that is no template) the request is
+//!   delivered in place ([`Invoker::deliver`]), one at a time.
+//!
+//! The runtime's write of the reply's length parks its vCPU again; the VMM reads and
+//! checks the reply ([`Invoker::runtime_replied`]) and hands a [`Finished`] to the
+//! controller, which answers on the caller's connection. The connection travels with
+//! the request: the template hands it to the clone and never waits for the handler.
+//!
+//! Nothing here knows HTTP: the controller renders a [`Finished`] (`api::invoke`).
+
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use api_types::invoke::{InvokeOptions, InvokeReport, Outcome};
+use api_types::vm::VmState;
+use devices::mailbox::{
+    read_reply, write_request, MailboxWindow, ReplyError, ReplyStatus, RequestHeader,
+    ENTROPY_BYTES, FLAG_KEEP_ALIVE, KIND_INVOKE,
+};
+use serde::{Deserialize, Serialize};
+use vm_memory::GuestMemoryMmap;
+
+use crate::config::VmConfig;
+use crate::microvm::Microvm;
+use crate::vstate::vcpu::{monotonic_ns, VcpuError};
+
+/// The caller's connection: answered by whichever VMM runs the handler.
+#[derive(Debug, Clone)]
+pub struct Connection(Arc<UnixStream>);
+
+impl Connection {
+    /// Wraps the caller's stream.
+    pub fn new(stream: UnixStream) -> Self {
+        Self(Arc::new(stream))
+    }
+
+    /// The stream.
+    pub fn stream(&self) -> &UnixStream {
+        &self.0
+    }
+}
+
+impl PartialEq for Connection {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Connection {}
+
+/// A request on its way to a runtime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invocation {
+    /// Its options.
+    pub options: InvokeOptions,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// Where the answer goes.
+    pub conn: Connection,
+    /// When it reached the VMM (CLOCK_MONOTONIC ns).
+    pub received_ns: u64,
+}
+
+/// What a clone's VMM is told about the request it delivers. Serializable: it reaches
+/// a warm clone in its launch message (the payload and the connection follow it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delivery {
+    /// The vCPU parked on the invoke port in the template.
+    pub vcpu: u8,
+    /// Payload length.
+    pub length: u32,
+    /// Whether the clone serves further requests after this one.
+    pub keep_alive: bool,
+    /// Milliseconds the handler may take.
+    pub timeout_ms: u64,
+    /// When the request reached the template (CLOCK_MONOTONIC ns).
+    pub received_ns: u64,
+}
+
+/// Why an invocation was refused before it reached a runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum InvokeError {
+    /// The VM has no mailbox (`--mailbox-mib 0`).
+    #[error("the VM has no mailbox (started with --mailbox-mib 0)")]
+    NoMailbox,
+    /// No runtime waits on the invoke port.
+    #[error("no runtime in the VM waits for a request (it has not started, or it is busy)")]
+    NotWaiting,
+    /// An invocation runs in this VM now.
+    #[error("an invocation is running in this VM; a VM that is no template serves one at a time")]
+    Busy,
+    /// The payload does not fit the mailbox.
+    #[error("a payload of {length} bytes does not fit the mailbox ({capacity} bytes)")]
+    TooLarge {
+        /// The payload's length.
+        length: usize,
+        /// Most that fits.
+        capacity: usize,
+    },
+    /// The clone made for the invocation did not start (its console says why).
+    #[error("the clone {0} made for the invocation did not start")]
+    CloneFailed(String),
+    /// Writing the request failed.
+    #[error("cannot write the request into the mailbox: {0}")]
+    Mailbox(#[from] ReplyError),
+    /// The runtime's vCPU could not be given the request.
+    #[error("cannot wake the runtime's vCPU: {0}")]
+    Vcpu(#[from] VcpuError),
+}
+
+/// How an invocation is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// In a clone of this template: the clone's VMM delivers the request.
+    Clone(u8),
+    /// In this VM, on this vCPU.
+    InPlace(u8),
+}
+
+/// An invocation whose request is in this VM's mailbox.
+#[derive(Debug)]
+struct InFlight {
+    conn: Connection,
+    vcpu: u8,
+    received_ns: u64,
+    delivered_ns: u64,
+    deadline: Instant,
+    keep_alive: bool,
+}
+
+/// Microseconds spent, for the answer's headers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Timings {
+    /// Arrival to the request delivered (the clone's vCPUs starting, or the runtime's
+    /// vCPU resumed).
+    pub clone_us: u64,
+    /// Delivery to the reply.
+    pub handler_us: u64,
+    /// Arrival to the reply.
+    pub total_us: u64,
+}
+
+/// An invocation that ended: what to answer, and on which connection.
+#[derive(Debug)]
+pub struct Finished {
+    /// The caller's connection.
+    pub conn: Connection,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// The handler's reply (ok), or the error's text.
+    pub body: Vec<u8>,
+    /// Time spent.
+    pub timings: Timings,
+    /// Whether the VM serves on: the runtime's vCPU is to be resumed (the VM ends
+    /// otherwise).
+    pub keep_alive: bool,
+    /// The runtime's vCPU, parked.
+    pub vcpu: u8,
+}
+
+/// One VM's invocation side.
+#[derive(Debug)]
+pub struct Invoker {
+    window: MailboxWindow,
+    template: bool,
+    /// The vCPU parked on the invoke port, waiting for a request.
+    waiting: Option<u8>,
+    in_flight: Option<InFlight>,
+    /// Requests handed to a clone or delivered here so far.
+    started: u64,
+}
+
+/// Writes `payload` and a request header (fresh entropy, this VM's `sequence`) into
+/// the mailbox.
+fn write(
+    mem: &GuestMemoryMmap,
+    window: MailboxWindow,
+    d: &Delivery,
+    sequence: u64,
+    payload: &[u8],
+) -> Result<(), ReplyError> {
+    let mut entropy = [0u8; ENTROPY_BYTES];
+    devices::util::host_random(&mut entropy).map_err(|e| ReplyError::Memory(e.to_string()))?;
+    let header = RequestHeader {
+        kind: KIND_INVOKE,
+        flags: if d.keep_alive { FLAG_KEEP_ALIVE } else { 0 },
+        length: d.length,
+        sequence,
+        timeout_ms: u32::try_from(d.timeout_ms).unwrap_or(u32::MAX),
+        entropy,
+    };
+    write_request(mem, window, &header, payload)
+}
+
+impl Invoker {
+    /// The invocation side of a VM with `config`.
+    pub fn new(config: &VmConfig) -> Self {
+        Self {
+            window: config.mailbox(),
+            template: config.template,
+            waiting: None,
+            in_flight: None,
+            started: 0,
+        }
+    }
+
+    /// The figures for `GET /vm`.
+    pub fn report(&self) -> InvokeReport {
+        InvokeReport {
+            mailbox_bytes: u64::from(self.window.size),
+            template: self.template,
+            waiting: self.waiting.is_some(),
+            in_flight: self.in_flight.is_some(),
+            started: self.started,
+        }
+    }
+
+    /// A runtime on `vcpu` waits for a request (its vCPU parked). Returns whether the
+    /// VM is to pause itself: a template does, the first time.
+    pub fn runtime_waits(&mut self, vm: &Microvm, vcpu: u8) -> bool {
+        if let Some(other) = self.waiting.replace(vcpu) {
+            if other != vcpu {
+                // One runtime per VM: the earlier one stays parked until the VM is
+                // resumed (it then reads "no request").
+                tracing::warn!("runtimes wait on vCPUs {other} and {vcpu}; serving vCPU {vcpu}");
+            }
+        }
+        self.template && vm.state() == VmState::Running
+    }
+
+    /// The VM was resumed from outside (`PATCH /vm`): a waiting runtime's read returns
+    /// "no request" and the runtime waits again.
+    pub fn resumed(&mut self) {
+        self.waiting = None;
+    }
+
+    /// How an invocation with a payload of `length` bytes would be served now.
+    pub fn route(&self, vm: &Microvm, length: usize) -> Result<Route, InvokeError> {
+        if !self.window.exists() {
+            return Err(InvokeError::NoMailbox);
+        }
+        if length > self.window.capacity() {
+            return Err(InvokeError::TooLarge {
+                length,
+                capacity: self.window.capacity(),
+            });
+        }
+        if self.in_flight.is_some() {
+            return Err(InvokeError::Busy);
+        }
+        let vcpu = self.waiting.ok_or(InvokeError::NotWaiting)?;
+        match (self.template, vm.state()) {
+            (true, VmState::Paused) => Ok(Route::Clone(vcpu)),
+            (false, VmState::Running) => Ok(Route::InPlace(vcpu)),
+            _ => Err(InvokeError::NotWaiting),
+        }
+    }
+
+    /// What a clone made for `inv` is told (the runtime waits on `vcpu`); counts it.
+    pub fn hand_to_clone(&mut self, inv: &Invocation, vcpu: u8) -> Delivery {
+        self.started += 1;
+        Delivery {
+            vcpu,
+            length: inv.payload.len() as u32,
+            keep_alive: inv.options.keep_alive,
+            timeout_ms: inv.options.timeout_ms(),
+            received_ns: inv.received_ns,
+        }
+    }
+
+    /// Delivers `inv` to the runtime waiting on `vcpu` in this VM: writes the request,
+    /// sets the port read's result, and resumes the vCPU.
+    pub fn deliver(&mut self, vm: &Microvm, inv: Invocation, vcpu: u8) -> Result<(), InvokeError> {
+        let d = Delivery {
+            vcpu,
+            length: inv.payload.len() as u32,
+            keep_alive: inv.options.keep_alive,
+            timeout_ms: inv.options.timeout_ms(),
+            received_ns: inv.received_ns,
+        };
+        write(vm.memory(), self.window, &d, self.started + 1, &inv.payload)?;
+        let handle = vm
+            .vcpus()
+            .get(usize::from(vcpu))
+            .ok_or(VcpuError::Gone(vcpu))?;
+        handle.set_rax(u64::from(d.length))?;
+        self.started += 1;
+        self.waiting = None;
+        self.in_flight = Some(InFlight {
+            conn: inv.conn,
+            vcpu,
+            received_ns: d.received_ns,
+            delivered_ns: monotonic_ns(),
+            deadline: Instant::now() + Duration::from_millis(d.timeout_ms),
+            keep_alive: d.keep_alive,
+        });
+        handle.resume()?;
+        Ok(())
+    }
+
+    /// The invocation side of a clone made for `d`, before its vCPUs run: the request is
+    /// written into the clone's copy of the mailbox (the caller sets the port read's
+    /// result, the payload length, in the vCPU's state).
+    pub fn in_clone(
+        config: &VmConfig,
+        mem: &GuestMemoryMmap,
+        d: &Delivery,
+        payload: &[u8],
+        conn: Connection,
+    ) -> Result<Self, InvokeError> {
+        let mut me = Self::new(config);
+        write(mem, me.window, d, 1, payload)?;
+        me.started = 1;
+        me.in_flight = Some(InFlight {
+            conn,
+            vcpu: d.vcpu,
+            received_ns: d.received_ns,
+            delivered_ns: monotonic_ns(),
+            deadline: Instant::now() + Duration::from_millis(d.timeout_ms),
+            keep_alive: d.keep_alive,
+        });
+        Ok(me)
+    }
+
+    fn finish(&mut self, outcome: Outcome, body: Vec<u8>, vcpu: Option<u8>) -> Option<Finished> {
+        let f = self.in_flight.take()?;
+        let now = monotonic_ns();
+        let us = |from: u64, to: u64| to.saturating_sub(from) / 1000;
+        Some(Finished {
+            conn: f.conn,
+            outcome,
+            body,
+            timings: Timings {
+                clone_us: us(f.received_ns, f.delivered_ns),
+                handler_us: us(f.delivered_ns, now),
+                total_us: us(f.received_ns, now),
+            },
+            keep_alive: f.keep_alive && outcome != Outcome::Timeout,
+            vcpu: vcpu.unwrap_or(f.vcpu),
+        })
+    }
+
+    /// The runtime on `vcpu` replied with `length` bytes (its vCPU parked): the reply
+    /// read and checked. None when no invocation was in flight (the caller resumes the
+    /// vCPU).
+    pub fn runtime_replied(&mut self, vm: &Microvm, vcpu: u8, length: u32) -> Option<Finished> {
+        self.in_flight.as_ref()?;
+        let (outcome, body) = match read_reply(vm.memory(), self.window, length) {
+            Ok((h, payload)) if h.status == ReplyStatus::Ok => (Outcome::Ok, payload),
+            Ok((_, text)) => (Outcome::HandlerError, text),
+            Err(e) => (Outcome::BadReply, e.to_string().into_bytes()),
+        };
+        let mut f = self.finish(outcome, body, Some(vcpu))?;
+        // A runtime that cannot write a reply is not trusted with another request.
+        f.keep_alive &= outcome != Outcome::BadReply;
+        Some(f)
+    }
+
+    /// Time until the invocation in flight times out (zero: now).
+    pub fn due_in(&self) -> Option<Duration> {
+        let f = self.in_flight.as_ref()?;
+        Some(f.deadline.saturating_duration_since(Instant::now()))
+    }
+
+    /// The invocation in flight, if its time is up.
+    pub fn expire(&mut self) -> Option<Finished> {
+        if self.due_in()? > Duration::ZERO {
+            return None;
+        }
+        let text = "the handler did not reply in time".as_bytes().to_vec();
+        self.finish(Outcome::Timeout, text, None)
+    }
+
+    /// The guest stopped (`why`) with an invocation in flight.
+    pub fn guest_stopped(&mut self, why: &str) -> Option<Finished> {
+        let text = format!("the guest stopped before its runtime replied: {why}");
+        self.finish(Outcome::GuestStopped, text.into_bytes(), None)
+    }
+}

@@ -25,10 +25,14 @@ use crate::microvm::{Input, Microvm, RunOutcome};
 use crate::rpc::{ActionReceiver, VmmAction, VmmActionError, VmmData, VmmResponse};
 
 /// The request bodies the control socket of a VM with `config` takes: invocations up to
-/// what its mailbox holds.
+/// what its mailbox holds (without one, as other requests: it refuses them with 409).
 pub fn body_limits(config: &VmConfig) -> BodyLimits {
-    BodyLimits {
-        invocation: config.mailbox().capacity(),
+    let mailbox = config.mailbox();
+    match mailbox.exists() {
+        true => BodyLimits {
+            invocation: mailbox.capacity(),
+        },
+        false => BodyLimits::default(),
     }
 }
 use crate::signals::read_signal;

@@ -188,11 +188,37 @@ fn handle(
                 Err(reply) => reply,
             }
         }
-        Err(HttpError::TooLarge(m)) => ApiReply::error(413, m),
+        Err(HttpError::TooLarge(m)) => {
+            let reply = ApiReply::error(413, m);
+            write_response(io, reply.status, reply.body.as_deref())?;
+            // The client may still be sending the body: closing with it unread would
+            // reset the connection before the client reads the answer.
+            stream.shutdown(std::net::Shutdown::Write)?;
+            drain(io);
+            return Ok(());
+        }
         Err(HttpError::Malformed(m)) => ApiReply::error(400, m),
         Err(HttpError::Io(e)) => return Err(e),
     };
     write_response(io, reply.status, reply.body.as_deref())
+}
+
+/// Most a refused body is read for, and for how long, before the connection is closed.
+const DRAIN_BYTES: usize = 256 << 20;
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Reads and drops what the client still sends, within [`DRAIN_BYTES`] and
+/// [`DRAIN_TIME`].
+fn drain(mut io: Gated<'_>) {
+    let start = std::time::Instant::now();
+    let mut buf = [0u8; 16 * 1024];
+    let mut read = 0;
+    while read < DRAIN_BYTES && start.elapsed() < DRAIN_TIME {
+        match io.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => read += n,
+        }
+    }
 }
 
 /// Queues `action` for the event loop and waits for its answer; None when another VM

@@ -1,0 +1,391 @@
+//! Invocations with the tiny guest (`invoke=1`, docs/tiny-guest.md): a template pauses
+//! where its echo handler waits; each `POST /invocations` runs in a fresh clone that
+//! answers with the payload and a trailer (its clone number, the request's sequence
+//! number, the request's entropy); every error the API lists; keep-alive and in-place
+//! invocations; concurrency; no leaks.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use api_types::InvokeOptions;
+use serde_json::Value;
+use tests::{kvm_available, tiny_vm, Scratch, Vm};
+use vmm::api::client;
+use vmm::api::http::Response;
+
+const BOOT: Duration = Duration::from_secs(30);
+const TRAILER: usize = 48;
+
+/// The tests here start templates that fork many clones: one at a time, so that the
+/// 2-core host is not overloaded past the timeouts.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A tiny-guest template with `extra` arguments, paused where its handler waits.
+fn template(scratch: &Scratch, extra: &[&str]) -> Vm {
+    let tiny = tests::guest_file("tiny.elf").display().to_string();
+    let mut args = vec![
+        "--kernel",
+        &tiny,
+        "--mem-mib",
+        "64",
+        "--ap-boot",
+        "direct",
+        "--cmdline",
+        "ticks=1 invoke=1",
+        "--template",
+    ];
+    args.extend_from_slice(extra);
+    let mut vm = Vm::start(scratch, &args);
+    vm.wait_console("tiny: invoke ready\n", BOOT);
+    vm.wait_api(BOOT);
+    wait_until("the template to pause", || {
+        let info = describe(&vm);
+        info["state"] == "paused" && info["invoke"]["waiting"] == true
+    });
+    vm
+}
+
+fn describe(vm: &Vm) -> Value {
+    let (code, body) = vm.api("GET", "/vm", None);
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < BOOT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn invoke_with(sock: &Path, options: &InvokeOptions, payload: &[u8]) -> Response {
+    client::invoke(sock, options, payload).unwrap_or_else(|e| panic!("invoke: {e}"))
+}
+
+fn invoke(sock: &Path, payload: &[u8]) -> Response {
+    invoke_with(sock, &InvokeOptions::default(), payload)
+}
+
+/// The echo's reply checked against `payload`: (clone number, sequence, entropy).
+fn echoed(r: &Response, payload: &[u8]) -> (u64, u64, Vec<u8>) {
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-forkvm-outcome"), Some("ok"));
+    assert_eq!(r.bytes.len(), payload.len() + TRAILER, "{}", r.body);
+    assert!(
+        r.bytes[..payload.len()] == *payload,
+        "the payload came back changed"
+    );
+    let t = &r.bytes[payload.len()..];
+    let clone = u64::from_le_bytes(t[..8].try_into().unwrap());
+    let seq = u64::from_le_bytes(t[8..16].try_into().unwrap());
+    let id: u64 = match r.header("x-forkvm-clone-id").unwrap() {
+        "" => 0,
+        id => id.parse().unwrap(),
+    };
+    assert_eq!(
+        clone, id,
+        "the guest's clone number is the answer's clone id"
+    );
+    for h in [
+        "x-forkvm-clone-us",
+        "x-forkvm-handler-us",
+        "x-forkvm-total-us",
+    ] {
+        let v: u64 = r.header(h).unwrap().parse().unwrap();
+        assert!(v < 60_000_000, "{h}: {v}");
+    }
+    (clone, seq, t[16..].to_vec())
+}
+
+fn error_of(r: &Response) -> String {
+    serde_json::from_str::<api_types::ErrorBody>(&r.body)
+        .map(|e| e.error)
+        .unwrap_or_else(|_| r.body.clone())
+}
+
+fn count_dir(path: String) -> usize {
+    std::fs::read_dir(&path).map(|d| d.count()).unwrap_or(0)
+}
+
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect()
+}
+
+/// What is in the scratch directory besides the template's own files.
+fn leftovers(scratch: &Scratch) -> Vec<String> {
+    let dir = scratch.path("");
+    let mut left: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !["api.sock", "console", "stderr"].contains(&n.as_str()))
+        .collect();
+    left.sort();
+    left
+}
+
+#[test]
+fn a_thousand_invocations_each_in_a_fresh_clone_echo_byte_for_byte_and_leak_nothing() {
+    if !kvm_available("invoke_thousand") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-1000");
+    let vm = template(&scratch, &["--warm-clones", "4", "--mailbox-mib", "1"]);
+    let pid = vm.child.id();
+    // One first, so lazily made state exists before counting.
+    echoed(&invoke(&vm.sock, b"warm up"), b"warm up");
+    wait_until("the warm pool to refill", || {
+        describe(&vm)["warm_clones"]["ready"] == 4
+    });
+    let fds = count_dir(format!("/proc/{pid}/fd"));
+    let threads = count_dir(format!("/proc/{pid}/task"));
+    let mut clones = HashSet::new();
+    let mut entropy = HashSet::new();
+    let capacity = (1 << 20) - 64 - TRAILER;
+    for i in 0..1000usize {
+        // Sizes from empty to the whole mailbox, bytes that are not text.
+        let len = match i {
+            0 => 0,
+            1 => capacity,
+            _ => (i * 7919) % 5000,
+        };
+        let payload: Vec<u8> = (0..len).map(|b| (b * 31 + i) as u8).collect();
+        let (clone, seq, e) = echoed(&invoke(&vm.sock, &payload), &payload);
+        assert_eq!(seq, 1, "a fresh clone serves its first request");
+        assert!(clones.insert(clone), "clone {clone} served twice");
+        assert!(entropy.insert(e), "entropy repeated at invocation {i}");
+    }
+    let info = describe(&vm);
+    assert_eq!(info["state"], "paused");
+    assert_eq!(info["invoke"]["started"], 1001);
+    // Every clone is gone, with its socket and console file; the template holds what
+    // it held before.
+    wait_until("the clones to be reaped", || {
+        children_of(pid).len() == 4 && leftovers(&scratch).is_empty()
+    });
+    assert_eq!(count_dir(format!("/proc/{pid}/fd")), fds, "fds leaked");
+    assert_eq!(
+        count_dir(format!("/proc/{pid}/task")),
+        threads,
+        "threads leaked"
+    );
+    let (_, body) = vm.api("GET", "/clones", None);
+    let list: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(list["clones"].as_array().unwrap().len(), 0, "{body}");
+    drop(vm);
+}
+
+#[test]
+fn eight_callers_at_once_each_get_their_own_clone() {
+    if !kvm_available("invoke_concurrent") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-8");
+    let vm = template(&scratch, &["--warm-clones", "8"]);
+    let sock = vm.sock.clone();
+    let callers: Vec<_> = (0..8u8)
+        .map(|t| {
+            let sock = sock.clone();
+            std::thread::spawn(move || {
+                (0..25u8)
+                    .map(|i| {
+                        let payload = [b't', t, b'i', i];
+                        echoed(&invoke(&sock, &payload), &payload).0
+                    })
+                    .collect::<Vec<u64>>()
+            })
+        })
+        .collect();
+    let mut clones = HashSet::new();
+    for c in callers {
+        for clone in c.join().unwrap() {
+            assert!(clones.insert(clone), "clone {clone} served twice");
+        }
+    }
+    assert_eq!(clones.len(), 200);
+}
+
+#[test]
+fn every_failure_has_its_status_and_leaves_the_template_untouched() {
+    if !kvm_available("invoke_errors") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-errors");
+    let vm = template(&scratch, &["--warm-clones", "2", "--mailbox-mib", "1"]);
+    let quick = InvokeOptions {
+        timeout_ms: Some(300),
+        ..Default::default()
+    };
+    for (payload, status, outcome, says) in [
+        (
+            &b"fail"[..],
+            500,
+            "handler_error",
+            "the handler failed: tiny: the handler failed",
+        ),
+        (b"hang", 504, "timeout", "did not reply in time"),
+        (b"poff", 502, "guest_stopped", "the guest powered off"),
+        (b"crsh", 502, "guest_stopped", "vCPU 0"),
+        (b"done", 502, "guest_stopped", "ended with status 7"),
+        (b"garb", 502, "bad_reply", "magic is 0x55555555"),
+        (b"bigl", 502, "bad_reply", "does not fit the mailbox"),
+    ] {
+        let r = invoke_with(&vm.sock, &quick, payload);
+        let what = String::from_utf8_lossy(payload);
+        assert_eq!(r.status, status, "{what}: {}", r.body);
+        assert_eq!(r.header("x-forkvm-outcome"), Some(outcome), "{what}");
+        assert!(error_of(&r).contains(says), "{what}: {}", error_of(&r));
+        // The template is as it was: the next invocation is served as ever.
+        echoed(&invoke(&vm.sock, b"after"), b"after");
+    }
+    // A payload one byte over what the mailbox holds is refused before any clone.
+    let started = describe(&vm)["invoke"]["started"].clone();
+    let r = invoke(&vm.sock, &vec![0u8; (1 << 20) - 64 + 1]);
+    assert_eq!(r.status, 413, "{}", r.body);
+    assert_eq!(describe(&vm)["invoke"]["started"], started);
+    // Bad options.
+    let (code, body) = vm.api("POST", "/invocations?timeout_ms=0", Some("x"));
+    assert_eq!(code, 400, "{body}");
+    let (code, body) = vm.api("POST", "/invocations?colour=red", Some("x"));
+    assert_eq!(code, 400, "{body}");
+    // Resumed from outside, the template's runtime reads "no request", waits again,
+    // and the template pauses itself again.
+    let (code, body) = vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#));
+    assert_eq!(code, 204, "{body}");
+    wait_until("the template to pause again", || {
+        let info = describe(&vm);
+        info["state"] == "paused" && info["invoke"]["waiting"] == true
+    });
+    echoed(&invoke(&vm.sock, b"again"), b"again");
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty()
+    });
+}
+
+#[test]
+fn a_vm_without_a_waiting_runtime_or_a_mailbox_refuses() {
+    if !kvm_available("invoke_refused") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-refused");
+    let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 beat=50");
+    vm.wait_console("tiny: beat 1\n", BOOT);
+    let r = invoke(&vm.sock, b"x");
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(error_of(&r).contains("no runtime"), "{}", r.body);
+    vm.shutdown(BOOT);
+    let scratch = Scratch::new("invoke-nomailbox");
+    let tiny = tests::guest_file("tiny.elf").display().to_string();
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &tiny,
+            "--ap-boot",
+            "direct",
+            "--cmdline",
+            "ticks=1 beat=50",
+            "--mailbox-mib",
+            "0",
+        ],
+    );
+    vm.wait_console("tiny: beat 1\n", BOOT);
+    let r = invoke(&vm.sock, b"x");
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(error_of(&r).contains("no mailbox"), "{}", r.body);
+    assert_eq!(describe(&vm)["invoke"]["mailbox_bytes"], 0);
+    vm.shutdown(BOOT);
+    // A template needs a mailbox.
+    let (status, _, err) = tests::run_vmm(
+        &["run", "--kernel", &tiny, "--template", "--mailbox-mib", "0"],
+        BOOT,
+    );
+    assert!(!status.success());
+    assert!(err.contains("mailbox of 0 MiB"), "{err}");
+}
+
+#[test]
+fn a_keep_alive_clone_serves_further_requests_in_place_until_one_ends_it() {
+    if !kvm_available("invoke_keep_alive") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-keep");
+    let vm = template(&scratch, &["--warm-clones", "1"]);
+    let keep = InvokeOptions {
+        keep_alive: true,
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &keep, b"one");
+    let (clone, seq, first_entropy) = echoed(&r, b"one");
+    assert_eq!(seq, 1);
+    let sock = std::path::PathBuf::from(r.header("x-forkvm-socket").unwrap());
+    assert!(sock.exists());
+    let (clone2, seq, entropy) = echoed(&invoke_with(&sock, &keep, b"two"), b"two");
+    assert_eq!((clone2, seq), (clone, 2), "the same clone serves in place");
+    assert_ne!(entropy, first_entropy);
+    // While a request runs in it, the clone takes no other.
+    let hang = InvokeOptions {
+        keep_alive: true,
+        timeout_ms: Some(2000),
+        ..Default::default()
+    };
+    let waiter = {
+        let sock = sock.clone();
+        std::thread::spawn(move || invoke_with(&sock, &hang, b"hang"))
+    };
+    wait_until("the hanging request to start", || {
+        let (_, body) = tests::api_request(&sock, "GET", "/vm", None);
+        serde_json::from_str::<Value>(&body).unwrap()["invoke"]["in_flight"] == true
+    });
+    let r = invoke(&sock, b"three");
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(error_of(&r).contains("one at a time"), "{}", r.body);
+    // The timeout ends the clone, keep-alive or not.
+    let r = waiter.join().unwrap();
+    assert_eq!(r.status, 504, "{}", r.body);
+    wait_until("the clone to end", || !sock.exists());
+    // A request without keep-alive ends its clone once answered.
+    let r = invoke_with(&vm.sock, &keep, b"four");
+    let sock = std::path::PathBuf::from(r.header("x-forkvm-socket").unwrap());
+    echoed(&invoke(&sock, b"five"), b"five");
+    wait_until("the clone to end", || !sock.exists());
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty()
+    });
+}
+
+#[test]
+fn a_vm_that_is_no_template_serves_one_invocation_in_place_and_ends() {
+    if !kvm_available("invoke_in_place") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-inplace");
+    let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 invoke=1");
+    vm.wait_console("tiny: invoke ready\n", BOOT);
+    vm.wait_api(BOOT);
+    wait_until("the runtime to wait", || {
+        describe(&vm)["invoke"]["waiting"] == true
+    });
+    assert_eq!(describe(&vm)["state"], "running");
+    let r = invoke(&vm.sock, b"here");
+    let (clone, seq, _) = echoed(&r, b"here");
+    assert_eq!((clone, seq), (0, 1), "served by the VM itself");
+    assert_eq!(r.header("x-forkvm-clone-id"), Some(""));
+    let status = vm.wait_exit(BOOT);
+    assert!(status.success(), "{status}\n{}", vm.stderr_text());
+}

@@ -337,6 +337,12 @@ fn a_keep_alive_clone_serves_further_requests_in_place_until_one_ends_it() {
     let (clone2, seq, entropy) = echoed(&invoke_with(&sock, &keep, b"two"), b"two");
     assert_eq!((clone2, seq), (clone, 2), "the same clone serves in place");
     assert_ne!(entropy, first_entropy);
+    // Back to back: a request that comes before the runtime waits again is held for
+    // it, not refused.
+    for n in 3..23u64 {
+        let (c, seq, _) = echoed(&invoke_with(&sock, &keep, b"more"), b"more");
+        assert_eq!((c, seq), (clone, n));
+    }
     // While a request runs in it, the clone takes no other.
     let hang = InvokeOptions {
         keep_alive: true,

@@ -98,6 +98,7 @@ impl Vmm {
                 }
             }
             Route::InPlace(vcpu) => self.invoker.deliver(&self.vm, inv, vcpu)?,
+            Route::Queue => self.invoker.queue(inv),
         }
         Ok(VmmData::Invoked)
     }
@@ -181,6 +182,12 @@ impl Vmm {
                     match self.vm.set_state(TargetState::Paused) {
                         Ok(()) => tracing::info!("template ready: its runtime waits on vCPU {id}"),
                         Err(e) => tracing::error!("cannot pause the template: {e}"),
+                    }
+                }
+                // A request that came while the runtime was on its way back.
+                if let Some(inv) = self.invoker.take_queued() {
+                    if let Err(e) = self.invoker.deliver(&self.vm, inv, id) {
+                        tracing::error!("cannot deliver the held invocation: {e}");
                     }
                 }
                 None

@@ -125,6 +125,9 @@ pub enum Route {
     Clone(u8),
     /// In this VM, on this vCPU.
     InPlace(u8),
+    /// In this VM, once its runtime, which just replied to a keep-alive request, waits
+    /// again ([`Invoker::queue`]).
+    Queue,
 }
 
 /// An invocation whose request is in this VM's mailbox.
@@ -176,6 +179,10 @@ pub struct Invoker {
     /// The vCPU parked on the invoke port, waiting for a request.
     waiting: Option<u8>,
     in_flight: Option<InFlight>,
+    /// The runtime replied to a keep-alive request and is on its way back to the port.
+    returning: bool,
+    /// A request waiting for it, with its deadline.
+    queued: Option<(Invocation, Instant)>,
     /// Requests handed to a clone or delivered here so far.
     started: u64,
 }
@@ -210,6 +217,8 @@ impl Invoker {
             template: config.template,
             waiting: None,
             in_flight: None,
+            returning: false,
+            queued: None,
             started: 0,
         }
     }
@@ -228,6 +237,7 @@ impl Invoker {
     /// A runtime on `vcpu` waits for a request (its vCPU parked). Returns whether the
     /// VM is to pause itself: a template does, the first time.
     pub fn runtime_waits(&mut self, vm: &Microvm, vcpu: u8) -> bool {
+        self.returning = false;
         if let Some(other) = self.waiting.replace(vcpu) {
             if other != vcpu {
                 // One runtime per VM: the earlier one stays parked until the VM is
@@ -255,15 +265,32 @@ impl Invoker {
                 capacity: self.window.capacity(),
             });
         }
-        if self.in_flight.is_some() {
+        if self.in_flight.is_some() || self.queued.is_some() {
             return Err(InvokeError::Busy);
         }
-        let vcpu = self.waiting.ok_or(InvokeError::NotWaiting)?;
+        let Some(vcpu) = self.waiting else {
+            return match self.returning {
+                true => Ok(Route::Queue),
+                false => Err(InvokeError::NotWaiting),
+            };
+        };
         match (self.template, vm.state()) {
             (true, VmState::Paused) => Ok(Route::Clone(vcpu)),
             (false, VmState::Running) => Ok(Route::InPlace(vcpu)),
             _ => Err(InvokeError::NotWaiting),
         }
+    }
+
+    /// Holds `inv` until the runtime, back from a keep-alive reply, waits again
+    /// ([`Invoker::take_queued`]); its timeout runs from now.
+    pub fn queue(&mut self, inv: Invocation) {
+        let deadline = Instant::now() + Duration::from_millis(inv.options.timeout_ms());
+        self.queued = Some((inv, deadline));
+    }
+
+    /// The request held for the runtime that waits again now.
+    pub fn take_queued(&mut self) -> Option<Invocation> {
+        self.queued.take().map(|(inv, _)| inv)
     }
 
     /// What a clone made for `inv` is told (the runtime waits on `vcpu`); counts it.
@@ -363,26 +390,52 @@ impl Invoker {
         let mut f = self.finish(outcome, body, Some(vcpu))?;
         // A runtime that cannot write a reply is not trusted with another request.
         f.keep_alive &= outcome != Outcome::BadReply;
+        self.returning = f.keep_alive;
         Some(f)
     }
 
-    /// Time until the invocation in flight times out (zero: now).
+    /// Time until the invocation in flight (or held) times out (zero: now).
     pub fn due_in(&self) -> Option<Duration> {
-        let f = self.in_flight.as_ref()?;
-        Some(f.deadline.saturating_duration_since(Instant::now()))
+        let f = self.in_flight.as_ref().map(|f| f.deadline);
+        let q = self.queued.as_ref().map(|q| q.1);
+        Some(f.or(q)?.saturating_duration_since(Instant::now()))
     }
 
-    /// The invocation in flight, if its time is up.
+    /// The invocation in flight (or held for a runtime that did not come back), if its
+    /// time is up.
     pub fn expire(&mut self) -> Option<Finished> {
         if self.due_in()? > Duration::ZERO {
             return None;
+        }
+        if let Some((inv, deadline)) = self.queued.take() {
+            let now = Instant::now();
+            self.in_flight = Some(InFlight {
+                conn: inv.conn,
+                vcpu: 0,
+                received_ns: inv.received_ns,
+                delivered_ns: monotonic_ns(),
+                deadline: deadline.min(now),
+                keep_alive: false,
+            });
+            let text = "the runtime did not wait for the request in time".into();
+            return self.finish(Outcome::Timeout, text, None);
         }
         let text = "the handler did not reply in time".as_bytes().to_vec();
         self.finish(Outcome::Timeout, text, None)
     }
 
-    /// The guest stopped (`why`) with an invocation in flight.
+    /// The guest stopped (`why`) with an invocation in flight (or held).
     pub fn guest_stopped(&mut self, why: &str) -> Option<Finished> {
+        if let Some(inv) = self.take_queued() {
+            self.in_flight = Some(InFlight {
+                conn: inv.conn,
+                vcpu: 0,
+                received_ns: inv.received_ns,
+                delivered_ns: monotonic_ns(),
+                deadline: Instant::now(),
+                keep_alive: false,
+            });
+        }
         let text = format!("the guest stopped before its runtime replied: {why}");
         self.finish(Outcome::GuestStopped, text.into_bytes(), None)
     }

@@ -33,3 +33,4 @@ bench: deps guest release
 	python3 benches/boot.py
 	python3 benches/clone.py latency --runs 50 --mem 128
 	python3 benches/clone.py fanout --counts 100 --dirs /dev/shm
+	python3 benches/invoke.py latency --runs 50 --rounds 2

@@ -87,6 +87,19 @@ pub struct Delivery {
     pub received_ns: u64,
 }
 
+impl Delivery {
+    /// What delivering `inv` to the runtime waiting on `vcpu` means.
+    fn of(inv: &Invocation, vcpu: u8) -> Self {
+        Self {
+            vcpu,
+            length: inv.payload.len() as u32,
+            keep_alive: inv.options.keep_alive,
+            timeout_ms: inv.options.timeout_ms(),
+            received_ns: inv.received_ns,
+        }
+    }
+}
+
 /// Why an invocation was refused before it reached a runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum InvokeError {
@@ -296,25 +309,13 @@ impl Invoker {
     /// What a clone made for `inv` is told (the runtime waits on `vcpu`); counts it.
     pub fn hand_to_clone(&mut self, inv: &Invocation, vcpu: u8) -> Delivery {
         self.started += 1;
-        Delivery {
-            vcpu,
-            length: inv.payload.len() as u32,
-            keep_alive: inv.options.keep_alive,
-            timeout_ms: inv.options.timeout_ms(),
-            received_ns: inv.received_ns,
-        }
+        Delivery::of(inv, vcpu)
     }
 
     /// Delivers `inv` to the runtime waiting on `vcpu` in this VM: writes the request,
     /// sets the port read's result, and resumes the vCPU.
     pub fn deliver(&mut self, vm: &Microvm, inv: Invocation, vcpu: u8) -> Result<(), InvokeError> {
-        let d = Delivery {
-            vcpu,
-            length: inv.payload.len() as u32,
-            keep_alive: inv.options.keep_alive,
-            timeout_ms: inv.options.timeout_ms(),
-            received_ns: inv.received_ns,
-        };
+        let d = Delivery::of(&inv, vcpu);
         write(vm.memory(), self.window, &d, self.started + 1, &inv.payload)?;
         let handle = vm
             .vcpus()

@@ -144,8 +144,10 @@ fn a_thousand_invocations_each_in_a_fresh_clone_echo_byte_for_byte_and_leak_noth
     let pid = vm.child.id();
     // One first, so lazily made state exists before counting.
     echoed(&invoke(&vm.sock, b"warm up"), b"warm up");
-    wait_until("the warm pool to refill", || {
+    wait_until("the warm pool to refill and the clone to go", || {
         describe(&vm)["warm_clones"]["ready"] == 4
+            && children_of(pid).len() == 4
+            && leftovers(&scratch).is_empty()
     });
     let fds = count_dir(format!("/proc/{pid}/fd"));
     let threads = count_dir(format!("/proc/{pid}/task"));
@@ -250,6 +252,49 @@ fn every_failure_has_its_status_and_leaves_the_template_untouched() {
         // The template is as it was: the next invocation is served as ever.
         echoed(&invoke(&vm.sock, b"after"), b"after");
     }
+    // A clone whose VMM dies before it answers: the template answers for it.
+    let r = invoke(&vm.sock, b"before");
+    echoed(&r, b"before");
+    let before: u64 = r.header("x-forkvm-clone-id").unwrap().parse().unwrap();
+    let hang_id = (before + 1).to_string();
+    let slow = InvokeOptions {
+        timeout_ms: Some(20_000),
+        ..Default::default()
+    };
+    let waiter = {
+        let sock = vm.sock.clone();
+        std::thread::spawn(move || invoke_with(&sock, &slow, b"hang"))
+    };
+    let mut pid = 0;
+    wait_until("the hanging clone", || {
+        let (_, body) = vm.api("GET", "/clones", None);
+        let list: Value = serde_json::from_str(&body).unwrap();
+        let live = list["clones"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["id"] == hang_id.as_str() && c["status"]["state"] == "running")
+            .cloned();
+        pid = live.map_or(0, |c| c["pid"].as_i64().unwrap());
+        pid > 0
+    });
+    // SAFETY: kill has no memory preconditions; the pid is a clone this test made.
+    let killed = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    assert_eq!(
+        killed,
+        0,
+        "clone {hang_id} (pid {pid}):\n{}",
+        vm.stderr_text()
+    );
+    let r = waiter.join().unwrap();
+    assert_eq!(r.status, 502, "{}\n{}", r.body, vm.stderr_text());
+    assert_eq!(r.header("x-forkvm-outcome"), Some("guest_stopped"));
+    assert!(
+        error_of(&r).contains("was killed by SIGKILL"),
+        "{}",
+        error_of(&r)
+    );
+    echoed(&invoke(&vm.sock, b"after"), b"after");
     // A payload one byte over what the mailbox holds is refused before any clone.
     let started = describe(&vm)["invoke"]["started"].clone();
     let r = invoke(&vm.sock, &vec![0u8; (1 << 20) - 64 + 1]);

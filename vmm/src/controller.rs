@@ -316,6 +316,10 @@ impl Vmm {
                     _ => {}
                 }
             }
+            // Invocation clones reaped above that died without answering.
+            for (conn, id, how) in self.clones.take_orphans() {
+                crate::api::invoke::answer_orphan(conn, &id, &how);
+            }
         };
         // An invocation the guest did not answer is answered now.
         if let Some(f) = self.invoker.guest_stopped(&describe_outcome(&outcome)) {
@@ -326,6 +330,9 @@ impl Vmm {
         self.clones.discard_warm_clones();
         self.vm.stop();
         self.clones.shut_down();
+        for (conn, id, how) in self.clones.take_orphans() {
+            crate::api::invoke::answer_orphan(conn, &id, &how);
+        }
         Ok(outcome)
     }
 }

@@ -70,9 +70,15 @@ pub fn answer(
     ];
     let stream = f.conn.stream();
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    // Shut down once written: the template, which holds the connection too in case this
+    // VM dies first, then cannot answer again.
+    let done = |r: std::io::Result<()>| {
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        r
+    };
     if f.outcome == Outcome::Ok {
         let kind = Some("application/octet-stream");
-        return write_response_with(stream, 200, &headers, kind, &f.body);
+        return done(write_response_with(stream, 200, &headers, kind, &f.body));
     }
     let mut error = match f.outcome {
         Outcome::HandlerError => {
@@ -86,7 +92,33 @@ pub fn answer(
     }
     let body = serde_json::to_vec(&ErrorBody { error }).unwrap_or_default();
     let kind = Some("application/json");
-    write_response_with(stream, f.outcome.status(), &headers, kind, &body)
+    done(write_response_with(
+        stream,
+        f.outcome.status(),
+        &headers,
+        kind,
+        &body,
+    ))
+}
+
+/// Answers, if nobody did, the caller of an invocation whose clone `clone_id` ended
+/// (`how`) without answering: 502. Never blocks: a connection the clone answered is
+/// shut down, and this write fails.
+pub fn answer_orphan(conn: crate::invoke::Connection, clone_id: &str, how: &str) {
+    if conn.stream().set_nonblocking(true).is_err() {
+        return;
+    }
+    let f = Finished {
+        conn,
+        outcome: Outcome::GuestStopped,
+        body: format!("the clone's VMM {how} before it answered").into_bytes(),
+        timings: Default::default(),
+        keep_alive: false,
+        vcpu: 0,
+    };
+    if answer(&f, clone_id, Path::new(""), None).is_ok() {
+        tracing::warn!("clone {clone_id} {how} without answering its invocation: answered 502");
+    }
 }
 
 #[cfg(test)]

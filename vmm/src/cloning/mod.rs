@@ -217,9 +217,11 @@ impl Cloner {
             identity.delivery = Some(delivery.clone());
             identity.carried = Some(carried.clone());
         };
-        let mut made = self.make_clones_with(vm, &req, inv.received_ns, None, prepare)?;
-        self.table.forget_when_reaped(made.iter().map(|c| c.pid));
-        Ok(made.remove(0))
+        let conn = carried.conn.clone();
+        let made = self.make_clones_with(vm, &req, inv.received_ns, None, prepare)?;
+        let info = made.into_iter().next().ok_or(CloneError::Count(0))?;
+        self.table.forget_when_reaped(info.pid, conn);
+        Ok(info)
     }
 
     /// A guest read the clone port on vCPU `vcpu` (which parked itself) asking for
@@ -399,6 +401,13 @@ impl Cloner {
         let warm = &mut self.warm;
         self.table
             .reap(self.cgroups.as_mut(), |pid| warm.reaped(pid));
+    }
+
+    /// The connections of invocation clones that ended since last asked, each with the
+    /// clone's id and how it ended: the controller answers those the clone did not
+    /// (a clone shuts its connection down once it answered).
+    pub fn take_orphans(&mut self) -> Vec<(crate::invoke::Connection, String, String)> {
+        self.table.take_orphans()
     }
 
     /// Every clone, with live clones' cgroup usage read now.

@@ -2,7 +2,7 @@
 //! exits, stopped on `DELETE /clones/{id}` or when the VM stops). A clone's cgroup goes
 //! back to its pool when it is reaped, with its usage kept in its record.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use api_types::{CloneInfo, CloneStatus};
@@ -11,6 +11,7 @@ use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 use super::cgroups::ClonePools;
+use crate::invoke::Connection;
 
 /// How long a clone has to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(3);
@@ -22,8 +23,12 @@ pub struct CloneTable {
     made: u32,
     clones: Vec<CloneInfo>,
     /// Clones whose record goes when they end (invocation clones: a template makes one
-    /// per request), with their console file.
-    transient: HashSet<i32>,
+    /// per request), with their console file; with the caller's connection, which the
+    /// clone shuts down once it answered.
+    transient: HashMap<i32, Connection>,
+    /// Connections of invocation clones that ended, with how they ended: answered by the
+    /// controller, if the clone had not (`Cloner::take_orphans`).
+    orphans: Vec<(Connection, String, String)>,
 }
 
 impl CloneTable {
@@ -43,9 +48,15 @@ impl CloneTable {
         self.clones.extend(infos.iter().cloned());
     }
 
-    /// Forgets the clones `pids` once they end (their records and console files).
-    pub(super) fn forget_when_reaped(&mut self, pids: impl IntoIterator<Item = i32>) {
-        self.transient.extend(pids);
+    /// Forgets invocation clone `pid` once it ends (its record and console file), and
+    /// hands `conn` on then, in case it died without answering.
+    pub(super) fn forget_when_reaped(&mut self, pid: i32, conn: Connection) {
+        self.transient.insert(pid, conn);
+    }
+
+    /// The connections of invocation clones that ended: (connection, clone id, how).
+    pub(super) fn take_orphans(&mut self) -> Vec<(Connection, String, String)> {
+        std::mem::take(&mut self.orphans)
     }
 
     /// The clones not reaped yet.
@@ -76,7 +87,13 @@ impl CloneTable {
         if let Some(v) = &c.vsock {
             let _ = std::fs::remove_file(v);
         }
-        if self.transient.remove(&pid) {
+        if let Some(conn) = self.transient.remove(&pid) {
+            let how = match status {
+                WaitStatus::Signaled(_, sig, _) => format!("was killed by {sig}"),
+                WaitStatus::Exited(_, code) => format!("exited with status {code}"),
+                _ => "ended".into(),
+            };
+            self.orphans.push((conn, c.id.clone(), how));
             if c.console != std::path::Path::new("/dev/null") {
                 let _ = std::fs::remove_file(&c.console);
             }

@@ -152,10 +152,12 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def row(label, xs_ms, base=None):
-    """A table row: min, median, p99; with base, the ratio of the median to it."""
-    out = (f"| {label} | {min(xs_ms):.2f} | {statistics.median(xs_ms):.2f} | "
-           f"{pct(xs_ms, 0.99):.2f} |")
+def row(label, xs_ms, base=None, digits=2):
+    """A table row: min, median, p99 (with `digits` decimals); with base, the ratio of
+    the median to it."""
+    f = f".{digits}f"
+    out = (f"| {label} | {min(xs_ms):{f}} | {statistics.median(xs_ms):{f}} | "
+           f"{pct(xs_ms, 0.99):{f}} |")
     if base is not None:
         out += f" {statistics.median(xs_ms) / base:.2f}x |"
     return out

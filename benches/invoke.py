@@ -28,9 +28,23 @@ import tempfile
 import threading
 import time
 
+from clone import pct, row as clone_row
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "target/guest/tiny.elf")
 VMM = os.path.join(ROOT, "target/release/vmm")
+
+
+def read_all(s):
+    """Everything `s` sends until it closes; closes `s`."""
+    out = b""
+    while True:
+        chunk = s.recv(1 << 16)
+        if not chunk:
+            break
+        out += chunk
+    s.close()
+    return out
 
 
 def exchange(sock, method, path, body=b"", timeout=60):
@@ -39,13 +53,7 @@ def exchange(sock, method, path, body=b"", timeout=60):
     s.settimeout(timeout)
     s.connect(sock)
     s.sendall(f"{method} {path} HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-    out = b""
-    while True:
-        chunk = s.recv(1 << 16)
-        if not chunk:
-            break
-        out += chunk
-    s.close()
+    out = read_all(s)
     head, _, data = out.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
@@ -140,30 +148,15 @@ def zygote_call(path, payload):
     s = socket.socket(socket.AF_UNIX)
     s.connect(path)
     s.sendall(len(payload).to_bytes(4, "little") + payload)
-    data = b""
-    while True:
-        chunk = s.recv(1 << 16)
-        if not chunk:
-            break
-        data += chunk
-    s.close()
+    data = read_all(s)
     elapsed = time.perf_counter() - t0
     if data[4:] != payload:
         sys.exit("zygote answered wrongly")
     return elapsed
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def row(label, xs_ms, base=None):
-    out = (f"| {label} | {min(xs_ms):.3f} | {statistics.median(xs_ms):.3f} | "
-           f"{pct(xs_ms, 0.99):.3f} |")
-    if base is not None:
-        out += f" {statistics.median(xs_ms) / base:.2f}x |"
-    return out
+    return clone_row(label, xs_ms, base, digits=3)
 
 
 def latency(a):

@@ -104,16 +104,13 @@ impl ControlPorts {
                 fill_le(data, INVOKE_NONE);
                 self.mailbox.exists().then_some(ControlRequest::Wait)
             }
-            MAILBOX_ADDR_PORT if self.mailbox.exists() => {
+            // A VM without a mailbox has the empty window: address and size 0.
+            MAILBOX_ADDR_PORT => {
                 fill_le(data, self.mailbox.addr);
                 None
             }
-            MAILBOX_SIZE_PORT if self.mailbox.exists() => {
+            MAILBOX_SIZE_PORT => {
                 fill_le(data, self.mailbox.size);
-                None
-            }
-            MAILBOX_ADDR_PORT | MAILBOX_SIZE_PORT => {
-                fill_le(data, 0);
                 None
             }
             INVOKE_VERSION_PORT => {

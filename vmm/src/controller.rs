@@ -169,6 +169,13 @@ impl Vmm {
         }
     }
 
+    /// Answers (502) the callers of invocation clones that ended without answering.
+    fn answer_orphans(&mut self) {
+        for (conn, id, how) in self.clones.take_orphans() {
+            crate::api::invoke::answer_orphan(conn, &id, &how);
+        }
+    }
+
     /// Handles one vCPU event; returns how the VM ends when it does.
     fn vcpu_event(&mut self, id: u8, event: VcpuEvent) -> Option<RunOutcome> {
         match event {
@@ -317,9 +324,7 @@ impl Vmm {
                 }
             }
             // Invocation clones reaped above that died without answering.
-            for (conn, id, how) in self.clones.take_orphans() {
-                crate::api::invoke::answer_orphan(conn, &id, &how);
-            }
+            self.answer_orphans();
         };
         // An invocation the guest did not answer is answered now.
         if let Some(f) = self.invoker.guest_stopped(&describe_outcome(&outcome)) {
@@ -330,9 +335,7 @@ impl Vmm {
         self.clones.discard_warm_clones();
         self.vm.stop();
         self.clones.shut_down();
-        for (conn, id, how) in self.clones.take_orphans() {
-            crate::api::invoke::answer_orphan(conn, &id, &how);
-        }
+        self.answer_orphans();
         Ok(outcome)
     }
 }

@@ -378,6 +378,23 @@ impl Invoker {
         })
     }
 
+    /// Makes the held request (if any) the one in flight, never delivered and not to be
+    /// kept alive, so that [`Invoker::finish`] answers it. Returns whether there was one.
+    fn end_held(&mut self) -> bool {
+        let Some(inv) = self.take_queued() else {
+            return false;
+        };
+        self.in_flight = Some(InFlight {
+            conn: inv.conn,
+            vcpu: 0,
+            received_ns: inv.received_ns,
+            delivered_ns: monotonic_ns(),
+            deadline: Instant::now(),
+            keep_alive: false,
+        });
+        true
+    }
+
     /// The runtime on `vcpu` replied with `length` bytes (its vCPU parked): the reply
     /// read and checked. None when no invocation was in flight (the caller resumes the
     /// vCPU).
@@ -408,16 +425,7 @@ impl Invoker {
         if self.due_in()? > Duration::ZERO {
             return None;
         }
-        if let Some((inv, deadline)) = self.queued.take() {
-            let now = Instant::now();
-            self.in_flight = Some(InFlight {
-                conn: inv.conn,
-                vcpu: 0,
-                received_ns: inv.received_ns,
-                delivered_ns: monotonic_ns(),
-                deadline: deadline.min(now),
-                keep_alive: false,
-            });
+        if self.end_held() {
             let text = "the runtime did not wait for the request in time".into();
             return self.finish(Outcome::Timeout, text, None);
         }
@@ -427,16 +435,7 @@ impl Invoker {
 
     /// The guest stopped (`why`) with an invocation in flight (or held).
     pub fn guest_stopped(&mut self, why: &str) -> Option<Finished> {
-        if let Some(inv) = self.take_queued() {
-            self.in_flight = Some(InFlight {
-                conn: inv.conn,
-                vcpu: 0,
-                received_ns: inv.received_ns,
-                delivered_ns: monotonic_ns(),
-                deadline: Instant::now(),
-                keep_alive: false,
-            });
-        }
+        self.end_held();
         let text = format!("the guest stopped before its runtime replied: {why}");
         self.finish(Outcome::GuestStopped, text.into_bytes(), None)
     }

@@ -65,19 +65,22 @@ impl CloneTable {
     }
 
     /// Records the exit of `pid` as `status` says, with its cgroup's usage (its cgroup
-    /// goes back to the pool).
-    fn reaped(&mut self, pools: Option<&mut ClonePools>, pid: i32, status: WaitStatus) {
+    /// goes back to the pool); returns the clone's final record.
+    fn reaped(
+        &mut self,
+        pools: Option<&mut ClonePools>,
+        pid: i32,
+        status: WaitStatus,
+    ) -> Option<CloneInfo> {
         let usage = pools.and_then(|p| p.exited(pid));
-        let Some(c) = self.clones.iter_mut().find(|c| c.pid == pid) else {
-            return;
-        };
+        let c = self.clones.iter_mut().find(|c| c.pid == pid)?;
         let oom = usage.is_some_and(|u| u.oom_kills > 0);
         c.status = match status {
             WaitStatus::Signaled(_, Signal::SIGKILL, _) if oom => CloneStatus::OomKilled,
             WaitStatus::Signaled(_, sig, _) => CloneStatus::Killed(sig as i32),
             WaitStatus::Exited(_, code) => CloneStatus::Exited(code),
             // Stopped, continued: not an end (waitpid without WUNTRACED does not report it).
-            _ => return,
+            _ => return None,
         };
         if let Some(cg) = c.cgroup.as_mut() {
             cg.usage = usage;
@@ -97,8 +100,11 @@ impl CloneTable {
             if c.console != std::path::Path::new("/dev/null") {
                 let _ = std::fs::remove_file(&c.console);
             }
+            let last = c.clone();
             self.clones.retain(|c| c.pid != pid);
+            return Some(last);
         }
+        Some(c.clone())
     }
 
     /// Reaps every exited child without blocking: a clone's record gets its status; a
@@ -128,13 +134,9 @@ impl CloneTable {
     /// Stops the live clone `id` and reaps it; None if no live clone has that id.
     pub(super) fn stop(&mut self, pools: Option<&mut ClonePools>, id: &str) -> Option<CloneInfo> {
         let pid = self.live().find(|c| c.id == id)?.pid;
-        let before = self.clones.iter().find(|c| c.id == id).cloned();
-        self.stop_and_reap(pools, pid);
-        // A transient record is gone once reaped: report it as it was, stopped.
-        (self.clones.iter().find(|c| c.id == id).cloned()).or(before.map(|mut c| {
-            c.status = CloneStatus::Killed(libc::SIGTERM);
-            c
-        }))
+        // The final record (a transient one is gone from the table once reaped).
+        (self.stop_and_reap(pools, pid))
+            .or_else(|| self.clones.iter().find(|c| c.id == id).cloned())
     }
 
     /// Stops every live clone (the parent is shutting down).
@@ -159,11 +161,10 @@ impl CloneTable {
     }
 
     /// SIGTERM, then SIGKILL after a grace period; reaps.
-    fn stop_and_reap(&mut self, pools: Option<&mut ClonePools>, pid: i32) {
+    fn stop_and_reap(&mut self, pools: Option<&mut ClonePools>, pid: i32) -> Option<CloneInfo> {
         stop_pid(pid, STOP_TIMEOUT);
-        if let Ok(status) = waitpid(Pid::from_raw(pid), None) {
-            self.reaped(pools, pid, status);
-        }
+        let status = waitpid(Pid::from_raw(pid), None).ok()?;
+        self.reaped(pools, pid, status)
     }
 }
 

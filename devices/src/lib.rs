@@ -8,6 +8,7 @@
 pub mod bus;
 pub mod clock;
 pub mod control;
+pub mod crng;
 pub mod entropy;
 pub mod identity;
 pub mod legacy;

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::bus::BusDevice;
 use crate::clock::{ClockPort, ClockState};
+use crate::crng::{CrngPort, CrngState};
 use crate::entropy::{EntropyPort, EntropyState};
 use crate::identity::{IdentityBlock, IdentityBlockState, IdentityPort, IdentityState};
 use crate::legacy::{I8042State, SerialConsole, SerialConsoleState, I8042};
@@ -31,6 +32,8 @@ pub enum DeviceState {
     Clock(ClockState),
     /// The identity block.
     IdentityBlock(IdentityBlockState),
+    /// The CRNG registration port.
+    Crng(CrngState),
     /// A virtio device: its transport's state, its device's inside.
     Virtio(Box<MmioTransportState>),
 }
@@ -72,6 +75,7 @@ saved_as! {
     IdentityPort => Identity, "identity port";
     ClockPort => Clock, "clock port";
     IdentityBlock => IdentityBlock, "identity block";
+    CrngPort => Crng, "CRNG registration port";
     MmioTransport => Virtio, "virtio device";
 }
 

@@ -149,7 +149,7 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
     let capture_spec = capture_spec(&kvm, &vm)?;
 
     // 9. Start.
-    let started_vcpus = start_vcpus(vcpus, &devices.pio, &devices.mmio, None)?;
+    let started_vcpus = start_vcpus(vcpus, &devices.pio, &devices.mmio, None, &devices.crng)?;
     timer.done("start");
     tracing::info!(
         "VM started in {} us: {} vCPUs, {} MiB",
@@ -214,7 +214,7 @@ fn prepare_guest(
     let mem_bytes = config.mem_mib << 20;
 
     // 6. Devices.
-    let mut devices = DeviceManager::new(vm, config, 0, None)?;
+    let mut devices = DeviceManager::new(vm, config, mem, 0, None)?;
     devices.add_virtio_devices(vm, mem, config, None)?;
 
     // 7. Kernel, initrd, command line, boot information, MP table.

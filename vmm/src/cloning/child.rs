@@ -146,6 +146,9 @@ pub enum ChildError {
     /// The invocation's request could not be delivered.
     #[error("cannot deliver the invocation: {0}")]
     Invoke(#[from] InvokeError),
+    /// The guest kernel's RNG could not be reseeded (the clone does not run).
+    #[error("cannot reseed the guest kernel's RNG: {0}")]
+    Crng(#[from] devices::crng::CrngError),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -425,7 +428,7 @@ fn launch(
 ) -> Result<VmParts, ChildError> {
     let template = plan.template;
     let mem = template.memory();
-    let mut devices = DeviceManager::new(&prepared.vm, &config, seq, Some(&state.devices))?;
+    let mut devices = DeviceManager::new(&prepared.vm, &config, mem, seq, Some(&state.devices))?;
     devices.add_virtio_devices(
         &prepared.vm,
         mem,
@@ -437,6 +440,12 @@ fn launch(
         }),
     )?;
     marks.done("devices");
+    // A kernel that registered its CRNG gets a fresh key before any of its code runs
+    // (every vCPU is stopped: none is mid-key, the template's pause saw to it).
+    if let Some(layout) = devices.crng.registration.layout() {
+        layout.reseed(mem)?;
+        marks.done("crng reseed");
+    }
     clone::vm::restore_vm(&prepared.vm, &state.vm)?;
     marks.done("vm state");
     let (entered, vcpu0_entered) = std::sync::mpsc::sync_channel(1);
@@ -449,6 +458,7 @@ fn launch(
         &devices.pio,
         &devices.mmio,
         Some(first_entry),
+        &devices.crng,
     )?;
     marks.done("started");
     // The rest waits until vCPU 0 is in the guest: this thread's work (sockets, device

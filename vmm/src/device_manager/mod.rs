@@ -12,8 +12,10 @@ use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::VmFd;
+use vm_memory::GuestMemoryMmap;
 
 use devices::clock::{ClockPort, ClockState, CLOCK_BASE, CLOCK_LEN};
+use devices::crng::{CrngArgs, CrngPort, CrngState, CrngWatch, CRNG_BASE, CRNG_LEN};
 use devices::entropy::{EntropyPort, EntropyState, ENTROPY_BASE, ENTROPY_LEN};
 use devices::identity::{
     IdentityBlock, IdentityBlockState, IdentityPort, IdentityState, IDENTITY_BASE,
@@ -136,6 +138,8 @@ pub struct DeviceManager {
     pub reset_evt: EventFdTrigger,
     /// What the guest wrote to the probe port.
     pub probe: Arc<ProbeStats>,
+    /// Where the guest kernel keeps its CRNG key, once it registered.
+    pub crng: CrngWatch,
     /// The serial console, for host input.
     pub serial: Arc<Mutex<SerialConsole>>,
     /// The port devices, in bus order, whose state [`DeviceManager::save`] lists.
@@ -203,13 +207,14 @@ impl Ports<'_> {
 
 impl DeviceManager {
     /// Creates the port devices (serial, i8042, the probe, entropy, identity and clock
-    /// ports, the identity block) for a VM configured by `config` whose clone sequence
+    /// ports, the identity block, the CRNG registration port) for a VM configured by `config` whose clone sequence
     /// number is `clone_seq` (0 for an original VM). With `saved` (a clone), each
     /// continues from its saved state, read in order; the virtio devices' follow, for
     /// [`DeviceManager::add_virtio_devices`].
     pub fn new(
         vm: &VmFd,
         config: &VmConfig,
+        mem: &GuestMemoryMmap,
         clone_seq: u32,
         saved: Option<&DeviceStates>,
     ) -> Result<Self, DeviceError> {
@@ -250,6 +255,15 @@ impl DeviceManager {
         let net = config.net.as_ref().map(NetConfig::identity);
         let block = IdentityBlockState::default();
         ports.add::<IdentityBlock>(net, block, IDENTITY_BLOCK_BASE, IDENTITY_BLOCK_LEN)?;
+        let crng = CrngWatch {
+            registration: Arc::default(),
+            mem: mem.clone(),
+        };
+        let args = CrngArgs {
+            mem: mem.clone(),
+            registration: crng.registration.clone(),
+        };
+        ports.add::<CrngPort>(args, CrngState::default(), CRNG_BASE, CRNG_LEN)?;
         // The rest of a saved list is the virtio devices' (add_virtio_devices).
         if let Some(states) = saved {
             let rest = states.0.len().saturating_sub(ports.list.len());
@@ -263,6 +277,7 @@ impl DeviceManager {
             mmio: Bus::new(),
             reset_evt,
             probe,
+            crng,
             serial,
             ports: ports.list,
             cmdline_extra: Vec::new(),

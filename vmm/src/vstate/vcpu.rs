@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Once};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_mp_state, CpuId, KVM_MP_STATE_RUNNABLE};
 use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
@@ -20,6 +20,7 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use clone::vcpu::{restore_vcpu, save_vcpu, CaptureSpec};
 use clone::VcpuState;
 use devices::control::{ControlPorts, ControlRequest};
+use devices::crng::CrngWatch;
 use devices::mailbox::MailboxWindow;
 pub use devices::util::monotonic_ns;
 use devices::Bus;
@@ -295,6 +296,7 @@ impl Vcpu {
         events: Sender<(u8, VcpuEvent)>,
         event_evt: EventFd,
         first_entry: Option<FirstEntry>,
+        crng: CrngWatch,
     ) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler()?;
         let id = self.id;
@@ -311,7 +313,13 @@ impl Vcpu {
                     drop(pipe);
                     let _ = entered.send(());
                 }
-                let reason = self.run_loop(&pio, &mmio, &cmd_rx, &reply_tx, &events, &event_evt);
+                let reason = self.run_loop(
+                    (&pio, &mmio),
+                    &cmd_rx,
+                    &reply_tx,
+                    (&events, &event_evt),
+                    &crng,
+                );
                 let _ = events.send((id, VcpuEvent::Exited(reason)));
                 let _ = event_evt.write(1);
                 // Returned, not dropped: the kvm_run mapping the handle's kicker writes
@@ -331,14 +339,19 @@ impl Vcpu {
 
     fn run_loop(
         &mut self,
-        pio: &Bus,
-        mmio: &Bus,
+        (pio, mmio): (&Bus, &Bus),
         cmds: &Receiver<Command>,
         replies: &Sender<Reply>,
-        events: &Sender<(u8, VcpuEvent)>,
-        event_evt: &EventFd,
+        (events, event_evt): (&Sender<(u8, VcpuEvent)>, &EventFd),
+        crng: &CrngWatch,
     ) -> VcpuExitReason {
         let id = self.id;
+        let mut kick = Kick {
+            cmds,
+            replies,
+            crng,
+            deferred: None,
+        };
         let report = |e: VcpuEvent| {
             let _ = events.send((id, e));
             let _ = event_evt.write(1);
@@ -413,7 +426,7 @@ impl Vcpu {
                         return VcpuExitReason::Failed(self.internal_error())
                     }
                     VcpuExit::Intr => {
-                        if let Some(reason) = self.handle_kick(cmds, replies, parked) {
+                        if let Some(reason) = self.handle_kick(&mut kick, parked) {
                             return reason;
                         }
                         parked = false;
@@ -423,7 +436,7 @@ impl Vcpu {
                     }
                 },
                 Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                    if let Some(reason) = self.handle_kick(cmds, replies, parked) {
+                    if let Some(reason) = self.handle_kick(&mut kick, parked) {
                         return reason;
                     }
                     parked = false;
@@ -435,14 +448,35 @@ impl Vcpu {
 
     /// Handles pending commands after a kick. Blocks while paused (from the start when
     /// the vCPU parked itself). Returns a reason when the vCPU must stop.
-    fn handle_kick(
-        &mut self,
-        cmds: &Receiver<Command>,
-        replies: &Sender<Reply>,
-        parked: bool,
-    ) -> Option<VcpuExitReason> {
+    ///
+    /// A pause that finds the guest kernel in the middle of a CRNG base key is
+    /// deferred: the vCPU runs on (the handle kicks again until it is paused), so no
+    /// clone starts from a state that would install a key from before the clone point
+    /// over its fresh one (`devices::crng`).
+    fn handle_kick(&mut self, kick: &mut Kick<'_>, parked: bool) -> Option<VcpuExitReason> {
+        let Kick {
+            cmds,
+            replies,
+            crng,
+            deferred,
+        } = kick;
         self.fd.set_kvm_immediate_exit(0);
         let mut paused = parked;
+        if let Some(since) = *deferred {
+            if !parked && crng.mid_key() && since.elapsed() < MAX_PAUSE_DEFERRAL {
+                return None;
+            }
+            if since.elapsed() >= MAX_PAUSE_DEFERRAL {
+                tracing::warn!(
+                    "vCPU {} paused inside the guest kernel's CRNG key code after {} ms",
+                    self.id,
+                    MAX_PAUSE_DEFERRAL.as_millis()
+                );
+            }
+            *deferred = None;
+            paused = true;
+            let _ = replies.send(Reply::Paused);
+        }
         loop {
             let cmd = if paused {
                 cmds.recv().ok()
@@ -455,6 +489,10 @@ impl Vcpu {
             };
             match cmd {
                 Some(Command::Pause) => {
+                    if !paused && crng.mid_key() {
+                        *deferred = Some(Instant::now());
+                        return None;
+                    }
                     paused = true;
                     let _ = replies.send(Reply::Paused);
                 }
@@ -548,6 +586,19 @@ pub struct VcpuHandle {
 }
 
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a pause kicks a vCPU that has not parked yet.
+const PAUSE_KICK_INTERVAL: Duration = Duration::from_millis(1);
+/// How long a pause waits for the guest kernel to finish a CRNG base key.
+const MAX_PAUSE_DEFERRAL: Duration = Duration::from_millis(500);
+
+/// What a vCPU thread handles a kick with.
+struct Kick<'a> {
+    cmds: &'a Receiver<Command>,
+    replies: &'a Sender<Reply>,
+    crng: &'a CrngWatch,
+    /// Since when a pause waits for the guest kernel to leave its CRNG key code.
+    deferred: Option<Instant>,
+}
 
 impl VcpuHandle {
     /// The vCPU index.
@@ -581,13 +632,27 @@ impl VcpuHandle {
         self.cmd_tx.send(cmd).map_err(|_| VcpuError::Gone(self.id))
     }
 
-    /// Stops the vCPU out of guest mode and waits until it is parked.
+    /// Stops the vCPU out of guest mode and waits until it is parked (kicking it again
+    /// while it runs on through a deferred pause, `Vcpu::handle_kick`).
     pub fn pause(&self) -> Result<(), VcpuError> {
         self.send(Command::Pause)?;
-        self.kick();
-        match self.reply("pause")? {
-            Reply::Paused => Ok(()),
-            _ => Err(VcpuError::Gone(self.id)),
+        let start = Instant::now();
+        loop {
+            self.kick();
+            match self.reply_rx.recv_timeout(PAUSE_KICK_INTERVAL) {
+                Ok(Reply::Paused) => return Ok(()),
+                Ok(_) | Err(RecvTimeoutError::Disconnected) => {
+                    return Err(VcpuError::Gone(self.id))
+                }
+                Err(RecvTimeoutError::Timeout) if start.elapsed() >= REPLY_TIMEOUT => {
+                    return Err(VcpuError::Timeout {
+                        id: self.id,
+                        what: "pause",
+                        ms: REPLY_TIMEOUT.as_millis() as u64,
+                    })
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
         }
     }
 
@@ -667,6 +732,7 @@ pub fn start_vcpus(
     pio: &Bus,
     mmio: &Bus,
     mut first_entry: Option<FirstEntry>,
+    crng: &CrngWatch,
 ) -> Result<StartedVcpus, VcpuError> {
     let exit_evt = EventFd::new(EFD_NONBLOCK).map_err(VcpuError::EventFd)?;
     let (event_tx, events) = channel();
@@ -679,6 +745,7 @@ pub fn start_vcpus(
             event_tx.clone(),
             evt,
             first_entry.take(),
+            crng.clone(),
         )?);
     }
     Ok(StartedVcpus {

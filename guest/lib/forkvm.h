@@ -1,0 +1,72 @@
+/*
+ * libforkvm: a guest runtime's side of forkvm invocations (docs/invoke.md).
+ *
+ * A runtime opens the library once (port access and the mailbox mapped), then loops:
+ * forkvm_wait() parks its vCPU until a request is in the mailbox, the handler runs,
+ * forkvm_reply() or forkvm_fail() hands the answer back. In a template's clone the
+ * request arrives as the clone wakes, with no guest kernel code on the way: the wait is
+ * one port read, the request is already in memory the runtime mapped before the
+ * template paused, the reply is one port write.
+ *
+ * Not thread-safe: one thread of one process serves (port access is per thread, and
+ * inherited by threads created after forkvm_open). Needs root (ioperm, /dev/mem).
+ * Errors are negative errno values; forkvm_strerror() says what went wrong.
+ */
+#ifndef FORKVM_H
+#define FORKVM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Request flag: the caller asked to keep this VM for further requests (keep-alive). */
+#define FORKVM_KEEP_ALIVE 1u
+/* Bytes of fresh host entropy in each request, for the runtime's own PRNGs. */
+#define FORKVM_ENTROPY_LEN 32
+
+struct forkvm_request {
+    const uint8_t *data;                      /* the payload, in the mailbox */
+    uint32_t len;                             /* its length */
+    uint32_t flags;                           /* FORKVM_KEEP_ALIVE */
+    uint64_t sequence;                        /* this VM's invocation number (1, 2, ...) */
+    uint32_t timeout_ms;                      /* how long the caller waits */
+    uint8_t entropy[FORKVM_ENTROPY_LEN];      /* fresh from the host, per request */
+};
+
+/* Port access and the mailbox mapped (idempotent). 0, or -ENODEV (not forkvm, or no
+ * mailbox: the VM needs --mailbox-mib), -EPROTO (unknown mailbox layout), -errno. */
+int forkvm_open(void);
+
+/* Parks until a request is in the mailbox and fills `req`. 0, or -EPROTO (the header
+ * is not a request), -errno from forkvm_open. */
+int forkvm_wait(struct forkvm_request *req);
+
+/* Where a reply can be built in place (forkvm_reply then copies nothing), and how
+ * many bytes fit. NULL before forkvm_open succeeded. */
+uint8_t *forkvm_reply_buffer(size_t *capacity);
+
+/* The handler's reply: `len` bytes from `data` (which may be the reply buffer).
+ * Returns once the VMM took it (in a VM kept for more requests; otherwise the VM ends
+ * there). -EMSGSIZE when it does not fit the mailbox (nothing is sent: answer with
+ * forkvm_fail instead). */
+int forkvm_reply(const void *data, size_t len);
+
+/* The handler failed: the caller gets a 500 with `msg` (cut to the mailbox's size). */
+int forkvm_fail(const char *msg);
+
+/* This VM's clone sequence number (0: not a clone) and its generation (different in
+ * every VM process, so in every clone). 0 before forkvm_open succeeded. */
+uint32_t forkvm_clone_seq(void);
+uint64_t forkvm_generation(void);
+
+/* A message for a negative value returned here. */
+const char *forkvm_strerror(int err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

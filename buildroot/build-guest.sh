@@ -8,6 +8,8 @@
 #   initramfs.cpio     the same, uncompressed (faster to unpack on PVM hosts)
 #   rootfs.ext4        a read-only ext4 image with the same userland, bootable as root
 #   tiny.elf           forkvm's tiny test guest (built by guest/tiny/build.sh)
+#   libforkvm.a, libforkvm.so.1
+#                      the guest runtime library (guest/lib), also in the images
 #
 # The kernel build (about 3 minutes here) is cached outside the repo in
 # $FORKVM_CACHE_DIR (default /var/cache/forkvm), keyed by a hash of every input:
@@ -105,8 +107,20 @@ for applet in $(/bin/busybox --list); do
     [ "$applet" = busybox ] && continue
     ln -sf busybox "$root/bin/$applet"
 done
+# libforkvm (guest/lib), static and shared: runtimes link it (forkvm-fn statically; the
+# Python runtime loads the shared one through ctypes).
+lib="$stage/lib"
+mkdir -p "$lib" "$root/usr/lib" "$root/usr/include"
+gcc -O2 -Wall -Wextra -Werror -fPIC -c -o "$lib/forkvm.o" "$repo/guest/lib/forkvm.c"
+ar rcs "$lib/libforkvm.a" "$lib/forkvm.o"
+gcc -shared -Wl,-soname,libforkvm.so.1 -o "$lib/libforkvm.so.1" "$lib/forkvm.o"
+install -m 0644 "$lib/libforkvm.a" "$lib/libforkvm.so.1" "$root/usr/lib/"
+ln -sf libforkvm.so.1 "$root/usr/lib/libforkvm.so"
+install -m 0644 "$repo/guest/lib/forkvm.h" "$root/usr/include/"
+cp "$lib/libforkvm.a" "$lib/libforkvm.so.1" "$out/"
 for tool in "$repo"/guest/tools/*.c; do
-    gcc -static -O2 -Wall -Wextra -Werror -o "$root/usr/bin/$(basename "$tool" .c)" "$tool"
+    gcc -static -O2 -Wall -Wextra -Werror -I"$repo/guest/lib" \
+        -o "$root/usr/bin/$(basename "$tool" .c)" "$tool" "$lib/libforkvm.a"
 done
 install -m 0755 "$repo/guest/init/init" "$root/init"
 install -m 0755 "$repo/guest/init/init" "$root/sbin/init"

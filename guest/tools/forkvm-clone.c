@@ -8,6 +8,12 @@
  *                           RNDADDENTROPY + RNDRESEEDCRNG) and, with a virtio-rng device,
  *                           discards what /dev/hwrng had buffered before the clone point
  *                           (identical in every clone); --no-reseed skips both
+ *   forkvm-clone [--no-reseed] --ticks MS [N]
+ *                           make N clones (none when N is 0), then, in the parent and
+ *                           each clone, print "tick id=ID rand=HEX" every MS ms forever:
+ *                           the clone number and 16 bytes of getrandom(), the first read
+ *                           right after the clone point (the tests' uniqueness probe;
+ *                           it waits for the kernel RNG to be ready before cloning)
  *   forkvm-clone --done S   end this VM with exit status S (the done port)
  *   forkvm-clone --probe    print whether the VMM is forkvm (probe port magic)
  *   forkvm-clone --reseed   reseed the kernel RNG and drain /dev/hwrng as a clone does
@@ -42,6 +48,7 @@
 #include <net/route.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/random.h>
 #include <sys/timex.h>
 #include <time.h>
 
@@ -374,6 +381,25 @@ static int adopt(int mode, int print_net)
     return rc == 0 ? 0 : 4;
 }
 
+/* Prints this VM's clone number and 16 bytes of getrandom() every `ms` milliseconds. */
+static void tick_forever(int mode, long ms)
+{
+    struct timespec period = {ms / 1000, (ms % 1000) * 1000000L};
+    for (;;) {
+        uint8_t b[16];
+        if (getrandom(b, sizeof b, 0) != (ssize_t)sizeof b) {
+            perror("forkvm-clone: getrandom");
+            exit(3);
+        }
+        printf("tick id=%u rand=", in32(mode, IDENTITY_PORT));
+        for (size_t i = 0; i < sizeof b; i++)
+            printf("%02x", b[i]);
+        printf("\n");
+        fflush(stdout);
+        nanosleep(&period, NULL);
+    }
+}
+
 int main(int argc, char **argv)
 {
     int mode = port_access();
@@ -408,12 +434,32 @@ int main(int argc, char **argv)
             pause();
     }
     int do_reseed = 1;
-    if (argc > 1 && strcmp(argv[1], "--no-reseed") == 0) {
-        do_reseed = 0;
-        argv++;
-        argc--;
+    long ticks = -1;
+    for (;;) {
+        if (argc > 1 && strcmp(argv[1], "--no-reseed") == 0) {
+            do_reseed = 0;
+            argv++;
+            argc--;
+        } else if (argc > 2 && strcmp(argv[1], "--ticks") == 0) {
+            ticks = strtol(argv[2], NULL, 0);
+            argv += 2;
+            argc -= 2;
+        } else {
+            break;
+        }
     }
     unsigned long n = argc > 1 ? strtoul(argv[1], NULL, 0) : 1;
+    if (ticks >= 0 && n == 0)
+        tick_forever(mode, ticks);
+    if (ticks >= 0) {
+        /* The probe clones a ready kernel RNG (else each clone seeds its own, slowly,
+         * and the probe would not show what a clone inherits). */
+        uint8_t b;
+        if (getrandom(&b, 1, 0) != 1) {
+            perror("forkvm-clone: getrandom");
+            return 3;
+        }
+    }
     fflush(stdout);
     out32(mode, CLONE_PORT, (uint32_t)n);
     uint32_t r = in32(mode, CLONE_PORT);
@@ -432,6 +478,8 @@ int main(int argc, char **argv)
         if (apply_net_quietly(mode) != 0)
             return 4;
     }
+    if (ticks >= 0)
+        tick_forever(mode, ticks);
     printf("%u\n", r);
     return 0;
 }

@@ -1,0 +1,300 @@
+//! The Linux guest as a function host: the C runtime (`forkvm-fn`, over libforkvm) in
+//! a template, each invocation in a fresh clone, every error with its status; and the
+//! guest kernel's RNG reseeded by the VMM in every kind of clone (guest-requested, API,
+//! warm, invoked), with a control boot that shows what a clone inherits without it.
+//! Each test is one or two boots (slow here: see linux.rs).
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use api_types::InvokeOptions;
+use serde_json::Value;
+use tests::{guest_file, kvm_available, Scratch, Vm};
+use vmm::api::client;
+use vmm::api::http::Response;
+
+/// A Linux boot and the runtime's start (generous: see linux.rs).
+const LINUX_BOOT: Duration = Duration::from_secs(400);
+const CLONES: usize = 20;
+
+fn path(name: &str) -> String {
+    guest_file(name).display().to_string()
+}
+
+fn linux_vm(scratch: &Scratch, cmdline_extra: &str, run: &str, extra: &[&str]) -> Vm {
+    let cmdline =
+        format!("console=ttyS0 reboot=k panic=-1 quiet {cmdline_extra} forkvm.run=\"{run}\"");
+    let (kernel, initrd) = (path("vmlinux"), path("initramfs.cpio"));
+    let mut args = vec![
+        "--kernel",
+        &kernel,
+        "--initrd",
+        &initrd,
+        "--mem-mib",
+        "256",
+        "--cmdline",
+        &cmdline,
+    ];
+    args.extend_from_slice(extra);
+    Vm::start(scratch, &args)
+}
+
+fn describe(vm: &Vm) -> Value {
+    let (code, body) = vm.api("GET", "/vm", None);
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn invoke_with(sock: &Path, options: &InvokeOptions, payload: &str) -> Response {
+    client::invoke(sock, options, payload.as_bytes()).unwrap_or_else(|e| panic!("invoke: {e}"))
+}
+
+fn invoke(sock: &Path, payload: &str) -> Response {
+    invoke_with(sock, &InvokeOptions::default(), payload)
+}
+
+fn error_of(r: &Response) -> String {
+    serde_json::from_str::<api_types::ErrorBody>(&r.body)
+        .map(|e| e.error)
+        .unwrap_or_else(|_| r.body.clone())
+}
+
+/// `key=value` from `forkvm-fn info`'s reply.
+fn field<'a>(reply: &'a str, key: &str) -> &'a str {
+    let at = reply
+        .find(&format!("{key}="))
+        .unwrap_or_else(|| panic!("no {key}= in {reply:?}"));
+    let rest = &reply[at + key.len() + 1..];
+    if key == "input" {
+        return rest;
+    }
+    rest.split(' ').next().unwrap()
+}
+
+fn assert_distinct(values: &[String], what: &str) {
+    let unique: HashSet<&String> = values.iter().collect();
+    assert_eq!(unique.len(), values.len(), "{what} repeat: {values:?}");
+}
+
+#[test]
+fn linux_c_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_failure() {
+    if !kvm_available("linux_c_runtime") {
+        return;
+    }
+    let scratch = Scratch::new("linux-c-runtime");
+    let mut vm = linux_vm(
+        &scratch,
+        "",
+        "forkvm-fn info",
+        &["--template", "--warm-clones", "2"],
+    );
+    vm.wait_console("forkvm-fn: ready", LINUX_BOOT);
+    wait_until("the template to pause", LINUX_BOOT, || {
+        let info = describe(&vm);
+        info["state"] == "paused" && info["invoke"]["waiting"] == true
+    });
+
+    // 20 invocations: each in its own clone (its own number and generation), each
+    // reads its own kernel random bytes (reseeded by the VMM, not by the runtime) and
+    // gets its own userspace PRNG seed from the request's entropy; input byte for byte.
+    let mut seen: [Vec<String>; 4] = Default::default();
+    for i in 0..CLONES {
+        let payload = format!("hello {i} \u{e9}\u{1f600}");
+        let r = invoke(&vm.sock, &payload);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-forkvm-outcome"), Some("ok"));
+        let reply = String::from_utf8(r.bytes.clone()).unwrap();
+        assert_eq!(field(&reply, "input"), payload);
+        assert_eq!(Some(field(&reply, "seq")), r.header("x-forkvm-clone-id"));
+        assert_eq!(field(&reply, "urandom").len(), 64, "{reply}");
+        for (k, key) in ["seq", "gen", "urandom", "random"].iter().enumerate() {
+            seen[k].push(field(&reply, key).to_string());
+        }
+    }
+    for (k, key) in ["clone numbers", "generations", "urandom", "random()"]
+        .iter()
+        .enumerate()
+    {
+        assert_distinct(&seen[k], key);
+    }
+
+    // The handler fails: 500 with its text.
+    let r = invoke(&vm.sock, "fail the handler gave up");
+    assert_eq!(
+        (r.status, r.header("x-forkvm-outcome")),
+        (500, Some("handler_error"))
+    );
+    assert!(error_of(&r).contains("the handler gave up"), "{}", r.body);
+    // A reply larger than the mailbox is refused by the library, never cut: 500 says so.
+    let r = invoke(&vm.sock, "big");
+    assert_eq!(r.status, 500, "{}", r.body);
+    assert!(
+        error_of(&r).contains("does not fit the mailbox"),
+        "{}",
+        r.body
+    );
+    // A handler command (fork and exec in the guest): its output, or its error.
+    let r = invoke(&vm.sock, "sh echo via-sh-$((6*7))");
+    assert_eq!(
+        (r.status, r.body.as_str()),
+        (200, "via-sh-42\n"),
+        "{}",
+        r.body
+    );
+    let r = invoke(&vm.sock, "sh echo no-such-thing >&2; exit 4");
+    assert_eq!(r.status, 500, "{}", r.body);
+    assert!(error_of(&r).contains("no-such-thing"), "{}", r.body);
+    // Past the timeout: 504, the clone is stopped.
+    let options = InvokeOptions {
+        timeout_ms: Some(3000),
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &options, "sleep 60");
+    assert_eq!(
+        (r.status, r.header("x-forkvm-outcome")),
+        (504, Some("timeout")),
+        "{}",
+        r.body
+    );
+    // The runtime exits (os._exit in a Python handler): init reports the status and
+    // powers the clone off; 502 with the console tail.
+    let r = invoke(&vm.sock, "exit 3");
+    assert_eq!(
+        (r.status, r.header("x-forkvm-outcome")),
+        (502, Some("guest_stopped")),
+        "{}",
+        r.body
+    );
+    assert!(error_of(&r).contains("exit status 3"), "{}", r.body);
+
+    // The template is untouched by all of it.
+    let r = invoke(&vm.sock, "after");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        field(&String::from_utf8(r.bytes).unwrap(), "input"),
+        "after"
+    );
+    vm.shutdown(Duration::from_secs(60));
+}
+
+/// The first whole `tick id=N rand=HEX` line of clone `id` in `console` (which the
+/// guest may be writing still).
+fn first_tick(console: &str, id: &str) -> Option<String> {
+    let prefix = format!("tick id={id} rand=");
+    console
+        .split_inclusive('\n')
+        .filter(|l| l.ends_with('\n'))
+        .find_map(|l| l.trim().strip_prefix(&prefix).map(str::to_string))
+        .inspect(|hex| assert_eq!(hex.len(), 32, "16 bytes in hex: {hex}"))
+}
+
+/// Each clone's first tick (console files of the clones in `body`), once all printed.
+fn clone_ticks(vm: &Vm, clones: &[Value]) -> Vec<String> {
+    let mut ticks = vec![None; clones.len()];
+    wait_until("every clone's first tick", LINUX_BOOT, || {
+        for (t, c) in ticks.iter_mut().zip(clones) {
+            if t.is_none() {
+                let console =
+                    std::fs::read_to_string(c["console"].as_str().unwrap()).unwrap_or_default();
+                *t = first_tick(&console, c["id"].as_str().unwrap());
+            }
+        }
+        ticks.iter().all(Option::is_some)
+    });
+    for c in clones {
+        let (code, body) = vm.api(
+            "DELETE",
+            &format!("/clones/{}", c["id"].as_str().unwrap()),
+            None,
+        );
+        assert_eq!(code, 200, "{body}");
+    }
+    ticks.into_iter().map(Option::unwrap).collect()
+}
+
+fn clones_of(vm: &Vm, body: Option<&str>) -> Vec<Value> {
+    let (code, body) = match body {
+        Some(b) => vm.api("POST", "/clones", Some(b)),
+        None => vm.api("GET", "/clones", None),
+    };
+    assert!(code == 200 || code == 201, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["clones"].as_array().unwrap().clone()
+}
+
+#[test]
+fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_read() {
+    if !kvm_available("linux_crng_reseed") {
+        return;
+    }
+    // The probe: `forkvm-clone --no-reseed --ticks MS N` waits for the kernel RNG to be
+    // ready, makes N clones without the tool's own reseed, then every side prints
+    // getrandom() bytes every MS ms, the first right after the clone point.
+    let scratch = Scratch::new("linux-crng");
+    let control = Scratch::new("linux-crng-off");
+    let probe = format!("forkvm-clone --no-reseed --ticks 1000 {CLONES}");
+    let mut vm = linux_vm(&scratch, "", &probe, &["--warm-clones", "4"]);
+    // The control: the same guest with the kernel's registration switched off.
+    let mut off = linux_vm(
+        &control,
+        "forkvm.crng=off",
+        "forkvm-clone --no-reseed --ticks 1000 3",
+        &[],
+    );
+
+    // Guest-requested clones.
+    vm.wait_console("tick id=0 ", LINUX_BOOT);
+    let mut guest = Vec::new();
+    wait_until("the guest's clones", LINUX_BOOT, || {
+        guest = clones_of(&vm, None);
+        guest.len() == CLONES
+    });
+    assert_distinct(
+        &clone_ticks(&vm, &guest),
+        "guest-requested clones' first random bytes",
+    );
+
+    // Clones made through the API of the running VM.
+    let api = clones_of(&vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
+    assert_eq!(api.len(), CLONES);
+    assert_distinct(&clone_ticks(&vm, &api), "API clones' first random bytes");
+
+    // The VM paused: warm clones (prepared ahead), then clones forked from the paused VM.
+    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    wait_until("4 warm clones", LINUX_BOOT, || {
+        describe(&vm)["warm_clones"]["ready"] == 4
+    });
+    let paused = clones_of(&vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
+    assert!(describe(&vm)["warm_clones"]["launched"].as_u64().unwrap() >= 4);
+    assert_distinct(
+        &clone_ticks(&vm, &paused),
+        "warm and paused-VM clones' first random bytes",
+    );
+    vm.shutdown(Duration::from_secs(60));
+
+    // Without the registration every clone starts from its parent's CRNG state and reads
+    // the same bytes: what the reseed prevents.
+    off.wait_console("tick id=0 ", LINUX_BOOT);
+    let mut inherited = Vec::new();
+    wait_until("the control's clones", LINUX_BOOT, || {
+        inherited = clones_of(&off, None);
+        inherited.len() == 3
+    });
+    let ticks = clone_ticks(&off, &inherited);
+    assert!(
+        ticks.iter().all(|t| *t == ticks[0]),
+        "clones of a kernel that did not register read different bytes: {ticks:?}"
+    );
+    assert!(!off.stderr_text().contains("registered its CRNG"));
+    assert!(vm.stderr_text().contains("registered its CRNG"));
+    off.shutdown(Duration::from_secs(60));
+}

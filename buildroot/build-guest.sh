@@ -7,6 +7,8 @@
 #   initramfs.cpio.gz  busybox-static + forkvm init + guest programs
 #   initramfs.cpio     the same, uncompressed (faster to unpack on PVM hosts)
 #   rootfs.ext4        a read-only ext4 image with the same userland, bootable as root
+#   python.ext4        a read-only root with Debian's Python 3 and numpy, the same
+#                      userland and the forkvm Python module (buildroot/python-image.sh)
 #   tiny.elf           forkvm's tiny test guest (built by guest/tiny/build.sh)
 #   libforkvm.a, libforkvm.so.1
 #                      the guest runtime library (guest/lib), also in the images
@@ -140,5 +142,9 @@ echo "forkvm rootfs disk" > "$root/etc/forkvm-disk"
 rm -f "$out/rootfs.ext4.tmp"
 mke2fs -q -t ext4 -O ^has_journal -L forkvm-root -d "$root" "$out/rootfs.ext4.tmp" 16M
 mv "$out/rootfs.ext4.tmp" "$out/rootfs.ext4"
+
+# The Python guest's root: Debian's Python 3 and numpy with this userland
+# (buildroot/python-image.sh; the package tree is cached like the kernel).
+"$repo/buildroot/python-image.sh" "$root" "$out/python.ext4"
 
 log "done: $(cd "$out" && ls | tr '\n' ' ')"

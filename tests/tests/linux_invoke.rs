@@ -1,5 +1,6 @@
-//! The Linux guest as a function host: the C runtime (`forkvm-fn`, over libforkvm) in
-//! a template, each invocation in a fresh clone, every error with its status; and the
+//! The Linux guest as a function host: the C runtime (`forkvm-fn`, over libforkvm) and
+//! the Python runtime (`forkvm.serve`, on the Python image) in a template, each
+//! invocation in a fresh clone, every error with its status; and the
 //! guest kernel's RNG reseeded by the VMM in every kind of clone (guest-requested, API,
 //! warm, invoked), with a control boot that shows what a clone inherits without it.
 //! Each test is one or two boots (slow here: see linux.rs).
@@ -183,6 +184,109 @@ fn linux_c_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_fai
         field(&String::from_utf8(r.bytes).unwrap(), "input"),
         "after"
     );
+    vm.shutdown(Duration::from_secs(60));
+}
+
+#[test]
+fn linux_python_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_failure() {
+    if !kvm_available("linux_python_runtime") {
+        return;
+    }
+    let scratch = Scratch::new("linux-python-runtime");
+    let (kernel, root) = (path("vmlinux"), path("python.ext4"));
+    let cmdline = "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 \
+                   forkvm.run=\"python3 -m forkvm forkvm_examples:info\"";
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &kernel,
+            "--rootfs",
+            &root,
+            "--mem-mib",
+            "256",
+            "--cmdline",
+            cmdline,
+            "--template",
+            "--warm-clones",
+            "2",
+        ],
+    );
+    vm.wait_console("forkvm.serve: ready", LINUX_BOOT);
+    wait_until("the template to pause", LINUX_BOOT, || {
+        let info = describe(&vm);
+        info["state"] == "paused" && info["invoke"]["waiting"] == true
+    });
+
+    // 20 invocations, each in its own clone: the input back, the clone's number, 32
+    // bytes of os.urandom (the VMM rekeyed the kernel RNG) and random.random() (the
+    // runtime reseeded it from the request's entropy), all distinct.
+    let mut seen: [Vec<String>; 3] = Default::default();
+    for i in 0..CLONES {
+        let payload = format!("py {i} \u{e9}");
+        let r = invoke(&vm.sock, &payload);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_slice(&r.bytes).unwrap();
+        assert_eq!(v["input"], payload.as_str());
+        assert_eq!(
+            v["clone"].to_string(),
+            r.header("x-forkvm-clone-id").unwrap()
+        );
+        assert_eq!(v["urandom"].as_str().unwrap().len(), 64, "{v}");
+        for (k, key) in ["clone", "urandom", "random"].iter().enumerate() {
+            seen[k].push(v[key].to_string());
+        }
+    }
+    for (k, key) in ["clone numbers", "os.urandom", "random.random()"]
+        .iter()
+        .enumerate()
+    {
+        assert_distinct(&seen[k], key);
+    }
+
+    // The handler raises: 500 with the traceback.
+    let r = invoke(&vm.sock, "raise no luck");
+    assert_eq!(
+        (r.status, r.header("x-forkvm-outcome")),
+        (500, Some("handler_error"))
+    );
+    let e = error_of(&r);
+    assert!(
+        e.contains("RuntimeError: no luck") && e.contains("Traceback"),
+        "{e}"
+    );
+    // A reply one byte over the mailbox: 500, nothing cut.
+    let r = invoke(&vm.sock, &format!("big {}", (4 << 20) - 64 + 1));
+    assert_eq!(r.status, 500, "{}", r.body);
+    assert!(
+        error_of(&r).contains("does not fit the mailbox"),
+        "{}",
+        r.body
+    );
+    // One byte under: the whole reply.
+    let r = invoke(&vm.sock, &format!("big {}", (4 << 20) - 64));
+    assert_eq!((r.status, r.bytes.len()), (200, (4 << 20) - 64));
+    // os._exit(3): the runtime is gone, init powers the clone off: 502, console tail.
+    let r = invoke(&vm.sock, "exit 3");
+    assert_eq!(
+        (r.status, r.header("x-forkvm-outcome")),
+        (502, Some("guest_stopped"))
+    );
+    assert!(error_of(&r).contains("exit status 3"), "{}", r.body);
+    // Sleeping past the timeout: 504.
+    let options = InvokeOptions {
+        timeout_ms: Some(3000),
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &options, "sleep 60");
+    assert_eq!(
+        (r.status, r.header("x-forkvm-outcome")),
+        (504, Some("timeout")),
+        "{}",
+        r.body
+    );
+    let r = invoke(&vm.sock, "after");
+    assert_eq!(r.status, 200, "{}", r.body);
     vm.shutdown(Duration::from_secs(60));
 }
 

@@ -47,3 +47,26 @@ start=$(date +%s)
 $vmm --log-level info run --kernel $g/vmlinux --rootfs $g/rootfs.ext4 --mem-mib 256 --vcpus 2 \
     --cmdline 'console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 forkvm.run="echo hello from forkvm; uname -r; nproc; cat /etc/forkvm-disk"'
 echo "== exit status $?, $(( $(date +%s) - start )) s =="
+echo "== functions: a Python template (Debian's Python 3 on a read-only root) waits in its runtime; =="
+echo "== each invocation runs the handler in a fresh clone (docs/invoke.md)                         =="
+tmp=$(mktemp -d)
+vmpid=
+trap cleanup EXIT
+$vmm run --kernel $g/vmlinux --rootfs $g/python.ext4 --mem-mib 256 --template --warm-clones 2 \
+    --cmdline 'console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 forkvm.run="python3 -m forkvm forkvm_examples:info"' \
+    --api-sock "$tmp/vm.sock" --console "$tmp/vm.console" </dev/null >/dev/null 2>&1 &
+vmpid=$!
+start=$(date +%s)
+for _ in $(seq 1200); do
+    $vmm status --api-sock "$tmp/vm.sock" 2>/dev/null | grep -q '"waiting":true' && break
+    sleep 0.5
+done
+echo "-- the template is ready after $(( $(date +%s) - start )) s (boot, Python start, then it paused)"
+for who in Ada Grace Linus; do
+    $vmm invoke --api-sock "$tmp/vm.sock" --data "hello from $who" -v
+    echo
+done
+echo "-- a handler that raises:"
+$vmm invoke --api-sock "$tmp/vm.sock" --data "raise no luck" || true
+cleanup
+trap - EXIT

@@ -89,18 +89,21 @@ fn field(b: &[u8; DESCRIPTOR_BYTES], at: usize) -> u64 {
 }
 
 fn half(b: &[u8; DESCRIPTOR_BYTES], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+    read_le(&b[at..at + 4])
+}
+
+fn memory(what: &'static str, addr: u64, e: vm_memory::GuestMemoryError) -> CrngError {
+    CrngError::Memory {
+        what,
+        addr,
+        why: e.to_string(),
+    }
 }
 
 impl CrngLayout {
     /// Reads and checks the descriptor at `addr`: every place it names must be guest
     /// memory.
     pub fn read<M: GuestMemory>(mem: &M, addr: u64) -> Result<Self, CrngError> {
-        let memory = |what, addr, e: vm_memory::GuestMemoryError| CrngError::Memory {
-            what,
-            addr,
-            why: e.to_string(),
-        };
         let mut b = [0u8; DESCRIPTOR_BYTES];
         mem.read_slice(&mut b, GuestAddress(addr))
             .map_err(|e| memory("descriptor", addr, e))?;
@@ -154,11 +157,6 @@ impl CrngLayout {
     /// `u64::MAX`, which Linux reserves for per-CPU state not derived yet); returns the
     /// new generation. Only with every vCPU stopped.
     pub fn reseed<M: GuestMemory>(&self, mem: &M) -> Result<u64, CrngError> {
-        let memory = |what, addr, e: vm_memory::GuestMemoryError| CrngError::Memory {
-            what,
-            addr,
-            why: e.to_string(),
-        };
         let mut key = [0u8; MAX_KEY_BYTES as usize];
         let key = &mut key[..self.key_len as usize];
         host_random(key).map_err(CrngError::Entropy)?;
@@ -193,8 +191,10 @@ impl CrngRegistration {
     }
 }
 
-/// What a vCPU thread checks before it stops: whether the guest kernel is in the middle
-/// of a base key (then the vCPU runs on to its end).
+/// A VM's registration with the guest memory it points into: what the port device
+/// fills (reading descriptors from the memory), and what a vCPU thread checks before it
+/// stops, whether the guest kernel is in the middle of a base key (then the vCPU runs
+/// on to its end).
 #[derive(Debug, Clone)]
 pub struct CrngWatch {
     /// The VM's registration.
@@ -210,20 +210,10 @@ impl CrngWatch {
     }
 }
 
-/// What the port device needs: the guest memory it reads descriptors from, and the
-/// registration it fills.
-#[derive(Debug, Clone)]
-pub struct CrngArgs {
-    /// The VM's guest memory.
-    pub mem: GuestMemoryMmap,
-    /// Shared with the VMM.
-    pub registration: Arc<CrngRegistration>,
-}
-
 /// The CRNG registration port device.
 #[derive(Debug)]
 pub struct CrngPort {
-    args: CrngArgs,
+    args: CrngWatch,
     low: u32,
     failures: u64,
 }
@@ -237,7 +227,7 @@ pub struct CrngState {
 
 impl Persist for CrngPort {
     type State = CrngState;
-    type ConstructorArgs = CrngArgs;
+    type ConstructorArgs = CrngWatch;
     type Error = std::convert::Infallible;
 
     fn save(&self) -> CrngState {
@@ -246,7 +236,7 @@ impl Persist for CrngPort {
         }
     }
 
-    fn restore(args: CrngArgs, state: &CrngState) -> Result<Self, Self::Error> {
+    fn restore(args: CrngWatch, state: &CrngState) -> Result<Self, Self::Error> {
         args.registration.set(state.layout);
         Ok(Self {
             args,
@@ -311,7 +301,7 @@ mod tests {
 
     fn port(mem: &GuestMemoryMmap) -> (CrngPort, Arc<CrngRegistration>) {
         let registration = Arc::new(CrngRegistration::default());
-        let args = CrngArgs {
+        let args = CrngWatch {
             mem: mem.clone(),
             registration: registration.clone(),
         };

@@ -15,7 +15,7 @@ use kvm_ioctls::VmFd;
 use vm_memory::GuestMemoryMmap;
 
 use devices::clock::{ClockPort, ClockState, CLOCK_BASE, CLOCK_LEN};
-use devices::crng::{CrngArgs, CrngPort, CrngState, CrngWatch, CRNG_BASE, CRNG_LEN};
+use devices::crng::{CrngPort, CrngState, CrngWatch, CRNG_BASE, CRNG_LEN};
 use devices::entropy::{EntropyPort, EntropyState, ENTROPY_BASE, ENTROPY_LEN};
 use devices::identity::{
     IdentityBlock, IdentityBlockState, IdentityPort, IdentityState, IDENTITY_BASE,
@@ -259,11 +259,7 @@ impl DeviceManager {
             registration: Arc::default(),
             mem: mem.clone(),
         };
-        let args = CrngArgs {
-            mem: mem.clone(),
-            registration: crng.registration.clone(),
-        };
-        ports.add::<CrngPort>(args, CrngState::default(), CRNG_BASE, CRNG_LEN)?;
+        ports.add::<CrngPort>(crng.clone(), CrngState::default(), CRNG_BASE, CRNG_LEN)?;
         // The rest of a saved list is the virtio devices' (add_virtio_devices).
         if let Some(states) = saved {
             let rest = states.0.len().saturating_sub(ports.list.len());

@@ -13,14 +13,8 @@
 #include <sys/random.h>
 #include <unistd.h>
 
-#define PROBE_PORT 0xf40
-#define PROBE_MAGIC 0x4d564b46u /* "FKVM" */
-#define IDENTITY_PORT 0xf54
-#define IDENTITY_BLOCK 0xf60
-#define INVOKE_PORT 0xf80
-#define MAILBOX_ADDR_PORT 0xf84
-#define MAILBOX_SIZE_PORT 0xf88
-#define INVOKE_VERSION_PORT 0xf8c
+#include "forkvm-abi.h"
+
 #define INVOKE_NONE 0xffffffffu
 
 #define LAYOUT_VERSION 1

@@ -53,7 +53,6 @@
 #include <time.h>
 
 #define RESEED_BYTES 64
-#define PROBE_MAGIC 0x4d564b46u /* "FKVM" */
 
 static int port_access(void)
 {

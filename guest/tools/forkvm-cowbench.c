@@ -25,8 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CLONE_PORT 0xf48
-#define DONE_PORT 0xf4c
+#include "forkvm-abi.h" /* guest/lib */
 
 static double now_ms(void)
 {

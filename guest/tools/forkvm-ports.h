@@ -16,14 +16,8 @@
 #include <sys/io.h>
 #include <unistd.h>
 
-#define PROBE_PORT 0xf40
-#define CLONE_PORT 0xf48
-#define DONE_PORT 0xf4c
-#define ENTROPY_PORT 0xf50
-#define IDENTITY_PORT 0xf54
-#define CLOCK_PORT 0xf58
-#define IDENTITY_BLOCK 0xf60
-#define IDENTITY_BLOCK_LEN 32
+#include "forkvm-abi.h" /* guest/lib: the port numbers */
+
 #define PORTS_END (IDENTITY_BLOCK + IDENTITY_BLOCK_LEN)
 
 /* Access modes. */

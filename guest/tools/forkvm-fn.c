@@ -99,15 +99,18 @@ static void info(const struct forkvm_request *req)
     }
     char uhex[65];
     hex(uhex, urandom, sizeof urandom);
-    /* The request stays where it is until the header is rewritten: build the reply in
-     * a buffer of its own. */
-    static char out[1 << 16];
-    int n = snprintf(out, sizeof out, "seq=%u gen=%016llx urandom=%s random=%ld input=",
+    char head[192];
+    int n = snprintf(head, sizeof head, "seq=%u gen=%016llx urandom=%s random=%ld input=",
                      forkvm_clone_seq(), (unsigned long long)forkvm_generation(), uhex,
                      random());
-    size_t take = req->len < sizeof out - (size_t)n ? req->len : sizeof out - (size_t)n;
-    memcpy(out + n, req->data, take);
-    reply_or_fail(out, (size_t)n + take);
+    size_t len = (size_t)n + req->len;
+    /* Built in the mailbox: the input (where the request is) moves up behind the line.
+     * A reply that does not fit is refused whole, never cut. */
+    if (len <= cap) {
+        memmove(buf + n, req->data, req->len);
+        memcpy(buf, head, (size_t)n);
+    }
+    reply_or_fail(buf, len);
 }
 
 /* Runs argv with `input` on stdin; replies with its stdout, or fails with its stderr

@@ -23,15 +23,32 @@ fn path(name: &str) -> String {
     guest_file(name).display().to_string()
 }
 
-fn linux_vm(scratch: &Scratch, cmdline_extra: &str, run: &str, extra: &[&str]) -> Vm {
-    let cmdline =
-        format!("console=ttyS0 reboot=k panic=-1 quiet {cmdline_extra} forkvm.run=\"{run}\"");
-    let (kernel, initrd) = (path("vmlinux"), path("initramfs.cpio"));
+/// A Linux guest running `run`, from the initramfs, or from `root` (an image in
+/// target/guest) as its read-only root disk.
+fn linux_vm(
+    scratch: &Scratch,
+    root: Option<&str>,
+    cmdline_extra: &str,
+    run: &str,
+    extra: &[&str],
+) -> Vm {
+    let boot = match root {
+        Some(_) => "root=/dev/vda ro rootfstype=ext4",
+        None => "",
+    };
+    let cmdline = format!(
+        "console=ttyS0 reboot=k panic=-1 quiet {boot} {cmdline_extra} forkvm.run=\"{run}\""
+    );
+    let kernel = path("vmlinux");
+    let (disk_flag, disk) = match root {
+        Some(image) => ("--rootfs", path(image)),
+        None => ("--initrd", path("initramfs.cpio")),
+    };
     let mut args = vec![
         "--kernel",
         &kernel,
-        "--initrd",
-        &initrd,
+        disk_flag,
+        &disk,
         "--mem-mib",
         "256",
         "--cmdline",
@@ -39,6 +56,49 @@ fn linux_vm(scratch: &Scratch, cmdline_extra: &str, run: &str, extra: &[&str]) -
     ];
     args.extend_from_slice(extra);
     Vm::start(scratch, &args)
+}
+
+/// A template running the runtime `run`, once it printed `ready` and paused where the
+/// runtime waits.
+fn ready_template(scratch: &Scratch, root: Option<&str>, run: &str, ready: &str) -> Vm {
+    let mut vm = linux_vm(
+        scratch,
+        root,
+        "",
+        run,
+        &["--template", "--warm-clones", "2"],
+    );
+    vm.wait_console(ready, LINUX_BOOT);
+    wait_until("the template to pause", LINUX_BOOT, || {
+        let info = describe(&vm);
+        info["state"] == "paused" && info["invoke"]["waiting"] == true
+    });
+    vm
+}
+
+/// What both runtimes' `info` handlers do with `sleep S` and `exit N`: past the
+/// timeout, 504 (the clone is stopped); the runtime exiting (`exit`, `os._exit`), init
+/// reports the status and powers the clone off: 502 with the console tail.
+fn assert_timeout_and_runtime_exit(vm: &Vm) {
+    let options = InvokeOptions {
+        timeout_ms: Some(3000),
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &options, "sleep 60");
+    assert_eq!(
+        (r.status, r.header("x-forkvm-outcome")),
+        (504, Some("timeout")),
+        "{}",
+        r.body
+    );
+    let r = invoke(&vm.sock, "exit 3");
+    assert_eq!(
+        (r.status, r.header("x-forkvm-outcome")),
+        (502, Some("guest_stopped")),
+        "{}",
+        r.body
+    );
+    assert!(error_of(&r).contains("exit status 3"), "{}", r.body);
 }
 
 fn describe(vm: &Vm) -> Value {
@@ -92,17 +152,7 @@ fn linux_c_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_fai
         return;
     }
     let scratch = Scratch::new("linux-c-runtime");
-    let mut vm = linux_vm(
-        &scratch,
-        "",
-        "forkvm-fn info",
-        &["--template", "--warm-clones", "2"],
-    );
-    vm.wait_console("forkvm-fn: ready", LINUX_BOOT);
-    wait_until("the template to pause", LINUX_BOOT, || {
-        let info = describe(&vm);
-        info["state"] == "paused" && info["invoke"]["waiting"] == true
-    });
+    let mut vm = ready_template(&scratch, None, "forkvm-fn info", "forkvm-fn: ready");
 
     // 20 invocations: each in its own clone (its own number and generation), each
     // reads its own kernel random bytes (reseeded by the VMM, not by the runtime) and
@@ -154,28 +204,7 @@ fn linux_c_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_fai
     let r = invoke(&vm.sock, "sh echo no-such-thing >&2; exit 4");
     assert_eq!(r.status, 500, "{}", r.body);
     assert!(error_of(&r).contains("no-such-thing"), "{}", r.body);
-    // Past the timeout: 504, the clone is stopped.
-    let options = InvokeOptions {
-        timeout_ms: Some(3000),
-        ..Default::default()
-    };
-    let r = invoke_with(&vm.sock, &options, "sleep 60");
-    assert_eq!(
-        (r.status, r.header("x-forkvm-outcome")),
-        (504, Some("timeout")),
-        "{}",
-        r.body
-    );
-    // The runtime exits (os._exit in a Python handler): init reports the status and
-    // powers the clone off; 502 with the console tail.
-    let r = invoke(&vm.sock, "exit 3");
-    assert_eq!(
-        (r.status, r.header("x-forkvm-outcome")),
-        (502, Some("guest_stopped")),
-        "{}",
-        r.body
-    );
-    assert!(error_of(&r).contains("exit status 3"), "{}", r.body);
+    assert_timeout_and_runtime_exit(&vm);
 
     // The template is untouched by all of it.
     let r = invoke(&vm.sock, "after");
@@ -193,30 +222,8 @@ fn linux_python_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_ever
         return;
     }
     let scratch = Scratch::new("linux-python-runtime");
-    let (kernel, root) = (path("vmlinux"), path("python.ext4"));
-    let cmdline = "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 \
-                   forkvm.run=\"python3 -m forkvm forkvm_examples:info\"";
-    let mut vm = Vm::start(
-        &scratch,
-        &[
-            "--kernel",
-            &kernel,
-            "--rootfs",
-            &root,
-            "--mem-mib",
-            "256",
-            "--cmdline",
-            cmdline,
-            "--template",
-            "--warm-clones",
-            "2",
-        ],
-    );
-    vm.wait_console("forkvm.serve: ready", LINUX_BOOT);
-    wait_until("the template to pause", LINUX_BOOT, || {
-        let info = describe(&vm);
-        info["state"] == "paused" && info["invoke"]["waiting"] == true
-    });
+    let run = "python3 -m forkvm forkvm_examples:info";
+    let mut vm = ready_template(&scratch, Some("python.ext4"), run, "forkvm.serve: ready");
 
     // 20 invocations, each in its own clone: the input back, the clone's number, 32
     // bytes of os.urandom (the VMM rekeyed the kernel RNG) and random.random() (the
@@ -266,25 +273,7 @@ fn linux_python_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_ever
     // One byte under: the whole reply.
     let r = invoke(&vm.sock, &format!("big {}", (4 << 20) - 64));
     assert_eq!((r.status, r.bytes.len()), (200, (4 << 20) - 64));
-    // os._exit(3): the runtime is gone, init powers the clone off: 502, console tail.
-    let r = invoke(&vm.sock, "exit 3");
-    assert_eq!(
-        (r.status, r.header("x-forkvm-outcome")),
-        (502, Some("guest_stopped"))
-    );
-    assert!(error_of(&r).contains("exit status 3"), "{}", r.body);
-    // Sleeping past the timeout: 504.
-    let options = InvokeOptions {
-        timeout_ms: Some(3000),
-        ..Default::default()
-    };
-    let r = invoke_with(&vm.sock, &options, "sleep 60");
-    assert_eq!(
-        (r.status, r.header("x-forkvm-outcome")),
-        (504, Some("timeout")),
-        "{}",
-        r.body
-    );
+    assert_timeout_and_runtime_exit(&vm);
     let r = invoke(&vm.sock, "after");
     assert_eq!(r.status, 200, "{}", r.body);
     vm.shutdown(Duration::from_secs(60));
@@ -346,10 +335,11 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
     let scratch = Scratch::new("linux-crng");
     let control = Scratch::new("linux-crng-off");
     let probe = format!("forkvm-clone --no-reseed --ticks 1000 {CLONES}");
-    let mut vm = linux_vm(&scratch, "", &probe, &["--warm-clones", "4"]);
+    let mut vm = linux_vm(&scratch, None, "", &probe, &["--warm-clones", "4"]);
     // The control: the same guest with the kernel's registration switched off.
     let mut off = linux_vm(
         &control,
+        None,
         "forkvm.crng=off",
         "forkvm-clone --no-reseed --ticks 1000 3",
         &[],

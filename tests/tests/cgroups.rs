@@ -712,3 +712,88 @@ fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
     vm.shutdown(BOOT);
     assert_no_cgroups_left(parent);
 }
+
+/// Invocations take their clone's cgroup from the same pools as `POST /clones`: with a
+/// pool of one cgroup held by a keep-alive clone, the next invocation is refused with
+/// 503 (nothing started, the template still waiting), and served again once the
+/// keep-alive clone ends and its cgroup returns.
+#[test]
+fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
+    use api_types::InvokeOptions;
+    use vmm::api::client;
+    if !kvm_and_root_available("cgroups_invoke_exhausted") {
+        return;
+    }
+    let scratch = Scratch::new("cg-invoke");
+    let _serial = one_at_a_time();
+    let parent = Parent::new("invoke");
+    let mut vm = template(
+        &scratch,
+        "ticks=1 invoke=1",
+        &[
+            "--template",
+            "--cgroup-version",
+            "1",
+            "--cgroup-parent",
+            &parent,
+            "--cgroup-class",
+            "solo:pids=32",
+            "--cgroup-pool-size",
+            "1",
+            "--cgroup-pool-max",
+            "1",
+        ],
+    );
+    vm.wait_console("tiny: invoke ready\n", BOOT);
+    vm.wait_api(BOOT);
+    let waiting = |vm: &Vm| {
+        let (_, text) = vm.api("GET", "/vm", None);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["state"] == "paused" && v["invoke"]["waiting"] == true
+    };
+    wait_until("the template to pause", BOOT, || waiting(&vm));
+    let invoke = |sock: &Path, keep_alive: bool, payload: &[u8]| {
+        let opts = InvokeOptions {
+            keep_alive,
+            ..Default::default()
+        };
+        client::invoke(sock, &opts, payload).unwrap_or_else(|e| panic!("invoke: {e}"))
+    };
+    let started = |vm: &Vm| {
+        let (_, text) = vm.api("GET", "/vm", None);
+        serde_json::from_str::<Value>(&text).unwrap()["invoke"]["started"].clone()
+    };
+
+    // A keep-alive clone holds the pool's only cgroup.
+    let held = invoke(&vm.sock, true, b"hold");
+    assert_eq!(held.status, 200, "{}", held.body);
+    let keep_sock = std::path::PathBuf::from(held.header("x-forkvm-socket").unwrap());
+    assert_eq!(pool_stats(&vm, "solo")["in_use"], 1);
+    let before = started(&vm);
+
+    let refused = invoke(&vm.sock, false, b"no room");
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(refused.body.contains("exhausted"), "{}", refused.body);
+    let (code, text) = vm.api("POST", "/clones", Some("{}"));
+    assert_eq!(code, 503, "POST /clones the same: {text}");
+    assert_eq!(
+        started(&vm),
+        before,
+        "the refused invocation started nothing"
+    );
+    assert!(waiting(&vm), "the template is untouched");
+    assert_eq!(pool_stats(&vm, "solo")["created"], 1);
+
+    // The keep-alive clone serves its last request and ends; its cgroup returns.
+    let last = invoke(&keep_sock, false, b"last");
+    assert_eq!(last.status, 200, "{}", last.body);
+    wait_until("the keep-alive clone's cgroup to return", BOOT, || {
+        pool_stats(&vm, "solo")["in_use"] == 0 || !forker_seat(&vm).is_empty()
+    });
+    let again = invoke(&vm.sock, false, b"again");
+    assert_eq!(again.status, 200, "{}", again.body);
+    assert!(again.bytes.starts_with(b"again"));
+
+    vm.shutdown(BOOT);
+    assert_no_cgroups_left(&parent);
+}

@@ -93,6 +93,7 @@ impl Vmm {
             Route::Clone(vcpu) => {
                 let delivery = self.invoker.hand_to_clone(&inv, vcpu);
                 let info = self.clones.invoke(&mut self.vm, inv, delivery)?;
+                self.invoker.handed_to_clone();
                 if info.status == CloneStatus::Failed {
                     return Err(InvokeError::CloneFailed(info.id).into());
                 }

@@ -306,10 +306,15 @@ impl Invoker {
         self.queued.take().map(|(inv, _)| inv)
     }
 
-    /// What a clone made for `inv` is told (the runtime waits on `vcpu`); counts it.
-    pub fn hand_to_clone(&mut self, inv: &Invocation, vcpu: u8) -> Delivery {
-        self.started += 1;
+    /// What a clone made for `inv` is told (the runtime waits on `vcpu`).
+    pub fn hand_to_clone(&self, inv: &Invocation, vcpu: u8) -> Delivery {
         Delivery::of(inv, vcpu)
+    }
+
+    /// Counts an invocation a clone was made for (not one refused before that, say for
+    /// want of a cgroup).
+    pub fn handed_to_clone(&mut self) {
+        self.started += 1;
     }
 
     /// Delivers `inv` to the runtime waiting on `vcpu` in this VM: writes the request,

@@ -63,6 +63,20 @@ pub const PVM_HIDDEN_FEATURES: &[FeatureBit] = &[
     f(7, 0, Reg::Ecx, 22, "rdpid"),
 ];
 
+/// KVM's paravirtual feature leaf.
+pub const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
+
+/// KVM paravirtual features no forkvm guest is offered, on any host: asynchronous page
+/// faults. KVM answers a vCPU's enabling of them (which every clone's MSR restore
+/// repeats) with a "wake all" interrupt, so each clone would start with a guest-kernel
+/// trip before its first instruction (about 4,000 emulated instructions, 3-5 ms, on a PVM
+/// host; docs/design.md). They only help when the host swaps guest memory out.
+pub const ALWAYS_HIDDEN_FEATURES: &[FeatureBit] = &[
+    f(KVM_CPUID_FEATURES, 0, Reg::Eax, 4, "kvm-asyncpf"),
+    f(KVM_CPUID_FEATURES, 0, Reg::Eax, 10, "kvm-asyncpf-vmexit"),
+    f(KVM_CPUID_FEATURES, 0, Reg::Eax, 14, "kvm-asyncpf-int"),
+];
+
 fn reg_mut(e: &mut kvm_cpuid_entry2, reg: Reg) -> &mut u32 {
     match reg {
         Reg::Eax => &mut e.eax,
@@ -80,7 +94,8 @@ const HTT_BIT: u32 = 1 << 28;
 const LEVEL_SMT: u32 = 1;
 const LEVEL_CORE: u32 = 2;
 
-/// Fills in what differs per vCPU and hides `hidden` features.
+/// Fills in what differs per vCPU and hides `hidden` features and
+/// [`ALWAYS_HIDDEN_FEATURES`].
 ///
 /// Topology: `num_vcpus` single-threaded cores in one package, APIC id = vCPU index.
 pub fn vcpu_cpuid(base: &CpuId, vcpu_id: u8, num_vcpus: u8, hidden: &[FeatureBit]) -> CpuId {
@@ -129,7 +144,7 @@ pub fn vcpu_cpuid(base: &CpuId, vcpu_id: u8, num_vcpus: u8, hidden: &[FeatureBit
             }
             _ => {}
         }
-        for h in hidden {
+        for h in hidden.iter().chain(ALWAYS_HIDDEN_FEATURES) {
             if e.function == h.leaf && e.index == h.subleaf {
                 *reg_mut(e, h.reg) &= !(1u32 << h.bit);
             }
@@ -187,6 +202,7 @@ mod tests {
             entry(0x1f, 0),
             entry(0x1f, 1),
             entry(0x1f, 2),
+            entry(KVM_CPUID_FEATURES, 0),
         ])
         .unwrap()
     }
@@ -246,6 +262,16 @@ mod tests {
         // An unrelated bit (SSE2, leaf 1 EDX 26) is untouched.
         assert_ne!(l1.edx & (1 << 26), 0);
         assert_eq!(find(&c, 0, 0).ebx, 0xffff_ffff);
+    }
+
+    #[test]
+    fn no_guest_is_offered_async_page_faults() {
+        for hidden in [&[][..], PVM_HIDDEN_FEATURES] {
+            let kvm = find(&vcpu_cpuid(&base(), 0, 1, hidden), KVM_CPUID_FEATURES, 0);
+            assert_eq!(kvm.eax & ((1 << 4) | (1 << 10) | (1 << 14)), 0);
+            // Other KVM features (kvmclock, bit 3) stay.
+            assert_ne!(kvm.eax & (1 << 3), 0);
+        }
     }
 
     #[test]

@@ -15,10 +15,23 @@ latency: side by side in interleaved rounds, request to reply from the client's 
 throughput: invocations per second with 1, 2, 4 and 8 concurrent clients, each request
   in a fresh warm clone, and host CPU time (all processes, /proc/stat) per invocation.
 
+runtimes: the Linux runtimes, side by side in one run with 256 MiB templates booted at
+  once: request to reply for the C runtime's echo (forkvm-fn echo) with the kernel RNG
+  reseed on and off (forkvm.crng=off), and for a Python no-op handler
+  (forkvm_examples:noop), each in a fresh warm clone, interleaved rounds; the SOCK
+  mechanism with the same Python handler (a host zygote forking per request); as
+  reference points, the same work through the vsock agent in a fresh clone (`vmm exec`'s
+  path: `echo`, and python3 calling the same handler) and a cold boot serving one
+  invocation (from spawning the VMM to the reply); then throughput with 1, 2, 4 and 8
+  clients for the C and Python runtimes, and host CPU per invocation.
+
 usage: benches/invoke.py latency [--runs N] [--rounds R] [--mem MIB] [--payload BYTES]
        benches/invoke.py throughput [--seconds S] [--clients 1,2,4,8] [--mem MIB]
+       benches/invoke.py runtimes [--runs N] [--rounds R] [--exec-runs N] [--boots N]
+                                  [--seconds S] [--clients 1,2,4,8]
 """
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -28,10 +41,12 @@ import tempfile
 import threading
 import time
 
-from clone import pct, row as clone_row
+from clone import pct, row as clone_row, vsock_exec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "target/guest/tiny.elf")
+GUEST = os.path.join(ROOT, "target/guest")
+PYTHON_HANDLERS = os.path.join(ROOT, "guest/python")
 VMM = os.path.join(ROOT, "target/release/vmm")
 
 
@@ -60,11 +75,12 @@ def exchange(sock, method, path, body=b"", timeout=60):
     return int(lines[0].split()[1]), headers, data
 
 
-def invoke(sock, payload, query=""):
+def invoke(sock, payload, query="", expect=None):
+    """One invocation; its reply must start with `expect` (default: the payload)."""
     t0 = time.perf_counter()
     status, headers, data = exchange(sock, "POST", "/invocations" + query, payload)
     elapsed = time.perf_counter() - t0
-    if status != 200 or not data.startswith(payload):
+    if status != 200 or not data.startswith(payload if expect is None else expect):
         sys.exit(f"invocation failed: {status} {data[:200]!r}")
     return elapsed, headers
 
@@ -107,9 +123,14 @@ def wait_warm(sock, n, timeout=10):
 
 
 ZYGOTE = r'''
-import os, socket, sys
-def handler(event):
-    return event
+import importlib, os, socket, sys
+if len(sys.argv) > 2:  # MODULE:FUNCTION DIR: the handler a guest runtime serves
+    sys.path.insert(0, sys.argv[3])
+    module, function = sys.argv[2].split(":")
+    handler = getattr(importlib.import_module(module), function)
+else:
+    def handler(event):
+        return event
 srv = socket.socket(socket.AF_UNIX)
 srv.bind(sys.argv[1]); srv.listen(64)
 print("ready", flush=True)
@@ -135,22 +156,23 @@ while True:
 '''
 
 
-def start_zygote(tmp):
+def start_zygote(tmp, handler=None):
     path = os.path.join(tmp, "zygote.sock")
-    p = subprocess.Popen([sys.executable, "-c", ZYGOTE, path], stdout=subprocess.PIPE,
+    args = [handler, PYTHON_HANDLERS] if handler else []
+    p = subprocess.Popen([sys.executable, "-c", ZYGOTE, path, *args], stdout=subprocess.PIPE,
                          stdin=subprocess.DEVNULL)
     p.stdout.readline()
     return p, path
 
 
-def zygote_call(path, payload):
+def zygote_call(path, payload, expect=None):
     t0 = time.perf_counter()
     s = socket.socket(socket.AF_UNIX)
     s.connect(path)
     s.sendall(len(payload).to_bytes(4, "little") + payload)
     data = read_all(s)
     elapsed = time.perf_counter() - t0
-    if data[4:] != payload:
+    if data[4:] != (payload if expect is None else expect):
         sys.exit("zygote answered wrongly")
     return elapsed
 
@@ -225,40 +247,222 @@ def cpu_ticks():
     return sum(fields) - idle
 
 
+def throughput_rows(sock, clients, seconds, payload=b"ping", expect=None, warm=8):
+    """Prints one row per client count: invocations/s, latency, host CPU per invocation."""
+    hz = os.sysconf("SC_CLK_TCK")
+    for c in clients:
+        times = []
+        lock = threading.Lock()
+        stop_at = time.perf_counter() + seconds
+
+        def client():
+            mine = []
+            while time.perf_counter() < stop_at:
+                mine.append(invoke(sock, payload, expect=expect)[0] * 1e3)
+            with lock:
+                times.extend(mine)
+
+        t0, cpu0 = time.perf_counter(), cpu_ticks()
+        threads = [threading.Thread(target=client) for _ in range(c)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall, cpu = time.perf_counter() - t0, (cpu_ticks() - cpu0) / hz
+        print(f"| {c} | {len(times) / wall:.0f} | {statistics.median(times):.2f} | "
+              f"{pct(times, 0.99):.2f} | {cpu * 1e3 / len(times):.2f} |", flush=True)
+        wait_warm(sock, warm, timeout=60)
+
+
+THROUGHPUT_HEAD = ("| clients | invocations/s | median ms | p99 ms | "
+                   "host CPU ms per invocation |\n|---|---|---|---|---|")
+
+
 def throughput(a):
     clients = [int(c) for c in a.clients.split(",")]
-    hz = os.sysconf("SC_CLK_TCK")
     print(f"\nThroughput, tiny guest echo, {a.mem} MiB template, --warm-clones 8, each "
           f"request in a fresh clone, {a.seconds} s per row\n")
-    print("| clients | invocations/s | median ms | p99 ms | host CPU ms per invocation |")
-    print("|---|---|---|---|---|")
+    print(THROUGHPUT_HEAD)
     with tempfile.TemporaryDirectory(prefix="forkvm-invoke-", dir="/dev/shm") as tmp:
         p, sock = start_template(tmp, "tp", a.mem, 8)
         try:
-            for c in clients:
-                times = []
-                lock = threading.Lock()
-                stop_at = time.perf_counter() + a.seconds
-
-                def client():
-                    mine = []
-                    while time.perf_counter() < stop_at:
-                        mine.append(invoke(sock, b"ping")[0] * 1e3)
-                    with lock:
-                        times.extend(mine)
-
-                t0, cpu0 = time.perf_counter(), cpu_ticks()
-                threads = [threading.Thread(target=client) for _ in range(c)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                wall, cpu = time.perf_counter() - t0, (cpu_ticks() - cpu0) / hz
-                print(f"| {c} | {len(times) / wall:.0f} | {statistics.median(times):.2f} | "
-                      f"{pct(times, 0.99):.2f} | {cpu * 1e3 / len(times):.2f} |")
-                wait_warm(sock, 8)
+            throughput_rows(sock, clients, a.seconds)
         finally:
             stop(p, sock)
+
+
+LINUX = "console=ttyS0 reboot=k panic=-1 quiet"
+PY_NOOP = "forkvm_examples:noop"
+
+
+def linux_vm(tmp, name, root=None, run=None, cmdline="", extra=()):
+    """Spawns a 256 MiB Linux VM (initramfs, or `root` image as a read-only root) whose
+    init runs `run`; returns (process, socket, spawn time)."""
+    sock = os.path.join(tmp, name + ".sock")
+    if root:
+        disk, cmdline = ["--rootfs", os.path.join(GUEST, root)], \
+            f"root=/dev/vda ro rootfstype=ext4 {cmdline}"
+    else:
+        disk = ["--initrd", os.path.join(GUEST, "initramfs.cpio")]
+    cmdline = f"{LINUX} {cmdline}" + (f' forkvm.run="{run}"' if run else "")
+    cmd = [VMM, "run", "--kernel", os.path.join(GUEST, "vmlinux"), *disk, "--mem-mib", "256",
+           "--cmdline", cmdline, "--console", sock + ".console", "--api-sock", sock, *extra]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=open(sock + ".log", "wb"))
+    return p, sock, t0
+
+
+def wait_vm(p, sock, ready, timeout=900, poll=0.02):
+    """Waits until GET /vm's answer satisfies `ready`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            status, _, body = exchange(sock, "GET", "/vm")
+            if status == 200 and ready(json.loads(body)):
+                return
+        except (OSError, ValueError):
+            pass
+        if p.poll() is not None:
+            sys.exit(f"{sock}: the VMM exited with {p.returncode}")
+        time.sleep(poll)
+    p.kill()
+    sys.exit(f"{sock}: not ready in {timeout} s")
+
+
+def ready_template(warm):
+    return lambda v: (v["state"] == "paused" and v["invoke"]["waiting"]
+                      and v["warm_clones"]["ready"] == warm)
+
+
+def cold_boot_invoke(tmp, name, root, run, payload, expect):
+    """Spawn to reply: a VM that is no template boots, its runtime waits, and it serves
+    one invocation in place; ms."""
+    p, sock, t0 = linux_vm(tmp, name, root, run)
+    wait_vm(p, sock, lambda v: v["invoke"]["waiting"], poll=0.005)
+    invoke(sock, payload, expect=expect)
+    elapsed = (time.perf_counter() - t0) * 1e3
+    p.wait(timeout=120)
+    return elapsed
+
+
+def agent_exec(tmp, sock, cmd, expect, runs):
+    """`vmm exec`'s path: a fresh clone of running template `sock`, `cmd` run in it
+    through its vsock and agent; client-side ms from the clone request to the answer."""
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        status, _, body = exchange(sock, "POST", "/clones", b'{"count":1,"console":"null"}')
+        if status != 201:
+            sys.exit(f"clone failed: {status} {body[:200]!r}")
+        c = json.loads(body)["clones"][0]
+        code, got = vsock_exec(c["vsock"], cmd)
+        out.append((time.perf_counter() - t0) * 1e3)
+        if code != 0 or not got.startswith(expect):
+            sys.exit(f"agent: {cmd!r} exited {code}: {got[:200]!r}")
+        exchange(sock, "DELETE", f"/clones/{c['id']}")
+    return out
+
+
+def runtimes(a):
+    payload = b"hello from the benchmark"
+    clients = [int(c) for c in a.clients.split(",")]
+    warm = ["--template", "--warm-clones", "8"]
+    py_cmd = f"python3 -c 'import forkvm_examples as m; print(m.noop(b\"\"))'"
+    s = {k: [] for k in ["c", "c_norng", "py", "sock", "c_handler", "c_norng_handler",
+                         "py_handler", "c_clone"]}
+    with tempfile.TemporaryDirectory(prefix="forkvm-invoke-", dir="/dev/shm") as tmp:
+        vms = {
+            "c": linux_vm(tmp, "c", run="forkvm-fn echo", extra=warm),
+            "c_norng": linux_vm(tmp, "c-norng", run="forkvm-fn echo",
+                                cmdline="forkvm.crng=off", extra=warm),
+            "py": linux_vm(tmp, "py", root="python.ext4",
+                           run=f"python3 -m forkvm {PY_NOOP}", extra=warm),
+            "agent": linux_vm(tmp, "agent", cmdline="forkvm.agent=1024",
+                              extra=["--vsock", os.path.join(tmp, "agent.vsock")]),
+            "py_agent": linux_vm(tmp, "py-agent", root="python.ext4",
+                                 cmdline="forkvm.agent=1024",
+                                 extra=["--vsock", os.path.join(tmp, "py-agent.vsock")]),
+        }
+        zyg_p, zyg_path = start_zygote(tmp, PY_NOOP)
+        try:
+            for k in ["c", "c_norng", "py"]:
+                wait_vm(vms[k][0], vms[k][1], ready_template(8))
+            for k in ["agent", "py_agent"]:
+                wait_vm(vms[k][0], vms[k][1], lambda v: v["state"] == "running")
+                console = vms[k][1] + ".console"
+                deadline = time.time() + 900
+                while b"serving on vsock port 1024" not in open(console, "rb").read():
+                    if time.time() > deadline:
+                        sys.exit(f"{k}: the agent did not come up")
+                    time.sleep(0.1)
+            print("templates ready", file=sys.stderr, flush=True)
+            for _ in range(a.rounds):
+                # Every template resumed and paused again at the start of a round (its
+                # runtime reads "no request" and waits again): a clone's guest sees the
+                # time since then elapse, and that costs guest kernel work (docs/invoke.md),
+                # so the rows' templates are of the same age.
+                for k in ["c", "c_norng", "py"]:
+                    exchange(vms[k][1], "PATCH", "/vm", b'{"state":"running"}')
+                for k in ["c", "c_norng", "py"]:
+                    wait_vm(vms[k][0], vms[k][1], ready_template(8))
+                for k, expect in [("c", payload), ("c_norng", payload), ("py", b"")]:
+                    sock = vms[k][1]
+                    for _ in range(a.runs):
+                        wait_warm(sock, 8, timeout=60)
+                        t, h = invoke(sock, payload, expect=expect)
+                        s[k].append(t * 1e3)
+                        s[k + "_handler"].append(int(h["x-forkvm-handler-us"]) / 1e3)
+                        if k == "c":
+                            s["c_clone"].append(int(h["x-forkvm-clone-us"]) / 1e3)
+                for _ in range(a.runs):
+                    s["sock"].append(zygote_call(zyg_path, payload, expect=b"") * 1e3)
+            print("latency rounds done", file=sys.stderr, flush=True)
+            agent_c = agent_exec(tmp, vms["agent"][1], "echo hello", b"hello", a.exec_runs)
+            agent_py = agent_exec(tmp, vms["py_agent"][1], py_cmd, b"b''",
+                                  max(2, a.exec_runs // 4))
+            print("agent rows done", file=sys.stderr, flush=True)
+            print(f"\nThroughput, C runtime echo, {a.seconds} s per row\n\n{THROUGHPUT_HEAD}")
+            throughput_rows(vms["c"][1], clients, a.seconds, payload)
+            print(f"\nThroughput, Python no-op, {a.seconds} s per row\n\n{THROUGHPUT_HEAD}")
+            throughput_rows(vms["py"][1], clients, a.seconds, payload, expect=b"")
+        finally:
+            for p, sock, _ in vms.values():
+                try:
+                    stop(p, sock)
+                except OSError:
+                    p.kill()
+                    p.wait()
+            zyg_p.kill()
+            zyg_p.wait()
+        boots_c = [cold_boot_invoke(tmp, f"boot-c{i}", None, "forkvm-fn echo", payload,
+                                    payload) for i in range(a.boots)]
+        boots_py = [cold_boot_invoke(tmp, f"boot-py{i}", "python.ext4",
+                                     f"python3 -m forkvm {PY_NOOP}", payload, b"")
+                    for i in range(a.boots)]
+    n = a.runs * a.rounds
+    base = statistics.median(s["py"])
+    print(f"\nLinux runtimes, 256 MiB templates (--warm-clones 8), {len(payload)}-byte "
+          f"payload, {n} requests per invocation row in {a.rounds} interleaved rounds "
+          f"(ms; ratio of medians to the Python row)\n")
+    print("| request to reply (client) | min | median | p99 | vs Python |")
+    print("|---|---|---|---|---|")
+    print(row("C runtime echo, fresh warm clone", s["c"], base))
+    print(row("C runtime echo, fresh warm clone, kernel RNG reseed off", s["c_norng"], base))
+    print(row("Python no-op, fresh warm clone", s["py"], base))
+    print(row("SOCK mechanism: host Python zygote forks per request, same handler",
+              s["sock"], base))
+    print(row(f"vsock + agent in a fresh clone: `echo` ({a.exec_runs} runs)", agent_c, base))
+    print(row(f"vsock + agent in a fresh clone: python3 calling the handler "
+              f"({len(agent_py)} runs)", agent_py, base))
+    print(row(f"cold boot to the C runtime's reply ({a.boots} runs)", boots_c, base))
+    print(row(f"cold boot to the Python runtime's reply ({a.boots} runs)", boots_py, base))
+    print("\n| the VMM's figures (`x-forkvm-*-us`) | min | median | p99 |")
+    print("|---|---|---|---|")
+    print(row("C: arrival to clone running with the request", s["c_clone"]))
+    print(row("C: handler (clone running to reply written)", s["c_handler"]))
+    print(row("C, RNG reseed off: handler", s["c_norng_handler"]))
+    print(row("Python: handler", s["py_handler"]))
 
 
 def main():
@@ -273,10 +477,17 @@ def main():
     tp.add_argument("--seconds", type=float, default=5)
     tp.add_argument("--clients", default="1,2,4,8")
     tp.add_argument("--mem", type=int, default=256)
+    rt = sub.add_parser("runtimes")
+    rt.add_argument("--runs", type=int, default=50)
+    rt.add_argument("--rounds", type=int, default=4)
+    rt.add_argument("--exec-runs", type=int, default=20)
+    rt.add_argument("--boots", type=int, default=3)
+    rt.add_argument("--seconds", type=float, default=5)
+    rt.add_argument("--clients", default="1,2,4,8")
     a = ap.parse_args()
     if not os.path.exists(VMM):
         sys.exit(f"{VMM} is missing: cargo build --release")
-    {"latency": latency, "throughput": throughput}[a.cmd](a)
+    {"latency": latency, "throughput": throughput, "runtimes": runtimes}[a.cmd](a)
 
 
 if __name__ == "__main__":

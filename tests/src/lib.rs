@@ -384,6 +384,19 @@ impl Vm {
         request_on(stream, &http_request(method, path, body))
     }
 
+    /// `GET /vm`, parsed (the VMM must answer 200).
+    pub fn describe(&self) -> serde_json::Value {
+        let (code, body) = self.api("GET", "/vm", None);
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET /vm: {e}: {body}"))
+    }
+
+    /// Whether the VM is a ready template: paused where its runtime waits for a request.
+    pub fn waits_as_template(&self) -> bool {
+        let v = self.describe();
+        v["state"] == "paused" && v["invoke"]["waiting"] == true
+    }
+
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

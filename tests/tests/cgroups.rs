@@ -116,9 +116,7 @@ fn clone_by_id(vm: &Vm, id: &str) -> Value {
 }
 
 fn forker_seat(vm: &Vm) -> String {
-    let (_, text) = vm.api("GET", "/vm", None);
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["cgroups"]["forker_seat"]
+    vm.describe()["cgroups"]["forker_seat"]
         .as_str()
         .unwrap_or_default()
         .to_string()
@@ -134,9 +132,7 @@ fn pids_max(path: &str) -> String {
 }
 
 fn pool_stats(vm: &Vm, class: &str) -> Value {
-    let (_, text) = vm.api("GET", "/vm", None);
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["cgroups"]["pools"][class]["stats"].clone()
+    vm.describe()["cgroups"]["pools"][class]["stats"].clone()
 }
 
 /// The cgroup of `pid` in the hierarchy whose /proc/PID/cgroup line ends in `:ctrl:`.
@@ -746,12 +742,7 @@ fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
     );
     vm.wait_console("tiny: invoke ready\n", BOOT);
     vm.wait_api(BOOT);
-    let waiting = |vm: &Vm| {
-        let (_, text) = vm.api("GET", "/vm", None);
-        let v: Value = serde_json::from_str(&text).unwrap();
-        v["state"] == "paused" && v["invoke"]["waiting"] == true
-    };
-    wait_until("the template to pause", BOOT, || waiting(&vm));
+    wait_until("the template to pause", BOOT, || vm.waits_as_template());
     let invoke = |sock: &Path, keep_alive: bool, payload: &[u8]| {
         let opts = InvokeOptions {
             keep_alive,
@@ -759,10 +750,7 @@ fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
         };
         client::invoke(sock, &opts, payload).unwrap_or_else(|e| panic!("invoke: {e}"))
     };
-    let started = |vm: &Vm| {
-        let (_, text) = vm.api("GET", "/vm", None);
-        serde_json::from_str::<Value>(&text).unwrap()["invoke"]["started"].clone()
-    };
+    let started = |vm: &Vm| vm.describe()["invoke"]["started"].clone();
 
     // A keep-alive clone holds the pool's only cgroup.
     let held = invoke(&vm.sock, true, b"hold");
@@ -781,7 +769,7 @@ fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
         before,
         "the refused invocation started nothing"
     );
-    assert!(waiting(&vm), "the template is untouched");
+    assert!(vm.waits_as_template(), "the template is untouched");
     assert_eq!(pool_stats(&vm, "solo")["created"], 1);
 
     // The keep-alive clone serves its last request and ends; its cgroup returns.

@@ -43,17 +43,8 @@ fn template(scratch: &Scratch, extra: &[&str]) -> Vm {
     let mut vm = Vm::start(scratch, &args);
     vm.wait_console("tiny: invoke ready\n", BOOT);
     vm.wait_api(BOOT);
-    wait_until("the template to pause", || {
-        let info = describe(&vm);
-        info["state"] == "paused" && info["invoke"]["waiting"] == true
-    });
+    wait_until("the template to pause", || vm.waits_as_template());
     vm
-}
-
-fn describe(vm: &Vm) -> Value {
-    let (code, body) = vm.api("GET", "/vm", None);
-    assert_eq!(code, 200, "{body}");
-    serde_json::from_str(&body).unwrap()
 }
 
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
@@ -145,7 +136,7 @@ fn a_thousand_invocations_each_in_a_fresh_clone_echo_byte_for_byte_and_leak_noth
     // One first, so lazily made state exists before counting.
     echoed(&invoke(&vm.sock, b"warm up"), b"warm up");
     wait_until("the warm pool to refill and the clone to go", || {
-        describe(&vm)["warm_clones"]["ready"] == 4
+        vm.describe()["warm_clones"]["ready"] == 4
             && children_of(pid).len() == 4
             && leftovers(&scratch).is_empty()
     });
@@ -167,7 +158,7 @@ fn a_thousand_invocations_each_in_a_fresh_clone_echo_byte_for_byte_and_leak_noth
         assert!(clones.insert(clone), "clone {clone} served twice");
         assert!(entropy.insert(e), "entropy repeated at invocation {i}");
     }
-    let info = describe(&vm);
+    let info = vm.describe();
     assert_eq!(info["state"], "paused");
     assert_eq!(info["invoke"]["started"], 1001);
     // Every clone is gone, with its socket and console file; the template holds what
@@ -296,10 +287,10 @@ fn every_failure_has_its_status_and_leaves_the_template_untouched() {
     );
     echoed(&invoke(&vm.sock, b"after"), b"after");
     // A payload one byte over what the mailbox holds is refused before any clone.
-    let started = describe(&vm)["invoke"]["started"].clone();
+    let started = vm.describe()["invoke"]["started"].clone();
     let r = invoke(&vm.sock, &vec![0u8; (1 << 20) - 64 + 1]);
     assert_eq!(r.status, 413, "{}", r.body);
-    assert_eq!(describe(&vm)["invoke"]["started"], started);
+    assert_eq!(vm.describe()["invoke"]["started"], started);
     // Bad options.
     let (code, body) = vm.api("POST", "/invocations?timeout_ms=0", Some("x"));
     assert_eq!(code, 400, "{body}");
@@ -309,10 +300,7 @@ fn every_failure_has_its_status_and_leaves_the_template_untouched() {
     // and the template pauses itself again.
     let (code, body) = vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#));
     assert_eq!(code, 204, "{body}");
-    wait_until("the template to pause again", || {
-        let info = describe(&vm);
-        info["state"] == "paused" && info["invoke"]["waiting"] == true
-    });
+    wait_until("the template to pause again", || vm.waits_as_template());
     echoed(&invoke(&vm.sock, b"again"), b"again");
     wait_until("every clone to be reaped", || {
         leftovers(&scratch).is_empty()
@@ -351,7 +339,7 @@ fn a_vm_without_a_waiting_runtime_or_a_mailbox_refuses() {
     let r = invoke(&vm.sock, b"x");
     assert_eq!(r.status, 409, "{}", r.body);
     assert!(error_of(&r).contains("no mailbox"), "{}", r.body);
-    assert_eq!(describe(&vm)["invoke"]["mailbox_bytes"], 0);
+    assert_eq!(vm.describe()["invoke"]["mailbox_bytes"], 0);
     vm.shutdown(BOOT);
     // A template needs a mailbox.
     let (status, _, err) = tests::run_vmm(
@@ -430,9 +418,9 @@ fn a_vm_that_is_no_template_serves_one_invocation_in_place_and_ends() {
     vm.wait_console("tiny: invoke ready\n", BOOT);
     vm.wait_api(BOOT);
     wait_until("the runtime to wait", || {
-        describe(&vm)["invoke"]["waiting"] == true
+        vm.describe()["invoke"]["waiting"] == true
     });
-    assert_eq!(describe(&vm)["state"], "running");
+    assert_eq!(vm.describe()["state"], "running");
     let r = invoke(&vm.sock, b"here");
     let (clone, seq, _) = echoed(&r, b"here");
     assert_eq!((clone, seq), (0, 1), "served by the VM itself");

@@ -70,8 +70,7 @@ fn ready_template(scratch: &Scratch, root: Option<&str>, run: &str, ready: &str)
     );
     vm.wait_console(ready, LINUX_BOOT);
     wait_until("the template to pause", LINUX_BOOT, || {
-        let info = describe(&vm);
-        info["state"] == "paused" && info["invoke"]["waiting"] == true
+        vm.waits_as_template()
     });
     vm
 }
@@ -99,12 +98,6 @@ fn assert_timeout_and_runtime_exit(vm: &Vm) {
         r.body
     );
     assert!(error_of(&r).contains("exit status 3"), "{}", r.body);
-}
-
-fn describe(vm: &Vm) -> Value {
-    let (code, body) = vm.api("GET", "/vm", None);
-    assert_eq!(code, 200, "{body}");
-    serde_json::from_str(&body).unwrap()
 }
 
 fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
@@ -365,10 +358,10 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
     // The VM paused: warm clones (prepared ahead), then clones forked from the paused VM.
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     wait_until("4 warm clones", LINUX_BOOT, || {
-        describe(&vm)["warm_clones"]["ready"] == 4
+        vm.describe()["warm_clones"]["ready"] == 4
     });
     let paused = clones_of(&vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
-    assert!(describe(&vm)["warm_clones"]["launched"].as_u64().unwrap() >= 4);
+    assert!(vm.describe()["warm_clones"]["launched"].as_u64().unwrap() >= 4);
     assert_distinct(
         &clone_ticks(&vm, &paused),
         "warm and paused-VM clones' first random bytes",

@@ -92,20 +92,9 @@ def start_template(tmp, name, mem, warm):
            "--cmdline", "ticks=1 invoke=1", "--console", console, "--api-sock", sock,
            "--template", "--warm-clones", str(warm), "--prefault"]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            status, _, body = exchange(sock, "GET", "/vm")
-            if status == 200 and b'"state":"paused"' in body and \
-                    (warm == 0 or f'"ready":{warm}'.encode() in body):
-                return p, sock
-        except OSError:
-            pass
-        if p.poll() is not None:
-            sys.exit(f"template exited with {p.returncode}")
-        time.sleep(0.02)
-    p.kill()
-    sys.exit("template did not come up")
+    wait_vm(p, sock, lambda v: v["state"] == "paused" and
+            (warm == 0 or v["warm_clones"]["ready"] == warm), timeout=60)
+    return p, sock
 
 
 def stop(p, sock):

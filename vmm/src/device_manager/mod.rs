@@ -207,10 +207,10 @@ impl Ports<'_> {
 
 impl DeviceManager {
     /// Creates the port devices (serial, i8042, the probe, entropy, identity and clock
-    /// ports, the identity block, the CRNG registration port) for a VM configured by `config` whose clone sequence
-    /// number is `clone_seq` (0 for an original VM). With `saved` (a clone), each
-    /// continues from its saved state, read in order; the virtio devices' follow, for
-    /// [`DeviceManager::add_virtio_devices`].
+    /// ports, the identity block, the CRNG registration port) for a VM configured by
+    /// `config` whose clone sequence number is `clone_seq` (0 for an original VM). With
+    /// `saved` (a clone), each continues from its saved state, read in order; the virtio
+    /// devices' follow, for [`DeviceManager::add_virtio_devices`].
     pub fn new(
         vm: &VmFd,
         config: &VmConfig,

@@ -169,6 +169,13 @@ pub struct InvokeReport {
     pub in_flight: bool,
     /// Invocations handed to a clone or delivered in place so far.
     pub started: u64,
+    /// Invocations held now until the runtime, on its way back to the invoke port,
+    /// waits again.
+    pub held: u64,
+    /// How long the runtime waits idle before it is refreshed, in ms (0: never).
+    pub refresh_idle_ms: u64,
+    /// Refreshes of the idle runtime so far.
+    pub refreshes: u64,
 }
 
 #[cfg(test)]

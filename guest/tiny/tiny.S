@@ -36,6 +36,8 @@
  *             number, the request's sequence number, its 32 bytes of entropy); a
  *             payload starting with one of the words in docs/tiny-guest.md makes it
  *             fail, hang, crash or reply wrongly instead
+ *   rewait=N  with invoke=1, after a read that returns "no request", spin N million
+ *             TSC cycles before waiting again (a runtime slow to come back)
  *
  * See docs/tiny-guest.md.
  */
@@ -334,8 +336,10 @@ invoke_loop:
 1:  movl $INVOKE_PORT, %edx
     inl  %dx, %eax                  /* parks until a request is in the mailbox */
     cmpl $0xffffffff, %eax
-    je   1b
-    movl %eax, %ecx                 /* rcx = payload length */
+    jne  5f
+    call rewait_spin                /* no request: wait again, after rewait= */
+    jmp  1b
+5:  movl %eax, %ecx                 /* rcx = payload length */
     xorl %eax, %eax
     cmpl $4, %ecx
     jb   2f
@@ -413,6 +417,26 @@ inv_done:
     movl $DONE_PORT, %edx
     outl %eax, %dx
     jmp  inv_hang
+
+/*
+ * rewait=N: spins N million TSC cycles (none without the option). Clobbers rax, rdx, r8.
+ */
+rewait_spin:
+    movq opt_rewait(%rip), %r8
+    testq %r8, %r8
+    jz   2f
+    imulq $1000000, %r8, %r8
+    rdtsc
+    shlq $32, %rdx
+    orq  %rdx, %rax
+    addq %rax, %r8                  /* r8 = the TSC to wait for */
+1:  pause
+    rdtsc
+    shlq $32, %rdx
+    orq  %rdx, %rax
+    cmpq %r8, %rax
+    jb   1b
+2:  ret
 
 /*
  * dirty=M: rewrites M MiB from MEMTEST_BASE every beat with the pass number and prints
@@ -697,6 +721,9 @@ parse_cmdline:
     leaq key_invoke(%rip), %rdi
     leaq opt_invoke(%rip), %rdx
     call cmdline_opt
+    leaq key_rewait(%rip), %rdi
+    leaq opt_rewait(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -771,6 +798,7 @@ key_dirty:      .asciz "dirty="
 msg_dirty:      .asciz "tiny: dirty pass "
 key_invoke:     .asciz "invoke="
 msg_invoke:     .asciz "tiny: invoke ready\n"
+key_rewait:     .asciz "rewait="
 msg_failed:     .ascii "tiny: the handler failed"
 msg_failed_end:
 null_idt:
@@ -803,6 +831,7 @@ opt_tickless: .quad 0
 opt_probespin: .quad 0
 opt_dirty:   .quad 0
 opt_invoke:  .quad 0
+opt_rewait:  .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

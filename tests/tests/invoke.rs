@@ -27,6 +27,11 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 
 /// A tiny-guest template with `extra` arguments, paused where its handler waits.
 fn template(scratch: &Scratch, extra: &[&str]) -> Vm {
+    template_with(scratch, "ticks=1 invoke=1", extra)
+}
+
+/// The same with the guest command line `cmdline`.
+fn template_with(scratch: &Scratch, cmdline: &str, extra: &[&str]) -> Vm {
     let tiny = tests::guest_file("tiny.elf").display().to_string();
     let mut args = vec![
         "--kernel",
@@ -36,7 +41,7 @@ fn template(scratch: &Scratch, extra: &[&str]) -> Vm {
         "--ap-boot",
         "direct",
         "--cmdline",
-        "ticks=1 invoke=1",
+        cmdline,
         "--template",
     ];
     args.extend_from_slice(extra);
@@ -427,4 +432,166 @@ fn a_vm_that_is_no_template_serves_one_invocation_in_place_and_ends() {
     assert_eq!(r.header("x-forkvm-clone-id"), Some(""));
     let status = vm.wait_exit(BOOT);
     assert!(status.success(), "{status}\n{}", vm.stderr_text());
+}
+
+/// `GET /vm`'s invocation figure `what` of the VM serving on `sock`.
+fn invoke_figure(sock: &Path, what: &str) -> u64 {
+    let (_, body) = tests::api_request(sock, "GET", "/vm", None);
+    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    v["invoke"][what]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{what}: {body}"))
+}
+
+#[test]
+fn requests_that_come_while_the_runtime_is_on_its_way_back_are_held_for_it() {
+    if !kvm_available("invoke_held") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-held");
+    // After "no request" the handler spins 3e9 TSC cycles (a second or so) before it
+    // waits again; no refresh, so that only the test resumes it.
+    let cmdline = "ticks=1 invoke=1 rewait=3000";
+    let vm = template_with(
+        &scratch,
+        cmdline,
+        &["--warm-clones", "1", "--refresh-idle-ms", "0"],
+    );
+    let resume = || {
+        let (code, body) = vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#));
+        assert_eq!(code, 204, "{body}");
+    };
+    // Three callers while it comes back: held, then each served in its own clone.
+    resume();
+    let callers: Vec<_> = (0..3u8)
+        .map(|i| {
+            let sock = vm.sock.clone();
+            std::thread::spawn(move || invoke(&sock, &[b'h', i]))
+        })
+        .collect();
+    wait_until("three requests to be held", || {
+        invoke_figure(&vm.sock, "held") == 3
+    });
+    assert_eq!(vm.describe()["state"], "running");
+    let clones: HashSet<u64> = callers
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| echoed(&c.join().unwrap(), &[b'h', i as u8]).0)
+        .collect();
+    assert_eq!(clones.len(), 3, "each in its own clone");
+    assert!(vm.waits_as_template());
+    // A held request whose timeout passes first gets 504; the template serves on.
+    resume();
+    let short = InvokeOptions {
+        timeout_ms: Some(100),
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &short, b"late");
+    assert_eq!(r.status, 504, "{}", r.body);
+    assert_eq!(r.header("x-forkvm-outcome"), Some("timeout"));
+    assert!(error_of(&r).contains("did not wait"), "{}", r.body);
+    wait_until("the template to pause again", || vm.waits_as_template());
+    echoed(&invoke(&vm.sock, b"next"), b"next");
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty()
+    });
+}
+
+#[test]
+fn a_template_holds_at_most_its_limit_and_refuses_more_with_503() {
+    if !kvm_available("invoke_held_full") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-held-full");
+    // 3e10 TSC cycles (7 s or more) to come back: longer than the callers' timeout.
+    let cmdline = "ticks=1 invoke=1 rewait=30000";
+    let vm = template_with(&scratch, cmdline, &["--refresh-idle-ms", "0"]);
+    let (code, body) = vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#));
+    assert_eq!(code, 204, "{body}");
+    let opts = InvokeOptions {
+        timeout_ms: Some(5000),
+        ..Default::default()
+    };
+    let max = vmm::invoke::MAX_HELD;
+    let callers: Vec<_> = (0..max)
+        .map(|_| {
+            let (sock, opts) = (vm.sock.clone(), opts.clone());
+            std::thread::spawn(move || invoke_with(&sock, &opts, b"x"))
+        })
+        .collect();
+    wait_until("the template to hold its most", || {
+        invoke_figure(&vm.sock, "held") == max as u64
+    });
+    let r = invoke_with(&vm.sock, &opts, b"one more");
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(error_of(&r).contains("wait already"), "{}", r.body);
+    for c in callers {
+        let r = c.join().unwrap();
+        assert_eq!(r.status, 504, "{}", r.body);
+    }
+    assert_eq!(invoke_figure(&vm.sock, "held"), 0);
+    assert_eq!(invoke_figure(&vm.sock, "started"), 0, "no clone was made");
+    wait_until("the template to pause again", || vm.waits_as_template());
+    echoed(&invoke(&vm.sock, b"after"), b"after");
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty()
+    });
+}
+
+#[test]
+fn an_idle_runtime_is_refreshed_and_serves_throughout() {
+    if !kvm_available("invoke_refresh") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-refresh");
+    let vm = template(
+        &scratch,
+        &["--warm-clones", "2", "--refresh-idle-ms", "100"],
+    );
+    assert_eq!(vm.describe()["invoke"]["refresh_idle_ms"], 100);
+    // Refreshed while idle: it runs, waits again, pauses again, new warm clones.
+    wait_until("three refreshes", || {
+        invoke_figure(&vm.sock, "refreshes") >= 3
+    });
+    wait_until("the warm clones to be made again", || {
+        let v = vm.describe();
+        v["warm_clones"]["discarded"].as_u64() >= Some(4) && v["warm_clones"]["ready"] == 2
+    });
+    // Requests served from a template refreshed under them, some of them held.
+    for i in 0..20u8 {
+        let (_, seq, _) = echoed(&invoke(&vm.sock, &[b'r', i]), &[b'r', i]);
+        assert_eq!(seq, 1);
+        std::thread::sleep(Duration::from_millis(u64::from(i) * 7 % 130));
+    }
+    // A keep-alive clone's runtime is refreshed in place, and serves on.
+    let keep = InvokeOptions {
+        keep_alive: true,
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &keep, b"one");
+    let (clone, _, _) = echoed(&r, b"one");
+    let sock = std::path::PathBuf::from(r.header("x-forkvm-socket").unwrap());
+    wait_until("the clone's runtime to be refreshed", || {
+        invoke_figure(&sock, "refreshes") >= 2
+    });
+    let (c, seq, _) = echoed(&invoke(&sock, b"two"), b"two");
+    assert_eq!((c, seq), (clone, 2));
+    wait_until("the clone to end", || !sock.exists());
+    // Refreshes every 50 ms of a runtime that takes a while to come back: the template
+    // is running about as often as not, and every request is still served.
+    drop(vm);
+    let scratch = Scratch::new("invoke-refresh-slow");
+    let cmdline = "ticks=1 invoke=1 rewait=100";
+    let vm = template_with(&scratch, cmdline, &["--refresh-idle-ms", "50"]);
+    for i in 0..20u8 {
+        echoed(&invoke(&vm.sock, &[b's', i]), &[b's', i]);
+        std::thread::sleep(Duration::from_millis(u64::from(i) * 11 % 90));
+    }
+    assert!(invoke_figure(&vm.sock, "refreshes") > 0);
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty()
+    });
 }

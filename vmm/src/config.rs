@@ -359,6 +359,9 @@ pub struct VmConfig {
     /// A template: the VM pauses itself the first time its runtime waits for a
     /// request, and each invocation runs in a clone of it.
     pub template: bool,
+    /// How long a runtime waits idle for a request before it is refreshed, in ms (0:
+    /// never; `invoke`).
+    pub refresh_idle_ms: u64,
     /// Pooled cgroups for clones (None: clones stay in the VMM's cgroup).
     pub cgroups: Option<CgroupConfig>,
     /// What a system call outside a thread's seccomp filter does (`crate::sandbox`).
@@ -387,6 +390,7 @@ impl VmConfig {
             warm_clones: 0,
             mailbox_mib: DEFAULT_MAILBOX_MIB,
             template: false,
+            refresh_idle_ms: DEFAULT_REFRESH_IDLE_MS,
             cgroups: None,
             seccomp: jailer::seccomp::SeccompMode::KillProcess,
         }
@@ -395,6 +399,9 @@ impl VmConfig {
 
 /// The mailbox size a VM gets unless told otherwise, in MiB.
 pub const DEFAULT_MAILBOX_MIB: u32 = 4;
+
+/// How long an idle runtime waits before it is refreshed unless told otherwise, in ms.
+pub const DEFAULT_REFRESH_IDLE_MS: u64 = 1000;
 
 impl VmConfig {
     /// Where the invocation mailbox is and how large.

@@ -123,7 +123,9 @@ impl Vmm {
             f.timings.handler_us
         );
         if !f.keep_alive {
-            return Some(RunOutcome::Invoked);
+            // A template answers only the requests it held and could not serve; it
+            // ends for none of them.
+            return (!self.invoker.is_template()).then_some(RunOutcome::Invoked);
         }
         let resumed = (self.vm.vcpus().get(usize::from(f.vcpu))).map(|v| v.resume());
         match resumed {
@@ -170,6 +172,43 @@ impl Vmm {
         }
     }
 
+    /// Serves the requests that came while the runtime was on its way back to the port,
+    /// oldest first: each in a clone of a template; in place, one (a VM that is no
+    /// template holds no more).
+    fn serve_held(&mut self) {
+        while let Some(inv) = self.invoker.take_held() {
+            let conn = inv.conn.clone();
+            if let Err(e) = self.invoke(inv) {
+                tracing::warn!("a held invocation is refused: {e}");
+                crate::api::invoke::refuse(&conn, e);
+            }
+        }
+    }
+
+    /// Refreshes the idle runtime (`invoke`): it reads "no request" and waits again,
+    /// the guest kernel catching up meanwhile on the time it did not run. A template
+    /// runs again until then, and its warm clones, made from the stale state, go.
+    fn refresh(&mut self) {
+        let Some(vcpu) = self.invoker.refreshing() else {
+            return;
+        };
+        let resumed = match self.invoker.is_template() {
+            true => (self.vm.set_state(TargetState::Running)).map_err(|e| e.to_string()),
+            false => match self.vm.vcpus().get(usize::from(vcpu)) {
+                Some(v) => v.resume().map_err(|e| e.to_string()),
+                None => Err(format!("no vCPU {vcpu}")),
+            },
+        };
+        match resumed {
+            Ok(()) => self.clones.discard_warm_clones(),
+            Err(e) => {
+                tracing::error!("cannot refresh the runtime on vCPU {vcpu}: {e}");
+                // It still waits; it is tried again after another idle period.
+                self.invoker.runtime_waits(&self.vm, vcpu);
+            }
+        }
+    }
+
     /// Answers (502) the callers of invocation clones that ended without answering.
     fn answer_orphans(&mut self) {
         for (conn, id, how) in self.clones.take_orphans() {
@@ -192,12 +231,7 @@ impl Vmm {
                         Err(e) => tracing::error!("cannot pause the template: {e}"),
                     }
                 }
-                // A request that came while the runtime was on its way back.
-                if let Some(inv) = self.invoker.take_queued() {
-                    if let Err(e) = self.invoker.deliver(&self.vm, inv, id) {
-                        tracing::error!("cannot deliver the held invocation: {e}");
-                    }
-                }
+                self.serve_held();
                 None
             }
             VcpuEvent::InvokeReply(len) => match self.invoker.runtime_replied(&self.vm, id, len) {
@@ -257,7 +291,7 @@ impl Vmm {
             // upkeep) waits a moment after the last request: fork() holds this process's
             // memory map, so the answer to that request, still being written by the API
             // thread, would wait for it.
-            let due = [self.clones.due_in(&self.vm), self.invoker.due_in()];
+            let due = [self.clones.due_in(&self.vm), self.invoker.due_in(&self.vm)];
             let timeout = due.into_iter().flatten().min().map_or(-1, wait_ms);
             let n = match epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
@@ -265,10 +299,13 @@ impl Vmm {
                 Err(e) => return Err(RunError::EventLoop(e)),
             };
             self.clones.do_due_work(&mut self.vm);
-            if let Some(f) = self.invoker.expire() {
+            for f in self.invoker.expire() {
                 if let Some(outcome) = self.answer(f) {
                     break 'run outcome;
                 }
+            }
+            if self.invoker.refresh_due(&self.vm) {
+                self.refresh();
             }
             for ev in &events[..n] {
                 match ev.data() {
@@ -327,8 +364,8 @@ impl Vmm {
             // Invocation clones reaped above that died without answering.
             self.answer_orphans();
         };
-        // An invocation the guest did not answer is answered now.
-        if let Some(f) = self.invoker.guest_stopped(&describe_outcome(&outcome)) {
+        // Invocations the guest did not answer are answered now.
+        for f in self.invoker.guest_stopped(&describe_outcome(&outcome)) {
             self.answer(f);
         }
         // Actions still queued are refused ("shutting down") rather than left waiting.

@@ -15,8 +15,19 @@
 //! controller, which answers on the caller's connection. The connection travels with
 //! the request: the template hands it to the clone and never waits for the handler.
 //!
+//! A request that comes while the runtime is on its way back to the port (it just
+//! replied to a keep-alive request, or its VM was resumed while it waited) is **held**
+//! until it waits again ([`Invoker::queue`]); a template holds up to [`MAX_HELD`].
+//!
+//! An idle runtime is **refreshed** ([`Invoker::refresh_due`]): once it has waited for
+//! `--refresh-idle-ms`, the controller lets it read "no request" and wait again, so that
+//! the guest kernel's catch-up on the time that passed (timer interrupts, timekeeping,
+//! expired timers) runs then, not on the next request's path; a template pauses again
+//! and makes new warm clones.
+//!
 //! Nothing here knows HTTP: the controller renders a [`Finished`] (`api::invoke`).
 
+use std::collections::VecDeque;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -123,6 +134,9 @@ pub enum InvokeError {
     /// The clone made for the invocation did not start (its console says why).
     #[error("the clone {0} made for the invocation did not start")]
     CloneFailed(String),
+    /// A template holds as many requests as it may while its runtime is on its way back.
+    #[error("{MAX_HELD} invocations wait already for the template's runtime to wait again")]
+    HeldFull,
     /// Writing the request failed.
     #[error("cannot write the request into the mailbox: {0}")]
     Mailbox(#[from] ReplyError),
@@ -138,8 +152,8 @@ pub enum Route {
     Clone(u8),
     /// In this VM, on this vCPU.
     InPlace(u8),
-    /// In this VM, once its runtime, which just replied to a keep-alive request, waits
-    /// again ([`Invoker::queue`]).
+    /// Held until the runtime, on its way back to the port, waits again
+    /// ([`Invoker::queue`]).
     Queue,
 }
 
@@ -192,13 +206,24 @@ pub struct Invoker {
     /// The vCPU parked on the invoke port, waiting for a request.
     waiting: Option<u8>,
     in_flight: Option<InFlight>,
-    /// The runtime replied to a keep-alive request and is on its way back to the port.
+    /// The runtime is on its way back to the port: it replied to a keep-alive request,
+    /// or the VM was resumed (from outside, or to refresh it) while it waited.
     returning: bool,
-    /// A request waiting for it, with its deadline.
-    queued: Option<(Invocation, Instant)>,
+    /// Requests held for it, oldest first, each with its deadline.
+    held: VecDeque<(Invocation, Instant)>,
     /// Requests handed to a clone or delivered here so far.
     started: u64,
+    /// How long a runtime waits before it is refreshed (None: never).
+    refresh_after: Option<Duration>,
+    /// Since when the runtime waits (set with `waiting`).
+    waiting_since: Option<Instant>,
+    /// Refreshes so far.
+    refreshes: u64,
 }
+
+/// Most requests a template holds while its runtime is on its way back to the port
+/// (a VM that is no template holds one).
+pub const MAX_HELD: usize = 256;
 
 /// Writes `payload` and a request header (fresh entropy, this VM's `sequence`) into
 /// the mailbox.
@@ -231,9 +256,18 @@ impl Invoker {
             waiting: None,
             in_flight: None,
             returning: false,
-            queued: None,
+            held: VecDeque::new(),
             started: 0,
+            refresh_after: (config.refresh_idle_ms > 0)
+                .then(|| Duration::from_millis(config.refresh_idle_ms)),
+            waiting_since: None,
+            refreshes: 0,
         }
+    }
+
+    /// Whether the VM is a template.
+    pub fn is_template(&self) -> bool {
+        self.template
     }
 
     /// The figures for `GET /vm`.
@@ -244,6 +278,9 @@ impl Invoker {
             waiting: self.waiting.is_some(),
             in_flight: self.in_flight.is_some(),
             started: self.started,
+            held: self.held.len() as u64,
+            refresh_idle_ms: self.refresh_after.map_or(0, |d| d.as_millis() as u64),
+            refreshes: self.refreshes,
         }
     }
 
@@ -258,13 +295,44 @@ impl Invoker {
                 tracing::warn!("runtimes wait on vCPUs {other} and {vcpu}; serving vCPU {vcpu}");
             }
         }
+        self.waiting_since = Some(Instant::now());
         self.template && vm.state() == VmState::Running
     }
 
-    /// The VM was resumed from outside (`PATCH /vm`): a waiting runtime's read returns
-    /// "no request" and the runtime waits again.
+    /// The VM was resumed (`PATCH /vm`, or a refresh): a waiting runtime's read returns
+    /// "no request" and the runtime waits again; requests are held until it does.
     pub fn resumed(&mut self) {
-        self.waiting = None;
+        if self.waiting.take().is_some() {
+            self.returning = true;
+        }
+        self.waiting_since = None;
+    }
+
+    /// When the runtime is to be refreshed: it waits, idle, in a paused template or a
+    /// running VM that is no template, nothing held for it.
+    fn refresh_at(&self, vm: &Microvm) -> Option<Instant> {
+        let after = self.refresh_after?;
+        let since = self.waiting_since?;
+        let idle = self.waiting.is_some() && self.in_flight.is_none() && self.held.is_empty();
+        let state = match self.template {
+            true => VmState::Paused,
+            false => VmState::Running,
+        };
+        (idle && vm.state() == state).then_some(since + after)
+    }
+
+    /// Whether the waiting runtime is due for a refresh.
+    pub fn refresh_due(&self, vm: &Microvm) -> bool {
+        self.refresh_at(vm).is_some_and(|t| t <= Instant::now())
+    }
+
+    /// Refreshes the waiting runtime: returns its vCPU, to be resumed (with the VM, in a
+    /// template) with "no request" as its read's result.
+    pub fn refreshing(&mut self) -> Option<u8> {
+        let vcpu = self.waiting?;
+        self.resumed();
+        self.refreshes += 1;
+        Some(vcpu)
     }
 
     /// How an invocation with a payload of `length` bytes would be served now.
@@ -278,8 +346,11 @@ impl Invoker {
                 capacity: self.window.capacity(),
             });
         }
-        if self.in_flight.is_some() || self.queued.is_some() {
+        if self.in_flight.is_some() || (!self.template && !self.held.is_empty()) {
             return Err(InvokeError::Busy);
+        }
+        if self.held.len() >= MAX_HELD {
+            return Err(InvokeError::HeldFull);
         }
         let Some(vcpu) = self.waiting else {
             return match self.returning {
@@ -294,16 +365,16 @@ impl Invoker {
         }
     }
 
-    /// Holds `inv` until the runtime, back from a keep-alive reply, waits again
-    /// ([`Invoker::take_queued`]); its timeout runs from now.
+    /// Holds `inv` until the runtime, on its way back to the port, waits again
+    /// ([`Invoker::take_held`]); its timeout runs from now.
     pub fn queue(&mut self, inv: Invocation) {
         let deadline = Instant::now() + Duration::from_millis(inv.options.timeout_ms());
-        self.queued = Some((inv, deadline));
+        self.held.push_back((inv, deadline));
     }
 
-    /// The request held for the runtime that waits again now.
-    pub fn take_queued(&mut self) -> Option<Invocation> {
-        self.queued.take().map(|(inv, _)| inv)
+    /// The oldest request held for the runtime, which waits again now.
+    pub fn take_held(&mut self) -> Option<Invocation> {
+        self.held.pop_front().map(|(inv, _)| inv)
     }
 
     /// What a clone made for `inv` is told (the runtime waits on `vcpu`).
@@ -329,6 +400,7 @@ impl Invoker {
         handle.set_rax(u64::from(d.length))?;
         self.started += 1;
         self.waiting = None;
+        self.waiting_since = None;
         self.in_flight = Some(InFlight {
             conn: inv.conn,
             vcpu,
@@ -383,23 +455,6 @@ impl Invoker {
         })
     }
 
-    /// Makes the held request (if any) the one in flight, never delivered and not to be
-    /// kept alive, so that [`Invoker::finish`] answers it. Returns whether there was one.
-    fn end_held(&mut self) -> bool {
-        let Some(inv) = self.take_queued() else {
-            return false;
-        };
-        self.in_flight = Some(InFlight {
-            conn: inv.conn,
-            vcpu: 0,
-            received_ns: inv.received_ns,
-            delivered_ns: monotonic_ns(),
-            deadline: Instant::now(),
-            keep_alive: false,
-        });
-        true
-    }
-
     /// The runtime on `vcpu` replied with `length` bytes (its vCPU parked): the reply
     /// read and checked. None when no invocation was in flight (the caller resumes the
     /// vCPU).
@@ -417,31 +472,58 @@ impl Invoker {
         Some(f)
     }
 
-    /// Time until the invocation in flight (or held) times out (zero: now).
-    pub fn due_in(&self) -> Option<Duration> {
+    /// Time until the invocation in flight or a held one times out, or the runtime is
+    /// to be refreshed (zero: now).
+    pub fn due_in(&self, vm: &Microvm) -> Option<Duration> {
         let f = self.in_flight.as_ref().map(|f| f.deadline);
-        let q = self.queued.as_ref().map(|q| q.1);
-        Some(f.or(q)?.saturating_duration_since(Instant::now()))
+        let held = self.held.iter().map(|h| h.1);
+        let at = f.into_iter().chain(held).chain(self.refresh_at(vm)).min()?;
+        Some(at.saturating_duration_since(Instant::now()))
     }
 
-    /// The invocation in flight (or held for a runtime that did not come back), if its
-    /// time is up.
-    pub fn expire(&mut self) -> Option<Finished> {
-        if self.due_in()? > Duration::ZERO {
-            return None;
+    /// The invocation in flight, if its time is up, and the held ones whose time is up
+    /// (their runtime did not come back in time).
+    pub fn expire(&mut self) -> Vec<Finished> {
+        let now = Instant::now();
+        let (late, kept) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition::<VecDeque<_>, _>(|h| h.1 <= now);
+        self.held = kept;
+        let text = "the runtime did not wait for the request in time";
+        let mut done: Vec<Finished> = late
+            .into_iter()
+            .map(|(inv, _)| unserved(inv, Outcome::Timeout, text))
+            .collect();
+        if self.in_flight.as_ref().is_some_and(|f| f.deadline <= now) {
+            let text = "the handler did not reply in time".as_bytes().to_vec();
+            done.extend(self.finish(Outcome::Timeout, text, None));
         }
-        if self.end_held() {
-            let text = "the runtime did not wait for the request in time".into();
-            return self.finish(Outcome::Timeout, text, None);
-        }
-        let text = "the handler did not reply in time".as_bytes().to_vec();
-        self.finish(Outcome::Timeout, text, None)
+        done
     }
 
-    /// The guest stopped (`why`) with an invocation in flight (or held).
-    pub fn guest_stopped(&mut self, why: &str) -> Option<Finished> {
-        self.end_held();
+    /// The guest stopped (`why`): the invocation in flight and the held ones.
+    pub fn guest_stopped(&mut self, why: &str) -> Vec<Finished> {
         let text = format!("the guest stopped before its runtime replied: {why}");
-        self.finish(Outcome::GuestStopped, text.into_bytes(), None)
+        let mut done: Vec<Finished> = (self.held.drain(..))
+            .map(|(inv, _)| unserved(inv, Outcome::GuestStopped, &text))
+            .collect();
+        done.extend(self.finish(Outcome::GuestStopped, text.into_bytes(), None));
+        done
+    }
+}
+
+/// The answer to `inv`, never delivered: `outcome`, with `text`.
+fn unserved(inv: Invocation, outcome: Outcome, text: &str) -> Finished {
+    let total_us = monotonic_ns().saturating_sub(inv.received_ns) / 1000;
+    Finished {
+        conn: inv.conn,
+        outcome,
+        body: text.as_bytes().to_vec(),
+        timings: Timings {
+            total_us,
+            ..Default::default()
+        },
+        keep_alive: false,
+        vcpu: 0,
     }
 }

@@ -235,6 +235,12 @@ struct RunArgs {
     /// invocation then runs in a clone of it (keep --warm-clones ready).
     #[arg(long)]
     template: bool,
+    /// Refresh a runtime that has waited this long for a request (ms; 0: never): it
+    /// reads "no request" and waits again, so the guest kernel catches up on the time
+    /// that passed before the next request rather than on its path; a template pauses
+    /// again and makes new warm clones (docs/invoke.md).
+    #[arg(long, default_value_t = vmm::config::DEFAULT_REFRESH_IDLE_MS)]
+    refresh_idle_ms: u64,
     /// Seccomp filters per thread kind: a system call outside them kills the process
     /// (kill), only the thread (kill-thread), is logged to the kernel log (log), or
     /// no filters (off).
@@ -464,6 +470,7 @@ fn main() -> ExitCode {
                 warm_clones: a.warm_clones,
                 mailbox_mib: a.mailbox_mib,
                 template: a.template,
+                refresh_idle_ms: a.refresh_idle_ms,
                 seccomp: a.seccomp,
                 ..VmConfig::new(a.kernel)
             };

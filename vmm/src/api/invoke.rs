@@ -101,6 +101,20 @@ pub fn answer(
     ))
 }
 
+/// Answers the caller of a held invocation refused (`e`) when its runtime came back,
+/// as the API thread answers one refused at once.
+pub fn refuse(conn: &crate::invoke::Connection, e: impl Into<crate::rpc::VmmActionError>) {
+    let reply = super::reply(Err(e.into()));
+    let stream = conn.stream();
+    let written = stream
+        .set_write_timeout(Some(WRITE_TIMEOUT))
+        .and_then(|()| http::write_response(stream, reply.status, reply.body.as_deref()));
+    if let Err(e) = written {
+        tracing::warn!("cannot answer a refused invocation's caller: {e}");
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
 /// Answers, if nobody did, the caller of an invocation whose clone `clone_id` ended
 /// (`how`) without answering: 502. Never blocks: a connection the clone answered is
 /// shut down, and this write fails.

@@ -180,8 +180,8 @@ pub const ROUTES: &[Route] = &[
             answer(413, "The body does not fit the mailbox (--mailbox-mib, less 64 bytes)."),
             answer(500, "The handler failed (x-forkvm-outcome: handler_error; the error has its text), or the host failed to start the clone."),
             answer(502, "The guest stopped before its runtime replied, or the reply was malformed; the error quotes the clone's console."),
-            answer(503, "The resource class's cgroup pool is exhausted, or the VMM is shutting down."),
-            answer(504, "The handler did not reply within timeout_ms; the clone is stopped."),
+            answer(503, "The resource class's cgroup pool is exhausted, the template holds as many requests as it may while its runtime is on its way back to the invoke port, or the VMM is shutting down."),
+            answer(504, "The handler did not reply within timeout_ms (the clone is stopped), or the runtime did not wait again in time for a held request."),
         ],
         query: Some(schema::<InvokeOptions>),
         raw: true,
@@ -456,6 +456,7 @@ mod tests {
             InvokeError::NoMailbox,
             InvokeError::NotWaiting,
             InvokeError::Busy,
+            InvokeError::HeldFull,
             InvokeError::TooLarge {
                 length: 2,
                 capacity: 1,

@@ -176,6 +176,9 @@ pub struct InvokeReport {
     pub refresh_idle_ms: u64,
     /// Refreshes of the idle runtime so far.
     pub refreshes: u64,
+    /// How far a guest timer interrupt already due at a request's delivery is moved
+    /// on, in ms (0: not).
+    pub tick_defer_ms: u64,
 }
 
 #[cfg(test)]

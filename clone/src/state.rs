@@ -103,12 +103,19 @@ impl MicrovmState {
     }
 }
 
+/// A one-vCPU state for tests: TSC 1,000, TSC deadline 5,000, APIC base 7, kvmclock
+/// 10,000 ns.
+#[cfg(test)]
+pub(crate) fn sample_state(tsc_khz: Option<u32>) -> MicrovmState {
+    tests::state(tsc_khz)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvm_bindings::kvm_msr_entry;
 
-    fn state(tsc_khz: Option<u32>) -> MicrovmState {
+    pub(super) fn state(tsc_khz: Option<u32>) -> MicrovmState {
         let msr = |index, data| kvm_msr_entry {
             index,
             data,

@@ -11,6 +11,9 @@
  *                                big         try a reply one byte larger than the
  *                                            mailbox (it is refused: a 500 says so)
  *                                sh SCRIPT   run `sh -c SCRIPT` as `forkvm-fn --` does
+ *                                clocks      reply "coarse_lag_ms=N": CLOCK_MONOTONIC
+ *                                            less CLOCK_MONOTONIC_COARSE (the kernel's
+ *                                            last tick), read first thing (vDSO)
  *                              anything else: "seq=N gen=HEX urandom=HEX random=N
  *                              input=PAYLOAD", where urandom is 32 bytes of getrandom()
  *                              read after the request arrived, and random a random()
@@ -33,6 +36,7 @@
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 static char errbuf[4096];
@@ -78,6 +82,17 @@ static void info(const struct forkvm_request *req)
     if (strcmp(word, "sh") == 0) {
         char *sh[] = {"sh", "-c", arg, NULL};
         command(sh, NULL, 0);
+        return;
+    }
+    if (strcmp(word, "clocks") == 0) {
+        struct timespec coarse, fine;
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &coarse);
+        clock_gettime(CLOCK_MONOTONIC, &fine);
+        long long lag = (long long)(fine.tv_sec - coarse.tv_sec) * 1000 +
+                        (fine.tv_nsec - coarse.tv_nsec) / 1000000;
+        char out[64];
+        int n = snprintf(out, sizeof out, "coarse_lag_ms=%lld", lag);
+        reply_or_fail(out, (size_t)n);
         return;
     }
     if (strcmp(word, "sleep") == 0) {

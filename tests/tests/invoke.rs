@@ -595,3 +595,39 @@ fn an_idle_runtime_is_refreshed_and_serves_throughout() {
         leftovers(&scratch).is_empty()
     });
 }
+
+#[test]
+fn a_busy_keep_alive_runtime_is_refreshed_when_its_timer_was_deferred_too_long() {
+    if !kvm_available("invoke_busy_refresh") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    // Every delivery moves the guest's due timer interrupt on (--tick-defer-ms): a
+    // keep-alive clone asked every 100 ms, never idle for the refresh period, would
+    // never give its kernel its time; it is refreshed once that went on for the
+    // period. Without deferral it has nothing to catch up on between requests.
+    let keep = InvokeOptions {
+        keep_alive: true,
+        ..Default::default()
+    };
+    let refreshes_when_busy = |defer: &str| {
+        let scratch = Scratch::new("invoke-busy");
+        let extra = ["--refresh-idle-ms", "1000", "--tick-defer-ms", defer];
+        let vm = template(&scratch, &extra);
+        let r = invoke_with(&vm.sock, &keep, b"start");
+        let (clone, _, _) = echoed(&r, b"start");
+        let sock = std::path::PathBuf::from(r.header("x-forkvm-socket").unwrap());
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(100));
+            let (c, _, _) = echoed(&invoke_with(&sock, &keep, b"busy"), b"busy");
+            assert_eq!(c, clone);
+        }
+        let n = invoke_figure(&sock, "refreshes");
+        echoed(&invoke(&sock, b"end"), b"end");
+        n
+    };
+    let deferred = refreshes_when_busy("10");
+    assert!((2..=4).contains(&deferred), "{deferred} refreshes in 3 s");
+    assert_eq!(refreshes_when_busy("0"), 0);
+}

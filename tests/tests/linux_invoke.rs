@@ -59,15 +59,17 @@ fn linux_vm(
 }
 
 /// A template running the runtime `run`, once it printed `ready` and paused where the
-/// runtime waits.
-fn ready_template(scratch: &Scratch, root: Option<&str>, run: &str, ready: &str) -> Vm {
-    let mut vm = linux_vm(
-        scratch,
-        root,
-        "",
-        run,
-        &["--template", "--warm-clones", "2"],
-    );
+/// runtime waits; `extra` are further `vmm run` options.
+fn ready_template(
+    scratch: &Scratch,
+    root: Option<&str>,
+    run: &str,
+    ready: &str,
+    extra: &[&str],
+) -> Vm {
+    let mut args = vec!["--template", "--warm-clones", "2"];
+    args.extend_from_slice(extra);
+    let mut vm = linux_vm(scratch, root, "", run, &args);
     vm.wait_console(ready, LINUX_BOOT);
     wait_until("the template to pause", LINUX_BOOT, || {
         vm.waits_as_template()
@@ -145,7 +147,15 @@ fn linux_c_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_fai
         return;
     }
     let scratch = Scratch::new("linux-c-runtime");
-    let mut vm = ready_template(&scratch, None, "forkvm-fn info", "forkvm-fn: ready");
+    // Not refreshed: the template's age is the test's to set (below).
+    let no_refresh = ["--refresh-idle-ms", "0"];
+    let mut vm = ready_template(
+        &scratch,
+        None,
+        "forkvm-fn info",
+        "forkvm-fn: ready",
+        &no_refresh,
+    );
 
     // 20 invocations: each in its own clone (its own number and generation), each
     // reads its own kernel random bytes (reseeded by the VMM, not by the runtime) and
@@ -199,6 +209,35 @@ fn linux_c_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_fai
     assert!(error_of(&r).contains("no-such-thing"), "{}", r.body);
     assert_timeout_and_runtime_exit(&vm);
 
+    // The handler runs before the kernel's timer interrupt that fell due while the
+    // guest did not run (--tick-defer-ms, default 10 ms): after 1.5 s paused, a fresh
+    // clone's handler reads the kernel's coarse clock (its last tick) that far behind
+    // the fine one; delivered at once, the interrupt would have moved it on first.
+    // Likewise in place, in a keep-alive clone left waiting for 1.5 s.
+    let lag = |r: Response| -> u64 {
+        assert_eq!(r.status, 200, "{}", r.body);
+        field(&r.body, "coarse_lag_ms").parse().unwrap()
+    };
+    assert_eq!(vm.describe()["invoke"]["tick_defer_ms"], 10);
+    std::thread::sleep(Duration::from_millis(1500));
+    let keep = InvokeOptions {
+        keep_alive: true,
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &keep, "clocks");
+    let sock = std::path::PathBuf::from(r.header("x-forkvm-socket").unwrap());
+    let fresh = lag(r);
+    assert!(
+        fresh >= 1000,
+        "a fresh clone's coarse clock lags {fresh} ms"
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let in_place = lag(invoke(&sock, "clocks"));
+    assert!(
+        in_place >= 1000,
+        "in place, the coarse clock lags {in_place} ms"
+    );
+
     // The template is untouched by all of it.
     let r = invoke(&vm.sock, "after");
     assert_eq!(r.status, 200, "{}", r.body);
@@ -216,7 +255,13 @@ fn linux_python_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_ever
     }
     let scratch = Scratch::new("linux-python-runtime");
     let run = "python3 -m forkvm forkvm_examples:info";
-    let mut vm = ready_template(&scratch, Some("python.ext4"), run, "forkvm.serve: ready");
+    let mut vm = ready_template(
+        &scratch,
+        Some("python.ext4"),
+        run,
+        "forkvm.serve: ready",
+        &[],
+    );
 
     // 20 invocations, each in its own clone: the input back, the clone's number, 32
     // bytes of os.urandom (the VMM rekeyed the kernel RNG) and random.random() (the

@@ -362,6 +362,9 @@ pub struct VmConfig {
     /// How long a runtime waits idle for a request before it is refreshed, in ms (0:
     /// never; `invoke`).
     pub refresh_idle_ms: u64,
+    /// How far a guest timer interrupt already due when a request is delivered is
+    /// moved on, in ms (0: not; `clone::timer`).
+    pub tick_defer_ms: u64,
     /// Pooled cgroups for clones (None: clones stay in the VMM's cgroup).
     pub cgroups: Option<CgroupConfig>,
     /// What a system call outside a thread's seccomp filter does (`crate::sandbox`).
@@ -391,6 +394,7 @@ impl VmConfig {
             mailbox_mib: DEFAULT_MAILBOX_MIB,
             template: false,
             refresh_idle_ms: DEFAULT_REFRESH_IDLE_MS,
+            tick_defer_ms: DEFAULT_TICK_DEFER_MS,
             cgroups: None,
             seccomp: jailer::seccomp::SeccompMode::KillProcess,
         }
@@ -403,6 +407,13 @@ pub const DEFAULT_MAILBOX_MIB: u32 = 4;
 /// How long an idle runtime waits before it is refreshed unless told otherwise, in ms.
 pub const DEFAULT_REFRESH_IDLE_MS: u64 = 1000;
 
+/// How far a due timer interrupt is deferred at a request's delivery unless told
+/// otherwise, in ms.
+pub const DEFAULT_TICK_DEFER_MS: u64 = 10;
+
+/// Most `--tick-defer-ms`: a guest timer may be held back this long, not more.
+pub const MAX_TICK_DEFER_MS: u64 = 1000;
+
 impl VmConfig {
     /// Where the invocation mailbox is and how large.
     pub fn mailbox(&self) -> devices::mailbox::MailboxWindow {
@@ -413,6 +424,9 @@ impl VmConfig {
 /// Errors in a configuration, found before anything is created.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
+    /// Timer deferral too long.
+    #[error("--tick-defer-ms {0}: at most {max} ms", max = MAX_TICK_DEFER_MS)]
+    TickDefer(u64),
     /// Too many warm clones.
     #[error("{0} warm clones requested; at most {max} may be kept", max = MAX_WARM_CLONES)]
     WarmClones(usize),
@@ -511,6 +525,9 @@ impl VmConfig {
         }
         if self.warm_clones > MAX_WARM_CLONES {
             return Err(ConfigError::WarmClones(self.warm_clones));
+        }
+        if self.tick_defer_ms > MAX_TICK_DEFER_MS {
+            return Err(ConfigError::TickDefer(self.tick_defer_ms));
         }
         if let Some(c) = &self.cgroups {
             c.check().map_err(ConfigError::Cgroups)?;

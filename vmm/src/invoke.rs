@@ -219,6 +219,12 @@ pub struct Invoker {
     waiting_since: Option<Instant>,
     /// Refreshes so far.
     refreshes: u64,
+    /// How far a due timer interrupt is moved on at delivery, in ns (`clone::timer`).
+    tick_defer_ns: u64,
+    /// When the guest kernel last had its due timer interrupts: a refresh, or a
+    /// delivery that deferred none (with deferral, a busy runtime's kernel would get
+    /// none otherwise: every delivery moves them on again).
+    caught_up_at: Instant,
 }
 
 /// Most requests a template holds while its runtime is on its way back to the port
@@ -262,6 +268,8 @@ impl Invoker {
                 .then(|| Duration::from_millis(config.refresh_idle_ms)),
             waiting_since: None,
             refreshes: 0,
+            tick_defer_ns: config.tick_defer_ms.saturating_mul(1_000_000),
+            caught_up_at: Instant::now(),
         }
     }
 
@@ -281,6 +289,7 @@ impl Invoker {
             held: self.held.len() as u64,
             refresh_idle_ms: self.refresh_after.map_or(0, |d| d.as_millis() as u64),
             refreshes: self.refreshes,
+            tick_defer_ms: self.tick_defer_ns / 1_000_000,
         }
     }
 
@@ -308,11 +317,16 @@ impl Invoker {
         self.waiting_since = None;
     }
 
-    /// When the runtime is to be refreshed: it waits, idle, in a paused template or a
-    /// running VM that is no template, nothing held for it.
+    /// When the runtime is to be refreshed: it waits, in a paused template or a running
+    /// VM that is no template, nothing held for it; once it waited the refresh period,
+    /// or (in place, with deferral) once its kernel went that long without its timer
+    /// interrupts.
     fn refresh_at(&self, vm: &Microvm) -> Option<Instant> {
         let after = self.refresh_after?;
-        let since = self.waiting_since?;
+        let mut since = self.waiting_since?;
+        if !self.template && self.tick_defer_ns > 0 {
+            since = since.min(self.caught_up_at);
+        }
         let idle = self.waiting.is_some() && self.in_flight.is_none() && self.held.is_empty();
         let state = match self.template {
             true => VmState::Paused,
@@ -332,6 +346,7 @@ impl Invoker {
         let vcpu = self.waiting?;
         self.resumed();
         self.refreshes += 1;
+        self.caught_up_at = Instant::now();
         Some(vcpu)
     }
 
@@ -397,10 +412,13 @@ impl Invoker {
             .vcpus()
             .get(usize::from(vcpu))
             .ok_or(VcpuError::Gone(vcpu))?;
-        handle.set_rax(u64::from(d.length))?;
+        handle.set_result(u64::from(d.length), self.tick_defer_ns)?;
         self.started += 1;
         self.waiting = None;
         self.waiting_since = None;
+        if self.tick_defer_ns == 0 {
+            self.caught_up_at = Instant::now();
+        }
         self.in_flight = Some(InFlight {
             conn: inv.conn,
             vcpu,

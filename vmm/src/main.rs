@@ -241,6 +241,11 @@ struct RunArgs {
     /// again and makes new warm clones (docs/invoke.md).
     #[arg(long, default_value_t = vmm::config::DEFAULT_REFRESH_IDLE_MS)]
     refresh_idle_ms: u64,
+    /// When a request is delivered, move a guest timer interrupt already due (or due
+    /// sooner) this many ms on, so the handler runs before the kernel catches up on the
+    /// time the guest did not run (0: deliver it at once; at most 1000).
+    #[arg(long, default_value_t = vmm::config::DEFAULT_TICK_DEFER_MS)]
+    tick_defer_ms: u64,
     /// Seccomp filters per thread kind: a system call outside them kills the process
     /// (kill), only the thread (kill-thread), is logged to the kernel log (log), or
     /// no filters (off).
@@ -471,6 +476,7 @@ fn main() -> ExitCode {
                 mailbox_mib: a.mailbox_mib,
                 template: a.template,
                 refresh_idle_ms: a.refresh_idle_ms,
+                tick_defer_ms: a.tick_defer_ms,
                 seccomp: a.seccomp,
                 ..VmConfig::new(a.kernel)
             };

@@ -320,10 +320,16 @@ fn wait_for_go(go: RawFd) -> Result<Option<Go>, ChildError> {
 }
 
 /// `state` with the guest's clocks moved on to now, as if it had kept running since the
-/// capture.
-fn advanced(state: &MicrovmState) -> MicrovmState {
+/// capture. In a clone made for invocation `id` a timer interrupt already due is moved
+/// `--tick-defer-ms` on (`clone::timer`): the handler runs before the kernel catches up.
+fn advanced(state: &MicrovmState, template: &VmConfig, id: &Identity) -> MicrovmState {
     let mut state = state.clone();
     state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
+    if id.delivery.is_some() && template.tick_defer_ms > 0 {
+        for v in &mut state.vcpus {
+            v.defer_timer(template.tick_defer_ms.saturating_mul(1_000_000));
+        }
+    }
     state
 }
 
@@ -340,7 +346,7 @@ fn prepare_now(
         place_self(p).map_err(ChildError::Cgroup)?;
         marks.done("placed");
     }
-    let mut state = advanced(plan.state);
+    let mut state = advanced(plan.state, plan.template.config(), id);
     if let Some((vcpu, value)) = id.guest_result {
         if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
             v.regs.rax = value;
@@ -382,7 +388,7 @@ fn prepare_warm(
         place_self(p).map_err(ChildError::Cgroup)?;
         marks.done("placed");
     }
-    let state = advanced(plan.state);
+    let state = advanced(plan.state, plan.template.config(), &id);
     for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {
         let rax = id
             .guest_result

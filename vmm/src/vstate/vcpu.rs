@@ -144,7 +144,8 @@ enum Command {
     /// Read this vCPU's state (only while paused).
     Capture(Arc<CaptureSpec>),
     /// Set RAX (only while paused): the result of a clone-port read.
-    SetRax(u64),
+    /// RAX, and ns to defer a due timer interrupt by (0: none; `clone::timer`).
+    SetRax(u64, u64),
     Stop,
 }
 
@@ -509,8 +510,8 @@ impl Vcpu {
                         .map_err(|e| e.to_string());
                     let _ = replies.send(Reply::Captured(r));
                 }
-                Some(Command::SetRax(v)) => {
-                    let r = self
+                Some(Command::SetRax(v, defer_ns)) => {
+                    let mut r = self
                         .fd
                         .get_regs()
                         .and_then(|mut regs| {
@@ -518,6 +519,14 @@ impl Vcpu {
                             self.fd.set_regs(&regs)
                         })
                         .map_err(|e| e.to_string());
+                    if defer_ns > 0 && r.is_ok() {
+                        r = (self.fd.get_tsc_khz().map_err(|e| e.to_string()))
+                            .and_then(|khz| {
+                                clone::timer::defer_live(&self.fd, khz, defer_ns)
+                                    .map_err(|e| e.to_string())
+                            })
+                            .map(|_| ());
+                    }
                     let _ = replies.send(Reply::RaxSet(r));
                 }
                 Some(Command::Stop) | None => return Some(VcpuExitReason::Stopped),
@@ -683,7 +692,13 @@ impl VcpuHandle {
 
     /// Sets the (paused) vCPU's RAX: the result of its clone-port read.
     pub fn set_rax(&self, value: u64) -> Result<(), VcpuError> {
-        self.send(Command::SetRax(value))?;
+        self.set_result(value, 0)
+    }
+
+    /// Sets the (paused) vCPU's RAX and defers a timer interrupt due within `defer_ns`
+    /// to then (`clone::timer`): a request's handler runs before the kernel catches up.
+    pub fn set_result(&self, value: u64, defer_ns: u64) -> Result<(), VcpuError> {
+        self.send(Command::SetRax(value, defer_ns))?;
         match self.reply("set rax")? {
             Reply::RaxSet(Ok(())) => Ok(()),
             Reply::RaxSet(Err(msg)) => Err(VcpuError::Capture { id: self.id, msg }),

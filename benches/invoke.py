@@ -23,7 +23,9 @@ runtimes: the Linux runtimes, side by side in one run with 256 MiB templates boo
   reference points, the same work through the vsock agent in a fresh clone (`vmm exec`'s
   path: `echo`, and python3 calling the same handler) and a cold boot serving one
   invocation (from spawning the VMM to the reply); then throughput with 1, 2, 4 and 8
-  clients for the C and Python runtimes, and host CPU per invocation.
+  clients for the C and Python runtimes, and host CPU per invocation. The templates run
+  with forkvm's defaults (idle refresh, timer deferral: benches/idle.py). --exec-runs 0
+  and --boots 0 leave out the agent and cold-boot rows (and their VMs).
 
 usage: benches/invoke.py latency [--runs N] [--rounds R] [--mem MIB] [--payload BYTES]
        benches/invoke.py throughput [--seconds S] [--clients 1,2,4,8] [--mem MIB]
@@ -367,17 +369,18 @@ def runtimes(a):
                                 cmdline="forkvm.crng=off", extra=warm),
             "py": linux_vm(tmp, "py", root="python.ext4",
                            run=f"python3 -m forkvm {PY_NOOP}", extra=warm),
-            "agent": linux_vm(tmp, "agent", cmdline="forkvm.agent=1024",
-                              extra=["--vsock", os.path.join(tmp, "agent.vsock")]),
-            "py_agent": linux_vm(tmp, "py-agent", root="python.ext4",
-                                 cmdline="forkvm.agent=1024",
-                                 extra=["--vsock", os.path.join(tmp, "py-agent.vsock")]),
         }
+        if a.exec_runs:
+            vms["agent"] = linux_vm(tmp, "agent", cmdline="forkvm.agent=1024",
+                                    extra=["--vsock", os.path.join(tmp, "agent.vsock")])
+            vms["py_agent"] = linux_vm(tmp, "py-agent", root="python.ext4",
+                                       cmdline="forkvm.agent=1024",
+                                       extra=["--vsock", os.path.join(tmp, "py-agent.vsock")])
         zyg_p, zyg_path = start_zygote(tmp, PY_NOOP)
         try:
             for k in ["c", "c_norng", "py"]:
                 wait_vm(vms[k][0], vms[k][1], ready_template(8))
-            for k in ["agent", "py_agent"]:
+            for k in [k for k in ["agent", "py_agent"] if k in vms]:
                 wait_vm(vms[k][0], vms[k][1], lambda v: v["state"] == "running")
                 console = vms[k][1] + ".console"
                 deadline = time.time() + 900
@@ -387,14 +390,8 @@ def runtimes(a):
                     time.sleep(0.1)
             print("templates ready", file=sys.stderr, flush=True)
             for _ in range(a.rounds):
-                # Every template resumed and paused again at the start of a round (its
-                # runtime reads "no request" and waits again): a clone's guest sees the
-                # time since then elapse, and that costs guest kernel work (docs/invoke.md),
-                # so the rows' templates are of the same age.
-                for k in ["c", "c_norng", "py"]:
-                    exchange(vms[k][1], "PATCH", "/vm", b'{"state":"running"}')
-                for k in ["c", "c_norng", "py"]:
-                    wait_vm(vms[k][0], vms[k][1], ready_template(8))
+                # The templates run with the defaults: idle refresh and timer deferral
+                # (docs/invoke.md; benches/idle.py measures them).
                 for k, expect in [("c", payload), ("c_norng", payload), ("py", b"")]:
                     sock = vms[k][1]
                     for _ in range(a.runs):
@@ -407,10 +404,12 @@ def runtimes(a):
                 for _ in range(a.runs):
                     s["sock"].append(zygote_call(zyg_path, payload, expect=b"") * 1e3)
             print("latency rounds done", file=sys.stderr, flush=True)
-            agent_c = agent_exec(tmp, vms["agent"][1], "echo hello", b"hello", a.exec_runs)
-            agent_py = agent_exec(tmp, vms["py_agent"][1], py_cmd, b"b''",
-                                  max(2, a.exec_runs // 4))
-            print("agent rows done", file=sys.stderr, flush=True)
+            if a.exec_runs:
+                agent_c = agent_exec(tmp, vms["agent"][1], "echo hello", b"hello",
+                                     a.exec_runs)
+                agent_py = agent_exec(tmp, vms["py_agent"][1], py_cmd, b"b''",
+                                      max(2, a.exec_runs // 4))
+                print("agent rows done", file=sys.stderr, flush=True)
             print(f"\nThroughput, C runtime echo, {a.seconds} s per row\n\n{THROUGHPUT_HEAD}")
             throughput_rows(vms["c"][1], clients, a.seconds, payload)
             print(f"\nThroughput, Python no-op, {a.seconds} s per row\n\n{THROUGHPUT_HEAD}")
@@ -441,11 +440,15 @@ def runtimes(a):
     print(row("Python no-op, fresh warm clone", s["py"], base))
     print(row("SOCK mechanism: host Python zygote forks per request, same handler",
               s["sock"], base))
-    print(row(f"vsock + agent in a fresh clone: `echo` ({a.exec_runs} runs)", agent_c, base))
-    print(row(f"vsock + agent in a fresh clone: python3 calling the handler "
-              f"({len(agent_py)} runs)", agent_py, base))
-    print(row(f"cold boot to the C runtime's reply ({a.boots} runs)", boots_c, base))
-    print(row(f"cold boot to the Python runtime's reply ({a.boots} runs)", boots_py, base))
+    if a.exec_runs:
+        print(row(f"vsock + agent in a fresh clone: `echo` ({a.exec_runs} runs)", agent_c,
+                  base))
+        print(row(f"vsock + agent in a fresh clone: python3 calling the handler "
+                  f"({len(agent_py)} runs)", agent_py, base))
+    if a.boots:
+        print(row(f"cold boot to the C runtime's reply ({a.boots} runs)", boots_c, base))
+        print(row(f"cold boot to the Python runtime's reply ({a.boots} runs)", boots_py,
+                  base))
     print("\n| the VMM's figures (`x-forkvm-*-us`) | min | median | p99 |")
     print("|---|---|---|---|")
     print(row("C: arrival to clone running with the request", s["c_clone"]))

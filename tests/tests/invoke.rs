@@ -603,16 +603,16 @@ fn a_busy_keep_alive_runtime_is_refreshed_when_its_timer_was_deferred_too_long()
     }
     let _serial = one_at_a_time();
     // Every delivery moves the guest's due timer interrupt on (--tick-defer-ms): a
-    // keep-alive clone asked every 100 ms, never idle for the refresh period, would
-    // never give its kernel its time; it is refreshed once that went on for the
-    // period. Without deferral it has nothing to catch up on between requests.
+    // keep-alive clone asked every 100 ms would never give its kernel its time; it is
+    // refreshed once that went on for a second (idle refresh itself is off, the
+    // default). Without deferral it has nothing to catch up on between requests.
     let keep = InvokeOptions {
         keep_alive: true,
         ..Default::default()
     };
     let refreshes_when_busy = |defer: &str| {
         let scratch = Scratch::new("invoke-busy");
-        let extra = ["--refresh-idle-ms", "1000", "--tick-defer-ms", defer];
+        let extra = ["--tick-defer-ms", defer];
         let vm = template(&scratch, &extra);
         let r = invoke_with(&vm.sock, &keep, b"start");
         let (clone, _, _) = echoed(&r, b"start");

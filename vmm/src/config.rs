@@ -405,7 +405,7 @@ impl VmConfig {
 pub const DEFAULT_MAILBOX_MIB: u32 = 4;
 
 /// How long an idle runtime waits before it is refreshed unless told otherwise, in ms.
-pub const DEFAULT_REFRESH_IDLE_MS: u64 = 1000;
+pub const DEFAULT_REFRESH_IDLE_MS: u64 = 0;
 
 /// How far a due timer interrupt is deferred at a request's delivery unless told
 /// otherwise, in ms.

@@ -227,6 +227,10 @@ pub struct Invoker {
     caught_up_at: Instant,
 }
 
+/// How long a runtime served in place may go with its timer deferred at every delivery
+/// before it is refreshed at its next wait, its kernel then catching up.
+pub const CATCH_UP_AFTER: Duration = Duration::from_secs(1);
+
 /// Most requests a template holds while its runtime is on its way back to the port
 /// (a VM that is no template holds one).
 pub const MAX_HELD: usize = 256;
@@ -319,20 +323,20 @@ impl Invoker {
 
     /// When the runtime is to be refreshed: it waits, in a paused template or a running
     /// VM that is no template, nothing held for it; once it waited the refresh period,
-    /// or (in place, with deferral) once its kernel went that long without its timer
-    /// interrupts.
+    /// or (in place, with deferral) once its kernel went [`CATCH_UP_AFTER`] without its
+    /// timer interrupts.
     fn refresh_at(&self, vm: &Microvm) -> Option<Instant> {
-        let after = self.refresh_after?;
-        let mut since = self.waiting_since?;
-        if !self.template && self.tick_defer_ns > 0 {
-            since = since.min(self.caught_up_at);
-        }
+        let since = self.waiting_since?;
+        let idle_due = self.refresh_after.map(|after| since + after);
+        let deferred = !self.template && self.tick_defer_ns > 0;
+        let catch_up_due = deferred.then(|| self.caught_up_at + CATCH_UP_AFTER);
+        let at = idle_due.into_iter().chain(catch_up_due).min()?;
         let idle = self.waiting.is_some() && self.in_flight.is_none() && self.held.is_empty();
         let state = match self.template {
             true => VmState::Paused,
             false => VmState::Running,
         };
-        (idle && vm.state() == state).then_some(since + after)
+        (idle && vm.state() == state).then_some(at)
     }
 
     /// Whether the waiting runtime is due for a refresh.

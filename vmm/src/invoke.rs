@@ -19,11 +19,15 @@
 //! replied to a keep-alive request, or its VM was resumed while it waited) is **held**
 //! until it waits again ([`Invoker::queue`]); a template holds up to [`MAX_HELD`].
 //!
-//! An idle runtime is **refreshed** ([`Invoker::refresh_due`]): once it has waited for
-//! `--refresh-idle-ms`, the controller lets it read "no request" and wait again, so that
-//! the guest kernel's catch-up on the time that passed (timer interrupts, timekeeping,
-//! expired timers) runs then, not on the next request's path; a template pauses again
-//! and makes new warm clones.
+//! A delivery defers the guest's overdue timer interrupt by `--tick-defer-ms`
+//! (`clone::timer`: in the clone's restored state, or in place through the parked
+//! vCPU), so the handler runs before the kernel catches up on the time that passed.
+//!
+//! A runtime can be **refreshed** ([`Invoker::refresh_due`]): once it has waited for
+//! `--refresh-idle-ms`, or (in place) once its timer has been deferred for
+//! [`CATCH_UP_AFTER`], the controller lets it read "no request" and wait again, so that
+//! the guest kernel's catch-up runs then, not on a request's path; a template pauses
+//! again and makes new warm clones.
 //!
 //! Nothing here knows HTTP: the controller renders a [`Finished`] (`api::invoke`).
 

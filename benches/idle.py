@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from invoke import PY_NOOP, exchange, invoke, linux_vm, row, stop, wait_vm, VMM
+from invoke import PY_NOOP, exchange, invoke, linux_vm, row, stop_all, wait_vm, VMM
 
 WARM = 4
 CONFIGS = [(0, 0), (1000, 0), (0, 10), (1000, 10)]
@@ -112,12 +112,7 @@ def main():
             for key, sock in keep.items():
                 invoke(sock, payload, expect=kinds[key[0]][3])
         finally:
-            for p, sock, _ in vms.values():
-                try:
-                    stop(p, sock)
-                except OSError:
-                    p.kill()
-                    p.wait()
+            stop_all(vms.values())
 
     print(f"\nA guest that did not run: 256 MiB Linux templates (--warm-clones {WARM}), "
           f"one request at a time in random order, random gaps (mean {a.gap} s between "

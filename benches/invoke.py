@@ -304,6 +304,16 @@ def linux_vm(tmp, name, root=None, run=None, cmdline="", extra=()):
     return p, sock, t0
 
 
+def stop_all(vms):
+    """Stops every (process, socket, _) of `vms`, killing those whose socket is gone."""
+    for p, sock, _ in vms:
+        try:
+            stop(p, sock)
+        except OSError:
+            p.kill()
+            p.wait()
+
+
 def wait_vm(p, sock, ready, timeout=900, poll=0.02):
     """Waits until GET /vm's answer satisfies `ready`."""
     deadline = time.time() + timeout
@@ -415,12 +425,7 @@ def runtimes(a):
             print(f"\nThroughput, Python no-op, {a.seconds} s per row\n\n{THROUGHPUT_HEAD}")
             throughput_rows(vms["py"][1], clients, a.seconds, payload, expect=b"")
         finally:
-            for p, sock, _ in vms.values():
-                try:
-                    stop(p, sock)
-                except OSError:
-                    p.kill()
-                    p.wait()
+            stop_all(vms.values())
             zyg_p.kill()
             zyg_p.wait()
         boots_c = [cold_boot_invoke(tmp, f"boot-c{i}", None, "forkvm-fn echo", payload,

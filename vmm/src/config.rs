@@ -514,6 +514,11 @@ impl CgroupConfig {
 }
 
 impl VmConfig {
+    /// How far a due timer interrupt is moved on at a request's delivery, in ns (0: not).
+    pub fn tick_defer_ns(&self) -> u64 {
+        self.tick_defer_ms.saturating_mul(1_000_000)
+    }
+
     /// Checks sizes and files. `host_max_vcpus` is what KVM allows on this host.
     pub fn validate(&self, host_max_vcpus: usize) -> Result<(), ConfigError> {
         if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {

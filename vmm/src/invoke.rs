@@ -276,7 +276,7 @@ impl Invoker {
                 .then(|| Duration::from_millis(config.refresh_idle_ms)),
             waiting_since: None,
             refreshes: 0,
-            tick_defer_ns: config.tick_defer_ms.saturating_mul(1_000_000),
+            tick_defer_ns: config.tick_defer_ns(),
             caught_up_at: Instant::now(),
         }
     }

@@ -325,9 +325,9 @@ fn wait_for_go(go: RawFd) -> Result<Option<Go>, ChildError> {
 fn advanced(state: &MicrovmState, template: &VmConfig, id: &Identity) -> MicrovmState {
     let mut state = state.clone();
     state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
-    if id.delivery.is_some() && template.tick_defer_ms > 0 {
+    if id.delivery.is_some() && template.tick_defer_ns() > 0 {
         for v in &mut state.vcpus {
-            v.defer_timer(template.tick_defer_ms.saturating_mul(1_000_000));
+            v.defer_timer(template.tick_defer_ns());
         }
     }
     state

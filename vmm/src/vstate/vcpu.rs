@@ -143,8 +143,8 @@ enum Command {
     Resume,
     /// Read this vCPU's state (only while paused).
     Capture(Arc<CaptureSpec>),
-    /// Set RAX (only while paused): the result of a clone-port read.
-    /// RAX, and ns to defer a due timer interrupt by (0: none; `clone::timer`).
+    /// Set RAX (only while paused): the result of a port read; and defer a due timer
+    /// interrupt by the ns given (0: not; `clone::timer`).
     SetRax(u64, u64),
     Stop,
 }

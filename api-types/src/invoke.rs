@@ -25,6 +25,9 @@ pub const HEADER_CLONE_US: &str = "x-forkvm-clone-us";
 pub const HEADER_HANDLER_US: &str = "x-forkvm-handler-us";
 /// Header: microseconds from the request's arrival to the reply taken.
 pub const HEADER_TOTAL_US: &str = "x-forkvm-total-us";
+/// Header: "true" when the VM that ran the handler was a primed warm clone (its runtime
+/// ran its serving path once before the request, without the handler), else "false".
+pub const HEADER_PRIMED: &str = "x-forkvm-primed";
 
 /// The largest timeout an invocation may ask for.
 pub const MAX_TIMEOUT_MS: u64 = 3_600_000;

@@ -136,6 +136,14 @@ pub struct WarmReport {
     pub launched: u64,
     /// Discarded unused so far (the template resumed or changed).
     pub discarded: u64,
+    /// Whether warm clones made now are primed: the template's runtime waits and
+    /// declared it handles prime requests, `--no-prime` was not given, and no primed
+    /// warm clone has died before its launch (docs/invoke.md).
+    #[serde(default)]
+    pub priming: bool,
+    /// Warm clones forked to be primed so far.
+    #[serde(default)]
+    pub primed: u64,
 }
 
 /// The probe port's counters (forkvm's test guests write it), in `GET /vm`.

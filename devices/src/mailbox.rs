@@ -11,7 +11,9 @@
 //!
 //! Layout: a 64-byte header at offset 0, then the payload. The VMM writes a
 //! [`RequestHeader`]; the runtime answers with a [`ReplyHeader`] in the same place and
-//! writes the reply's payload length to the invoke port. All fields are little-endian.
+//! writes the reply's payload length to the invoke port. Before it waits, a runtime may
+//! leave a wait header there (magic [`WAIT_MAGIC`], version, then at offset 8 the
+//! features it handles: [`runtime_features`]). All fields are little-endian.
 
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
@@ -29,6 +31,13 @@ pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"FKRP");
 pub const VERSION: u16 = 1;
 /// Request kind: call the handler with the payload.
 pub const KIND_INVOKE: u16 = 1;
+/// Request kind: a dry run of the serving path without the handler (empty payload),
+/// sent only to a runtime that declared [`FEATURE_PRIME`]; its reply is dropped.
+pub const KIND_PRIME: u16 = 2;
+/// "FKWT": a wait header, which a runtime may leave before it waits.
+pub const WAIT_MAGIC: u32 = u32::from_le_bytes(*b"FKWT");
+/// Runtime feature (in its wait header): it answers [`KIND_PRIME`] requests.
+pub const FEATURE_PRIME: u32 = 1;
 /// Request flag: the runtime waits for further requests after this one (keep-alive).
 pub const FLAG_KEEP_ALIVE: u32 = 1;
 /// Bytes of fresh host entropy in every request header.
@@ -70,10 +79,25 @@ impl MailboxWindow {
     }
 }
 
+/// The features a runtime declared in the wait header it left in `window` before it
+/// waited (0: none, or no wait header).
+pub fn runtime_features<M: GuestMemory>(mem: &M, window: MailboxWindow) -> u32 {
+    let mut b = [0u8; 12];
+    if !window.exists() || mem.read_slice(&mut b, window.at(0)).is_err() {
+        return 0;
+    }
+    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let version = u16::from_le_bytes([b[4], b[5]]);
+    match word(0) == WAIT_MAGIC && version == VERSION {
+        true => word(8),
+        false => 0,
+    }
+}
+
 /// A request's header, as the VMM writes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestHeader {
-    /// [`KIND_INVOKE`].
+    /// [`KIND_INVOKE`] or [`KIND_PRIME`].
     pub kind: u16,
     /// [`FLAG_KEEP_ALIVE`] or 0.
     pub flags: u32,
@@ -256,6 +280,33 @@ mod tests {
     fn mem(size: usize) -> (GuestMemoryMmap, MailboxWindow) {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(MAILBOX_START), size)]).unwrap();
         (mem, MailboxWindow::of_size(size as u32))
+    }
+
+    #[test]
+    fn a_wait_header_declares_the_runtimes_features() {
+        let (m, w) = mem(4096);
+        assert_eq!(runtime_features(&m, w), 0, "no wait header");
+        let mut raw = [0u8; 12];
+        raw[0..4].copy_from_slice(b"FKWT");
+        raw[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        raw[8..12].copy_from_slice(&FEATURE_PRIME.to_le_bytes());
+        m.write_slice(&raw, GuestAddress(MAILBOX_START)).unwrap();
+        assert_eq!(runtime_features(&m, w), FEATURE_PRIME);
+        raw[4] = 9;
+        m.write_slice(&raw, GuestAddress(MAILBOX_START)).unwrap();
+        assert_eq!(runtime_features(&m, w), 0, "unknown layout version");
+        raw[0..6].copy_from_slice(b"FKRP\x01\x00");
+        m.write_slice(&raw, GuestAddress(MAILBOX_START)).unwrap();
+        assert_eq!(
+            runtime_features(&m, w),
+            0,
+            "a reply header is no wait header"
+        );
+        assert_eq!(
+            runtime_features(&m, MailboxWindow::default()),
+            0,
+            "no mailbox"
+        );
     }
 
     #[test]

@@ -21,12 +21,18 @@
 #define HEADER_LEN 64
 #define REQUEST_MAGIC 0x51524b46u /* "FKRQ" */
 #define REPLY_MAGIC 0x50524b46u   /* "FKRP" */
-#define KIND_INVOKE 1
+#define WAIT_MAGIC 0x54574b46u    /* "FKWT" */
 #define STATUS_OK 0
 #define STATUS_ERROR 1
 
 static uint8_t *mailbox;
 static size_t mailbox_size;
+static uint32_t features;
+
+/* glibc's inl/outl have no memory clobber: without this the compiler may keep mailbox
+ * stores after an outl, or reuse values it stored before an inl (the wait header) for
+ * the loads after it, where the VMM has written the request. */
+#define BARRIER() __asm__ __volatile__("" ::: "memory")
 
 static uint16_t get16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -70,20 +76,35 @@ int forkvm_open(void)
     return 0;
 }
 
+void forkvm_enable(uint32_t f)
+{
+    features = f;
+}
+
 int forkvm_wait(struct forkvm_request *req)
 {
     int r = forkvm_open();
     if (r != 0)
         return r;
+    /* The wait header: what this runtime handles, for the VMM to read while it waits. */
+    uint8_t *w = mailbox;
+    memset(w, 0, 16);
+    put32(w, WAIT_MAGIC);
+    put16(w + 4, LAYOUT_VERSION);
+    put32(w + 8, features);
     uint32_t len;
     /* All ones: the VM was resumed without a request; wait again. */
+    BARRIER();
     while ((len = inl(INVOKE_PORT)) == INVOKE_NONE)
         ;
+    BARRIER();
     const uint8_t *h = mailbox;
-    if (get32(h) != REQUEST_MAGIC || get16(h + 4) != LAYOUT_VERSION ||
-        get16(h + 6) != KIND_INVOKE || get32(h + 12) != len ||
-        len > mailbox_size - HEADER_LEN)
+    uint16_t kind = get16(h + 6);
+    int known = kind == FORKVM_KIND_INVOKE || (kind == FORKVM_KIND_PRIME && (features & FORKVM_PRIME));
+    if (get32(h) != REQUEST_MAGIC || get16(h + 4) != LAYOUT_VERSION || !known ||
+        get32(h + 12) != len || len > mailbox_size - HEADER_LEN)
         return -EPROTO;
+    req->kind = kind;
     req->data = mailbox + HEADER_LEN;
     req->len = len;
     req->flags = get32(h + 8);
@@ -115,7 +136,9 @@ static int send_reply(uint16_t status, const void *data, size_t len)
     put16(h + 4, LAYOUT_VERSION);
     put16(h + 6, status);
     put32(h + 8, (uint32_t)len);
+    BARRIER();
     outl((uint32_t)len, INVOKE_PORT);
+    BARRIER();
     return 0;
 }
 

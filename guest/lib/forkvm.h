@@ -34,11 +34,26 @@ struct forkvm_request {
     uint64_t sequence;                        /* this VM's invocation number (1, 2, ...) */
     uint32_t timeout_ms;                      /* how long the caller waits */
     uint8_t entropy[FORKVM_ENTROPY_LEN];      /* fresh from the host, per request */
+    uint16_t kind;                            /* FORKVM_KIND_INVOKE or FORKVM_KIND_PRIME */
 };
+
+/* Request kinds. A prime request comes only to a runtime that enabled FORKVM_PRIME: it
+ * is a dry run, before any real request, in a warm clone of a template (docs/invoke.md,
+ * "Primed warm clones"). Run the serving path without the handler and reply (anything:
+ * the reply is dropped); payload empty. */
+#define FORKVM_KIND_INVOKE 1
+#define FORKVM_KIND_PRIME 2
+
+/* Features a runtime enables with forkvm_enable(). */
+#define FORKVM_PRIME 1u
 
 /* Port access and the mailbox mapped (idempotent). 0, or -ENODEV (not forkvm, or no
  * mailbox: the VM needs --mailbox-mib), -EPROTO (unknown mailbox layout), -errno. */
 int forkvm_open(void);
+
+/* Tells the VMM, from the next forkvm_wait() on, which FORKVM_* features this runtime
+ * handles (forkvm_wait writes them into the mailbox before it parks). */
+void forkvm_enable(uint32_t features);
 
 /* Parks until a request is in the mailbox and fills `req`. 0, or -EPROTO (the header
  * is not a request), -errno from forkvm_open. */

@@ -12,7 +12,9 @@ waits on the invoke port: in a template the VM pauses there, and each invocation
 a fresh clone with the request already in its memory. The handler gets the payload as
 ``bytes`` and returns ``bytes`` or ``str`` (sent UTF-8). Before each call, Python's
 ``random`` is reseeded from the request's fresh host entropy (the kernel RNG is rekeyed
-by the VMM in every clone, so ``os.urandom`` needs nothing). An exception becomes a 500
+by the VMM in every clone, so ``os.urandom`` needs nothing). A template's warm clones
+run the loop once ahead of their request without calling the handler (a prime request,
+docs/invoke.md). An exception becomes a 500
 with its traceback; a reply larger than the mailbox becomes a 500 that says so.
 """
 
@@ -35,7 +37,13 @@ class Request(ctypes.Structure):
         ("sequence", ctypes.c_uint64),
         ("timeout_ms", ctypes.c_uint32),
         ("entropy", ctypes.c_uint8 * 32),
+        ("kind", ctypes.c_uint16),
     ]
+
+
+# Request kinds, and the feature that lets the VMM send a prime request (libforkvm).
+KIND_PRIME = 2
+FEATURE_PRIME = 1
 
 
 def _library():
@@ -44,6 +52,7 @@ def _library():
     lib.forkvm_wait.argtypes = [ctypes.POINTER(Request)]
     lib.forkvm_reply.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     lib.forkvm_fail.argtypes = [ctypes.c_char_p]
+    lib.forkvm_enable.argtypes = [ctypes.c_uint32]
     lib.forkvm_reply_buffer.argtypes = [ctypes.POINTER(ctypes.c_size_t)]
     lib.forkvm_reply_buffer.restype = ctypes.c_void_p
     lib.forkvm_strerror.restype = ctypes.c_char_p
@@ -81,6 +90,9 @@ def serve(handler):
     random.seed(bytes(32))
     ctypes.string_at(lib.forkvm_reply_buffer(None), 0)
     print("forkvm.serve: ready (%d bytes fit the mailbox)" % capacity, file=sys.stderr, flush=True)
+    # A template's warm clones run this loop once before their request (a prime request:
+    # all of it but the handler), so the request finds its path in the clone's page tables.
+    lib.forkvm_enable(FEATURE_PRIME)
     while True:
         err = lib.forkvm_wait(ctypes.byref(req))
         if err != 0:
@@ -89,7 +101,7 @@ def serve(handler):
         event = ctypes.string_at(req.data, req.len)
         random.seed(bytes(req.entropy))
         try:
-            out = handler(event)
+            out = handler(event) if req.kind != KIND_PRIME else b""
             if isinstance(out, str):
                 out = out.encode()
             out = bytes(out)

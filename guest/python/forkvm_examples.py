@@ -7,6 +7,9 @@ import time
 
 import forkvm
 
+# Handler calls in this process (a prime request, in a primed warm clone, is no call).
+_calls = 0
+
 
 def noop(event):
     """The benchmarks' no-op: an empty reply."""
@@ -19,9 +22,11 @@ def echo(event):
 
 
 def info(event):
-    """The tests' handler: its input, its clone, fresh randomness; or, by the input's
-    first word: ``raise TEXT``, ``exit N`` (os._exit), ``sleep S``, ``big N`` (a reply
-    of N bytes)."""
+    """The tests' handler: its input, its clone, its process's handler calls so far, fresh
+    randomness; or, by the input's first word: ``raise TEXT``, ``exit N`` (os._exit),
+    ``sleep S``, ``big N`` (a reply of N bytes)."""
+    global _calls
+    _calls += 1
     word, _, arg = event.decode("utf-8", "replace").partition(" ")
     if word == "raise":
         raise RuntimeError(arg)
@@ -35,6 +40,7 @@ def info(event):
     return json.dumps({
         "input": event.decode("utf-8", "replace"),
         "clone": forkvm.clone_seq(),
+        "calls": _calls,
         "urandom": os.urandom(32).hex(),
         "random": random.random(),
     })

@@ -14,8 +14,10 @@
  *                                clocks      reply "coarse_lag_ms=N": CLOCK_MONOTONIC
  *                                            less CLOCK_MONOTONIC_COARSE (the kernel's
  *                                            last tick), read first thing (vDSO)
- *                              anything else: "seq=N gen=HEX urandom=HEX random=N
- *                              input=PAYLOAD", where urandom is 32 bytes of getrandom()
+ *                              anything else: "seq=N gen=HEX calls=N urandom=HEX
+ *                              random=N input=PAYLOAD", where calls counts the
+ *                              handler's calls in this process (a prime request, in a
+ *                              primed warm clone, is no call), urandom is 32 bytes of getrandom()
  *                              read after the request arrived, and random a random()
  *                              value the runtime reseeds from each request's entropy
  *   forkvm-fn -- CMD [ARG...]  run CMD for each request, the payload on its stdin; its
@@ -61,6 +63,9 @@ static void hex(char *out, const uint8_t *b, size_t n)
 }
 
 static void command(char **argv, const uint8_t *input, size_t input_len);
+
+/* Handler calls in this process. */
+static unsigned calls;
 
 static void info(const struct forkvm_request *req)
 {
@@ -115,8 +120,8 @@ static void info(const struct forkvm_request *req)
     char uhex[65];
     hex(uhex, urandom, sizeof urandom);
     char head[192];
-    int n = snprintf(head, sizeof head, "seq=%u gen=%016llx urandom=%s random=%ld input=",
-                     forkvm_clone_seq(), (unsigned long long)forkvm_generation(), uhex,
+    int n = snprintf(head, sizeof head, "seq=%u gen=%016llx calls=%u urandom=%s random=%ld input=",
+                     forkvm_clone_seq(), (unsigned long long)forkvm_generation(), calls, uhex,
                      random());
     size_t len = (size_t)n + req->len;
     /* Built in the mailbox: the input (where the request is) moves up behind the line.
@@ -210,6 +215,9 @@ int main(int argc, char **argv)
     size_t cap;
     forkvm_reply_buffer(&cap);
     fprintf(stderr, "forkvm-fn: ready (%zu bytes fit the mailbox)\n", cap);
+    /* Warm clones of a template run this loop once ahead of requests (a prime request:
+     * everything but the handler), so a request finds the path in its VM's page tables. */
+    forkvm_enable(FORKVM_PRIME);
     for (;;) {
         struct forkvm_request req;
         r = forkvm_wait(&req);
@@ -222,6 +230,11 @@ int main(int argc, char **argv)
         unsigned seed;
         memcpy(&seed, req.entropy, sizeof seed);
         srandom(seed);
+        if (req.kind == FORKVM_KIND_PRIME) {
+            reply_or_fail(req.data, 0);
+            continue;
+        }
+        calls++;
         switch (mode) {
         case 0:
             reply_or_fail(req.data, req.len);

@@ -365,6 +365,8 @@ pub struct VmConfig {
     /// How far a guest timer interrupt already due when a request is delivered is
     /// moved on, in ms (0: not; `clone::timer`).
     pub tick_defer_ms: u64,
+    /// Whether a template's warm clones are primed (`cloning::prime`).
+    pub prime: bool,
     /// Pooled cgroups for clones (None: clones stay in the VMM's cgroup).
     pub cgroups: Option<CgroupConfig>,
     /// What a system call outside a thread's seccomp filter does (`crate::sandbox`).
@@ -395,6 +397,7 @@ impl VmConfig {
             template: false,
             refresh_idle_ms: DEFAULT_REFRESH_IDLE_MS,
             tick_defer_ms: DEFAULT_TICK_DEFER_MS,
+            prime: true,
             cgroups: None,
             seccomp: jailer::seccomp::SeccompMode::KillProcess,
         }

@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 use api_types::invoke::{InvokeOptions, InvokeReport, Outcome};
 use api_types::vm::VmState;
 use devices::mailbox::{
-    read_reply, write_request, MailboxWindow, ReplyError, ReplyStatus, RequestHeader,
-    ENTROPY_BYTES, FLAG_KEEP_ALIVE, KIND_INVOKE,
+    read_reply, runtime_features, write_request, MailboxWindow, ReplyError, ReplyStatus,
+    RequestHeader, ENTROPY_BYTES, FEATURE_PRIME, FLAG_KEEP_ALIVE, KIND_INVOKE, KIND_PRIME,
 };
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
@@ -170,6 +170,8 @@ struct InFlight {
     delivered_ns: u64,
     deadline: Instant,
     keep_alive: bool,
+    /// Served by a primed warm clone.
+    primed: bool,
 }
 
 /// Microseconds spent, for the answer's headers.
@@ -200,6 +202,8 @@ pub struct Finished {
     pub keep_alive: bool,
     /// The runtime's vCPU, parked.
     pub vcpu: u8,
+    /// Whether the VM that served it was a primed warm clone.
+    pub primed: bool,
 }
 
 /// One VM's invocation side.
@@ -229,6 +233,8 @@ pub struct Invoker {
     /// delivery that deferred none (with deferral, a busy runtime's kernel would get
     /// none otherwise: every delivery moves them on again).
     caught_up_at: Instant,
+    /// Whether a template's warm clones may be primed (`--no-prime` not given).
+    prime: bool,
 }
 
 /// How long a runtime served in place may go with its timer deferred at every delivery
@@ -248,14 +254,43 @@ fn write(
     sequence: u64,
     payload: &[u8],
 ) -> Result<(), ReplyError> {
+    let flags = if d.keep_alive { FLAG_KEEP_ALIVE } else { 0 };
+    write_header(
+        mem,
+        window,
+        KIND_INVOKE,
+        flags,
+        (sequence, d.timeout_ms),
+        payload,
+    )
+}
+
+/// Writes a prime request (no payload, sequence 0) into the mailbox of a warm clone
+/// about to be primed (`cloning::prime`); `timeout_ms` is the prime's time limit.
+pub fn write_prime(
+    mem: &GuestMemoryMmap,
+    window: MailboxWindow,
+    timeout_ms: u64,
+) -> Result<(), ReplyError> {
+    write_header(mem, window, KIND_PRIME, 0, (0, timeout_ms), &[])
+}
+
+fn write_header(
+    mem: &GuestMemoryMmap,
+    window: MailboxWindow,
+    kind: u16,
+    flags: u32,
+    (sequence, timeout_ms): (u64, u64),
+    payload: &[u8],
+) -> Result<(), ReplyError> {
     let mut entropy = [0u8; ENTROPY_BYTES];
     devices::util::host_random(&mut entropy).map_err(|e| ReplyError::Memory(e.to_string()))?;
     let header = RequestHeader {
-        kind: KIND_INVOKE,
-        flags: if d.keep_alive { FLAG_KEEP_ALIVE } else { 0 },
-        length: d.length,
+        kind,
+        flags,
+        length: payload.len() as u32,
         sequence,
-        timeout_ms: u32::try_from(d.timeout_ms).unwrap_or(u32::MAX),
+        timeout_ms: u32::try_from(timeout_ms).unwrap_or(u32::MAX),
         entropy,
     };
     write_request(mem, window, &header, payload)
@@ -278,7 +313,17 @@ impl Invoker {
             refreshes: 0,
             tick_defer_ns: config.tick_defer_ns(),
             caught_up_at: Instant::now(),
+            prime: config.prime,
         }
+    }
+
+    /// The vCPU a template's warm clones made now are primed on: the one its runtime
+    /// waits on, when the runtime declared (in its wait header) that it handles prime
+    /// requests and the template is paused there. None: not primed.
+    pub fn prime_vcpu(&self, vm: &Microvm) -> Option<u8> {
+        let declared = || runtime_features(vm.memory(), self.window) & FEATURE_PRIME != 0;
+        let ready = self.template && self.prime && vm.state() == VmState::Paused;
+        self.waiting.filter(|_| ready && declared())
     }
 
     /// Whether the VM is a template.
@@ -434,20 +479,22 @@ impl Invoker {
             delivered_ns: monotonic_ns(),
             deadline: Instant::now() + Duration::from_millis(d.timeout_ms),
             keep_alive: d.keep_alive,
+            primed: false,
         });
         handle.resume()?;
         Ok(())
     }
 
-    /// The invocation side of a clone made for `d`, before its vCPUs run: the request is
-    /// written into the clone's copy of the mailbox (the caller sets the port read's
-    /// result, the payload length, in the vCPU's state).
+    /// The invocation side of a clone made for `d` (a primed warm clone when `primed`),
+    /// before its vCPUs run: the request is written into the clone's copy of the
+    /// mailbox (the caller sets the port read's result, the payload length, in the
+    /// vCPU's state).
     pub fn in_clone(
         config: &VmConfig,
         mem: &GuestMemoryMmap,
         d: &Delivery,
-        payload: &[u8],
-        conn: Connection,
+        (payload, conn): (&[u8], Connection),
+        primed: bool,
     ) -> Result<Self, InvokeError> {
         let mut me = Self::new(config);
         write(mem, me.window, d, 1, payload)?;
@@ -459,6 +506,7 @@ impl Invoker {
             delivered_ns: monotonic_ns(),
             deadline: Instant::now() + Duration::from_millis(d.timeout_ms),
             keep_alive: d.keep_alive,
+            primed,
         });
         Ok(me)
     }
@@ -478,6 +526,7 @@ impl Invoker {
             },
             keep_alive: f.keep_alive && outcome != Outcome::Timeout,
             vcpu: vcpu.unwrap_or(f.vcpu),
+            primed: f.primed,
         })
     }
 
@@ -551,5 +600,6 @@ fn unserved(inv: Invocation, outcome: Outcome, text: &str) -> Finished {
         },
         keep_alive: false,
         vcpu: 0,
+        primed: false,
     }
 }

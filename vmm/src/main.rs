@@ -246,6 +246,11 @@ struct RunArgs {
     /// time the guest did not run (0: deliver it at once; at most 1000).
     #[arg(long, default_value_t = vmm::config::DEFAULT_TICK_DEFER_MS)]
     tick_defer_ms: u64,
+    /// Do not prime a template's warm clones (by default each runs its runtime's serving
+    /// path once, without the handler, before its request comes, when the runtime
+    /// declares it can: docs/invoke.md).
+    #[arg(long)]
+    no_prime: bool,
     /// Seccomp filters per thread kind: a system call outside them kills the process
     /// (kill), only the thread (kill-thread), is logged to the kernel log (log), or
     /// no filters (off).
@@ -477,6 +482,7 @@ fn main() -> ExitCode {
                 template: a.template,
                 refresh_idle_ms: a.refresh_idle_ms,
                 tick_defer_ms: a.tick_defer_ms,
+                prime: !a.no_prime,
                 seccomp: a.seccomp,
                 ..VmConfig::new(a.kernel)
             };

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use api_types::invoke::{
     InvokeOptions, Outcome, HEADER_CLONE_ID, HEADER_CLONE_US, HEADER_HANDLER_US, HEADER_OUTCOME,
-    HEADER_SOCKET, HEADER_TOTAL_US,
+    HEADER_PRIMED, HEADER_SOCKET, HEADER_TOTAL_US,
 };
 use api_types::ErrorBody;
 
@@ -67,6 +67,7 @@ pub fn answer(
         (HEADER_CLONE_US, t.clone_us.to_string()),
         (HEADER_HANDLER_US, t.handler_us.to_string()),
         (HEADER_TOTAL_US, t.total_us.to_string()),
+        (HEADER_PRIMED, f.primed.to_string()),
     ];
     let stream = f.conn.stream();
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
@@ -129,6 +130,7 @@ pub fn answer_orphan(conn: crate::invoke::Connection, clone_id: &str, how: &str)
         timings: Default::default(),
         keep_alive: false,
         vcpu: 0,
+        primed: false,
     };
     if answer(&f, clone_id, Path::new(""), None).is_ok() {
         tracing::warn!("clone {clone_id} {how} without answering its invocation: answered 502");
@@ -154,6 +156,7 @@ mod tests {
             },
             keep_alive: false,
             vcpu: 0,
+            primed: true,
         };
         (f, theirs)
     }
@@ -174,6 +177,7 @@ mod tests {
         assert_eq!(r.header("x-forkvm-clone-id"), Some("4"));
         assert_eq!(r.header("x-forkvm-socket"), Some("/tmp/s.4"));
         assert_eq!(r.header("x-forkvm-handler-us"), Some("2"));
+        assert_eq!(r.header("x-forkvm-primed"), Some("true"));
         assert_eq!(r.header("content-type"), Some("application/octet-stream"));
     }
 

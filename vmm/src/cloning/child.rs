@@ -57,6 +57,8 @@ pub(crate) enum Start {
         go: RawFd,
         /// The cgroup it moves itself into at once (the first class's).
         cgroup: Option<Placement>,
+        /// The vCPU to prime it on (`prime.rs`), if it is primed.
+        prime: Option<u8>,
     },
 }
 
@@ -149,6 +151,9 @@ pub enum ChildError {
     /// The guest kernel's RNG could not be reseeded (the clone does not run).
     #[error("cannot reseed the guest kernel's RNG: {0}")]
     Crng(#[from] devices::crng::CrngError),
+    /// A warm clone's prime failed (the warm clone ends).
+    #[error("prime failed: {0}")]
+    Prime(#[from] crate::vstate::vcpu::PrimeError),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -235,13 +240,13 @@ const PANIC_EXIT: i32 = 101;
 pub(crate) const READY_MARK: u64 = u64::MAX;
 
 /// A VM rebuilt from captured state, its vCPUs restored but not started.
-struct Prepared {
-    vm: VmFd,
-    vcpus: Vec<Vcpu>,
+pub(super) struct Prepared {
+    pub(super) vm: VmFd,
+    pub(super) vcpus: Vec<Vcpu>,
 }
 
 /// Creates the VM on the inherited memory and restores every vCPU from `state`.
-fn prepare(
+pub(super) fn prepare(
     kvm: &KvmContext,
     state: &MicrovmState,
     mem: &GuestMemoryMmap,
@@ -361,25 +366,37 @@ fn prepare_now(
     Ok((state, prepared))
 }
 
-/// A warm clone: into the default class's cgroup, its VM prepared, then it waits for
-/// its identity and re-times its vCPUs to the launch. None: discarded unlaunched.
+/// A warm clone: into the default class's cgroup, its VM prepared (and primed on vCPU
+/// `prime`, when given), then it waits for its identity and re-times its vCPUs to the
+/// launch. None: discarded unlaunched.
 fn prepare_warm(
     kvm: &KvmContext,
     plan: &ChildPlan<'_>,
-    go: RawFd,
-    cgroup: Option<&Placement>,
+    (go, cgroup, prime): (RawFd, Option<&Placement>, Option<u8>),
     marks: &mut StageTimer,
 ) -> Result<Option<(MicrovmState, Prepared, Go)>, ChildError> {
     if let Some(p) = cgroup {
         place_self(p).map_err(ChildError::Cgroup)?;
     }
-    let prepared = prepare(
-        kvm,
-        plan.state,
-        plan.template.memory(),
-        plan.template.config().mailbox(),
-    )?;
-    marks.done("prepared");
+    let (base, prepared) = match prime {
+        Some(vcpu) => {
+            let (state, prepared) = super::prime::prime(kvm, plan, vcpu)?;
+            (Cow::Owned(state), prepared)
+        }
+        None => {
+            let mem = plan.template.memory();
+            let window = plan.template.config().mailbox();
+            (
+                Cow::Borrowed(plan.state),
+                prepare(kvm, plan.state, mem, window)?,
+            )
+        }
+    };
+    marks.done(if prime.is_some() {
+        "primed"
+    } else {
+        "prepared"
+    });
     let Some((id, carried)) = wait_for_go(go)? else {
         return Ok(None);
     };
@@ -388,7 +405,7 @@ fn prepare_warm(
         place_self(p).map_err(ChildError::Cgroup)?;
         marks.done("placed");
     }
-    let state = advanced(plan.state, plan.template.config(), &id);
+    let state = advanced(&base, plan.template.config(), &id);
     for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {
         let rax = id
             .guest_result
@@ -511,8 +528,9 @@ fn run_clone(
             });
             (state, prepared, (Identity::clone(id), carried))
         }
-        Start::Warm { go, cgroup } => {
-            match prepare_warm(&kvm, plan, *go, cgroup.as_ref(), &mut marks)? {
+        Start::Warm { go, cgroup, prime } => {
+            let start = (*go, cgroup.as_ref(), *prime);
+            match prepare_warm(&kvm, plan, start, &mut marks)? {
                 Some((state, prepared, (id, carried))) => {
                     let carried = carried.map(|(p, fd)| (Cow::Owned(p), fd));
                     (state, prepared, (id, carried))
@@ -539,7 +557,14 @@ fn run_clone(
         (Some(d), Some((payload, conn))) => {
             let conn = Connection::new(std::os::unix::net::UnixStream::from(conn));
             let mem = plan.template.memory();
-            Some(Invoker::in_clone(&config, mem, d, &payload, conn)?)
+            let primed = matches!(plan.start, Start::Warm { prime: Some(_), .. });
+            Some(Invoker::in_clone(
+                &config,
+                mem,
+                d,
+                (&payload, conn),
+                primed,
+            )?)
         }
         _ => None,
     };

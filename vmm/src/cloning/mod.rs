@@ -11,6 +11,7 @@
 //! 5. `child.rs`: in the child, a new VM on the inherited memory, restored, launched,
 //!    and handed to the controller's event loop.
 //! 6. `warm.rs`: for a paused template, stages 4 and 5 done ahead of requests.
+//! 7. `prime.rs`: a ready template's warm clones run its runtime's serving path once.
 //!
 //! `table.rs` keeps every clone's record until it is reaped or stopped.
 //! [`Cloner::make_clones`] below reads the whole path top to bottom. A paused VM's state
@@ -24,6 +25,7 @@ pub mod cgroups;
 mod child;
 mod fork;
 mod forker;
+mod prime;
 mod quiesce;
 mod request;
 mod table;
@@ -378,10 +380,11 @@ impl Cloner {
         .min()
     }
 
-    /// Does the work [`Cloner::due_in`] says is due.
-    pub fn do_due_work(&mut self, vm: &mut Microvm) {
+    /// Does the work [`Cloner::due_in`] says is due. A warm clone made now is primed
+    /// on vCPU `prime` when given (`prime.rs`).
+    pub fn do_due_work(&mut self, vm: &mut Microvm, prime: Option<u8>) {
         if self.warm.due_in(vm) == Some(Duration::ZERO) {
-            self.warm.add(vm, self.cgroups.as_mut(), self.serve);
+            self.warm.add(vm, self.cgroups.as_mut(), self.serve, prime);
         }
         let made = self.table.made();
         if self

@@ -55,6 +55,8 @@ struct WarmClone {
     ready: File,
     /// The cgroup (of the first class) it already sits in, with cgroup pools.
     cgroup: Option<CloneCgroup>,
+    /// Whether it primes itself (`prime.rs`).
+    primed: bool,
 }
 
 /// The warm clones of one paused VM, and the state they were made from.
@@ -71,6 +73,12 @@ pub struct WarmPool {
     discarded: u64,
     /// When clones were last requested.
     last_request: Option<Instant>,
+    /// Whether the last warm clone made was to be primed.
+    priming: bool,
+    /// Warm clones made to be primed.
+    primed: u64,
+    /// A primed warm clone died before its launch: no more are primed.
+    prime_failed: bool,
 }
 
 impl WarmPool {
@@ -88,6 +96,8 @@ impl WarmPool {
             ready: self.clones.len(),
             launched: self.launched,
             discarded: self.discarded,
+            priming: self.priming && !self.prime_failed,
+            primed: self.primed,
         }
     }
 
@@ -101,11 +111,21 @@ impl WarmPool {
         self.last_request = Some(Instant::now());
     }
 
-    /// Whether `pid` was a warm clone (it died: forget it).
+    /// Whether `pid` was a warm clone (it died: forget it). A primed one that died
+    /// before its launch turns priming off for good (its prime failed, most likely: its
+    /// stderr says why), so that the pool does not fork one failing prime after another.
     pub(super) fn reaped(&mut self, pid: i32) -> bool {
-        let before = self.clones.len();
-        self.clones.retain(|c| c.pid != pid);
-        before != self.clones.len()
+        let Some(i) = self.clones.iter().position(|c| c.pid == pid) else {
+            return false;
+        };
+        if self.clones.remove(i).is_some_and(|c| c.primed) && !self.prime_failed {
+            tracing::warn!(
+                "a primed warm clone (pid {pid}) ended before its launch; \
+                 warm clones are no longer primed"
+            );
+            self.prime_failed = true;
+        }
+        true
     }
 
     /// Kills and reaps every warm clone and forgets the captured state. Returns the
@@ -166,15 +186,19 @@ impl WarmPool {
         Ok(s)
     }
 
-    /// Forks one warm clone. Errors are logged; the pool stops growing until the VM
-    /// is paused again.
+    /// Forks one warm clone, to be primed on vCPU `prime` (where the template's
+    /// runtime waits) when given. Errors are logged; the pool stops growing until the
+    /// VM is paused again.
     pub(super) fn add(
         &mut self,
         vm: &mut Microvm,
         pools: Option<&mut ClonePools>,
         serve: ServeClone,
+        prime: Option<u8>,
     ) {
-        if let Err(e) = self.try_add(vm, pools, serve) {
+        let prime = prime.filter(|_| !self.prime_failed);
+        self.priming = prime.is_some();
+        if let Err(e) = self.try_add(vm, pools, serve, prime) {
             tracing::warn!(
                 "cannot make a warm clone: {e}; keeping {}",
                 self.clones.len()
@@ -188,6 +212,7 @@ impl WarmPool {
         vm: &mut Microvm,
         pools: Option<&mut ClonePools>,
         serve: ServeClone,
+        prime: Option<u8>,
     ) -> Result<(), CloneError> {
         let state = self.epoch_state(vm)?;
         let (ready_read, ready_write) = pipe().map_err(CloneError::Os)?;
@@ -201,6 +226,7 @@ impl WarmPool {
         let start = Start::Warm {
             go: go_read.as_raw_fd(),
             cgroup: placement,
+            prime,
         };
         // The VM is paused: every vCPU is parked.
         let forked = fork_child(
@@ -225,7 +251,9 @@ impl WarmPool {
             go: go_write,
             ready: File::from(ready_read),
             cgroup,
+            primed: prime.is_some(),
         });
+        self.primed += u64::from(prime.is_some());
         Ok(())
     }
 

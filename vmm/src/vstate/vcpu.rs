@@ -29,6 +29,9 @@ use devices::Persist;
 use crate::arch::x86_64::msr::{boot_msr_entries, set_msrs_skipping, MsrError};
 use crate::arch::x86_64::regs::{boot_fpu, boot_regs, setup_sregs, EntryPoint, RegsError};
 
+mod prime;
+pub use prime::PrimeError;
+
 /// Errors configuring or running a vCPU.
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
@@ -257,6 +260,15 @@ impl Vcpu {
         let skipped = restore_vcpu(&fd, state)?;
         let Ok(control) = ControlPorts::restore(mailbox, &state.control);
         Ok((Self::new(id, fd, control), skipped))
+    }
+
+    /// This vCPU's state (not running: paused, or not started) and the MSRs the host
+    /// would not read.
+    pub fn save(&self, spec: &CaptureSpec) -> Result<(VcpuState, Vec<u32>), String> {
+        let control = self.control.save();
+        save_vcpu(&self.fd, self.id, spec)
+            .map(|(state, skipped)| (VcpuState { control, ..state }, skipped))
+            .map_err(|e| e.to_string())
     }
 
     /// Re-times a restored vCPU that has not run yet: writes the TSC, then the TSC
@@ -504,10 +516,7 @@ impl Vcpu {
                     }
                 }
                 Some(Command::Capture(spec)) => {
-                    let control = self.control.save();
-                    let r = save_vcpu(&self.fd, self.id, &spec)
-                        .map(|(state, skipped)| (Box::new(VcpuState { control, ..state }), skipped))
-                        .map_err(|e| e.to_string());
+                    let r = (self.save(&spec)).map(|(state, skipped)| (Box::new(state), skipped));
                     let _ = replies.send(Reply::Captured(r));
                 }
                 Some(Command::SetRax(v, defer_ns)) => {

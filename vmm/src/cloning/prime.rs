@@ -1,0 +1,93 @@
+//! Stage 7, primed warm clones: a warm clone of a ready template runs its runtime's
+//! serving path once, before its request comes (docs/invoke.md, "Primed warm clones").
+//!
+//! A clone's VM is new: KVM knows none of its guest's mappings (its shadow page tables,
+//! or EPT on hardware), and none of the guest memory the clone writes has been copied
+//! for it yet. The first time the runtime's code and data are touched in the clone,
+//! each page costs a fault (on this PVM host about 440 faults, 2 ms, for a Python no-op
+//! handler: most of its time). A prime pays them ahead: the warm clone restores its
+//! vCPUs with the clocks moved on to now, writes a prime request (no payload) into its
+//! mailbox and runs only the runtime's vCPU until the runtime has replied and waits
+//! again; the handler is not called. The request then finds the path mapped.
+//!
+//! Only a runtime that says it handles prime requests (in the wait header it leaves
+//! in the mailbox, `devices::mailbox::runtime_features`) is primed. The clone has no
+//! devices and no identity yet: the runtime's vCPU may only answer and wait again;
+//! anything else (another port, MMIO, a halt), or [`PRIME_LIMIT`] passing, ends the
+//! warm clone, and its template primes no more (`warm.rs`). Its guest kernel's RNG is
+//! reseeded at launch as in any clone, after the prime; a prime that stopped inside
+//! the kernel's CRNG key code fails too.
+
+use std::time::Duration;
+
+use clone::MicrovmState;
+use devices::mailbox::{read_reply, ReplyStatus};
+
+use super::child::{prepare, ChildError, ChildPlan, Prepared};
+use crate::invoke::{write_prime, InvokeError};
+use crate::vstate::kvm::KvmContext;
+use crate::vstate::vcpu::{monotonic_ns, PrimeError};
+
+/// How long a prime may take.
+pub const PRIME_LIMIT: Duration = Duration::from_millis(500);
+
+/// Primes a warm clone on vCPU `vcpu`, where the template's runtime waits. Returns the
+/// state the clone is to be launched from (the template's, with that vCPU's as the
+/// prime left it) and its VM, prepared and primed.
+pub(super) fn prime(
+    kvm: &KvmContext,
+    plan: &ChildPlan<'_>,
+    vcpu: u8,
+) -> Result<(MicrovmState, Prepared), ChildError> {
+    let template = plan.template;
+    let config = template.config();
+    let mem = template.memory();
+    let index = (plan.state.vcpus.iter().position(|v| v.id == vcpu))
+        .ok_or_else(|| PrimeError::Left(format!("no vCPU {vcpu} in the template")))?;
+    // The clocks moved on to now, a timer interrupt due deferred as for a request, the
+    // runtime's read returning the prime request's length (0).
+    let mut now = plan.state.clone();
+    now.advance_clocks(monotonic_ns().saturating_sub(now.captured_at_ns));
+    if config.tick_defer_ns() > 0 {
+        for v in &mut now.vcpus {
+            v.defer_timer(config.tick_defer_ns());
+        }
+    }
+    now.vcpus[index].regs.rax = 0;
+    let mut prepared = prepare(kvm, &now, mem, config.mailbox())?;
+    clone::vm::restore_vm(&prepared.vm, &now.vm)?;
+    write_prime(mem, config.mailbox(), PRIME_LIMIT.as_millis() as u64)
+        .map_err(InvokeError::from)?;
+    // A runtime that fails its prime would fail requests the same way: not primed.
+    let (reply_mem, window) = (mem.clone(), config.mailbox());
+    let check = move |length| match read_reply(&reply_mem, window, length) {
+        Ok((h, _)) if h.status == ReplyStatus::Ok => Ok(()),
+        Ok((_, text)) => Err(format!(
+            "it answered with an error: {}",
+            String::from_utf8_lossy(&text)
+        )),
+        Err(e) => Err(format!("a bad reply: {e}")),
+    };
+    let runtime = prepared.vcpus.remove(index).prime(PRIME_LIMIT, check)?;
+    let crng = template.devices().crng.registration.layout();
+    if crng.is_some_and(|l| l.busy(mem)) {
+        let why = "it stopped inside the guest kernel's CRNG key code";
+        return Err(PrimeError::Left(why.into()).into());
+    }
+    let (mut primed, _) = (runtime.save(template.capture_spec()))
+        .map_err(|e| PrimeError::Left(format!("cannot save its vCPU: {e}")))?;
+    prepared.vcpus.insert(index, runtime);
+    // Its TSC as the template's: the launch moves every vCPU's clock and the VM's on
+    // from the template's capture, as in any warm clone (the guest's clocks stay
+    // monotonic: the launch is later than the prime).
+    let template_tsc =
+        (plan.state.vcpus[index].msrs.iter()).find(|m| m.index == clone::msrs::MSR_IA32_TSC);
+    for m in &mut primed.msrs {
+        if let (clone::msrs::MSR_IA32_TSC, Some(t)) = (m.index, template_tsc) {
+            m.data = t.data;
+        }
+    }
+    let mut state = plan.state.clone();
+    state.vcpus[index] = primed;
+    Ok((state, prepared))
+}

@@ -370,15 +370,22 @@ def runtimes(a):
     clients = [int(c) for c in a.clients.split(",")]
     warm = ["--template", "--warm-clones", "8"]
     py_cmd = f"python3 -c 'import forkvm_examples as m; print(m.noop(b\"\"))'"
-    s = {k: [] for k in ["c", "c_norng", "py", "sock", "c_handler", "c_norng_handler",
-                         "py_handler", "c_clone"]}
+    latency_vms = ["c", "c_unprimed", "c_norng", "py", "py_unprimed"]
+    s = {k: [] for k in latency_vms + [k + "_handler" for k in latency_vms]
+         + ["sock", "c_clone"]}
+    primed = {k: 0 for k in latency_vms}
     with tempfile.TemporaryDirectory(prefix="forkvm-invoke-", dir="/dev/shm") as tmp:
         vms = {
             "c": linux_vm(tmp, "c", run="forkvm-fn echo", extra=warm),
+            "c_unprimed": linux_vm(tmp, "c-unprimed", run="forkvm-fn echo",
+                                   extra=warm + ["--no-prime"]),
             "c_norng": linux_vm(tmp, "c-norng", run="forkvm-fn echo",
                                 cmdline="forkvm.crng=off", extra=warm),
             "py": linux_vm(tmp, "py", root="python.ext4",
                            run=f"python3 -m forkvm {PY_NOOP}", extra=warm),
+            "py_unprimed": linux_vm(tmp, "py-unprimed", root="python.ext4",
+                                    run=f"python3 -m forkvm {PY_NOOP}",
+                                    extra=warm + ["--no-prime"]),
         }
         if a.exec_runs:
             vms["agent"] = linux_vm(tmp, "agent", cmdline="forkvm.agent=1024",
@@ -388,7 +395,7 @@ def runtimes(a):
                                        extra=["--vsock", os.path.join(tmp, "py-agent.vsock")])
         zyg_p, zyg_path = start_zygote(tmp, PY_NOOP)
         try:
-            for k in ["c", "c_norng", "py"]:
+            for k in latency_vms:
                 wait_vm(vms[k][0], vms[k][1], ready_template(8))
             for k in [k for k in ["agent", "py_agent"] if k in vms]:
                 wait_vm(vms[k][0], vms[k][1], lambda v: v["state"] == "running")
@@ -402,13 +409,15 @@ def runtimes(a):
             for _ in range(a.rounds):
                 # The templates run with the defaults: idle refresh and timer deferral
                 # (docs/invoke.md; benches/idle.py measures them).
-                for k, expect in [("c", payload), ("c_norng", payload), ("py", b"")]:
+                for k in latency_vms:
                     sock = vms[k][1]
+                    expect = b"" if k.startswith("py") else payload
                     for _ in range(a.runs):
                         wait_warm(sock, 8, timeout=60)
                         t, h = invoke(sock, payload, expect=expect)
                         s[k].append(t * 1e3)
                         s[k + "_handler"].append(int(h["x-forkvm-handler-us"]) / 1e3)
+                        primed[k] += h.get("x-forkvm-primed") == "true"
                         if k == "c":
                             s["c_clone"].append(int(h["x-forkvm-clone-us"]) / 1e3)
                 for _ in range(a.runs):
@@ -424,6 +433,9 @@ def runtimes(a):
             throughput_rows(vms["c"][1], clients, a.seconds, payload)
             print(f"\nThroughput, Python no-op, {a.seconds} s per row\n\n{THROUGHPUT_HEAD}")
             throughput_rows(vms["py"][1], clients, a.seconds, payload, expect=b"")
+            print(f"\nThroughput, Python no-op, --no-prime, {a.seconds} s per row\n\n"
+                  f"{THROUGHPUT_HEAD}")
+            throughput_rows(vms["py_unprimed"][1], clients, a.seconds, payload, expect=b"")
         finally:
             stop_all(vms.values())
             zyg_p.kill()
@@ -440,9 +452,12 @@ def runtimes(a):
           f"(ms; ratio of medians to the Python row)\n")
     print("| request to reply (client) | min | median | p99 | vs Python |")
     print("|---|---|---|---|---|")
-    print(row("C runtime echo, fresh warm clone", s["c"], base))
-    print(row("C runtime echo, fresh warm clone, kernel RNG reseed off", s["c_norng"], base))
-    print(row("Python no-op, fresh warm clone", s["py"], base))
+    print(row("C runtime echo, fresh primed warm clone", s["c"], base))
+    print(row("C runtime echo, fresh warm clone, --no-prime", s["c_unprimed"], base))
+    print(row("C runtime echo, fresh primed warm clone, kernel RNG reseed off",
+              s["c_norng"], base))
+    print(row("Python no-op, fresh primed warm clone", s["py"], base))
+    print(row("Python no-op, fresh warm clone, --no-prime", s["py_unprimed"], base))
     print(row("SOCK mechanism: host Python zygote forks per request, same handler",
               s["sock"], base))
     if a.exec_runs:
@@ -458,8 +473,12 @@ def runtimes(a):
     print("|---|---|---|---|")
     print(row("C: arrival to clone running with the request", s["c_clone"]))
     print(row("C: handler (clone running to reply written)", s["c_handler"]))
+    print(row("C, --no-prime: handler", s["c_unprimed_handler"]))
     print(row("C, RNG reseed off: handler", s["c_norng_handler"]))
     print(row("Python: handler", s["py_handler"]))
+    print(row("Python, --no-prime: handler", s["py_unprimed_handler"]))
+    print("\nServed by a primed warm clone: " + ", ".join(
+        f"{k} {primed[k]} of {len(s[k])}" for k in latency_vms))
 
 
 def main():

@@ -96,6 +96,8 @@ fn echoed(r: &Response, payload: &[u8]) -> (u64, u64, Vec<u8>) {
         let v: u64 = r.header(h).unwrap().parse().unwrap();
         assert!(v < 60_000_000, "{h}: {v}");
     }
+    // The tiny guest does not declare prime requests: never primed.
+    assert_eq!(r.header("x-forkvm-primed"), Some("false"));
     (clone, seq, t[16..].to_vec())
 }
 
@@ -145,6 +147,7 @@ fn a_thousand_invocations_each_in_a_fresh_clone_echo_byte_for_byte_and_leak_noth
             && children_of(pid).len() == 4
             && leftovers(&scratch).is_empty()
     });
+    assert_eq!(vm.describe()["warm_clones"]["priming"], false);
     let fds = count_dir(format!("/proc/{pid}/fd"));
     let threads = count_dir(format!("/proc/{pid}/task"));
     let mut clones = HashSet::new();

@@ -77,6 +77,28 @@ fn ready_template(
     vm
 }
 
+/// Waits until `vm`'s two warm clones are ready and checks they are primed (both
+/// runtimes declare prime requests).
+fn wait_primed(vm: &Vm) {
+    wait_until("two primed warm clones", Duration::from_secs(30), || {
+        vm.describe()["warm_clones"]["ready"] == 2
+    });
+    let warm = &vm.describe()["warm_clones"];
+    assert_eq!(warm["priming"], true, "{warm}");
+    assert!(warm["primed"].as_u64().unwrap() >= 2, "{warm}");
+}
+
+/// Checks an `info` reply's count of handler calls (1: a prime is no call) and returns
+/// whether the answer came from a primed warm clone.
+fn first_call_primed(r: &Response, calls: &str) -> bool {
+    assert_eq!(calls, "1", "the handler's calls in its clone");
+    match r.header("x-forkvm-primed") {
+        Some("true") => true,
+        Some("false") => false,
+        other => panic!("x-forkvm-primed: {other:?}"),
+    }
+}
+
 /// What both runtimes' `info` handlers do with `sleep S` and `exit N`: past the
 /// timeout, 504 (the clone is stopped); the runtime exiting (`exit`, `os._exit`), init
 /// reports the status and powers the clone off: 502 with the console tail.
@@ -160,6 +182,9 @@ fn linux_c_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_fai
     // 20 invocations: each in its own clone (its own number and generation), each
     // reads its own kernel random bytes (reseeded by the VMM, not by the runtime) and
     // gets its own userspace PRNG seed from the request's entropy; input byte for byte.
+    // The first goes to a primed warm clone, whose runtime ran its loop once without
+    // calling the handler.
+    wait_primed(&vm);
     let mut seen: [Vec<String>; 4] = Default::default();
     for i in 0..CLONES {
         let payload = format!("hello {i} \u{e9}\u{1f600}");
@@ -167,6 +192,8 @@ fn linux_c_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_every_fai
         assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.header("x-forkvm-outcome"), Some("ok"));
         let reply = String::from_utf8(r.bytes.clone()).unwrap();
+        let primed = first_call_primed(&r, field(&reply, "calls"));
+        assert!(primed || i > 0, "the first invocation was not primed");
         assert_eq!(field(&reply, "input"), payload);
         assert_eq!(Some(field(&reply, "seq")), r.header("x-forkvm-clone-id"));
         assert_eq!(field(&reply, "urandom").len(), 64, "{reply}");
@@ -268,12 +295,16 @@ fn linux_python_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_ever
     // 20 invocations, each in its own clone: the input back, the clone's number, 32
     // bytes of os.urandom (the VMM rekeyed the kernel RNG) and random.random() (the
     // runtime reseeded it from the request's entropy), all distinct.
+    // The first in a primed warm clone (the handler not called by the prime).
+    wait_primed(&vm);
     let mut seen: [Vec<String>; 3] = Default::default();
     for i in 0..CLONES {
         let payload = format!("py {i} \u{e9}");
         let r = invoke(&vm.sock, &payload);
         assert_eq!(r.status, 200, "{}", r.body);
         let v: Value = serde_json::from_slice(&r.bytes).unwrap();
+        let primed = first_call_primed(&r, &v["calls"].to_string());
+        assert!(primed || i > 0, "the first invocation was not primed");
         assert_eq!(v["input"], payload.as_str());
         assert_eq!(
             v["clone"].to_string(),

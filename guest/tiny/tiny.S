@@ -38,6 +38,9 @@
  *             fail, hang, crash or reply wrongly instead
  *   rewait=N  with invoke=1, after a read that returns "no request", spin N million
  *             TSC cycles before waiting again (a runtime slow to come back)
+ *   prime=N   with invoke=1, declare prime requests in a wait header before each
+ *             wait; 1: answer a prime request at once (no handler); 2: write the
+ *             serial port first (a prime that leaves the serving path, for tests)
  *
  * See docs/tiny-guest.md.
  */
@@ -64,6 +67,7 @@
 #define MAILBOX_ADDR_PORT 0xf84 /* forkvm: the mailbox's guest-physical address */
 #define MAILBOX_SIZE_PORT 0xf88 /* forkvm: the mailbox's size */
 #define REPLY_MAGIC     0x50524b46 /* "FKRP" */
+#define WAIT_MAGIC      0x54574b46 /* "FKWT" */
 #define TRAILER_BYTES   48
 
     .code32
@@ -333,13 +337,20 @@ invoke_loop:
     call lock_serial
     call puts
     call unlock_serial
-1:  movl $INVOKE_PORT, %edx
+1:  cmpq $0, opt_prime(%rip)
+    je   6f
+    movl $WAIT_MAGIC, (%r15)        /* prime=: the wait header, feature 1 (prime) */
+    movl $1, 4(%r15)                /* version 1, 2 bytes zero */
+    movl $1, 8(%r15)
+6:  movl $INVOKE_PORT, %edx
     inl  %dx, %eax                  /* parks until a request is in the mailbox */
     cmpl $0xffffffff, %eax
     jne  5f
     call rewait_spin                /* no request: wait again, after rewait= */
     jmp  1b
 5:  movl %eax, %ecx                 /* rcx = payload length */
+    cmpw $2, 6(%r15)                /* a prime request: no handler */
+    je   inv_prime
     xorl %eax, %eax
     cmpl $4, %ecx
     jb   2f
@@ -381,6 +392,15 @@ inv_reply:                          /* ecx = length, eax = status */
     movl $INVOKE_PORT, %edx
     outl %eax, %dx                  /* parks until the VMM took the reply */
     jmp  1b
+inv_prime:
+    cmpq $2, opt_prime(%rip)
+    jne  7f
+    movb $'!', %al                  /* prime=2: a port the prime may not use */
+    movw $COM1, %dx
+    outb %al, %dx
+7:  xorl %ecx, %ecx
+    xorl %eax, %eax
+    jmp  inv_reply
 inv_fail:
     leaq msg_failed(%rip), %rsi
     leaq 64(%r15), %rdi
@@ -724,6 +744,9 @@ parse_cmdline:
     leaq key_rewait(%rip), %rdi
     leaq opt_rewait(%rip), %rdx
     call cmdline_opt
+    leaq key_prime(%rip), %rdi
+    leaq opt_prime(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -799,6 +822,7 @@ msg_dirty:      .asciz "tiny: dirty pass "
 key_invoke:     .asciz "invoke="
 msg_invoke:     .asciz "tiny: invoke ready\n"
 key_rewait:     .asciz "rewait="
+key_prime:      .asciz "prime="
 msg_failed:     .ascii "tiny: the handler failed"
 msg_failed_end:
 null_idt:
@@ -832,6 +856,7 @@ opt_probespin: .quad 0
 opt_dirty:   .quad 0
 opt_invoke:  .quad 0
 opt_rewait:  .quad 0
+opt_prime:   .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

@@ -96,8 +96,6 @@ fn echoed(r: &Response, payload: &[u8]) -> (u64, u64, Vec<u8>) {
         let v: u64 = r.header(h).unwrap().parse().unwrap();
         assert!(v < 60_000_000, "{h}: {v}");
     }
-    // The tiny guest does not declare prime requests: never primed.
-    assert_eq!(r.header("x-forkvm-primed"), Some("false"));
     (clone, seq, t[16..].to_vec())
 }
 
@@ -161,7 +159,10 @@ fn a_thousand_invocations_each_in_a_fresh_clone_echo_byte_for_byte_and_leak_noth
             _ => (i * 7919) % 5000,
         };
         let payload: Vec<u8> = (0..len).map(|b| (b * 31 + i) as u8).collect();
-        let (clone, seq, e) = echoed(&invoke(&vm.sock, &payload), &payload);
+        let r = invoke(&vm.sock, &payload);
+        // Without prime=, the tiny guest does not declare prime requests.
+        assert_eq!(r.header("x-forkvm-primed"), Some("false"));
+        let (clone, seq, e) = echoed(&r, &payload);
         assert_eq!(seq, 1, "a fresh clone serves its first request");
         assert!(clones.insert(clone), "clone {clone} served twice");
         assert!(entropy.insert(e), "entropy repeated at invocation {i}");
@@ -633,4 +634,76 @@ fn a_busy_keep_alive_runtime_is_refreshed_when_its_timer_was_deferred_too_long()
     let deferred = refreshes_when_busy("10");
     assert!((2..=4).contains(&deferred), "{deferred} refreshes in 3 s");
     assert_eq!(refreshes_when_busy("0"), 0);
+}
+
+#[test]
+fn primed_warm_clones_serve_their_request_and_a_failed_prime_turns_priming_off() {
+    if !kvm_available("invoke_primed") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    // prime=1: the runtime declares prime requests and answers them without its
+    // handler. Every warm clone is primed; each request is still its clone's first
+    // (sequence 1), with its own entropy.
+    let scratch = Scratch::new("invoke-primed");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=1",
+        &["--warm-clones", "2"],
+    );
+    let pid = vm.child.id();
+    let mut entropy = HashSet::new();
+    for i in 0..10 {
+        wait_until("two warm clones", || {
+            vm.describe()["warm_clones"]["ready"] == 2
+        });
+        let r = invoke(&vm.sock, b"primed echo");
+        assert_eq!(r.header("x-forkvm-primed"), Some("true"), "invocation {i}");
+        let (_, seq, e) = echoed(&r, b"primed echo");
+        assert_eq!(seq, 1, "the prime is no request of the clone's");
+        assert!(entropy.insert(e), "entropy repeated at invocation {i}");
+    }
+    let warm = &vm.describe()["warm_clones"];
+    assert_eq!(warm["priming"], true, "{warm}");
+    assert!(warm["primed"].as_u64().unwrap() >= 11, "{warm}");
+    wait_until("the clones to be reaped", || {
+        children_of(pid).len() == 2 && leftovers(&scratch).is_empty()
+    });
+    drop(vm);
+
+    // prime=2: the prime writes the serial port, which a warm clone without devices
+    // cannot serve: the warm clone ends, the template stops priming and serves on with
+    // warm clones that are not primed, and nothing is left behind.
+    let scratch = Scratch::new("invoke-prime-fails");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=2",
+        &["--warm-clones", "2"],
+    );
+    let pid = vm.child.id();
+    wait_until("priming to be turned off and two warm clones", || {
+        let warm = &vm.describe()["warm_clones"];
+        warm["priming"] == false && warm["ready"] == 2
+    });
+    assert!(
+        vm.stderr_text()
+            .contains("prime failed: the runtime left its serving path"),
+        "{}",
+        vm.stderr_text()
+    );
+    for _ in 0..5 {
+        let r = invoke(&vm.sock, b"after a failed prime");
+        assert_eq!(r.header("x-forkvm-primed"), Some("false"));
+        echoed(&r, b"after a failed prime");
+    }
+    wait_until("the clones to be reaped", || {
+        children_of(pid).len() == 2 && leftovers(&scratch).is_empty()
+    });
+    assert!(
+        !std::fs::read_to_string(scratch.path("console"))
+            .unwrap_or_default()
+            .contains('!'),
+        "the failed prime's serial write reached the template's console"
+    );
+    drop(vm);
 }

@@ -1,0 +1,104 @@
+//! What can go wrong, and whose it is ([`ErrorKind`]).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use api_types::Outcome;
+
+/// Whose failure an [`Error`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The caller's: a request the VMM refused as given (bad options, a payload too
+    /// large, a VM that takes no invocation now). Retrying the same request fails again.
+    Caller,
+    /// The guest's: the handler failed, the runtime's reply was bad, the guest stopped,
+    /// or the handler did not answer in time. The template serves on.
+    Guest,
+    /// The host's: the VMM could not start, died, could not be reached, or had no
+    /// resources (a cgroup pool exhausted); or a call timed out.
+    Host,
+}
+
+/// Errors of the library's calls.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The VMM refused the request (4xx).
+    #[error("the VMM refused the request ({status}): {message}")]
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// The VMM's error text.
+        message: String,
+    },
+    /// The invocation reached the guest and ended otherwise than with a reply.
+    #[error("the invocation ended {}: {message}", outcome.as_str())]
+    Invocation {
+        /// How it ended.
+        outcome: Outcome,
+        /// The HTTP status.
+        status: u16,
+        /// The VMM's error text (the runtime's, and the clone's console tail).
+        message: String,
+    },
+    /// The VMM failed the request for want of host resources, or a host failure (5xx
+    /// before any guest was involved).
+    #[error("the VMM could not serve the request ({status}): {message}")]
+    Unavailable {
+        /// The HTTP status.
+        status: u16,
+        /// The VMM's error text.
+        message: String,
+    },
+    /// The `vmm` program could not be started.
+    #[error("cannot start {program}: {source}")]
+    Spawn {
+        /// The program.
+        program: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The VMM exited (before it was ready, or since).
+    #[error("the VMM exited ({status}); its console ends with:\n{console}")]
+    Exited {
+        /// How it exited.
+        status: String,
+        /// The last lines of its console.
+        console: String,
+    },
+    /// A call did not finish in time.
+    #[error("{what} did not finish within {after:?}")]
+    Timeout {
+        /// The call.
+        what: &'static str,
+        /// The time it had.
+        after: Duration,
+    },
+    /// The control socket could not be used.
+    #[error("control socket {path}: {source}")]
+    Socket {
+        /// The socket.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// HTTP on the control socket failed.
+    #[error("HTTP on the control socket: {0}")]
+    Http(#[from] hyper::Error),
+    /// The VMM's answer could not be read.
+    #[error("unexpected answer from the VMM: {0}")]
+    Protocol(String),
+    /// Files for the template (its directory) could not be made.
+    #[error("cannot make the template's directory: {0}")]
+    Files(std::io::Error),
+}
+
+impl Error {
+    /// Whose failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Refused { .. } => ErrorKind::Caller,
+            Error::Invocation { .. } => ErrorKind::Guest,
+            _ => ErrorKind::Host,
+        }
+    }
+}

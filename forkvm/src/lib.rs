@@ -1,0 +1,45 @@
+//! forkvm as a library for FaaS schedulers.
+//!
+//! A [`Template`] is a `vmm run --template` process this library starts and owns: a
+//! guest whose runtime waits for requests on the invoke port, paused there, with warm
+//! clones ready. [`Template::invoke`] runs a request's payload through the handler in a
+//! fresh clone and returns its [`Reply`]. Everything is async on tokio; [`blocking`]
+//! wraps it for callers without a runtime. The library has no KVM dependency: it speaks
+//! the VMM's control API (`api-types`) on its Unix socket.
+//!
+//! ```
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+//! # let tiny = root.join("target/guest/tiny.elf");
+//! # let vmm = root.join("target/debug/vmm");
+//! # if !std::path::Path::new("/dev/kvm").exists() || !tiny.exists() || !vmm.exists() {
+//! #     assert!(std::env::var_os("CI").is_none(), "CI needs /dev/kvm, tiny.elf and vmm");
+//! #     eprintln!("SKIPPED: no /dev/kvm, target/guest/tiny.elf or target/debug/vmm");
+//! #     return Ok(());
+//! # }
+//! use forkvm::{InvokeOptions, TemplateSpec};
+//!
+//! // forkvm's tiny test guest: its runtime echoes the payload (and a trailer).
+//! let mut spec = TemplateSpec::new(&tiny);
+//! spec.vmm = vmm;
+//! spec.cmdline = Some("invoke=1".into());
+//! spec.mem_mib = 64;
+//! spec.args = vec!["--ap-boot".into(), "direct".into()];
+//! let template = forkvm::blocking::Template::start(spec)?;
+//! let reply = template.invoke(&b"hello"[..], &InvokeOptions::default())?;
+//! assert!(reply.body.starts_with(b"hello"));
+//! println!("clone {} answered in {} us", reply.clone_id, reply.total_us);
+//! template.shutdown()?;
+//! # Ok(())
+//! # }
+//! ```
+#![deny(missing_docs)]
+
+pub mod blocking;
+mod error;
+mod http;
+mod template;
+
+pub use api_types::{InvokeOptions, Outcome, VmInfo};
+pub use error::{Error, ErrorKind};
+pub use template::{Reply, Template, TemplateSpec};

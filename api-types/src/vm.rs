@@ -130,7 +130,7 @@ pub struct HostReport {
 pub struct WarmReport {
     /// Kept ready while the VM is paused.
     pub target: usize,
-    /// Forked and waiting now.
+    /// Forked and waiting now, ready to launch (a primed one once its prime is done).
     pub ready: usize,
     /// Launched on requests so far.
     pub launched: u64,

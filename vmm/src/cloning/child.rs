@@ -381,6 +381,10 @@ fn prepare_warm(
     let (base, prepared) = match prime {
         Some(vcpu) => {
             let (state, prepared) = super::prime::prime(kvm, plan, vcpu)?;
+            // Tells the parent it may launch this clone (`warm::WarmClone::launchable`).
+            let flags = nix::sys::socket::MsgFlags::MSG_NOSIGNAL;
+            nix::sys::socket::send(go, &[1], flags)
+                .map_err(|e| ChildError::Go(format!("cannot report the prime: {e}")))?;
             (Cow::Owned(state), prepared)
         }
         None => {

@@ -57,6 +57,45 @@ struct WarmClone {
     cgroup: Option<CloneCgroup>,
     /// Whether it primes itself (`prime.rs`).
     primed: bool,
+    /// Whether it said its prime is done (a byte on its go channel).
+    prime_done: bool,
+}
+
+/// Whether a warm clone can be launched now.
+enum Launchable {
+    Yes,
+    /// Its prime runs still.
+    Priming,
+    /// It ended before its launch (its prime failed).
+    Ended,
+}
+
+impl WarmClone {
+    /// Whether it could be launched now (a primed one: its prime is done), without
+    /// taking its report off its channel.
+    fn ready_now(&self) -> bool {
+        use nix::sys::socket::{recv, MsgFlags};
+        let mut byte = [0u8; 1];
+        let peek = MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_PEEK;
+        !self.primed || self.prime_done || recv(self.go.as_raw_fd(), &mut byte, peek) == Ok(1)
+    }
+
+    fn launchable(&mut self) -> Launchable {
+        use nix::sys::socket::{recv, MsgFlags};
+        if !self.primed || self.prime_done {
+            return Launchable::Yes;
+        }
+        let mut byte = [0u8; 1];
+        match recv(self.go.as_raw_fd(), &mut byte, MsgFlags::MSG_DONTWAIT) {
+            Ok(1) => {
+                self.prime_done = true;
+                Launchable::Yes
+            }
+            Err(nix::errno::Errno::EAGAIN) => Launchable::Priming,
+            // End of stream, or an error: it is gone.
+            _ => Launchable::Ended,
+        }
+    }
 }
 
 /// The warm clones of one paused VM, and the state they were made from.
@@ -93,7 +132,7 @@ impl WarmPool {
     pub fn report(&self) -> WarmReport {
         WarmReport {
             target: self.target,
-            ready: self.clones.len(),
+            ready: self.clones.iter().filter(|c| c.ready_now()).count(),
             launched: self.launched,
             discarded: self.discarded,
             priming: self.priming && !self.prime_failed,
@@ -118,14 +157,20 @@ impl WarmPool {
         let Some(i) = self.clones.iter().position(|c| c.pid == pid) else {
             return false;
         };
-        if self.clones.remove(i).is_some_and(|c| c.primed) && !self.prime_failed {
+        if self.clones.remove(i).is_some_and(|c| c.primed) {
+            self.prime_ended(pid);
+        }
+        true
+    }
+
+    fn prime_ended(&mut self, pid: i32) {
+        if !self.prime_failed {
             tracing::warn!(
                 "a primed warm clone (pid {pid}) ended before its launch; \
                  warm clones are no longer primed"
             );
             self.prime_failed = true;
         }
-        true
     }
 
     /// Kills and reaps every warm clone and forgets the captured state. Returns the
@@ -143,11 +188,32 @@ impl WarmPool {
         pids
     }
 
-    /// Takes a warm clone, if one is ready.
-    fn take(&mut self) -> Option<WarmClone> {
-        let c = self.clones.pop_front()?;
-        self.launched += 1;
-        Some(c)
+    /// Takes the first warm clone that can be launched, if any: a primed one once it
+    /// said its prime is done. Those still priming stay in the pool; one that ended is
+    /// reaped (its cgroup given back) and priming turned off.
+    fn take(&mut self, mut pools: Option<&mut ClonePools>) -> Option<WarmClone> {
+        let mut priming = VecDeque::new();
+        let found = loop {
+            let Some(mut c) = self.clones.pop_front() else {
+                break None;
+            };
+            match c.launchable() {
+                Launchable::Yes => break Some(c),
+                Launchable::Priming => priming.push_back(c),
+                Launchable::Ended => {
+                    let _ = waitpid(Pid::from_raw(c.pid), None);
+                    if let Some(p) = pools.as_deref_mut() {
+                        p.exited(c.pid);
+                    }
+                    self.prime_ended(c.pid);
+                }
+            }
+        };
+        while let Some(c) = priming.pop_back() {
+            self.clones.push_front(c);
+        }
+        self.launched += u64::from(found.is_some());
+        found
     }
 
     /// Discards every warm clone (the template changed) and returns their cgroups.
@@ -252,6 +318,7 @@ impl WarmPool {
             ready: File::from(ready_read),
             cgroup,
             primed: prime.is_some(),
+            prime_done: false,
         });
         self.primed += u64::from(prime.is_some());
         Ok(())
@@ -265,7 +332,7 @@ impl WarmPool {
         mut pools: Option<&mut ClonePools>,
     ) -> Option<(i32, File, Option<CloneCgroup>)> {
         loop {
-            let c = self.take()?;
+            let c = self.take(pools.as_deref_mut())?;
             if send_go(&c.go, identity).is_ok() {
                 return Some((c.pid, c.ready, c.cgroup));
             }

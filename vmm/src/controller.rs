@@ -298,8 +298,8 @@ impl Vmm {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(RunError::EventLoop(e)),
             };
-            let prime = self.invoker.prime_vcpu(&self.vm);
-            self.clones.do_due_work(&mut self.vm, prime);
+            let invoker = &self.invoker;
+            (self.clones).do_due_work(&mut self.vm, |vm| invoker.prime_vcpu(vm));
             for f in self.invoker.expire() {
                 if let Some(outcome) = self.answer(f) {
                     break 'run outcome;

@@ -381,9 +381,10 @@ impl Cloner {
     }
 
     /// Does the work [`Cloner::due_in`] says is due. A warm clone made now is primed
-    /// on vCPU `prime` when given (`prime.rs`).
-    pub fn do_due_work(&mut self, vm: &mut Microvm, prime: Option<u8>) {
+    /// on the vCPU `prime` gives, if any (`prime.rs`); asked only when one is made.
+    pub fn do_due_work(&mut self, vm: &mut Microvm, prime: impl FnOnce(&Microvm) -> Option<u8>) {
         if self.warm.due_in(vm) == Some(Duration::ZERO) {
+            let prime = prime(vm);
             self.warm.add(vm, self.cgroups.as_mut(), self.serve, prime);
         }
         let made = self.table.made();

@@ -50,6 +50,15 @@ pub struct InvokeOptions {
     /// socket (the answer's `x-forkvm-socket`) instead of ending.
     #[serde(default)]
     pub keep_alive: bool,
+    /// Derive a template: the payload goes to the runtime's **loader** (a load
+    /// request, mailbox kind 3: the Python runtime imports packages and loads a
+    /// handler's source), not to its handler, and once the runtime replied and waits
+    /// again the clone is a template of its own (paused there, with warm clones),
+    /// serving invocations on its socket (the answer's `x-forkvm-socket`) until it is
+    /// stopped. Refused (409) unless the runtime declared that it loads (its wait
+    /// header's feature bit 1). Implies `keep_alive`.
+    #[serde(default)]
+    pub derive: bool,
     /// The clone's disk rate limit (`bytes=2M,ops=100`).
     #[serde(
         default,
@@ -77,6 +86,11 @@ pub struct InvokeOptions {
 }
 
 impl InvokeOptions {
+    /// Whether the VM that serves the request stays after it (keep-alive, or derive).
+    pub fn stays(&self) -> bool {
+        self.keep_alive || self.derive
+    }
+
     /// The timeout asked for, or the default.
     pub fn timeout_ms(&self) -> u64 {
         self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS)
@@ -182,6 +196,12 @@ pub struct InvokeReport {
     /// How far a guest timer interrupt already due at a request's delivery is moved
     /// on, in ms (0: not).
     pub tick_defer_ms: u64,
+    /// The memory this VMM process alone holds, in KiB (its private pages: the guest
+    /// memory it wrote since it was cloned or booted, its own heap), measured when it
+    /// last paused as a template, before its warm clones were made. What stopping the
+    /// template would free at least; pages shared with its parent or its clones are
+    /// not counted. None: never paused as a template, or `/proc` not readable.
+    pub own_memory_kib: Option<u64>,
 }
 
 #[cfg(test)]

@@ -34,10 +34,16 @@ pub const KIND_INVOKE: u16 = 1;
 /// Request kind: a dry run of the serving path without the handler (empty payload),
 /// sent only to a runtime that declared [`FEATURE_PRIME`]; its reply is dropped.
 pub const KIND_PRIME: u16 = 2;
+/// Request kind: the payload is for the runtime's loader, not its handler (a template
+/// derived from this one: the Python runtime imports packages and loads a handler's
+/// source); sent only to a runtime that declared [`FEATURE_LOAD`].
+pub const KIND_LOAD: u16 = 3;
 /// "FKWT": a wait header, which a runtime may leave before it waits.
 pub const WAIT_MAGIC: u32 = u32::from_le_bytes(*b"FKWT");
 /// Runtime feature (in its wait header): it answers [`KIND_PRIME`] requests.
 pub const FEATURE_PRIME: u32 = 1;
+/// Runtime feature (in its wait header): it answers [`KIND_LOAD`] requests.
+pub const FEATURE_LOAD: u32 = 2;
 /// Request flag: the runtime waits for further requests after this one (keep-alive).
 pub const FLAG_KEEP_ALIVE: u32 = 1;
 /// Bytes of fresh host entropy in every request header.
@@ -97,7 +103,7 @@ pub fn runtime_features<M: GuestMemory>(mem: &M, window: MailboxWindow) -> u32 {
 /// A request's header, as the VMM writes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestHeader {
-    /// [`KIND_INVOKE`] or [`KIND_PRIME`].
+    /// [`KIND_INVOKE`], [`KIND_PRIME`] or [`KIND_LOAD`].
     pub kind: u16,
     /// [`FLAG_KEEP_ALIVE`] or 0.
     pub flags: u32,

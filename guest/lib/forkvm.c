@@ -100,7 +100,8 @@ int forkvm_wait(struct forkvm_request *req)
     BARRIER();
     const uint8_t *h = mailbox;
     uint16_t kind = get16(h + 6);
-    int known = kind == FORKVM_KIND_INVOKE || (kind == FORKVM_KIND_PRIME && (features & FORKVM_PRIME));
+    int known = kind == FORKVM_KIND_INVOKE || (kind == FORKVM_KIND_PRIME && (features & FORKVM_PRIME)) ||
+                (kind == FORKVM_KIND_LOAD && (features & FORKVM_LOAD));
     if (get32(h) != REQUEST_MAGIC || get16(h + 4) != LAYOUT_VERSION || !known ||
         get32(h + 12) != len || len > mailbox_size - HEADER_LEN)
         return -EPROTO;

@@ -34,7 +34,7 @@ struct forkvm_request {
     uint64_t sequence;                        /* this VM's invocation number (1, 2, ...) */
     uint32_t timeout_ms;                      /* how long the caller waits */
     uint8_t entropy[FORKVM_ENTROPY_LEN];      /* fresh from the host, per request */
-    uint16_t kind;                            /* FORKVM_KIND_INVOKE or FORKVM_KIND_PRIME */
+    uint16_t kind;                            /* FORKVM_KIND_INVOKE, _PRIME or _LOAD */
 };
 
 /* Request kinds. A prime request comes only to a runtime that enabled FORKVM_PRIME: it
@@ -43,9 +43,14 @@ struct forkvm_request {
  * the reply is dropped); payload empty. */
 #define FORKVM_KIND_INVOKE 1
 #define FORKVM_KIND_PRIME 2
+/* A load request comes only to a runtime that enabled FORKVM_LOAD: its payload is for
+ * the runtime's loader, not the handler; once the runtime replied ok and waits again,
+ * its VM is a template of its own (a derived template, docs/invoke.md). */
+#define FORKVM_KIND_LOAD 3
 
 /* Features a runtime enables with forkvm_enable(). */
 #define FORKVM_PRIME 1u
+#define FORKVM_LOAD 2u
 
 /* Port access and the mailbox mapped (idempotent). 0, or -ENODEV (not forkvm, or no
  * mailbox: the VM needs --mailbox-mib), -EPROTO (unknown mailbox layout), -errno. */

@@ -6,6 +6,7 @@
 or, from the command line (the image's init runs this with ``forkvm.run=``):
 
     python3 -m forkvm MODULE:FUNCTION
+    python3 -m forkvm              # a zygote: no handler until one is loaded
 
 ``serve`` imports nothing more and maps the mailbox (libforkvm, through ctypes), then
 waits on the invoke port: in a template the VM pauses there, and each invocation wakes
@@ -16,13 +17,22 @@ by the VMM in every clone, so ``os.urandom`` needs nothing). A template's warm c
 run the loop once ahead of their request without calling the handler (a prime request,
 docs/invoke.md). An exception becomes a 500
 with its traceback; a reply larger than the mailbox becomes a 500 that says so.
+
+A **load request** (a template derived from this one, docs/invoke.md) carries a JSON
+object: ``imports``, module names to import; ``source``, Python source run as the
+module ``forkvm_function``; ``handler``, the name in it (or ``MODULE:FUNCTION``) that
+serves from then on. Each is optional. The reply is a JSON object: the modules that
+were newly imported and the handler now served. A failure is a 500 with its traceback,
+and the clone is then no template.
 """
 
 import ctypes
 import importlib
+import json
 import random
 import sys
 import traceback
+import types
 
 __all__ = ["serve", "Request"]
 
@@ -41,9 +51,11 @@ class Request(ctypes.Structure):
     ]
 
 
-# Request kinds, and the feature that lets the VMM send a prime request (libforkvm).
+# Request kinds, and the features that let the VMM send prime and load requests.
 KIND_PRIME = 2
+KIND_LOAD = 3
 FEATURE_PRIME = 1
+FEATURE_LOAD = 2
 
 
 def _library():
@@ -73,8 +85,46 @@ def _fail(lib, text):
     lib.forkvm_fail(text.encode("utf-8", "replace"))
 
 
-def serve(handler):
-    """Serve ``handler(event: bytes) -> bytes | str`` forever."""
+def _no_handler(event):
+    raise RuntimeError("forkvm: this zygote serves no handler yet: derive a template "
+                       "with a load request that names one")
+
+
+def load(spec, handler):
+    """Carry out a load request ``spec`` (a JSON object, bytes); return the handler to
+    serve from now on and the reply."""
+    spec = json.loads(spec or b"{}")
+    if not isinstance(spec, dict):
+        raise ValueError("a load request is a JSON object")
+    unknown = set(spec) - {"imports", "source", "handler"}
+    if unknown:
+        raise ValueError("unknown keys in the load request: %s" % ", ".join(sorted(unknown)))
+    before = set(sys.modules)
+    for name in spec.get("imports") or []:
+        importlib.import_module(name)
+    name = spec.get("handler")
+    source = spec.get("source")
+    if source is not None:
+        module = types.ModuleType("forkvm_function")
+        sys.modules["forkvm_function"] = module
+        exec(compile(source, "<forkvm_function>", "exec"), module.__dict__)
+        if name is None:
+            name = "handler"
+    if name is not None:
+        modname, _, attr = name.rpartition(":")
+        module = importlib.import_module(modname or "forkvm_function")
+        handler = getattr(module, attr)
+        if not callable(handler):
+            raise TypeError("%s is not callable" % name)
+    reply = {"imported": sorted(set(sys.modules) - before), "handler": name}
+    return handler, json.dumps(reply).encode()
+
+
+def serve(handler=None):
+    """Serve ``handler(event: bytes) -> bytes | str`` forever (None: a zygote, which
+    serves once a load request gave it a handler)."""
+    if handler is None:
+        handler = _no_handler
     global _lib
     lib = _library()
     err = lib.forkvm_open()
@@ -92,7 +142,7 @@ def serve(handler):
     print("forkvm.serve: ready (%d bytes fit the mailbox)" % capacity, file=sys.stderr, flush=True)
     # A template's warm clones run this loop once before their request (a prime request:
     # all of it but the handler), so the request finds its path in the clone's page tables.
-    lib.forkvm_enable(FEATURE_PRIME)
+    lib.forkvm_enable(FEATURE_PRIME | FEATURE_LOAD)
     while True:
         err = lib.forkvm_wait(ctypes.byref(req))
         if err != 0:
@@ -101,7 +151,10 @@ def serve(handler):
         event = ctypes.string_at(req.data, req.len)
         random.seed(bytes(req.entropy))
         try:
-            out = handler(event) if req.kind != KIND_PRIME else b""
+            if req.kind == KIND_LOAD:
+                handler, out = load(event, handler)
+            else:
+                out = handler(event) if req.kind != KIND_PRIME else b""
             if isinstance(out, str):
                 out = out.encode()
             out = bytes(out)
@@ -116,8 +169,11 @@ def serve(handler):
 
 
 def main(argv):
+    if len(argv) == 1:
+        serve(None)
+        return 0
     if len(argv) != 2 or ":" not in argv[1]:
-        print("usage: python3 -m forkvm MODULE:FUNCTION", file=sys.stderr)
+        print("usage: python3 -m forkvm [MODULE:FUNCTION]", file=sys.stderr)
         return 2
     module, function = argv[1].split(":", 1)
     serve(getattr(importlib.import_module(module), function))

@@ -41,6 +41,9 @@
  *   prime=N   with invoke=1, declare prime requests in a wait header before each
  *             wait; 1: answer a prime request at once (no handler); 2: write the
  *             serial port first (a prime that leaves the serving path, for tests)
+ *   load=1    with invoke=1, declare load requests in the wait header: a load
+ *             request's first 8 payload bytes are kept, and a payload "show" is
+ *             answered with them (a template derived from this one, for tests)
  *
  * See docs/tiny-guest.md.
  */
@@ -337,11 +340,18 @@ invoke_loop:
     call lock_serial
     call puts
     call unlock_serial
-1:  cmpq $0, opt_prime(%rip)
+1:  xorl %eax, %eax                 /* the features: 1 prime, 2 load */
+    cmpq $0, opt_prime(%rip)
+    je   8f
+    orl  $1, %eax
+8:  cmpq $0, opt_load(%rip)
+    je   9f
+    orl  $2, %eax
+9:  testl %eax, %eax
     je   6f
-    movl $WAIT_MAGIC, (%r15)        /* prime=: the wait header, feature 1 (prime) */
+    movl $WAIT_MAGIC, (%r15)        /* the wait header, with the features */
     movl $1, 4(%r15)                /* version 1, 2 bytes zero */
-    movl $1, 8(%r15)
+    movl %eax, 8(%r15)
 6:  movl $INVOKE_PORT, %edx
     inl  %dx, %eax                  /* parks until a request is in the mailbox */
     cmpl $0xffffffff, %eax
@@ -351,6 +361,8 @@ invoke_loop:
 5:  movl %eax, %ecx                 /* rcx = payload length */
     cmpw $2, 6(%r15)                /* a prime request: no handler */
     je   inv_prime
+    cmpw $3, 6(%r15)                /* a load request: keep its first 8 bytes */
+    je   inv_load
     xorl %eax, %eax
     cmpl $4, %ecx
     jb   2f
@@ -369,6 +381,8 @@ invoke_loop:
     je   inv_biglen
     cmpl $0x656e6f64, %eax          /* "done": ends the VM with status 7 */
     je   inv_done
+    cmpl $0x776f6873, %eax          /* "show": the loaded 8 bytes */
+    je   inv_show
     /* Echo: the payload stays where it is; the trailer goes after it. */
     leaq 64(%r15,%rcx), %rdi
     movl $IDENTITY_PORT, %edx
@@ -392,6 +406,18 @@ inv_reply:                          /* ecx = length, eax = status */
     movl $INVOKE_PORT, %edx
     outl %eax, %dx                  /* parks until the VMM took the reply */
     jmp  1b
+inv_load:
+    movq 64(%r15), %rax
+    movq %rax, loaded(%rip)
+    xorl %ecx, %ecx
+    xorl %eax, %eax
+    jmp  inv_reply
+inv_show:
+    movq loaded(%rip), %rax
+    movq %rax, 64(%r15)
+    movl $8, %ecx
+    xorl %eax, %eax
+    jmp  inv_reply
 inv_prime:
     cmpq $2, opt_prime(%rip)
     jne  7f
@@ -747,6 +773,9 @@ parse_cmdline:
     leaq key_prime(%rip), %rdi
     leaq opt_prime(%rip), %rdx
     call cmdline_opt
+    leaq key_load(%rip), %rdi
+    leaq opt_load(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -823,6 +852,7 @@ key_invoke:     .asciz "invoke="
 msg_invoke:     .asciz "tiny: invoke ready\n"
 key_rewait:     .asciz "rewait="
 key_prime:      .asciz "prime="
+key_load:       .asciz "load="
 msg_failed:     .ascii "tiny: the handler failed"
 msg_failed_end:
 null_idt:
@@ -857,6 +887,8 @@ opt_dirty:   .quad 0
 opt_invoke:  .quad 0
 opt_rewait:  .quad 0
 opt_prime:   .quad 0
+opt_load:    .quad 0
+loaded:      .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

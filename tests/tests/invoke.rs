@@ -707,3 +707,134 @@ fn primed_warm_clones_serve_their_request_and_a_failed_prime_turns_priming_off()
     );
     drop(vm);
 }
+
+/// `GET /vm` on socket `sock`.
+fn describe_at(sock: &Path) -> Value {
+    let (code, body) = tests::api_request(sock, "GET", "/vm", None);
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Derives a template from the one on `sock` with load payload `load`; returns its
+/// clone id and socket once it is a ready template (paused where its runtime waits).
+fn derive(sock: &Path, load: &[u8]) -> (String, std::path::PathBuf) {
+    let options = InvokeOptions {
+        derive: true,
+        ..Default::default()
+    };
+    let r = invoke_with(sock, &options, load);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-forkvm-outcome"), Some("ok"));
+    assert!(r.bytes.is_empty(), "the tiny loader replies with nothing");
+    let id = r.header("x-forkvm-clone-id").unwrap().to_string();
+    let derived = std::path::PathBuf::from(r.header("x-forkvm-socket").unwrap());
+    wait_until("the derived template to pause", || {
+        let v = describe_at(&derived);
+        v["state"] == "paused" && v["invoke"]["waiting"] == true && v["invoke"]["template"] == true
+    });
+    (id, derived)
+}
+
+/// What the tiny guest's "show" answers in a fresh clone of the template on `sock`,
+/// with the clone's id.
+fn shown(sock: &Path) -> (Vec<u8>, String) {
+    let r = invoke(sock, b"show");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let id = r.header("x-forkvm-clone-id").unwrap().to_string();
+    (r.bytes.clone(), id)
+}
+
+#[test]
+fn a_derived_template_serves_fresh_clones_of_what_it_loaded_and_goes_with_its_parent() {
+    if !kvm_available("invoke_derive") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    // load=1: the runtime declares load requests and keeps a load's first 8 bytes;
+    // "show" answers with them.
+    let scratch = Scratch::new("invoke-derive");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=1 load=1",
+        &["--warm-clones", "2"],
+    );
+    let pid = vm.child.id();
+    assert_eq!(shown(&vm.sock).0, [0u8; 8], "nothing loaded in the root");
+
+    // A derived template: a clone that ran the load, paused where its runtime waits
+    // again, with warm clones of its own (primed), its memory measured.
+    let (id1, sock1) = derive(&vm.sock, b"numpy\0\0\0trailing");
+    wait_until("the derived template's warm clones", || {
+        describe_at(&sock1)["warm_clones"]["ready"] == 2
+    });
+    let info = describe_at(&sock1);
+    assert_eq!(info["clone_id"], id1.as_str());
+    let own = info["invoke"]["own_memory_kib"]
+        .as_u64()
+        .expect("own memory measured");
+    assert!(own > 0, "{info}");
+    let mut ids = HashSet::new();
+    for i in 0..5 {
+        let r = invoke(&sock1, b"show");
+        assert_eq!(r.header("x-forkvm-primed"), Some("true"), "invocation {i}");
+        assert_eq!(r.bytes, b"numpy\0\0\0", "invocation {i}");
+        let id = r.header("x-forkvm-clone-id").unwrap().to_string();
+        assert!(
+            id.starts_with(&format!("{id1}.")),
+            "{id} is a clone of {id1}"
+        );
+        assert!(ids.insert(id), "a clone served twice");
+        wait_until("the warm clones again", || {
+            describe_at(&sock1)["warm_clones"]["ready"] == 2
+        });
+    }
+    let echo = invoke(&sock1, b"still an echo");
+    assert_eq!(&echo.bytes[..13], b"still an echo");
+    // The parent is untouched, and lists the derived template as a live clone.
+    assert_eq!(shown(&vm.sock).0, [0u8; 8]);
+    let (code, clones) = vm.api("GET", "/clones", None);
+    assert_eq!(code, 200);
+    let clones: Value = serde_json::from_str(&clones).unwrap();
+    let listed = (clones["clones"].as_array().unwrap().iter()).find(|c| c["id"] == id1.as_str());
+    assert_eq!(listed.unwrap()["status"]["state"], "running", "{clones}");
+
+    // A template derived from the derived one: its own load, its parent's unchanged.
+    let (id2, sock2) = derive(&sock1, b"json\0\0\0\0");
+    assert!(id2.starts_with(&format!("{id1}.")), "{id2}");
+    assert_eq!(shown(&sock2).0, b"json\0\0\0\0");
+    assert_eq!(shown(&sock1).0, b"numpy\0\0\0");
+
+    // Stopping the derived template (on its parent) takes its own derived template
+    // and clones with it; the root serves on and nothing is left.
+    let (code, body) = vm.api("DELETE", &format!("/clones/{id1}"), None);
+    assert_eq!(code, 200, "{body}");
+    wait_until("the derived templates' sockets to go", || {
+        !sock1.exists() && !sock2.exists()
+    });
+    assert_eq!(shown(&vm.sock).0, [0u8; 8]);
+    wait_until("the clones to be reaped", || {
+        children_of(pid).len() == 2 && leftovers(&scratch).is_empty()
+    });
+    drop(vm);
+
+    // A runtime that loads nothing cannot be derived from: 409, no clone made.
+    let scratch = Scratch::new("invoke-derive-refused");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=1",
+        &["--warm-clones", "1"],
+    );
+    let options = InvokeOptions {
+        derive: true,
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &options, b"numpy");
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(
+        error_of(&r).contains("does not take load requests"),
+        "{}",
+        r.body
+    );
+    assert_eq!(vm.describe()["invoke"]["started"], 0);
+    echoed(&invoke(&vm.sock, b"served on"), b"served on");
+}

@@ -89,7 +89,7 @@ impl Vmm {
     /// Runs invocation `inv`: in a clone of a template (which answers the caller), or
     /// in place.
     fn invoke(&mut self, inv: Invocation) -> VmmResponse {
-        match self.invoker.route(&self.vm, inv.payload.len())? {
+        match (self.invoker).route(&self.vm, inv.payload.len(), inv.options.derive)? {
             Route::Clone(vcpu) => {
                 let delivery = self.invoker.hand_to_clone(&inv, vcpu);
                 let info = self.clones.invoke(&mut self.vm, inv, delivery)?;
@@ -122,6 +122,12 @@ impl Vmm {
             f.timings.total_us,
             f.timings.handler_us
         );
+        if f.derived {
+            // A template of its own from now on: it pauses when its runtime waits again,
+            // and keeps as many warm clones as the VM it was cloned from.
+            tracing::info!("derived: a template once the runtime waits again");
+            self.clones.become_template(self.vm.config());
+        }
         if !f.keep_alive {
             // A template answers only the requests it held and could not serve; it
             // ends for none of them.
@@ -227,7 +233,11 @@ impl Vmm {
                 if self.invoker.runtime_waits(&self.vm, id) {
                     // A template: paused where its runtime waits, its warm clones made.
                     match self.vm.set_state(TargetState::Paused) {
-                        Ok(()) => tracing::info!("template ready: its runtime waits on vCPU {id}"),
+                        Ok(()) => {
+                            // Before its warm clones share its pages.
+                            self.invoker.measure_own_memory();
+                            tracing::info!("template ready: its runtime waits on vCPU {id}")
+                        }
                         Err(e) => tracing::error!("cannot pause the template: {e}"),
                     }
                 }

@@ -40,7 +40,8 @@ use api_types::invoke::{InvokeOptions, InvokeReport, Outcome};
 use api_types::vm::VmState;
 use devices::mailbox::{
     read_reply, runtime_features, write_request, MailboxWindow, ReplyError, ReplyStatus,
-    RequestHeader, ENTROPY_BYTES, FEATURE_PRIME, FLAG_KEEP_ALIVE, KIND_INVOKE, KIND_PRIME,
+    RequestHeader, ENTROPY_BYTES, FEATURE_LOAD, FEATURE_PRIME, FLAG_KEEP_ALIVE, KIND_INVOKE,
+    KIND_LOAD, KIND_PRIME,
 };
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
@@ -96,6 +97,10 @@ pub struct Delivery {
     pub length: u32,
     /// Whether the clone serves further requests after this one.
     pub keep_alive: bool,
+    /// Whether the request is a load request, after which the clone becomes a
+    /// template (`derive`).
+    #[serde(default)]
+    pub derive: bool,
     /// Milliseconds the handler may take.
     pub timeout_ms: u64,
     /// When the request reached the template (CLOCK_MONOTONIC ns).
@@ -108,7 +113,8 @@ impl Delivery {
         Self {
             vcpu,
             length: inv.payload.len() as u32,
-            keep_alive: inv.options.keep_alive,
+            keep_alive: inv.options.stays(),
+            derive: inv.options.derive,
             timeout_ms: inv.options.timeout_ms(),
             received_ns: inv.received_ns,
         }
@@ -127,6 +133,9 @@ pub enum InvokeError {
     /// An invocation runs in this VM now.
     #[error("an invocation is running in this VM; a VM that is no template serves one at a time")]
     Busy,
+    /// A template is to be derived, and the runtime loads nothing.
+    #[error("the runtime does not take load requests (its wait header does not declare it), so no template can be derived from it")]
+    NoLoader,
     /// The payload does not fit the mailbox.
     #[error("a payload of {length} bytes does not fit the mailbox ({capacity} bytes)")]
     TooLarge {
@@ -170,6 +179,8 @@ struct InFlight {
     delivered_ns: u64,
     deadline: Instant,
     keep_alive: bool,
+    /// A load request: the VM becomes a template once the runtime replied ok.
+    derive: bool,
     /// Served by a primed warm clone.
     primed: bool,
 }
@@ -204,6 +215,9 @@ pub struct Finished {
     pub vcpu: u8,
     /// Whether the VM that served it was a primed warm clone.
     pub primed: bool,
+    /// Whether the VM is now a template (a load request, answered ok): it pauses when
+    /// its runtime waits again.
+    pub derived: bool,
 }
 
 /// One VM's invocation side.
@@ -235,6 +249,8 @@ pub struct Invoker {
     caught_up_at: Instant,
     /// Whether a template's warm clones may be primed (`--no-prime` not given).
     prime: bool,
+    /// This process's own memory when it last paused as a template, in KiB.
+    own_memory_kib: Option<u64>,
 }
 
 /// How long a runtime served in place may go with its timer deferred at every delivery
@@ -255,14 +271,8 @@ fn write(
     payload: &[u8],
 ) -> Result<(), ReplyError> {
     let flags = if d.keep_alive { FLAG_KEEP_ALIVE } else { 0 };
-    write_header(
-        mem,
-        window,
-        KIND_INVOKE,
-        flags,
-        (sequence, d.timeout_ms),
-        payload,
-    )
+    let kind = if d.derive { KIND_LOAD } else { KIND_INVOKE };
+    write_header(mem, window, kind, flags, (sequence, d.timeout_ms), payload)
 }
 
 /// Writes a prime request (no payload, sequence 0) into the mailbox of a warm clone
@@ -314,6 +324,17 @@ impl Invoker {
             tick_defer_ns: config.tick_defer_ns(),
             caught_up_at: Instant::now(),
             prime: config.prime,
+            own_memory_kib: None,
+        }
+    }
+
+    /// Measures this process's own memory (a template that just paused, before its
+    /// warm clones share its pages), for `GET /vm`.
+    pub fn measure_own_memory(&mut self) {
+        let rollup = std::fs::read_to_string("/proc/self/smaps_rollup");
+        self.own_memory_kib = rollup.ok().and_then(|r| private_kib(&r));
+        if self.own_memory_kib.is_none() {
+            tracing::debug!("cannot read /proc/self/smaps_rollup: own memory unknown");
         }
     }
 
@@ -343,6 +364,7 @@ impl Invoker {
             refresh_idle_ms: self.refresh_after.map_or(0, |d| d.as_millis() as u64),
             refreshes: self.refreshes,
             tick_defer_ms: self.tick_defer_ns / 1_000_000,
+            own_memory_kib: self.own_memory_kib,
         }
     }
 
@@ -403,10 +425,15 @@ impl Invoker {
         Some(vcpu)
     }
 
-    /// How an invocation with a payload of `length` bytes would be served now.
-    pub fn route(&self, vm: &Microvm, length: usize) -> Result<Route, InvokeError> {
+    /// How an invocation with a payload of `length` bytes would be served now
+    /// (`derive`: a load request, for a runtime that declared it takes them).
+    pub fn route(&self, vm: &Microvm, length: usize, derive: bool) -> Result<Route, InvokeError> {
         if !self.window.exists() {
             return Err(InvokeError::NoMailbox);
+        }
+        let loads = || runtime_features(vm.memory(), self.window) & FEATURE_LOAD != 0;
+        if derive && self.waiting.is_some() && !loads() {
+            return Err(InvokeError::NoLoader);
         }
         if length > self.window.capacity() {
             return Err(InvokeError::TooLarge {
@@ -479,6 +506,7 @@ impl Invoker {
             delivered_ns: monotonic_ns(),
             deadline: Instant::now() + Duration::from_millis(d.timeout_ms),
             keep_alive: d.keep_alive,
+            derive: d.derive,
             primed: false,
         });
         handle.resume()?;
@@ -506,6 +534,7 @@ impl Invoker {
             delivered_ns: monotonic_ns(),
             deadline: Instant::now() + Duration::from_millis(d.timeout_ms),
             keep_alive: d.keep_alive,
+            derive: d.derive,
             primed,
         });
         Ok(me)
@@ -527,6 +556,7 @@ impl Invoker {
             keep_alive: f.keep_alive && outcome != Outcome::Timeout,
             vcpu: vcpu.unwrap_or(f.vcpu),
             primed: f.primed,
+            derived: f.derive && outcome == Outcome::Ok,
         })
     }
 
@@ -534,16 +564,21 @@ impl Invoker {
     /// read and checked. None when no invocation was in flight (the caller resumes the
     /// vCPU).
     pub fn runtime_replied(&mut self, vm: &Microvm, vcpu: u8, length: u32) -> Option<Finished> {
-        self.in_flight.as_ref()?;
+        let derive = self.in_flight.as_ref()?.derive;
         let (outcome, body) = match read_reply(vm.memory(), self.window, length) {
             Ok((h, payload)) if h.status == ReplyStatus::Ok => (Outcome::Ok, payload),
             Ok((_, text)) => (Outcome::HandlerError, text),
             Err(e) => (Outcome::BadReply, e.to_string().into_bytes()),
         };
         let mut f = self.finish(outcome, body, Some(vcpu))?;
-        // A runtime that cannot write a reply is not trusted with another request.
+        // A runtime that cannot write a reply is not trusted with another request, and
+        // one that failed to load is no template.
         f.keep_alive &= outcome != Outcome::BadReply;
+        f.keep_alive &= f.derived || !derive;
         self.returning = f.keep_alive;
+        if f.derived {
+            self.template = true;
+        }
         Some(f)
     }
 
@@ -587,6 +622,18 @@ impl Invoker {
     }
 }
 
+/// The pages a process alone maps, in KiB, from its `smaps_rollup` (the sum of
+/// `Private_Clean` and `Private_Dirty`); None without either.
+fn private_kib(rollup: &str) -> Option<u64> {
+    let field = |name: &str| {
+        rollup.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
+            rest.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
+        })
+    };
+    Some(field("Private_Clean")? + field("Private_Dirty")?)
+}
+
 /// The answer to `inv`, never delivered: `outcome`, with `text`.
 fn unserved(inv: Invocation, outcome: Outcome, text: &str) -> Finished {
     let total_us = monotonic_ns().saturating_sub(inv.received_ns) / 1000;
@@ -601,5 +648,27 @@ fn unserved(inv: Invocation, outcome: Outcome, text: &str) -> Finished {
         keep_alive: false,
         vcpu: 0,
         primed: false,
+        derived: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_memory_is_the_private_pages_of_smaps_rollup() {
+        let rollup = "55d0c1a00000-7ffd1e1f2000 ---p 00000000 00:00 0    [rollup]\n\
+                      Rss:              269656 kB\nPss:              140000 kB\n\
+                      Shared_Clean:       4000 kB\nShared_Dirty:     250000 kB\n\
+                      Private_Clean:       656 kB\nPrivate_Dirty:     15000 kB\n";
+        assert_eq!(private_kib(rollup), Some(15656));
+        assert_eq!(private_kib("Rss: 1 kB\nPrivate_Dirty: 2 kB\n"), None);
+        assert_eq!(
+            private_kib("Private_Clean: x kB\nPrivate_Dirty: 2 kB\n"),
+            None
+        );
+        let here = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap();
+        assert!(private_kib(&here).is_some_and(|k| k > 0), "{here}");
     }
 }

@@ -69,6 +69,10 @@ struct InvokeArgs {
     /// The clone serves further invocations on its own socket after this one.
     #[arg(long)]
     keep_alive: bool,
+    /// Derive a template: the payload goes to the runtime's loader, and the clone is a
+    /// template of its own afterwards (its socket printed with -v).
+    #[arg(long)]
+    derive: bool,
     /// Print the outcome, clone id, socket and timings on stderr.
     #[arg(long, short)]
     verbose: bool,
@@ -399,6 +403,7 @@ fn invoke(i: &InvokeArgs) -> ExitCode {
         timeout_ms: i.timeout_ms,
         resource_class: i.class.clone(),
         keep_alive: i.keep_alive,
+        derive: i.derive,
         ..Default::default()
     };
     let r = match client::invoke(&i.api_sock, &options, &payload) {

@@ -131,6 +131,7 @@ pub fn answer_orphan(conn: crate::invoke::Connection, clone_id: &str, how: &str)
         keep_alive: false,
         vcpu: 0,
         primed: false,
+        derived: false,
     };
     if answer(&f, clone_id, Path::new(""), None).is_ok() {
         tracing::warn!("clone {clone_id} {how} without answering its invocation: answered 502");
@@ -157,6 +158,7 @@ mod tests {
             keep_alive: false,
             vcpu: 0,
             primed: true,
+            derived: false,
         };
         (f, theirs)
     }

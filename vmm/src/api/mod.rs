@@ -148,7 +148,10 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             _ => 500,
         },
         VmmActionError::Invoke(e) => match e {
-            InvokeError::NoMailbox | InvokeError::NotWaiting | InvokeError::Busy => 409,
+            InvokeError::NoMailbox
+            | InvokeError::NotWaiting
+            | InvokeError::Busy
+            | InvokeError::NoLoader => 409,
             InvokeError::TooLarge { .. } => 413,
             InvokeError::HeldFull => 503,
             InvokeError::Mailbox(_) | InvokeError::Vcpu(_) | InvokeError::CloneFailed(_) => 500,

@@ -455,6 +455,7 @@ mod tests {
         for e in [
             InvokeError::NoMailbox,
             InvokeError::NotWaiting,
+            InvokeError::NoLoader,
             InvokeError::Busy,
             InvokeError::HeldFull,
             InvokeError::TooLarge {

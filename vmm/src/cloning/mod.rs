@@ -88,6 +88,22 @@ impl Cloner {
         }
     }
 
+    /// This VM (a clone) is a template from now on (`derive`): it keeps as many warm
+    /// clones as `config` says while paused, and pools of cgroups of its own for its
+    /// clones when `config` has classes (without, or when they cannot be made, its
+    /// clones stay in its own cgroup, as a clone's do).
+    pub fn become_template(&mut self, config: &VmConfig) {
+        self.warm = WarmPool::new(config.warm_clones);
+        if self.cgroups.is_none() {
+            match config.cgroups.as_ref().map(ClonePools::new).transpose() {
+                Ok(pools) => self.cgroups = pools,
+                Err(e) => tracing::warn!(
+                    "the derived template's clones stay in its cgroup: cannot make pools: {e}"
+                ),
+            }
+        }
+    }
+
     /// This VM's clone id ("" for an original VM).
     pub fn clone_id(&self) -> &str {
         &self.clone_id

@@ -1,6 +1,8 @@
 //! The same calls for callers without a tokio runtime: each blocks on a runtime of the
 //! handle's own (one thread).
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 use crate::{Error, InvokeOptions, Reply, TemplateSpec, VmInfo};
@@ -10,7 +12,7 @@ use crate::{Error, InvokeOptions, Reply, TemplateSpec, VmInfo};
 pub struct Template {
     // Declared first: dropped (the VMM stopped) while the runtime still exists.
     inner: Option<crate::Template>,
-    runtime: tokio::runtime::Runtime,
+    runtime: Arc<tokio::runtime::Runtime>,
 }
 
 impl Template {
@@ -23,7 +25,7 @@ impl Template {
         let inner = runtime.block_on(crate::Template::start(spec))?;
         Ok(Self {
             inner: Some(inner),
-            runtime,
+            runtime: Arc::new(runtime),
         })
     }
 
@@ -38,6 +40,20 @@ impl Template {
         options: &InvokeOptions,
     ) -> Result<Reply, Error> {
         self.runtime.block_on(self.inner().invoke(payload, options))
+    }
+
+    /// [`crate::Template::derive`], blocking.
+    pub fn derive(
+        &self,
+        load: impl Into<Bytes>,
+        options: &InvokeOptions,
+    ) -> Result<(Template, Reply), Error> {
+        let (inner, reply) = self.runtime.block_on(self.inner().derive(load, options))?;
+        let t = Template {
+            inner: Some(inner),
+            runtime: self.runtime.clone(),
+        };
+        Ok((t, reply))
     }
 
     /// [`crate::Template::status`], blocking.

@@ -87,6 +87,9 @@ pub enum Error {
     /// The VMM's answer could not be read.
     #[error("unexpected answer from the VMM: {0}")]
     Protocol(String),
+    /// The VMM's process could not be watched or signalled (its pidfd).
+    #[error("cannot watch the VMM's process: {0}")]
+    Process(std::io::Error),
     /// Files for the template (its directory) could not be made.
     #[error("cannot make the template's directory: {0}")]
     Files(std::io::Error),

@@ -38,8 +38,11 @@
 pub mod blocking;
 mod error;
 mod http;
+mod load;
+mod owner;
 mod template;
 
 pub use api_types::{InvokeOptions, Outcome, VmInfo};
 pub use error::{Error, ErrorKind};
+pub use load::Load;
 pub use template::{Reply, Template, TemplateSpec};

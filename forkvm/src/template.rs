@@ -1,14 +1,17 @@
-//! A ready template: a `vmm` process this library started and owns.
+//! A ready template: a `vmm` process this library started and owns, or one derived
+//! from such a template.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use api_types::{InvokeOptions, Outcome, VmInfo, VmState};
 use bytes::Bytes;
-use tokio::process::{Child, Command};
+use tokio::process::Command;
 
 use crate::http::{exchange, Answer};
+use crate::owner::{Kind, Owner};
 use crate::Error;
 
 /// How to start a template: the guest and the `vmm run` options.
@@ -89,14 +92,20 @@ pub struct Reply {
     pub primed: bool,
 }
 
-/// A ready template: a `vmm run --template` process whose runtime waits for requests.
-/// Dropping it kills the VMM (its clones die with it) and removes its files; the VMM
-/// also dies if the thread that started it ends (`PR_SET_PDEATHSIG`), so a scheduler
-/// that is killed leaves no VMM behind.
+/// A ready template: a `vmm` process whose runtime waits for requests, paused there.
+///
+/// A template this library started ([`Template::start`]) is its child process; one
+/// derived from another ([`Template::derive`]) is a clone of that template's VMM, and
+/// keeps its parent alive as long as it lives (a clone dies with its parent VMM). A
+/// template's VMM stops when its last handle is dropped (its clones die with it) and its
+/// files are removed; the VMM also dies if the thread that started the root template
+/// ends (`PR_SET_PDEATHSIG`), so a scheduler that is killed leaves no VMM behind.
+///
+/// A template serves one tenant: its clones share its memory pages, and so can observe
+/// its memory timing (page-sharing side channels). Derive per tenant, never across.
 #[derive(Debug)]
 pub struct Template {
-    child: Child,
-    dir: tempfile::TempDir,
+    owner: Arc<Owner>,
     sock: PathBuf,
     call_timeout: Duration,
 }
@@ -142,26 +151,74 @@ impl Template {
             program: spec.vmm.clone(),
             source,
         })?;
-        let mut t = Self {
-            child,
-            dir,
+        let t = Self {
+            owner: Arc::new(Owner::spawned(child, dir)?),
             sock,
             call_timeout: spec.call_timeout,
         };
-        let ready = tokio::time::timeout(spec.start_timeout, t.wait_ready()).await;
-        match ready {
-            Ok(r) => r.map(|()| t),
-            Err(_) => Err(Error::Timeout {
-                what: "the template's start",
-                after: spec.start_timeout,
-            }),
+        t.until_ready(spec.start_timeout, "the template's start")
+            .await?;
+        Ok(t)
+    }
+
+    /// Derives a template from this one: a fresh clone runs `load` through the
+    /// runtime's loader (a load request; for the Python runtime, [`crate::Load::payload`])
+    /// instead of its handler and, once its runtime waits again, is a template of its
+    /// own, with its own warm clones, serving on its own socket. Returns it with the
+    /// loader's reply. `options.timeout_ms` bounds the load (importing packages in a
+    /// guest takes a while; the default is 30 s); `options.derive` is implied.
+    ///
+    /// A runtime that loads nothing is refused ([`Error::Refused`], 409); a load that
+    /// fails is [`Error::Invocation`] and leaves no clone. The derived template keeps
+    /// this one's VMM alive while it lives; stopping this one stops it too.
+    pub async fn derive(
+        &self,
+        load: impl Into<Bytes>,
+        options: &InvokeOptions,
+    ) -> Result<(Template, Reply), Error> {
+        let options = InvokeOptions {
+            derive: true,
+            ..options.clone()
+        };
+        let reply = self.invoke(load, &options).await?;
+        let clones = self
+            .call("GET", "/clones", Bytes::new(), self.call_timeout)
+            .await?;
+        let list: api_types::CloneList = match clones.status {
+            200 => {
+                serde_json::from_slice(&clones.body).map_err(|e| Error::Protocol(e.to_string()))?
+            }
+            _ => return Err(refusal(&clones)),
+        };
+        let info = (list.clones.into_iter())
+            .find(|c| c.id == reply.clone_id && c.status.is_live())
+            .ok_or_else(|| Error::Exited {
+                status: format!("derived template {} ended at once", reply.clone_id),
+                console: String::new(),
+            })?;
+        let owner = Owner::derived(self.owner.clone(), info.id, info.pid as u32, info.console)?;
+        let t = Template {
+            owner: Arc::new(owner),
+            sock: info.api_sock,
+            call_timeout: self.call_timeout,
+        };
+        t.until_ready(self.call_timeout, "the derived template's pause")
+            .await?;
+        Ok((t, reply))
+    }
+
+    /// Waits up to `limit` until the runtime waits in the paused template.
+    async fn until_ready(&self, limit: Duration, what: &'static str) -> Result<(), Error> {
+        match tokio::time::timeout(limit, self.wait_ready()).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout { what, after: limit }),
         }
     }
 
-    async fn wait_ready(&mut self) -> Result<(), Error> {
+    async fn wait_ready(&self) -> Result<(), Error> {
         loop {
-            if let Some(status) = self.child.try_wait().map_err(Error::Files)? {
-                return Err(self.exited(status));
+            if self.owner.ended() {
+                return Err(self.exited());
             }
             // Until the socket is up, connecting fails: poll.
             if let Ok(info) = self.status().await {
@@ -173,10 +230,20 @@ impl Template {
         }
     }
 
-    fn exited(&self, status: std::process::ExitStatus) -> Error {
+    fn exited(&self) -> Error {
         Error::Exited {
-            status: status.to_string(),
+            status: self.owner.exit_status(),
             console: self.console_tail(),
+        }
+    }
+
+    /// Resolves when the template's VMM ends, with how it ended ([`Error::Exited`]):
+    /// a scheduler watches it (`tokio::select!`, or a task of its own) to restart a
+    /// template that died. Never resolves while the VMM runs.
+    pub async fn died(&self) -> Error {
+        match self.owner.wait().await {
+            Ok(()) => self.exited(),
+            Err(e) => e,
         }
     }
 
@@ -186,20 +253,30 @@ impl Template {
     }
 
     /// The VMM's process id.
-    pub fn pid(&self) -> Option<u32> {
-        self.child.id()
+    pub fn pid(&self) -> u32 {
+        self.owner.pid()
+    }
+
+    /// The id of a derived template in its parent's clone table (None: a template this
+    /// library started).
+    pub fn clone_id(&self) -> Option<&str> {
+        match &self.owner.kind {
+            Kind::Derived { id, .. } => Some(id),
+            Kind::Spawned { .. } => None,
+        }
     }
 
     /// The last 2 KiB of the template's console.
     pub fn console_tail(&self) -> String {
-        let text = std::fs::read(self.dir.path().join("console")).unwrap_or_default();
+        let text = std::fs::read(self.owner.console()).unwrap_or_default();
         let from = text.len().saturating_sub(2048);
         String::from_utf8_lossy(&text[from..]).into_owned()
     }
 
-    /// What the VMM's standard error says (its log).
+    /// What the VMM's standard error says (its log; a derived template's VMM writes
+    /// to its root template's).
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("stderr")).unwrap_or_default()
+        std::fs::read_to_string(self.owner.log_file()).unwrap_or_default()
     }
 
     /// `GET /vm`: the template's state and figures.
@@ -232,14 +309,16 @@ impl Template {
         answer(a)
     }
 
-    /// Stops the VMM (`PUT /actions` shutdown: its clones are stopped first) and waits
-    /// for it to exit; kills it past the call timeout.
-    pub async fn shutdown(mut self) -> Result<(), Error> {
+    /// Stops the VMM (`PUT /actions` shutdown: its clones, and the templates derived
+    /// from it, are stopped first) and waits for it to exit; kills it past the call
+    /// timeout. Handles of templates derived from it then answer [`Error::Exited`] or
+    /// [`Error::Socket`].
+    pub async fn shutdown(self) -> Result<(), Error> {
         let body = Bytes::from_static(br#"{"action_type":"shutdown"}"#);
         let asked = self.call("PUT", "/actions", body, self.call_timeout).await;
-        let waited = tokio::time::timeout(self.call_timeout, self.child.wait()).await;
-        if !matches!(waited, Ok(Ok(_))) {
-            let _ = self.child.kill().await;
+        let waited = tokio::time::timeout(self.call_timeout, self.owner.wait()).await;
+        if !matches!(waited, Ok(Ok(()))) {
+            self.owner.signal(libc::SIGKILL);
         }
         asked.map(|_| ())
     }
@@ -258,24 +337,6 @@ impl Template {
                 after: limit,
             }),
         }
-    }
-}
-
-impl Drop for Template {
-    /// Stops the VMM if it still runs: SIGTERM (it shuts down as on `PUT /actions`:
-    /// its clones stopped, its cgroups given back), waiting up to 2 s, then SIGKILL.
-    /// This blocks the calling thread for that long at most.
-    fn drop(&mut self) {
-        let Some(pid) = self.child.id() else { return };
-        // SAFETY: signals a process this handle owns and has not reaped (id() is Some).
-        unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
-        for _ in 0..200 {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = self.child.start_kill();
     }
 }
 

@@ -41,7 +41,7 @@ async fn a_template_serves_invocations_in_parallel_clones_and_types_its_errors()
             .await
             .unwrap(),
     );
-    let pid = t.pid().unwrap();
+    let pid = t.pid();
     let dir: PathBuf = t.socket().parent().unwrap().to_path_buf();
     assert!(t.status().await.unwrap().invoke.waiting);
 
@@ -164,4 +164,92 @@ fn a_template_that_cannot_start_says_why_and_the_blocking_facade_works() {
     assert!(r.body.starts_with(b"blocking"));
     assert_eq!(t.status().unwrap().warm_clones.target, 2);
     t.shutdown().unwrap();
+}
+
+fn gone(pid: u32) -> bool {
+    !std::path::Path::new(&format!("/proc/{pid}")).exists() || zombie(pid)
+}
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn derived_templates_form_a_tree_that_lives_as_long_as_its_handles() {
+    if !kvm_available("library_derive") {
+        return;
+    }
+    // The tiny guest's loader keeps a load's first 8 bytes; "show" answers them.
+    let root = Template::start(tiny_spec("ticks=1 invoke=1 prime=1 load=1"))
+        .await
+        .unwrap();
+    let root_pid = root.pid();
+    let opts = InvokeOptions::default();
+    let (numpy, reply) = root.derive(&b"numpy\0\0\0"[..], &opts).await.unwrap();
+    assert_eq!(numpy.clone_id(), Some(reply.clone_id.as_str()));
+    assert!(numpy.socket().exists());
+    let info = numpy.status().await.unwrap();
+    assert!(info.invoke.template && info.invoke.waiting, "{info:?}");
+    assert!(info.invoke.own_memory_kib.is_some_and(|k| k > 0));
+    let r = numpy.invoke(&b"show"[..], &opts).await.unwrap();
+    assert_eq!(&r.body[..], b"numpy\0\0\0");
+    assert!(r.clone_id.starts_with(&format!("{}.", reply.clone_id)));
+    let (json, _) = numpy.derive(&b"json\0\0\0\0"[..], &opts).await.unwrap();
+    assert_eq!(
+        &json.invoke(&b"show"[..], &opts).await.unwrap().body[..],
+        b"json\0\0\0\0"
+    );
+    assert_eq!(
+        &root.invoke(&b"show"[..], &opts).await.unwrap().body[..],
+        [0u8; 8]
+    );
+
+    // A derived template whose VMM dies is reported, with how it ended; its parent
+    // serves on, and can derive another.
+    let json_pid = json.pid();
+    let died = tokio::spawn(async move { (json.died().await, json) });
+    // SAFETY: a process this test's template made; signalled by pid while it lives.
+    unsafe { libc::kill(json_pid as i32, libc::SIGKILL) };
+    let (e, json) = tokio::time::timeout(Duration::from_secs(10), died)
+        .await
+        .expect("died() resolves")
+        .unwrap();
+    assert!(matches!(e, Error::Exited { .. }), "{e}");
+    assert!(json.status().await.is_err());
+    drop(json);
+    let (json, _) = numpy.derive(&b"json2\0\0\0"[..], &opts).await.unwrap();
+
+    // Dropping the root handle keeps its VMM while templates derived from it live;
+    // dropping them stops every VMM of the tree.
+    let numpy_pid = numpy.pid();
+    let json_pid = json.pid();
+    drop(root);
+    assert!(
+        !gone(root_pid),
+        "the root went while derived templates live"
+    );
+    assert_eq!(
+        &json.invoke(&b"show"[..], &opts).await.unwrap().body[..],
+        b"json2\0\0\0"
+    );
+    drop(numpy);
+    assert!(!gone(numpy_pid) && !gone(root_pid));
+    drop(json);
+    until("every VMM of the tree to end", || {
+        gone(json_pid) && gone(numpy_pid) && gone(root_pid)
+    })
+    .await;
+
+    // A runtime that loads nothing: the caller's error, 409.
+    let plain = Template::start(tiny_spec("ticks=1 invoke=1"))
+        .await
+        .unwrap();
+    let e = plain.derive(&b"numpy"[..], &opts).await.unwrap_err();
+    assert!(matches!(e, Error::Refused { status: 409, .. }), "{e}");
+    assert_eq!(e.kind(), ErrorKind::Caller);
+    plain.shutdown().await.unwrap();
 }

@@ -1,0 +1,194 @@
+//! Who owns a template's VMM process, and how it is stopped.
+//!
+//! A template the library started ([`Kind::Spawned`]) is its child: a `vmm run` process
+//! with `PR_SET_PDEATHSIG`, its files in a private directory. A derived template
+//! ([`Kind::Derived`]) is a clone of another template's VMM: the library holds a pidfd
+//! of it (which cannot name a process that reused its pid) and keeps its parent alive
+//! while it lives, since a clone dies with its parent VMM. Either is stopped when its
+//! last handle goes: SIGTERM (the VMM shuts down: its clones stopped, its cgroups given
+//! back), up to 2 s, then SIGKILL.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+use tokio::process::Child;
+
+use crate::Error;
+
+/// How long a dropped template's VMM has to shut down after SIGTERM.
+const STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// A template's VMM process.
+#[derive(Debug)]
+pub(crate) struct Owner {
+    pid: u32,
+    pidfd: OwnedFd,
+    pub kind: Kind,
+}
+
+/// Whose process it is.
+#[derive(Debug)]
+pub(crate) enum Kind {
+    /// This library's child, with its directory (socket, console, log).
+    Spawned {
+        child: Mutex<Child>,
+        dir: tempfile::TempDir,
+    },
+    /// A clone of `parent`'s VMM (a derived template): `id` in its parent's clone
+    /// table, its console in `console`.
+    Derived {
+        parent: Arc<Owner>,
+        id: String,
+        console: PathBuf,
+    },
+}
+
+/// A pidfd for `pid` (`pidfd_open`).
+fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor this call owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+impl Owner {
+    /// Owns `child`, started by this library, with its directory.
+    pub fn spawned(child: Child, dir: tempfile::TempDir) -> Result<Self, Error> {
+        let pid = child.id().ok_or_else(|| Error::Exited {
+            status: "reaped already".into(),
+            console: String::new(),
+        })?;
+        let pidfd = pidfd_open(pid).map_err(Error::Process)?;
+        Ok(Self {
+            pid,
+            pidfd,
+            kind: Kind::Spawned {
+                child: Mutex::new(child),
+                dir,
+            },
+        })
+    }
+
+    /// Owns the derived template `id`, process `pid`, a clone of `parent`'s VMM.
+    pub fn derived(
+        parent: Arc<Owner>,
+        id: String,
+        pid: u32,
+        console: PathBuf,
+    ) -> Result<Self, Error> {
+        let pidfd = pidfd_open(pid).map_err(Error::Process)?;
+        Ok(Self {
+            pid,
+            pidfd,
+            kind: Kind::Derived {
+                parent,
+                id,
+                console,
+            },
+        })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The template's console file.
+    pub fn console(&self) -> PathBuf {
+        match &self.kind {
+            Kind::Spawned { dir, .. } => dir.path().join("console"),
+            Kind::Derived { console, .. } => console.clone(),
+        }
+    }
+
+    /// The log (standard error) of the VMM this template descends from: a clone writes
+    /// to its parent's.
+    pub fn log_file(&self) -> PathBuf {
+        match &self.kind {
+            Kind::Spawned { dir, .. } => dir.path().join("stderr"),
+            Kind::Derived { parent, .. } => parent.log_file(),
+        }
+    }
+
+    /// Whether the process has ended (its pidfd is readable).
+    pub fn ended(&self) -> bool {
+        self.wait_for(Duration::ZERO)
+    }
+
+    /// Waits up to `limit` for the process to end, blocking; whether it did.
+    fn wait_for(&self, limit: Duration) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = i32::try_from(limit.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: one valid pollfd, for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        n > 0
+    }
+
+    /// Waits until the process has ended.
+    pub async fn wait(&self) -> Result<(), Error> {
+        let fd = self.pidfd.try_clone().map_err(Error::Process)?;
+        // SAFETY: an OwnedFd: open, and the same descriptor, for as long as the AsyncFd
+        // owns it.
+        let fd = unsafe { AsyncFd::register(fd) }.map_err(|e| Error::Process(e.into()))?;
+        let _ = fd.readable().await.map_err(Error::Process)?;
+        Ok(())
+    }
+
+    /// How it ended, as far as this library can tell: the exit status of a child, or
+    /// that a derived template's VMM ended.
+    pub fn exit_status(&self) -> String {
+        match &self.kind {
+            Kind::Spawned { child, .. } => {
+                let mut child = child.lock().unwrap_or_else(|p| p.into_inner());
+                match child.try_wait() {
+                    Ok(Some(s)) => s.to_string(),
+                    Ok(None) => "still running".into(),
+                    Err(e) => format!("unknown ({e})"),
+                }
+            }
+            Kind::Derived { id, .. } => format!("clone {id} of its parent template ended"),
+        }
+    }
+
+    /// Sends `signal` to the process (through its pidfd: never another process).
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: pidfd_send_signal on a pidfd this owner holds; no siginfo.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                signal,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+    }
+}
+
+impl Drop for Owner {
+    /// Stops the VMM if it still runs: SIGTERM, up to 2 s, then SIGKILL; a child is
+    /// reaped. Blocks the calling thread that long at most.
+    fn drop(&mut self) {
+        if !self.ended() {
+            self.signal(libc::SIGTERM);
+            if !self.wait_for(STOP_GRACE) {
+                self.signal(libc::SIGKILL);
+                self.wait_for(STOP_GRACE);
+            }
+        }
+        if let Kind::Spawned { child, .. } = &self.kind {
+            let mut child = child.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = child.try_wait();
+        }
+    }
+}

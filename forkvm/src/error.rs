@@ -90,6 +90,9 @@ pub enum Error {
     /// The VMM's process could not be watched or signalled (its pidfd).
     #[error("cannot watch the VMM's process: {0}")]
     Process(std::io::Error),
+    /// A template the zygote cache was about to use was evicted meanwhile (try again).
+    #[error("the template was evicted from the zygote cache meanwhile")]
+    Evicted,
     /// Files for the template (its directory) could not be made.
     #[error("cannot make the template's directory: {0}")]
     Files(std::io::Error),

@@ -41,8 +41,10 @@ mod http;
 mod load;
 mod owner;
 mod template;
+mod zygote;
 
 pub use api_types::{InvokeOptions, Outcome, VmInfo};
 pub use error::{Error, ErrorKind};
 pub use load::Load;
 pub use template::{Reply, Template, TemplateSpec};
+pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache};

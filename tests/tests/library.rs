@@ -253,3 +253,131 @@ async fn derived_templates_form_a_tree_that_lives_as_long_as_its_handles() {
     assert_eq!(e.kind(), ErrorKind::Caller);
     plain.shutdown().await.unwrap();
 }
+
+fn packages(names: &[&str]) -> forkvm::Packages {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+fn function_load(imports: &[&str], source: &str) -> forkvm::Load {
+    forkvm::Load {
+        imports: packages(imports),
+        source: Some(source.into()),
+        handler: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_zygote_cache_picks_subsets_makes_zygotes_when_asked_twice_and_evicts_lru_leaves() {
+    if !kvm_available("library_zygotes") {
+        return;
+    }
+    use forkvm::{CachePolicy, Tier, ZygoteCache};
+    // The tiny guest's loader takes any load (it keeps 8 bytes): the cache's policy is
+    // what is tested here; the Python loader's effect is in linux_invoke.rs.
+    let mut spec = tiny_spec("ticks=1 invoke=1 prime=1 load=1");
+    spec.warm_clones = 1;
+    let base = Template::start(spec).await.unwrap();
+    let base_pid = base.pid();
+    let policy = CachePolicy {
+        create_after: 2,
+        ..Default::default()
+    };
+    let cache = ZygoteCache::new(base, policy).await.unwrap();
+    let a = function_load(&["a"], "one");
+    let (f1, tier) = cache.function("f1", &a).await.unwrap();
+    assert_eq!(tier, Tier::Base, "the first ask of {{a}}: no zygote yet");
+    let (again, tier) = cache.function("f1", &a).await.unwrap();
+    assert_eq!(tier, Tier::Function);
+    assert!(Arc::ptr_eq(&f1, &again));
+    assert!(f1
+        .invoke(&b"show"[..], &InvokeOptions::default())
+        .await
+        .is_ok());
+    // The second ask of {a}: a zygote of {a} is made (from the base), and f2 from it.
+    let (f2, tier) = cache
+        .function("f2", &function_load(&["a"], "two"))
+        .await
+        .unwrap();
+    assert_eq!(tier, Tier::Base, "this request paid for the imports");
+    assert_eq!(cache.zygotes(), vec![packages(&[]), packages(&["a"])]);
+    let za = f2
+        .clone_id()
+        .unwrap()
+        .rsplit_once('.')
+        .unwrap()
+        .0
+        .to_string();
+    // {a, b}: the {a} zygote is the largest subset; {b}: never the {a} zygote.
+    let (f3, tier) = cache
+        .function("f3", &function_load(&["a", "b"], "three"))
+        .await
+        .unwrap();
+    assert_eq!(tier, Tier::Subset);
+    assert!(f3.clone_id().unwrap().starts_with(&format!("{za}.")));
+    let (f4, tier) = cache
+        .function("f4", &function_load(&["b"], "four"))
+        .await
+        .unwrap();
+    assert_eq!(tier, Tier::Base);
+    assert!(
+        !f4.clone_id().unwrap().contains('.'),
+        "f4 derives from the base"
+    );
+    let (f5, tier) = cache
+        .function("f5", &function_load(&["a"], "five"))
+        .await
+        .unwrap();
+    assert_eq!(tier, Tier::Zygote);
+    // A new version of f1 replaces it.
+    let (f1b, tier) = cache
+        .function("f1", &function_load(&["a"], "one, v2"))
+        .await
+        .unwrap();
+    assert_eq!(tier, Tier::Zygote);
+    assert!(!Arc::ptr_eq(&f1, &f1b));
+    let stats = cache.stats();
+    assert_eq!(stats.zygotes_made, 1, "{stats:?}");
+    assert_eq!(stats.functions_made, 6, "{stats:?}");
+    assert_eq!(stats.entries, 7, "base, {{a}}, f1..f5: {stats:?}");
+    assert!(stats.own_memory_kib > 0);
+    for (tier, n) in [("function", 1), ("zygote", 2), ("subset", 1), ("base", 3)] {
+        assert_eq!(
+            stats.hits.get(tier).copied().unwrap_or(0),
+            n,
+            "{tier}: {stats:?}"
+        );
+    }
+
+    // Under a smaller budget the least recently used leaves nobody holds go first;
+    // the {a} zygote has children and the base is never evicted.
+    let old_f1 = f1.pid();
+    drop((f1, again));
+    until("the old f1 to stop", || gone(old_f1)).await;
+    let (f2_pid, f4_pid) = (f2.pid(), f4.pid());
+    drop((f2, f4));
+    cache.set_memory_budget(stats.own_memory_kib - 1);
+    let after = cache.stats();
+    assert_eq!(after.evicted, 1, "{after:?}");
+    until("f2 (used first) to stop", || gone(f2_pid)).await;
+    assert!(!gone(f4_pid));
+    // Held leaves are not evicted; the base and {a} stay whatever the budget.
+    cache.set_memory_budget(0);
+    let after = cache.stats();
+    assert_eq!(
+        after.entries, 5,
+        "base, {{a}}, f3, f5 and f1b held: {after:?}"
+    );
+    until("f4 to stop", || gone(f4_pid)).await;
+    let (f5_pid, f3_pid) = (f5.pid(), f3.pid());
+    drop((f3, f5, f1b));
+    cache.set_memory_budget(0);
+    assert_eq!(
+        cache.stats().entries,
+        1,
+        "only the base: {:?}",
+        cache.stats()
+    );
+    until("f3 and f5 to stop", || gone(f5_pid) && gone(f3_pid)).await;
+    drop(cache);
+    until("the base to stop", || gone(base_pid)).await;
+}

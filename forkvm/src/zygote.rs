@@ -1,0 +1,443 @@
+//! A tree of templates that have imported package sets (SOCK's import cache, at VM
+//! level), and the functions' templates derived from them.
+//!
+//! The cache's root is a **base** template: a Python runtime waiting as a zygote
+//! (`python3 -m forkvm`), nothing imported. Every other entry is derived from an entry
+//! of the cache ([`Template::derive`]):
+//! - a **zygote** has imported a package set (a set of module names), and nothing else;
+//! - a **function's template** has imported what its function needs and loaded its
+//!   source; each invocation of the function runs in a fresh clone of it.
+//!
+//! Policy (docs/library.md):
+//! - **Which zygote**: for a package set P, the zygote whose set is the largest subset
+//!   of P (ties: the one used last). A zygote that imported anything outside P is never
+//!   used for P: a package the function did not ask for could have tampered with the
+//!   interpreter.
+//! - **When a zygote is made**: once a package set P has been asked for
+//!   [`CachePolicy::create_after`] times without a zygote of exactly P, one is derived
+//!   from the best zygote for P, importing what that one lacks.
+//! - **Eviction**: after each new entry, while the entries' own memory (what each
+//!   template's VMM alone holds, measured when it paused: pages shared copy-on-write
+//!   with its parent or its clones are not counted; `GET /vm` `own_memory_kib`) is over
+//!   [`CachePolicy::memory_budget_kib`], the least recently used entry that is a leaf
+//!   (nothing derived from it is cached) and that no caller holds is stopped. The base
+//!   is never evicted. An entry a caller still holds is stopped once the caller drops it.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tokio::sync::OnceCell;
+
+use crate::{Error, InvokeOptions, Load, Template};
+
+/// A package set: module names.
+pub type Packages = BTreeSet<String>;
+
+/// The cache's policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachePolicy {
+    /// How many requests for a package set without a zygote of exactly that set make
+    /// one (default 2: the second).
+    pub create_after: u32,
+    /// The entries' own memory the cache keeps, in KiB (default 4 GiB).
+    pub memory_budget_kib: u64,
+    /// How long deriving a template may take, in ms (imports in a guest are slow on a
+    /// host without hardware virtualization; default 600000).
+    pub load_timeout_ms: u64,
+}
+
+impl Default for CachePolicy {
+    fn default() -> Self {
+        Self {
+            create_after: 2,
+            memory_budget_kib: 4 << 20,
+            load_timeout_ms: 600_000,
+        }
+    }
+}
+
+/// Where a request was served from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tier {
+    /// The function's template was cached.
+    Function,
+    /// A zygote of exactly the package set.
+    Zygote,
+    /// A zygote of part of the package set (the rest imported after it).
+    Subset,
+    /// The base template (nothing imported before).
+    Base,
+}
+
+impl Tier {
+    /// Its name in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Function => "function",
+            Tier::Zygote => "zygote",
+            Tier::Subset => "subset",
+            Tier::Base => "base",
+        }
+    }
+}
+
+/// The cache's figures.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Requests served from each tier.
+    pub hits: HashMap<&'static str, u64>,
+    /// Zygotes made.
+    pub zygotes_made: u64,
+    /// Functions' templates made.
+    pub functions_made: u64,
+    /// Entries evicted under the memory budget.
+    pub evicted: u64,
+    /// Entries now (the base included).
+    pub entries: usize,
+    /// Their own memory, in KiB.
+    pub own_memory_kib: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Key {
+    Zygote(Packages),
+    Function(String),
+}
+
+type Slot = Arc<OnceCell<Arc<Template>>>;
+
+#[derive(Debug)]
+struct Entry {
+    slot: Slot,
+    /// The entry it was derived from (None: the base).
+    parent: Option<Key>,
+    /// What a function's template loaded (to tell a new version from the cached one).
+    load: Option<Load>,
+    own_kib: u64,
+    last_used: Instant,
+}
+
+#[derive(Debug)]
+struct State {
+    policy: CachePolicy,
+    entries: HashMap<Key, Entry>,
+    asked: HashMap<Packages, u32>,
+    stats: CacheStats,
+}
+
+/// The zygote tree: shared by every task of a scheduler (`Clone` is cheap).
+#[derive(Debug, Clone)]
+pub struct ZygoteCache {
+    state: Arc<Mutex<State>>,
+}
+
+/// The largest subset of `want` among `sets` (ties: the latest `used`), as an index.
+fn best_subset<'a>(
+    want: &Packages,
+    sets: impl Iterator<Item = (&'a Packages, Instant)>,
+) -> Option<&'a Packages> {
+    sets.filter(|(s, _)| s.is_subset(want))
+        .max_by_key(|(s, used)| (s.len(), *used))
+        .map(|(s, _)| s)
+}
+
+impl ZygoteCache {
+    /// A cache whose root is `base`, a ready template whose runtime loads (the Python
+    /// runtime, `python3 -m forkvm`).
+    pub async fn new(base: Template, policy: CachePolicy) -> Result<Self, Error> {
+        let own_kib = base.status().await?.invoke.own_memory_kib.unwrap_or(0);
+        let slot = Arc::new(OnceCell::new_with(Some(Arc::new(base))));
+        let entry = Entry {
+            slot,
+            parent: None,
+            load: None,
+            own_kib,
+            last_used: Instant::now(),
+        };
+        let mut state = State {
+            policy,
+            entries: HashMap::new(),
+            asked: HashMap::new(),
+            stats: CacheStats::default(),
+        };
+        state.entries.insert(Key::Zygote(Packages::new()), entry);
+        Ok(Self {
+            state: Arc::new(Mutex::new(state)),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The policy now.
+    pub fn policy(&self) -> CachePolicy {
+        self.lock().policy.clone()
+    }
+
+    /// Sets the memory budget, in KiB, and evicts down to it now.
+    pub fn set_memory_budget(&self, kib: u64) {
+        self.lock().policy.memory_budget_kib = kib;
+        self.evict();
+    }
+
+    /// The cache's figures now.
+    pub fn stats(&self) -> CacheStats {
+        let s = self.lock();
+        CacheStats {
+            entries: s.entries.len(),
+            own_memory_kib: s.entries.values().map(|e| e.own_kib).sum(),
+            ..s.stats.clone()
+        }
+    }
+
+    /// The package sets of the zygotes now cached (the base's is empty).
+    pub fn zygotes(&self) -> Vec<Packages> {
+        let s = self.lock();
+        let ready = |e: &Entry| e.slot.initialized();
+        let mut sets: Vec<Packages> = (s.entries.iter())
+            .filter_map(|(k, e)| match k {
+                Key::Zygote(p) if ready(e) => Some(p.clone()),
+                _ => None,
+            })
+            .collect();
+        sets.sort();
+        sets
+    }
+
+    /// The best zygote for `packages` and its tier, making a zygote of exactly
+    /// `packages` when they have been asked for often enough.
+    pub async fn zygote(&self, packages: &Packages) -> Result<(Arc<Template>, Tier), Error> {
+        let (key, tier, create) = {
+            let mut s = self.lock();
+            let asked = s.asked.entry(packages.clone()).or_default();
+            *asked += 1;
+            let asked = *asked;
+            let (best, tier) = self.best(&s, packages);
+            let create = tier != Tier::Zygote && asked >= s.policy.create_after;
+            (best, tier, create)
+        };
+        if create {
+            let missing: Packages = match &key {
+                Key::Zygote(have) => packages.difference(have).cloned().collect(),
+                Key::Function(_) => unreachable!("zygotes only"),
+            };
+            let made = self
+                .derive_entry(
+                    Key::Zygote(packages.clone()),
+                    key,
+                    Load {
+                        imports: missing,
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            return Ok((made, tier));
+        }
+        Ok((self.touch(&key)?, tier))
+    }
+
+    /// The best cached zygote for `packages`: its key and tier.
+    fn best(&self, s: &State, packages: &Packages) -> (Key, Tier) {
+        let sets = (s.entries.iter()).filter_map(|(k, e)| match k {
+            Key::Zygote(p) if e.slot.initialized() => Some((p, e.last_used)),
+            _ => None,
+        });
+        let best = best_subset(packages, sets).cloned().unwrap_or_default();
+        let tier = match (best.len(), best.len() == packages.len()) {
+            (_, true) => Tier::Zygote,
+            (0, false) => Tier::Base,
+            _ => Tier::Subset,
+        };
+        (Key::Zygote(best), tier)
+    }
+
+    /// The template of `key`, marked used now.
+    fn touch(&self, key: &Key) -> Result<Arc<Template>, Error> {
+        let mut s = self.lock();
+        let e = s.entries.get_mut(key).ok_or(Error::Evicted)?;
+        e.last_used = Instant::now();
+        e.slot.get().cloned().ok_or(Error::Evicted)
+    }
+
+    /// Function `name`'s template: cached ([`Tier::Function`]), or derived from the best
+    /// zygote for `load.imports` with `load` (the function's source and handler); the
+    /// tier says which. A `load` other than the cached one's replaces it.
+    pub async fn function(&self, name: &str, load: &Load) -> Result<(Arc<Template>, Tier), Error> {
+        let key = Key::Function(name.to_string());
+        let cached = {
+            let s = self.lock();
+            (s.entries.get(&key)).map(|e| (e.load.as_ref() == Some(load), e.slot.initialized()))
+        };
+        match cached {
+            Some((true, true)) => {
+                self.count(Tier::Function);
+                return Ok((self.touch(&key)?, Tier::Function));
+            }
+            Some((false, _)) => self.remove_function(name),
+            _ => {}
+        }
+        let (zygote, tier) = self.zygote(&load.imports).await?;
+        let parent = self.key_of(&zygote).ok_or(Error::Evicted)?;
+        let have = match &parent {
+            Key::Zygote(p) => p.clone(),
+            Key::Function(_) => Packages::new(),
+        };
+        let own = Load {
+            imports: load.imports.difference(&have).cloned().collect(),
+            ..load.clone()
+        };
+        let t = self.derive_entry(key, parent, own).await?;
+        self.count(tier);
+        Ok((t, tier))
+    }
+
+    fn count(&self, tier: Tier) {
+        *self.lock().stats.hits.entry(tier.as_str()).or_default() += 1;
+    }
+
+    fn key_of(&self, t: &Arc<Template>) -> Option<Key> {
+        let s = self.lock();
+        (s.entries.iter())
+            .find(|(_, e)| e.slot.get().is_some_and(|x| Arc::ptr_eq(x, t)))
+            .map(|(k, _)| k.clone())
+    }
+
+    /// Forgets function `name`'s template (a new version, or the function deleted); its
+    /// VMM stops once no caller holds it.
+    pub fn remove_function(&self, name: &str) {
+        let gone = self.lock().entries.remove(&Key::Function(name.to_string()));
+        if let Some(e) = gone {
+            dispose(e.slot);
+        }
+    }
+
+    /// The entry `key`, derived from `parent` with `load` (or being derived by another
+    /// caller: then its result).
+    async fn derive_entry(
+        &self,
+        key: Key,
+        parent: Key,
+        load: Load,
+    ) -> Result<Arc<Template>, Error> {
+        let function = matches!(key, Key::Function(_));
+        let slot = {
+            let mut s = self.lock();
+            let entry = s.entries.entry(key.clone()).or_insert_with(|| Entry {
+                slot: Arc::new(OnceCell::new()),
+                parent: Some(parent.clone()),
+                load: function.then(|| load.clone()),
+                own_kib: 0,
+                last_used: Instant::now(),
+            });
+            entry.slot.clone()
+        };
+        let from = self.touch(&parent)?;
+        let options = InvokeOptions {
+            timeout_ms: Some(self.policy().load_timeout_ms),
+            ..Default::default()
+        };
+        let made = slot
+            .get_or_try_init(|| async {
+                let (t, _) = from.derive(load.payload(), &options).await?;
+                let own = t.status().await?.invoke.own_memory_kib.unwrap_or(0);
+                let mut s = self.lock();
+                if let Some(e) = s.entries.get_mut(&key) {
+                    e.own_kib = own;
+                }
+                match function {
+                    true => s.stats.functions_made += 1,
+                    false => s.stats.zygotes_made += 1,
+                }
+                Ok::<_, Error>(Arc::new(t))
+            })
+            .await;
+        let made = match made {
+            Ok(t) => t.clone(),
+            Err(e) => {
+                // Nothing cached: the next request tries again.
+                let mut s = self.lock();
+                if s.entries.get(&key).is_some_and(|e| !e.slot.initialized()) {
+                    s.entries.remove(&key);
+                }
+                return Err(e);
+            }
+        };
+        self.evict();
+        Ok(made)
+    }
+
+    /// Stops least recently used leaves until the entries' own memory is within the
+    /// budget (or nothing more can go).
+    fn evict(&self) {
+        let mut s = self.lock();
+        loop {
+            let total: u64 = s.entries.values().map(|e| e.own_kib).sum();
+            if total <= s.policy.memory_budget_kib {
+                return;
+            }
+            let parents: BTreeSet<&Key> = s
+                .entries
+                .values()
+                .filter_map(|e| e.parent.as_ref())
+                .collect();
+            let victim = (s.entries.iter())
+                .filter(|(k, e)| {
+                    e.parent.is_some()
+                        && !parents.contains(k)
+                        && e.slot.get().is_some_and(|t| Arc::strong_count(t) == 1)
+                })
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(k, _)| k.clone());
+            let Some(victim) = victim else { return };
+            if let Some(e) = s.entries.remove(&victim) {
+                s.stats.evicted += 1;
+                dispose(e.slot);
+            }
+        }
+    }
+}
+
+/// Stops a template no longer cached, off the async threads (a VMM's stop blocks up
+/// to 2 s), once nobody else holds it.
+fn dispose(slot: Slot) {
+    let t = Arc::into_inner(slot).and_then(OnceCell::into_inner);
+    if let Some(t) = t {
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => drop(h.spawn_blocking(move || drop(t))),
+            Err(_) => drop(t),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(names: &[&str]) -> Packages {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_best_zygote_is_the_largest_subset_never_a_superset() {
+        let now = Instant::now();
+        let later = now + std::time::Duration::from_secs(1);
+        let base = set(&[]);
+        let np = set(&["numpy"]);
+        let js = set(&["json"]);
+        let npjs = set(&["json", "numpy"]);
+        let all = [(&base, now), (&np, now), (&js, later), (&npjs, now)];
+        let best = |want: &[&str]| best_subset(&set(want), all.iter().copied()).cloned();
+        assert_eq!(best(&["numpy", "json", "os"]), Some(npjs.clone()));
+        assert_eq!(best(&["numpy", "os"]), Some(np.clone()));
+        assert_eq!(best(&["os"]), Some(base.clone()));
+        assert_eq!(best(&["json", "numpy"]), Some(npjs));
+        // Two subsets of one size: the one used last.
+        let two = [(&np, now), (&js, later)];
+        let want = set(&["json", "numpy", "x"]);
+        assert_eq!(best_subset(&want, two.iter().copied()), Some(&js));
+        // No subset at all.
+        assert_eq!(best_subset(&set(&["os"]), [(&np, now)].into_iter()), None);
+    }
+}

@@ -171,6 +171,14 @@ impl ZygoteCache {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The base template (the tree's root): watch it with [`Template::died`].
+    pub fn base(&self) -> Arc<Template> {
+        let s = self.lock();
+        let base = s.entries.get(&Key::Zygote(Packages::new()));
+        base.and_then(|e| e.slot.get().cloned())
+            .expect("the base is never evicted")
+    }
+
     /// The policy now.
     pub fn policy(&self) -> CachePolicy {
         self.lock().policy.clone()
@@ -231,6 +239,7 @@ impl ZygoteCache {
                         imports: missing,
                         ..Default::default()
                     },
+                    None,
                 )
                 .await?;
             return Ok((made, tier));
@@ -288,7 +297,9 @@ impl ZygoteCache {
             imports: load.imports.difference(&have).cloned().collect(),
             ..load.clone()
         };
-        let t = self.derive_entry(key, parent, own).await?;
+        let t = self
+            .derive_entry(key, parent, own, Some(load.clone()))
+            .await?;
         self.count(tier);
         Ok((t, tier))
     }
@@ -314,20 +325,21 @@ impl ZygoteCache {
     }
 
     /// The entry `key`, derived from `parent` with `load` (or being derived by another
-    /// caller: then its result).
+    /// caller: then its result); `function`: the whole load of a function's template, to
+    /// tell a new version from it.
     async fn derive_entry(
         &self,
         key: Key,
         parent: Key,
         load: Load,
+        function: Option<Load>,
     ) -> Result<Arc<Template>, Error> {
-        let function = matches!(key, Key::Function(_));
         let slot = {
             let mut s = self.lock();
             let entry = s.entries.entry(key.clone()).or_insert_with(|| Entry {
                 slot: Arc::new(OnceCell::new()),
                 parent: Some(parent.clone()),
-                load: function.then(|| load.clone()),
+                load: function,
                 own_kib: 0,
                 last_used: Instant::now(),
             });
@@ -346,9 +358,9 @@ impl ZygoteCache {
                 if let Some(e) = s.entries.get_mut(&key) {
                     e.own_kib = own;
                 }
-                match function {
-                    true => s.stats.functions_made += 1,
-                    false => s.stats.zygotes_made += 1,
+                match key {
+                    Key::Function(_) => s.stats.functions_made += 1,
+                    Key::Zygote(_) => s.stats.zygotes_made += 1,
                 }
                 Ok::<_, Error>(Arc::new(t))
             })

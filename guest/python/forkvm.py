@@ -28,7 +28,6 @@ and the clone is then no template.
 
 import ctypes
 import importlib
-import json
 import random
 import sys
 import traceback
@@ -93,6 +92,10 @@ def _no_handler(event):
 def load(spec, handler):
     """Carry out a load request ``spec`` (a JSON object, bytes); return the handler to
     serve from now on and the reply."""
+    # Imported here, not by the zygote: a zygote has imported nothing a function did
+    # not ask for (docs/library.md).
+    import json
+
     spec = json.loads(spec or b"{}")
     if not isinstance(spec, dict):
         raise ValueError("a load request is a JSON object")

@@ -39,7 +39,8 @@ pub fn jailer_bin() -> PathBuf {
     workspace_bin("jailer")
 }
 
-fn workspace_bin(name: &str) -> PathBuf {
+/// A binary of this workspace, of the same build profile as this test.
+pub fn workspace_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> -> target/<profile>/<name>
     let bin = exe

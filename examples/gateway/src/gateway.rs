@@ -1,0 +1,406 @@
+//! The gateway's functions: deploy, invoke, list, delete, over a [`ZygoteCache`] whose
+//! base is a Python zygote template.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use forkvm::{Error, ErrorKind, InvokeOptions, Load, Outcome, Template, Tier, ZygoteCache};
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::{ErrorLabels, InvocationLabels, Metrics, TierLabels};
+
+/// A function's limits: the clone's resource class and rate limits, and its timeout.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// A resource class the gateway was started with (`--class`): the clone's cgroup,
+    /// with that class's CPU, memory and process limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
+    /// How long the handler may take, in ms (default 30000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// The clone's disk rate limit (`bytes=1M,ops=100`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_rate: Option<String>,
+    /// The clone's network rate limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_rate: Option<String>,
+}
+
+/// `PUT /functions/{name}`'s body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionSpec {
+    /// The handler's Python source.
+    pub source: String,
+    /// The function in it that handles an event (default `handler`): called with the
+    /// request body (`bytes`), it returns `bytes` or `str`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handler: Option<String>,
+    /// Modules it imports (its zygote is chosen by them).
+    #[serde(default)]
+    pub packages: BTreeSet<String>,
+    /// Its limits.
+    #[serde(default)]
+    pub limits: Limits,
+}
+
+/// A deployed function.
+#[derive(Debug, Clone)]
+struct Function {
+    spec: FunctionSpec,
+    load: Load,
+    options: InvokeOptions,
+}
+
+/// What `GET /functions` and `PUT` answer about a function.
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionInfo {
+    /// Its name.
+    pub name: String,
+    /// Its packages.
+    pub packages: BTreeSet<String>,
+    /// Its limits.
+    pub limits: Limits,
+    /// Invocations so far.
+    pub invocations: u64,
+}
+
+/// The gateway's state, shared by every request.
+pub struct Gateway {
+    cache: RwLock<ZygoteCache>,
+    functions: Mutex<BTreeMap<String, (Function, u64)>>,
+    classes: Vec<String>,
+    /// Its metrics.
+    pub metrics: Metrics,
+}
+
+/// An error answer: status and text (JSON `{"error": ...}`).
+pub struct Failure(StatusCode, String);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({ "error": self.1 });
+        (self.0, Json(body)).into_response()
+    }
+}
+
+fn bad(text: impl Into<String>) -> Failure {
+    Failure(StatusCode::BAD_REQUEST, text.into())
+}
+
+/// A function name: 1 to 64 of `[A-Za-z0-9_-]`.
+fn check_name(name: &str) -> Result<(), Failure> {
+    let ok = (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    match ok {
+        true => Ok(()),
+        false => Err(bad(format!(
+            "function name {name:?}: 1 to 64 letters, digits, '_' or '-'"
+        ))),
+    }
+}
+
+impl Gateway {
+    /// A gateway over `cache`, whose VMMs have the resource classes `classes`.
+    pub fn new(cache: ZygoteCache, classes: Vec<String>) -> Self {
+        Self {
+            cache: RwLock::new(cache),
+            functions: Mutex::new(BTreeMap::new()),
+            classes,
+            metrics: Metrics::new(),
+        }
+    }
+
+    /// The cache now.
+    pub fn cache(&self) -> ZygoteCache {
+        self.cache.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the cache (its base died and was started again): functions' templates
+    /// are derived again from the new one as they are invoked.
+    pub fn replace_cache(&self, cache: ZygoteCache) {
+        *self.cache.write().unwrap_or_else(|p| p.into_inner()) = cache;
+        self.metrics.restarts.inc();
+    }
+
+    fn functions(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, (Function, u64)>> {
+        self.functions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn count_error(&self, e: &Error) {
+        let kind = match e.kind() {
+            ErrorKind::Caller => "caller",
+            ErrorKind::Guest => "guest",
+            ErrorKind::Host => "host",
+        };
+        let labels = ErrorLabels { kind: kind.into() };
+        self.metrics.errors.get_or_create(&labels).inc();
+    }
+
+    /// The cache's figures into the gauges.
+    fn update_gauges(&self) {
+        let s = self.cache().stats();
+        let m = &self.metrics;
+        m.templates.set(s.entries as i64);
+        m.zygotes_made.set(s.zygotes_made as i64);
+        m.evicted.set(s.evicted as i64);
+        m.template_memory.set((s.own_memory_kib * 1024) as i64);
+        m.functions.set(self.functions().len() as i64);
+    }
+
+    /// Function `name`'s template from the cache (derived if it is not cached), with
+    /// its tier. A template whose VMM died is forgotten and derived again, once.
+    async fn template(&self, name: &str, f: &Function) -> Result<(Arc<Template>, Tier), Error> {
+        let cache = self.cache();
+        let (t, tier) = cache.function(name, &f.load).await?;
+        if t.status().await.is_ok() {
+            return Ok((t, tier));
+        }
+        tracing::warn!("function {name}'s template does not answer: deriving it again");
+        drop(t);
+        cache.remove_function(name);
+        cache.function(name, &f.load).await
+    }
+}
+
+/// Checks `spec` (`classes`: the gateway's resource classes) and what deploying it
+/// means.
+fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failure> {
+    if let Some(c) = &spec.limits.class {
+        if !classes.contains(c) {
+            return Err(bad(format!(
+                "unknown class {c:?}: the gateway has {classes:?} (--class)"
+            )));
+        }
+    }
+    for p in &spec.packages {
+        let ok = !p.is_empty()
+            && p.split('.').all(|part| {
+                part.chars()
+                    .next()
+                    .is_some_and(|c| c.is_alphabetic() || c == '_')
+                    && part.chars().all(|c| c.is_alphanumeric() || c == '_')
+            });
+        if !ok {
+            return Err(bad(format!("package {p:?} is no module name")));
+        }
+    }
+    let rate = |what: &str, v: &Option<String>| {
+        v.as_deref()
+            .map(|s| s.parse().map_err(|e| bad(format!("{what}: {e}"))))
+            .transpose()
+    };
+    let options = InvokeOptions {
+        timeout_ms: spec.limits.timeout_ms,
+        resource_class: spec.limits.class.clone(),
+        disk_rate: rate("disk_rate", &spec.limits.disk_rate)?,
+        net_rate: rate("net_rate", &spec.limits.net_rate)?,
+        ..Default::default()
+    };
+    options.check().map_err(bad)?;
+    let load = Load {
+        imports: spec.packages.clone(),
+        source: Some(spec.source.clone()),
+        handler: spec.handler.clone(),
+    };
+    Ok(Function {
+        spec,
+        load,
+        options,
+    })
+}
+
+/// What a failed deployment or invocation answers.
+fn failure_of(e: &Error) -> Failure {
+    let status = match e {
+        Error::Refused { status, .. } => *status,
+        Error::Invocation { outcome, .. } => match outcome {
+            Outcome::HandlerError => 500,
+            Outcome::Timeout => 504,
+            _ => 502,
+        },
+        Error::Unavailable { .. } | Error::Evicted => 503,
+        Error::Timeout { .. } => 504,
+        _ => 502,
+    };
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    Failure(status, e.to_string())
+}
+
+fn outcome_of(e: &Error) -> &'static str {
+    match e {
+        Error::Invocation { outcome, .. } => outcome.as_str(),
+        Error::Refused { .. } => "refused",
+        _ => "unavailable",
+    }
+}
+
+/// `PUT /functions/{name}`: deploys (or replaces) a function; its template is derived
+/// now, so a function that does not load fails here (400, with the traceback).
+pub async fn deploy(
+    State(g): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    check_name(&name)?;
+    let spec: FunctionSpec =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("function spec: {e}")))?;
+    let f = function_of(&g.classes, spec)?;
+    let started = Instant::now();
+    let cache = g.cache();
+    let (_, tier) = match cache.function(&name, &f.load).await {
+        Ok(t) => t,
+        Err(e) => {
+            g.count_error(&e);
+            cache.remove_function(&name);
+            let Failure(status, text) = failure_of(&e);
+            let status = match status {
+                StatusCode::INTERNAL_SERVER_ERROR => StatusCode::BAD_REQUEST,
+                s => s,
+            };
+            return Err(Failure(
+                status,
+                format!("the function did not load: {text}"),
+            ));
+        }
+    };
+    let replaced = g.functions().insert(name.clone(), (f.clone(), 0)).is_some();
+    g.update_gauges();
+    let status = match replaced {
+        true => StatusCode::OK,
+        false => StatusCode::CREATED,
+    };
+    let info = serde_json::json!({
+        "name": name,
+        "packages": f.spec.packages,
+        "tier": tier.as_str(),
+        "deploy_ms": started.elapsed().as_millis() as u64,
+    });
+    Ok((status, Json(info)).into_response())
+}
+
+/// `POST /functions/{name}`: the request body is the event; the answer is the
+/// handler's reply, from a fresh clone of the function's template.
+pub async fn invoke(
+    State(g): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    let started = Instant::now();
+    let f = g.functions().get(&name).map(|(f, _)| f.clone());
+    let f = f.ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no function {name:?}")))?;
+    let result = match g.template(&name, &f).await {
+        Ok((t, tier)) => {
+            let labels = TierLabels {
+                tier: tier.as_str().into(),
+            };
+            g.metrics.cache_hits.get_or_create(&labels).inc();
+            let r = t.invoke(body, &f.options).await;
+            if !matches!(&r, Err(Error::Refused { .. } | Error::Unavailable { .. })) {
+                g.metrics.clones.inc();
+            }
+            r.map(|r| (r, tier))
+        }
+        Err(e) => Err(e),
+    };
+    let outcome = match &result {
+        Ok(_) => "ok",
+        Err(e) => outcome_of(e),
+    };
+    let labels = InvocationLabels {
+        function: name.clone(),
+        outcome: outcome.into(),
+    };
+    g.metrics.invocations.get_or_create(&labels).inc();
+    if let Some((_, n)) = g.functions().get_mut(&name) {
+        *n += 1;
+    }
+    g.update_gauges();
+    match result {
+        Ok((reply, tier)) => {
+            g.metrics.latency.observe(started.elapsed().as_secs_f64());
+            let mut headers = HeaderMap::new();
+            let octets = HeaderValue::from_static("application/octet-stream");
+            headers.insert(header::CONTENT_TYPE, octets);
+            let text = |s: &str| HeaderValue::from_str(s).ok();
+            for (k, v) in [
+                ("x-forkvm-tier", text(tier.as_str())),
+                ("x-forkvm-clone-id", text(&reply.clone_id)),
+                ("x-forkvm-total-us", text(&reply.total_us.to_string())),
+            ] {
+                if let Some(v) = v {
+                    headers.insert(k, v);
+                }
+            }
+            Ok((StatusCode::OK, headers, reply.body).into_response())
+        }
+        Err(e) => {
+            g.count_error(&e);
+            Err(failure_of(&e))
+        }
+    }
+}
+
+/// `GET /functions`: every deployed function.
+pub async fn list(State(g): State<Arc<Gateway>>) -> Json<Vec<FunctionInfo>> {
+    let infos = (g.functions().iter())
+        .map(|(name, (f, n))| FunctionInfo {
+            name: name.clone(),
+            packages: f.spec.packages.clone(),
+            limits: f.spec.limits.clone(),
+            invocations: *n,
+        })
+        .collect();
+    Json(infos)
+}
+
+/// `DELETE /functions/{name}`: 204; its template stops once no invocation holds it.
+pub async fn delete(
+    State(g): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, Failure> {
+    let gone = g.functions().remove(&name);
+    gone.ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no function {name:?}")))?;
+    g.cache().remove_function(&name);
+    g.update_gauges();
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /metrics`: the Prometheus (OpenMetrics) text format.
+pub async fn metrics(State(g): State<Arc<Gateway>>) -> Response {
+    g.update_gauges();
+    let kind = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    ([(header::CONTENT_TYPE, kind)], g.metrics.encode()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_specs_are_checked() {
+        assert!(check_name("resize-image_2").is_ok());
+        for bad in ["", "a/b", "a b", &"x".repeat(65), "ü"] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+        let spec: Result<FunctionSpec, _> =
+            serde_json::from_str(r#"{"source": "x", "packages": ["json"], "oops": 1}"#);
+        assert!(spec.is_err(), "unknown fields are refused");
+        let spec: FunctionSpec = serde_json::from_str(
+            r#"{"source": "def handler(e): return e", "limits": {"timeout_ms": 500}}"#,
+        )
+        .unwrap();
+        assert_eq!(spec.limits.timeout_ms, Some(500));
+        assert!(spec.packages.is_empty());
+    }
+}

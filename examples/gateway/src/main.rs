@@ -1,0 +1,221 @@
+//! `forkvm-gateway`: a small FaaS platform on the `forkvm` library (docs/faas.md).
+//!
+//! It starts a Python zygote template (a Linux guest whose runtime, `python3 -m
+//! forkvm`, waits with nothing imported) and serves HTTP:
+//! - `PUT /functions/{name}`: a Python handler's source, its packages and limits; its
+//!   template is derived from the best zygote of a [`forkvm::ZygoteCache`];
+//! - `POST /functions/{name}`: the body is the event; the answer is the handler's
+//!   reply, computed in a fresh clone of the function's template (requests at once run
+//!   in parallel clones);
+//! - `GET /functions`, `DELETE /functions/{name}`, `GET /metrics` (Prometheus).
+//!
+//! When the base template's VMM dies, the gateway starts another and derives the
+//! functions' templates again as they are invoked.
+
+mod gateway;
+mod metrics;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, put};
+use axum::Router;
+use clap::Parser;
+use forkvm::{CachePolicy, Template, TemplateSpec, ZygoteCache};
+
+use gateway::Gateway;
+
+/// The Python runtime as a zygote: it imports nothing until a load request.
+const ZYGOTE: &str = "python3 -m forkvm";
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    version,
+    about = "A FaaS gateway on forkvm: Python functions, each request in a fresh VM clone"
+)]
+struct Args {
+    /// Address to serve HTTP on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// The guest kernel.
+    #[arg(long, default_value = "target/guest/vmlinux")]
+    kernel: PathBuf,
+    /// The Python root image (read-only).
+    #[arg(long, default_value = "target/guest/python.ext4")]
+    rootfs: PathBuf,
+    /// The `vmm` program (default: `$FORKVM_VMM`, else beside this program, else PATH).
+    #[arg(long)]
+    vmm: Option<PathBuf>,
+    /// Guest memory of the base template (and so of every clone), in MiB.
+    #[arg(long, default_value_t = 256)]
+    mem_mib: u32,
+    /// Warm clones each template keeps ready.
+    #[arg(long, default_value_t = 2)]
+    warm_clones: u32,
+    /// A resource class functions may name (`NAME:cpu=C,memory=M,pids=N`, as `vmm run
+    /// --cgroup-class`); repeatable. Without, clones are not placed in cgroups.
+    #[arg(long = "class")]
+    classes: Vec<String>,
+    /// The memory the cached templates may hold (their own: copy-on-write sharing not
+    /// counted), in MiB; least recently used templates beyond it are stopped.
+    #[arg(long, default_value_t = 4096)]
+    memory_budget_mib: u64,
+    /// Deployments of one package set before a zygote of it is made.
+    #[arg(long, default_value_t = 2)]
+    create_after: u32,
+    /// How long a deployment (imports and the handler's source in a guest) may take, in
+    /// seconds.
+    #[arg(long, default_value_t = 600)]
+    load_timeout_s: u64,
+    /// How long the base template may take to boot and wait, in seconds.
+    #[arg(long, default_value_t = 600)]
+    start_timeout_s: u64,
+    /// A further `vmm run` option for the base template (repeatable; `--vmm-arg=--no-prime`).
+    #[arg(long = "vmm-arg", allow_hyphen_values = true)]
+    vmm_args: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum GatewayError {
+    #[error("the base template did not start: {0}")]
+    Base(#[from] forkvm::Error),
+    #[error("cannot serve on {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("HTTP server: {0}")]
+    Serve(std::io::Error),
+}
+
+/// Starts the base template and its cache.
+async fn start_cache(args: &Args) -> Result<ZygoteCache, forkvm::Error> {
+    let mut spec = TemplateSpec::new(&args.kernel);
+    if let Some(v) = &args.vmm {
+        spec.vmm.clone_from(v);
+    }
+    spec.rootfs = Some(args.rootfs.clone());
+    spec.cmdline = Some(format!(
+        "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 forkvm.run=\"{ZYGOTE}\""
+    ));
+    spec.mem_mib = args.mem_mib;
+    spec.warm_clones = args.warm_clones;
+    spec.start_timeout = Duration::from_secs(args.start_timeout_s);
+    for c in &args.classes {
+        spec.args.extend(["--cgroup-class".to_string(), c.clone()]);
+    }
+    spec.args.extend(args.vmm_args.iter().cloned());
+    tracing::info!("starting the base template ({})", args.kernel.display());
+    let base = Template::start(spec).await?;
+    tracing::info!("base template ready (pid {})", base.pid());
+    let policy = CachePolicy {
+        create_after: args.create_after,
+        memory_budget_kib: args.memory_budget_mib * 1024,
+        load_timeout_ms: args.load_timeout_s * 1000,
+    };
+    ZygoteCache::new(base, policy).await
+}
+
+/// Starts another base template whenever the current one's VMM dies.
+async fn supervise(g: Arc<Gateway>, args: Args) {
+    loop {
+        let base = g.cache().base();
+        let e = base.died().await;
+        drop(base);
+        tracing::error!("the base template died: {e}; starting another");
+        loop {
+            match start_cache(&args).await {
+                Ok(cache) => {
+                    g.replace_cache(cache);
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!("cannot start a base template: {e}; trying again in 5 s");
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+            }
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+    tracing::info!("shutting down");
+}
+
+async fn run(args: Args) -> Result<(), GatewayError> {
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|source| GatewayError::Listen {
+            addr: args.listen.clone(),
+            source,
+        })?;
+    let cache = start_cache(&args).await?;
+    let classes = (args.classes.iter())
+        .map(|c| c.split(':').next().unwrap_or_default().to_string())
+        .collect();
+    let g = Arc::new(Gateway::new(cache, classes));
+    let supervisor = tokio::spawn(supervise(g.clone(), args.clone()));
+    let app = Router::new()
+        .route("/functions", get(gateway::list))
+        .route(
+            "/functions/{name}",
+            put(gateway::deploy)
+                .post(gateway::invoke)
+                .delete(gateway::delete),
+        )
+        .route("/metrics", get(gateway::metrics))
+        // Events up to the default mailbox (4 MiB less its header).
+        .layer(DefaultBodyLimit::max((4 << 20) - 64))
+        .with_state(g.clone());
+    tracing::info!("serving on http://{}", args.listen);
+    println!("forkvm-gateway: serving on http://{}", args.listen);
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await;
+    supervisor.abort();
+    let _ = supervisor.await;
+    // The last handles of every template: each VMM is stopped (clones with it).
+    drop(g);
+    served.map_err(GatewayError::Serve)
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "forkvm_gateway=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("forkvm-gateway: cannot start tokio: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("forkvm-gateway: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! The FaaS gateway example (`examples/gateway`, docs/faas.md) used as its tutorial
+//! says, with a real HTTP client: start it, deploy Python functions, invoke them (many
+//! at once, each in its own clone), read the metrics, delete, stop; every error answer
+//! the tutorial names; nothing left behind.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tests::{guest_file, kvm_available, workspace_bin};
+
+/// A Linux boot and Python's start on this PVM host take a minute or two; more on a
+/// busy one.
+const START: Duration = Duration::from_secs(600);
+
+struct Gateway {
+    child: Child,
+    url: String,
+    agent: ureq::Agent,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+struct Answer {
+    status: u16,
+    headers: ureq::http::HeaderMap,
+    body: String,
+}
+
+impl Gateway {
+    /// Starts the gateway on a free loopback port and waits until it serves.
+    fn start(extra: &[&str]) -> Gateway {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        let listen = format!("127.0.0.1:{port}");
+        let mut child = Command::new(workspace_bin("forkvm-gateway"))
+            .args(["--listen", &listen, "--warm-clones", "1"])
+            .arg("--kernel")
+            .arg(guest_file("vmlinux"))
+            .arg("--rootfs")
+            .arg(guest_file("python.ext4"))
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("forkvm-gateway");
+        let out = BufReader::new(child.stdout.take().unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let line = rx.recv_timeout(START).expect("the gateway to serve");
+        assert_eq!(line, format!("forkvm-gateway: serving on http://{listen}"));
+        let config = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(300)))
+            .build();
+        Gateway {
+            child,
+            url: format!("http://{listen}"),
+            agent: config.into(),
+        }
+    }
+
+    fn send(&self, method: &str, path: &str, body: &str) -> Answer {
+        let url = format!("{}{path}", self.url);
+        let r = match method {
+            "PUT" => self.agent.put(&url).send(body),
+            "POST" => self.agent.post(&url).send(body),
+            "GET" => self.agent.get(&url).call(),
+            "DELETE" => self.agent.delete(&url).call(),
+            _ => unreachable!(),
+        };
+        let mut r = r.unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        Answer {
+            status: r.status().as_u16(),
+            headers: r.headers().clone(),
+            body: r.body_mut().read_to_string().unwrap(),
+        }
+    }
+
+    fn deploy(&self, name: &str, spec: Value) -> Answer {
+        self.send("PUT", &format!("/functions/{name}"), &spec.to_string())
+    }
+
+    fn invoke(&self, name: &str, event: &str) -> Answer {
+        self.send("POST", &format!("/functions/{name}"), event)
+    }
+
+    /// A metric's value in `GET /metrics` (the sample line that starts with `sample`).
+    fn metric(&self, sample: &str) -> f64 {
+        let text = self.send("GET", "/metrics", "").body;
+        (text.lines())
+            .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+fn json(a: &Answer) -> Value {
+    serde_json::from_str(&a.body).unwrap_or_else(|e| panic!("{e}: {}", a.body))
+}
+
+/// Processes whose parent is `pid` (any thread).
+fn children_of(pid: u32) -> Vec<u32> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten();
+    tasks
+        .flatten()
+        .flat_map(|t| {
+            std::fs::read_to_string(t.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+fn gone(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
+}
+
+const HELLO: &str = "import json\n\ndef handler(event):\n    name = json.loads(event or b'{}').get('name', 'world')\n    return json.dumps({'hello': name})\n";
+
+#[test]
+fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
+    if !kvm_available("gateway") {
+        return;
+    }
+    let mut gw = Gateway::start(&[]);
+    // Deploy: its template is derived from the base (nothing imported yet).
+    let a = gw.deploy(
+        "hello",
+        serde_json::json!({"source": HELLO, "packages": ["json"]}),
+    );
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(json(&a)["tier"], "base");
+
+    // Invoke: the handler's reply, from a fresh clone each time; 8 at once.
+    let a = gw.invoke("hello", r#"{"name": "forkvm"}"#);
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(json(&a), serde_json::json!({"hello": "forkvm"}));
+    assert_eq!(a.headers["x-forkvm-tier"], "function");
+    let replies: Vec<Answer> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..8)
+            .map(|i| {
+                let gw = &gw;
+                s.spawn(move || gw.invoke("hello", &format!(r#"{{"name": "caller {i}"}}"#)))
+            })
+            .collect();
+        calls.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    let mut clones = std::collections::HashSet::new();
+    for (i, a) in replies.iter().enumerate() {
+        assert_eq!(a.status, 200, "{}", a.body);
+        assert_eq!(json(a)["hello"], format!("caller {i}"));
+        let id = a.headers["x-forkvm-clone-id"].to_str().unwrap().to_string();
+        assert!(clones.insert(id), "a clone served twice");
+    }
+
+    // A second function of the same packages makes their zygote; a third starts from
+    // it; a function that also imports something else starts from it too (subset).
+    let shout = serde_json::json!({
+        "source": "import json\ndef handler(event):\n    return event.upper()\n",
+        "packages": ["json"],
+    });
+    assert_eq!(json(&gw.deploy("shout", shout.clone()))["tier"], "base");
+    assert_eq!(gw.metric("forkvm_zygotes_made"), 1.0);
+    assert_eq!(json(&gw.deploy("shout2", shout))["tier"], "zygote");
+    let both = serde_json::json!({
+        "source": "import json, base64\ndef handler(event):\n    return base64.b64encode(event)\n",
+        "packages": ["json", "base64"],
+    });
+    assert_eq!(json(&gw.deploy("b64", both))["tier"], "subset");
+    assert_eq!(gw.invoke("b64", "hi").body, "aGk=");
+    assert_eq!(gw.invoke("shout2", "hi").body, "HI");
+
+    // Errors: a handler that raises (500, its traceback), a handler past its timeout
+    // (504), source that does not load (400), a bad spec or name (400), no such
+    // function (404).
+    let div = serde_json::json!({"source": "def handler(event):\n    return 1 / 0\n"});
+    assert_eq!(gw.deploy("div", div).status, 201);
+    let a = gw.invoke("div", "");
+    assert_eq!(a.status, 500);
+    assert!(a.body.contains("ZeroDivisionError"), "{}", a.body);
+    let slow = serde_json::json!({
+        "source": "def handler(event):\n    while True:\n        pass\n",
+        "limits": {"timeout_ms": 300},
+    });
+    assert_eq!(gw.deploy("slow", slow).status, 201);
+    assert_eq!(gw.invoke("slow", "").status, 504);
+    let a = gw.deploy("broken", serde_json::json!({"source": "def handler(:\n"}));
+    assert_eq!(a.status, 400);
+    assert!(a.body.contains("SyntaxError"), "{}", a.body);
+    let a = gw.deploy(
+        "x",
+        serde_json::json!({"source": "", "limits": {"class": "none"}}),
+    );
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert_eq!(gw.send("PUT", "/functions/x", "not json").status, 400);
+    assert_eq!(
+        gw.deploy("a.b", serde_json::json!({"source": ""})).status,
+        400
+    );
+    assert_eq!(gw.invoke("nope", "").status, 404);
+
+    // List, metrics, delete.
+    let listed = json(&gw.send("GET", "/functions", ""));
+    let names: Vec<&str> = (listed.as_array().unwrap().iter())
+        .map(|f| f["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["b64", "div", "hello", "shout", "shout2", "slow"]);
+    let ok = gw.metric(r#"forkvm_invocations_total{function="hello",outcome="ok"}"#);
+    assert_eq!(ok, 9.0);
+    assert_eq!(
+        gw.metric(r#"forkvm_invocations_total{function="div",outcome="handler_error"}"#),
+        1.0
+    );
+    assert_eq!(
+        gw.metric(r#"forkvm_invocations_total{function="slow",outcome="timeout"}"#),
+        1.0
+    );
+    // hello 9, b64, shout2, div and slow 1 each; 11 answered ok; the guest's errors:
+    // div, slow and the deployment that did not load.
+    assert_eq!(
+        gw.metric(r#"forkvm_cache_hits_total{tier="function"}"#),
+        13.0
+    );
+    assert_eq!(gw.metric("forkvm_invocation_duration_seconds_count"), 11.0);
+    assert_eq!(gw.metric("forkvm_clones_total"), 13.0);
+    assert_eq!(gw.metric(r#"forkvm_errors_total{kind="guest"}"#), 3.0);
+    assert!(gw.metric("forkvm_template_memory_bytes") > 0.0);
+    assert_eq!(gw.send("DELETE", "/functions/hello", "").status, 204);
+    assert_eq!(gw.invoke("hello", "").status, 404);
+    assert_eq!(gw.send("DELETE", "/functions/hello", "").status, 404);
+
+    // SIGTERM: the gateway stops every VMM it started and exits 0.
+    let base = children_of(gw.child.id());
+    assert_eq!(base.len(), 1, "one base template VMM: {base:?}");
+    let mut vmms = base.clone();
+    let mut i = 0;
+    while i < vmms.len() {
+        vmms.extend(children_of(vmms[i]));
+        i += 1;
+    }
+    assert!(
+        vmms.len() > 6,
+        "the base, its zygote, the functions' templates and their warm clones: {vmms:?}"
+    );
+    // SAFETY: signals the gateway this test started, still running.
+    unsafe { libc::kill(gw.child.id() as i32, libc::SIGTERM) };
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = gw.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the gateway did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    assert!(vmms.iter().all(|&p| gone(p)), "VMMs left: {vmms:?}");
+}

@@ -214,6 +214,28 @@ impl ZygoteCache {
         sets
     }
 
+    /// A zygote of exactly `packages`, made now (from the best zygote for them) unless
+    /// it is cached: a scheduler warms the cache for package sets it expects.
+    pub async fn prepare(&self, packages: &Packages) -> Result<Arc<Template>, Error> {
+        let (key, tier) = {
+            let s = self.lock();
+            self.best(&s, packages)
+        };
+        if tier == Tier::Zygote {
+            return self.touch(&key);
+        }
+        let have = match &key {
+            Key::Zygote(p) => p.clone(),
+            Key::Function(_) => Packages::new(),
+        };
+        let load = Load {
+            imports: packages.difference(&have).cloned().collect(),
+            ..Default::default()
+        };
+        let exact = Key::Zygote(packages.clone());
+        self.derive_entry(exact, key, load, None).await
+    }
+
     /// The best zygote for `packages` and its tier, making a zygote of exactly
     /// `packages` when they have been asked for often enough.
     pub async fn zygote(&self, packages: &Packages) -> Result<(Arc<Template>, Tier), Error> {
@@ -227,22 +249,7 @@ impl ZygoteCache {
             (best, tier, create)
         };
         if create {
-            let missing: Packages = match &key {
-                Key::Zygote(have) => packages.difference(have).cloned().collect(),
-                Key::Function(_) => unreachable!("zygotes only"),
-            };
-            let made = self
-                .derive_entry(
-                    Key::Zygote(packages.clone()),
-                    key,
-                    Load {
-                        imports: missing,
-                        ..Default::default()
-                    },
-                    None,
-                )
-                .await?;
-            return Ok((made, tier));
+            return Ok((self.prepare(packages).await?, tier));
         }
         Ok((self.touch(&key)?, tier))
     }

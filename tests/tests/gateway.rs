@@ -216,6 +216,17 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     );
     assert_eq!(gw.invoke("nope", "").status, 404);
 
+    // A zygote made ahead of deployments.
+    let a = gw.send("PUT", "/zygotes", r#"{"packages": ["base64"]}"#);
+    assert_eq!(a.status, 200, "{}", a.body);
+    let sets = json(&gw.send("GET", "/zygotes", ""));
+    assert_eq!(sets, serde_json::json!([[], ["base64"], ["json"]]));
+    assert_eq!(
+        gw.send("PUT", "/zygotes", r#"{"packages": ["a-b"]}"#)
+            .status,
+        400
+    );
+
     // List, metrics, delete.
     let listed = json(&gw.send("GET", "/functions", ""));
     let names: Vec<&str> = (listed.as_array().unwrap().iter())

@@ -386,6 +386,14 @@ async fn the_zygote_cache_picks_subsets_makes_zygotes_when_asked_twice_and_evict
         cache.stats()
     );
     until("f3 and f5 to stop", || gone(f5_pid) && gone(f3_pid)).await;
+    // A zygote made ahead of requests, once.
+    let c = cache.prepare(&packages(&["c"])).await.unwrap();
+    assert_eq!(cache.zygotes(), vec![packages(&[]), packages(&["c"])]);
+    assert!(Arc::ptr_eq(
+        &c,
+        &cache.prepare(&packages(&["c"])).await.unwrap()
+    ));
+    drop(c);
     drop(cache);
     until("the base to stop", || gone(base_pid)).await;
 }

@@ -83,6 +83,7 @@ pub struct Gateway {
 }
 
 /// An error answer: status and text (JSON `{"error": ...}`).
+#[derive(Debug)]
 pub struct Failure(StatusCode, String);
 
 impl IntoResponse for Failure {
@@ -218,6 +219,23 @@ fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failu
         load,
         options,
     })
+}
+
+/// Each of `packages` is a module name (`a.b_c`).
+fn check_packages(packages: &BTreeSet<String>) -> Result<(), Failure> {
+    for p in packages {
+        let ok = !p.is_empty()
+            && p.split('.').all(|part| {
+                part.chars()
+                    .next()
+                    .is_some_and(|c| c.is_alphabetic() || c == '_')
+                    && part.chars().all(|c| c.is_alphanumeric() || c == '_')
+            });
+        if !ok {
+            return Err(bad(format!("package {p:?} is no module name")));
+        }
+    }
+    Ok(())
 }
 
 /// What a failed deployment or invocation answers.
@@ -376,6 +394,41 @@ pub async fn delete(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// `PUT /zygotes`'s body: a package set to prepare a zygote of.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZygoteSpec {
+    /// Its modules.
+    pub packages: BTreeSet<String>,
+}
+
+/// `PUT /zygotes`: makes a zygote of exactly these packages now (unless cached), so
+/// that functions that import them start from it.
+pub async fn prepare(
+    State(g): State<Arc<Gateway>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, Failure> {
+    let spec: ZygoteSpec =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("zygote spec: {e}")))?;
+    check_packages(&spec.packages)?;
+    let started = Instant::now();
+    if let Err(e) = g.cache().prepare(&spec.packages).await {
+        g.count_error(&e);
+        let Failure(status, text) = failure_of(&e);
+        return Err(Failure(status, format!("the zygote did not load: {text}")));
+    }
+    g.update_gauges();
+    Ok(Json(serde_json::json!({
+        "packages": spec.packages,
+        "ms": started.elapsed().as_millis() as u64,
+    })))
+}
+
+/// `GET /zygotes`: the package sets of the cached zygotes.
+pub async fn zygotes(State(g): State<Arc<Gateway>>) -> Json<Vec<BTreeSet<String>>> {
+    Json(g.cache().zygotes())
+}
+
 /// `GET /metrics`: the Prometheus (OpenMetrics) text format.
 pub async fn metrics(State(g): State<Arc<Gateway>>) -> Response {
     g.update_gauges();
@@ -402,5 +455,23 @@ mod tests {
         .unwrap();
         assert_eq!(spec.limits.timeout_ms, Some(500));
         assert!(spec.packages.is_empty());
+        let f = function_of(&["small".into()], spec.clone()).unwrap();
+        assert_eq!(f.options.timeout_ms, Some(500));
+        assert_eq!(f.load.handler, None);
+        let mut other = spec.clone();
+        other.limits.class = Some("big".into());
+        assert!(function_of(&["small".into()], other).is_err());
+        let mut other = spec.clone();
+        other.limits.net_rate = Some("bytes=lots".into());
+        assert!(function_of(&[], other).is_err());
+        let mut other = spec;
+        other.packages = ["os; rm".to_string()].into();
+        assert!(function_of(&[], other).is_err());
+        for ok in ["numpy", "a.b_c", "_x"] {
+            assert!(check_packages(&[ok.to_string()].into()).is_ok(), "{ok}");
+        }
+        for bad in ["", "1a", "a..b", "a-b", "a b"] {
+            assert!(check_packages(&[bad.to_string()].into()).is_err(), "{bad}");
+        }
     }
 }

@@ -7,7 +7,8 @@
 //! - `POST /functions/{name}`: the body is the event; the answer is the handler's
 //!   reply, computed in a fresh clone of the function's template (requests at once run
 //!   in parallel clones);
-//! - `GET /functions`, `DELETE /functions/{name}`, `GET /metrics` (Prometheus).
+//! - `GET /functions`, `DELETE /functions/{name}`, `GET /metrics` (Prometheus);
+//! - `PUT /zygotes` (a zygote of a package set made ahead), `GET /zygotes`.
 //!
 //! When the base template's VMM dies, the gateway starts another and derives the
 //! functions' templates again as they are invoked.
@@ -176,6 +177,7 @@ async fn run(args: Args) -> Result<(), GatewayError> {
                 .post(gateway::invoke)
                 .delete(gateway::delete),
         )
+        .route("/zygotes", get(gateway::zygotes).put(gateway::prepare))
         .route("/metrics", get(gateway::metrics))
         // Events up to the default mailbox (4 MiB less its header).
         .layer(DefaultBodyLimit::max((4 << 20) - 64))

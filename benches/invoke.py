@@ -315,7 +315,8 @@ def stop_all(vms):
 
 
 def wait_vm(p, sock, ready, timeout=900, poll=0.02):
-    """Waits until GET /vm's answer satisfies `ready`."""
+    """Waits until GET /vm's answer satisfies `ready` (p: the VMM's process, or None for
+    a clone's socket)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -324,10 +325,11 @@ def wait_vm(p, sock, ready, timeout=900, poll=0.02):
                 return
         except (OSError, ValueError):
             pass
-        if p.poll() is not None:
+        if p is not None and p.poll() is not None:
             sys.exit(f"{sock}: the VMM exited with {p.returncode}")
         time.sleep(poll)
-    p.kill()
+    if p is not None:
+        p.kill()
     sys.exit(f"{sock}: not ready in {timeout} s")
 
 

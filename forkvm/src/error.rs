@@ -87,6 +87,10 @@ pub enum Error {
     /// The VMM's answer could not be read.
     #[error("unexpected answer from the VMM: {0}")]
     Protocol(String),
+    /// The guest agent (for [`crate::VmClone::exec`]) could not be reached or answered
+    /// outside its protocol.
+    #[error("guest agent: {0}")]
+    Agent(String),
     /// The VMM's process could not be watched or signalled (its pidfd).
     #[error("cannot watch the VMM's process: {0}")]
     Process(std::io::Error),

@@ -3,9 +3,11 @@
 //! A [`Template`] is a `vmm run --template` process this library starts and owns: a
 //! guest whose runtime waits for requests on the invoke port, paused there, with warm
 //! clones ready. [`Template::invoke`] runs a request's payload through the handler in a
-//! fresh clone and returns its [`Reply`]. Everything is async on tokio; [`blocking`]
-//! wraps it for callers without a runtime. The library has no KVM dependency: it speaks
-//! the VMM's control API (`api-types`) on its Unix socket.
+//! fresh clone and returns its [`Reply`]; [`Template::derive`] makes a template of a
+//! clone that loaded more (packages, a handler), and a [`ZygoteCache`] keeps a tree of
+//! them under a memory budget (docs/library.md). Everything is async on tokio;
+//! [`blocking`] wraps it for callers without a runtime. The library has no KVM
+//! dependency: it speaks the VMM's control API (`api-types`) on its Unix socket.
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -19,16 +21,23 @@
 //! # }
 //! use forkvm::{InvokeOptions, TemplateSpec};
 //!
-//! // forkvm's tiny test guest: its runtime echoes the payload (and a trailer).
+//! // forkvm's tiny test guest: its runtime echoes the payload (and a trailer); its
+//! // loader keeps 8 bytes of a load, which "show" answers.
 //! let mut spec = TemplateSpec::new(&tiny);
 //! spec.vmm = vmm;
-//! spec.cmdline = Some("invoke=1".into());
+//! spec.cmdline = Some("invoke=1 load=1".into());
 //! spec.mem_mib = 64;
 //! spec.args = vec!["--ap-boot".into(), "direct".into()];
 //! let template = forkvm::blocking::Template::start(spec)?;
 //! let reply = template.invoke(&b"hello"[..], &InvokeOptions::default())?;
 //! assert!(reply.body.starts_with(b"hello"));
 //! println!("clone {} answered in {} us", reply.clone_id, reply.total_us);
+//!
+//! // A template derived from it: a clone that ran a load, a template of its own.
+//! let (derived, _) = template.derive(&b"loaded!\0"[..], &InvokeOptions::default())?;
+//! let shown = derived.invoke(&b"show"[..], &InvokeOptions::default())?;
+//! assert_eq!(&shown.body[..], b"loaded!\0");
+//! drop(derived);
 //! template.shutdown()?;
 //! # Ok(())
 //! # }
@@ -36,15 +45,20 @@
 #![deny(missing_docs)]
 
 pub mod blocking;
+mod endpoint;
 mod error;
 mod http;
 mod load;
 mod owner;
 mod template;
+mod vm_clone;
 mod zygote;
 
+pub use api_types::CreateClones;
 pub use api_types::{InvokeOptions, Outcome, VmInfo};
+pub use endpoint::Reply;
 pub use error::{Error, ErrorKind};
 pub use load::Load;
-pub use template::{Reply, Template, TemplateSpec};
+pub use template::{Template, TemplateSpec};
+pub use vm_clone::{ExecOutput, VmClone};
 pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache};

@@ -6,11 +6,11 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use api_types::{InvokeOptions, Outcome, VmInfo, VmState};
+use api_types::{InvokeOptions, VmInfo, VmState};
 use bytes::Bytes;
 use tokio::process::Command;
 
-use crate::http::{exchange, Answer};
+use crate::endpoint::{Endpoint, Reply};
 use crate::owner::{Kind, Owner};
 use crate::Error;
 
@@ -73,25 +73,6 @@ fn default_vmm() -> PathBuf {
         .unwrap_or_else(|| "vmm".into())
 }
 
-/// What a handler replied, and what it cost.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reply {
-    /// The handler's reply.
-    pub body: Bytes,
-    /// The clone that ran it.
-    pub clone_id: String,
-    /// Its control socket (a keep-alive clone takes further requests there).
-    pub socket: PathBuf,
-    /// Microseconds from the request's arrival to the clone running with it.
-    pub clone_us: u64,
-    /// Microseconds the handler took.
-    pub handler_us: u64,
-    /// Microseconds from the request's arrival to the reply.
-    pub total_us: u64,
-    /// Whether a primed warm clone served it.
-    pub primed: bool,
-}
-
 /// A ready template: a `vmm` process whose runtime waits for requests, paused there.
 ///
 /// A template this library started ([`Template::start`]) is its child process; one
@@ -106,8 +87,7 @@ pub struct Reply {
 #[derive(Debug)]
 pub struct Template {
     owner: Arc<Owner>,
-    sock: PathBuf,
-    call_timeout: Duration,
+    ep: Endpoint,
 }
 
 impl Template {
@@ -153,8 +133,10 @@ impl Template {
         })?;
         let t = Self {
             owner: Arc::new(Owner::spawned(child, dir)?),
-            sock,
-            call_timeout: spec.call_timeout,
+            ep: Endpoint {
+                sock,
+                call_timeout: spec.call_timeout,
+            },
         };
         t.until_ready(spec.start_timeout, "the template's start")
             .await?;
@@ -181,15 +163,7 @@ impl Template {
             ..options.clone()
         };
         let reply = self.invoke(load, &options).await?;
-        let clones = self
-            .call("GET", "/clones", Bytes::new(), self.call_timeout)
-            .await?;
-        let list: api_types::CloneList = match clones.status {
-            200 => {
-                serde_json::from_slice(&clones.body).map_err(|e| Error::Protocol(e.to_string()))?
-            }
-            _ => return Err(refusal(&clones)),
-        };
+        let list = self.ep.clones().await?;
         let info = (list.clones.into_iter())
             .find(|c| c.id == reply.clone_id && c.status.is_live())
             .ok_or_else(|| Error::Exited {
@@ -199,10 +173,12 @@ impl Template {
         let owner = Owner::derived(self.owner.clone(), info.id, info.pid as u32, info.console)?;
         let t = Template {
             owner: Arc::new(owner),
-            sock: info.api_sock,
-            call_timeout: self.call_timeout,
+            ep: Endpoint {
+                sock: info.api_sock,
+                call_timeout: self.ep.call_timeout,
+            },
         };
-        t.until_ready(self.call_timeout, "the derived template's pause")
+        t.until_ready(self.ep.call_timeout, "the derived template's pause")
             .await?;
         Ok((t, reply))
     }
@@ -249,7 +225,22 @@ impl Template {
 
     /// The template's control socket.
     pub fn socket(&self) -> &Path {
-        &self.sock
+        &self.ep.sock
+    }
+
+    /// Whether the template's VMM still runs (a poll of its pidfd: no call to it).
+    pub fn is_alive(&self) -> bool {
+        !self.owner.ended()
+    }
+
+    /// Its control socket, typed (for the crate's other modules).
+    pub(crate) fn ep(&self) -> &Endpoint {
+        &self.ep
+    }
+
+    /// Its process's owner (a clone of it keeps it alive).
+    pub(crate) fn owner(&self) -> &Arc<Owner> {
+        &self.owner
     }
 
     /// The VMM's process id.
@@ -281,13 +272,7 @@ impl Template {
 
     /// `GET /vm`: the template's state and figures.
     pub async fn status(&self) -> Result<VmInfo, Error> {
-        let a = self
-            .call("GET", "/vm", Bytes::new(), self.call_timeout)
-            .await?;
-        match a.status {
-            200 => serde_json::from_slice(&a.body).map_err(|e| Error::Protocol(e.to_string())),
-            _ => Err(refusal(&a)),
-        }
+        self.ep.status().await
     }
 
     /// Runs `payload` through the handler in a fresh clone (`POST /invocations`).
@@ -298,15 +283,7 @@ impl Template {
         payload: impl Into<Bytes>,
         options: &InvokeOptions,
     ) -> Result<Reply, Error> {
-        let query =
-            serde_urlencoded::to_string(options).map_err(|e| Error::Protocol(e.to_string()))?;
-        let path = match query.is_empty() {
-            true => "/invocations".to_string(),
-            false => format!("/invocations?{query}"),
-        };
-        let limit = Duration::from_millis(options.timeout_ms()) + self.call_timeout;
-        let a = self.call("POST", &path, payload.into(), limit).await?;
-        answer(a)
+        self.ep.invoke(payload.into(), options).await
     }
 
     /// Stops the VMM (`PUT /actions` shutdown: its clones, and the templates derived
@@ -314,72 +291,6 @@ impl Template {
     /// timeout. Handles of templates derived from it then answer [`Error::Exited`] or
     /// [`Error::Socket`].
     pub async fn shutdown(self) -> Result<(), Error> {
-        let body = Bytes::from_static(br#"{"action_type":"shutdown"}"#);
-        let asked = self.call("PUT", "/actions", body, self.call_timeout).await;
-        let waited = tokio::time::timeout(self.call_timeout, self.owner.wait()).await;
-        if !matches!(waited, Ok(Ok(()))) {
-            self.owner.signal(libc::SIGKILL);
-        }
-        asked.map(|_| ())
-    }
-
-    async fn call(
-        &self,
-        method: &str,
-        path: &str,
-        body: Bytes,
-        limit: Duration,
-    ) -> Result<Answer, Error> {
-        match tokio::time::timeout(limit, exchange(&self.sock, method, path, body)).await {
-            Ok(r) => r,
-            Err(_) => Err(Error::Timeout {
-                what: "a call to the VMM",
-                after: limit,
-            }),
-        }
-    }
-}
-
-/// An error answer without an outcome: the caller's (4xx) or the host's (5xx).
-fn refusal(a: &Answer) -> Error {
-    let message = a.error_text();
-    match a.status {
-        400..=499 => Error::Refused {
-            status: a.status,
-            message,
-        },
-        status => Error::Unavailable { status, message },
-    }
-}
-
-/// The reply, or the error, of an invocation's answer.
-fn answer(a: Answer) -> Result<Reply, Error> {
-    let outcome = a
-        .header(api_types::invoke::HEADER_OUTCOME)
-        .map(str::parse::<Outcome>);
-    let us = |h| a.header(h).and_then(|v| v.parse().ok()).unwrap_or(0);
-    match outcome {
-        Some(Ok(Outcome::Ok)) if a.status == 200 => Ok(Reply {
-            clone_id: a
-                .header(api_types::invoke::HEADER_CLONE_ID)
-                .unwrap_or("")
-                .into(),
-            socket: a
-                .header(api_types::invoke::HEADER_SOCKET)
-                .unwrap_or("")
-                .into(),
-            clone_us: us(api_types::invoke::HEADER_CLONE_US),
-            handler_us: us(api_types::invoke::HEADER_HANDLER_US),
-            total_us: us(api_types::invoke::HEADER_TOTAL_US),
-            primed: a.header(api_types::invoke::HEADER_PRIMED) == Some("true"),
-            body: a.body,
-        }),
-        Some(Ok(outcome)) => Err(Error::Invocation {
-            outcome,
-            status: a.status,
-            message: a.error_text(),
-        }),
-        Some(Err(e)) => Err(Error::Protocol(e)),
-        None => Err(refusal(&a)),
+        self.ep.shut_down(&self.owner).await
     }
 }

@@ -127,6 +127,45 @@ struct State {
 }
 
 /// The zygote tree: shared by every task of a scheduler (`Clone` is cheap).
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+/// # let tiny = root.join("target/guest/tiny.elf");
+/// # let vmm = root.join("target/debug/vmm");
+/// # if !std::path::Path::new("/dev/kvm").exists() || !tiny.exists() || !vmm.exists() {
+/// #     assert!(std::env::var_os("CI").is_none(), "CI needs /dev/kvm, tiny.elf and vmm");
+/// #     eprintln!("SKIPPED: no /dev/kvm, target/guest/tiny.elf or target/debug/vmm");
+/// #     return Ok(());
+/// # }
+/// # let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+/// # rt.block_on(async {
+/// use forkvm::{CachePolicy, Load, Template, TemplateSpec, Tier, ZygoteCache};
+///
+/// // The base: a runtime that loads (forkvm's tiny guest here; the Python runtime,
+/// // `python3 -m forkvm`, in a real deployment).
+/// let mut spec = TemplateSpec::new(&tiny);
+/// spec.vmm = vmm;
+/// spec.cmdline = Some("invoke=1 load=1".into());
+/// spec.mem_mib = 64;
+/// spec.args = vec!["--ap-boot".into(), "direct".into()];
+/// let cache = ZygoteCache::new(Template::start(spec).await?, CachePolicy::default()).await?;
+///
+/// let load = Load {
+///     source: Some("def handler(event):\n    return event\n".into()),
+///     ..Load::imports(["json"])
+/// };
+/// let (f, tier) = cache.function("echo", &load).await?;
+/// assert_eq!(tier, Tier::Base); // derived from the base: nothing imported before
+/// let (again, tier) = cache.function("echo", &load).await?;
+/// assert_eq!(tier, Tier::Function); // cached
+/// assert!(f.invoke(&b"hi"[..], &Default::default()).await?.body.starts_with(b"hi"));
+/// # drop((f, again));
+/// # Ok::<_, forkvm::Error>(())
+/// # })?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct ZygoteCache {
     state: Arc<Mutex<State>>,

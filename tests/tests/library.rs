@@ -397,3 +397,57 @@ async fn the_zygote_cache_picks_subsets_makes_zygotes_when_asked_twice_and_evict
     drop(cache);
     until("the base to stop", || gone(base_pid)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_made_on_request_serve_in_place_and_go_with_their_handles() {
+    if !kvm_available("library_clones") {
+        return;
+    }
+    let t = Template::start(tiny_spec("ticks=1 invoke=1"))
+        .await
+        .unwrap();
+    let request = forkvm::CreateClones {
+        count: 2,
+        ..Default::default()
+    };
+    let mut clones = t.clones(&request).await.unwrap();
+    assert_eq!(clones.len(), 2);
+    assert_ne!(clones[0].id(), clones[1].id());
+    let keep = InvokeOptions {
+        keep_alive: true,
+        ..Default::default()
+    };
+    let c = clones.pop().unwrap();
+    assert!(!c.status().await.unwrap().invoke.template);
+    for i in 0..3 {
+        let r = c.invoke(format!("in place {i}"), &keep).await.unwrap();
+        assert!(r.body.starts_with(format!("in place {i}").as_bytes()));
+        assert_eq!(r.clone_id, c.id(), "served in place, by the clone itself");
+    }
+    // Its last invocation: the clone ends after answering.
+    let r = c
+        .invoke(&b"last"[..], &InvokeOptions::default())
+        .await
+        .unwrap();
+    assert!(r.body.starts_with(b"last"));
+    until("the clone to end", || !c.is_alive()).await;
+    // No agent in the tiny guest: a clear error, not a hang.
+    let other = clones.pop().unwrap();
+    let e = other.exec(1024, "true", b"").await.unwrap_err();
+    assert!(matches!(e, Error::Agent(_)), "{e}");
+    let pid = other.pid();
+    drop(other);
+    assert!(gone(pid), "a dropped clone is stopped");
+    let again = t.clones(&Default::default()).await.unwrap().pop().unwrap();
+    let pid = again.pid();
+    again.delete().await.unwrap();
+    assert!(gone(pid));
+    // A class the template does not have: the caller's error.
+    let bad = forkvm::CreateClones {
+        resource_class: Some("nope".into()),
+        ..Default::default()
+    };
+    let e = t.clones(&bad).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Caller, "{e}");
+    t.shutdown().await.unwrap();
+}

@@ -160,14 +160,14 @@ impl Gateway {
     }
 
     /// Function `name`'s template from the cache (derived if it is not cached), with
-    /// its tier. A template whose VMM died is forgotten and derived again, once.
+    /// its tier. A template whose VMM died is forgotten and derived again.
     async fn template(&self, name: &str, f: &Function) -> Result<(Arc<Template>, Tier), Error> {
         let cache = self.cache();
         let (t, tier) = cache.function(name, &f.load).await?;
-        if t.status().await.is_ok() {
+        if t.is_alive() {
             return Ok((t, tier));
         }
-        tracing::warn!("function {name}'s template does not answer: deriving it again");
+        tracing::warn!("function {name}'s template died: deriving it again");
         drop(t);
         cache.remove_function(name);
         cache.function(name, &f.load).await
@@ -354,7 +354,13 @@ pub async fn invoke(
             for (k, v) in [
                 ("x-forkvm-tier", text(tier.as_str())),
                 ("x-forkvm-clone-id", text(&reply.clone_id)),
+                ("x-forkvm-clone-us", text(&reply.clone_us.to_string())),
+                ("x-forkvm-handler-us", text(&reply.handler_us.to_string())),
                 ("x-forkvm-total-us", text(&reply.total_us.to_string())),
+                (
+                    "x-forkvm-primed",
+                    text(if reply.primed { "true" } else { "false" }),
+                ),
             ] {
                 if let Some(v) = v {
                     headers.insert(k, v);

@@ -116,9 +116,17 @@ pub struct WarmPool {
     priming: bool,
     /// Warm clones made to be primed.
     primed: u64,
-    /// A primed warm clone died before its launch: no more are primed.
+    /// Primed warm clones that died before their launch since one was launched.
+    prime_failures: u32,
+    /// [`PRIME_FAILURES`] did in a row: no more are primed.
     prime_failed: bool,
 }
+
+/// Primed warm clones that may end before their launch in a row before priming is
+/// turned off. More than one: a prime that ran out of time on a host busy for a moment
+/// (seen on a 2-CPU PVM host under load) says nothing of the runtime, and a template
+/// without priming stays that way.
+pub const PRIME_FAILURES: u32 = 3;
 
 impl WarmPool {
     /// A pool that keeps `target` warm clones while the VM is paused.
@@ -150,9 +158,10 @@ impl WarmPool {
         self.last_request = Some(Instant::now());
     }
 
-    /// Whether `pid` was a warm clone (it died: forget it). A primed one that died
-    /// before its launch turns priming off for good (its prime failed, most likely: its
-    /// stderr says why), so that the pool does not fork one failing prime after another.
+    /// Whether `pid` was a warm clone (it died: forget it). [`PRIME_FAILURES`] primed
+    /// ones in a row that died before their launch turn priming off for good (their
+    /// primes failed, most likely: their stderr says why), so that the pool does not
+    /// fork one failing prime after another.
     pub(super) fn reaped(&mut self, pid: i32) -> bool {
         let Some(i) = self.clones.iter().position(|c| c.pid == pid) else {
             return false;
@@ -164,13 +173,23 @@ impl WarmPool {
     }
 
     fn prime_ended(&mut self, pid: i32) {
-        if !self.prime_failed {
-            tracing::warn!(
-                "a primed warm clone (pid {pid}) ended before its launch; \
-                 warm clones are no longer primed"
-            );
-            self.prime_failed = true;
+        self.prime_failures += 1;
+        if self.prime_failed {
+            return;
         }
+        if self.prime_failures < PRIME_FAILURES {
+            tracing::warn!(
+                "a primed warm clone (pid {pid}) ended before its launch ({} of {PRIME_FAILURES} \
+                 in a row before priming is turned off)",
+                self.prime_failures
+            );
+            return;
+        }
+        tracing::warn!(
+            "{PRIME_FAILURES} primed warm clones in a row (the last pid {pid}) ended before \
+             their launch; warm clones are no longer primed"
+        );
+        self.prime_failed = true;
     }
 
     /// Kills and reaps every warm clone and forgets the captured state. Returns the
@@ -198,7 +217,12 @@ impl WarmPool {
                 break None;
             };
             match c.launchable() {
-                Launchable::Yes => break Some(c),
+                Launchable::Yes => {
+                    if c.primed {
+                        self.prime_failures = 0;
+                    }
+                    break Some(c);
+                }
                 Launchable::Priming => priming.push_back(c),
                 Launchable::Ended => {
                     let _ = waitpid(Pid::from_raw(c.pid), None);

@@ -1,0 +1,161 @@
+//! One VMM's control socket, typed: the calls a template and a clone share.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use api_types::{CloneList, InvokeOptions, Outcome, VmInfo};
+use bytes::Bytes;
+
+use crate::http::{exchange, Answer};
+use crate::owner::Owner;
+use crate::Error;
+
+/// What a handler replied, and what it cost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    /// The handler's reply.
+    pub body: Bytes,
+    /// The clone that ran it.
+    pub clone_id: String,
+    /// Its control socket (a keep-alive clone takes further requests there).
+    pub socket: PathBuf,
+    /// Microseconds from the request's arrival to the clone running with it.
+    pub clone_us: u64,
+    /// Microseconds the handler took.
+    pub handler_us: u64,
+    /// Microseconds from the request's arrival to the reply.
+    pub total_us: u64,
+    /// Whether a primed warm clone served it.
+    pub primed: bool,
+}
+
+/// A VMM's control socket, with the time each call may take.
+#[derive(Debug, Clone)]
+pub(crate) struct Endpoint {
+    pub sock: PathBuf,
+    pub call_timeout: Duration,
+}
+
+impl Endpoint {
+    /// One exchange, within `limit`.
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Bytes,
+        limit: Duration,
+    ) -> Result<Answer, Error> {
+        match tokio::time::timeout(limit, exchange(&self.sock, method, path, body)).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout {
+                what: "a call to the VMM",
+                after: limit,
+            }),
+        }
+    }
+
+    /// A JSON answer of a call with the call timeout.
+    async fn json<T: serde::de::DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        body: Bytes,
+    ) -> Result<T, Error> {
+        let a = self.call(method, path, body, self.call_timeout).await?;
+        match a.status {
+            200 | 201 => {
+                serde_json::from_slice(&a.body).map_err(|e| Error::Protocol(e.to_string()))
+            }
+            _ => Err(refusal(&a)),
+        }
+    }
+
+    /// `GET /vm`.
+    pub async fn status(&self) -> Result<VmInfo, Error> {
+        self.json("GET", "/vm", Bytes::new()).await
+    }
+
+    /// `GET /clones`.
+    pub async fn clones(&self) -> Result<CloneList, Error> {
+        self.json("GET", "/clones", Bytes::new()).await
+    }
+
+    /// `POST /clones` with `request`.
+    pub async fn create_clones(
+        &self,
+        request: &api_types::CreateClones,
+    ) -> Result<CloneList, Error> {
+        let body = serde_json::to_vec(request).map_err(|e| Error::Protocol(e.to_string()))?;
+        self.json("POST", "/clones", body.into()).await
+    }
+
+    /// `POST /invocations`: its time limit is the invocation's timeout and the call
+    /// timeout.
+    pub async fn invoke(&self, payload: Bytes, options: &InvokeOptions) -> Result<Reply, Error> {
+        let query =
+            serde_urlencoded::to_string(options).map_err(|e| Error::Protocol(e.to_string()))?;
+        let path = match query.is_empty() {
+            true => "/invocations".to_string(),
+            false => format!("/invocations?{query}"),
+        };
+        let limit = Duration::from_millis(options.timeout_ms()) + self.call_timeout;
+        let a = self.call("POST", &path, payload, limit).await?;
+        answer(a)
+    }
+
+    /// Stops the VMM `owner` runs (`PUT /actions` shutdown: its clones first) and waits
+    /// for it to end; kills it past the call timeout.
+    pub async fn shut_down(&self, owner: &Owner) -> Result<(), Error> {
+        let body = Bytes::from_static(br#"{"action_type":"shutdown"}"#);
+        let asked = self.call("PUT", "/actions", body, self.call_timeout).await;
+        let waited = tokio::time::timeout(self.call_timeout, owner.wait()).await;
+        if !matches!(waited, Ok(Ok(()))) {
+            owner.signal(libc::SIGKILL);
+        }
+        asked.map(|_| ())
+    }
+}
+
+/// An error answer without an outcome: the caller's (4xx) or the host's (5xx).
+pub(crate) fn refusal(a: &Answer) -> Error {
+    let message = a.error_text();
+    match a.status {
+        400..=499 => Error::Refused {
+            status: a.status,
+            message,
+        },
+        status => Error::Unavailable { status, message },
+    }
+}
+
+/// The reply, or the error, of an invocation's answer.
+fn answer(a: Answer) -> Result<Reply, Error> {
+    let outcome = a
+        .header(api_types::invoke::HEADER_OUTCOME)
+        .map(str::parse::<Outcome>);
+    let us = |h| a.header(h).and_then(|v| v.parse().ok()).unwrap_or(0);
+    match outcome {
+        Some(Ok(Outcome::Ok)) if a.status == 200 => Ok(Reply {
+            clone_id: a
+                .header(api_types::invoke::HEADER_CLONE_ID)
+                .unwrap_or("")
+                .into(),
+            socket: a
+                .header(api_types::invoke::HEADER_SOCKET)
+                .unwrap_or("")
+                .into(),
+            clone_us: us(api_types::invoke::HEADER_CLONE_US),
+            handler_us: us(api_types::invoke::HEADER_HANDLER_US),
+            total_us: us(api_types::invoke::HEADER_TOTAL_US),
+            primed: a.header(api_types::invoke::HEADER_PRIMED) == Some("true"),
+            body: a.body,
+        }),
+        Some(Ok(outcome)) => Err(Error::Invocation {
+            outcome,
+            status: a.status,
+            message: a.error_text(),
+        }),
+        Some(Err(e)) => Err(Error::Protocol(e)),
+        None => Err(refusal(&a)),
+    }
+}

@@ -1,0 +1,197 @@
+//! A clone of a template made on request (`POST /clones`): a running VM of its own,
+//! which serves invocations in place and commands through its guest agent.
+
+use std::path::Path;
+
+use api_types::vm::VirtioKind;
+use api_types::{CreateClones, InvokeOptions, VmInfo};
+use bytes::Bytes;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+use crate::endpoint::{Endpoint, Reply};
+use crate::owner::Owner;
+use crate::{Error, Template};
+
+/// A clone of a [`Template`] ([`Template::clones`]): its own VM, running from where the
+/// template was paused (its runtime reads "no request" and waits again). It serves
+/// invocations in place, one at a time; one without `keep_alive` is its last (the VM
+/// ends after answering). It is stopped when its handle is dropped (SIGTERM through its
+/// pidfd, then SIGKILL), or by [`VmClone::delete`]; it dies with its template's VMM,
+/// whose handle it keeps alive meanwhile.
+#[derive(Debug)]
+pub struct VmClone {
+    owner: Owner,
+    ep: Endpoint,
+    id: String,
+}
+
+/// What a command run in a clone through its guest agent did ([`VmClone::exec`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// Its exit status (128+N when killed by signal N; 255 when the agent could not
+    /// run it).
+    pub status: i32,
+    /// Its standard output and error, interleaved as written.
+    pub output: Vec<u8>,
+}
+
+impl Template {
+    /// Makes `request.count` clones of this template (`POST /clones`: its resource
+    /// class, rate limits, addresses, taps), each a running [`VmClone`].
+    pub async fn clones(&self, request: &CreateClones) -> Result<Vec<VmClone>, Error> {
+        let list = self.ep().create_clones(request).await?;
+        let mut made = Vec::with_capacity(list.clones.len());
+        for info in list.clones {
+            // A clone that failed is in the list with its status: refuse the lot (the
+            // ones made so far are stopped as their handles drop).
+            if !info.status.is_live() {
+                return Err(Error::Exited {
+                    status: format!("clone {} did not start", info.id),
+                    console: std::fs::read_to_string(&info.console).unwrap_or_default(),
+                });
+            }
+            let owner = Owner::derived(
+                self.owner().clone(),
+                info.id.clone(),
+                info.pid as u32,
+                info.console.clone(),
+            )?;
+            made.push(VmClone {
+                owner,
+                ep: Endpoint {
+                    sock: info.api_sock,
+                    call_timeout: self.ep().call_timeout,
+                },
+                id: info.id,
+            });
+        }
+        Ok(made)
+    }
+}
+
+impl VmClone {
+    /// Its id in its template's clone table.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Its control socket.
+    pub fn socket(&self) -> &Path {
+        &self.ep.sock
+    }
+
+    /// Its VMM's process id.
+    pub fn pid(&self) -> u32 {
+        self.owner.pid()
+    }
+
+    /// Whether its VMM still runs.
+    pub fn is_alive(&self) -> bool {
+        !self.owner.ended()
+    }
+
+    /// The last 2 KiB of its console.
+    pub fn console_tail(&self) -> String {
+        let text = std::fs::read(self.owner.console()).unwrap_or_default();
+        let from = text.len().saturating_sub(2048);
+        String::from_utf8_lossy(&text[from..]).into_owned()
+    }
+
+    /// `GET /vm` on its socket.
+    pub async fn status(&self) -> Result<VmInfo, Error> {
+        self.ep.status().await
+    }
+
+    /// Runs `payload` through its runtime's handler, in place (409 while another
+    /// runs). Without `options.keep_alive` the clone ends after answering.
+    pub async fn invoke(
+        &self,
+        payload: impl Into<Bytes>,
+        options: &InvokeOptions,
+    ) -> Result<Reply, Error> {
+        self.ep.invoke(payload.into(), options).await
+    }
+
+    /// Runs `command` (a shell command line) in the guest through its agent
+    /// (`forkvm-agent` on vsock port `port`: the template needs `--vsock` and the agent,
+    /// docs/guest-abi.md), with `stdin` as its input, within the call timeout.
+    pub async fn exec(&self, port: u32, command: &str, stdin: &[u8]) -> Result<ExecOutput, Error> {
+        let vsock = (self.status().await?.devices.into_iter())
+            .find_map(|d| match d.kind {
+                VirtioKind::Vsock { uds_path, .. } => Some(uds_path),
+                _ => None,
+            })
+            .ok_or_else(|| Error::Agent("the clone has no vsock device (--vsock)".into()))?;
+        let limit = self.ep.call_timeout;
+        let run = agent_exchange(&vsock, port, command, stdin);
+        match tokio::time::timeout(limit, run).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout {
+                what: "a command through the guest agent",
+                after: limit,
+            }),
+        }
+    }
+
+    /// Stops the clone (`PUT /actions` shutdown on its socket) and waits for it to end.
+    pub async fn delete(self) -> Result<(), Error> {
+        self.ep.shut_down(&self.owner).await
+    }
+}
+
+/// The most output [`VmClone::exec`] takes.
+const MAX_OUTPUT: u64 = 64 << 20;
+
+/// The agent's protocol (docs/guest-abi.md): `CONNECT <port>\n` to the vsock device,
+/// `<cmdlen> <stdinlen>\n`, the command and the input; the agent answers
+/// `<status> <outlen>\n` and the output.
+async fn agent_exchange(
+    vsock: &Path,
+    port: u32,
+    command: &str,
+    stdin: &[u8],
+) -> Result<ExecOutput, Error> {
+    let io = |source| Error::Socket {
+        path: vsock.to_path_buf(),
+        source,
+    };
+    let stream = UnixStream::connect(vsock).await.map_err(io)?;
+    let (read, mut write) = stream.into_split();
+    let mut read = BufReader::new(read);
+    write
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .await
+        .map_err(io)?;
+    let mut line = String::new();
+    if read.read_line(&mut line).await.map_err(io)? == 0 {
+        return Err(Error::Agent(format!(
+            "nothing in the guest accepted on vsock port {port} (is forkvm-agent running?)"
+        )));
+    }
+    if !line.starts_with("OK ") {
+        return Err(Error::Agent(format!("unexpected answer: {line:?}")));
+    }
+    let head = format!("{} {}\n", command.len(), stdin.len());
+    for part in [head.as_bytes(), command.as_bytes(), stdin] {
+        write.write_all(part).await.map_err(io)?;
+    }
+    line.clear();
+    read.read_line(&mut line).await.map_err(io)?;
+    let mut fields = line.split_whitespace().map(str::parse::<u64>);
+    let (Some(Ok(status)), Some(Ok(len)), None) = (fields.next(), fields.next(), fields.next())
+    else {
+        return Err(Error::Agent(format!("unexpected answer: {line:?}")));
+    };
+    if len > MAX_OUTPUT {
+        return Err(Error::Agent(format!(
+            "an output of {len} bytes (most taken: {MAX_OUTPUT})"
+        )));
+    }
+    let mut output = vec![0u8; len as usize];
+    read.read_exact(&mut output).await.map_err(io)?;
+    Ok(ExecOutput {
+        status: status as i32,
+        output,
+    })
+}

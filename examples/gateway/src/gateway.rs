@@ -184,18 +184,7 @@ fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failu
             )));
         }
     }
-    for p in &spec.packages {
-        let ok = !p.is_empty()
-            && p.split('.').all(|part| {
-                part.chars()
-                    .next()
-                    .is_some_and(|c| c.is_alphabetic() || c == '_')
-                    && part.chars().all(|c| c.is_alphanumeric() || c == '_')
-            });
-        if !ok {
-            return Err(bad(format!("package {p:?} is no module name")));
-        }
-    }
+    check_packages(&spec.packages)?;
     let rate = |what: &str, v: &Option<String>| {
         v.as_deref()
             .map(|s| s.parse().map_err(|e| bad(format!("{what}: {e}"))))

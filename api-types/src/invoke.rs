@@ -13,7 +13,8 @@ use crate::rate_limit::RateLimit;
 /// Header of every invocation answer from a VM that ran the handler: how it ended
 /// ([`Outcome`]).
 pub const HEADER_OUTCOME: &str = "x-forkvm-outcome";
-/// Header: the id of the clone that ran the handler ("" when it ran in place).
+/// Header: the id of the VM that ran the handler: the clone made for it, or, in place, the
+/// VM's own ("" for an original VM).
 pub const HEADER_CLONE_ID: &str = "x-forkvm-clone-id";
 /// Header: the control socket of the VM that ran the handler (a keep-alive clone takes
 /// further invocations there).

@@ -129,7 +129,8 @@ fn children_of(pid: u32) -> Vec<u32> {
 }
 
 fn gone(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| s.contains(") Z "))
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map_or(true, |s| s.contains(") Z ") || s.contains(") X "))
 }
 
 const HELLO: &str = "import json\n\ndef handler(event):\n    name = json.loads(event or b'{}').get('name', 'world')\n    return json.dumps({'hello': name})\n";

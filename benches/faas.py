@@ -316,6 +316,18 @@ def host_cold(package):
     return time.perf_counter() - t0
 
 
+def deploy_runs(gw, runs, pkg, src, tier, r):
+    """`runs` new functions importing `pkg`, each deployed (from `tier`) and invoked once:
+    the deployment's time and the first reply's, into r[tier + " deploy"] and r[tier]."""
+    for i in range(runs):
+        got, deploy = gw.deploy(f"{tier}-{pkg}-{i}", src, [pkg])
+        assert got == tier, got
+        first, _ = gw.invoke(f"{tier}-{pkg}-{i}")
+        r[tier + " deploy"].append(deploy * 1e3)
+        r[tier].append((deploy + first) * 1e3)
+        print(f"{pkg}: {tier} {i}: {deploy:.2f} s + {first * 1e3:.1f} ms", file=sys.stderr)
+
+
 def imports(a, tmp):
     packages = a.packages.split(",")
     gw = Gateway(["--create-after", "1000000", "--load-timeout-s", "1800"])
@@ -326,24 +338,13 @@ def imports(a, tmp):
                                 "zygote deploy": [], "host cold": [], "host fork+import": [],
                                 "host zygote": []}
             src = importer([pkg])
-            for i in range(a.import_runs):
-                tier, deploy = gw.deploy(f"base-{pkg}-{i}", src, [pkg])
-                assert tier == "base", tier
-                first, _ = gw.invoke(f"base-{pkg}-{i}")
-                r["base deploy"].append(deploy * 1e3)
-                r["base"].append((deploy + first) * 1e3)
-                print(f"{pkg}: base {i}: {deploy:.2f} s + {first * 1e3:.1f} ms", file=sys.stderr)
+            deploy_runs(gw, a.import_runs, pkg, src, "base", r)
             status, _, data, made = gw.request(
                 "PUT", "/zygotes", json.dumps({"packages": [pkg]}).encode())
             if status != 200:
                 sys.exit(f"zygote {pkg}: {status} {data!r}")
             r["zygote made"] = made * 1e3
-            for i in range(a.import_runs):
-                tier, deploy = gw.deploy(f"zygote-{pkg}-{i}", src, [pkg])
-                assert tier == "zygote", tier
-                first, _ = gw.invoke(f"zygote-{pkg}-{i}")
-                r["zygote deploy"].append(deploy * 1e3)
-                r["zygote"].append((deploy + first) * 1e3)
+            deploy_runs(gw, a.import_runs, pkg, src, "zygote", r)
             for i in range(a.cold_runs):
                 r["cold"].append(cold_import(tmp, pkg, i) * 1e3)
                 print(f"{pkg}: cold {i}: {r['cold'][-1] / 1e3:.1f} s", file=sys.stderr)

@@ -148,7 +148,8 @@ impl Gateway {
         self.metrics.errors.get_or_create(&labels).inc();
     }
 
-    /// The cache's figures into the gauges.
+    /// The cache's figures into the gauges (at each scrape of `/metrics`, not on the
+    /// request path).
     fn update_gauges(&self) {
         let s = self.cache().stats();
         let m = &self.metrics;
@@ -282,7 +283,6 @@ pub async fn deploy(
         }
     };
     let replaced = g.functions().insert(name.clone(), (f.clone(), 0)).is_some();
-    g.update_gauges();
     let status = match replaced {
         true => StatusCode::OK,
         false => StatusCode::CREATED,
@@ -332,7 +332,6 @@ pub async fn invoke(
     if let Some((_, n)) = g.functions().get_mut(&name) {
         *n += 1;
     }
-    g.update_gauges();
     match result {
         Ok((reply, tier)) => {
             g.metrics.latency.observe(started.elapsed().as_secs_f64());
@@ -385,7 +384,6 @@ pub async fn delete(
     let gone = g.functions().remove(&name);
     gone.ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no function {name:?}")))?;
     g.cache().remove_function(&name);
-    g.update_gauges();
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -412,7 +410,6 @@ pub async fn prepare(
         let Failure(status, text) = failure_of(&e);
         return Err(Failure(status, format!("the zygote did not load: {text}")));
     }
-    g.update_gauges();
     Ok(Json(serde_json::json!({
         "packages": spec.packages,
         "ms": started.elapsed().as_millis() as u64,

@@ -6,16 +6,19 @@
 //! of it (which cannot name a process that reused its pid) and keeps its parent alive
 //! while it lives, since a clone dies with its parent VMM. Either is stopped when its
 //! last handle goes: SIGTERM (the VMM shuts down: its clones stopped, its cgroups given
-//! back), up to 2 s, then SIGKILL.
+//! back), up to 2 s, then SIGKILL. A jailed template's process is its jailer, which
+//! forwards the signal to the VMM; a jail whose jailer had to be killed is cleaned up
+//! here.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
 use tokio::process::Child;
 
+use crate::jail::Jail;
 use crate::Error;
 
 /// How long a dropped template's VMM has to shut down after SIGTERM.
@@ -27,6 +30,8 @@ pub(crate) struct Owner {
     pid: u32,
     pidfd: OwnedFd,
     pub kind: Kind,
+    /// The jail the process runs in (a derived template's: its root template's).
+    jail: Option<Arc<Jail>>,
 }
 
 /// Whose process it is.
@@ -58,13 +63,21 @@ fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
 }
 
 impl Owner {
-    /// Owns `child`, started by this library, with its directory.
-    pub fn spawned(child: Child, dir: tempfile::TempDir) -> Result<Self, Error> {
+    /// Owns `child`, started by this library, with its directory (and its jail, when
+    /// `child` is a jailer).
+    pub fn spawned(
+        child: Child,
+        dir: tempfile::TempDir,
+        jail: Option<Jail>,
+    ) -> Result<Self, Error> {
         let pid = child.id().ok_or_else(|| Error::Exited {
             status: "reaped already".into(),
             console: String::new(),
         })?;
         let pidfd = pidfd_open(pid).map_err(Error::Process)?;
+        if let Some(j) = &jail {
+            j.started(pid);
+        }
         Ok(Self {
             pid,
             pidfd,
@@ -72,17 +85,26 @@ impl Owner {
                 child: Mutex::new(child),
                 dir,
             },
+            jail: jail.map(Arc::new),
         })
     }
 
-    /// Owns the derived template `id`, process `pid`, a clone of `parent`'s VMM.
+    /// Owns the derived template or clone `id` of `parent`'s VMM, as its parent's
+    /// clone table names it: process `pid`, console `console` (in a jail, the jail's
+    /// pid and path).
     pub fn derived(
         parent: Arc<Owner>,
         id: String,
         pid: u32,
-        console: PathBuf,
+        console: &Path,
     ) -> Result<Self, Error> {
+        let jail = parent.jail.clone();
+        let pid = match &jail {
+            Some(j) => j.host_pid(pid)?,
+            None => pid,
+        };
         let pidfd = pidfd_open(pid).map_err(Error::Process)?;
+        let console = parent.host_path(console);
         Ok(Self {
             pid,
             pidfd,
@@ -91,7 +113,16 @@ impl Owner {
                 id,
                 console,
             },
+            jail,
         })
+    }
+
+    /// The host's path of a path the VMM named (in a jail, a jail path).
+    pub fn host_path(&self, p: &Path) -> PathBuf {
+        match &self.jail {
+            Some(j) => j.host_path(p),
+            None => p.to_path_buf(),
+        }
     }
 
     /// The process id.
@@ -102,6 +133,7 @@ impl Owner {
     /// The template's console file.
     pub fn console(&self) -> PathBuf {
         match &self.kind {
+            Kind::Spawned { .. } if self.jail.is_some() => self.host_path("/console".as_ref()),
             Kind::Spawned { dir, .. } => dir.path().join("console"),
             Kind::Derived { console, .. } => console.clone(),
         }
@@ -189,6 +221,9 @@ impl Drop for Owner {
         if let Kind::Spawned { child, .. } = &self.kind {
             let mut child = child.lock().unwrap_or_else(|p| p.into_inner());
             let _ = child.try_wait();
+            if let Some(j) = &self.jail {
+                j.clean_up();
+            }
         }
     }
 }

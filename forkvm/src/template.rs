@@ -11,6 +11,7 @@ use bytes::Bytes;
 use tokio::process::Command;
 
 use crate::endpoint::{Endpoint, Reply};
+use crate::jail::{Jail, JailSpec};
 use crate::owner::{Kind, Owner};
 use crate::Error;
 
@@ -32,8 +33,13 @@ pub struct TemplateSpec {
     pub mem_mib: u32,
     /// Warm clones kept ready.
     pub warm_clones: u32,
-    /// Further `vmm run` options (`--vcpus 2`, `--cgroup-class ...`).
+    /// Further `vmm run` options (`--vcpus 2`, `--cgroup-class ...`). In a jail, files
+    /// they name are jail paths (hand them in with [`JailSpec::args`]' `--file`).
     pub args: Vec<String>,
+    /// Run the VMM in forkvm's jailer (unprivileged, chrooted, its own namespaces and
+    /// cgroups; seccomp as `args` say, `--seccomp kill` by default). None: the VMM runs
+    /// as this process's user, unjailed.
+    pub jail: Option<JailSpec>,
     /// How long the guest may take until its runtime waits for requests.
     pub start_timeout: Duration,
     /// How long each call to the VMM may take (an invocation: its own timeout plus
@@ -55,6 +61,7 @@ impl TemplateSpec {
             mem_mib: 256,
             warm_clones: 4,
             args: Vec::new(),
+            jail: None,
             start_timeout: Duration::from_secs(300),
             call_timeout: Duration::from_secs(10),
         }
@@ -62,15 +69,46 @@ impl TemplateSpec {
 }
 
 fn default_vmm() -> PathBuf {
-    if let Some(p) = std::env::var_os("FORKVM_VMM") {
+    beside_exe("vmm", "FORKVM_VMM")
+}
+
+/// Program `name`: `$var` if set, else `name` beside the current executable if there is
+/// one, else `name` (from `PATH`).
+pub(crate) fn beside_exe(name: &str, var: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(var) {
         return p.into();
     }
     let beside = std::env::current_exe()
         .ok()
-        .and_then(|e| Some(e.parent()?.join("vmm")));
+        .and_then(|e| Some(e.parent()?.join(name)));
     beside
         .filter(|p| p.is_file())
-        .unwrap_or_else(|| "vmm".into())
+        .unwrap_or_else(|| name.into())
+}
+
+/// The prefix of the directories templates' files live in (under the temporary
+/// directory), followed by this process's pid and `-`.
+const DIR_PREFIX: &str = "forkvm-template-";
+
+/// Removes the directories of templates whose library process is gone (killed before
+/// it could remove them): `forkvm-template-<pid>-*` whose pid no longer runs.
+fn sweep_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = (name.to_str())
+            .and_then(|n| n.strip_prefix(DIR_PREFIX))
+            .and_then(|n| n.split_once('-'))
+            .and_then(|(p, _)| p.parse().ok())
+        else {
+            continue;
+        };
+        if !crate::jail::runs(pid) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// A ready template: a `vmm` process whose runtime waits for requests, paused there.
@@ -91,20 +129,60 @@ pub struct Template {
 }
 
 impl Template {
-    /// Starts the VMM and waits until its runtime waits for requests (the template
-    /// paused there), within `spec.start_timeout`.
+    /// Starts the VMM (in a jail if `spec.jail` says so) and waits until its runtime
+    /// waits for requests (the template paused there), within `spec.start_timeout`.
+    ///
+    /// Its files (control socket, console, log) are in a directory of its own,
+    /// `forkvm-template-<pid>-*` in the temporary directory (jailed: the socket and
+    /// console in the jail), removed with the template. Those of library processes that
+    /// were killed are removed here first, as are their jails.
     pub async fn start(spec: TemplateSpec) -> Result<Self, Error> {
+        sweep_dirs();
         let dir = tempfile::Builder::new()
-            .prefix("forkvm-template-")
+            .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
             .tempdir()
             .map_err(Error::Files)?;
-        let sock = dir.path().join("api.sock");
-        let mut cmd = Command::new(&spec.vmm);
-        cmd.arg("run").arg("--kernel").arg(&spec.kernel);
-        if let Some(i) = &spec.initrd {
+        let jail = spec.jail.as_ref().map(|j| {
+            crate::jail::sweep(j, &spec.vmm);
+            Jail::new(j, &spec.vmm)
+        });
+        // Files the VMM opens: the host's paths, or in a jail where the jailer puts them.
+        let (kernel, initrd, rootfs, sock, console) = match &jail {
+            None => (
+                spec.kernel.clone(),
+                spec.initrd.clone(),
+                spec.rootfs.clone(),
+                dir.path().join("api.sock"),
+                dir.path().join("console"),
+            ),
+            Some(_) => (
+                "/kernel".into(),
+                spec.initrd.as_ref().map(|_| "/initrd".into()),
+                spec.rootfs.as_ref().map(|_| "/rootfs".into()),
+                "/api.sock".into(),
+                "/console".into(),
+            ),
+        };
+        let mut cmd = match (&jail, &spec.jail) {
+            (Some(jail), Some(js)) => {
+                let mut files = vec![(spec.kernel.as_path(), "/kernel")];
+                files.extend(spec.initrd.as_deref().map(|i| (i, "/initrd")));
+                files.extend(spec.rootfs.as_deref().map(|r| (r, "/rootfs")));
+                let mut cmd = jail.command(js, &spec.vmm, &files);
+                cmd.arg("run");
+                cmd
+            }
+            _ => {
+                let mut cmd = Command::new(&spec.vmm);
+                cmd.arg("run");
+                cmd
+            }
+        };
+        cmd.arg("--kernel").arg(&kernel);
+        if let Some(i) = &initrd {
             cmd.arg("--initrd").arg(i);
         }
-        if let Some(r) = &spec.rootfs {
+        if let Some(r) = &rootfs {
             cmd.arg("--rootfs").arg(r);
         }
         if let Some(c) = &spec.cmdline {
@@ -113,8 +191,12 @@ impl Template {
         cmd.arg("--mem-mib").arg(spec.mem_mib.to_string());
         cmd.arg("--warm-clones").arg(spec.warm_clones.to_string());
         cmd.arg("--template").arg("--api-sock").arg(&sock);
-        cmd.arg("--console").arg(dir.path().join("console"));
+        cmd.arg("--console").arg(&console);
         cmd.args(&spec.args);
+        let sock = match &jail {
+            Some(j) => j.host_path(&sock),
+            None => sock,
+        };
         cmd.stdin(Stdio::null()).stdout(Stdio::null());
         cmd.stderr(std::fs::File::create(dir.path().join("stderr")).map_err(Error::Files)?);
         cmd.kill_on_drop(true);
@@ -127,12 +209,15 @@ impl Template {
                 }
             });
         }
-        let child = cmd.spawn().map_err(|source| Error::Spawn {
-            program: spec.vmm.clone(),
-            source,
-        })?;
+        let program = match &spec.jail {
+            Some(j) => j.jailer.clone(),
+            None => spec.vmm.clone(),
+        };
+        let child = cmd
+            .spawn()
+            .map_err(|source| Error::Spawn { program, source })?;
         let t = Self {
-            owner: Arc::new(Owner::spawned(child, dir)?),
+            owner: Arc::new(Owner::spawned(child, dir, jail)?),
             ep: Endpoint {
                 sock,
                 call_timeout: spec.call_timeout,
@@ -170,13 +255,13 @@ impl Template {
                 status: format!("derived template {} ended at once", reply.clone_id),
                 console: String::new(),
             })?;
-        let owner = Owner::derived(self.owner.clone(), info.id, info.pid as u32, info.console)?;
+        let owner = Owner::derived(self.owner.clone(), info.id, info.pid as u32, &info.console)?;
         let t = Template {
-            owner: Arc::new(owner),
             ep: Endpoint {
-                sock: info.api_sock,
+                sock: owner.host_path(&info.api_sock),
                 call_timeout: self.ep.call_timeout,
             },
+            owner: Arc::new(owner),
         };
         t.until_ready(self.ep.call_timeout, "the derived template's pause")
             .await?;

@@ -48,21 +48,22 @@ impl Template {
             if !info.status.is_live() {
                 return Err(Error::Exited {
                     status: format!("clone {} did not start", info.id),
-                    console: std::fs::read_to_string(&info.console).unwrap_or_default(),
+                    console: std::fs::read_to_string(self.owner().host_path(&info.console))
+                        .unwrap_or_default(),
                 });
             }
             let owner = Owner::derived(
                 self.owner().clone(),
                 info.id.clone(),
                 info.pid as u32,
-                info.console.clone(),
+                &info.console,
             )?;
             made.push(VmClone {
-                owner,
                 ep: Endpoint {
-                    sock: info.api_sock,
+                    sock: owner.host_path(&info.api_sock),
                     call_timeout: self.ep().call_timeout,
                 },
+                owner,
                 id: info.id,
             });
         }
@@ -124,6 +125,7 @@ impl VmClone {
             })
             .ok_or_else(|| Error::Agent("the clone has no vsock device (--vsock)".into()))?;
         let limit = self.ep.call_timeout;
+        let vsock = self.owner.host_path(&vsock);
         let run = agent_exchange(&vsock, port, command, stdin);
         match tokio::time::timeout(limit, run).await {
             Ok(r) => r,

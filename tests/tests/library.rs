@@ -452,3 +452,125 @@ async fn clones_made_on_request_serve_in_place_and_go_with_their_handles() {
     assert_eq!(e.kind(), ErrorKind::Caller, "{e}");
     t.shutdown().await.unwrap();
 }
+
+/// The `Uid` and `NSpid` lines of `/proc/<pid>/status`.
+fn uid_and_nspid(pid: u32) -> (String, String) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |k: &str| {
+        (status.lines())
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap_or("")
+            .trim()
+            .to_string()
+    };
+    (field("Uid:"), field("NSpid:"))
+}
+
+/// A pid that ran and ended (the sweep's test for a library process that is gone).
+fn ended_pid() -> u32 {
+    let mut c = std::process::Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    pid
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jailed_template_invokes_derives_and_clones_and_leaves_nothing() {
+    if !tests::kvm_and_root_available("library_jail") {
+        return;
+    }
+    const UID: u32 = 60131;
+    let scratch = tests::Scratch::new("library-jail");
+    let base = scratch.path("jails");
+    // What a library process killed with SIGKILL leaves: a jail directory, a cgroup
+    // parent, a template directory. The next start removes them.
+    let dead = ended_pid();
+    let stale_jail = base.join("vmm").join(format!("lib-{dead}-0"));
+    std::fs::create_dir_all(stale_jail.join("root")).unwrap();
+    std::fs::write(stale_jail.join("root/console"), b"old").unwrap();
+    // On cgroup v1, the jailer's controllers (on v2 the jailer cleans its own up).
+    let v1 = std::path::Path::new("/sys/fs/cgroup/pids/cgroup.procs").exists();
+    let stale_cgroups: Vec<PathBuf> = ["cpu", "cpuacct", "memory", "pids"]
+        .iter()
+        .map(|c| PathBuf::from(format!("/sys/fs/cgroup/{c}/forkvm-lib-{dead}-0")))
+        .filter(|_| v1)
+        .collect();
+    for c in &stale_cgroups {
+        std::fs::create_dir_all(c.join(format!("jail-lib-{dead}-0/vmm"))).unwrap();
+    }
+    let stale_dir = std::env::temp_dir().join(format!("forkvm-template-{dead}-abc"));
+    std::fs::create_dir_all(&stale_dir).unwrap();
+
+    let mut spec = tiny_spec("ticks=1 invoke=1 load=1");
+    spec.args
+        .extend(["--cgroup-class", "small:memory=64M,pids=64"].map(String::from));
+    let mut jail = forkvm::JailSpec::new(UID, UID + 1);
+    jail.jailer = tests::jailer_bin();
+    jail.chroot_base = base.clone();
+    spec.jail = Some(jail);
+    let t = Template::start(spec).await.unwrap();
+    assert!(!stale_jail.exists(), "a dead library's jail stays");
+    assert!(!stale_dir.exists(), "a dead library's directory stays");
+    for c in &stale_cgroups {
+        assert!(!c.exists(), "a dead library's cgroup {} stays", c.display());
+    }
+
+    // The library's child is the jailer; its socket is in the jail.
+    let jailer = t.pid();
+    let root = t.socket().parent().unwrap().to_path_buf();
+    assert!(
+        root.starts_with(&base) && root.ends_with("root"),
+        "{root:?}"
+    );
+    let id = root
+        .parent()
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let r = t
+        .invoke(&b"jailed"[..], &InvokeOptions::default())
+        .await
+        .unwrap();
+    assert!(r.body.starts_with(b"jailed"), "{r:?}");
+
+    // A derived template in the jail: its host pid is an unprivileged process in the
+    // jail's pid namespace, its socket in the jail.
+    let opts = InvokeOptions::default();
+    let (derived, _) = t.derive(&b"loaded!\0"[..], &opts).await.unwrap();
+    let (uid, nspid) = uid_and_nspid(derived.pid());
+    assert!(uid.starts_with(&UID.to_string()), "{uid}");
+    assert_eq!(nspid.split_whitespace().count(), 2, "{nspid}");
+    assert!(derived.socket().starts_with(&root));
+    let shown = derived.invoke(&b"show"[..], &opts).await.unwrap();
+    assert_eq!(&shown.body[..], b"loaded!\0");
+
+    // A clone on request, served in place, then stopped through its (host) pidfd.
+    let c = t.clones(&Default::default()).await.unwrap().pop().unwrap();
+    let keep = InvokeOptions {
+        keep_alive: true,
+        ..Default::default()
+    };
+    let r = c.invoke(&b"in place"[..], &keep).await.unwrap();
+    assert_eq!(r.clone_id, c.id());
+    let clone_pid = c.pid();
+    assert!(uid_and_nspid(clone_pid).0.starts_with(&UID.to_string()));
+    drop(c);
+    until("a dropped jailed clone to be stopped", || gone(clone_pid)).await;
+
+    // Dropped: the jailer and every VMM gone, the jail and its cgroups removed.
+    let derived_pid = derived.pid();
+    drop(derived);
+    drop(t);
+    until("the jailer and the derived template to end", || {
+        gone(jailer) && gone(derived_pid)
+    })
+    .await;
+    assert!(!root.parent().unwrap().exists(), "jail {id} left behind");
+    for c in ["cpu", "memory", "pids"] {
+        let dir = PathBuf::from(format!("/sys/fs/cgroup/{c}/forkvm-{id}"));
+        assert!(!dir.exists(), "{} left behind", dir.display());
+    }
+}

@@ -24,7 +24,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, put};
 use axum::Router;
 use clap::Parser;
-use forkvm::{CachePolicy, Template, TemplateSpec, ZygoteCache};
+use forkvm::{CachePolicy, JailSpec, Template, TemplateSpec, ZygoteCache};
 
 use gateway::Gateway;
 
@@ -76,6 +76,27 @@ struct Args {
     /// A further `vmm run` option for the base template (repeatable; `--vmm-arg=--no-prime`).
     #[arg(long = "vmm-arg", allow_hyphen_values = true)]
     vmm_args: Vec<String>,
+    /// Run the VMMs in forkvm's jailer as user UID and group GID (not 0; the gateway
+    /// must run as root): every template and clone unprivileged, chrooted, in namespaces
+    /// of its own, under seccomp (docs/jailer.md).
+    #[arg(long, value_name = "UID:GID", value_parser = parse_ids)]
+    jail: Option<(u32, u32)>,
+    /// Where jails are made, with --jail.
+    #[arg(long, default_value = "/srv/jailer", requires = "jail")]
+    chroot_base: PathBuf,
+    /// The `jailer` program, with --jail (default: `$FORKVM_JAILER`, else beside this
+    /// program, else PATH).
+    #[arg(long, requires = "jail")]
+    jailer: Option<PathBuf>,
+}
+
+fn parse_ids(s: &str) -> Result<(u32, u32), String> {
+    let (u, g) = s.split_once(':').ok_or("expected UID:GID")?;
+    let id = |v: &str| v.parse::<u32>().map_err(|e| format!("{v:?}: {e}"));
+    match (id(u)?, id(g)?) {
+        (0, _) | (_, 0) => Err("the jail's user and group must not be 0 (root)".into()),
+        ids => Ok(ids),
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +129,14 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, forkvm::Error> {
         spec.args.extend(["--cgroup-class".to_string(), c.clone()]);
     }
     spec.args.extend(args.vmm_args.iter().cloned());
+    if let Some((uid, gid)) = args.jail {
+        let mut jail = JailSpec::new(uid, gid);
+        jail.chroot_base.clone_from(&args.chroot_base);
+        if let Some(j) = &args.jailer {
+            jail.jailer.clone_from(j);
+        }
+        spec.jail = Some(jail);
+    }
     tracing::info!("starting the base template ({})", args.kernel.display());
     let base = Template::start(spec).await?;
     tracing::info!("base template ready (pid {})", base.pid());

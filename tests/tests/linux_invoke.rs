@@ -463,3 +463,51 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
     assert!(vm.stderr_text().contains("registered its CRNG"));
     off.shutdown(Duration::from_secs(60));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linux_library_clones_run_commands_through_their_guest_agent() {
+    if !kvm_available("linux_library_exec") {
+        return;
+    }
+    // A template started by the library with the C runtime waiting and the guest agent
+    // on vsock port 1024; a clone made on request runs commands through its own agent.
+    let scratch = Scratch::new("linux-library-exec");
+    let mut spec = forkvm::TemplateSpec::new(guest_file("vmlinux"));
+    spec.vmm = tests::vmm_bin();
+    spec.initrd = Some(guest_file("initramfs.cpio"));
+    spec.cmdline = Some(
+        "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run=\"forkvm-fn info\""
+            .into(),
+    );
+    spec.warm_clones = 1;
+    let vsock = scratch.path("vm.vsock");
+    spec.args = vec!["--vsock".into(), vsock.display().to_string()];
+    spec.start_timeout = LINUX_BOOT;
+    spec.call_timeout = Duration::from_secs(60);
+    let t = forkvm::Template::start(spec).await.unwrap();
+    let mut clones = t.clones(&Default::default()).await.unwrap();
+    let c = clones.pop().unwrap();
+    let out = c
+        .exec(
+            1024,
+            "read x; echo got-$x; forkvm-clone --id; exit 7",
+            b"hello\n",
+        )
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.output);
+    assert_eq!(out.status, 7, "{text}");
+    assert_eq!(text, format!("got-hello\n{}\n", c.id()));
+    // Nobody on port 999: the agent's error, typed.
+    let e = c.exec(999, "true", b"").await.unwrap_err();
+    assert!(matches!(e, forkvm::Error::Agent(_)), "{e}");
+    // The clone still serves invocations in place.
+    let keep = InvokeOptions {
+        keep_alive: true,
+        ..Default::default()
+    };
+    let r = c.invoke(&b"after exec"[..], &keep).await.unwrap();
+    assert_eq!(r.clone_id, c.id());
+    c.delete().await.unwrap();
+    t.shutdown().await.unwrap();
+}

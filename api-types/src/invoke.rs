@@ -29,6 +29,9 @@ pub const HEADER_TOTAL_US: &str = "x-forkvm-total-us";
 /// Header: "true" when the VM that ran the handler was a primed warm clone (its runtime
 /// ran its serving path once before the request, without the handler), else "false".
 pub const HEADER_PRIMED: &str = "x-forkvm-primed";
+/// Header: microseconds by which the VMM moved the handler's deferred timer interrupt
+/// beyond `--tick-defer-ms`, for the time its vCPU waited for a host CPU (0: not moved).
+pub const HEADER_STRETCHED_US: &str = "x-forkvm-stretched-us";
 
 /// The largest timeout an invocation may ask for.
 pub const MAX_TIMEOUT_MS: u64 = 3_600_000;

@@ -81,8 +81,52 @@ pub fn defer_live<A: MsrAccess>(vcpu: &A, tsc_khz: u32, ns: u64) -> Result<bool,
     Ok(skipped.is_empty())
 }
 
+/// The deadline to write instead of `deadline` when the TSC reads `tsc`, to re-time a
+/// deferral: `tsc + to`, when an armed deadline falls within `tsc + within` (one the
+/// deferral set, or a guest timer due inside it); None to leave it.
+pub fn retimed(deadline: u64, tsc: u64, to: u64, within: u64) -> Option<u64> {
+    let horizon = tsc.saturating_add(within);
+    (deadline != 0 && deadline <= horizon).then(|| tsc.saturating_add(to))
+}
+
+/// Re-times the deferred timer deadline of a live, stopped vCPU to `ns` after its TSC
+/// now, if it falls within `within_ns` ([`retimed`]): a deferral moved on, or ended
+/// (`ns` 0: the interrupt is due at once). Returns whether it moved.
+pub fn retime_live<A: MsrAccess>(
+    vcpu: &A,
+    tsc_khz: u32,
+    ns: u64,
+    within_ns: u64,
+) -> Result<bool, MsrError> {
+    let (now, _) = get_msrs_skipping(vcpu, &[MSR_IA32_TSC, MSR_IA32_TSC_DEADLINE])?;
+    let (Some(tsc), Some(deadline)) = (find(&now, MSR_IA32_TSC), find(&now, MSR_IA32_TSC_DEADLINE))
+    else {
+        return Ok(false);
+    };
+    let to = cycles(ns, tsc_khz);
+    let Some(at) = retimed(deadline, tsc, to, cycles(within_ns, tsc_khz)) else {
+        return Ok(false);
+    };
+    let entry = kvm_msr_entry {
+        index: MSR_IA32_TSC_DEADLINE,
+        data: at,
+        ..Default::default()
+    };
+    let skipped = set_msrs_skipping(vcpu, &[entry])?;
+    Ok(skipped.is_empty())
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_retime_moves_only_an_armed_deadline_within_the_horizon() {
+        assert_eq!(retimed(900, 1_000, 0, 500), Some(1_000), "overdue: due now");
+        assert_eq!(retimed(1_400, 1_000, 200, 500), Some(1_200), "pulled in");
+        assert_eq!(retimed(1_100, 1_000, 300, 500), Some(1_300), "pushed on");
+        assert_eq!(retimed(1_600, 1_000, 200, 500), None, "beyond the horizon");
+        assert_eq!(retimed(0, 1_000, 200, 500), None, "disarmed");
+    }
+
     use super::*;
 
     #[test]

@@ -27,6 +27,9 @@ pub struct Reply {
     pub total_us: u64,
     /// Whether a primed warm clone served it.
     pub primed: bool,
+    /// Microseconds by which the VMM moved the clone's deferred timer interrupt on,
+    /// for the time its vCPU waited for a host CPU (docs/invoke.md).
+    pub stretched_us: u64,
 }
 
 /// A VMM's control socket, with the time each call may take.
@@ -148,6 +151,7 @@ fn answer(a: Answer) -> Result<Reply, Error> {
             handler_us: us(api_types::invoke::HEADER_HANDLER_US),
             total_us: us(api_types::invoke::HEADER_TOTAL_US),
             primed: a.header(api_types::invoke::HEADER_PRIMED) == Some("true"),
+            stretched_us: us(api_types::invoke::HEADER_STRETCHED_US),
             body: a.body,
         }),
         Some(Ok(outcome)) => Err(Error::Invocation {

@@ -296,6 +296,8 @@ impl Vmm {
         }
 
         let mut events = vec![EpollEvent::default(); 8];
+        // A clone made for an invocation: its vCPUs run now.
+        self.invoker.watch_deferral(&self.vm, true);
         let outcome = 'run: loop {
             // Work done ahead of clone requests (warm clones, spare overlay files, cgroup
             // upkeep) waits a moment after the last request: fork() holds this process's
@@ -310,6 +312,7 @@ impl Vmm {
             };
             let invoker = &self.invoker;
             (self.clones).do_due_work(&mut self.vm, |vm| invoker.prime_vcpu(vm));
+            self.invoker.stretch_deferral(&self.vm);
             for f in self.invoker.expire() {
                 if let Some(outcome) = self.answer(f) {
                     break 'run outcome;

@@ -50,6 +50,10 @@ use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use crate::vstate::vcpu::{monotonic_ns, VcpuError};
 
+mod stretch;
+pub use stretch::initial_ns as initial_defer_ns;
+use stretch::Stretch;
+
 /// The caller's connection: answered by whichever VMM runs the handler.
 #[derive(Debug, Clone)]
 pub struct Connection(Arc<UnixStream>);
@@ -183,6 +187,8 @@ struct InFlight {
     derive: bool,
     /// Served by a primed warm clone.
     primed: bool,
+    /// Its timer deferral, stretched by its vCPU's waits for a host CPU.
+    stretch: Option<Stretch>,
 }
 
 /// Microseconds spent, for the answer's headers.
@@ -195,6 +201,8 @@ pub struct Timings {
     pub handler_us: u64,
     /// Arrival to the reply.
     pub total_us: u64,
+    /// How far the timer deferral was stretched ([`stretch`]).
+    pub stretched_us: u64,
 }
 
 /// An invocation that ended: what to answer, and on which connection.
@@ -492,7 +500,7 @@ impl Invoker {
             .vcpus()
             .get(usize::from(vcpu))
             .ok_or(VcpuError::Gone(vcpu))?;
-        handle.set_result(u64::from(d.length), self.tick_defer_ns)?;
+        handle.set_result(u64::from(d.length), initial_defer_ns(self.tick_defer_ns))?;
         self.started += 1;
         self.waiting = None;
         self.waiting_since = None;
@@ -508,9 +516,36 @@ impl Invoker {
             keep_alive: d.keep_alive,
             derive: d.derive,
             primed: false,
+            stretch: None,
         });
         handle.resume()?;
+        self.watch_deferral(vm, false);
         Ok(())
+    }
+
+    /// Starts watching the timer deferral of the request in flight: a clone's when it
+    /// serves (`fresh`: its vCPU threads started after the delivery), one in place on
+    /// delivery.
+    pub fn watch_deferral(&mut self, vm: &Microvm, fresh: bool) {
+        let defer = Duration::from_nanos(self.tick_defer_ns);
+        let Some(f) = self.in_flight.as_mut() else {
+            return;
+        };
+        if defer.is_zero() || f.stretch.is_some() {
+            return;
+        }
+        let ago = Duration::from_nanos(monotonic_ns().saturating_sub(f.delivered_ns));
+        let delivered = Instant::now().checked_sub(ago).unwrap_or_else(Instant::now);
+        f.stretch = Stretch::watch(vm, f.vcpu, delivered, defer, fresh);
+    }
+
+    /// Re-times the deferral of the request in flight if a check is due
+    /// ([`stretch`]'s docs).
+    pub fn stretch_deferral(&mut self, vm: &Microvm) {
+        let stretch = self.in_flight.as_mut().and_then(|f| f.stretch.as_mut());
+        if let Some(s) = stretch {
+            s.check(vm, Instant::now());
+        }
     }
 
     /// The invocation side of a clone made for `d` (a primed warm clone when `primed`),
@@ -536,6 +571,7 @@ impl Invoker {
             keep_alive: d.keep_alive,
             derive: d.derive,
             primed,
+            stretch: None,
         });
         Ok(me)
     }
@@ -552,6 +588,7 @@ impl Invoker {
                 clone_us: us(f.received_ns, f.delivered_ns),
                 handler_us: us(f.delivered_ns, now),
                 total_us: us(f.received_ns, now),
+                stretched_us: f.stretch.as_ref().map_or(0, Stretch::stretched_us),
             },
             keep_alive: f.keep_alive && outcome != Outcome::Timeout,
             vcpu: vcpu.unwrap_or(f.vcpu),
@@ -586,8 +623,13 @@ impl Invoker {
     /// to be refreshed (zero: now).
     pub fn due_in(&self, vm: &Microvm) -> Option<Duration> {
         let f = self.in_flight.as_ref().map(|f| f.deadline);
+        let stretch = (self.in_flight.as_ref())
+            .and_then(|f| f.stretch.as_ref())
+            .and_then(Stretch::due);
         let held = self.held.iter().map(|h| h.1);
-        let at = f.into_iter().chain(held).chain(self.refresh_at(vm)).min()?;
+        let at = (f.into_iter().chain(stretch).chain(held))
+            .chain(self.refresh_at(vm))
+            .min()?;
         Some(at.saturating_duration_since(Instant::now()))
     }
 

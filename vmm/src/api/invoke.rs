@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use api_types::invoke::{
     InvokeOptions, Outcome, HEADER_CLONE_ID, HEADER_CLONE_US, HEADER_HANDLER_US, HEADER_OUTCOME,
-    HEADER_PRIMED, HEADER_SOCKET, HEADER_TOTAL_US,
+    HEADER_PRIMED, HEADER_SOCKET, HEADER_STRETCHED_US, HEADER_TOTAL_US,
 };
 use api_types::ErrorBody;
 
@@ -68,6 +68,7 @@ pub fn answer(
         (HEADER_HANDLER_US, t.handler_us.to_string()),
         (HEADER_TOTAL_US, t.total_us.to_string()),
         (HEADER_PRIMED, f.primed.to_string()),
+        (HEADER_STRETCHED_US, t.stretched_us.to_string()),
     ];
     let stream = f.conn.stream();
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
@@ -154,6 +155,7 @@ mod tests {
                 clone_us: 1,
                 handler_us: 2,
                 total_us: 3,
+                stretched_us: 0,
             },
             keep_alive: false,
             vcpu: 0,

@@ -331,8 +331,9 @@ fn advanced(state: &MicrovmState, template: &VmConfig, id: &Identity) -> Microvm
     let mut state = state.clone();
     state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
     if id.delivery.is_some() && template.tick_defer_ns() > 0 {
+        let ns = crate::invoke::initial_defer_ns(template.tick_defer_ns());
         for v in &mut state.vcpus {
-            v.defer_timer(template.tick_defer_ns());
+            v.defer_timer(ns);
         }
     }
     state

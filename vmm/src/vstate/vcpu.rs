@@ -6,7 +6,7 @@
 //! return EINTR at once, after completing any port or MMIO exit in flight. Either way the
 //! thread then reads its command channel.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Once};
 use std::thread::JoinHandle;
@@ -149,6 +149,9 @@ enum Command {
     /// Set RAX (only while paused): the result of a port read; and defer a due timer
     /// interrupt by the ns given (0: not; `clone::timer`).
     SetRax(u64, u64),
+    /// Re-time a deferred timer interrupt due within the second ns given to the first
+    /// ns from now (running or paused; no reply): `invoke::stretch`.
+    Retime(u64, u64),
     Stop,
 }
 
@@ -317,9 +320,13 @@ impl Vcpu {
         let run_base = std::ptr::from_mut(self.fd.get_kvm_run()) as usize;
         let (cmd_tx, cmd_rx) = channel();
         let (reply_tx, reply_rx) = channel();
+        let tid = Arc::new(AtomicI32::new(0));
+        let my_tid = tid.clone();
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
+                // SAFETY: gettid has no arguments and cannot fail.
+                my_tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
                 if let Some(FirstEntry { mut pipe, entered }) = first_entry {
                     use std::io::Write;
                     let _ = pipe.write_all(&monotonic_ns().to_le_bytes());
@@ -347,6 +354,7 @@ impl Vcpu {
             reply_rx,
             immediate_exit,
             run_base,
+            tid,
         })
     }
 
@@ -538,6 +546,12 @@ impl Vcpu {
                     }
                     let _ = replies.send(Reply::RaxSet(r));
                 }
+                Some(Command::Retime(ns, within)) => {
+                    // Best effort: a vCPU whose timer cannot be read keeps its deadline.
+                    if let Ok(khz) = self.fd.get_tsc_khz() {
+                        let _ = clone::timer::retime_live(&self.fd, khz, ns, within);
+                    }
+                }
                 Some(Command::Stop) | None => return Some(VcpuExitReason::Stopped),
             }
         }
@@ -601,6 +615,8 @@ pub struct VcpuHandle {
     immediate_exit: ImmediateExit,
     /// Host address of this vCPU's kvm_run mapping.
     run_base: usize,
+    /// The thread's id (0 until it runs).
+    tid: Arc<AtomicI32>,
 }
 
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -713,6 +729,27 @@ impl VcpuHandle {
             Reply::RaxSet(Err(msg)) => Err(VcpuError::Capture { id: self.id, msg }),
             _ => Err(VcpuError::Gone(self.id)),
         }
+    }
+
+    /// Re-times a deferred timer interrupt due within `within_ns` to `ns` from now,
+    /// the vCPU running or not (`clone::timer::retime_live`, on the vCPU's thread after
+    /// a kick; no answer).
+    pub fn retime_timer(&self, ns: u64, within_ns: u64) -> Result<(), VcpuError> {
+        self.send(Command::Retime(ns, within_ns))?;
+        self.kick();
+        Ok(())
+    }
+
+    /// How long the vCPU's thread has waited for a host CPU while runnable, in ns, since
+    /// it started (`/proc/self/task/TID/schedstat`); None before it runs, or where the
+    /// kernel does not count it.
+    pub fn run_queue_wait_ns(&self) -> Option<u64> {
+        let tid = self.tid.load(Ordering::Relaxed);
+        if tid == 0 {
+            return None;
+        }
+        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+        text.split_whitespace().nth(1)?.parse().ok()
     }
 
     /// Host address of this vCPU's kvm_run mapping (a forked child unmaps it).

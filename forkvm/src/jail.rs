@@ -43,7 +43,7 @@ impl JailSpec {
     /// A jail for user `uid` and group `gid`, with the defaults.
     pub fn new(uid: u32, gid: u32) -> Self {
         Self {
-            jailer: crate::template::beside_exe("jailer", "FORKVM_JAILER"),
+            jailer: crate::program::beside_exe("jailer", "FORKVM_JAILER"),
             uid,
             gid,
             chroot_base: "/srv/jailer".into(),

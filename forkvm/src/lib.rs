@@ -51,6 +51,7 @@ mod http;
 mod jail;
 mod load;
 mod owner;
+mod program;
 mod template;
 mod vm_clone;
 mod zygote;

@@ -349,7 +349,10 @@ pub async fn invoke(
                     "x-forkvm-primed",
                     text(if reply.primed { "true" } else { "false" }),
                 ),
-                ("x-forkvm-stretched-us", text(&reply.stretched_us.to_string())),
+                (
+                    "x-forkvm-stretched-us",
+                    text(&reply.stretched_us.to_string()),
+                ),
             ] {
                 if let Some(v) = v {
                     headers.insert(k, v);

@@ -201,7 +201,7 @@ pub struct Timings {
     pub handler_us: u64,
     /// Arrival to the reply.
     pub total_us: u64,
-    /// How far the timer deferral was stretched ([`stretch`]).
+    /// How far the timer deferral was stretched (`invoke/stretch.rs`), in µs.
     pub stretched_us: u64,
 }
 
@@ -540,7 +540,7 @@ impl Invoker {
     }
 
     /// Re-times the deferral of the request in flight if a check is due
-    /// ([`stretch`]'s docs).
+    /// (`invoke/stretch.rs`).
     pub fn stretch_deferral(&mut self, vm: &Microvm) {
         let stretch = self.in_flight.as_mut().and_then(|f| f.stretch.as_mut());
         if let Some(s) = stretch {

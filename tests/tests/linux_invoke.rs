@@ -454,9 +454,12 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
         inherited = clones_of(&off, None);
         inherited.len() == 3
     });
-    let consoles: Vec<String> = (inherited.iter())
-        .map(|c| std::fs::read_to_string(c["console"].as_str().unwrap()).unwrap_or_default())
-        .collect();
+    let console_of =
+        |c: &Value| std::fs::read_to_string(c["console"].as_str().unwrap()).unwrap_or_default();
+    wait_until("the control clones' first ticks", LINUX_BOOT, || {
+        (inherited.iter()).all(|c| first_tick(&console_of(c), c["id"].as_str().unwrap()).is_some())
+    });
+    let consoles: Vec<String> = inherited.iter().map(console_of).collect();
     let ticks = clone_ticks(&off, &inherited);
     // CI saw this fail twice (under load, cause not found yet): the consoles say more.
     assert!(

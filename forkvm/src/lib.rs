@@ -56,7 +56,7 @@ mod template;
 mod vm_clone;
 mod zygote;
 
-pub use api_types::CreateClones;
+pub use api_types::{CloneInfo, CloneList, CreateClones};
 pub use api_types::{InvokeOptions, Outcome, VmInfo};
 pub use endpoint::Reply;
 pub use error::{Error, ErrorKind};

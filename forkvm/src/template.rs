@@ -346,6 +346,20 @@ impl Template {
         self.ep.status().await
     }
 
+    /// `GET /clones`: every clone this template's VMM made (invocations' clones, warm
+    /// clones launched, derived templates, clones on request), oldest first, with what
+    /// became of each and, with cgroup classes, its cgroup's usage read now. Paths are
+    /// the host's; in a jail, pids are the jail's.
+    pub async fn clone_table(&self) -> Result<api_types::CloneList, Error> {
+        let mut list = self.ep.clones().await?;
+        for c in &mut list.clones {
+            c.api_sock = self.owner.host_path(&c.api_sock);
+            c.console = self.owner.host_path(&c.console);
+            c.vsock = c.vsock.as_deref().map(|v| self.owner.host_path(v));
+        }
+        Ok(list)
+    }
+
     /// Runs `payload` through the handler in a fresh clone (`POST /invocations`).
     /// Dropping the future closes the connection: the clone still ends on its own
     /// once its handler replies or its timeout passes.

@@ -548,6 +548,15 @@ async fn a_jailed_template_invokes_derives_and_clones_and_leaves_nothing() {
     assert_eq!(&shown.body[..], b"loaded!\0");
 
     // A clone on request, served in place, then stopped through its (host) pidfd.
+    // Its clone table: the derived template, with the host's paths and its cgroup's
+    // usage.
+    let table = t.clone_table().await.unwrap();
+    let derived_id = derived.clone_id().unwrap();
+    assert!(table.clones.iter().any(|c| c.id == derived_id), "{table:?}");
+    for c in &table.clones {
+        assert!(c.api_sock.starts_with(&root), "{c:?}");
+        assert!(c.cgroup.is_some(), "{c:?}");
+    }
     let c = t.clones(&Default::default()).await.unwrap().pop().unwrap();
     let keep = InvokeOptions {
         keep_alive: true,

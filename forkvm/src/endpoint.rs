@@ -73,6 +73,16 @@ impl Endpoint {
         }
     }
 
+    /// `PATCH /vm` to `paused`.
+    pub async fn pause(&self) -> Result<(), Error> {
+        let body = Bytes::from_static(br#"{"state":"paused"}"#);
+        let a = self.call("PATCH", "/vm", body, self.call_timeout).await?;
+        match a.status {
+            200 | 204 => Ok(()),
+            _ => Err(refusal(&a)),
+        }
+    }
+
     /// `GET /vm`.
     pub async fn status(&self) -> Result<VmInfo, Error> {
         self.json("GET", "/vm", Bytes::new()).await

@@ -62,6 +62,6 @@ pub use endpoint::Reply;
 pub use error::{Error, ErrorKind};
 pub use jail::JailSpec;
 pub use load::Load;
-pub use template::{Template, TemplateSpec};
+pub use template::{Ready, Template, TemplateSpec};
 pub use vm_clone::{ExecOutput, VmClone};
 pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache};

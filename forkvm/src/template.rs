@@ -40,7 +40,9 @@ pub struct TemplateSpec {
     /// cgroups; seccomp as `args` say, `--seccomp kill` by default). None: the VMM runs
     /// as this process's user, unjailed.
     pub jail: Option<JailSpec>,
-    /// How long the guest may take until its runtime waits for requests.
+    /// When the template is ready (default: its runtime waits for requests).
+    pub ready: Ready,
+    /// How long the guest may take until it is ready.
     pub start_timeout: Duration,
     /// How long each call to the VMM may take (an invocation: its own timeout plus
     /// this).
@@ -62,10 +64,25 @@ impl TemplateSpec {
             warm_clones: 4,
             args: Vec::new(),
             jail: None,
+            ready: Ready::Runtime,
             start_timeout: Duration::from_secs(300),
             call_timeout: Duration::from_secs(10),
         }
     }
+}
+
+/// When a started template is ready ([`TemplateSpec::ready`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ready {
+    /// Its runtime waits for requests on the invoke port, the VM paused there (`vmm run
+    /// --template`): it serves [`Template::invoke`] and [`Template::derive`].
+    Runtime,
+    /// A plain template: its console shows this text (an agent's "serving" line, say);
+    /// the library then pauses the VM, so that its warm clones are made, and it serves
+    /// [`Template::clones`]. Invocations are refused (no runtime waits).
+    Console(String),
+    /// Its VMM answers and the VM runs: clones are made of the running VM.
+    Running,
 }
 
 fn default_vmm() -> PathBuf {
@@ -97,7 +114,9 @@ fn sweep_dirs() {
     }
 }
 
-/// A ready template: a `vmm` process whose runtime waits for requests, paused there.
+/// A ready template: a `vmm` process whose runtime waits for requests, paused there
+/// (or, started with another [`Ready`], a plain template: paused where its console
+/// showed a text, or running).
 ///
 /// A template this library started ([`Template::start`]) is its child process; one
 /// derived from another ([`Template::derive`]) is a clone of that template's VMM, and
@@ -176,7 +195,10 @@ impl Template {
         }
         cmd.arg("--mem-mib").arg(spec.mem_mib.to_string());
         cmd.arg("--warm-clones").arg(spec.warm_clones.to_string());
-        cmd.arg("--template").arg("--api-sock").arg(&sock);
+        if spec.ready == Ready::Runtime {
+            cmd.arg("--template");
+        }
+        cmd.arg("--api-sock").arg(&sock);
         cmd.arg("--console").arg(&console);
         cmd.args(&spec.args);
         let sock = match &jail {
@@ -209,8 +231,11 @@ impl Template {
                 call_timeout: spec.call_timeout,
             },
         };
-        t.until_ready(spec.start_timeout, "the template's start")
+        t.until_ready(&spec.ready, spec.start_timeout, "the template's start")
             .await?;
+        if let Ready::Console(_) = spec.ready {
+            t.ep.pause().await?;
+        }
         Ok(t)
     }
 
@@ -249,27 +274,45 @@ impl Template {
             },
             owner: Arc::new(owner),
         };
-        t.until_ready(self.ep.call_timeout, "the derived template's pause")
-            .await?;
+        t.until_ready(
+            &Ready::Runtime,
+            self.ep.call_timeout,
+            "the derived template's pause",
+        )
+        .await?;
         Ok((t, reply))
     }
 
-    /// Waits up to `limit` until the runtime waits in the paused template.
-    async fn until_ready(&self, limit: Duration, what: &'static str) -> Result<(), Error> {
-        match tokio::time::timeout(limit, self.wait_ready()).await {
+    /// Waits up to `limit` until the template is `ready`.
+    async fn until_ready(
+        &self,
+        ready: &Ready,
+        limit: Duration,
+        what: &'static str,
+    ) -> Result<(), Error> {
+        match tokio::time::timeout(limit, self.wait_ready(ready)).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout { what, after: limit }),
         }
     }
 
-    async fn wait_ready(&self) -> Result<(), Error> {
+    async fn wait_ready(&self, ready: &Ready) -> Result<(), Error> {
         loop {
             if self.owner.ended() {
                 return Err(self.exited());
             }
             // Until the socket is up, connecting fails: poll.
             if let Ok(info) = self.status().await {
-                if info.invoke.waiting && info.state == VmState::Paused {
+                let done = match ready {
+                    Ready::Runtime => info.invoke.waiting && info.state == VmState::Paused,
+                    Ready::Running => info.state == VmState::Running,
+                    Ready::Console(text) => {
+                        let console = std::fs::read(self.owner.console()).unwrap_or_default();
+                        let text = text.as_bytes();
+                        console.windows(text.len().max(1)).any(|w| w == text)
+                    }
+                };
+                if done {
                     return Ok(());
                 }
             }

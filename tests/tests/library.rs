@@ -583,3 +583,62 @@ async fn a_jailed_template_invokes_derives_and_clones_and_leaves_nothing() {
         assert!(!dir.exists(), "{} left behind", dir.display());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_template_is_ready_on_its_console_or_running_and_clones_on_request() {
+    if !kvm_available("library_plain") {
+        return;
+    }
+    // No runtime: the tiny guest beats on its console; the library pauses it there.
+    let mut spec = tiny_spec("beat=20");
+    spec.ready = forkvm::Ready::Console("tiny: beat 2\n".into());
+    let t = Template::start(spec).await.unwrap();
+    let info = t.status().await.unwrap();
+    assert_eq!(info.state, api_types::vm::VmState::Paused, "{info:?}");
+    assert!(!info.invoke.waiting);
+    until_async("2 warm clones", || async {
+        t.status().await.unwrap().warm_clones.ready == 2
+    })
+    .await;
+    // Its clones run on from the pause, beating on their own consoles.
+    let c = t.clones(&Default::default()).await.unwrap().pop().unwrap();
+    until("the clone's beat", || {
+        c.console_tail().contains("tiny: beat")
+    })
+    .await;
+    // No runtime waits: an invocation is the caller's error.
+    let e = t
+        .invoke(&b"x"[..], &InvokeOptions::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Caller, "{e}");
+    drop(c);
+    t.shutdown().await.unwrap();
+
+    // Ready once it runs: not paused.
+    let mut spec = tiny_spec("beat=20");
+    spec.ready = forkvm::Ready::Running;
+    let t = Template::start(spec).await.unwrap();
+    assert_eq!(
+        t.status().await.unwrap().state,
+        api_types::vm::VmState::Running
+    );
+    t.shutdown().await.unwrap();
+    // A text that never shows: the start times out.
+    let mut spec = tiny_spec("beat=20");
+    spec.ready = forkvm::Ready::Console("never printed".into());
+    spec.start_timeout = Duration::from_millis(1500);
+    let e = Template::start(spec).await.unwrap_err();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+}
+
+async fn until_async<F: std::future::Future<Output = bool>>(
+    what: &str,
+    mut done: impl FnMut() -> F,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done().await {
+        assert!(std::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

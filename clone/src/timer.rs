@@ -64,12 +64,23 @@ impl VcpuState {
 /// Defers the timer deadline of a live, stopped vCPU to `ns` after its TSC now
 /// ([`deferred`]). Returns whether it moved.
 pub fn defer_live<A: MsrAccess>(vcpu: &A, tsc_khz: u32, ns: u64) -> Result<bool, MsrError> {
+    rewrite_live(vcpu, |deadline, tsc| {
+        deferred(deadline, tsc, cycles(ns, tsc_khz))
+    })
+}
+
+/// Reads a live, stopped vCPU's TSC and timer deadline and writes the deadline `new`
+/// makes of them (`new(deadline, tsc)`; None: left). Returns whether it was written.
+fn rewrite_live<A: MsrAccess>(
+    vcpu: &A,
+    new: impl FnOnce(u64, u64) -> Option<u64>,
+) -> Result<bool, MsrError> {
     let (now, _) = get_msrs_skipping(vcpu, &[MSR_IA32_TSC, MSR_IA32_TSC_DEADLINE])?;
     let (Some(tsc), Some(deadline)) = (find(&now, MSR_IA32_TSC), find(&now, MSR_IA32_TSC_DEADLINE))
     else {
         return Ok(false);
     };
-    let Some(at) = deferred(deadline, tsc, cycles(ns, tsc_khz)) else {
+    let Some(at) = new(deadline, tsc) else {
         return Ok(false);
     };
     let entry = kvm_msr_entry {
@@ -98,26 +109,20 @@ pub fn retime_live<A: MsrAccess>(
     ns: u64,
     within_ns: u64,
 ) -> Result<bool, MsrError> {
-    let (now, _) = get_msrs_skipping(vcpu, &[MSR_IA32_TSC, MSR_IA32_TSC_DEADLINE])?;
-    let (Some(tsc), Some(deadline)) = (find(&now, MSR_IA32_TSC), find(&now, MSR_IA32_TSC_DEADLINE))
-    else {
-        return Ok(false);
-    };
-    let to = cycles(ns, tsc_khz);
-    let Some(at) = retimed(deadline, tsc, to, cycles(within_ns, tsc_khz)) else {
-        return Ok(false);
-    };
-    let entry = kvm_msr_entry {
-        index: MSR_IA32_TSC_DEADLINE,
-        data: at,
-        ..Default::default()
-    };
-    let skipped = set_msrs_skipping(vcpu, &[entry])?;
-    Ok(skipped.is_empty())
+    rewrite_live(vcpu, |deadline, tsc| {
+        retimed(
+            deadline,
+            tsc,
+            cycles(ns, tsc_khz),
+            cycles(within_ns, tsc_khz),
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn a_retime_moves_only_an_armed_deadline_within_the_horizon() {
         assert_eq!(retimed(900, 1_000, 0, 500), Some(1_000), "overdue: due now");
@@ -126,8 +131,6 @@ mod tests {
         assert_eq!(retimed(1_600, 1_000, 200, 500), None, "beyond the horizon");
         assert_eq!(retimed(0, 1_000, 200, 500), None, "disarmed");
     }
-
-    use super::*;
 
     #[test]
     fn only_an_armed_deadline_due_before_the_deferral_moves() {

@@ -24,6 +24,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::microvm::Microvm;
+use crate::vstate::vcpu::run_queue_wait_ns;
 
 /// How much further than `--tick-defer-ms` a deferral reaches while the vCPU waits
 /// for a host CPU.
@@ -32,11 +33,7 @@ pub const ROOM: Duration = Duration::from_millis(250);
 /// Whether this host reports threads' run-queue waits.
 fn waits_readable() -> bool {
     static READABLE: OnceLock<bool> = OnceLock::new();
-    *READABLE.get_or_init(|| {
-        let text = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap_or_default();
-        let wait = text.split_whitespace().nth(1);
-        wait.is_some_and(|w| w.parse::<u64>().is_ok())
-    })
+    *READABLE.get_or_init(|| run_queue_wait_ns("/proc/thread-self/schedstat").is_some())
 }
 
 /// How far a due timer interrupt is deferred at a delivery, in ns, with `--tick-defer-ms`

@@ -34,6 +34,13 @@ mod prime;
 pub use error::VcpuError;
 pub use prime::PrimeError;
 
+/// The run-queue wait a thread's `schedstat` file (`/proc/.../schedstat`) reports, in
+/// ns: its second field.
+pub fn run_queue_wait_ns(schedstat: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(schedstat).ok()?;
+    text.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// Why a vCPU stopped running guest code for good.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VcpuExitReason {
@@ -666,15 +673,13 @@ impl VcpuHandle {
     }
 
     /// How long the vCPU's thread has waited for a host CPU while runnable, in ns, since
-    /// it started (`/proc/self/task/TID/schedstat`); None before it runs, or where the
-    /// kernel does not count it.
+    /// it started; None before it runs, or where the kernel does not count it.
     pub fn run_queue_wait_ns(&self) -> Option<u64> {
         let tid = self.tid.load(Ordering::Relaxed);
         if tid == 0 {
             return None;
         }
-        let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-        text.split_whitespace().nth(1)?.parse().ok()
+        run_queue_wait_ns(&format!("/proc/self/task/{tid}/schedstat"))
     }
 
     /// Host address of this vCPU's kvm_run mapping (a forked child unmaps it).

@@ -57,7 +57,7 @@ impl JailSpec {
 /// A running template's jail.
 #[derive(Debug)]
 pub(crate) struct Jail {
-    jailer: PathBuf,
+    spec: JailSpec,
     /// `<chroot_base>/<vmm file name>/<id>`: the jailer removes it when its VMM exits.
     dir: PathBuf,
     cgroup_parent: String,
@@ -67,6 +67,13 @@ pub(crate) struct Jail {
     pid_ns: OnceLock<PathBuf>,
 }
 
+/// A jail id's prefix, followed by the library process's pid, `-` and a number.
+const ID_PREFIX: &str = "lib-";
+/// The VMM's control socket and console, in its jail.
+pub(crate) const SOCKET: &str = "/api.sock";
+/// See [`SOCKET`].
+pub(crate) const CONSOLE: &str = "/console";
+
 /// Jails made by this process so far (each id unique).
 static JAILS: AtomicU32 = AtomicU32::new(0);
 
@@ -74,10 +81,10 @@ impl Jail {
     /// A new jail's paths for the VMM `vmm` under `spec`.
     pub fn new(spec: &JailSpec, vmm: &Path) -> Self {
         let n = JAILS.fetch_add(1, Ordering::Relaxed);
-        let id = format!("lib-{}-{n}", std::process::id());
+        let id = format!("{ID_PREFIX}{}-{n}", std::process::id());
         let exec = vmm.file_name().unwrap_or("vmm".as_ref());
         Self {
-            jailer: spec.jailer.clone(),
+            spec: spec.clone(),
             dir: spec.chroot_base.join(exec).join(&id),
             cgroup_parent: format!("forkvm-{id}"),
             jailer_pid: OnceLock::new(),
@@ -90,14 +97,15 @@ impl Jail {
         self.dir.file_name().and_then(|n| n.to_str()).unwrap_or("")
     }
 
-    /// The jailer's command line up to `--`: the jail, `files` handed in as
-    /// `(host path, jail path)`, the spec's options.
-    pub fn command(
-        &self,
-        spec: &JailSpec,
-        vmm: &Path,
-        files: &[(&Path, &str)],
-    ) -> tokio::process::Command {
+    /// The jailer program.
+    pub fn jailer(&self) -> &Path {
+        &self.spec.jailer
+    }
+
+    /// The jailer's command line up to `--`: the jail of the VMM `vmm`, `files` handed
+    /// in as `(host path, jail path)`, the spec's options.
+    pub fn command(&self, vmm: &Path, files: &[(&Path, &str)]) -> tokio::process::Command {
+        let spec = &self.spec;
         let mut cmd = tokio::process::Command::new(&spec.jailer);
         cmd.arg("--id").arg(self.id()).arg("--exec-file").arg(vmm);
         cmd.arg("--uid").arg(spec.uid.to_string());
@@ -192,7 +200,7 @@ impl Jail {
     /// After the jailer ended: what it leaves when it was killed (its jail directory,
     /// its cgroups), removed. Nothing to do after a jailer that exited on its own.
     pub fn clean_up(&self) {
-        clean_up(&self.jailer, &self.dir);
+        clean_up(&self.spec.jailer, &self.dir);
     }
 }
 
@@ -214,12 +222,6 @@ fn clean_up(jailer: &Path, dir: &Path) {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// Whether process `pid` runs (a pid reused since counts as running: the sweep then
-/// leaves its files for a later one).
-pub(crate) fn runs(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-}
-
 /// Removes the jails this library made in processes that are gone (killed before they
 /// could stop their templates: the jailer then dies with them and its VMM too, but its
 /// jail directory and cgroups stay): every `lib-<pid>-<n>` under
@@ -230,15 +232,7 @@ pub(crate) fn sweep(spec: &JailSpec, vmm: &Path) {
         return;
     };
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = (name.to_str())
-            .and_then(|n| n.strip_prefix("lib-"))
-            .and_then(|n| n.split('-').next())
-            .and_then(|p| p.parse().ok())
-        else {
-            continue;
-        };
-        if !runs(pid) {
+        if crate::leftovers::left_by_dead_process(&entry.file_name(), ID_PREFIX) {
             clean_up(&spec.jailer, &entry.path());
         }
     }

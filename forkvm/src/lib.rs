@@ -49,6 +49,7 @@ mod endpoint;
 mod error;
 mod http;
 mod jail;
+mod leftovers;
 mod load;
 mod owner;
 mod program;

@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::process::Child;
 
-use crate::jail::Jail;
+use crate::jail::{Jail, CONSOLE};
 use crate::Error;
 
 /// How long a dropped template's VMM has to shut down after SIGTERM.
@@ -133,7 +133,7 @@ impl Owner {
     /// The template's console file.
     pub fn console(&self) -> PathBuf {
         match &self.kind {
-            Kind::Spawned { .. } if self.jail.is_some() => self.host_path("/console".as_ref()),
+            Kind::Spawned { .. } if self.jail.is_some() => self.host_path(CONSOLE.as_ref()),
             Kind::Spawned { dir, .. } => dir.path().join("console"),
             Kind::Derived { console, .. } => console.clone(),
         }

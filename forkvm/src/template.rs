@@ -1,6 +1,7 @@
 //! A ready template: a `vmm` process this library started and owns, or one derived
 //! from such a template.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use bytes::Bytes;
 use tokio::process::Command;
 
 use crate::endpoint::{Endpoint, Reply};
-use crate::jail::{Jail, JailSpec};
+use crate::jail::{Jail, JailSpec, CONSOLE, SOCKET};
 use crate::owner::{Kind, Owner};
 use crate::Error;
 
@@ -100,15 +101,7 @@ fn sweep_dirs() {
         return;
     };
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = (name.to_str())
-            .and_then(|n| n.strip_prefix(DIR_PREFIX))
-            .and_then(|n| n.split_once('-'))
-            .and_then(|(p, _)| p.parse().ok())
-        else {
-            continue;
-        };
-        if !crate::jail::runs(pid) {
+        if crate::leftovers::left_by_dead_process(&entry.file_name(), DIR_PREFIX) {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -151,44 +144,38 @@ impl Template {
             crate::jail::sweep(j, &spec.vmm);
             Jail::new(j, &spec.vmm)
         });
-        // Files the VMM opens: the host's paths, or in a jail where the jailer puts them.
-        let (kernel, initrd, rootfs, sock, console) = match &jail {
+        // Files the VMM opens, each with its option and its path in a jail, where the
+        // jailer hands it in read-only.
+        let opened: Vec<(&str, &Path, &str)> = [
+            ("--kernel", Some(&spec.kernel), "/kernel"),
+            ("--initrd", spec.initrd.as_ref(), "/initrd"),
+            ("--rootfs", spec.rootfs.as_ref(), "/rootfs"),
+        ]
+        .into_iter()
+        .filter_map(|(flag, host, in_jail)| Some((flag, host?.as_path(), in_jail)))
+        .collect();
+        let (mut cmd, sock, console) = match &jail {
+            Some(jail) => {
+                let files: Vec<_> = opened.iter().map(|&(_, h, j)| (h, j)).collect();
+                (
+                    jail.command(&spec.vmm, &files),
+                    SOCKET.into(),
+                    CONSOLE.into(),
+                )
+            }
             None => (
-                spec.kernel.clone(),
-                spec.initrd.clone(),
-                spec.rootfs.clone(),
+                Command::new(&spec.vmm),
                 dir.path().join("api.sock"),
                 dir.path().join("console"),
             ),
-            Some(_) => (
-                "/kernel".into(),
-                spec.initrd.as_ref().map(|_| "/initrd".into()),
-                spec.rootfs.as_ref().map(|_| "/rootfs".into()),
-                "/api.sock".into(),
-                "/console".into(),
-            ),
         };
-        let mut cmd = match (&jail, &spec.jail) {
-            (Some(jail), Some(js)) => {
-                let mut files = vec![(spec.kernel.as_path(), "/kernel")];
-                files.extend(spec.initrd.as_deref().map(|i| (i, "/initrd")));
-                files.extend(spec.rootfs.as_deref().map(|r| (r, "/rootfs")));
-                let mut cmd = jail.command(js, &spec.vmm, &files);
-                cmd.arg("run");
-                cmd
-            }
-            _ => {
-                let mut cmd = Command::new(&spec.vmm);
-                cmd.arg("run");
-                cmd
-            }
-        };
-        cmd.arg("--kernel").arg(&kernel);
-        if let Some(i) = &initrd {
-            cmd.arg("--initrd").arg(i);
-        }
-        if let Some(r) = &rootfs {
-            cmd.arg("--rootfs").arg(r);
+        cmd.arg("run");
+        for (flag, host, in_jail) in opened {
+            let path: &OsStr = match jail {
+                Some(_) => in_jail.as_ref(),
+                None => host.as_ref(),
+            };
+            cmd.arg(flag).arg(path);
         }
         if let Some(c) = &spec.cmdline {
             cmd.arg("--cmdline").arg(c);
@@ -201,7 +188,7 @@ impl Template {
         cmd.arg("--api-sock").arg(&sock);
         cmd.arg("--console").arg(&console);
         cmd.args(&spec.args);
-        let sock = match &jail {
+        let sock: PathBuf = match &jail {
             Some(j) => j.host_path(&sock),
             None => sock,
         };
@@ -217,8 +204,8 @@ impl Template {
                 }
             });
         }
-        let program = match &spec.jail {
-            Some(j) => j.jailer.clone(),
+        let program = match &jail {
+            Some(j) => j.jailer().to_path_buf(),
             None => spec.vmm.clone(),
         };
         let child = cmd

@@ -361,19 +361,28 @@ fn first_tick(console: &str, id: &str) -> Option<String> {
         .inspect(|hex| assert_eq!(hex.len(), 32, "16 bytes in hex: {hex}"))
 }
 
-/// Each clone's first tick (console files of the clones in `body`), once all printed.
-fn clone_ticks(vm: &Vm, clones: &[Value]) -> Vec<String> {
+/// A clone's console (`GET /clones` entry `c`) as it is now.
+fn clone_console(c: &Value) -> String {
+    std::fs::read_to_string(c["console"].as_str().unwrap()).unwrap_or_default()
+}
+
+/// Each clone's first tick, once all printed.
+fn first_ticks(clones: &[Value]) -> Vec<String> {
     let mut ticks = vec![None; clones.len()];
     wait_until("every clone's first tick", LINUX_BOOT, || {
         for (t, c) in ticks.iter_mut().zip(clones) {
             if t.is_none() {
-                let console =
-                    std::fs::read_to_string(c["console"].as_str().unwrap()).unwrap_or_default();
-                *t = first_tick(&console, c["id"].as_str().unwrap());
+                *t = first_tick(&clone_console(c), c["id"].as_str().unwrap());
             }
         }
         ticks.iter().all(Option::is_some)
     });
+    ticks.into_iter().map(Option::unwrap).collect()
+}
+
+/// Each clone's first tick, once all printed; then the clones deleted.
+fn clone_ticks(vm: &Vm, clones: &[Value]) -> Vec<String> {
+    let ticks = first_ticks(clones);
     for c in clones {
         let (code, body) = vm.api(
             "DELETE",
@@ -382,7 +391,7 @@ fn clone_ticks(vm: &Vm, clones: &[Value]) -> Vec<String> {
         );
         assert_eq!(code, 200, "{body}");
     }
-    ticks.into_iter().map(Option::unwrap).collect()
+    ticks
 }
 
 fn clones_of(vm: &Vm, body: Option<&str>) -> Vec<Value> {
@@ -454,12 +463,9 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
         inherited = clones_of(&off, None);
         inherited.len() == 3
     });
-    let console_of =
-        |c: &Value| std::fs::read_to_string(c["console"].as_str().unwrap()).unwrap_or_default();
-    wait_until("the control clones' first ticks", LINUX_BOOT, || {
-        (inherited.iter()).all(|c| first_tick(&console_of(c), c["id"].as_str().unwrap()).is_some())
-    });
-    let consoles: Vec<String> = inherited.iter().map(console_of).collect();
+    // Read once every clone has ticked, before they are deleted.
+    first_ticks(&inherited);
+    let consoles: Vec<String> = inherited.iter().map(clone_console).collect();
     let ticks = clone_ticks(&off, &inherited);
     // CI saw this fail twice (under load, cause not found yet): the consoles say more.
     assert!(

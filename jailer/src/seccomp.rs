@@ -190,6 +190,7 @@ const API: &[i64] = &[
     libc::SYS_ppoll,
     libc::SYS_epoll_wait,
     libc::SYS_epoll_pwait,
+    libc::SYS_epoll_ctl,
     libc::SYS_shutdown,
 ];
 

@@ -7,9 +7,10 @@
 //! event loop. Neither side sees the other's types: no HTTP here, no KVM in the answers
 //! (they are `api_types`).
 //!
-//! The API thread waits for its answer on a [`Reply`] without allocating (a channel's
-//! receiver allocates as it starts to wait), so that it is never inside malloc while a
-//! clone may be forked (see `crate::gate`).
+//! The API thread learns of its answer through an eventfd it polls ([`ActionSender::
+//! send_waking`]) and takes it from the [`Reply`]; a caller may also block on the reply
+//! (without allocating: a channel's receiver allocates as it starts to wait, and no
+//! thread may be inside malloc while a clone may be forked, see `crate::gate`).
 
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
@@ -88,7 +89,15 @@ pub enum VmmActionError {
 /// The answer to one action.
 pub type VmmResponse = Result<VmmData, VmmActionError>;
 
-type Slot = Arc<(Mutex<Option<VmmResponse>>, Condvar)>;
+/// Where one answer is left, how a thread blocked on it is woken, and the eventfd, if
+/// any, written once it is there.
+struct SlotInner {
+    answer: Mutex<Option<VmmResponse>>,
+    ready: Condvar,
+    waker: Option<Arc<EventFd>>,
+}
+
+type Slot = Arc<SlotInner>;
 
 /// The queue's sending side, for the API thread.
 pub struct ActionSender {
@@ -120,7 +129,20 @@ impl ActionSender {
     /// Queues `action` and wakes the event loop; wait for the answer on the [`Reply`].
     /// An action the VMM no longer takes (it stopped) is answered at once.
     pub fn send(&self, action: VmmAction) -> Reply {
-        let slot: Slot = Arc::new((Mutex::new(None), Condvar::new()));
+        self.queue(action, None)
+    }
+
+    /// As [`Self::send`], and `waker` is written once the answer is there.
+    pub fn send_waking(&self, action: VmmAction, waker: &Arc<EventFd>) -> Reply {
+        self.queue(action, Some(waker.clone()))
+    }
+
+    fn queue(&self, action: VmmAction, waker: Option<Arc<EventFd>>) -> Reply {
+        let slot: Slot = Arc::new(SlotInner {
+            answer: Mutex::new(None),
+            ready: Condvar::new(),
+            waker,
+        });
         // Not queued (the VMM is stopping): the Replier, dropped with the error,
         // answered.
         if self.tx.send((action, Replier(slot.clone()))).is_ok() {
@@ -149,7 +171,7 @@ impl Replier {
     /// Hands the answer to the waiting API thread (dropped if it gave up waiting); the
     /// thread is woken as `self` drops.
     pub fn send(self, response: VmmResponse) {
-        *self.0 .0.lock().unwrap_or_else(|p| p.into_inner()) = Some(response);
+        *self.0.answer.lock().unwrap_or_else(|p| p.into_inner()) = Some(response);
     }
 }
 
@@ -158,12 +180,16 @@ impl Drop for Replier {
     /// it queued, or it could not be queued) is answered at once, so its client and the
     /// API thread do not wait out their timeout.
     fn drop(&mut self) {
-        let (slot, ready) = &*self.0;
-        let mut answer = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = &*self.0;
+        let mut answer = slot.answer.lock().unwrap_or_else(|p| p.into_inner());
         if answer.is_none() {
             *answer = Some(Err(VmmActionError::ShuttingDown));
         }
-        ready.notify_one();
+        drop(answer);
+        slot.ready.notify_one();
+        if let Some(waker) = &slot.waker {
+            let _ = waker.write(1);
+        }
     }
 }
 
@@ -173,12 +199,21 @@ pub struct Reply(Slot);
 impl Reply {
     /// Waits up to `timeout` for the answer (without allocating); None on timeout.
     pub fn wait(&self, timeout: Duration) -> Option<VmmResponse> {
-        let (slot, ready) = &*self.0;
-        let guard = slot.lock().unwrap_or_else(|p| p.into_inner());
-        ready
+        let slot = &*self.0;
+        let guard = slot.answer.lock().unwrap_or_else(|p| p.into_inner());
+        (slot.ready)
             .wait_timeout_while(guard, timeout, |a| a.is_none())
             .unwrap_or_else(|p| p.into_inner())
             .0
+            .take()
+    }
+
+    /// The answer, if it is there (without waiting).
+    pub fn try_take(&self) -> Option<VmmResponse> {
+        self.0
+            .answer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
             .take()
     }
 }

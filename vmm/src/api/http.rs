@@ -1,6 +1,7 @@
-//! HTTP/1.1 for the control API, over `httparse`: a blocking request reader and response
-//! writer for the server (one request per connection, bodies sized by Content-Length),
-//! and a response reader for clients (the `vmm` CLI and the tests).
+//! HTTP/1.1 for the control API, over `httparse`: a request reader fed as bytes arrive
+//! ([`RequestReader`], for the server's non-blocking connections; one request per
+//! connection, bodies sized by Content-Length), a response writer, and a response reader
+//! for clients (the `vmm` CLI and the tests).
 
 use std::io::{Read, Write};
 
@@ -67,6 +68,7 @@ impl BodyLimits {
 }
 
 /// The parts of a complete header block that matter here.
+#[derive(Debug)]
 struct Head {
     method: String,
     path: String,
@@ -131,38 +133,81 @@ pub fn read_request_within<R: Read>(
     mut stream: R,
     limits: &BodyLimits,
 ) -> Result<Request, HttpError> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    let head = loop {
+    let mut reader = RequestReader::default();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
         let n = stream.read(&mut chunk)?;
         if n == 0 {
-            return Err(HttpError::Malformed("connection closed mid-request".into()));
+            return Err(reader.closed());
         }
-        buf.extend_from_slice(&chunk[..n]);
-        let head = parse_head(&buf, limits)?;
-        if head.as_ref().map_or(buf.len(), |h| h.len) > MAX_HEADER_BYTES {
-            return Err(HttpError::TooLarge(format!(
-                "headers over {MAX_HEADER_BYTES} bytes"
-            )));
+        if let Some(req) = reader.feed(&chunk[..n], limits)? {
+            return Ok(req);
         }
-        if let Some(head) = head {
-            break head;
-        }
-    };
-    let mut body = buf.split_off(head.len);
-    body.truncate(head.content_length);
-    if body.len() < head.content_length {
-        let got = body.len();
-        body.resize(head.content_length, 0);
-        stream.read_exact(&mut body[got..])?;
     }
-    Ok(Request {
-        method: head.method,
-        path: head.path,
-        query: head.query,
-        body,
-        conn: None,
-    })
+}
+
+/// One request read a piece at a time, as the bytes arrive (the server's connections do
+/// not block). Bytes after the request are dropped: one request per connection.
+#[derive(Debug, Default)]
+pub struct RequestReader {
+    /// The header block so far, then the body so far.
+    buf: Vec<u8>,
+    /// The header block, once complete (the body follows in `buf`).
+    head: Option<Head>,
+}
+
+impl RequestReader {
+    /// Takes the next `bytes`; the request once it is whole.
+    pub fn feed(
+        &mut self,
+        bytes: &[u8],
+        limits: &BodyLimits,
+    ) -> Result<Option<Request>, HttpError> {
+        self.buf.extend_from_slice(bytes);
+        // A header block ends with a line feed: parse again only when one arrived.
+        if self.head.is_none() && (bytes.contains(&b'\n') || self.buf.len() > MAX_HEADER_BYTES) {
+            let head = parse_head(&self.buf, limits)?;
+            if head.as_ref().map_or(self.buf.len(), |h| h.len) > MAX_HEADER_BYTES {
+                return Err(HttpError::TooLarge(format!(
+                    "headers over {MAX_HEADER_BYTES} bytes"
+                )));
+            }
+            let Some(head) = head else { return Ok(None) };
+            self.buf.drain(..head.len);
+            self.buf
+                .reserve_exact(head.content_length.saturating_sub(self.buf.len()));
+            self.head = Some(head);
+        }
+        let Some(head) = &self.head else {
+            return Ok(None);
+        };
+        if self.buf.len() < head.content_length {
+            return Ok(None);
+        }
+        let mut body = std::mem::take(&mut self.buf);
+        body.truncate(head.content_length);
+        let head = self.head.take().expect("checked above");
+        Ok(Some(Request {
+            method: head.method,
+            path: head.path,
+            query: head.query,
+            body,
+            conn: None,
+        }))
+    }
+
+    /// The body's length, once the header block is complete.
+    pub fn body_len(&self) -> Option<usize> {
+        self.head.as_ref().map(|h| h.content_length)
+    }
+
+    /// Why the request is not whole when its connection closed.
+    pub fn closed(&self) -> HttpError {
+        match self.head {
+            None => HttpError::Malformed("connection closed mid-request".into()),
+            Some(_) => HttpError::Io(std::io::ErrorKind::UnexpectedEof.into()),
+        }
+    }
 }
 
 fn reason(status: u16) -> &'static str {

@@ -8,6 +8,7 @@
 //! read back. No async runtime: the VMM process must fork cleanly.
 
 pub mod client;
+pub mod conn;
 pub mod exec;
 pub mod http;
 pub mod invoke;
@@ -30,6 +31,8 @@ pub struct ApiReply {
     pub status: u16,
     /// JSON body.
     pub body: Option<String>,
+    /// Headers beside the usual ones (`Allow` on a 405).
+    pub headers: Vec<(&'static str, String)>,
 }
 
 impl ApiReply {
@@ -39,6 +42,7 @@ impl ApiReply {
             Ok(text) => Self {
                 status,
                 body: Some(text),
+                headers: Vec::new(),
             },
             Err(e) => Self::error(500, format!("cannot encode the answer: {e}")),
         }
@@ -49,6 +53,7 @@ impl ApiReply {
         Self {
             status: 204,
             body: None,
+            headers: Vec::new(),
         }
     }
 
@@ -60,7 +65,15 @@ impl ApiReply {
         Self {
             status,
             body: serde_json::to_string(&body).ok(),
+            headers: Vec::new(),
         }
+    }
+
+    /// 405 for `method` on `path`, whose methods are `allowed`.
+    pub fn not_allowed(method: &str, path: &str, allowed: &str) -> Self {
+        let mut reply = Self::error(405, format!("{method} is not allowed on {path}"));
+        reply.headers.push(("Allow", allowed.to_string()));
+        reply
     }
 }
 
@@ -94,22 +107,29 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
         }
         ("GET", "/clones") => Ok(VmmAction::ListClones),
         ("POST", "/invocations") => invoke::route(req).map(|i| VmmAction::Invoke(Box::new(i))),
-        (method, path) if path.starts_with("/clones/") && path.len() > "/clones/".len() => {
-            match method {
-                "DELETE" => Ok(VmmAction::DeleteClone(path["/clones/".len()..].to_string())),
-                _ => Err(ApiReply::error(
-                    405,
-                    format!("{method} is not allowed on {path}"),
-                )),
-            }
+        ("DELETE", path) if clone_id(path).is_some() => {
+            Ok(VmmAction::DeleteClone(path["/clones/".len()..].to_string()))
         }
-        (_, "/vm") | (_, "/actions") | (_, "/clones") | (_, "/invocations") => {
-            Err(ApiReply::error(
-                405,
-                format!("{} is not allowed on {}", req.method, req.path),
-            ))
-        }
-        (_, path) => Err(ApiReply::error(404, format!("no such resource {path}"))),
+        (method, path) => match allowed_methods(path) {
+            Some(allowed) => Err(ApiReply::not_allowed(method, path, allowed)),
+            None => Err(ApiReply::error(404, format!("no such resource {path}"))),
+        },
+    }
+}
+
+/// The clone id in a `/clones/{id}` path.
+fn clone_id(path: &str) -> Option<&str> {
+    path.strip_prefix("/clones/").filter(|id| !id.is_empty())
+}
+
+/// The methods a resource takes (for `Allow`); None for no resource.
+fn allowed_methods(path: &str) -> Option<&'static str> {
+    match path {
+        "/vm" => Some("GET, PATCH"),
+        "/actions" => Some("PUT"),
+        "/clones" => Some("GET, POST"),
+        "/invocations" => Some("POST"),
+        _ => clone_id(path).map(|_| "DELETE"),
     }
 }
 

@@ -1,0 +1,390 @@
+//! One connection of the control socket, moved along as its socket becomes readable or
+//! writable, its answer arrives or its deadline passes. It never blocks: the API thread
+//! serves every connection (`server`).
+//!
+//! A connection carries one request: it is read (within [`REQUEST_TIMEOUT`] of the
+//! accept, headers and body), its action waits for the VMM (within [`ANSWER_TIMEOUT`]),
+//! and the answer is written (within [`WRITE_TIMEOUT`]) with `Connection: close`; then
+//! the socket is shut down and closed. An invocation's connection is handed to the VM
+//! that runs it, which answers it.
+
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::eventfd::EventFd;
+
+use super::http::{write_response_with, BodyLimits, HttpError, RequestReader};
+use super::{reply, route, ApiReply};
+use crate::rpc::{ActionSender, Reply, VmmAction, VmmData};
+
+/// How long a client may take to send its whole request, from its connection's accept.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a request's action may wait for the VMM's answer.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to read its answer.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most a refused request's remainder is read for, and for how long, before the
+/// connection is closed (closing a socket with unread bytes resets it, and the client
+/// could lose the answer).
+const DRAIN_BYTES: usize = 256 << 20;
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// What the connections share: where actions go, the eventfd their answers write, the
+/// body limits and the bytes of request bodies all connections may hold at once.
+pub struct Shared<'a> {
+    actions: &'a ActionSender,
+    answers: Arc<EventFd>,
+    limits: BodyLimits,
+    /// Body bytes held by connections now.
+    buffered: usize,
+    /// Most body bytes held at once.
+    max_buffered: usize,
+}
+
+impl<'a> Shared<'a> {
+    /// Actions go to `actions`, their answers write `answers`; bodies within `limits`,
+    /// at most `max_buffered` bytes of them held at once.
+    pub fn new(
+        actions: &'a ActionSender,
+        answers: Arc<EventFd>,
+        limits: BodyLimits,
+        max_buffered: usize,
+    ) -> Self {
+        Self {
+            actions,
+            answers,
+            limits,
+            buffered: 0,
+            max_buffered,
+        }
+    }
+
+    /// The eventfd answers write.
+    pub fn answers(&self) -> &EventFd {
+        &self.answers
+    }
+
+    /// Gives back the body bytes `conn` held, as it closes.
+    pub fn release(&mut self, conn: &Conn) {
+        self.buffered -= conn.reserved;
+    }
+}
+
+enum Phase {
+    /// Reading the request.
+    Reading(RequestReader),
+    /// Its action is with the VMM; an invocation's, when `invocation`.
+    Waiting { reply: Reply, invocation: bool },
+    /// Writing `out[at..]`, then draining what the client still sends, or not.
+    Writing {
+        out: Vec<u8>,
+        at: usize,
+        drain: bool,
+    },
+    /// Reading and dropping what the client still sends (`read` bytes so far).
+    Draining { read: usize },
+}
+
+/// Whether a connection goes on after it moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// It waits for its socket, its answer or its deadline.
+    Open,
+    /// It is done (answered, handed to a VM or given up): close it.
+    Done,
+}
+
+/// One connection.
+pub struct Conn {
+    stream: UnixStream,
+    phase: Phase,
+    deadline: Instant,
+    /// Body bytes counted in its [`Shared`]'s bytes held.
+    reserved: usize,
+    /// Refused at once (the server is at its limit).
+    refusal: bool,
+}
+
+impl Conn {
+    /// A connection just accepted (non-blocking).
+    pub fn new(stream: UnixStream, now: Instant) -> Self {
+        Self {
+            stream,
+            phase: Phase::Reading(RequestReader::default()),
+            deadline: now + REQUEST_TIMEOUT,
+            reserved: 0,
+            refusal: false,
+        }
+    }
+
+    /// A connection refused at once with `answer` (the server is at its limit).
+    pub fn refused(stream: UnixStream, answer: ApiReply, now: Instant) -> Self {
+        let mut conn = Self::new(stream, now);
+        conn.answer(answer, true, now);
+        conn.refusal = true;
+        conn
+    }
+
+    /// Whether it was refused at once.
+    pub fn is_refusal(&self) -> bool {
+        self.refusal
+    }
+
+    /// Its socket.
+    pub fn fd(&self) -> i32 {
+        self.stream.as_raw_fd()
+    }
+
+    /// When it is given up on.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Whether it waits for the VMM.
+    pub fn waiting(&self) -> bool {
+        matches!(self.phase, Phase::Waiting { .. })
+    }
+
+    /// Moves it as far as its socket lets it.
+    pub fn advance(&mut self, shared: &mut Shared<'_>, now: Instant) -> Next {
+        loop {
+            let step = match &mut self.phase {
+                Phase::Reading(_) => self.read(shared, now),
+                Phase::Waiting { .. } => return Next::Open,
+                Phase::Writing { .. } => self.write(now),
+                Phase::Draining { .. } => self.drain(),
+            };
+            match step {
+                Step::Moved => continue,
+                Step::Blocked => return Next::Open,
+                Step::Done => return Next::Done,
+            }
+        }
+    }
+
+    /// Takes the VMM's answer if it is there.
+    pub fn answered(&mut self, now: Instant) -> Next {
+        let Phase::Waiting {
+            reply: pending,
+            invocation,
+        } = &self.phase
+        else {
+            return Next::Open;
+        };
+        let invocation = *invocation;
+        match pending.try_take() {
+            None => Next::Open,
+            // The VM that runs the invocation answers on its copy of the socket.
+            Some(Ok(VmmData::Invoked)) => Next::Done,
+            Some(response) => {
+                if invocation && set_nonblocking(&self.stream, true).is_err() {
+                    return Next::Done;
+                }
+                self.answer(reply(response), false, now);
+                self.write_now(now)
+            }
+        }
+    }
+
+    /// Past its deadline: answers what it can (408 for a request not read in time, 503
+    /// for an answer the VMM did not give in time) or gives up.
+    pub fn expired(&mut self, now: Instant) -> Next {
+        match &self.phase {
+            Phase::Reading(_) => {
+                let why = format!(
+                    "the request did not arrive within {} s",
+                    REQUEST_TIMEOUT.as_secs()
+                );
+                self.answer(ApiReply::error(408, why), true, now);
+                self.write_now(now)
+            }
+            Phase::Waiting { invocation, .. } => {
+                if *invocation && set_nonblocking(&self.stream, true).is_err() {
+                    return Next::Done;
+                }
+                let why = "the VMM did not answer in time";
+                self.answer(ApiReply::error(503, why), false, now);
+                self.write_now(now)
+            }
+            Phase::Writing { .. } | Phase::Draining { .. } => Next::Done,
+        }
+    }
+
+    fn write_now(&mut self, now: Instant) -> Next {
+        match self.write(now) {
+            Step::Done => Next::Done,
+            Step::Moved | Step::Blocked => Next::Open,
+        }
+    }
+
+    /// Queues `answer` to be written, then closes (after draining the client's
+    /// remaining bytes when `drain`).
+    fn answer(&mut self, answer: ApiReply, drain: bool, now: Instant) {
+        let mut out = Vec::with_capacity(256);
+        let body = answer.body.as_deref().unwrap_or("");
+        let kind = (!body.is_empty()).then_some("application/json");
+        // Writing to a Vec does not fail.
+        let _ = write_response_with(
+            &mut out,
+            answer.status,
+            &answer.headers,
+            kind,
+            body.as_bytes(),
+        );
+        self.phase = Phase::Writing { out, at: 0, drain };
+        self.deadline = now + WRITE_TIMEOUT;
+    }
+
+    fn read(&mut self, shared: &mut Shared<'_>, now: Instant) -> Step {
+        let Phase::Reading(reader) = &mut self.phase else {
+            return Step::Moved;
+        };
+        let mut chunk = [0u8; 16 * 1024];
+        let n = match (&self.stream).read(&mut chunk) {
+            Ok(0) => {
+                tracing::debug!("API connection: {}", reader.closed());
+                return Step::Done;
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Blocked,
+            Err(e) if e.kind() == ErrorKind::Interrupted => return Step::Moved,
+            Err(e) => {
+                tracing::debug!("API connection: {e}");
+                return Step::Done;
+            }
+        };
+        let had_head = reader.body_len().is_some();
+        match reader.feed(&chunk[..n], &shared.limits) {
+            Ok(Some(req)) => {
+                self.dispatch(req, shared, now);
+                Step::Moved
+            }
+            Ok(None) => {
+                if let (false, Some(len)) = (had_head, reader.body_len()) {
+                    if shared.buffered + len > shared.max_buffered {
+                        let why = format!(
+                            "too many request bodies are being received ({} bytes held, \
+                             at most {}); retry",
+                            shared.buffered, shared.max_buffered
+                        );
+                        self.answer(ApiReply::error(503, why), true, now);
+                        return Step::Moved;
+                    }
+                    shared.buffered += len;
+                    self.reserved = len;
+                }
+                Step::Moved
+            }
+            Err(HttpError::TooLarge(m)) => {
+                self.answer(ApiReply::error(413, m), true, now);
+                Step::Moved
+            }
+            Err(e) => {
+                self.answer(ApiReply::error(400, e), true, now);
+                Step::Moved
+            }
+        }
+    }
+
+    /// Sends the whole request's action to the VMM, or answers it at once.
+    fn dispatch(&mut self, mut req: super::http::Request, shared: &Shared<'_>, now: Instant) {
+        let invocation = req.path == "/invocations";
+        if invocation {
+            match self.stream.try_clone() {
+                Ok(s) => req.conn = Some(crate::invoke::Connection::new(s)),
+                Err(e) => {
+                    let why = format!("cannot keep the connection for the answer: {e}");
+                    return self.answer(ApiReply::error(503, why), false, now);
+                }
+            }
+        }
+        let action = match route(req) {
+            Ok(action) => action,
+            Err(answer) => return self.answer(answer, false, now),
+        };
+        // The VM that runs an invocation writes its answer with blocking writes and a
+        // timeout of its own.
+        if matches!(action, VmmAction::Invoke(_)) {
+            if let Err(e) = set_nonblocking(&self.stream, false) {
+                let why = format!("cannot hand the connection over: {e}");
+                return self.answer(ApiReply::error(500, why), false, now);
+            }
+        }
+        let reply = shared.actions.send_waking(action, &shared.answers);
+        self.phase = Phase::Waiting { reply, invocation };
+        self.deadline = now + ANSWER_TIMEOUT;
+    }
+
+    fn write(&mut self, now: Instant) -> Step {
+        let Phase::Writing { out, at, drain } = &mut self.phase else {
+            return Step::Moved;
+        };
+        while *at < out.len() {
+            match (&self.stream).write(&out[*at..]) {
+                Ok(0) => return Step::Done,
+                Ok(n) => *at += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Blocked,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::debug!("API connection: cannot write the answer: {e}");
+                    return Step::Done;
+                }
+            }
+        }
+        // The end of the answer, also for a client whose socket another process holds
+        // (an invocation's VM).
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        if !*drain {
+            return Step::Done;
+        }
+        self.phase = Phase::Draining { read: 0 };
+        self.deadline = now + DRAIN_TIME;
+        Step::Moved
+    }
+
+    fn drain(&mut self) -> Step {
+        let Phase::Draining { read } = &mut self.phase else {
+            return Step::Moved;
+        };
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            if *read >= DRAIN_BYTES {
+                return Step::Done;
+            }
+            match (&self.stream).read(&mut buf) {
+                Ok(0) => return Step::Done,
+                Ok(n) => *read += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Step::Blocked,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return Step::Done,
+            }
+        }
+    }
+}
+
+/// How one step of a connection went.
+enum Step {
+    /// Into another phase (or on in this one): go on.
+    Moved,
+    /// Its socket has nothing more for now.
+    Blocked,
+    /// Done.
+    Done,
+}
+
+/// Sets or clears O_NONBLOCK on the socket's open file (shared by its copies) with
+/// fcntl (std's `set_nonblocking` uses an ioctl, which the API thread's seccomp filter
+/// refuses).
+pub fn set_nonblocking(stream: &UnixStream, on: bool) -> std::io::Result<()> {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    let flags = OFlag::from_bits_truncate(fcntl(stream, FcntlArg::F_GETFL)?);
+    let flags = match on {
+        true => flags | OFlag::O_NONBLOCK,
+        false => flags - OFlag::O_NONBLOCK,
+    };
+    fcntl(stream, FcntlArg::F_SETFL(flags))?;
+    Ok(())
+}

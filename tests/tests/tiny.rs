@@ -162,6 +162,99 @@ fn api_rejects_bad_requests_and_keeps_running() {
     vm.shutdown(BOOT);
 }
 
+/// Raises this process's open-file soft limit to at least `n` (within the hard limit).
+fn allow_open_files(n: u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write the struct given.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        if lim.rlim_cur < n {
+            lim.rlim_cur = n.min(lim.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+        }
+    }
+}
+
+/// Whether the VMM still holds `s` open: it has neither answered nor closed it.
+fn still_open(s: &std::os::unix::net::UnixStream) -> bool {
+    use std::io::Read;
+    s.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 1];
+    let open = matches!((&*s).read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    s.set_nonblocking(false).unwrap();
+    open
+}
+
+#[test]
+fn the_control_socket_serves_everyone_while_clients_stall_or_idle() {
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+    if !kvm_available("control_socket_stalls") {
+        return;
+    }
+    allow_open_files(4096);
+    let scratch = Scratch::new("apistall");
+    let mut vm = tiny_vm(&scratch, "32", "1", "ticks=1 beat=20");
+    vm.wait_api(BOOT);
+    // A client that sends half a request and waits.
+    let mut stalled = UnixStream::connect(&vm.sock).unwrap();
+    stalled
+        .write_all(b"PATCH /vm HTTP/1.1\r\nContent-Length: 20\r\n\r\n{\"st")
+        .unwrap();
+    let (code, _) = vm.api("GET", "/vm", None);
+    assert_eq!(code, 200);
+    assert!(still_open(&stalled), "the stalled client was dropped early");
+
+    // 1,000 clients at once (each thread opens its connections, sends every request,
+    // then reads every answer), while the stalled one waits.
+    let threads: Vec<_> = (0..20)
+        .map(|_| {
+            let sock = vm.sock.clone();
+            std::thread::spawn(move || {
+                let conns: Vec<UnixStream> = (0..50)
+                    .map(|_| UnixStream::connect(&sock).unwrap())
+                    .collect();
+                for mut c in &conns {
+                    c.write_all(b"GET /vm HTTP/1.1\r\n\r\n").unwrap();
+                }
+                conns
+                    .iter()
+                    .map(|c| {
+                        let r = vmm::api::http::read_response(c).unwrap();
+                        let vm: api_types::VmInfo = serde_json::from_str(&r.body)
+                            .unwrap_or_else(|e| panic!("{} {}: {e}", r.status, r.body));
+                        (r.status, vm.state)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let answers: Vec<_> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    assert_eq!(answers.len(), 1000);
+    assert!(answers.iter().all(|(code, _)| *code == 200));
+    assert!(still_open(&stalled), "the stalled client was dropped early");
+
+    // 200 connections opened and left idle do not hold up a request either.
+    let idle: Vec<UnixStream> = (0..200)
+        .map(|_| UnixStream::connect(&vm.sock).unwrap())
+        .collect();
+    let (code, _) = vm.api("GET", "/vm", None);
+    assert_eq!(code, 200);
+    assert!(idle.iter().all(still_open));
+
+    // At its deadline the stalled client is told why.
+    let r = vmm::api::http::read_response(&stalled).unwrap();
+    assert_eq!(r.status, 408, "{}", r.body);
+    vm.wait_console("tiny: beat 2\n", BOOT);
+    vm.shutdown(BOOT);
+}
+
 #[test]
 fn sigterm_stops_cleanly_and_removes_the_socket() {
     if !kvm_available("sigterm") {

@@ -70,9 +70,9 @@ impl ApiReply {
     }
 
     /// 405 for `method` on `path`, whose methods are `allowed`.
-    pub fn not_allowed(method: &str, path: &str, allowed: &str) -> Self {
+    pub fn not_allowed(method: &str, path: &str, allowed: String) -> Self {
         let mut reply = Self::error(405, format!("{method} is not allowed on {path}"));
-        reply.headers.push(("Allow", allowed.to_string()));
+        reply.headers.push(("Allow", allowed));
         reply
     }
 }
@@ -110,7 +110,7 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
         ("DELETE", path) if clone_id(path).is_some() => {
             Ok(VmmAction::DeleteClone(path["/clones/".len()..].to_string()))
         }
-        (method, path) => match allowed_methods(path) {
+        (method, path) => match spec::allowed(path) {
             Some(allowed) => Err(ApiReply::not_allowed(method, path, allowed)),
             None => Err(ApiReply::error(404, format!("no such resource {path}"))),
         },
@@ -120,17 +120,6 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
 /// The clone id in a `/clones/{id}` path.
 fn clone_id(path: &str) -> Option<&str> {
     path.strip_prefix("/clones/").filter(|id| !id.is_empty())
-}
-
-/// The methods a resource takes (for `Allow`); None for no resource.
-fn allowed_methods(path: &str) -> Option<&'static str> {
-    match path {
-        "/vm" => Some("GET, PATCH"),
-        "/actions" => Some("PUT"),
-        "/clones" => Some("GET, POST"),
-        "/invocations" => Some("POST"),
-        _ => clone_id(path).map(|_| "DELETE"),
-    }
 }
 
 /// The answer to an action, as a status and a body.

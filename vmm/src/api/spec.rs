@@ -68,8 +68,13 @@ pub const COMMON: &[Answer] = &[
         "Headers over 8 KiB or a body over 64 KiB (an invocation's: over the mailbox).",
     ),
     answer(
+        408,
+        "The whole request (headers and body) did not arrive within 5 s of the connection.",
+    ),
+    answer(
         503,
-        "The VMM is shutting down, or did not answer within 10 s.",
+        "The VMM is shutting down or did not answer within 10 s, or the control socket is \
+         at its limit (1024 connections, or request bodies held at once).",
     ),
 ];
 
@@ -188,13 +193,30 @@ pub const ROUTES: &[Route] = &[
     },
 ];
 
+/// The methods the resource at `path` takes, as an `Allow` header lists them; None when
+/// there is no such resource.
+pub fn allowed(path: &str) -> Option<String> {
+    let takes = |template: &str| match template.split_once('{') {
+        None => template == path,
+        Some((prefix, _)) => path.strip_prefix(prefix).is_some_and(|id| !id.is_empty()),
+    };
+    let methods: Vec<String> = (ROUTES.iter())
+        .filter(|r| takes(r.path))
+        .map(|r| r.method.to_ascii_uppercase())
+        .collect();
+    (!methods.is_empty()).then(|| methods.join(", "))
+}
+
 /// The methods a path can be asked with; those a path does not take answer 405.
 pub const METHODS: &[&str] = &["get", "put", "post", "patch", "delete"];
 
 const DESCRIPTION: &str = "REST over the Unix socket given with `vmm run --api-sock PATH`. \
 One request per connection (the server answers with `Connection: close`); bodies are JSON \
-and sized by Content-Length (at most 64 KiB; headers at most 8 KiB). Every error carries \
-`{\"error\": \"message\"}`. Unknown paths answer 404; methods a path does not take, 405. \
+and sized by Content-Length (at most 64 KiB; headers at most 8 KiB). Connections are served \
+at once, none waiting for another: a request must arrive whole within 5 s of its \
+connection (else 408), and up to 1024 connections are open at once (beyond, 503). Every \
+error carries `{\"error\": \"message\"}`. Unknown paths answer 404; methods a path does \
+not take, 405 with an `Allow` header. \
 Generated from forkvm's route table and `api_types` (`vmm openapi`).";
 
 /// The OpenAPI 3.0 description of the control API.
@@ -219,7 +241,7 @@ pub fn openapi() -> Value {
         for method in missing {
             let mut op = json!({
                 "summary": format!("Not allowed on {path}."),
-                "responses": { "405": error_answer("Not allowed on this path.", &error) },
+                "responses": { "405": not_allowed_answer(&error) },
             });
             if path.contains('{') {
                 op["parameters"] = id_parameter();
@@ -238,6 +260,17 @@ pub fn openapi() -> Value {
         "paths": paths,
         "components": { "schemas": schemas },
     })
+}
+
+fn not_allowed_answer(error: &Value) -> Value {
+    let mut answer = error_answer("Not allowed on this path.", error);
+    answer["headers"] = json!({
+        "Allow": {
+            "description": "The methods this path takes.",
+            "schema": { "type": "string" },
+        },
+    });
+    answer
 }
 
 fn error_answer(description: &str, error: &Value) -> Value {

@@ -3,7 +3,7 @@
 # Needs root for apt-get (CI runs as root). Rust comes from rustup (1.85 or newer).
 set -euo pipefail
 pkgs=(linux-source-6.1 busybox-static bc bison flex libelf-dev libssl-dev cpio e2fsprogs
-      gcc make binutils patch xz-utils qemu-system-x86 hyperfine python3 iproute2)
+      gcc make binutils patch xz-utils qemu-system-x86 hyperfine python3 python3-venv iproute2)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -17,4 +17,15 @@ fi
 if ! command -v cargo >/dev/null; then
     echo "install-deps: cargo not found: install Rust 1.85 or newer with rustup" >&2
     exit 1
+fi
+# schemathesis (PyPI), for the API test against docs/api/openapi.yaml, in a virtual
+# environment outside the repository, keyed by its version.
+st_version=4.32.5
+st_venv=/var/cache/forkvm/st-venv
+if ! "$st_venv/bin/st" --version 2>/dev/null | grep -q "$st_version"; then
+    echo "install-deps: installing schemathesis $st_version in $st_venv" >&2
+    rm -rf "$st_venv"
+    mkdir -p "$(dirname "$st_venv")"
+    python3 -m venv "$st_venv"
+    "$st_venv/bin/pip" install -q "schemathesis==$st_version"
 fi

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cgroup::CloneCgroup;
 use crate::net::{valid_ifname, Ipv4Cidr, MacAddr};
-use crate::rate_limit::RateLimit;
+use crate::rate_limit::{RateLimit, RateLimitText};
 
 /// Most clones one request may ask for.
 pub const MAX_CLONES_PER_REQUEST: u32 = 1000;
@@ -37,7 +37,7 @@ pub struct CloneRateLimits {
         with = "crate::rate_limit::text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schemars(with = "Option<String>")]
+    #[schemars(with = "Option<RateLimitText>")]
     pub disk: Option<RateLimit>,
     /// The entropy device.
     #[serde(
@@ -45,7 +45,7 @@ pub struct CloneRateLimits {
         with = "crate::rate_limit::text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schemars(with = "Option<String>")]
+    #[schemars(with = "Option<RateLimitText>")]
     pub rng: Option<RateLimit>,
     /// The network card, each direction.
     #[serde(
@@ -53,7 +53,7 @@ pub struct CloneRateLimits {
         with = "crate::rate_limit::text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schemars(with = "Option<String>")]
+    #[schemars(with = "Option<RateLimitText>")]
     pub net: Option<RateLimit>,
 }
 
@@ -78,6 +78,7 @@ fn one() -> u64 {
 pub struct CreateClones {
     /// How many (1 to [`MAX_CLONES_PER_REQUEST`]).
     #[serde(default = "one")]
+    #[schemars(range(min = 1, max = MAX_CLONES_PER_REQUEST))]
     pub count: u64,
     /// Where their consoles go.
     #[serde(default)]
@@ -86,13 +87,20 @@ pub struct CreateClones {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource_class: Option<String>,
     /// Rate limits replacing the template's.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::object")]
     pub rate_limits: CloneRateLimits,
     /// Each clone's guest addresses, in order (empty: the template's).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "crate::objects"
+    )]
     pub addresses: Vec<CloneAddresses>,
-    /// Each clone's tap, made by the caller, in order (empty: each makes its own).
+    /// Each clone's tap, made by the caller, in order (empty: each makes its own); a
+    /// Linux interface name (1 to 15 bytes, no `/`, `:` or white space).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(inner(regex(pattern = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,14}$")))]
+    #[schemars(extend("uniqueItems" = true))]
     pub taps: Vec<String>,
     /// Whether the clones keep their disks' overlays when they end (None: as the
     /// template's disks say).

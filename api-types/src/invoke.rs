@@ -8,7 +8,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::clones::CloneRateLimits;
-use crate::rate_limit::RateLimit;
+use crate::rate_limit::{RateLimit, RateLimitText};
 
 /// Header of every invocation answer from a VM that ran the handler: how it ended
 /// ([`Outcome`]).
@@ -46,6 +46,7 @@ pub struct InvokeOptions {
     /// How long the handler may take, in milliseconds (default 30000, at most
     /// 3600000); past it the answer is 504 and the clone is stopped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = MAX_TIMEOUT_MS))]
     pub timeout_ms: Option<u64>,
     /// The clone's resource class (with cgroup pools), as for `POST /clones`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -69,7 +70,7 @@ pub struct InvokeOptions {
         with = "crate::rate_limit::text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schemars(with = "Option<String>")]
+    #[schemars(with = "Option<RateLimitText>")]
     pub disk_rate: Option<RateLimit>,
     /// The clone's network rate limit.
     #[serde(
@@ -77,7 +78,7 @@ pub struct InvokeOptions {
         with = "crate::rate_limit::text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schemars(with = "Option<String>")]
+    #[schemars(with = "Option<RateLimitText>")]
     pub net_rate: Option<RateLimit>,
     /// The clone's entropy device rate limit.
     #[serde(
@@ -85,7 +86,7 @@ pub struct InvokeOptions {
         with = "crate::rate_limit::text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schemars(with = "Option<String>")]
+    #[schemars(with = "Option<RateLimitText>")]
     pub rng_rate: Option<RateLimit>,
 }
 

@@ -38,6 +38,36 @@ pub use rate_limit::RateLimit;
 pub use vm::{Action, ActionType, TargetState, VmInfo, VmState, VmUpdate};
 
 use schemars::JsonSchema;
+use serde::de::{Deserializer, MapAccess, Visitor};
+
+/// Deserializes a `T` from an object only: serde's derived structs also take an array
+/// of their fields in order, which no client means and the schema does not allow.
+/// `#[serde(deserialize_with = "crate::object")]`, or for a request body.
+pub fn object<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+    struct Object<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for Object<T> {
+        type Value = T;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+            T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+        }
+    }
+    d.deserialize_map(Object(std::marker::PhantomData))
+}
+
+/// As [`object`], for an array of objects.
+pub fn objects<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    struct Item<T>(T);
+    impl<'de, T: Deserialize<'de>> Deserialize<'de> for Item<T> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            object(d).map(Item)
+        }
+    }
+    let items: Vec<Item<T>> = Vec::deserialize(d)?;
+    Ok(items.into_iter().map(|i| i.0).collect())
+}
 use serde::{Deserialize, Serialize};
 
 /// The body of every error answer: `{"error": "message"}`.

@@ -129,13 +129,13 @@ macro_rules! schema_as_text {
 schema_as_text!(
     MacAddr,
     "MacAddr",
-    "^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$",
+    "^[0-9a-fA-F][02468aceACE](:[0-9a-fA-F]{2}){5}$",
     "An Ethernet MAC address, `06:00:ac:10:00:02` (unicast)."
 );
 schema_as_text!(
     Ipv4Cidr,
     "Ipv4Cidr",
-    "^[0-9]{1,3}(\\.[0-9]{1,3}){3}/[0-9]{1,2}$",
+    "^((25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])/([1-9]|[12][0-9]|3[0-2])$",
     "An IPv4 address and prefix length (1 to 32), `10.0.0.5/24`."
 );
 

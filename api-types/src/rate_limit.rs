@@ -123,6 +123,37 @@ impl RateLimit {
     }
 }
 
+/// One bucket's text in [`RATE_LIMIT_PATTERN`]: a size above 0 (`K`, `M`, `G`: powers of
+/// 1024), a refill time above 0 in ms, a burst.
+macro_rules! bucket_pattern {
+    () => {
+        r"[1-9][0-9]{0,8}[KMG]?(/[1-9][0-9]{0,5})?(\+[0-9]{1,9}[KMG]?)?"
+    };
+}
+
+/// The rate limit texts every parser here takes (a part of them: digits without leading
+/// zeros, suffixes in upper case, values that fit), as a regular expression for the
+/// API's schema.
+pub const RATE_LIMIT_PATTERN: &str = concat!(
+    "^(bytes=",
+    bucket_pattern!(),
+    "(,ops=",
+    bucket_pattern!(),
+    ")?|ops=",
+    bucket_pattern!(),
+    "(,bytes=",
+    bucket_pattern!(),
+    ")?)$"
+);
+
+/// A rate limit as request bodies and query strings write it (`bytes=10M,ops=1000`),
+/// for the JSON schema (the value is a [`RateLimit`]).
+#[derive(JsonSchema)]
+#[schemars(
+    description = "`bytes=SIZE[/MS][+BURST]` and/or `ops=N[/MS][+BURST]`, comma-separated: a bucket of SIZE bytes (K, M, G: powers of 1024) or N operations refilled every MS milliseconds (default 1000), with a one-time BURST."
+)]
+pub struct RateLimitText(#[schemars(regex(pattern = RATE_LIMIT_PATTERN))] pub String);
+
 /// Serde for an optional rate limit written as its text (`"bytes=2K"`), as request
 /// bodies take it: `#[serde(with = "api_types::rate_limit::text")]`.
 pub mod text {
@@ -166,6 +197,31 @@ mod tests {
         for text in ["bytes=1", "ops=7/3", "bytes=64K+1G,ops=1"] {
             let l: RateLimit = text.parse().unwrap();
             assert_eq!(l.to_string().parse::<RateLimit>(), Ok(l), "{text}");
+        }
+    }
+
+    #[test]
+    fn texts_in_the_schema_pattern_parse() {
+        let pattern = regex_lite::Regex::new(RATE_LIMIT_PATTERN).unwrap();
+        for text in [
+            "bytes=1",
+            "ops=7/3",
+            "bytes=64K+1G,ops=1",
+            "ops=999999999G/999999+999999999G,bytes=1M",
+            "bytes=100+0",
+        ] {
+            assert!(pattern.is_match(text), "{text}");
+            assert!(text.parse::<RateLimit>().is_ok(), "{text}");
+        }
+        for text in [
+            "",
+            "bytes=0",
+            "bytes=1/0",
+            "bytes=1,bytes=2",
+            "bytes=1,",
+            "x=1",
+        ] {
+            assert!(!pattern.is_match(text), "{text}");
         }
     }
 

@@ -277,7 +277,7 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
 
     // Bad requests: an unknown class is refused and nothing is taken.
     let (code, text) = vm.api("POST", "/clones", Some(r#"{"resource_class":"huge"}"#));
-    assert_eq!(code, 400, "{text}");
+    assert_eq!(code, 409, "{text}");
     assert!(text.contains("unknown resource class"), "{text}");
     assert_eq!(
         pool_stats(&vm, "small")["in_use"],

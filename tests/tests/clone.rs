@@ -448,7 +448,7 @@ fn a_vm_with_virtio_devices_clones_and_both_keep_running() {
         "/clones",
         Some(r#"{"rate_limits":{"net":"bytes=1K"}}"#),
     );
-    assert_eq!(code, 400, "{answer}");
+    assert_eq!(code, 409, "{answer}");
     assert!(answer.contains("network card"), "{answer}");
     let now = last_beat_plain(&vm.console_text());
     vm.wait_console(&format!("tiny: beat {}\n", now + 2), BOOT);

@@ -9,7 +9,8 @@ use api_types::{CloneAddresses, CloneRateLimits};
 use crate::arch::x86_64::layout::{MAX_MEM_MIB, MIN_MEM_MIB};
 use crate::arch::x86_64::mptable::{MAX_VCPUS, MAX_VIRTIO_DEVICES};
 
-/// Most live clones one VM may have (each clone may have as many of its own).
+/// Most live clones one VM may have (each clone may have as many of its own), and the
+/// default of `--max-clones`.
 pub const MAX_LIVE_CLONES: usize = 2000;
 /// Most warm clones a VM may keep (`--warm-clones`).
 pub const MAX_WARM_CLONES: usize = 256;
@@ -354,6 +355,8 @@ pub struct VmConfig {
     pub ap_boot: ApBoot,
     /// Warm clones to keep ready while the VM is paused (`cloning::warm`).
     pub warm_clones: usize,
+    /// Most live clones (1 to [`MAX_LIVE_CLONES`]); requests beyond are refused (409).
+    pub max_clones: usize,
     /// The invocation mailbox's size in MiB (0: none; docs/invoke.md).
     pub mailbox_mib: u32,
     /// A template: the VM pauses itself the first time its runtime waits for a
@@ -393,6 +396,7 @@ impl VmConfig {
             prefault: false,
             ap_boot: ApBoot::Sipi,
             warm_clones: 0,
+            max_clones: MAX_LIVE_CLONES,
             mailbox_mib: DEFAULT_MAILBOX_MIB,
             template: false,
             refresh_idle_ms: DEFAULT_REFRESH_IDLE_MS,
@@ -430,6 +434,9 @@ pub enum ConfigError {
     /// Timer deferral too long.
     #[error("--tick-defer-ms {0}: at most {max} ms", max = MAX_TICK_DEFER_MS)]
     TickDefer(u64),
+    /// A limit of live clones out of range.
+    #[error("--max-clones {0} is not 1 to {max}", max = MAX_LIVE_CLONES)]
+    MaxClones(usize),
     /// Too many warm clones.
     #[error("{0} warm clones requested; at most {max} may be kept", max = MAX_WARM_CLONES)]
     WarmClones(usize),
@@ -533,6 +540,9 @@ impl VmConfig {
         }
         if self.warm_clones > MAX_WARM_CLONES {
             return Err(ConfigError::WarmClones(self.warm_clones));
+        }
+        if !(1..=MAX_LIVE_CLONES).contains(&self.max_clones) {
+            return Err(ConfigError::MaxClones(self.max_clones));
         }
         if self.tick_defer_ms > MAX_TICK_DEFER_MS {
             return Err(ConfigError::TickDefer(self.tick_defer_ms));

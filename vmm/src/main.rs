@@ -211,6 +211,10 @@ struct RunArgs {
     /// `vmm fork` only launches them (0 to 256)
     #[arg(long, default_value_t = 0)]
     warm_clones: usize,
+    /// Most live clones (1 to 2000); clone requests beyond are refused (409), and so is
+    /// an invocation that needs a clone
+    #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
+    max_clones: usize,
     /// A resource class for clones, NAME[:cpu=CPUS,memory=BYTES[K|M|G],pids=N]; each gets
     /// a pool of ready cgroups and every clone is placed in one. Repeat for more classes;
     /// the first is the default.
@@ -483,6 +487,7 @@ fn main() -> ExitCode {
                 prefault: a.prefault,
                 ap_boot: a.ap_boot,
                 warm_clones: a.warm_clones,
+                max_clones: a.max_clones,
                 mailbox_mib: a.mailbox_mib,
                 template: a.template,
                 refresh_idle_ms: a.refresh_idle_ms,

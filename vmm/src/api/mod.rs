@@ -77,8 +77,11 @@ impl ApiReply {
     }
 }
 
+/// The body as a `T`, from a JSON object only (see [`api_types::object`]).
 fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiReply> {
-    serde_json::from_slice(body)
+    let mut de = serde_json::Deserializer::from_slice(body);
+    api_types::object(&mut de)
+        .and_then(|value| de.end().map(|()| value))
         .map_err(|e| ApiReply::error(400, format!("invalid JSON body: {e}")))
 }
 
@@ -99,7 +102,16 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
             } else {
                 parse_json::<CreateClones>(&req.body)?
             };
-            request.check().map_err(|e| ApiReply::error(400, e))?;
+            request.check().map_err(|e| {
+                use api_types::clones::CreateClonesError;
+                match e {
+                    // Each part valid, but they do not fit together (no schema says so).
+                    CreateClonesError::PerClone { .. } => ApiReply::error(422, e),
+                    CreateClonesError::TapName(_) | CreateClonesError::TapTwice(_) => {
+                        ApiReply::error(400, e)
+                    }
+                }
+            })?;
             Ok(VmmAction::CreateClones {
                 request: Box::new(request),
                 received_ns,
@@ -136,23 +148,28 @@ pub fn reply(response: VmmResponse) -> ApiReply {
     }
 }
 
-/// The status of a refused or failed action: the caller's mistake (400, 404), the VM's
-/// state (409), a resource the host is out of for now (503), or the host failing (500).
+/// The status of a refused or failed action: a request the schema refuses (400), one
+/// whose parts do not fit together (422, from [`route`]), no such thing (404), one that
+/// does not fit the VM's configuration or state (409), a resource the host is out of for
+/// now (503), or the host failing (500).
 pub fn status_of(e: &VmmActionError) -> u16 {
     use jailer::cgroup::PoolError;
     match e {
         VmmActionError::SetState(StateError::Transition { .. }) => 409,
         VmmActionError::SetState(StateError::Vcpu(_)) => 500,
         VmmActionError::CreateClones(c) => match c {
-            CloneError::Count(_)
-            | CloneError::PathTooLong(_)
+            CloneError::Count(_) => 400,
+            // Valid requests that do not fit this VM: its devices, classes, socket path,
+            // state, or its limit of live clones.
+            CloneError::PathTooLong(_)
             | CloneError::RateLimit(_)
             | CloneError::NoCard
             | CloneError::NoOverlay
             | CloneError::Cgroup(
                 PlacementError::UnknownClass { .. } | PlacementError::NoPools(_),
-            ) => 400,
-            CloneError::State(_) | CloneError::TooMany { .. } => 409,
+            )
+            | CloneError::State(_)
+            | CloneError::TooMany { .. } => 409,
             CloneError::Cgroup(PlacementError::Pool(PoolError::Exhausted { .. })) => 503,
             _ => 500,
         },
@@ -239,13 +256,18 @@ mod tests {
         for bad in [
             r#"{"count":"many"}"#,
             r#"{"count":2,"x":1}"#,
-            r#"{"count":2,"taps":["t1"]}"#,
+            r#"{"rate_limits":[null,null]}"#,
+            r#"[2]"#,
             r#"{"taps":["a-name-far-too-long-for-linux"]}"#,
             r#"{"rate_limits":{"net":"fast"}}"#,
             r#"{"console":"tty"}"#,
         ] {
             assert_eq!(status("POST", "/clones", bad), 400, "{bad}");
         }
+        assert_eq!(
+            status("POST", "/clones", r#"{"count":2,"taps":["t1"]}"#),
+            422
+        );
         assert_eq!(status("DELETE", "/clones/", ""), 404);
         assert_eq!(status("GET", "/nope", ""), 404);
     }
@@ -274,8 +296,11 @@ mod tests {
         assert_eq!(r.status, 409);
         assert!(r.body.unwrap().contains("cannot go from paused to paused"));
         assert_eq!(e(CloneError::Count(0).into()).status, 400);
-        assert_eq!(e(CloneError::NoCard.into()).status, 400);
-        assert_eq!(e(CloneError::TooMany { live: 1 }.into()).status, 409);
+        assert_eq!(e(CloneError::NoCard.into()).status, 409);
+        assert_eq!(
+            e(CloneError::TooMany { live: 1, max: 1 }.into()).status,
+            409
+        );
         assert_eq!(
             e(CloneError::Os(std::io::Error::other("x")).into()).status,
             500

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::cgroups::{ClonePools, Placement, PlacementError, Taken};
 use super::table::CloneTable;
-use crate::config::{keep_overlays, CloneNetSpec, ConsoleSink, VmConfig, MAX_LIVE_CLONES};
+use crate::config::{keep_overlays, CloneNetSpec, ConsoleSink, VmConfig};
 use crate::microvm::Microvm;
 use api_types::vm::VmState;
 
@@ -29,10 +29,12 @@ pub enum CloneError {
     #[error("clone count must be 1 to {MAX_CLONES_PER_REQUEST}, not {0}")]
     Count(u64),
     /// Too many live clones.
-    #[error("{live} clones are running; at most {MAX_LIVE_CLONES} may be")]
+    #[error("{live} clones are running; at most {max} may be (--max-clones)")]
     TooMany {
         /// Live clones now.
         live: usize,
+        /// The VM's limit.
+        max: usize,
     },
     /// The VM is not in a state that can be cloned.
     #[error("cannot clone a VM that is {0:?}")]
@@ -130,8 +132,9 @@ pub(super) fn check(
         return Err(CloneError::State(vm.state()));
     }
     let live = table.live().count();
-    if live + count as usize > MAX_LIVE_CLONES {
-        return Err(CloneError::TooMany { live });
+    let max = vm.config().max_clones;
+    if live + count as usize > max {
+        return Err(CloneError::TooMany { live, max });
     }
     let config = vm.config();
     if !(req.addresses.is_empty() && req.taps.is_empty()) && config.net.is_none() {

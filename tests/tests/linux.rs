@@ -753,7 +753,7 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
 }
 
 #[test]
-fn linux_clone_throughput_holds_the_rate_limit_with_1_2_4_8_clones_sending() {
+fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
     // Every clone of the template streams TCP to a sink in its own namespace through a
     // card limited to RATE bytes/s each way. One unlimited guest reaches about
     // 32 KB/s here (its kernel is slow on this host; docs/benchmarks.md), so RATE is well
@@ -807,7 +807,9 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_2_4_8_clones_sending() {
         .map(|n| tests::TcpSink::start(n, "0.0.0.0", 5000))
         .collect();
     let mut report = Vec::new();
-    for n in [1usize, 2, 4, 8] {
+    // One clone alone and eight on 2 CPUs (2 and 4 clones, measured in earlier runs, are
+    // in docs/clone-network.md; each round here costs a minute of CI).
+    for n in [1usize, 8] {
         let (code, body) = vm.api("POST", "/clones", Some(&format!(r#"{{"count":{n}}}"#)));
         assert_eq!(code, 201, "{body}");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();

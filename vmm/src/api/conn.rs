@@ -24,7 +24,7 @@ use crate::rpc::{ActionSender, Reply, VmmAction, VmmData};
 /// How long a client may take to send its whole request, from its connection's accept.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a request's action may wait for the VMM's answer; a clone request
-/// [`PER_CLONE`] longer for each clone it asks for.
+/// 100 ms longer for each clone it asks for.
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 /// What each clone of a request adds to its answer's deadline (1,000 clones of a busy
 /// guest took 24 s on a saturated 2-CPU host).
@@ -122,6 +122,8 @@ pub struct Conn {
     reserved: usize,
     /// Refused at once (the server is at its limit).
     refusal: bool,
+    /// An invocation's: a VM holds a copy of the socket.
+    shared: bool,
 }
 
 impl Conn {
@@ -133,6 +135,7 @@ impl Conn {
             deadline: now + REQUEST_TIMEOUT,
             reserved: 0,
             refusal: false,
+            shared: false,
         }
     }
 
@@ -328,6 +331,7 @@ impl Conn {
                 let why = format!("cannot hand the connection over: {e}");
                 return self.answer(ApiReply::error(500, why), false, now);
             }
+            self.shared = true;
         }
         let timeout = answer_timeout(&action);
         let reply = shared.actions.send_waking(action, &shared.answers);
@@ -351,8 +355,12 @@ impl Conn {
                 }
             }
         }
-        // The end of the answer, also for a client whose socket another process holds
-        // (an invocation's VM).
+        if !*drain && !self.shared {
+            // Closed at once: the client sees the end of the answer as it is gone.
+            return Step::Done;
+        }
+        // The end of the answer now, for a client that still sends, or whose socket a VM
+        // holds too (an invocation's).
         let _ = self.stream.shutdown(std::net::Shutdown::Write);
         if !*drain {
             return Step::Done;

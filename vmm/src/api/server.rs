@@ -45,7 +45,7 @@ pub enum ApiServerError {
     },
 }
 
-/// Most connections served at once; beyond them, [`MAX_REFUSING`] more are answered
+/// Most connections served at once; beyond them, 64 more (`MAX_REFUSING`) are answered
 /// 503 at once, and the rest wait in the socket's backlog until one closes.
 pub const MAX_CONNECTIONS: usize = 1024;
 /// Most connections being refused at once.

@@ -1,5 +1,5 @@
 # forkvm: `make demo` builds everything and boots guests; `make test` runs every test.
-.PHONY: all deps guest build release demo test lint bench clean-guest-cache
+.PHONY: all deps guest build release demo test lint bench fuzz clean-guest-cache
 
 CARGO ?= cargo
 
@@ -27,6 +27,15 @@ lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace --quiet
+
+# Each fuzz target for FUZZ_SECONDS (60) on nightly Rust with cargo-fuzz
+# (`rustup toolchain install nightly`, `cargo install cargo-fuzz`); new inputs that add
+# coverage go to fuzz/corpus/<target>, crashes to fuzz/artifacts (docs/reliability.md).
+FUZZ_SECONDS ?= 60
+fuzz:
+	cd fuzz && for t in $$(cargo +nightly fuzz list); do \
+		cargo +nightly fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 || exit 1; \
+	done
 
 # A short standard set (a few minutes); each bench has more (benches/*.py --help).
 bench: deps guest release

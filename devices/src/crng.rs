@@ -12,10 +12,10 @@
 //!
 //! The descriptor, little-endian, 40 bytes: magic `FKRN` (u32), version (u32, 1), the
 //! key's address (u64), the generation's address (u64), the address of a u32 the
-//! kernel holds non-zero while it computes or installs a base key (u64), the key's
-//! length (u32), the generation's length (u32, 8). The VMM does not stop a vCPU while
-//! that counter is non-zero (a key being installed from the old state would overwrite
-//! the fresh one).
+//! kernel holds non-zero while it derives or installs a key or draws output from one
+//! (u64), the key's length (u32), the generation's length (u32, 8). The VMM does not
+//! stop a vCPU while that counter is non-zero (a key being installed from the old state
+//! would overwrite the fresh one; output drawn from it would be every clone's).
 
 use std::sync::{Arc, RwLock};
 
@@ -80,7 +80,7 @@ pub struct CrngLayout {
     pub key_len: u32,
     /// The generation counter (u64).
     pub generation: u64,
-    /// The u32 the kernel holds non-zero while it computes or installs a base key.
+    /// The u32 the kernel holds non-zero while it derives or uses a key.
     pub busy: u64,
 }
 
@@ -144,8 +144,9 @@ impl CrngLayout {
         Ok(layout)
     }
 
-    /// Whether the guest kernel is computing or installing a base key now (a vCPU
-    /// stopped there would install a key from the old state after a reseed). False
+    /// Whether the guest kernel is deriving or using a key now (a vCPU stopped there
+    /// would install a key from the old state after a reseed, or return output drawn
+    /// from it). False
     /// when the counter cannot be read (checked at registration).
     pub fn busy<M: GuestMemory>(&self, mem: &M) -> bool {
         mem.read_obj::<u32>(GuestAddress(self.busy))
@@ -193,8 +194,8 @@ impl CrngRegistration {
 
 /// A VM's registration with the guest memory it points into: what the port device
 /// fills (reading descriptors from the memory), and what a vCPU thread checks before it
-/// stops, whether the guest kernel is in the middle of a base key (then the vCPU runs
-/// on to its end).
+/// stops, whether the guest kernel is in the middle of its key code (then the vCPU
+/// runs on to its end).
 #[derive(Debug, Clone)]
 pub struct CrngWatch {
     /// The VM's registration.
@@ -204,7 +205,7 @@ pub struct CrngWatch {
 }
 
 impl CrngWatch {
-    /// Whether a registered kernel is computing or installing a base key now.
+    /// Whether a registered kernel is deriving or using a key now.
     pub fn mid_key(&self) -> bool {
         (self.registration.layout()).is_some_and(|l| l.busy(&self.mem))
     }

@@ -8,12 +8,17 @@
  *                           RNDADDENTROPY + RNDRESEEDCRNG) and, with a virtio-rng device,
  *                           discards what /dev/hwrng had buffered before the clone point
  *                           (identical in every clone); --no-reseed skips both
- *   forkvm-clone [--no-reseed] --ticks MS [N]
+ *   forkvm-clone [--no-reseed] --ticks MS [--tick-bytes B] [N]
  *                           make N clones (none when N is 0), then, in the parent and
- *                           each clone, print "tick id=ID rand=HEX" every MS ms forever:
- *                           the clone number and 16 bytes of getrandom(), the first read
- *                           right after the clone point (the tests' uniqueness probe;
- *                           it waits for the kernel RNG to be ready before cloning)
+ *                           each clone, read B bytes (default 16) with one getrandom()
+ *                           and print "tick id=ID from=FROM rand=HEX" forever, MS ms
+ *                           apart: the clone number read right after the read (ID) and
+ *                           right before it (FROM; they differ when a clone point fell
+ *                           between the two), and the read's first 16 bytes. The first
+ *                           read comes right after the clone point (the tests'
+ *                           uniqueness probe; it waits for the kernel RNG to be ready
+ *                           before cloning and stays on the CPU it started on, as the
+ *                           kernel's RNG state is per CPU)
  *   forkvm-clone --done S   end this VM with exit status S (the done port)
  *   forkvm-clone --probe    print whether the VMM is forkvm (probe port magic)
  *   forkvm-clone --reseed   reseed the kernel RNG and drain /dev/hwrng as a clone does
@@ -46,6 +51,7 @@
 #include <net/if.h>
 #include <net/if_arp.h>
 #include <net/route.h>
+#include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/random.h>
@@ -380,22 +386,34 @@ static int adopt(int mode, int print_net)
     return rc == 0 ? 0 : 4;
 }
 
-/* Prints this VM's clone number and 16 bytes of getrandom() every `ms` milliseconds. */
-static void tick_forever(int mode, long ms)
+/* One tick: `len` bytes of one getrandom() (the first 16 printed), with this VM's clone
+ * number read right before the read and right after it. They differ when a clone point
+ * fell between the two: inside the read (the kernel draws it again, buildroot patch
+ * 0004) or after it returned (bytes this program holds, which a clone shares with its
+ * parent as a fork()ed child does). */
+static void tick(int mode, uint8_t *buf, size_t len)
+{
+    uint32_t from = in32(mode, IDENTITY_PORT);
+    ssize_t got = getrandom(buf, len, 0);
+    uint32_t id = in32(mode, IDENTITY_PORT);
+    if (got != (ssize_t)len) {
+        perror("forkvm-clone: getrandom");
+        exit(3);
+    }
+    printf("tick id=%u from=%u rand=", id, from);
+    for (size_t i = 0; i < 16 && i < len; i++)
+        printf("%02x", buf[i]);
+    printf("\n");
+    fflush(stdout);
+}
+
+/* Ticks every `ms` milliseconds, forever (the first after a pause). */
+static void tick_forever(int mode, long ms, uint8_t *buf, size_t len)
 {
     struct timespec period = {ms / 1000, (ms % 1000) * 1000000L};
     for (;;) {
-        uint8_t b[16];
-        if (getrandom(b, sizeof b, 0) != (ssize_t)sizeof b) {
-            perror("forkvm-clone: getrandom");
-            exit(3);
-        }
-        printf("tick id=%u rand=", in32(mode, IDENTITY_PORT));
-        for (size_t i = 0; i < sizeof b; i++)
-            printf("%02x", b[i]);
-        printf("\n");
-        fflush(stdout);
         nanosleep(&period, NULL);
+        tick(mode, buf, len);
     }
 }
 
@@ -434,6 +452,7 @@ int main(int argc, char **argv)
     }
     int do_reseed = 1;
     long ticks = -1;
+    unsigned long tick_bytes = 16;
     for (;;) {
         if (argc > 1 && strcmp(argv[1], "--no-reseed") == 0) {
             do_reseed = 0;
@@ -443,21 +462,44 @@ int main(int argc, char **argv)
             ticks = strtol(argv[2], NULL, 0);
             argv += 2;
             argc -= 2;
+        } else if (argc > 2 && strcmp(argv[1], "--tick-bytes") == 0) {
+            tick_bytes = strtoul(argv[2], NULL, 0);
+            argv += 2;
+            argc -= 2;
         } else {
             break;
         }
     }
-    unsigned long n = argc > 1 ? strtoul(argv[1], NULL, 0) : 1;
-    if (ticks >= 0 && n == 0)
-        tick_forever(mode, ticks);
+    if (tick_bytes == 0 || tick_bytes > (32u << 20)) {
+        fprintf(stderr, "forkvm-clone: --tick-bytes takes 1 to %u\n", 32u << 20);
+        return 2;
+    }
+    uint8_t *buf = NULL;
     if (ticks >= 0) {
+        buf = malloc(tick_bytes);
+        if (buf == NULL) {
+            perror("forkvm-clone: malloc");
+            return 3;
+        }
+        /* The kernel's RNG state is per CPU: every side reads on the CPU it was cloned
+         * on, so a clone that was not reseeded reads what its parent would have. */
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        int cpu = sched_getcpu();
+        CPU_SET(cpu < 0 ? 0 : cpu, &one);
+        if (sched_setaffinity(0, sizeof one, &one) != 0)
+            perror("forkvm-clone: sched_setaffinity");
         /* The probe clones a ready kernel RNG (else each clone seeds its own, slowly,
          * and the probe would not show what a clone inherits). */
-        uint8_t b;
-        if (getrandom(&b, 1, 0) != 1) {
+        if (getrandom(buf, 1, 0) != 1) {
             perror("forkvm-clone: getrandom");
             return 3;
         }
+    }
+    unsigned long n = argc > 1 ? strtoul(argv[1], NULL, 0) : 1;
+    if (ticks >= 0 && n == 0) {
+        tick(mode, buf, tick_bytes);
+        tick_forever(mode, ticks, buf, tick_bytes);
     }
     fflush(stdout);
     out32(mode, CLONE_PORT, (uint32_t)n);
@@ -466,6 +508,9 @@ int main(int argc, char **argv)
         printf("failed\n");
         return 1;
     }
+    /* The first read right after the clone point, before anything else runs here. */
+    if (ticks >= 0)
+        tick(mode, buf, tick_bytes);
     if (r != 0 && do_reseed) {
         /* Quietly: the caller reads the clone number from stdout. */
         int rc = adopt(mode, 0);
@@ -478,7 +523,7 @@ int main(int argc, char **argv)
             return 4;
     }
     if (ticks >= 0)
-        tick_forever(mode, ticks);
+        tick_forever(mode, ticks, buf, tick_bytes);
     printf("%u\n", r);
     return 0;
 }

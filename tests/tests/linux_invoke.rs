@@ -350,15 +350,29 @@ fn linux_python_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_ever
     vm.shutdown(Duration::from_secs(60));
 }
 
-/// The first whole `tick id=N rand=HEX` line of clone `id` in `console` (which the
-/// guest may be writing still).
-fn first_tick(console: &str, id: &str) -> Option<String> {
-    let prefix = format!("tick id={id} rand=");
+/// A probe's read: its first 16 random bytes in hex, and whether a clone point fell
+/// inside it (the clone number changed between just before and just after it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Tick {
+    rand: String,
+    straddled: bool,
+}
+
+/// The first whole `tick id=N from=F rand=HEX` line of clone `id` in `console` (which
+/// the guest may be writing still).
+fn first_tick(console: &str, id: &str) -> Option<Tick> {
+    let prefix = format!("tick id={id} from=");
     console
         .split_inclusive('\n')
         .filter(|l| l.ends_with('\n'))
-        .find_map(|l| l.trim().strip_prefix(&prefix).map(str::to_string))
-        .inspect(|hex| assert_eq!(hex.len(), 32, "16 bytes in hex: {hex}"))
+        .find_map(|l| {
+            let (from, rand) = l.trim().strip_prefix(&prefix)?.split_once(" rand=")?;
+            assert_eq!(rand.len(), 32, "16 bytes in hex: {l}");
+            Some(Tick {
+                rand: rand.to_string(),
+                straddled: from != id,
+            })
+        })
 }
 
 /// A clone's console (`GET /clones` entry `c`) as it is now.
@@ -367,7 +381,7 @@ fn clone_console(c: &Value) -> String {
 }
 
 /// Each clone's first tick, once all printed.
-fn first_ticks(clones: &[Value]) -> Vec<String> {
+fn first_ticks(clones: &[Value]) -> Vec<Tick> {
     let mut ticks = vec![None; clones.len()];
     wait_until("every clone's first tick", LINUX_BOOT, || {
         for (t, c) in ticks.iter_mut().zip(clones) {
@@ -381,7 +395,7 @@ fn first_ticks(clones: &[Value]) -> Vec<String> {
 }
 
 /// Each clone's first tick, once all printed; then the clones deleted.
-fn clone_ticks(vm: &Vm, clones: &[Value]) -> Vec<String> {
+fn clone_ticks(vm: &Vm, clones: &[Value]) -> Vec<Tick> {
     let ticks = first_ticks(clones);
     for c in clones {
         let (code, body) = vm.api(
@@ -404,19 +418,34 @@ fn clones_of(vm: &Vm, body: Option<&str>) -> Vec<Value> {
     v["clones"].as_array().unwrap().clone()
 }
 
+/// The probe's reads: back to back, each long enough in the guest kernel (about 0.1 s
+/// here) that a clone point of a running VM mostly falls inside one.
+const PROBE: &str = "--ticks 0 --tick-bytes 4096";
+
+/// Checks that no two clones read the same bytes; returns how many of the reads were
+/// in flight at the clone point.
+fn assert_own_bytes(ticks: &[Tick], what: &str) -> usize {
+    let rands: Vec<String> = ticks.iter().map(|t| t.rand.clone()).collect();
+    assert_distinct(&rands, what);
+    ticks.iter().filter(|t| t.straddled).count()
+}
+
 #[test]
 fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_read() {
     if !kvm_available("linux_crng_reseed") {
         return;
     }
-    // The probe: `forkvm-clone --no-reseed --ticks MS N` waits for the kernel RNG to be
-    // ready, makes N clones without the tool's own reseed, then every side prints
-    // getrandom() bytes every MS ms, the first right after the clone point.
+    // The probe: `forkvm-clone --no-reseed --ticks 0 --tick-bytes B N` waits for the
+    // kernel RNG to be ready, makes N clones without the tool's own reseed, then every
+    // side reads B bytes with getrandom() again and again, the first read right after
+    // the clone point, and prints the first 16 of each read.
     let scratch = Scratch::new("linux-crng");
     let control = Scratch::new("linux-crng-off");
-    let probe = format!("forkvm-clone --no-reseed --ticks 1000 {CLONES}");
+    let probe = format!("forkvm-clone --no-reseed {PROBE} {CLONES}");
     let mut vm = linux_vm(&scratch, None, "", &probe, &["--warm-clones", "4"]);
-    // The control: the same guest with the kernel's registration switched off.
+    // The control: the same guest with the kernel's registration switched off (its
+    // clones read right after the clone point; it reads once a second, so as not to
+    // take the CPU the other VM's clones need).
     let mut off = linux_vm(
         &control,
         None,
@@ -425,22 +454,22 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
         &[],
     );
 
-    // Guest-requested clones.
+    // Guest-requested clones: each one's first read starts and ends in the clone.
     vm.wait_console("tick id=0 ", LINUX_BOOT);
     let mut guest = Vec::new();
     wait_until("the guest's clones", LINUX_BOOT, || {
         guest = clones_of(&vm, None);
         guest.len() == CLONES
     });
-    assert_distinct(
-        &clone_ticks(&vm, &guest),
-        "guest-requested clones' first random bytes",
-    );
+    let ticks = clone_ticks(&vm, &guest);
+    assert!(ticks.iter().all(|t| !t.straddled), "{ticks:?}");
+    assert_own_bytes(&ticks, "guest-requested clones' first random bytes");
 
-    // Clones made through the API of the running VM.
+    // Clones made through the API of the running VM: mostly inside a read, which the
+    // kernel draws again when the VMM's reseed moved its generation.
     let api = clones_of(&vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
     assert_eq!(api.len(), CLONES);
-    assert_distinct(&clone_ticks(&vm, &api), "API clones' first random bytes");
+    let api_inside = assert_own_bytes(&clone_ticks(&vm, &api), "API clones' first random bytes");
 
     // The VM paused: warm clones (prepared ahead), then clones forked from the paused VM.
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
@@ -449,9 +478,13 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
     });
     let paused = clones_of(&vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
     assert!(vm.describe()["warm_clones"]["launched"].as_u64().unwrap() >= 4);
-    assert_distinct(
+    let paused_inside = assert_own_bytes(
         &clone_ticks(&vm, &paused),
         "warm and paused-VM clones' first random bytes",
+    );
+    eprintln!(
+        "linux_crng_reseed: clone points inside a read: API clones {api_inside}/{CLONES}, \
+         paused {paused_inside}/{CLONES}"
     );
     vm.shutdown(Duration::from_secs(60));
 
@@ -467,9 +500,8 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
     first_ticks(&inherited);
     let consoles: Vec<String> = inherited.iter().map(clone_console).collect();
     let ticks = clone_ticks(&off, &inherited);
-    // CI saw this fail twice (under load, cause not found yet): the consoles say more.
     assert!(
-        ticks.iter().all(|t| *t == ticks[0]),
+        ticks.iter().all(|t| *t == ticks[0] && !t.straddled),
         "clones of a kernel that did not register read different bytes: {ticks:?}\n\
          parent:\n{}\nclones:\n{consoles:#?}",
         off.console_text()

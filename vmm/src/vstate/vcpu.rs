@@ -402,10 +402,10 @@ impl Vcpu {
     /// Handles pending commands after a kick. Blocks while paused (from the start when
     /// the vCPU parked itself). Returns a reason when the vCPU must stop.
     ///
-    /// A pause that finds the guest kernel in the middle of a CRNG base key is
-    /// deferred: the vCPU runs on (the handle kicks again until it is paused), so no
-    /// clone starts from a state that would install a key from before the clone point
-    /// over its fresh one (`devices::crng`).
+    /// A pause that finds the guest kernel inside its CRNG key code is deferred: the
+    /// vCPU runs on (the handle kicks again until it is paused), so no clone starts
+    /// from a state that would install a key from before the clone point over its
+    /// fresh one, or return output drawn from it (`devices::crng`).
     fn handle_kick(&mut self, kick: &mut Kick<'_>, parked: bool) -> Option<VcpuExitReason> {
         let Kick {
             cmds,
@@ -554,7 +554,7 @@ pub struct VcpuHandle {
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a pause kicks a vCPU that has not parked yet.
 const PAUSE_KICK_INTERVAL: Duration = Duration::from_millis(1);
-/// How long a pause waits for the guest kernel to finish a CRNG base key.
+/// How long a pause waits for the guest kernel to leave its CRNG key code.
 const MAX_PAUSE_DEFERRAL: Duration = Duration::from_millis(500);
 
 /// What a vCPU thread handles a kick with.

@@ -235,6 +235,9 @@ pub struct CloneInfo {
     pub latency_us: Option<u64>,
     /// What became of it.
     pub status: CloneStatus,
+    /// Why it failed before it was ready (status `failed`), as it said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
     /// Its pooled cgroup and usage (None when the VMM has no cgroup pools).
     pub cgroup: Option<CloneCgroup>,
 }

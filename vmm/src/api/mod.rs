@@ -171,6 +171,7 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             | CloneError::State(_)
             | CloneError::TooMany { .. } => 409,
             CloneError::Cgroup(PlacementError::Pool(PoolError::Exhausted { .. })) => 503,
+            c if c.host_short() => 503,
             _ => 500,
         },
         VmmActionError::Invoke(e) => match e {

@@ -27,6 +27,7 @@ use std::borrow::Cow;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::VmFd;
@@ -103,15 +104,60 @@ pub type ServeClone = fn(RebuiltClone) -> Result<RunOutcome, ServeError>;
 /// Why serving a clone failed.
 pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The clone's end of its ready pipe, held until its control socket is up.
-pub struct ReadyMark(File);
+/// The clone's end of its ready pipe, held until its control socket is up; until then
+/// a failure of the clone is reported through it too ([`FAIL_MARK`]).
+pub struct ReadyMark(Arc<Mutex<Option<File>>>);
 
 impl ReadyMark {
     /// Tells the parent the clone's control socket and host endpoints are up (the
     /// parent answers once vCPU 0's time and this mark are in and the pipe is closed).
-    pub fn send(mut self) -> std::io::Result<()> {
+    pub fn send(self) -> std::io::Result<()> {
         use std::io::Write;
-        self.0.write_all(&READY_MARK.to_le_bytes())
+        match lock(&self.0).take() {
+            Some(mut f) => f.write_all(&READY_MARK.to_le_bytes()),
+            None => Ok(()),
+        }
+    }
+
+    /// Tells the parent why the clone failed, if it was not ready yet: `FAIL_MARK`, the
+    /// host error number behind it (0 if none) and the reason, in one write.
+    fn fail(&self, errno: i32, reason: &str) {
+        use std::io::Write;
+        if let Some(mut f) = lock(&self.0).take() {
+            let text = &reason.as_bytes()[..reason.len().min(MAX_REASON)];
+            let mut record = Vec::with_capacity(24 + text.len());
+            record.extend_from_slice(&FAIL_MARK.to_le_bytes());
+            record.extend_from_slice(&(errno.max(0) as u64).to_le_bytes());
+            record.extend_from_slice(&(text.len() as u64).to_le_bytes());
+            record.extend_from_slice(text);
+            let _ = f.write_all(&record);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The longest reason a failed clone reports (the record fits in one atomic pipe write).
+const MAX_REASON: usize = 400;
+
+/// The host error number behind `e`: the first `std::io::Error` or `nix` errno in its
+/// chain of sources (0 if none).
+pub(crate) fn errno_of(mut e: &(dyn std::error::Error + 'static)) -> i32 {
+    loop {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if let Some(n) = io.raw_os_error() {
+                return n;
+            }
+        }
+        if let Some(n) = e.downcast_ref::<nix::errno::Errno>() {
+            return *n as i32;
+        }
+        match e.source() {
+            Some(next) => e = next,
+            None => return 0,
+        }
     }
 }
 
@@ -204,13 +250,27 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     close_all_but(&keep);
     // SAFETY: the ready pipe's write end, kept open above, owned from here on.
     let ready = unsafe { File::from_raw_fd(plan.ready) };
+    // The parent answers once every write end of the ready pipe is closed: vCPU 0's
+    // (after it wrote its timestamp) and the mark's (after the control socket is up, or
+    // the clone failed and said why); a pipe that ends without the mark is a clone that
+    // failed.
+    let mark = ready
+        .try_clone()
+        .ok()
+        .map(|m| ReadyMark(Arc::new(Mutex::new(Some(m)))));
     let mut name = String::from("(warm)");
     // A panic must end the clone here: unwinding further would run the destructors of
     // the parent's objects this process inherited (its control socket's, which removes
     // the parent's socket file, among them).
-    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run_clone(&plan, ready, &mut name)
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &mark {
+        Some(m) => run_clone(&plan, ready, ReadyMark(m.0.clone()), &mut name),
+        None => Err(ChildError::ReadyPipe(std::io::Error::last_os_error())),
     }));
+    let fail = |errno: i32, why: &str| {
+        if let Some(m) = &mark {
+            m.fail(errno, why);
+        }
+    };
     let code = match run {
         Ok(Ok(outcome)) => {
             if let RunOutcome::Error(msg) = &outcome {
@@ -220,10 +280,16 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
         }
         Ok(Err(e)) => {
             raw_eprintln(&format!("vmm: clone {name}: {e}"));
+            let errno = match &e {
+                ChildError::Serve(inner) => errno_of(inner.as_ref()),
+                e => errno_of(e),
+            };
+            fail(errno, &e.to_string());
             1
         }
         Err(_) => {
             raw_eprintln(&format!("vmm: clone {name}: panicked (reported above)"));
+            fail(0, "the clone panicked");
             PANIC_EXIT
         }
     };
@@ -234,6 +300,10 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
 
 /// A clone's exit status after a panic on its main thread (as a Rust program's).
 const PANIC_EXIT: i32 = 101;
+
+/// What a clone that failed before it was ready writes to its ready pipe, followed by
+/// the error number and the reason's length (u64 each) and the reason.
+pub(crate) const FAIL_MARK: u64 = u64::MAX - 1;
 
 /// What a clone's control thread writes to the ready pipe once its devices' host sides
 /// and its control socket are up (no CLOCK_MONOTONIC time vCPU 0 writes is this).
@@ -515,6 +585,7 @@ fn launch(
 fn run_clone(
     plan: &ChildPlan<'_>,
     ready: File,
+    mark: ReadyMark,
     name: &mut String,
 ) -> Result<RunOutcome, ChildError> {
     let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
@@ -552,10 +623,6 @@ fn run_clone(
     let seq = (identity.id.rsplit('.').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
-    // The parent answers once every write end of the ready pipe is closed: vCPU 0's
-    // (after it wrote its timestamp) and the ReadyMark (after the control socket is up);
-    // a pipe that ends without the mark is a clone that failed.
-    let mark = ready.try_clone().map_err(ChildError::ReadyPipe)?;
     // An invocation's request goes into the clone's copy of the mailbox before its
     // vCPUs run (the runtime's port read already has the length, `guest_result`).
     let invoker = match (&identity.delivery, carried) {
@@ -586,7 +653,7 @@ fn run_clone(
         cloner: Cloner::for_clone(identity.id, plan.serve),
         api_sock: identity.api_sock,
         signals,
-        ready: ReadyMark(mark),
+        ready: mark,
         invoker,
     };
     (plan.serve)(rebuilt).map_err(ChildError::Serve)

@@ -186,13 +186,19 @@ impl Cloner {
         // them). Meanwhile the guest's requests wait in their queues; not for all of a
         // large batch, though.
         let mut devices_parked = was_running;
+        let mut failed = None;
         for (info, ready) in made.iter_mut() {
             match fork::wait_ready(ready, fork::READY_TIMEOUT) {
-                Some(t) => {
+                Ok(t) => {
                     info.latency_us = Some(t.saturating_sub(received_ns) / 1000);
                     info.status = CloneStatus::Running;
                 }
-                None => info.status = CloneStatus::Failed,
+                Err(why) => {
+                    tracing::warn!("clone {} failed: {why}", info.id);
+                    info.status = CloneStatus::Failed;
+                    info.error = Some(why.to_string());
+                    failed.get_or_insert(why);
+                }
             }
             if std::mem::take(&mut devices_parked) {
                 vm.devices().resume_virtio();
@@ -208,6 +214,16 @@ impl Cloner {
         let infos: Vec<CloneInfo> = made.into_iter().map(|(i, _)| i).collect();
         self.warm.note_request();
         self.table.record(req.count as u32, &infos);
+        // None started: the request failed, with the first clone's reason (the table
+        // reaps them).
+        if infos.iter().all(|i| i.status == CloneStatus::Failed) {
+            if let Some(why) = failed {
+                return Err(CloneError::NoneStarted {
+                    reason: why.to_string(),
+                    errno: why.errno,
+                });
+            }
+        }
         Ok(infos)
     }
 
@@ -303,7 +319,8 @@ impl Cloner {
         let t_capture = t0.elapsed();
         // 4. Fork.
         let result = match captured {
-            Ok(state) => fork::fork_all(vm, self.cgroups.as_mut(), self.serve, &state, clones),
+            Ok(state) => fork::fork_all(vm, self.cgroups.as_mut(), self.serve, &state, clones)
+                .map_err(|p| self.abandon(Vec::new(), p)),
             Err(e) => {
                 request::give_back(self.cgroups.as_ref(), clones.into_iter().map(|(_, t)| t));
                 Err(e)
@@ -363,16 +380,38 @@ impl Cloner {
             }
         }
         if !rest.is_empty() {
-            let clones = request::take_cgroups(self.cgroups.as_ref(), rest, class)?;
-            made.extend(fork::fork_all(
-                vm,
-                self.cgroups.as_mut(),
-                self.serve,
-                state,
-                clones,
-            )?);
+            let clones = match request::take_cgroups(self.cgroups.as_ref(), rest, class) {
+                Ok(c) => c,
+                Err(error) => {
+                    let made = made.into_iter().map(|(i, _)| i).collect();
+                    return Err(self.abandon(
+                        made,
+                        fork::Partial {
+                            made: vec![],
+                            error,
+                        },
+                    ));
+                }
+            };
+            let forked = fork::fork_all(vm, self.cgroups.as_mut(), self.serve, state, clones);
+            match forked {
+                Ok(more) => made.extend(more),
+                Err(p) => {
+                    let made = made.into_iter().map(|(i, _)| i).collect();
+                    return Err(self.abandon(made, p));
+                }
+            }
         }
         Ok(made)
+    }
+
+    /// A request failed after it had started clones (`launched` warm ones, and those
+    /// `failed` made): they are ended, so that its caller, told it failed, has no
+    /// clone it does not know of. Returns the error.
+    fn abandon(&mut self, launched: Vec<CloneInfo>, failed: fork::Partial) -> CloneError {
+        let made = launched.into_iter().chain(failed.made).collect();
+        self.table.abandon(self.cgroups.as_mut(), made);
+        failed.error
     }
 
     /// The VM changed while paused (it resumed, or its serial port got input): the

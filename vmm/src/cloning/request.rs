@@ -71,6 +71,32 @@ pub enum CloneError {
     /// No cgroup for the clone.
     #[error(transparent)]
     Cgroup(#[from] PlacementError),
+    /// Every clone of the request failed before it was ready (each one's reason is
+    /// in the log; this is the first's).
+    #[error("no clone started: {reason}")]
+    NoneStarted {
+        /// Why the first failed.
+        reason: String,
+        /// The host error number behind it (0: none).
+        errno: i32,
+    },
+}
+
+impl CloneError {
+    /// Whether the host ran out of something for now (space, descriptors, memory,
+    /// processes): a request that may succeed later.
+    pub fn host_short(&self) -> bool {
+        let errno = match self {
+            CloneError::Os(e) => e.raw_os_error().unwrap_or(0),
+            CloneError::Overlay(e) => super::child::errno_of(e),
+            CloneError::NoneStarted { errno, .. } => *errno,
+            _ => 0,
+        };
+        matches!(
+            errno,
+            libc::ENOSPC | libc::EDQUOT | libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN
+        )
+    }
 }
 
 /// What a clone is told about itself when it is launched.
@@ -273,6 +299,7 @@ pub(super) fn starting_info(
         kept_overlays,
         latency_us: None,
         status: CloneStatus::Failed,
+        error: None,
         cgroup,
     }
 }

@@ -191,6 +191,30 @@ impl CloneTable {
     }
 
     /// SIGTERM, then SIGKILL after a grace period; reaps.
+    /// Ends the clones a failed request had made before it failed (its caller learns of
+    /// none): each is recorded with its id (not given again), killed, reaped, and its
+    /// console removed.
+    pub(super) fn abandon(&mut self, mut pools: Option<&mut ClonePools>, made: Vec<CloneInfo>) {
+        if made.is_empty() {
+            return;
+        }
+        tracing::warn!("stopping {} clones of a request that failed", made.len());
+        self.record(made.len() as u32, &made);
+        for c in made {
+            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
+            if let Ok(status) = waitpid(Pid::from_raw(c.pid), None) {
+                if let Some(r) = self.reaped(pools.as_deref_mut(), c.pid, status) {
+                    let why = "stopped: another clone of its request failed";
+                    (self.clones.iter_mut().filter(|x| x.pid == r.pid))
+                        .for_each(|x| x.error = Some(why.into()));
+                }
+            }
+            if c.console != std::path::Path::new("/dev/null") {
+                let _ = std::fs::remove_file(&c.console);
+            }
+        }
+    }
+
     fn stop_and_reap(&mut self, pools: Option<&mut ClonePools>, pid: i32) -> Option<CloneInfo> {
         stop_pid(pid, STOP_TIMEOUT);
         let status = waitpid(Pid::from_raw(pid), None).ok()?;

@@ -1,0 +1,396 @@
+//! Faults injected into a running template (issue 23): a full socket or overlay
+//! directory, too few file descriptors, and a SIGKILL at any moment of a clone request.
+//! For each: what the caller sees, that the template keeps serving, and that nothing is
+//! left behind. Tiny guest, so each boot takes a second or two.
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tests::{guest_file, kvm_and_root_available, kvm_available, vmm_bin, Scratch, Vm};
+
+const BOOT: Duration = Duration::from_secs(60);
+
+/// One fault test at a time: they count processes and descriptors.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A tmpfs with room for `inodes` inodes mounted on `dir` (made if missing), unmounted
+/// on drop.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, inodes: u32) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o"])
+            .arg(format!("size=16m,nr_inodes={inodes},mode=0755"))
+            .arg("tmpfs")
+            .arg(dir)
+            .output()
+            .expect("mount");
+        assert!(out.status.success(), "mount tmpfs: {out:?}");
+        Self(dir.to_path_buf())
+    }
+
+    /// Makes empty files until the file system has no inode left; returns them.
+    fn fill(&self) -> Vec<PathBuf> {
+        let mut made = Vec::new();
+        for i in 0.. {
+            let p = self.0.join(format!("filler-{i}"));
+            match std::fs::File::create(&p) {
+                Ok(_) => made.push(p),
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+                    return made;
+                }
+            }
+        }
+        unreachable!()
+    }
+
+    /// What is in it besides the fillers.
+    fn entries(&self) -> Vec<String> {
+        std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with("filler-"))
+            .collect()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect()
+}
+
+fn count_dir(path: String) -> usize {
+    std::fs::read_dir(path).map(|d| d.count()).unwrap_or(0)
+}
+
+/// The template's open descriptors once they are `expected`, or after 2 s (its last
+/// answer's connection closes after the client read the answer).
+fn fds_of(pid: u32, expected: usize) -> usize {
+    let start = Instant::now();
+    loop {
+        let n = count_dir(format!("/proc/{pid}/fd"));
+        if n == expected || start.elapsed() > Duration::from_secs(2) {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn post_clones(vm: &Vm, count: u32) -> (u16, Value) {
+    let (code, body) = vm.api("POST", "/clones", Some(&format!(r#"{{"count":{count}}}"#)));
+    let v = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    (code, v)
+}
+
+/// Deletes the clones of a `POST /clones` answer and their consoles (which a clone
+/// leaves for its user to read).
+fn delete_all(vm: &Vm, clones: &Value) {
+    for c in clones["clones"].as_array().unwrap() {
+        let (code, body) = vm.api(
+            "DELETE",
+            &format!("/clones/{}", c["id"].as_str().unwrap()),
+            None,
+        );
+        assert_eq!(code, 200, "{body}");
+        std::fs::remove_file(c["console"].as_str().unwrap()).unwrap();
+    }
+}
+
+/// The template still runs its guest and answers.
+fn assert_serving(vm: &mut Vm) {
+    let text = vm.console_text();
+    let beats = text.matches("tiny: beat ").count();
+    vm.wait_console(&format!("tiny: beat {}\n", beats + 1), BOOT);
+    assert_eq!(vm.describe()["state"], "running");
+}
+
+#[test]
+fn clones_refused_for_a_full_socket_or_overlay_directory_leave_nothing_and_the_template_serves() {
+    if !kvm_and_root_available("faults_full_directories") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let scratch = Scratch::new("faults-full");
+    // The control socket's directory and the overlay directory, each its own small
+    // file system (the template's socket, console and log take 3 inodes, the root 1).
+    let socks = Tmpfs::mount(&scratch.path("socks"), 64);
+    let cow = Tmpfs::mount(&scratch.path("cow"), 64);
+    let tiny = guest_file("tiny.elf").display().to_string();
+    let disk = guest_file("rootfs.ext4").display().to_string();
+    let sock = socks.0.join("api.sock");
+    let console = socks.0.join("console");
+    let stderr = scratch.path("stderr");
+    let child = Command::new(vmm_bin())
+        .args([
+            "--log-level",
+            "info",
+            "run",
+            "--kernel",
+            &tiny,
+            "--mem-mib",
+            "64",
+        ])
+        .args(["--rootfs", &disk, "--rootfs-cow"])
+        .arg(&cow.0)
+        .args(["--cmdline", "ticks=1 beat=10"])
+        .arg("--console")
+        .arg(&console)
+        .arg("--api-sock")
+        .arg(&sock)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .unwrap();
+    let mut vm = Vm {
+        child,
+        console,
+        sock,
+        stderr,
+    };
+    vm.wait_console("tiny: beat 1\n", BOOT);
+    let pid = vm.child.id();
+    // A clone first, so lazily made state exists before counting.
+    let (code, made) = post_clones(&vm, 1);
+    assert_eq!(code, 201, "{made}");
+    delete_all(&vm, &made);
+    let fds = fds_of(pid, 0);
+    let before = socks.entries();
+
+    for (full, what) in [(&socks, "socket directory"), (&cow, "overlay directory")] {
+        let fillers = full.fill();
+        let (code, body) = post_clones(&vm, 3);
+        assert_eq!(code, 503, "a full {what}: {body}");
+        let msg = body["error"].as_str().unwrap_or_default().to_string();
+        assert!(msg.contains("No space left on device"), "{what}: {msg}");
+        eprintln!("faults: a full {what}: {code} {msg}");
+        // Nothing half-made: no clone process, socket, console or descriptor.
+        assert!(children_of(pid).is_empty(), "{:?}", children_of(pid));
+        assert_eq!(socks.entries(), before, "{what}");
+        assert_eq!(fds_of(pid, fds), fds, "{what}: fds");
+        let (_, list) = vm.api("GET", "/clones", None);
+        let list: Value = serde_json::from_str(&list).unwrap();
+        assert!(
+            (list["clones"].as_array().unwrap().iter()).all(|c| c["status"]["state"] != "running"),
+            "{list}"
+        );
+        assert_serving(&mut vm);
+        // With room again, clones are made as before.
+        for f in fillers {
+            std::fs::remove_file(f).unwrap();
+        }
+        let (code, made) = post_clones(&vm, 3);
+        assert_eq!(code, 201, "{what} with room again: {made}");
+        delete_all(&vm, &made);
+        assert_eq!(socks.entries(), before, "{what}");
+    }
+    vm.shutdown(BOOT);
+    assert!(
+        socks.entries().iter().all(|e| e == "console"),
+        "{:?}",
+        socks.entries()
+    );
+    assert_eq!(cow.entries(), Vec::<String>::new());
+}
+
+#[test]
+fn a_template_out_of_file_descriptors_refuses_clearly_and_recovers() {
+    if !kvm_available("faults_emfile") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let scratch = Scratch::new("faults-emfile");
+    let tiny = guest_file("tiny.elf").display().to_string();
+    let console = scratch.path("console");
+    let sock = scratch.path("api.sock");
+    let stderr = scratch.path("stderr");
+    let mut cmd = Command::new(vmm_bin());
+    cmd.args([
+        "--log-level",
+        "info",
+        "run",
+        "--kernel",
+        &tiny,
+        "--mem-mib",
+        "64",
+    ])
+    .args(["--cmdline", "ticks=1 beat=10"])
+    .arg("--console")
+    .arg(&console)
+    .arg("--api-sock")
+    .arg(&sock)
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(std::fs::File::create(&stderr).unwrap());
+    // SAFETY: setrlimit is async-signal-safe and touches only the child's limits.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: NOFILE,
+                rlim_max: NOFILE,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut vm = Vm {
+        child: cmd.spawn().unwrap(),
+        console,
+        sock,
+        stderr,
+    };
+    vm.wait_console("tiny: beat 1\n", BOOT);
+    let pid = vm.child.id();
+    let at_rest = fds_of(pid, 0);
+    let free = NOFILE as usize - at_rest;
+    let connect = || UnixStream::connect(&vm.sock).unwrap();
+    let accepted = |n: usize, what: &str| {
+        let got = fds_of(pid, n);
+        assert_eq!(got, n, "{what}: the template holds {got} descriptors");
+    };
+
+    // Idle connections take all descriptors but the one a clone request's connection
+    // takes: the clone cannot be made, and the caller is told why.
+    let idle: Vec<UnixStream> = (0..free - 1).map(|_| connect()).collect();
+    accepted(NOFILE as usize - 1, "idle connections");
+    let (code, body) = post_clones(&vm, 1);
+    let msg = body["error"].as_str().unwrap_or_default().to_string();
+    eprintln!("faults: {NOFILE} descriptors ({at_rest} at rest), all taken: {code} {msg}");
+    assert_eq!(code, 503, "{body}");
+    assert!(msg.contains("Too many open files"), "{msg}");
+    assert!(
+        children_of(pid).is_empty(),
+        "a half-made clone: {:?}",
+        children_of(pid)
+    );
+    drop(idle);
+    accepted(at_rest, "idle connections closed");
+    let (code, made) = post_clones(&vm, 1);
+    assert_eq!(code, 201, "{made}");
+    delete_all(&vm, &made);
+    accepted(at_rest, "after a clone");
+
+    // More connections than descriptors: accepting pauses while none is left, the idle
+    // ones get 408 at their request deadline (5 s), and a request among the waiting ones
+    // is then served.
+    let idle: Vec<UnixStream> = (0..free + 16).map(|_| connect()).collect();
+    let full = fds_of(pid, usize::MAX);
+    assert!(
+        full >= NOFILE as usize,
+        "{full} descriptors with every one taken"
+    );
+    let (code, body) = vm.api("GET", "/vm", None);
+    assert_eq!(code, 200, "{body}");
+    let mut timed_out = 0;
+    for mut c in idle {
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut answer = String::new();
+        let _ = c.read_to_string(&mut answer);
+        timed_out += usize::from(answer.starts_with("HTTP/1.1 408"));
+    }
+    assert!(
+        timed_out >= free - 1,
+        "{timed_out} of the idle connections got 408"
+    );
+    assert_serving(&mut vm);
+    let (code, made) = post_clones(&vm, 1);
+    assert_eq!(code, 201, "{made}");
+    delete_all(&vm, &made);
+    accepted(at_rest, "at the end");
+    vm.shutdown(BOOT);
+}
+
+/// The template's descriptor limit in the test above.
+const NOFILE: u64 = 64;
+
+/// Processes whose command line names `needle` (a scratch directory: the template's and
+/// its clones', which are forked, not executed).
+fn processes_naming(needle: &str) -> Vec<u32> {
+    let me = std::process::id();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&p| p != me)
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+#[test]
+fn a_template_sigkilled_at_any_moment_of_a_clone_request_takes_every_clone_with_it() {
+    if !kvm_available("faults_sigkill_template") {
+        return;
+    }
+    let _one = one_at_a_time();
+    // Delays after sending a request for 8 clones of a paused template that keeps 2 warm
+    // clones: they land before the pause, while the state is captured, between the
+    // forks and the clones' ready, and while warm clones are launched and refilled.
+    let mut slowest = Duration::ZERO;
+    let tiny = guest_file("tiny.elf").display().to_string();
+    let delays = [0u64, 1, 2, 4, 8, 15, 30, 60, 120, 250];
+    for (delay_ms, paused) in delays.iter().flat_map(|&d| [(d, false), (d, true)]) {
+        let scratch = Scratch::new("faults-kill");
+        let mut args = vec!["--kernel", &tiny, "--mem-mib", "64"];
+        args.extend(["--cmdline", "ticks=1 beat=10", "--warm-clones", "2"]);
+        let mut vm = Vm::start(&scratch, &args);
+        let needle = scratch.path("").display().to_string();
+        vm.wait_console("tiny: beat 1\n", BOOT);
+        if paused {
+            assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+        }
+        let sock = vm.sock.clone();
+        let request = std::thread::spawn(move || {
+            tests::api_request(&sock, "POST", "/clones", Some(r#"{"count":8}"#))
+        });
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        vm.child.kill().unwrap();
+        let killed = Instant::now();
+        vm.child.wait().unwrap();
+        // The request's connection breaks (the client may panic on it) or it was answered.
+        let code = request.join().map(|(code, _)| code).unwrap_or(0);
+        let left = loop {
+            let left = processes_naming(&needle);
+            if left.is_empty() || killed.elapsed() > Duration::from_secs(10) {
+                break left;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(
+            left.is_empty(),
+            "after {delay_ms} ms: processes outlived their SIGKILLed template: {left:?}\n{}",
+            vm.stderr_text()
+        );
+        slowest = slowest.max(killed.elapsed());
+        eprintln!(
+            "faults: SIGKILL {delay_ms} ms into the request (paused: {paused}, answer \
+             {code}): all gone after {:?}",
+            killed.elapsed()
+        );
+    }
+    eprintln!("faults: slowest: {slowest:?}");
+}

@@ -105,7 +105,7 @@ pub type ServeClone = fn(RebuiltClone) -> Result<RunOutcome, ServeError>;
 pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The clone's end of its ready pipe, held until its control socket is up; until then
-/// a failure of the clone is reported through it too ([`FAIL_MARK`]).
+/// a failure of the clone is reported through it too (a failure record).
 pub struct ReadyMark(Arc<Mutex<Option<File>>>);
 
 impl ReadyMark {

@@ -70,3 +70,35 @@ mod tests {
         assert!(a > 0 && monotonic_ns() >= a);
     }
 }
+
+/// How many times an event a guest can repeat is logged before the throttle thins it.
+pub const LOG_FIRST: u64 = 10;
+
+/// Counts an event a guest can cause over and over (a refused request, a bad register
+/// write) and says when to log it: the first [`LOG_FIRST`] times, then when the count
+/// reaches a power of two. A guest that repeats it forever costs the log a line per
+/// doubling, not a line per try.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LogThrottle(u64);
+
+impl LogThrottle {
+    /// Counts one more; the count when this one is to be logged.
+    pub fn hit(&mut self) -> Option<u64> {
+        self.0 = self.0.saturating_add(1);
+        (self.0 <= LOG_FIRST || self.0.is_power_of_two()).then_some(self.0)
+    }
+}
+
+#[cfg(test)]
+mod throttle_tests {
+    use super::*;
+
+    #[test]
+    fn the_first_ten_then_each_power_of_two_are_logged() {
+        let mut t = LogThrottle::default();
+        let logged: Vec<u64> = (0..100_000).filter_map(|_| t.hit()).collect();
+        let mut expected: Vec<u64> = (1..=10).collect();
+        expected.extend((4..17).map(|p| 1u64 << p));
+        assert_eq!(logged, expected);
+    }
+}

@@ -155,6 +155,10 @@ cpu_common:
     leaq msg_timer(%rip), %rdi
     call lock_print_cpu_msg         /* "tiny: cpu N timer ok" */
     lock incl cpus_done(%rip)
+    cmpq $0, opt_hostile(%rip)
+    je   1f
+    call hostile
+1:
 
     testl %r15d, %r15d
     jz   bsp_main
@@ -194,6 +198,49 @@ busy_beats:
     call putc
     call unlock_serial
     jmp  1b
+
+/*
+ * hostile=N: N thousand port accesses at random from this CPU (a xorshift64 seeded
+ * from the TSC and the CPU id) to ports 0xf40-0xfbf, forkvm's and unused ones, at
+ * any offset, except the done port and the invoke port (which end or park the VM by
+ * design): 32-bit writes of random values, one access in four a read. Then
+ * "tiny: cpu N hostile done" (malicious-guest tests).
+ */
+hostile:
+    rdtsc
+    shlq $32, %rdx
+    orq  %rdx, %rax
+    leaq 1(%rax,%r15), %r8          /* r8: generator state, never 0 */
+    movq opt_hostile(%rip), %r9
+    imulq $1000, %r9, %r9           /* r9: accesses left */
+1:  movq %r8, %rax
+    shlq $13, %rax
+    xorq %rax, %r8
+    movq %r8, %rax
+    shrq $7, %rax
+    xorq %rax, %r8
+    movq %r8, %rax
+    shlq $17, %rax
+    xorq %rax, %r8
+    movl %r8d, %edx
+    andl $0x7f, %edx
+    addl $0xf40, %edx               /* port 0xf40-0xfbf */
+    cmpl $DONE_PORT, %edx
+    je   3f
+    cmpl $INVOKE_PORT, %edx
+    je   3f
+    movq %r8, %rax
+    shrq $32, %rax                  /* value */
+    testl $0x300, %r8d
+    jz   2f
+    outl %eax, %dx
+    jmp  3f
+2:  inl  %dx, %eax
+3:  decq %r9
+    jnz  1b
+    leaq msg_hostile(%rip), %rdi
+    call lock_print_cpu_msg         /* "tiny: cpu N hostile done" */
+    ret
 
 bsp_main:
     movl $PROBE_NCPUS, %edx
@@ -776,6 +823,9 @@ parse_cmdline:
     leaq key_load(%rip), %rdi
     leaq opt_load(%rip), %rdx
     call cmdline_opt
+    leaq key_hostile(%rip), %rdi
+    leaq opt_hostile(%rip), %rdx
+    call cmdline_opt
 9:  ret
 
 /*
@@ -853,6 +903,8 @@ msg_invoke:     .asciz "tiny: invoke ready\n"
 key_rewait:     .asciz "rewait="
 key_prime:      .asciz "prime="
 key_load:       .asciz "load="
+key_hostile:    .asciz "hostile="
+msg_hostile:    .asciz " hostile done\n"
 msg_failed:     .ascii "tiny: the handler failed"
 msg_failed_end:
 null_idt:
@@ -888,6 +940,7 @@ opt_invoke:  .quad 0
 opt_rewait:  .quad 0
 opt_prime:   .quad 0
 opt_load:    .quad 0
+opt_hostile: .quad 0
 loaded:      .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0

@@ -74,6 +74,8 @@ pub struct MmioTransport {
     pending_start: bool,
     /// The queues as the worker reported them when it parked (None: not parked).
     parked: Option<Vec<QueueState>>,
+    /// Activations refused (a driver may retry forever).
+    refusals: crate::util::LogThrottle,
 }
 
 /// `virtio_queue::QueueState` for serde (the crate has no serde support).
@@ -190,6 +192,7 @@ impl MmioTransport {
             worker: None,
             pending_start: false,
             parked: None,
+            refusals: Default::default(),
         })
     }
 
@@ -315,10 +318,12 @@ impl MmioTransport {
             .iter()
             .position(|q| q.ready() && !q.is_valid(&self.mem))
         {
-            tracing::warn!(
-                "{}: driver made queue {i} ready with an invalid layout",
-                self.device.name()
-            );
+            if let Some(n) = self.refusals.hit() {
+                tracing::warn!(
+                    "{}: driver made queue {i} ready with an invalid layout ({n} so far)",
+                    self.device.name()
+                );
+            }
             self.status |= STATUS_FAILED;
             return;
         }

@@ -59,6 +59,8 @@ pub struct Cloner {
     clone_id: String,
     /// What serves a clone once its VM is rebuilt (the controller's event loop).
     serve: ServeClone,
+    /// The guest's refused clone requests (a guest may send them in a loop).
+    guest_refusals: devices::util::LogThrottle,
 }
 
 impl Cloner {
@@ -72,6 +74,7 @@ impl Cloner {
             cgroups: config.cgroups.as_ref().map(ClonePools::new).transpose()?,
             clone_id: String::new(),
             serve,
+            guest_refusals: Default::default(),
         })
     }
 
@@ -85,6 +88,7 @@ impl Cloner {
             cgroups: None,
             clone_id: id,
             serve,
+            guest_refusals: Default::default(),
         }
     }
 
@@ -275,7 +279,11 @@ impl Cloner {
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
-            Err(e) => tracing::warn!("guest clone request on vCPU {vcpu} failed: {e}"),
+            Err(e) => {
+                if let Some(n) = self.guest_refusals.hit() {
+                    tracing::warn!("guest clone request on vCPU {vcpu} failed: {e} ({n} so far)");
+                }
+            }
         }
     }
 

@@ -56,6 +56,19 @@ pub fn workspace_bin(name: &str) -> PathBuf {
     bin
 }
 
+/// Whether `test` can run, given that what it needs is `present`: without it, a loud
+/// skip naming `missing`, or a failure under CI (where every test must run).
+pub fn require(test: &str, present: bool, missing: &str) -> bool {
+    if !present {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: {missing}, and CI is set: every test must run in CI"
+        );
+        eprintln!("\n*** SKIPPED {test}: {missing} ***\n");
+    }
+    present
+}
+
 /// Whether KVM tests can run. Without /dev/kvm: a loud skip, or a failure under CI.
 pub fn kvm_available(test: &str) -> bool {
     let ok = std::fs::OpenOptions::new()
@@ -63,32 +76,14 @@ pub fn kvm_available(test: &str) -> bool {
         .write(true)
         .open("/dev/kvm")
         .is_ok();
-    if !ok {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{test}: /dev/kvm is not usable and CI is set: KVM tests must run in CI"
-        );
-        eprintln!("\n*** SKIPPED {test}: /dev/kvm is not usable on this machine ***\n");
-    }
-    ok
+    require(test, ok, "/dev/kvm is not usable on this machine")
 }
 
 /// Whether tests that need KVM and root (cgroups, jails) can run: a loud skip without
 /// either, a failure under CI.
 pub fn kvm_and_root_available(test: &str) -> bool {
-    if !kvm_available(test) {
-        return false;
-    }
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{test}: this test needs root and CI is set"
-        );
-        eprintln!("\n*** SKIPPED {test}: this test needs root ***\n");
-        return false;
-    }
-    true
+    kvm_available(test) && require(test, unsafe { libc::geteuid() } == 0, "it needs root")
 }
 
 /// A unique scratch directory for one test, removed on drop.

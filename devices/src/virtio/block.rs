@@ -298,6 +298,33 @@ struct Worker {
     write_failures: std::cell::Cell<u64>,
 }
 
+/// The queue work over a fuzzer's memory and queue (`super::fuzzing`).
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_process(
+    file: Arc<File>,
+    overlay: Option<Arc<Mutex<Overlay>>>,
+    rig: super::fuzzing::Rig,
+) -> super::fuzzing::Rig {
+    let sectors = super::fuzzing::DISK_SECTORS;
+    let mut w = Worker {
+        file,
+        overlay,
+        sectors,
+        id: [b'f'; ID_BYTES],
+        mem: rig.mem,
+        queue: rig.queue,
+        interrupt: rig.interrupt,
+        limiter: None,
+        write_failures: std::cell::Cell::new(0),
+    };
+    w.process_queue();
+    super::fuzzing::Rig {
+        mem: w.mem,
+        queue: w.queue,
+        interrupt: w.interrupt,
+    }
+}
+
 impl super::LimitedQueue for Worker {
     const NAME: &'static str = "virtio-blk";
 

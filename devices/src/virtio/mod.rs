@@ -1,6 +1,8 @@
 //! virtio devices over the virtio-mmio transport (virtio 1.x, "modern" register layout).
 
 pub mod block;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 pub mod mmio;
 pub mod net;
 pub mod rng;

@@ -155,6 +155,23 @@ impl RngWorker {
     }
 }
 
+/// The queue work over a fuzzer's memory and queue (`super::fuzzing`).
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_process(rig: super::fuzzing::Rig) -> super::fuzzing::Rig {
+    let mut w = RngWorker {
+        mem: rig.mem,
+        queue: rig.queue,
+        interrupt: rig.interrupt,
+        limiter: None,
+    };
+    w.process_queue();
+    super::fuzzing::Rig {
+        mem: w.mem,
+        queue: w.queue,
+        interrupt: w.interrupt,
+    }
+}
+
 impl super::LimitedQueue for RngWorker {
     const NAME: &'static str = "virtio-rng";
 

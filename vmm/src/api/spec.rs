@@ -127,7 +127,9 @@ pub const ROUTES: &[Route] = &[
         answers: &[
             Answer {
                 status: 201,
-                description: "The clones, each running or failed (its status says).",
+                description: "The clones, each running or failed (its status says; a failed \
+                              one's error says why). A request that fails after starting \
+                              clones ends them: its caller has no clone it was not told of.",
                 body: Some(schema::<CloneList>),
             },
             answer(
@@ -143,11 +145,14 @@ pub const ROUTES: &[Route] = &[
             ),
             answer(
                 503,
-                "The resource class's cgroup pool is exhausted (after --cgroup-wait-ms).",
+                "The resource class's cgroup pool is exhausted (after --cgroup-wait-ms), or \
+                 the host is out of space, descriptors, memory or processes for now (no \
+                 clone started, or none could be made).",
             ),
             answer(
                 500,
-                "The host failed: fork, capture, an overlay copy, a cgroup operation.",
+                "The host failed: fork, capture, an overlay copy, a cgroup operation; or no \
+                 clone started (the first one's reason).",
             ),
         ],
         query: None,
@@ -156,7 +161,8 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "get",
         path: "/clones",
-        summary: "Every clone this VM made, oldest first, with live clones' cgroup usage read now.",
+        summary: "The clones this VM made, oldest first (every live one and the last 1024 that \
+                  ended), with live clones' cgroup usage read now.",
         request: None,
         answers: &[Answer {
             status: 200,

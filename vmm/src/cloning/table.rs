@@ -16,6 +16,10 @@ use crate::invoke::Connection;
 /// How long a clone has to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// How many records of clones that ended a VM keeps (the oldest go first): a template
+/// that runs for weeks does not hold every clone it ever made.
+pub const ENDED_KEPT: usize = 1024;
+
 /// Clones made by this VM.
 #[derive(Debug, Default)]
 pub struct CloneTable {
@@ -46,6 +50,15 @@ impl CloneTable {
     pub(super) fn record(&mut self, count: u32, infos: &[CloneInfo]) {
         self.made += count;
         self.clones.extend(infos.iter().cloned());
+        let ended = self.clones.iter().filter(|c| !c.status.is_live()).count();
+        let mut drop = ended.saturating_sub(ENDED_KEPT);
+        if drop > 0 {
+            self.clones.retain(|c| {
+                let gone = drop > 0 && !c.status.is_live();
+                drop -= usize::from(gone);
+                !gone
+            });
+        }
     }
 
     /// Forgets invocation clone `pid` once it ends (its record and console file), and
@@ -73,7 +86,9 @@ impl CloneTable {
         status: WaitStatus,
     ) -> Option<CloneInfo> {
         let usage = pools.and_then(|p| p.exited(pid));
-        let c = self.clones.iter_mut().find(|c| c.pid == pid)?;
+        // The live record: an ended clone's pid may have been given to a newer one.
+        let at = (self.clones.iter()).position(|c| c.pid == pid && c.status.is_live())?;
+        let c = &mut self.clones[at];
         let oom = usage.is_some_and(|u| u.oom_kills > 0);
         c.status = match status {
             WaitStatus::Signaled(_, Signal::SIGKILL, _) if oom => CloneStatus::OomKilled,
@@ -100,9 +115,7 @@ impl CloneTable {
             if c.console != std::path::Path::new("/dev/null") {
                 let _ = std::fs::remove_file(&c.console);
             }
-            let last = c.clone();
-            self.clones.retain(|c| c.pid != pid);
-            return Some(last);
+            return Some(self.clones.remove(at));
         }
         Some(c.clone())
     }
@@ -203,10 +216,10 @@ impl CloneTable {
         for c in made {
             let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
             if let Ok(status) = waitpid(Pid::from_raw(c.pid), None) {
-                if let Some(r) = self.reaped(pools.as_deref_mut(), c.pid, status) {
-                    let why = "stopped: another clone of its request failed";
-                    (self.clones.iter_mut().filter(|x| x.pid == r.pid))
-                        .for_each(|x| x.error = Some(why.into()));
+                self.reaped(pools.as_deref_mut(), c.pid, status);
+                // Its record, the newest with its pid.
+                if let Some(x) = self.clones.iter_mut().rev().find(|x| x.pid == c.pid) {
+                    x.error = Some("stopped: another clone of its request failed".into());
                 }
             }
             if c.console != std::path::Path::new("/dev/null") {
@@ -240,4 +253,55 @@ fn stop_pid(pid: i32, grace: Duration) {
 fn still_running(pid: Pid) -> bool {
     let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
     matches!(waitid(Id::Pid(pid), flags), Ok(WaitStatus::StillAlive))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(n: i32, status: CloneStatus) -> CloneInfo {
+        CloneInfo {
+            id: n.to_string(),
+            pid: n,
+            api_sock: format!("/nonexistent/{n}.sock").into(),
+            console: "/dev/null".into(),
+            vsock: None,
+            net: None,
+            kept_overlays: vec![],
+            latency_us: None,
+            status,
+            error: None,
+            cgroup: None,
+        }
+    }
+
+    #[test]
+    fn the_oldest_records_of_ended_clones_go_first_and_live_ones_stay() {
+        let mut t = CloneTable::default();
+        t.record(1, &[info(1, CloneStatus::Running)]);
+        for n in 2..=1100 {
+            t.record(1, &[info(n, CloneStatus::Exited(0))]);
+        }
+        t.record(1, &[info(1101, CloneStatus::Running)]);
+        assert_eq!(t.made(), 1101);
+        let list = t.list();
+        assert_eq!(list.len(), ENDED_KEPT + 2);
+        assert_eq!(list[0].id, "1", "a live clone is never dropped");
+        assert_eq!(list[1].id, (1100 - ENDED_KEPT + 1).to_string());
+        assert_eq!(list.last().unwrap().id, "1101");
+    }
+
+    #[test]
+    fn a_reused_pid_ends_the_live_clone_not_an_old_record() {
+        let mut t = CloneTable::default();
+        t.record(1, &[info(7, CloneStatus::Killed(15))]);
+        t.record(1, &[info(7, CloneStatus::Running)]);
+        t.reaped(None, 7, WaitStatus::Exited(Pid::from_raw(7), 3));
+        let status: Vec<_> = t.list().iter().map(|c| c.status).collect();
+        assert_eq!(status, [CloneStatus::Killed(15), CloneStatus::Exited(3)]);
+        // No live clone has that pid any more: a second report changes nothing.
+        assert!(t
+            .reaped(None, 7, WaitStatus::Exited(Pid::from_raw(7), 4))
+            .is_none());
+    }
 }

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Soak (docs/reliability.md): one tiny-guest template serving clone/exit cycles and
+invocations, with what the template's VMM holds counted every --every operations:
+descriptors, threads, RSS, live children, zombies, clone records, files in its socket
+directory and cgroups under its pools' parent (when --cgroup-parent is given). The
+counts must end where they began (after a first round that makes what is made lazily).
+
+cycles: POST /clones {"count":1} then DELETE /clones/{id} (the clone stops; its console,
+  which a clone leaves for its user, is removed as a user would), --cycles times.
+invocations: POST /invocations of the tiny guest's echo handler, each in a fresh warm
+  clone, --invocations times.
+The start and end counts are taken at rest (the template paused with its warm clones
+ready, no other child); those in between are snapshots with clones on their way.
+Records of clones that ended are kept up to 1024 (`cloning::table::ENDED_KEPT`).
+
+usage: benches/soak.py [--cycles 10000] [--invocations 10000] [--every 1000] [--warm 4]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from invoke import VMM, exchange, invoke, ready_template, wait_vm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "target/guest/tiny.elf")
+
+
+def kib(pid, key):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    return 0
+
+
+def children(pid):
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def state_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def counts(pid, sock, tmp, cgroup_parent):
+    kids = children(pid)
+    _, _, body = exchange(sock, "GET", "/clones")
+    c = {
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "rss_kib": kib(pid, "VmRSS:"),
+        "children": len(kids),
+        "zombies": sum(state_of(k) == "Z" for k in kids),
+        "records": len(json.loads(body)["clones"]),
+        "files": len(os.listdir(tmp)),
+    }
+    if cgroup_parent:
+        c["cgroups"] = sum(len(d) for _, d, _ in os.walk(cgroup_parent))
+    return c
+
+
+def settled(p, sock, tmp, a):
+    """The counts once the template is back at rest: paused and waiting with its warm
+    clones ready, and no child but them (invocation clones are reaped as they end)."""
+    wait_vm(p, sock, ready_template(a.warm), timeout=60)
+    deadline = time.time() + 10
+    while True:
+        c = counts(p.pid, sock, tmp, a.cgroup_parent)
+        if c["children"] == a.warm or time.time() > deadline:
+            return c
+        time.sleep(0.05)
+
+
+def show(what, done, c, t0):
+    cols = " ".join(f"{k}={v}" for k, v in c.items())
+    print(f"{what:12} {done:6}  {time.time() - t0:7.1f} s  {cols}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cycles", type=int, default=10000)
+    ap.add_argument("--invocations", type=int, default=10000)
+    ap.add_argument("--every", type=int, default=1000)
+    ap.add_argument("--warm", type=int, default=4)
+    ap.add_argument("--cgroup-parent", default="", help="count cgroups below this directory")
+    a = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="forkvm-soak-")
+    sock = os.path.join(tmp, "api.sock")
+    cmd = [VMM, "run", "--kernel", TINY, "--ap-boot", "direct", "--mem-mib", "64",
+           "--cmdline", "ticks=1 invoke=1", "--console", os.path.join(tmp, "console"),
+           "--api-sock", sock, "--template", "--warm-clones", str(a.warm)]
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        wait_vm(p, sock, ready_template(a.warm), timeout=120)
+        t0 = time.time()
+        first = None
+        print(f"template pid {p.pid}; counts of its VMM every {a.every} operations")
+
+        def cycle():
+            status, _, body = exchange(sock, "POST", "/clones", b'{"count":1}')
+            if status != 201:
+                sys.exit(f"POST /clones: {status} {body[:200]!r}")
+            c = json.loads(body)["clones"][0]
+            status, _, body = exchange(sock, "DELETE", "/clones/" + c["id"])
+            if status != 200:
+                sys.exit(f"DELETE /clones/{c['id']}: {status} {body[:200]!r}")
+            os.remove(c["console"])
+
+        # A first round of each, so what is made lazily exists before counting.
+        for _ in range(min(a.every, 100)):
+            cycle()
+            invoke(sock, b"soak")
+        first = settled(p, sock, tmp, a)
+        show("start", 0, first, t0)
+        for i in range(1, a.cycles + 1):
+            cycle()
+            if i % a.every == 0:
+                show("cycles", i, counts(p.pid, sock, tmp, a.cgroup_parent), t0)
+        for i in range(1, a.invocations + 1):
+            invoke(sock, b"soak %d" % i)
+            if i % a.every == 0:
+                show("invocations", i, counts(p.pid, sock, tmp, a.cgroup_parent), t0)
+        last = settled(p, sock, tmp, a)
+        show("end", a.cycles + a.invocations, last, t0)
+        # Records of clones that ended are kept up to 1024 (the oldest go first).
+        grew = {k: (first[k], last[k]) for k in first
+                if k not in ("rss_kib", "records") and last[k] != first[k]}
+        if last["records"] > 1024:
+            grew["records"] = (first["records"], last["records"])
+        rss = last["rss_kib"] - first["rss_kib"]
+        print(f"RSS {first['rss_kib']} -> {last['rss_kib']} KiB ({rss:+d}); "
+              f"changed: {grew or 'nothing else'}")
+        exchange(sock, "PUT", "/actions", b'{"action_type":"shutdown"}')
+        p.wait(timeout=60)
+        if grew:
+            sys.exit(1)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

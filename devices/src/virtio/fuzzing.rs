@@ -2,10 +2,14 @@
 //! run once, synchronously, on guest memory and a split queue that the fuzzer's input
 //! laid out. Not part of the crate's API otherwise.
 //!
-//! Layout: guest memory of [`MEM_BYTES`], the input's bytes from address 0 (the rest
-//! zero); the descriptor table at [`DESC_TABLE`], the available ring at [`AVAIL_RING`],
-//! the used ring at [`USED_RING`], buffers anywhere (descriptors may point outside
-//! memory, loop, or claim any length).
+//! Layout: guest memory of [`MEM_BYTES`] with the descriptor table at [`DESC_TABLE`], the
+//! available ring at [`AVAIL_RING`], the used ring at [`USED_RING`] and buffers from
+//! [`DATA`]. The input fills them in this order, so that a short input already offers
+//! chains: the available ring's index (u16), its entries (u16 each, one per queue
+//! entry), the descriptors (16 bytes each: address, length, flags, next), then the data.
+//! A descriptor's address is taken modulo twice the memory, so half of them point
+//! outside it; lengths, flags and links are as given (chains may loop or claim any
+//! length).
 
 use std::fs::File;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -25,6 +29,8 @@ pub const DESC_TABLE: u64 = 0;
 pub const AVAIL_RING: u64 = 0x1000;
 /// The used ring's address.
 pub const USED_RING: u64 = 0x2000;
+/// Where the data goes.
+pub const DATA: u64 = 0x3000;
 
 /// Guest memory and a queue on it, as a driver left them.
 pub struct Rig {
@@ -36,13 +42,35 @@ pub struct Rig {
 }
 
 impl Rig {
-    /// Memory from `image` and a queue of `size` entries (with `VIRTIO_F_EVENT_IDX` when
-    /// `event_idx`); None when the queue is not one a transport would accept (a size
-    /// that is no power of two up to 256, rings outside memory).
-    pub fn new(image: &[u8], size: u16, event_idx: bool) -> Option<Self> {
+    /// Memory laid out from `input` (see the module) and a queue of `size` entries (with
+    /// `VIRTIO_F_EVENT_IDX` when `event_idx`); None when the queue is not one a transport
+    /// would accept (a size that is no power of two up to 256).
+    pub fn new(input: &[u8], size: u16, event_idx: bool) -> Option<Self> {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_BYTES)]).ok()?;
-        mem.write_slice(&image[..image.len().min(MEM_BYTES)], GuestAddress(0))
-            .ok()?;
+        let mut input = input;
+        let mut take = |n: usize| {
+            let (head, rest) = input.split_at(n.min(input.len()));
+            input = rest;
+            head
+        };
+        let idx = take(2);
+        mem.write_slice(idx, GuestAddress(AVAIL_RING + 2)).ok()?;
+        let ring = take(2 * usize::from(size));
+        mem.write_slice(ring, GuestAddress(AVAIL_RING + 4)).ok()?;
+        for i in 0..u64::from(size) {
+            let d = take(16);
+            if d.is_empty() {
+                break;
+            }
+            let mut raw = [0u8; 16];
+            raw[..d.len()].copy_from_slice(d);
+            let addr = u64::from_le_bytes(raw[..8].try_into().ok()?) % (2 * MEM_BYTES as u64);
+            raw[..8].copy_from_slice(&addr.to_le_bytes());
+            mem.write_slice(&raw, GuestAddress(DESC_TABLE + 16 * i))
+                .ok()?;
+        }
+        let data = take(MEM_BYTES - DATA as usize);
+        mem.write_slice(data, GuestAddress(DATA)).ok()?;
         let mut queue = Queue::new(256).ok()?;
         queue.set_size(size);
         queue.set_desc_table_address(Some(DESC_TABLE as u32), Some(0));

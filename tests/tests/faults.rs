@@ -405,3 +405,80 @@ fn a_template_sigkilled_at_any_moment_of_a_clone_request_takes_every_clone_with_
     }
     eprintln!("faults: slowest: {slowest:?}");
 }
+
+#[test]
+fn a_clone_killed_while_it_starts_is_reported_and_leaves_nothing() {
+    if !kvm_available("faults_clone_killed_starting") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let scratch = Scratch::new("faults-starting");
+    let mut vm = tests::tiny_vm(&scratch, "64", "1", "ticks=1 beat=10");
+    vm.wait_console("tiny: beat 1\n", BOOT);
+    let pid = vm.child.id();
+    let fds = fds_of(pid, 0);
+    for round in 0..5 {
+        // A thread that SIGKILLs the template's first new child as soon as it appears
+        // (while it rebuilds its VM, or just after it reported ready).
+        let watcher = std::thread::spawn(move || {
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(10) {
+                if let Some(&child) = children_of(pid).first() {
+                    // SAFETY: kill has no memory preconditions; the pid is a clone this
+                    // test's template just forked.
+                    unsafe { libc::kill(child as i32, libc::SIGKILL) };
+                    return Some(child);
+                }
+            }
+            None
+        });
+        let (code, body) = post_clones(&vm, 4);
+        let killed = watcher.join().unwrap().expect("a clone to kill") as i64;
+        let clones = body["clones"].as_array().cloned().unwrap_or_default();
+        let victim = clones.iter().find(|c| c["pid"] == killed);
+        eprintln!(
+            "faults: round {round}: clone {killed} killed while starting: {code}, it is {}",
+            victim.map_or("unlisted".into(), |c| format!(
+                "{} {}",
+                c["status"], c["error"]
+            ))
+        );
+        assert_eq!(code, 201, "{body}");
+        let victim = victim.unwrap_or_else(|| panic!("clone {killed} not listed: {body}"));
+        match victim["status"]["state"].as_str() {
+            // Killed before it was ready: said so.
+            Some("failed") => assert!(victim["error"].is_string(), "{victim}"),
+            // Killed just after.
+            Some("running") => {}
+            other => panic!("{other:?}: {victim}"),
+        }
+        // The other three run; the killed one is reaped and its socket removed.
+        for c in clones.iter().filter(|c| c["pid"] != killed) {
+            assert_eq!(c["status"]["state"], "running", "{c}");
+        }
+        // Reaped (on SIGCHLD): its record says killed, and its socket is not left.
+        let record = || {
+            let (_, list) = vm.api("GET", "/clones", None);
+            let list: Value = serde_json::from_str(&list).unwrap();
+            (list["clones"].as_array().unwrap().iter())
+                .find(|c| c["pid"] == killed)
+                .cloned()
+                .unwrap()
+        };
+        let start = Instant::now();
+        while record()["status"]["state"] != "killed" && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(record()["status"]["state"], "killed", "{}", record());
+        assert!(!Path::new(victim["api_sock"].as_str().unwrap()).exists());
+        let others = serde_json::json!({
+            "clones": clones.iter().filter(|c| c["pid"] != killed).cloned().collect::<Vec<_>>()
+        });
+        delete_all(&vm, &others);
+        let _ = std::fs::remove_file(victim["console"].as_str().unwrap());
+        assert_serving(&mut vm);
+    }
+    assert!(children_of(pid).is_empty(), "{:?}", children_of(pid));
+    assert_eq!(fds_of(pid, fds), fds, "fds");
+    vm.shutdown(BOOT);
+}

@@ -208,7 +208,7 @@ impl std::fmt::Display for NotReady {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.reason {
             Some(r) => f.write_str(r),
-            None => f.write_str("it ended or stalled before its vCPU 0 entered the guest"),
+            None => f.write_str("it ended before it was ready, without saying why (killed?)"),
         }
     }
 }

@@ -509,18 +509,29 @@ fn a_half_cpu_quota_is_enforced() {
             .unwrap()
     };
     std::thread::sleep(Duration::from_millis(500));
-    let (h0, w0, t0) = (used(&half), used(&whole), Instant::now());
-    std::thread::sleep(Duration::from_secs(3));
-    let (h1, w1, wall) = (used(&half), used(&whole), t0.elapsed());
-    let wall_us = wall.as_micros() as f64;
-    let half_share = (h1 - h0) as f64 / wall_us;
-    let whole_share = (w1 - w0) as f64 / wall_us;
-    eprintln!("CPU share over {wall:?}: half {half_share:.2}, whole {whole_share:.2}");
-    assert!(half_share <= 0.6, "quota 0.5 not enforced: {half_share:.2}");
-    assert!(half_share > 0.2, "half clone barely ran: {half_share:.2}");
+    // The quota holds in every window. That the unlimited clone gets clearly more needs
+    // a free CPU: a window where something else on the host took it is measured again
+    // (up to 5 windows of 2 s).
+    let mut windows = Vec::new();
+    for _ in 0..5 {
+        let (h0, w0, t0) = (used(&half), used(&whole), Instant::now());
+        std::thread::sleep(Duration::from_secs(2));
+        let (h1, w1, wall) = (used(&half), used(&whole), t0.elapsed());
+        let wall_us = wall.as_micros() as f64;
+        let half_share = (h1 - h0) as f64 / wall_us;
+        let whole_share = (w1 - w0) as f64 / wall_us;
+        eprintln!("CPU share over {wall:?}: half {half_share:.2}, whole {whole_share:.2}");
+        assert!(half_share <= 0.6, "quota 0.5 not enforced: {half_share:.2}");
+        windows.push((half_share, whole_share));
+        if half_share > 0.2 && whole_share > half_share * 1.3 {
+            break;
+        }
+    }
+    let &(half_share, whole_share) = windows.last().unwrap();
     assert!(
-        whole_share > half_share * 1.3,
-        "the unlimited clone should get clearly more: {whole_share:.2} vs {half_share:.2}"
+        half_share > 0.2 && whole_share > half_share * 1.3,
+        "the half clone should run and the unlimited one get clearly more, in one window \
+         at least (half, whole): {windows:.2?}"
     );
     vm.shutdown(BOOT);
     assert_no_cgroups_left(&parent);

@@ -39,3 +39,8 @@ fn option_text_corpus() {
 fn virtio_queue_corpus() {
     replay("virtio_queue", fuzz_checks::virtio_queue);
 }
+
+#[test]
+fn mailbox_corpus() {
+    replay("mailbox", fuzz_checks::mailbox);
+}

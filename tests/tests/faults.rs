@@ -184,7 +184,12 @@ fn clones_refused_for_a_full_socket_or_overlay_directory_leave_nothing_and_the_t
         let msg = body["error"].as_str().unwrap_or_default().to_string();
         assert!(msg.contains("No space left on device"), "{what}: {msg}");
         eprintln!("faults: a full {what}: {code} {msg}");
-        // Nothing half-made: no clone process, socket, console or descriptor.
+        // Nothing half-made: no clone process (each failed one ends on its own and is
+        // reaped on SIGCHLD), socket, console or descriptor.
+        let start = Instant::now();
+        while !children_of(pid).is_empty() && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         assert!(children_of(pid).is_empty(), "{:?}", children_of(pid));
         assert_eq!(socks.entries(), before, "{what}");
         assert_eq!(fds_of(pid, fds), fds, "{what}: fds");

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use api_types::vm::VirtioKind;
-use api_types::{CreateClones, InvokeOptions, VmInfo};
+use api_types::{CloneStatus, CreateClones, InvokeOptions, VmInfo};
 use bytes::Bytes;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
@@ -42,15 +42,19 @@ impl Template {
     pub async fn clones(&self, request: &CreateClones) -> Result<Vec<VmClone>, Error> {
         let list = self.ep().create_clones(request).await?;
         let mut made = Vec::with_capacity(list.clones.len());
+        let mut failed = None;
         for info in list.clones {
-            // A clone that failed is in the list with its status: refuse the lot (the
-            // ones made so far are stopped as their handles drop).
-            if !info.status.is_live() {
-                return Err(Error::Exited {
-                    status: format!("clone {} did not start", info.id),
+            // A clone that failed is in the list with its status (and why): the lot is
+            // refused, once every running one has a handle, so that all of them stop as
+            // their handles drop.
+            if info.status != CloneStatus::Running {
+                let why = info.error.as_deref().map(|e| format!(": {e}"));
+                failed.get_or_insert(Error::Exited {
+                    status: format!("clone {} did not start{}", info.id, why.unwrap_or_default()),
                     console: std::fs::read_to_string(self.owner().host_path(&info.console))
                         .unwrap_or_default(),
                 });
+                continue;
             }
             let owner = Owner::derived(
                 self.owner().clone(),
@@ -67,7 +71,10 @@ impl Template {
                 id: info.id,
             });
         }
-        Ok(made)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(made),
+        }
     }
 }
 

@@ -235,27 +235,37 @@ pub struct Vm {
 impl Vm {
     /// Starts `vmm run ARGS --console <scratch>/console --api-sock <scratch>/api.sock`.
     pub fn start(scratch: &Scratch, args: &[&str]) -> Vm {
-        let console = scratch.path("console");
         let sock = scratch.path("api.sock");
+        Self::start_at(scratch, &sock, &scratch.path("console"), args, |_| {})
+    }
+
+    /// Starts `vmm run ARGS --console CONSOLE --api-sock SOCK` (its log in
+    /// `<scratch>/stderr`), after `prepare` had its say on the command (limits, say).
+    pub fn start_at(
+        scratch: &Scratch,
+        sock: &Path,
+        console: &Path,
+        args: &[&str],
+        prepare: impl FnOnce(&mut Command),
+    ) -> Vm {
         let stderr = scratch.path("stderr");
-        let child = Command::new(vmm_bin())
-            .arg("--log-level")
+        let mut cmd = Command::new(vmm_bin());
+        cmd.arg("--log-level")
             .arg("info")
             .arg("run")
             .args(args)
             .arg("--console")
-            .arg(&console)
+            .arg(console)
             .arg("--api-sock")
-            .arg(&sock)
+            .arg(sock)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
-            .spawn()
-            .expect("spawn vmm");
+            .stderr(std::fs::File::create(&stderr).expect("stderr file"));
+        prepare(&mut cmd);
         Vm {
-            child,
-            console,
-            sock,
+            child: cmd.spawn().expect("spawn vmm"),
+            console: console.to_path_buf(),
+            sock: sock.to_path_buf(),
             stderr,
         }
     }
@@ -410,22 +420,60 @@ impl Drop for Vm {
 /// Starts forkvm's tiny test guest with `mem_mib` MiB, `vcpus` vCPUs (all started by
 /// the VMM, `--ap-boot direct`) and its command line (docs/tiny-guest.md).
 pub fn tiny_vm(scratch: &Scratch, mem_mib: &str, vcpus: &str, cmdline: &str) -> Vm {
+    tiny_vm_with(scratch, mem_mib, vcpus, cmdline, &[])
+}
+
+/// [`tiny_vm`] with further `vmm run` options.
+pub fn tiny_vm_with(
+    scratch: &Scratch,
+    mem_mib: &str,
+    vcpus: &str,
+    cmdline: &str,
+    extra: &[&str],
+) -> Vm {
     let tiny = guest_file("tiny.elf").display().to_string();
-    Vm::start(
-        scratch,
-        &[
-            "--kernel",
-            &tiny,
-            "--mem-mib",
-            mem_mib,
-            "--vcpus",
-            vcpus,
-            "--ap-boot",
-            "direct",
-            "--cmdline",
-            cmdline,
-        ],
-    )
+    let mut args = vec![
+        "--kernel",
+        &tiny,
+        "--mem-mib",
+        mem_mib,
+        "--vcpus",
+        vcpus,
+        "--ap-boot",
+        "direct",
+        "--cmdline",
+        cmdline,
+    ];
+    args.extend_from_slice(extra);
+    Vm::start(scratch, &args)
+}
+
+/// Entries in directory `path` (0 if it cannot be read): a process's `/proc/PID/fd` or
+/// `/proc/PID/task`, say.
+pub fn count_dir(path: impl AsRef<Path>) -> usize {
+    std::fs::read_dir(path).map(|d| d.count()).unwrap_or(0)
+}
+
+/// The processes whose parent is `pid`, whichever of its threads forked them (none once
+/// `pid` is gone). Panics if the host kernel does not list children in /proc.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let me = std::process::id();
+    assert!(
+        Path::new(&format!("/proc/{me}/task/{me}/children")).exists(),
+        "the host kernel lists children in /proc (CONFIG_PROC_CHILDREN)"
+    );
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten();
+    // A thread may end while it is read: its list is then empty.
+    (tasks.flatten())
+        .flat_map(|t| {
+            let list = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+            list.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
 }
 
 /// The last `max` bytes of `text` (from a character boundary).

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{api_request, guest_file, kvm_available, tiny_vm, Scratch, Vm};
+use tests::{api_request, children_of, count_dir, guest_file, kvm_available, tiny_vm, Scratch, Vm};
 
 const BOOT: Duration = Duration::from_secs(30);
 
@@ -255,24 +255,8 @@ fn warm_clones_of_a_paused_template_launch_refill_and_are_discarded_on_resume() 
         return;
     }
     let scratch = Scratch::new("clone-warm");
-    let tiny = guest_file("tiny.elf").display().to_string();
-    let mut vm = Vm::start(
-        &scratch,
-        &[
-            "--kernel",
-            &tiny,
-            "--mem-mib",
-            "64",
-            "--vcpus",
-            "2",
-            "--ap-boot",
-            "direct",
-            "--warm-clones",
-            "3",
-            "--cmdline",
-            "ticks=2 beat=10",
-        ],
-    );
+    let warm = ["--warm-clones", "3"];
+    let mut vm = tests::tiny_vm_with(&scratch, "64", "2", "ticks=2 beat=10", &warm);
     vm.wait_console("tiny: beat 2\n", BOOT);
     let parent_pid = vm.child.id();
     // Running: no warm clones.
@@ -453,18 +437,6 @@ fn a_vm_with_virtio_devices_clones_and_both_keep_running() {
     let now = last_beat_plain(&vm.console_text());
     vm.wait_console(&format!("tiny: beat {}\n", now + 2), BOOT);
     vm.shutdown(BOOT);
-}
-
-fn count_dir(path: String) -> usize {
-    std::fs::read_dir(path).map(|d| d.count()).unwrap_or(0)
-}
-
-fn children_of(pid: u32) -> Vec<String> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .expect("the host kernel lists children in /proc (CONFIG_PROC_CHILDREN)")
-        .split_whitespace()
-        .map(str::to_string)
-        .collect()
 }
 
 #[test]

@@ -7,11 +7,13 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{guest_file, kvm_and_root_available, kvm_available, vmm_bin, Scratch, Vm};
+use tests::{
+    children_of, count_dir, guest_file, kvm_and_root_available, kvm_available, Scratch, Vm,
+};
 
 const BOOT: Duration = Duration::from_secs(60);
 
@@ -71,18 +73,6 @@ impl Drop for Tmpfs {
     }
 }
 
-fn children_of(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|p| p.parse().unwrap())
-        .collect()
-}
-
-fn count_dir(path: String) -> usize {
-    std::fs::read_dir(path).map(|d| d.count()).unwrap_or(0)
-}
-
 /// The template's open descriptors once they are `expected`, or after 2 s (its last
 /// answer's connection closes after the client read the answer).
 fn fds_of(pid: u32, expected: usize) -> usize {
@@ -137,37 +127,21 @@ fn clones_refused_for_a_full_socket_or_overlay_directory_leave_nothing_and_the_t
     let cow = Tmpfs::mount(&scratch.path("cow"), 64);
     let tiny = guest_file("tiny.elf").display().to_string();
     let disk = guest_file("rootfs.ext4").display().to_string();
-    let sock = socks.0.join("api.sock");
-    let console = socks.0.join("console");
-    let stderr = scratch.path("stderr");
-    let child = Command::new(vmm_bin())
-        .args([
-            "--log-level",
-            "info",
-            "run",
-            "--kernel",
-            &tiny,
-            "--mem-mib",
-            "64",
-        ])
-        .args(["--rootfs", &disk, "--rootfs-cow"])
-        .arg(&cow.0)
-        .args(["--cmdline", "ticks=1 beat=10"])
-        .arg("--console")
-        .arg(&console)
-        .arg("--api-sock")
-        .arg(&sock)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&stderr).unwrap())
-        .spawn()
-        .unwrap();
-    let mut vm = Vm {
-        child,
-        console,
-        sock,
-        stderr,
-    };
+    let cow_dir = cow.0.display().to_string();
+    let args = [
+        "--kernel",
+        &tiny,
+        "--mem-mib",
+        "64",
+        "--rootfs",
+        &disk,
+        "--rootfs-cow",
+        &cow_dir,
+        "--cmdline",
+        "ticks=1 beat=10",
+    ];
+    let (sock, console) = (socks.0.join("api.sock"), socks.0.join("console"));
+    let mut vm = Vm::start_at(&scratch, &sock, &console, &args, |_| {});
     vm.wait_console("tiny: beat 1\n", BOOT);
     let pid = vm.child.id();
     // A clone first, so lazily made state exists before counting.
@@ -226,46 +200,30 @@ fn a_template_out_of_file_descriptors_refuses_clearly_and_recovers() {
     let _one = one_at_a_time();
     let scratch = Scratch::new("faults-emfile");
     let tiny = guest_file("tiny.elf").display().to_string();
-    let console = scratch.path("console");
-    let sock = scratch.path("api.sock");
-    let stderr = scratch.path("stderr");
-    let mut cmd = Command::new(vmm_bin());
-    cmd.args([
-        "--log-level",
-        "info",
-        "run",
+    let args = [
         "--kernel",
         &tiny,
         "--mem-mib",
         "64",
-    ])
-    .args(["--cmdline", "ticks=1 beat=10"])
-    .arg("--console")
-    .arg(&console)
-    .arg("--api-sock")
-    .arg(&sock)
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(std::fs::File::create(&stderr).unwrap());
-    // SAFETY: setrlimit is async-signal-safe and touches only the child's limits.
-    unsafe {
-        cmd.pre_exec(|| {
-            let lim = libc::rlimit {
-                rlim_cur: NOFILE,
-                rlim_max: NOFILE,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let mut vm = Vm {
-        child: cmd.spawn().unwrap(),
-        console,
-        sock,
-        stderr,
-    };
+        "--cmdline",
+        "ticks=1 beat=10",
+    ];
+    let (sock, console) = (scratch.path("api.sock"), scratch.path("console"));
+    let mut vm = Vm::start_at(&scratch, &sock, &console, &args, |cmd| {
+        // SAFETY: setrlimit is async-signal-safe and touches only the child's limits.
+        unsafe {
+            cmd.pre_exec(|| {
+                let lim = libc::rlimit {
+                    rlim_cur: NOFILE,
+                    rlim_max: NOFILE,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    });
     vm.wait_console("tiny: beat 1\n", BOOT);
     let pid = vm.child.id();
     let at_rest = fds_of(pid, 0);
@@ -356,13 +314,11 @@ fn a_template_sigkilled_at_any_moment_of_a_clone_request_takes_every_clone_with_
     // clones: they land before the pause, while the state is captured, between the
     // forks and the clones' ready, and while warm clones are launched and refilled.
     let mut slowest = Duration::ZERO;
-    let tiny = guest_file("tiny.elf").display().to_string();
     let delays = [0u64, 1, 2, 4, 8, 15, 30, 60, 120, 250];
     for (delay_ms, paused) in delays.iter().flat_map(|&d| [(d, false), (d, true)]) {
         let scratch = Scratch::new("faults-kill");
-        let mut args = vec!["--kernel", &tiny, "--mem-mib", "64"];
-        args.extend(["--cmdline", "ticks=1 beat=10", "--warm-clones", "2"]);
-        let mut vm = Vm::start(&scratch, &args);
+        let warm = ["--warm-clones", "2"];
+        let mut vm = tests::tiny_vm_with(&scratch, "64", "1", "ticks=1 beat=10", &warm);
         let needle = scratch.path("").display().to_string();
         vm.wait_console("tiny: beat 1\n", BOOT);
         if paused {

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use tests::{guest_file, kvm_available, Scratch, Vm};
+use tests::{count_dir, kvm_available, Scratch, Vm};
 
 const BOOT: Duration = Duration::from_secs(60);
 
@@ -16,10 +16,6 @@ fn status_kib(pid: u32, key: &str) -> u64 {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = text.lines().find(|l| l.starts_with(key)).unwrap();
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-fn count_dir(path: String) -> usize {
-    std::fs::read_dir(path).map(|d| d.count()).unwrap_or(0)
 }
 
 fn beats(vm: &Vm) -> usize {
@@ -31,25 +27,8 @@ fn a_guest_writing_garbage_to_every_port_from_every_vcpu_leaves_the_vmm_serving_
     if !kvm_available("hostile_ports") {
         return;
     }
-    let tiny = guest_file("tiny.elf").display().to_string();
     let start = |scratch: &Scratch, cmdline: &str| {
-        Vm::start(
-            scratch,
-            &[
-                "--kernel",
-                &tiny,
-                "--mem-mib",
-                "64",
-                "--vcpus",
-                "2",
-                "--ap-boot",
-                "direct",
-                "--max-clones",
-                "4",
-                "--cmdline",
-                cmdline,
-            ],
-        )
+        tests::tiny_vm_with(scratch, "64", "2", cmdline, &["--max-clones", "4"])
     };
     let (s1, s2) = (Scratch::new("hostile"), Scratch::new("hostile-neighbour"));
     let mut neighbour = start(&s2, "ticks=1 beat=10");

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use api_types::InvokeOptions;
 use serde_json::Value;
-use tests::{kvm_available, tiny_vm, Scratch, Vm};
+use tests::{children_of, count_dir, kvm_available, tiny_vm, Scratch, Vm};
 use vmm::api::client;
 use vmm::api::http::Response;
 
@@ -103,18 +103,6 @@ fn error_of(r: &Response) -> String {
     serde_json::from_str::<api_types::ErrorBody>(&r.body)
         .map(|e| e.error)
         .unwrap_or_else(|_| r.body.clone())
-}
-
-fn count_dir(path: String) -> usize {
-    std::fs::read_dir(&path).map(|d| d.count()).unwrap_or(0)
-}
-
-fn children_of(pid: u32) -> Vec<u32> {
-    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(|p| p.parse().unwrap())
-        .collect()
 }
 
 /// What is in the scratch directory besides the template's own files.

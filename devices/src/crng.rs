@@ -146,8 +146,7 @@ impl CrngLayout {
 
     /// Whether the guest kernel is deriving or using a key now (a vCPU stopped there
     /// would install a key from the old state after a reseed, or return output drawn
-    /// from it). False
-    /// when the counter cannot be read (checked at registration).
+    /// from it). False when the counter cannot be read (checked at registration).
     pub fn busy<M: GuestMemory>(&self, mem: &M) -> bool {
         mem.read_obj::<u32>(GuestAddress(self.busy))
             .map(|n| n != 0)

@@ -328,7 +328,7 @@ impl Cloner {
         // 4. Fork.
         let result = match captured {
             Ok(state) => fork::fork_all(vm, self.cgroups.as_mut(), self.serve, &state, clones)
-                .map_err(|p| self.abandon(Vec::new(), p)),
+                .map_err(|p| self.abandon(p.made, p.error)),
             Err(e) => {
                 request::give_back(self.cgroups.as_ref(), clones.into_iter().map(|(_, t)| t));
                 Err(e)
@@ -388,38 +388,29 @@ impl Cloner {
             }
         }
         if !rest.is_empty() {
+            let launched = |made: Vec<fork::Made>| made.into_iter().map(|(i, _)| i);
             let clones = match request::take_cgroups(self.cgroups.as_ref(), rest, class) {
                 Ok(c) => c,
-                Err(error) => {
-                    let made = made.into_iter().map(|(i, _)| i).collect();
-                    return Err(self.abandon(
-                        made,
-                        fork::Partial {
-                            made: vec![],
-                            error,
-                        },
-                    ));
-                }
+                Err(error) => return Err(self.abandon(launched(made), error)),
             };
-            let forked = fork::fork_all(vm, self.cgroups.as_mut(), self.serve, state, clones);
-            match forked {
+            match fork::fork_all(vm, self.cgroups.as_mut(), self.serve, state, clones) {
                 Ok(more) => made.extend(more),
-                Err(p) => {
-                    let made = made.into_iter().map(|(i, _)| i).collect();
-                    return Err(self.abandon(made, p));
-                }
+                Err(p) => return Err(self.abandon(launched(made).chain(p.made), p.error)),
             }
         }
         Ok(made)
     }
 
-    /// A request failed after it had started clones (`launched` warm ones, and those
-    /// `failed` made): they are ended, so that its caller, told it failed, has no
-    /// clone it does not know of. Returns the error.
-    fn abandon(&mut self, launched: Vec<CloneInfo>, failed: fork::Partial) -> CloneError {
-        let made = launched.into_iter().chain(failed.made).collect();
+    /// A request failed with `error` after it had started the clones `made` (warm ones
+    /// launched, forked ones): they are ended, so that its caller, told it failed, has
+    /// no clone it does not know of. Returns the error.
+    fn abandon(
+        &mut self,
+        made: impl IntoIterator<Item = CloneInfo>,
+        error: CloneError,
+    ) -> CloneError {
         self.table.abandon(self.cgroups.as_mut(), made);
-        failed.error
+        error
     }
 
     /// The VM changed while paused (it resumed, or its serial port got input): the

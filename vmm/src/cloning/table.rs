@@ -112,9 +112,7 @@ impl CloneTable {
                 _ => "ended".into(),
             };
             self.orphans.push((conn, c.id.clone(), how));
-            if c.console != std::path::Path::new("/dev/null") {
-                let _ = std::fs::remove_file(&c.console);
-            }
+            remove_console(c);
             return Some(self.clones.remove(at));
         }
         Some(c.clone())
@@ -203,35 +201,44 @@ impl CloneTable {
         list
     }
 
-    /// SIGTERM, then SIGKILL after a grace period; reaps.
     /// Ends the clones a failed request had made before it failed (its caller learns of
     /// none): each is recorded with its id (not given again), killed, reaped, and its
     /// console removed.
-    pub(super) fn abandon(&mut self, mut pools: Option<&mut ClonePools>, made: Vec<CloneInfo>) {
+    pub(super) fn abandon(
+        &mut self,
+        mut pools: Option<&mut ClonePools>,
+        made: impl IntoIterator<Item = CloneInfo>,
+    ) {
+        let mut made: Vec<CloneInfo> = made.into_iter().collect();
         if made.is_empty() {
             return;
         }
         tracing::warn!("stopping {} clones of a request that failed", made.len());
+        for c in &mut made {
+            c.error = Some("stopped: another clone of its request failed".into());
+        }
         self.record(made.len() as u32, &made);
         for c in made {
             let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
             if let Ok(status) = waitpid(Pid::from_raw(c.pid), None) {
                 self.reaped(pools.as_deref_mut(), c.pid, status);
-                // Its record, the newest with its pid.
-                if let Some(x) = self.clones.iter_mut().rev().find(|x| x.pid == c.pid) {
-                    x.error = Some("stopped: another clone of its request failed".into());
-                }
             }
-            if c.console != std::path::Path::new("/dev/null") {
-                let _ = std::fs::remove_file(&c.console);
-            }
+            remove_console(&c);
         }
     }
 
+    /// SIGTERM, then SIGKILL after a grace period; reaps.
     fn stop_and_reap(&mut self, pools: Option<&mut ClonePools>, pid: i32) -> Option<CloneInfo> {
         stop_pid(pid, STOP_TIMEOUT);
         let status = waitpid(Pid::from_raw(pid), None).ok()?;
         self.reaped(pools, pid, status)
+    }
+}
+
+/// Removes a clone's console file (not a discarded console's `/dev/null`).
+fn remove_console(c: &CloneInfo) {
+    if c.console != std::path::Path::new("/dev/null") {
+        let _ = std::fs::remove_file(&c.console);
     }
 }
 

@@ -8,7 +8,7 @@ use api_types::net::{Ipv4Cidr, MacAddr};
 use api_types::options::{format_size, key_values, parse_size};
 use api_types::rate_limit::RateLimit;
 use api_types::ResourceClass;
-use devices::virtio::fuzzing::{blk, rng, Rig};
+use devices::virtio::fuzzing::{blk, net, rng, vsock, Rig, VsockHost};
 use vmm::api::http::Request;
 use vmm::api::http::{BodyLimits, HttpError, RequestReader};
 use vmm::rpc::VmmAction;
@@ -119,23 +119,80 @@ pub fn virtio_queue(data: &[u8]) {
     let [which, size, input @ ..] = data else {
         return;
     };
-    let size = 1u16 << (size % 9);
-    let event_idx = which & 0x80 != 0;
-    let Some(rig) = Rig::new(input, size, event_idx) else {
+    let Some((r, offered)) = rig(*which, *size, input) else {
         return;
     };
-    let offered = rig.avail_idx();
-    let rig = match which % 3 {
-        0 => blk(rig, false),
-        1 => blk(rig, true),
-        _ => rng(rig),
+    let r = match which % 3 {
+        0 => blk(r, false),
+        1 => blk(r, true),
+        _ => rng(r),
     };
+    returned_no_more_than_offered(&r, offered);
+}
+
+/// Reads a queue's size and the rig from the head of a virtio target's input: the
+/// fuzzed queue of `1 << (size % 9)` entries (1 to 256), with event-index when `flags`
+/// has 0x80.
+fn rig(flags: u8, size: u8, input: &[u8]) -> Option<(Rig, u16)> {
+    let rig = Rig::new(input, 1u16 << (size % 9), flags & 0x80 != 0)?;
+    let offered = rig.avail_idx();
+    Some((rig, offered))
+}
+
+fn returned_no_more_than_offered(rig: &Rig, offered: u16) {
     // A fresh queue: the used index counts the chains returned.
     assert!(
         rig.used_idx() <= offered,
         "{} chains returned of {offered} offered",
         rig.used_idx()
     );
+}
+
+/// virtio-net's worker with the fuzzed queue as its receive or transmit queue, its tap
+/// holding up to three frames for the guest (of lengths the input gives, up to 64 KiB
+/// and beyond the largest frame): never a panic or a hang, and no more chains returned
+/// than offered.
+pub fn virtio_net(data: &[u8]) {
+    let [flags, size, l0, l1, l2, input @ ..] = data else {
+        return;
+    };
+    // Lengths 0 to 64 KiB + 255: empty, tiny, larger than any rx buffer, larger than a
+    // frame.
+    let lens = [l0, l1, l2].map(|&l| usize::from(l) * usize::from(l) + usize::from(l));
+    let frames: Vec<Vec<u8>> = (0..usize::from(flags & 3))
+        .map(|i| vec![i as u8; lens[i]])
+        .collect();
+    let frames: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+    let Some((r, offered)) = rig(*flags, *size, input) else {
+        return;
+    };
+    if let Some(r) = net(r, flags & 4 != 0, &frames) {
+        returned_no_more_than_offered(&r, offered);
+    }
+}
+
+/// virtio-vsock's worker with the fuzzed queue as its transmit queue (guest packets of
+/// any header: requests, data, shutdowns and resets on any port, bad addresses and
+/// lengths) or its receive queue, a host program listening on port
+/// [`devices::virtio::fuzzing::VSOCK_PORT`], and a host that connects and writes the
+/// input's bytes (a `CONNECT` line, data, garbage), then perhaps closes: never a panic
+/// or a hang, and no more chains returned than offered.
+pub fn virtio_vsock(data: &[u8]) {
+    let [flags, size, host_len, rest @ ..] = data else {
+        return;
+    };
+    let (host, input) = rest.split_at(usize::from(*host_len).min(rest.len()));
+    let host = VsockHost {
+        connects: (flags & 8 != 0).then_some(host),
+        closes: flags & 16 != 0,
+        restored: flags & 32 != 0,
+    };
+    let Some((r, offered)) = rig(*flags, *size, input) else {
+        return;
+    };
+    if let Some(r) = vsock(r, flags & 4 != 0, host) {
+        returned_no_more_than_offered(&r, offered);
+    }
 }
 
 /// The invoke mailbox as a guest runtime leaves it (docs/invoke.md): the reply header and
@@ -164,4 +221,101 @@ pub fn mailbox(data: &[u8]) {
         assert_eq!(payload.len(), port as usize);
         assert!(payload.len() <= window.capacity());
     }
+}
+
+/// A base image of `size` bytes, each byte from its offset, as an unnamed file.
+fn base_image(size: usize) -> Option<std::fs::File> {
+    static RUN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("forkvm-fuzz-base-{}-{n}", std::process::id()));
+    let bytes: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8).collect();
+    let written = std::fs::write(&path, bytes);
+    let file = written.and_then(|()| std::fs::File::open(&path));
+    let _ = std::fs::remove_file(&path);
+    file.ok()
+}
+
+/// What a kept overlay (`path` and its `.blocks` map) says the disk holds over `base`.
+fn kept_disk(path: &std::path::Path, base: &std::fs::File, size: usize) -> Vec<u8> {
+    use devices::virtio::block::overlay::BLOCK;
+    use std::os::unix::fs::FileExt;
+    let map = std::fs::read(path.with_extension("blocks")).expect("block map");
+    let kept = std::fs::File::open(path).expect("kept overlay");
+    let block = BLOCK as usize;
+    assert_eq!(
+        map.len(),
+        size.div_ceil(block).div_ceil(64) * 8,
+        "block map size"
+    );
+    let mut disk = vec![0u8; size];
+    for (b, piece) in disk.chunks_mut(block).enumerate() {
+        let word = u64::from_le_bytes(map[b / 64 * 8..b / 64 * 8 + 8].try_into().unwrap());
+        let from = if word & (1 << (b % 64)) != 0 {
+            &kept
+        } else {
+            base
+        };
+        from.read_exact_at(piece, (b * block) as u64).expect("read");
+    }
+    disk
+}
+
+/// The copy-on-write overlay's block map against a model disk: up to 64 operations of
+/// five bytes each (kind, offset, length) on a disk of 1 byte to 24 KiB (a last block
+/// that is partial, often): writes of any length at any offset, reads compared with the
+/// model, snapshots (a clone's copy, which goes on in place of the original, and must
+/// hold the same blocks), and keeping the overlay under a name with its `.blocks` map,
+/// read back block by block. The disk always reads as the model says.
+pub fn overlay(data: &[u8]) {
+    use devices::virtio::block::overlay::Overlay;
+    let [s0, s1, ops @ ..] = data else {
+        return;
+    };
+    let size = 1 + usize::from(u16::from_le_bytes([*s0, *s1])) % (6 * 4096);
+    let Some(base) = base_image(size) else {
+        return;
+    };
+    let dir = std::env::temp_dir();
+    let Ok(mut layer) = Overlay::create(&dir, size as u64) else {
+        return;
+    };
+    let mut model: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8).collect();
+    for (n, op) in ops.chunks_exact(5).take(64).enumerate() {
+        let &[kind, o0, o1, l0, l1] = op else {
+            unreachable!("chunks of five")
+        };
+        let off = usize::from(u16::from_le_bytes([o0, o1])) % size;
+        let len = usize::from(u16::from_le_bytes([l0, l1])) % (size - off + 1);
+        match kind % 4 {
+            0 => {
+                let bytes: Vec<u8> = (0..len).map(|i| kind ^ (n as u8) ^ (i as u8)).collect();
+                layer.write_at(&base, &bytes, off as u64).expect("write");
+                model[off..off + len].copy_from_slice(&bytes);
+            }
+            1 => {
+                let mut buf = vec![0u8; len];
+                layer.read_at(&base, &mut buf, off as u64).expect("read");
+                assert!(buf == model[off..off + len], "read {len} at {off} differs");
+            }
+            2 => {
+                let Ok(copy) = layer.snapshot() else { return };
+                let child = Overlay::from_snapshot(copy, &dir, size as u64);
+                assert_eq!(child.blocks_present(), layer.blocks_present());
+                layer = child;
+            }
+            _ => {
+                let path = dir.join(format!("forkvm-fuzz-kept-{}-{n}", std::process::id()));
+                let kept = layer.keep(&path);
+                let disk = kept.is_ok().then(|| kept_disk(&path, &base, size));
+                let _ = std::fs::remove_file(&path);
+                let _ = std::fs::remove_file(path.with_extension("blocks"));
+                if let Some(disk) = disk {
+                    assert!(disk == model, "the kept overlay differs");
+                }
+            }
+        }
+    }
+    let mut all = vec![0u8; size];
+    layer.read_at(&base, &mut all, 0).expect("read");
+    assert!(all == model, "the disk differs from the model");
 }

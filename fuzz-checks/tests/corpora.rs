@@ -44,3 +44,18 @@ fn virtio_queue_corpus() {
 fn mailbox_corpus() {
     replay("mailbox", fuzz_checks::mailbox);
 }
+
+#[test]
+fn virtio_net_corpus() {
+    replay("virtio_net", fuzz_checks::virtio_net);
+}
+
+#[test]
+fn virtio_vsock_corpus() {
+    replay("virtio_vsock", fuzz_checks::virtio_vsock);
+}
+
+#[test]
+fn overlay_corpus() {
+    replay("overlay", fuzz_checks::overlay);
+}

@@ -375,6 +375,63 @@ fn vmm_exec_once(
     )
 }
 
+/// A host that connects to the agent on `vsock` (`CONNECT 1024`) and is accepted.
+fn agent_stream(vsock: &std::path::Path) -> std::os::unix::net::UnixStream {
+    use std::io::{BufRead, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(vsock).unwrap();
+    s.write_all(b"CONNECT 1024\n").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut line = String::new();
+    let mut reader = std::io::BufReader::new(s.try_clone().unwrap());
+    reader.read_line(&mut line).unwrap();
+    assert!(line.starts_with("OK "), "{line:?}");
+    s
+}
+
+/// Processes in the guest, through the agent.
+fn guest_processes(vm: &Vm) -> usize {
+    let (code, out, err) = vmm_exec(&vm.sock, &["--", "ls -d /proc/[0-9]* | wc -l"], b"");
+    assert_eq!(code, Some(0), "{err}");
+    out.trim().parse().unwrap()
+}
+
+/// The host side of vsock closes mid-stream, both ways: while it sends a command's input
+/// (the guest is reading), and while it reads the answer (the guest is writing). The
+/// VMM drops the connections (its descriptors come back to where they were), the agent's
+/// handlers end, and the agent serves the next command.
+fn hosts_that_close_mid_stream_leave_nothing_behind(vm: &Vm, vsock: &std::path::Path) {
+    use std::io::{Read, Write};
+    let fds = || tests::count_dir(format!("/proc/{}/fd", vm.child.id()));
+    let (fds_before, processes_before) = (fds(), guest_processes(vm));
+    // Half of a 1 MiB input, then the host is gone.
+    let mut s = agent_stream(vsock);
+    s.write_all(format!("4 {}\ntrue", 1 << 20).as_bytes())
+        .unwrap();
+    s.write_all(&vec![b'x'; 512 << 10]).unwrap();
+    drop(s);
+    // A 4 MiB answer: the first 64 KiB read, then the host is gone.
+    let mut s = agent_stream(vsock);
+    let cmd = "head -c 4194304 /dev/zero";
+    s.write_all(format!("{} 0\n{cmd}", cmd.len()).as_bytes())
+        .unwrap();
+    let mut first = vec![0u8; 64 << 10];
+    s.read_exact(&mut first).unwrap();
+    assert!(first.starts_with(b"0 4194304\n"), "{:?}", &first[..16]);
+    drop(s);
+    let start = std::time::Instant::now();
+    while fds() != fds_before || guest_processes(vm) != processes_before {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "descriptors {} (were {fds_before}), guest processes {} (were {processes_before})",
+            fds(),
+            guest_processes(vm)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let (code, out, _) = vmm_exec(&vm.sock, &["--", "echo still-serving"], b"");
+    assert_eq!((code, out.as_str()), (Some(0), "still-serving\n"));
+}
+
 #[test]
 fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
     if !kvm_available("linux_vsock") {
@@ -419,6 +476,7 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
         err.contains("nothing in the guest accepted on vsock port 999"),
         "{err}"
     );
+    hosts_that_close_mid_stream_leave_nothing_behind(&vm, &vsock);
 
     // A request in flight in the template while it is cloned completes in the template;
     // each clone's copy of that connection is reset (it belongs to the parent).

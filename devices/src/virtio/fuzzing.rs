@@ -10,15 +10,28 @@
 //! A descriptor's address is taken modulo twice the memory, so half of them point
 //! outside it; lengths, flags and links are as given (chains may loop or claim any
 //! length).
+//!
+//! Devices with a worker of their own (net, vsock) run as their worker would: started,
+//! each queue notified, then the events of their host descriptors (a socket standing in
+//! for the tap; vsock's Unix sockets) served until none is left, with the fuzzed queue
+//! in one role and, for vsock, a well-formed receive queue of [`HELPER_BUFFERS`] at
+//! [`HELPER`] so that what the device answers is delivered.
 
 use std::fs::File;
+use std::io::Write;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::{UnixDatagram, UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::block::overlay::Overlay;
+use super::worker::{QueueHandler, WorkerContext};
 use super::VirtioInterrupt;
 
 /// Bytes of guest memory.
@@ -31,6 +44,11 @@ pub const AVAIL_RING: u64 = 0x1000;
 pub const USED_RING: u64 = 0x2000;
 /// Where the data goes.
 pub const DATA: u64 = 0x3000;
+/// Where the helper queue lives (over the top of the data): its descriptor table, then
+/// its available ring at +0x100, its used ring at +0x200, its buffers from +0x1000.
+pub const HELPER: u64 = 0xe000;
+/// Buffers of the helper queue, 512 bytes each, all offered.
+pub const HELPER_BUFFERS: u16 = 8;
 
 /// Guest memory and a queue on it, as a driver left them.
 pub struct Rig {
@@ -89,6 +107,19 @@ impl Rig {
         })
     }
 
+    /// The rig again after a worker had its queue: the queue rebuilt from `state`.
+    fn again(
+        mem: GuestMemoryMmap,
+        interrupt: Arc<VirtioInterrupt>,
+        state: QueueState,
+    ) -> Option<Self> {
+        Some(Self {
+            mem,
+            queue: Queue::try_from(state).ok()?,
+            interrupt,
+        })
+    }
+
     /// The available ring's index (how many chains the driver offered, mod 2^16).
     pub fn avail_idx(&self) -> u16 {
         self.mem.read_obj(GuestAddress(AVAIL_RING + 2)).unwrap_or(0)
@@ -136,4 +167,172 @@ pub fn blk(rig: Rig, writable: bool) -> Rig {
 /// Runs virtio-rng's queue work once over `rig`.
 pub fn rng(rig: Rig) -> Rig {
     super::rng::fuzz_process(rig)
+}
+
+/// A well-formed queue at [`HELPER`]: [`HELPER_BUFFERS`] device-writable 512-byte
+/// buffers, all offered.
+fn helper_queue(mem: &GuestMemoryMmap) -> Option<Queue> {
+    const WRITE: u16 = 2;
+    for i in 0..HELPER_BUFFERS {
+        let addr = HELPER + 0x1000 + 512 * u64::from(i);
+        let mut d = [0u8; 16];
+        d[..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&512u32.to_le_bytes());
+        d[12..14].copy_from_slice(&WRITE.to_le_bytes());
+        mem.write_slice(&d, GuestAddress(HELPER + 16 * u64::from(i)))
+            .ok()?;
+        mem.write_obj(i, GuestAddress(HELPER + 0x104 + 2 * u64::from(i)))
+            .ok()?;
+    }
+    mem.write_obj(0u16, GuestAddress(HELPER + 0x100)).ok()?;
+    mem.write_obj(HELPER_BUFFERS, GuestAddress(HELPER + 0x102))
+        .ok()?;
+    mem.write_slice(&[0; 4], GuestAddress(HELPER + 0x200))
+        .ok()?;
+    let mut q = Queue::new(256).ok()?;
+    q.set_size(HELPER_BUFFERS);
+    q.set_desc_table_address(Some(HELPER as u32), Some(0));
+    q.set_avail_ring_address(Some(HELPER as u32 + 0x100), Some(0));
+    q.set_used_ring_address(Some(HELPER as u32 + 0x200), Some(0));
+    q.set_ready(true);
+    q.is_valid(mem).then_some(q)
+}
+
+/// A queue the driver never set up.
+fn unready() -> Option<Queue> {
+    Queue::new(256).ok()
+}
+
+/// Runs `handler` as its worker would: start, every queue notified once, then its own
+/// descriptors' events (and every queue again after each batch) until none is ready, at
+/// most `rounds` batches.
+fn drive(handler: &mut impl QueueHandler, queues: usize, rounds: usize) {
+    let Ok(epoll) = Epoll::new() else { return };
+    let ctx = WorkerContext::new(&epoll);
+    handler.start(&ctx);
+    let notify_all = |handler: &mut dyn QueueHandler| {
+        for q in 0..queues {
+            handler.queue_event(q, &ctx);
+        }
+    };
+    notify_all(handler);
+    for _ in 0..rounds {
+        let mut events = [EpollEvent::default(); 16];
+        let n = epoll.wait(0, &mut events).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        for e in &events[..n] {
+            handler.handler_event(e.data(), e.event_set(), &ctx);
+        }
+        notify_all(handler);
+    }
+}
+
+/// Runs virtio-net's worker over `rig`'s memory with the fuzzed queue as the receive
+/// queue (`rx`) or the transmit queue, its tap a datagram socket that already holds
+/// `frames` for the guest. Returns `rig`.
+pub fn net(rig: Rig, rx: bool, frames: &[&[u8]]) -> Option<Rig> {
+    let (tap, wire) = UnixDatagram::pair().ok()?;
+    tap.set_nonblocking(true).ok()?;
+    wire.set_nonblocking(true).ok()?;
+    for f in frames {
+        let _ = wire.send(f);
+    }
+    let other = unready()?;
+    let fuzzed = usize::from(!rx);
+    let Rig {
+        mem,
+        queue,
+        interrupt,
+    } = rig;
+    let queues = if rx { [queue, other] } else { [other, queue] };
+    let worker =
+        super::net::fuzz_worker(mem.clone(), queues, interrupt.clone(), OwnedFd::from(tap));
+    let mut worker = worker?;
+    drive(&mut worker, 2, 8);
+    Rig::again(mem, interrupt, worker.queue_states().swap_remove(fuzzed))
+}
+
+/// What the host side of a fuzzed vsock device does before the worker runs.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct VsockHost<'a> {
+    /// Bytes a host program writes after connecting to the device's socket (a
+    /// `CONNECT <port>` line and data, or garbage); None: no host connects.
+    pub connects: Option<&'a [u8]>,
+    /// The host closes its end after writing.
+    pub closes: bool,
+    /// The device is a clone's (it owes the driver a transport reset first).
+    pub restored: bool,
+}
+
+/// The host port a program listens on for the guest: port [`VSOCK_PORT`] reaches it.
+pub const VSOCK_PORT: u32 = 1234;
+
+fn vsock_paths() -> PathBuf {
+    static RUN: AtomicU64 = AtomicU64::new(0);
+    let n = RUN.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("forkvm-fuzz-vsock-{}-{n}", std::process::id()))
+}
+
+/// Removes the socket files of one run.
+struct Unlink(Vec<PathBuf>);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn listen(path: &Path) -> Option<UnixListener> {
+    let l = UnixListener::bind(path).ok()?;
+    l.set_nonblocking(true).ok()?;
+    Some(l)
+}
+
+/// Runs virtio-vsock's worker over `rig`'s memory with the fuzzed queue as the receive
+/// queue (`rx`; nothing is sent) or the transmit queue (the receive queue is the
+/// helper's), a host program listening on port [`VSOCK_PORT`] and `host` as the host
+/// side. Returns `rig`.
+pub fn vsock(rig: Rig, rx: bool, host: VsockHost<'_>) -> Option<Rig> {
+    let path = vsock_paths();
+    let port_path = PathBuf::from(format!("{}_{VSOCK_PORT}", path.display()));
+    let _unlink = Unlink(vec![path.clone(), port_path.clone()]);
+    let listener = listen(&path)?;
+    let program = listen(&port_path)?;
+    let client = host.connects.and_then(|bytes| {
+        let mut c = UnixStream::connect(&path).ok()?;
+        c.set_nonblocking(true).ok()?;
+        let _ = c.write_all(bytes);
+        if host.closes {
+            let _ = c.shutdown(std::net::Shutdown::Write);
+        }
+        Some(c)
+    });
+    let Rig {
+        mem,
+        queue,
+        interrupt,
+    } = rig;
+    let fuzzed = usize::from(!rx);
+    let [q_rx, q_tx] = if rx {
+        [queue, unready()?]
+    } else {
+        [helper_queue(&mem)?, queue]
+    };
+    let mut worker = super::vsock::fuzz_worker(
+        path.clone(),
+        listener,
+        mem.clone(),
+        [q_rx, q_tx, unready()?],
+        interrupt.clone(),
+        host.restored,
+    );
+    drive(&mut worker, 3, 16);
+    // The connections the program was offered, and the host's end, close here.
+    while program.accept().is_ok() {}
+    drop(client);
+    Rig::again(mem, interrupt, worker.queue_states().swap_remove(fuzzed))
 }

@@ -234,7 +234,7 @@ impl VirtioDevice for Net {
     }
 }
 
-struct NetWorker {
+pub(crate) struct NetWorker {
     mem: GuestMemoryMmap,
     rx: Queue,
     tx: Queue,
@@ -461,6 +461,18 @@ impl NetWorker {
             }
         }
     }
+}
+
+/// The worker over a fuzzer's memory and queues (`super::fuzzing`), its tap a datagram
+/// socket.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_worker(
+    mem: GuestMemoryMmap,
+    queues: [Queue; 2],
+    interrupt: Arc<VirtioInterrupt>,
+    backend: OwnedFd,
+) -> Option<NetWorker> {
+    NetWorker::new(mem, queues, interrupt, backend, None).ok()
 }
 
 enum Delivery {

@@ -6,7 +6,8 @@
 //!   host reads `OK <host port>\n` and the stream carries the connection. If nothing
 //!   listens, the host's connection is closed.
 //! - **Guest to host**: a guest connection to host CID 2, port P, reaches the Unix
-//!   socket `<path>_<P>`, which a host program listens on.
+//!   socket `<path>_<P>`, which a host program listens on. A program that does not
+//!   listen, or whose backlog is full, refuses the guest at once.
 //! - **Clones**: each clone's device listens on its own path. A restored device starts
 //!   with no connections and first sends the guest a transport-reset event, so the
 //!   guest drops the connections it had at the clone point (they belong to the parent);
@@ -208,6 +209,28 @@ impl VirtioDevice for Vsock {
             std::mem::take(&mut self.restored),
         )))
     }
+}
+
+/// The worker over a fuzzer's memory and queues (`super::fuzzing`): guest CID 3, host
+/// side on `listener` at `path`.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_worker(
+    path: PathBuf,
+    listener: UnixListener,
+    mem: GuestMemoryMmap,
+    queues: [Queue; 3],
+    interrupt: Arc<VirtioInterrupt>,
+    restored: bool,
+) -> impl QueueHandler {
+    muxer::Muxer::new(
+        MIN_GUEST_CID,
+        path,
+        listener,
+        mem,
+        queues,
+        interrupt,
+        restored,
+    )
 }
 
 #[cfg(test)]

@@ -141,6 +141,17 @@ impl Conn {
     }
 }
 
+/// Connects to the host program at `path` without waiting: a program whose listen
+/// backlog is full (it does not accept) refuses at once (`EAGAIN`) instead of holding
+/// the device's worker until it accepts.
+fn connect_nonblocking(path: &std::path::Path) -> std::io::Result<UnixStream> {
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    let flags = SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC;
+    let fd = socket(AddressFamily::Unix, SockType::Stream, flags, None)?;
+    connect(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    Ok(UnixStream::from(fd))
+}
+
 /// A host that connected and has not finished its `CONNECT <port>` line.
 struct Pending {
     stream: UnixStream,
@@ -365,10 +376,7 @@ impl Muxer {
             return self.reset(ctx, key);
         }
         let target = PathBuf::from(format!("{}_{}", self.path.display(), key.0));
-        let stream = UnixStream::connect(&target).and_then(|s| {
-            nonblocking(&s)?;
-            Ok(s)
-        });
+        let stream = connect_nonblocking(&target);
         match stream {
             Ok(s) => {
                 let token = self.token();

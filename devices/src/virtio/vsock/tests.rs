@@ -2,6 +2,7 @@
 //! Unix sockets.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Duration;
 
@@ -253,6 +254,43 @@ fn guest_connects_to_a_host_socket_and_unknown_ports_are_refused() {
     host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     assert_eq!(host.read(&mut got).unwrap(), 0, "closed");
     let _ = std::fs::remove_file(format!("{}_5000", path.display()));
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_host_program_that_does_not_accept_cannot_stall_the_device() {
+    use nix::sys::socket::{
+        bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr,
+    };
+    let m = mem();
+    let path = temp_path("backlog");
+    let mut r = rig(&m, &path, false);
+    r.post_rx(8);
+    // A program listening on port 5000 with a backlog of one, which never accepts.
+    let program = format!("{}_5000", path.display());
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    bind(fd.as_raw_fd(), &UnixAddr::new(program.as_str()).unwrap()).unwrap();
+    listen(&fd, Backlog::new(0).unwrap()).unwrap();
+    // The backlog takes one or two connections (the kernel's bound is inclusive); the
+    // next is refused at once instead of holding the worker until the program accepts.
+    let mut ops = Vec::new();
+    for port in 49152..49156 {
+        r.send(OP_REQUEST, (port, 5000), 0, &[]);
+        ops.push(r.next_rx().hdr.op);
+    }
+    assert_eq!(ops[0], OP_RESPONSE, "{ops:?}");
+    assert_eq!(ops[3], OP_RST, "{ops:?}");
+    // The device still serves: a host connects and is offered to the guest.
+    let mut host = UnixStream::connect(&path).unwrap();
+    host.write_all(b"CONNECT 77\n").unwrap();
+    assert_eq!({ r.next_rx().hdr.op }, OP_REQUEST);
+    let _ = std::fs::remove_file(&program);
     let _ = std::fs::remove_file(&path);
 }
 

@@ -2,18 +2,26 @@
 """Soak (docs/reliability.md): one tiny-guest template serving clone/exit cycles and
 invocations, with what the template's VMM holds counted every --every operations:
 descriptors, threads, RSS, live children, zombies, clone records, files in its socket
-directory and cgroups under its pools' parent (when --cgroup-parent is given). The
-counts must end where they began (after a first round that makes what is made lazily).
+directory, and, with --cgroup-class, the cgroups of its pools. The counts must end where
+they began (after a first round that makes what is made lazily).
+
+--cgroup-class CLASS (as `vmm run` takes it, e.g. small:cpu=0.5,memory=64M,pids=64) puts
+every clone in a pooled cgroup of that class, under a parent of the soak's own
+(forkvm-soak-PID in each hierarchy, removed at the end); the cgroups counted are every
+directory below it, in every hierarchy. After the template exits, none may be left.
 
 cycles: POST /clones {"count":1} then DELETE /clones/{id} (the clone stops; its console,
   which a clone leaves for its user, is removed as a user would), --cycles times.
 invocations: POST /invocations of the tiny guest's echo handler, each in a fresh warm
   clone, --invocations times.
 The start and end counts are taken at rest (the template paused with its warm clones
-ready, no other child); those in between are snapshots with clones on their way.
+ready, no other child, and with --cgroup-class the pools' cgroup count unchanged for
+35 s, as idle extras are removed after 30 s); those in between are snapshots with
+clones on their way.
 Records of clones that ended are kept up to 1024 (`cloning::table::ENDED_KEPT`).
 
 usage: benches/soak.py [--cycles 10000] [--invocations 10000] [--every 1000] [--warm 4]
+                       [--cgroup-class CLASS]
 """
 import argparse
 import json
@@ -54,6 +62,26 @@ def state_of(pid):
         return "gone"
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def cgroup_dirs(parent):
+    """The parent's directory in every cgroup hierarchy that has it (v1 controllers,
+    and the v2 mount)."""
+    out = []
+    for h in sorted(os.listdir(CGROUP_ROOT)):
+        d = os.path.join(CGROUP_ROOT, h, parent)
+        if os.path.isdir(d):
+            out.append(d)
+    if os.path.isdir(os.path.join(CGROUP_ROOT, parent)):
+        out.append(os.path.join(CGROUP_ROOT, parent))
+    return out
+
+
+def cgroups_below(parent):
+    return sum(len(d) for top in cgroup_dirs(parent) for _, d, _ in os.walk(top))
+
+
 def counts(pid, sock, tmp, cgroup_parent):
     kids = children(pid)
     _, _, body = exchange(sock, "GET", "/clones")
@@ -67,7 +95,7 @@ def counts(pid, sock, tmp, cgroup_parent):
         "files": len(os.listdir(tmp)),
     }
     if cgroup_parent:
-        c["cgroups"] = sum(len(d) for _, d, _ in os.walk(cgroup_parent))
+        c["cgroups"] = cgroups_below(cgroup_parent)
     return c
 
 
@@ -75,6 +103,17 @@ def settled(p, sock, tmp, a):
     """The counts once the template is back at rest: paused and waiting with its warm
     clones ready, and no child but them (invocation clones are reaped as they end)."""
     wait_vm(p, sock, ready_template(a.warm), timeout=60)
+    if a.cgroup_parent:
+        # Pools grow with the clones in use at once and remove idle extras after 30 s
+        # (docs/jailer.md): at rest means no change for longer than that.
+        deadline, last, since = time.time() + 120, None, time.time()
+        while time.time() < deadline:
+            n = cgroups_below(a.cgroup_parent)
+            if n != last:
+                last, since = n, time.time()
+            elif time.time() - since > 35:
+                break
+            time.sleep(0.5)
     deadline = time.time() + 10
     while True:
         c = counts(p.pid, sock, tmp, a.cgroup_parent)
@@ -94,13 +133,16 @@ def main():
     ap.add_argument("--invocations", type=int, default=10000)
     ap.add_argument("--every", type=int, default=1000)
     ap.add_argument("--warm", type=int, default=4)
-    ap.add_argument("--cgroup-parent", default="", help="count cgroups below this directory")
+    ap.add_argument("--cgroup-class", default="", help="a resource class for every clone")
     a = ap.parse_args()
+    a.cgroup_parent = f"forkvm-soak-{os.getpid()}" if a.cgroup_class else ""
     tmp = tempfile.mkdtemp(prefix="forkvm-soak-")
     sock = os.path.join(tmp, "api.sock")
     cmd = [VMM, "run", "--kernel", TINY, "--ap-boot", "direct", "--mem-mib", "64",
            "--cmdline", "ticks=1 invoke=1", "--console", os.path.join(tmp, "console"),
            "--api-sock", sock, "--template", "--warm-clones", str(a.warm)]
+    if a.cgroup_class:
+        cmd += ["--cgroup-class", a.cgroup_class, "--cgroup-parent", a.cgroup_parent]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
         wait_vm(p, sock, ready_template(a.warm), timeout=120)
@@ -119,8 +161,11 @@ def main():
             os.remove(c["console"])
 
         # A first round of each, so what is made lazily exists before counting.
+        # Each phase's own way (invocations back to back keep more cgroups busy at once
+        # than cycles do: a clone's cgroup is free again only once it was reaped).
         for _ in range(min(a.every, 100)):
             cycle()
+        for _ in range(min(a.every, 100)):
             invoke(sock, b"soak")
         first = settled(p, sock, tmp, a)
         show("start", 0, first, t0)
@@ -144,13 +189,22 @@ def main():
               f"changed: {grew or 'nothing else'}")
         exchange(sock, "PUT", "/actions", b'{"action_type":"shutdown"}')
         p.wait(timeout=60)
-        if grew:
+        left = cgroups_below(a.cgroup_parent) if a.cgroup_parent else 0
+        if a.cgroup_parent:
+            print(f"cgroups left after the template exited: {left}")
+        if grew or left:
             sys.exit(1)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+        if a.cgroup_parent:
+            for d in cgroup_dirs(a.cgroup_parent):
+                try:
+                    os.rmdir(d)
+                except OSError as e:
+                    print(f"cannot remove {d}: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

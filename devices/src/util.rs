@@ -89,6 +89,24 @@ impl LogThrottle {
     }
 }
 
+/// A [`LogThrottle`] in a `static`, for events counted wherever they happen in the
+/// process (each VMM process serves one VM, so the count is that VM's).
+#[derive(Debug, Default)]
+pub struct SharedLogThrottle(std::sync::atomic::AtomicU64);
+
+impl SharedLogThrottle {
+    /// A throttle that has counted nothing.
+    pub const fn new() -> Self {
+        Self(std::sync::atomic::AtomicU64::new(0))
+    }
+
+    /// Counts one more; the count when this one is to be logged.
+    pub fn hit(&self) -> Option<u64> {
+        let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        (n <= LOG_FIRST || n.is_power_of_two()).then_some(n)
+    }
+}
+
 #[cfg(test)]
 mod throttle_tests {
     use super::*;
@@ -97,6 +115,9 @@ mod throttle_tests {
     fn the_first_ten_then_each_power_of_two_are_logged() {
         let mut t = LogThrottle::default();
         let logged: Vec<u64> = (0..100_000).filter_map(|_| t.hit()).collect();
+        let shared = SharedLogThrottle::new();
+        let shared_logged: Vec<u64> = (0..100_000).filter_map(|_| shared.hit()).collect();
+        assert_eq!(shared_logged, logged);
         let mut expected: Vec<u64> = (1..=10).collect();
         expected.extend((4..17).map(|p| 1u64 << p));
         assert_eq!(logged, expected);

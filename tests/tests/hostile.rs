@@ -96,3 +96,133 @@ fn a_guest_writing_garbage_to_every_port_from_every_vcpu_leaves_the_vmm_serving_
     vm.shutdown(BOOT);
     neighbour.shutdown(BOOT);
 }
+
+/// Lines of the VMM's log that name `what`.
+fn log_count(vm: &Vm, what: &str) -> usize {
+    vm.stderr_text()
+        .lines()
+        .filter(|l| l.contains(what))
+        .count()
+}
+
+#[test]
+fn a_guest_driving_every_virtio_device_badly_leaves_the_vmm_serving_and_bounded() {
+    // The tiny guest's `hostile_virtio=N` (docs/tiny-guest.md): N rounds in which every
+    // virtio device (disk, rng, vsock, net on a tap that is down) is reset, given random
+    // features, queues of random sizes with rings in or outside memory, then descriptor
+    // tables and rings rewritten at random while its worker reads them (loops, addresses
+    // past the end of memory, absurd lengths, heads beyond the queue), notified, and
+    // poked at a random register; interrupts are never acknowledged. At the end it
+    // resets every device.
+    if !kvm_available("hostile_virtio") {
+        return;
+    }
+    const ROUNDS: u32 = 15;
+    let (s1, s2) = (
+        Scratch::new("hostile-virtio"),
+        Scratch::new("hostile-virtio-n"),
+    );
+    let mut neighbour = tests::tiny_vm_with(&s2, "64", "1", "ticks=1 beat=10", &[]);
+    neighbour.wait_console("tiny: beat 1\n", BOOT);
+    let disk = s1.path("disk.img");
+    std::fs::write(&disk, vec![0x5a; 1 << 20]).unwrap();
+    let vsock = s1.path("vm.vsock");
+    let tap = format!("fkh{}", std::process::id() % 100_000_000);
+    let cmdline = format!("ticks=1 beat=10 hostile_virtio={ROUNDS}");
+    let mut vm = tests::tiny_vm_with(
+        &s1,
+        "64",
+        "1",
+        &cmdline,
+        &[
+            "--disk",
+            disk.to_str().unwrap(),
+            "--rng",
+            "--vsock",
+            vsock.to_str().unwrap(),
+            "--tap",
+            &tap,
+        ],
+    );
+    vm.wait_console("tiny: hostile virtio start", BOOT);
+    let started = std::time::Instant::now();
+    let pid = vm.child.id();
+    let (rss, fds) = (
+        status_kib(pid, "VmRSS:"),
+        count_dir(format!("/proc/{pid}/fd")),
+    );
+    let neighbour_beats = beats(&neighbour);
+    loop {
+        let text = vm.console_text();
+        if text.contains("tiny: hostile virtio done") {
+            break;
+        }
+        assert!(
+            !text.contains("unexpected exception"),
+            "the guest faulted (a device wrote over its code?):\n{text}\n{}",
+            vm.stderr_text()
+        );
+        assert!(started.elapsed() < Duration::from_secs(600), "{text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let took = started.elapsed();
+    // The guest goes on: its timer, serial port and heartbeat still work.
+    let now = beats(&vm);
+    vm.wait_console(&format!("tiny: beat {}\n", now + 3), BOOT);
+    let v = vm.describe();
+    assert_eq!(v["state"], "running", "{v}");
+    let (rss_after, fds_after) = (
+        status_kib(pid, "VmRSS:"),
+        count_dir(format!("/proc/{pid}/fd")),
+    );
+    let log = vm.stderr_text();
+    let log_lines = log.lines().count();
+    eprintln!(
+        "hostile virtio: {ROUNDS} rounds over 4 devices in {took:?}: VMM RSS {rss} -> \
+         {rss_after} KiB, fds {fds} -> {fds_after}, {log_lines} log lines ({} bad layouts, \
+         {} chains not returnable)",
+        log_count(&vm, "invalid layout"),
+        log_count(&vm, "cannot return descriptor"),
+    );
+    assert!(
+        rss_after < rss + 8 * 1024,
+        "RSS grew {rss} -> {rss_after} KiB"
+    );
+    // The guest reset every device at the end, so no worker runs: every descriptor a
+    // device's activations opened is closed again.
+    assert!(fds_after <= fds, "descriptors {fds} -> {fds_after}");
+    assert!(log_lines < 300, "{log_lines} log lines:\n{log}");
+    // The devices' state, however the guest left it, is captured for a clone, which
+    // runs.
+    let (code, body) = vm.api("POST", "/clones", Some(r#"{"count":1,"console":"file"}"#));
+    assert_eq!(code, 201, "{body}");
+    let clone: Value = serde_json::from_str(&body).unwrap();
+    let clone = &clone["clones"][0];
+    let console = std::path::PathBuf::from(clone["console"].as_str().unwrap());
+    let start = std::time::Instant::now();
+    let clone_beats = || std::fs::read_to_string(&console).unwrap_or_default();
+    while !clone_beats().contains("tiny: beat ") {
+        assert!(
+            start.elapsed() < BOOT,
+            "the clone does not beat: {}",
+            clone_beats()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (code, body) = vm.api(
+        "DELETE",
+        &format!("/clones/{}", clone["id"].as_str().unwrap()),
+        None,
+    );
+    assert_eq!(code, 200, "{body}");
+    // The VM beside it kept its pace.
+    assert!(beats(&neighbour) > neighbour_beats, "the neighbour stopped");
+    vm.shutdown(BOOT);
+    neighbour.shutdown(BOOT);
+    assert!(!vsock.exists(), "the vsock socket was left");
+    let links = std::process::Command::new("ip")
+        .args(["link", "show", &tap])
+        .output()
+        .unwrap();
+    assert!(!links.status.success(), "tap {tap} was left");
+}

@@ -328,7 +328,10 @@ impl MmioTransport {
             return;
         }
         if let Err(e) = self.start_worker() {
-            tracing::error!("{} activation failed: {e}", self.device.name());
+            // A driver can reset and start the device again without end.
+            if let Some(n) = self.refusals.hit() {
+                tracing::error!("{} activation failed: {e} ({n} so far)", self.device.name());
+            }
             self.status |= STATUS_FAILED;
         }
     }

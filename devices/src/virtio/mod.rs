@@ -198,8 +198,13 @@ pub(crate) fn read_u64_config(value: u64, offset: u64, data: &mut [u8]) {
     }
 }
 
-/// Returns a served chain to the driver with `len` bytes written; a failure (the
-/// driver's used ring is not in guest memory) is logged.
+/// Chains the devices could not return (a head beyond the queue, a used ring outside
+/// guest memory): a driver can offer them without end, so the log is thinned.
+static BAD_RETURNS: crate::util::SharedLogThrottle = crate::util::SharedLogThrottle::new();
+
+/// Returns a served chain to the driver with `len` bytes written. A head the driver
+/// offered beyond its queue is not returned (there is no such entry), and neither is
+/// one whose used ring is not in guest memory; both are logged, thinned.
 pub(crate) fn add_used(
     queue: &mut Queue,
     mem: &GuestMemoryMmap,
@@ -208,8 +213,19 @@ pub(crate) fn add_used(
     device: &str,
 ) {
     use virtio_queue::QueueT;
-    if let Err(e) = queue.add_used(mem, head, len) {
-        tracing::warn!("{device}: cannot return descriptor {head}: {e:?}");
+    let why = if head >= queue.size() {
+        format!(
+            "the driver offered head {head} of a {}-entry queue",
+            queue.size()
+        )
+    } else {
+        match queue.add_used(mem, head, len) {
+            Ok(()) => return,
+            Err(e) => format!("{e:?}"),
+        }
+    };
+    if let Some(n) = BAD_RETURNS.hit() {
+        tracing::warn!("{device}: cannot return descriptor {head}: {why} ({n} so far)");
     }
 }
 

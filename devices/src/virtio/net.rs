@@ -225,10 +225,14 @@ impl VirtioDevice for Net {
         let [rx, tx]: [Queue; 2] = queues
             .try_into()
             .map_err(|q: Vec<Queue>| ActivateError::BadQueue(format!("{} queues", q.len())))?;
+        // The worker gets its own descriptor of the tap: the card keeps one, so the driver
+        // can reset it and start it again (each reset ends the worker and closes its).
         let backend = self
             .backend
-            .take()
-            .ok_or_else(|| ActivateError::BadQueue("activated twice".into()))?;
+            .as_ref()
+            .ok_or_else(|| ActivateError::BadQueue("no tap".into()))?
+            .try_clone()
+            .map_err(|e| super::WorkerError::Spawn("virtio-net", e))?;
         let worker = NetWorker::new(mem, [rx, tx], interrupt, backend, self.limit.as_ref())?;
         Ok(Box::new(worker))
     }

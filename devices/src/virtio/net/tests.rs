@@ -255,3 +255,33 @@ fn a_deferred_tap_is_named_now_and_opened_later() {
     assert!(net.backend.is_none());
     assert_eq!(net.deferred_tap.as_deref(), Some("fkvm-never"));
 }
+
+#[test]
+fn a_card_the_driver_resets_starts_again_on_the_same_tap() {
+    // Each activation's worker has a descriptor of its own: dropping it (a reset ends
+    // the worker) leaves the card's, and a second activation sends on the same tap.
+    let m = mem();
+    let (dev, host) = UnixDatagram::pair().unwrap();
+    host.set_nonblocking(true).unwrap();
+    let mut net = Net::new(OwnedFd::from(dev), MAC, None);
+    for round in 0..2u8 {
+        let rx = MockSplitQueue::create(&m, GuestAddress(0x1000), 16);
+        let tx = MockSplitQueue::create(&m, GuestAddress(0x8000), 16);
+        let queues = vec![rx.create_queue().unwrap(), tx.create_queue().unwrap()];
+        let interrupt = Arc::new(VirtioInterrupt::new(EventFd::new(0).unwrap()));
+        let worker = net.activate(m.clone(), 0, queues, interrupt);
+        let mut worker = worker.unwrap_or_else(|e| panic!("activation {round}: {e}"));
+        let f = frame(60, round);
+        m.write_slice(&[0u8; HDR_LEN], GuestAddress(0x10_0000))
+            .unwrap();
+        m.write_slice(&f, GuestAddress(0x10_0000 + HDR_LEN as u64))
+            .unwrap();
+        tx.add_desc_chains(&[desc(0x10_0000, (HDR_LEN + 60) as u32, 0, 0)], 0)
+            .unwrap();
+        let epoll = vmm_sys_util::epoll::Epoll::new().unwrap();
+        worker.queue_event(TX, &WorkerContext::new(&epoll));
+        let mut got = [0u8; 200];
+        let n = host.recv(&mut got).unwrap();
+        assert_eq!(&got[..n], &f[..], "activation {round}");
+    }
+}

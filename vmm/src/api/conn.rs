@@ -169,12 +169,24 @@ impl Conn {
 
     /// Moves it as far as its socket lets it.
     pub fn advance(&mut self, shared: &mut Shared<'_>, now: Instant) -> Next {
+        while let Phase::Reading(_) = self.phase {
+            match self.read(shared, now) {
+                Step::Moved => continue,
+                Step::Blocked => return Next::Open,
+                Step::Done => return Next::Done,
+            }
+        }
+        self.finish(now)
+    }
+
+    /// Writes the answer and drains what the client still sends, as far as the socket
+    /// lets it (nothing when the request is still with the VMM).
+    fn finish(&mut self, now: Instant) -> Next {
         loop {
-            let step = match &mut self.phase {
-                Phase::Reading(_) => self.read(shared, now),
-                Phase::Waiting { .. } => return Next::Open,
+            let step = match self.phase {
                 Phase::Writing { .. } => self.write(now),
                 Phase::Draining { .. } => self.drain(),
+                Phase::Reading(_) | Phase::Waiting { .. } => return Next::Open,
             };
             match step {
                 Step::Moved => continue,
@@ -182,6 +194,24 @@ impl Conn {
                 Step::Done => return Next::Done,
             }
         }
+    }
+
+    /// Answers `answer` at once, as far as the socket lets it (`drain`: then reads and
+    /// drops what the client still sends). The socket of an `invocation` was shared with
+    /// the VM that was to answer on it, which may have left it blocking: it is made
+    /// non-blocking again first.
+    fn answer_now(
+        &mut self,
+        answer: ApiReply,
+        drain: bool,
+        invocation: bool,
+        now: Instant,
+    ) -> Next {
+        if invocation && set_nonblocking(&self.stream, true).is_err() {
+            return Next::Done;
+        }
+        self.answer(answer, drain, now);
+        self.finish(now)
     }
 
     /// Takes the VMM's answer if it is there.
@@ -198,13 +228,7 @@ impl Conn {
             None => Next::Open,
             // The VM that runs the invocation answers on its copy of the socket.
             Some(Ok(VmmData::Invoked)) => Next::Done,
-            Some(response) => {
-                if invocation && set_nonblocking(&self.stream, true).is_err() {
-                    return Next::Done;
-                }
-                self.answer(reply(response), false, now);
-                self.write_now(now)
-            }
+            Some(response) => self.answer_now(reply(response), false, invocation, now),
         }
     }
 
@@ -217,25 +241,13 @@ impl Conn {
                     "the request did not arrive within {} s",
                     REQUEST_TIMEOUT.as_secs()
                 );
-                self.answer(ApiReply::error(408, why), true, now);
-                self.write_now(now)
+                self.answer_now(ApiReply::error(408, why), true, false, now)
             }
             Phase::Waiting { invocation, .. } => {
-                if *invocation && set_nonblocking(&self.stream, true).is_err() {
-                    return Next::Done;
-                }
                 let why = "the VMM did not answer in time";
-                self.answer(ApiReply::error(503, why), false, now);
-                self.write_now(now)
+                self.answer_now(ApiReply::error(503, why), false, *invocation, now)
             }
             Phase::Writing { .. } | Phase::Draining { .. } => Next::Done,
-        }
-    }
-
-    fn write_now(&mut self, now: Instant) -> Next {
-        match self.write(now) {
-            Step::Done => Next::Done,
-            Step::Moved | Step::Blocked => Next::Open,
         }
     }
 

@@ -483,7 +483,7 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
     let sock = vm.sock.clone();
     let long = std::thread::spawn(move || vmm_exec(&sock, &["--", "sleep 4; echo long-done"], b""));
     std::thread::sleep(Duration::from_secs(2));
-    const CLONES: usize = 20;
+    const CLONES: usize = 10;
     let (code, body) = vm.api(
         "POST",
         "/clones",

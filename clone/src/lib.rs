@@ -8,6 +8,7 @@
 
 pub mod msrs;
 pub mod state;
+pub mod state_file;
 pub mod timer;
 pub mod vcpu;
 pub mod vm;

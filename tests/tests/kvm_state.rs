@@ -1,5 +1,6 @@
 //! vCPU and VM state through KVM and back: a vCPU and a VM are given distinctive state,
-//! saved with `clone::vcpu::save_vcpu` / `clone::vm::save_vm`, restored into a fresh VM,
+//! saved with `clone::vcpu::save_vcpu` / `clone::vm::save_vm`, written to a snapshot
+//! state file and read back (`clone::state_file`), restored into a fresh VM,
 //! saved again, and the two saves compared. Whole-guest tests clone running guests;
 //! these check each piece of state on its own.
 
@@ -172,6 +173,14 @@ fn vcpu_and_vm_state_survive_a_save_and_restore_into_a_fresh_vm() {
     let saved_vm: VmState = clone::vm::save_vm(&vm_a).expect("save the VM");
     let saved_at = Instant::now();
     eprintln!("MSRs KVM lists but could not read here: {unreadable:#x?}");
+    // Through a snapshot state file, as a snapshot carries them (checksummed, versioned).
+    let scratch = tests::Scratch::new("kvm-state");
+    let file = scratch.path("state");
+    clone::state_file::write(&file, &(&saved, &saved_vm)).expect("write the state file");
+    let bytes = std::fs::metadata(&file).unwrap().len();
+    let (saved, saved_vm): (VcpuState, VmState) =
+        clone::state_file::read(&file).expect("read the state file");
+    eprintln!("a vCPU's and the VM's state in a state file: {bytes} bytes");
 
     let (vm_b, vcpu_b) = new_vm(&kvm);
     let refused = restore_vcpu(&vcpu_b, &saved).expect("restore the vCPU");

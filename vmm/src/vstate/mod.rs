@@ -2,5 +2,6 @@
 
 pub mod kvm;
 pub mod memory;
+pub mod memory_file;
 pub mod vcpu;
 pub mod vm;

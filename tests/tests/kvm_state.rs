@@ -281,3 +281,24 @@ fn vcpu_and_vm_state_survive_a_save_and_restore_into_a_fresh_vm() {
         "kvmclock {ca} -> {cb} in {elapsed_ns} ns"
     );
 }
+
+#[test]
+fn the_cpuid_forkvm_gives_a_vcpu_passes_the_restore_check_on_the_same_host() {
+    // A snapshot restored on the host that took it must never be refused: every bit
+    // forkvm shows a guest is one this host's KVM offers, or one forkvm sets itself.
+    if !kvm_available("the_cpuid_forkvm_gives_a_vcpu_passes_the_restore_check") {
+        return;
+    }
+    use vmm::arch::x86_64::{cpu_compat, cpuid};
+    let kvm = Kvm::new().unwrap();
+    let host = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
+    for hidden in [&[][..], cpuid::PVM_HIDDEN_FEATURES] {
+        for (id, n) in [(0, 1), (1, 2), (3, 4)] {
+            let guest = cpuid::vcpu_cpuid(&host, id, n, hidden);
+            let missing = cpu_compat::missing_features(&guest, &host);
+            assert!(missing.is_empty(), "vCPU {id} of {n}: {missing:?}");
+        }
+    }
+    let msrs = kvm.get_msr_index_list().unwrap();
+    assert!(cpu_compat::missing_msrs(msrs.as_slice(), msrs.as_slice()).is_empty());
+}

@@ -265,7 +265,8 @@ fn kept_disk(path: &std::path::Path, base: &std::fs::File, size: usize) -> Vec<u
 /// that is partial, often): writes of any length at any offset, reads compared with the
 /// model, snapshots (a clone's copy, which goes on in place of the original, and must
 /// hold the same blocks), and keeping the overlay under a name with its `.blocks` map,
-/// read back block by block. The disk always reads as the model says.
+/// read back block by block and taken up again (`Overlay::from_kept`). The disk always
+/// reads as the model says.
 pub fn overlay(data: &[u8]) {
     use devices::virtio::block::overlay::Overlay;
     let [s0, s1, ops @ ..] = data else {
@@ -307,6 +308,13 @@ pub fn overlay(data: &[u8]) {
                 let path = dir.join(format!("forkvm-fuzz-kept-{}-{n}", std::process::id()));
                 let kept = layer.keep(&path);
                 let disk = kept.is_ok().then(|| kept_disk(&path, &base, size));
+                if kept.is_ok() {
+                    // Taken up again (a restored snapshot's disk), it reads the same.
+                    let again = Overlay::from_kept(&path, &dir, size as u64).expect("from_kept");
+                    let mut all = vec![0u8; size];
+                    again.read_at(&base, &mut all, 0).expect("read");
+                    assert!(all == model, "the overlay taken up again differs");
+                }
                 let _ = std::fs::remove_file(&path);
                 let _ = std::fs::remove_file(path.with_extension("blocks"));
                 if let Some(disk) = disk {

@@ -36,6 +36,14 @@ pub enum OverlayError {
         /// Why.
         source: std::io::Error,
     },
+    /// A kept overlay could not be taken up again.
+    #[error("cannot use the kept overlay {path}: {reason}")]
+    Kept {
+        /// The kept overlay.
+        path: String,
+        /// Why.
+        reason: String,
+    },
     /// The overlay file could not be created or sized.
     #[error("cannot create an overlay file in {dir}: {source}")]
     Create {
@@ -94,6 +102,34 @@ fn tmpfile(dir: &Path, size: u64) -> Result<File, OverlayError> {
 
 fn blocks(size: u64) -> u64 {
     size.div_ceil(BLOCK)
+}
+
+/// Copies the blocks `present` marks from `from` to `to` (files of `size` bytes), in
+/// runs of up to [`COPY_CHUNK`].
+fn copy_blocks(from: &File, to: &File, present: &[u64], size: u64) -> std::io::Result<()> {
+    let has = |b: u64| present[(b / 64) as usize] & (1 << (b % 64)) != 0;
+    // Allocated at the first block to copy: an overlay that holds nothing copies nothing
+    // and should not pay for a buffer.
+    let mut buf = Vec::new();
+    let total = blocks(size);
+    let mut b = 0;
+    while b < total {
+        if !has(b) {
+            b += 1;
+            continue;
+        }
+        // A run of present blocks, at most one buffer long.
+        let start = b;
+        while b < total && has(b) && (b - start + 1) * BLOCK <= COPY_CHUNK as u64 {
+            b += 1;
+        }
+        let at = start * BLOCK;
+        let len = ((b * BLOCK).min(size) - at) as usize;
+        buf.resize(COPY_CHUNK, 0);
+        from.read_exact_at(&mut buf[..len], at)?;
+        to.write_all_at(&buf[..len], at)?;
+    }
+    Ok(())
 }
 
 impl Overlay {
@@ -257,32 +293,55 @@ impl Overlay {
             dir: self.dir.display().to_string(),
             source,
         };
-        // Allocated at the first block to copy: a template that never wrote copies
-        // nothing and should not pay for a buffer.
-        let mut buf = Vec::new();
-        let total = blocks(self.size);
-        let mut b = 0;
-        while b < total {
-            if !self.has(b) {
-                b += 1;
-                continue;
-            }
-            // A run of present blocks, at most one buffer long.
-            let start = b;
-            while b < total && self.has(b) && (b - start + 1) * BLOCK <= COPY_CHUNK as u64 {
-                b += 1;
-            }
-            let from = start * BLOCK;
-            let len = ((b * BLOCK).min(self.size) - from) as usize;
-            buf.resize(COPY_CHUNK, 0);
-            self.file
-                .read_exact_at(&mut buf[..len], from)
-                .map_err(err)?;
-            copy.write_all_at(&buf[..len], from).map_err(err)?;
-        }
+        copy_blocks(&self.file, &copy, &self.present, self.size).map_err(err)?;
         Ok(OverlaySnapshot {
             file: copy,
             present: self.present.clone(),
+        })
+    }
+
+    /// An overlay that goes on from a kept one ([`Overlay::keep`]: `path` and its
+    /// `.blocks` map) over a base of `size` bytes: its blocks copied into a new file in
+    /// `dir`, so that the kept overlay stays as it was and can be taken up again.
+    pub fn from_kept(path: &Path, dir: &Path, size: u64) -> Result<Self, OverlayError> {
+        let kept_err = |reason: String| OverlayError::Kept {
+            path: path.display().to_string(),
+            reason,
+        };
+        let kept = File::open(path).map_err(|e| kept_err(e.to_string()))?;
+        let len = kept.metadata().map_err(|e| kept_err(e.to_string()))?.len();
+        if len != size {
+            return Err(kept_err(format!("it is {len} bytes long, the disk {size}")));
+        }
+        let map_path = path.with_extension("blocks");
+        let map = std::fs::read(&map_path)
+            .map_err(|e| kept_err(format!("its block map {}: {e}", map_path.display())))?;
+        let words = blocks(size).div_ceil(64) as usize;
+        if map.len() != words * 8 {
+            return Err(kept_err(format!(
+                "its block map is {} bytes, a {size}-byte disk's is {}",
+                map.len(),
+                words * 8
+            )));
+        }
+        let present: Vec<u64> = map
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or_default()))
+            .collect();
+        let beyond = blocks(size) % 64;
+        if beyond != 0 && present[words - 1] >> beyond != 0 {
+            return Err(kept_err(
+                "its block map marks blocks beyond the disk".into(),
+            ));
+        }
+        let file = tmpfile(dir, size)?;
+        copy_blocks(&kept, &file, &present, size).map_err(|e| kept_err(e.to_string()))?;
+        Ok(Self {
+            file,
+            dir: dir.to_path_buf(),
+            size,
+            present,
+            spare: None,
         })
     }
 }
@@ -443,6 +502,48 @@ mod tests {
             e.contains("vm-disk0.overlay") && e.contains("exists"),
             "{e}"
         );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_kept_overlay_is_taken_up_again_as_a_copy_that_goes_its_own_way() {
+        let size = 5 * 4096 + 100;
+        let b = base(size);
+        let d = std::env::temp_dir().join(format!("forkvm-kept-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let mut o = Overlay::create(&d, size).unwrap();
+        o.write_at(&b.1, &[7; 5000], 3000).unwrap();
+        o.write_at(&b.1, &[9; 50], 5 * 4096 + 10).unwrap();
+        let path = d.join("disk0.overlay");
+        o.keep(&path).unwrap();
+        let read_all = |o: &Overlay| {
+            let mut all = vec![0u8; size as usize];
+            o.read_at(&b.1, &mut all, 0).unwrap();
+            all
+        };
+        let kept = read_all(&o);
+        let mut again = Overlay::from_kept(&path, &d, size).unwrap();
+        assert_eq!(again.blocks_present(), o.blocks_present());
+        assert_eq!(read_all(&again), kept);
+        // Its writes are its own: the kept file, and a second take, are as kept.
+        again.write_at(&b.1, &[1; 4096], 0).unwrap();
+        let twice = Overlay::from_kept(&path, &d, size).unwrap();
+        assert_eq!(read_all(&twice), kept);
+        // A disk of another size, a damaged map, no map: refused, each saying why.
+        let e = Overlay::from_kept(&path, &d, size + 4096)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bytes long"), "{e}");
+        let map = path.with_extension("blocks");
+        std::fs::write(&map, [0xff; 8]).unwrap();
+        let e = Overlay::from_kept(&path, &d, size).unwrap_err().to_string();
+        assert!(e.contains("beyond the disk"), "{e}");
+        std::fs::write(&map, [0xff; 9]).unwrap();
+        let e = Overlay::from_kept(&path, &d, size).unwrap_err().to_string();
+        assert!(e.contains("block map is 9 bytes"), "{e}");
+        std::fs::remove_file(&map).unwrap();
+        let e = Overlay::from_kept(&path, &d, size).unwrap_err().to_string();
+        assert!(e.contains("disk0.blocks"), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

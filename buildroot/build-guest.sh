@@ -17,7 +17,7 @@
 # $FORKVM_CACHE_DIR (default /var/cache/forkvm), keyed by a hash of every input:
 # the linux-source-6.1 package version, the config fragment, the patches and the
 # kernel part of this script. Needs: linux-source-6.1 busybox-static bc bison
-# flex libelf-dev libssl-dev cpio e2fsprogs (installed by .ci/run and `make deps`).
+# flex libelf-dev libssl-dev cpio e2fsprogs lz4 (installed by .ci/run and `make deps`).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)

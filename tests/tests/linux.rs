@@ -7,7 +7,7 @@ use std::time::Duration;
 use tests::{guest_file, kvm_available, Scratch, Vm};
 
 /// Generous for one guest at a time: a Linux boot takes about 20-60 s here (the bzImage,
-/// which decompresses itself in the host's instruction emulator, about 220 s).
+/// which decompresses itself (LZ4) in the host's instruction emulator, about 100 s).
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 
 /// The tests boot one Linux guest at a time: two side by side on this 2-CPU host made

@@ -18,15 +18,7 @@ hostile:
     leaq 1(%rax,%r15), %r8          /* r8: generator state, never 0 */
     movq opt_hostile(%rip), %r9
     imulq $1000, %r9, %r9           /* r9: accesses left */
-1:  movq %r8, %rax
-    shlq $13, %rax
-    xorq %rax, %r8
-    movq %r8, %rax
-    shrq $7, %rax
-    xorq %rax, %r8
-    movq %r8, %rax
-    shlq $17, %rax
-    xorq %rax, %r8
+1:  call xorshift
     movl %r8d, %edx
     andl $0x7f, %edx
     addl $0xf40, %edx               /* port 0xf40-0xfbf */

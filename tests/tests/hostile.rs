@@ -18,6 +18,24 @@ fn status_kib(pid: u32, key: &str) -> u64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
+/// The VMM's RSS (KiB) and open descriptors.
+fn counts(pid: u32) -> (u64, usize) {
+    (
+        status_kib(pid, "VmRSS:"),
+        count_dir(format!("/proc/{pid}/fd")),
+    )
+}
+
+/// Checks the guest goes on (its timer, serial port and heartbeat: three more beats)
+/// and the VM is running; then the VMM's [`counts`].
+fn beats_on_then_counts(vm: &mut Vm) -> (u64, usize) {
+    let now = beats(vm);
+    vm.wait_console(&format!("tiny: beat {}\n", now + 3), BOOT);
+    let v = vm.describe();
+    assert_eq!(v["state"], "running", "{v}");
+    counts(vm.child.id())
+}
+
 fn beats(vm: &Vm) -> usize {
     vm.console_text().matches("tiny: beat ").count()
 }
@@ -35,24 +53,12 @@ fn a_guest_writing_garbage_to_every_port_from_every_vcpu_leaves_the_vmm_serving_
     neighbour.wait_console("tiny: beat 1\n", BOOT);
     let mut vm = start(&s1, "ticks=1 beat=10 hostile=200");
     vm.wait_console("tiny: cpu 0 timer ok", BOOT);
-    let pid = vm.child.id();
-    let (rss, fds) = (
-        status_kib(pid, "VmRSS:"),
-        count_dir(format!("/proc/{pid}/fd")),
-    );
+    let (rss, fds) = counts(vm.child.id());
     let neighbour_beats = beats(&neighbour);
     let long = Duration::from_secs(600);
     vm.wait_console("tiny: cpu 0 hostile done", long);
     vm.wait_console("tiny: cpu 1 hostile done", long);
-    // The guest goes on: its timer, serial port and heartbeat still work.
-    let now = beats(&vm);
-    vm.wait_console(&format!("tiny: beat {}\n", now + 3), BOOT);
-    let v = vm.describe();
-    assert_eq!(v["state"], "running", "{v}");
-    let (rss_after, fds_after) = (
-        status_kib(pid, "VmRSS:"),
-        count_dir(format!("/proc/{pid}/fd")),
-    );
+    let (rss_after, fds_after) = beats_on_then_counts(&mut vm);
     let log = vm.stderr_text();
     let log_lines = log.lines().count();
     // Refused clone requests: counted, logged the first ten times and at each power of
@@ -146,11 +152,7 @@ fn a_guest_driving_every_virtio_device_badly_leaves_the_vmm_serving_and_bounded(
     );
     vm.wait_console("tiny: hostile virtio start", BOOT);
     let started = std::time::Instant::now();
-    let pid = vm.child.id();
-    let (rss, fds) = (
-        status_kib(pid, "VmRSS:"),
-        count_dir(format!("/proc/{pid}/fd")),
-    );
+    let (rss, fds) = counts(vm.child.id());
     let neighbour_beats = beats(&neighbour);
     loop {
         let text = vm.console_text();
@@ -166,15 +168,7 @@ fn a_guest_driving_every_virtio_device_badly_leaves_the_vmm_serving_and_bounded(
         std::thread::sleep(Duration::from_millis(100));
     }
     let took = started.elapsed();
-    // The guest goes on: its timer, serial port and heartbeat still work.
-    let now = beats(&vm);
-    vm.wait_console(&format!("tiny: beat {}\n", now + 3), BOOT);
-    let v = vm.describe();
-    assert_eq!(v["state"], "running", "{v}");
-    let (rss_after, fds_after) = (
-        status_kib(pid, "VmRSS:"),
-        count_dir(format!("/proc/{pid}/fd")),
-    );
+    let (rss_after, fds_after) = beats_on_then_counts(&mut vm);
     let log = vm.stderr_text();
     let log_lines = log.lines().count();
     eprintln!(

@@ -438,6 +438,16 @@ fn assert_own_bytes(ticks: &[Tick], what: &str) -> usize {
     ticks.iter().filter(|t| t.straddled).count()
 }
 
+/// Whether a batch of clones, all of one clone point, met it in the one place where
+/// sharing their first bytes is what forkvm documents (docs/clone-uniqueness.md): the
+/// read had passed the kernel's last generation check, on its way back to the program
+/// (the probe cannot tell that from a read drawn again, so the batch is made once more:
+/// a kernel that did not draw again would repeat on most clone points, which fall
+/// inside the 0.1 s copy loop, not in those last instructions).
+fn returning_at_clone_point(ticks: &[Tick]) -> bool {
+    ticks.iter().all(|t| t.straddled && *t == ticks[0])
+}
+
 #[test]
 fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_read() {
     if !kvm_available("linux_crng_reseed") {
@@ -475,24 +485,42 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
 
     // Clones made through the API of the running VM: mostly inside a read, which the
     // kernel draws again when the VMM's reseed moved its generation.
-    let api = clones_of(&vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
-    assert_eq!(api.len(), CLONES);
-    let api_inside = assert_own_bytes(&clone_ticks(&vm, &api), "API clones' first random bytes");
-
-    // The VM paused: warm clones (prepared ahead), then clones forked from the paused VM.
-    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
-    wait_until("4 warm clones", LINUX_BOOT, || {
-        vm.describe()["warm_clones"]["ready"] == 4
-    });
-    let paused = clones_of(&vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
-    assert!(vm.describe()["warm_clones"]["launched"].as_u64().unwrap() >= 4);
-    let paused_inside = assert_own_bytes(
-        &clone_ticks(&vm, &paused),
-        "warm and paused-VM clones' first random bytes",
-    );
+    // Once per run, a batch whose clone point fell on a read's way back is made again.
+    let mut excused = 0;
+    let mut batch = |vm: &Vm, pause: bool, what: &str| loop {
+        if pause {
+            // The VM paused: warm clones (prepared ahead), then clones forked from it.
+            assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+            wait_until("4 warm clones", LINUX_BOOT, || {
+                vm.describe()["warm_clones"]["ready"] == 4
+            });
+        }
+        let clones = clones_of(vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
+        assert_eq!(clones.len(), CLONES);
+        if pause {
+            assert!(vm.describe()["warm_clones"]["launched"].as_u64().unwrap() >= 4);
+        }
+        let ticks = clone_ticks(vm, &clones);
+        if pause {
+            assert_eq!(
+                vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#)).0,
+                204
+            );
+        }
+        if excused == 0 && returning_at_clone_point(&ticks) {
+            eprintln!(
+                "linux_crng_reseed: {what}: the clone point fell on a read's way back; again"
+            );
+            excused += 1;
+            continue;
+        }
+        break assert_own_bytes(&ticks, what);
+    };
+    let api_inside = batch(&vm, false, "API clones' first random bytes");
+    let paused_inside = batch(&vm, true, "warm and paused-VM clones' first random bytes");
     eprintln!(
         "linux_crng_reseed: clone points inside a read: API clones {api_inside}/{CLONES}, \
-         paused {paused_inside}/{CLONES}"
+         paused {paused_inside}/{CLONES}, batches made again {excused}"
     );
     vm.shutdown(Duration::from_secs(60));
 

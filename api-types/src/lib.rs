@@ -14,6 +14,7 @@
 //! | `POST /clones` | [`CreateClones`] (optional) | 201 [`CloneList`] |
 //! | `GET /clones` | | 200 [`CloneList`] |
 //! | `DELETE /clones/{id}` | | 200 [`CloneInfo`] |
+//! | `PUT /snapshot` | [`CreateSnapshot`] | 201 [`SnapshotInfo`] |
 //! | `POST /invocations` | the payload; [`InvokeOptions`] in the query | 200 the reply |
 //!
 //! Every error answer carries an [`ErrorBody`].
@@ -25,6 +26,7 @@ pub mod invoke;
 pub mod net;
 pub mod options;
 pub mod rate_limit;
+pub mod snapshot;
 pub mod vm;
 
 pub use cgroup::{CloneCgroup, ResourceClass, Usage};
@@ -35,6 +37,7 @@ pub use clones::{
 pub use invoke::{InvokeOptions, InvokeReport, Outcome};
 pub use net::{Ipv4Cidr, MacAddr};
 pub use rate_limit::RateLimit;
+pub use snapshot::{CreateSnapshot, SnapshotInfo};
 pub use vm::{Action, ActionType, TargetState, VmInfo, VmState, VmUpdate};
 
 use schemars::JsonSchema;

@@ -215,7 +215,10 @@ const VMM: &[i64] = &[
     libc::SYS_mkdir,
     libc::SYS_rmdir,
     libc::SYS_unlink,
+    libc::SYS_unlinkat,
     libc::SYS_linkat,
+    // A snapshot's directory renamed into place (`vmm::snapshot`).
+    libc::SYS_rename,
     libc::SYS_ftruncate,
     libc::SYS_fsync,
     libc::SYS_fdatasync,

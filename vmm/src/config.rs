@@ -531,6 +531,17 @@ impl VmConfig {
 
     /// Checks sizes and files. `host_max_vcpus` is what KVM allows on this host.
     pub fn validate(&self, host_max_vcpus: usize) -> Result<(), ConfigError> {
+        self.validate_restored(host_max_vcpus)?;
+        check_file("kernel", &self.kernel)?;
+        if let Some(p) = &self.initrd {
+            check_file("initrd", p)?;
+        }
+        Ok(())
+    }
+
+    /// [`VmConfig::validate`] without the boot files, which a VM restored from a
+    /// snapshot does not read.
+    pub fn validate_restored(&self, host_max_vcpus: usize) -> Result<(), ConfigError> {
         if !(MIN_MEM_MIB..=MAX_MEM_MIB).contains(&self.mem_mib) {
             return Err(ConfigError::MemSize(self.mem_mib));
         }
@@ -556,10 +567,6 @@ impl VmConfig {
                 requested: u64::from(self.vcpus),
                 max,
             });
-        }
-        check_file("kernel", &self.kernel)?;
-        if let Some(p) = &self.initrd {
-            check_file("initrd", p)?;
         }
         let virtio = self.disks.len()
             + usize::from(self.rng.is_some())

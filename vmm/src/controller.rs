@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use nix::sys::signalfd::SignalFd;
 
 use api_types::invoke::Outcome;
-use api_types::vm::{TargetState, VmInfo};
+use api_types::vm::{TargetState, VmInfo, VmState};
 use api_types::{CloneList, CloneStatus};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
@@ -36,6 +36,7 @@ pub fn body_limits(config: &VmConfig) -> BodyLimits {
     }
 }
 use crate::signals::read_signal;
+use crate::snapshot::SnapshotError;
 use crate::vstate::vcpu::VcpuEvent;
 
 /// Errors in the event loop itself.
@@ -143,6 +144,22 @@ impl Vmm {
         }
     }
 
+    /// Writes a snapshot of the paused VM to the new directory `dir`: the state its
+    /// clones are made from in this pause (captured now if none was yet).
+    fn snapshot(
+        &mut self,
+        dir: &std::path::Path,
+    ) -> Result<api_types::SnapshotInfo, SnapshotError> {
+        if self.vm.state() != VmState::Paused {
+            return Err(SnapshotError::NotPaused);
+        }
+        if !self.vm.pending_events().is_empty() {
+            return Err(SnapshotError::EventsPending);
+        }
+        let state = self.clones.paused_state(&mut self.vm)?;
+        Ok(crate::snapshot::save(&self.vm, &state, dir)?)
+    }
+
     /// Takes one action. `Shutdown` is answered here; the loop then stops.
     pub fn handle(&mut self, action: VmmAction) -> VmmResponse {
         match action {
@@ -168,6 +185,7 @@ impl Vmm {
                     .make_clones(&mut self.vm, &request, received_ns, None)?;
                 Ok(VmmData::CreatedClones(CloneList { clones }))
             }
+            VmmAction::Snapshot(dir) => Ok(VmmData::Snapshot(Box::new(self.snapshot(&dir)?))),
             VmmAction::ListClones => Ok(VmmData::Clones(CloneList {
                 clones: self.clones.list_clones(),
             })),

@@ -16,6 +16,7 @@ pub mod microvm;
 pub mod rpc;
 pub mod sandbox;
 pub mod signals;
+pub mod snapshot;
 pub mod vstate;
 
 use api::server::{ApiServer, ApiServerError};
@@ -51,6 +52,9 @@ pub enum VmmError {
     /// A seccomp filter could not be built or installed.
     #[error(transparent)]
     Seccomp(#[from] sandbox::SeccompError),
+    /// The snapshot could not be restored.
+    #[error(transparent)]
+    Restore(#[from] snapshot::RestoreError),
 }
 
 /// Boots the VM described by `config`, serves its control socket, and returns when it
@@ -81,14 +85,56 @@ fn serve(
     actions: Option<rpc::ActionReceiver>,
     signals: &nix::sys::signalfd::SignalFd,
 ) -> Result<RunOutcome, VmmError> {
+    let clones = pools(&config)?;
+    let vm = Microvm::new(build_microvm(config)?);
+    // The event loop's filter covers forking clones and rebuilding VMs in them.
+    sandbox::enter(sandbox::ThreadKind::Vmm)?;
+    Ok(Vmm::new(vm, clones).run(actions, Some(signals))?)
+}
+
+/// The clone side of a VM with `config`, its cgroup pools made: before the VM, so that
+/// no guest code runs if they cannot be.
+fn pools(config: &VmConfig) -> Result<Cloner, VmmError> {
     if let Some(c) = &config.cgroups {
         c.check()
             .map_err(|e| BuildError::Config(config::ConfigError::Cgroups(e)))?;
     }
-    // Before the VM: nothing runs guest code if the pools cannot be made.
-    let clones = Cloner::new(&config, controller::serve_clone)?;
-    let vm = Microvm::new(build_microvm(config)?);
-    // The event loop's filter covers forking clones and rebuilding VMs in them.
+    Ok(Cloner::new(config, controller::serve_clone)?)
+}
+
+/// Restores the VM of a snapshot (`snapshot`), serves its control socket, and returns
+/// when it stops, as [`run`] does for a booted VM. The snapshot is read and checked
+/// against this host before anything is created.
+pub fn restore(opts: snapshot::RestoreOptions) -> Result<RunOutcome, VmmError> {
+    let signals = block_shutdown_signals().map_err(VmmError::Signals)?;
+    let restoring = snapshot::open(&opts)?;
+    let config = restoring.config();
+    sandbox::init(config.seccomp)?;
+    let (sender, actions) = rpc::channel().map_err(VmmError::Queue)?;
+    let api = (config.api_sock.as_deref())
+        .map(|path| ApiServer::start(path, sender, controller::body_limits(config)))
+        .transpose()?;
+    let actions = api.is_some().then_some(actions);
+    let outcome = serve_restored(restoring, opts.paused, actions, &signals);
+    drop(api);
+    outcome
+}
+
+/// [`serve`] for a restored VM, paused first with `paused`.
+fn serve_restored(
+    restoring: snapshot::Restoring,
+    paused: bool,
+    actions: Option<rpc::ActionReceiver>,
+    signals: &nix::sys::signalfd::SignalFd,
+) -> Result<RunOutcome, VmmError> {
+    let clones = pools(restoring.config())?;
+    let mut vm = Microvm::new(restoring.start()?);
+    let started = vm.devices().start_restored_virtio();
+    started.map_err(snapshot::RestoreError::Devices)?;
+    if paused {
+        vm.set_state(api_types::TargetState::Paused)
+            .map_err(snapshot::RestoreError::Pause)?;
+    }
     sandbox::enter(sandbox::ThreadKind::Vmm)?;
     Ok(Vmm::new(vm, clones).run(actions, Some(signals))?)
 }

@@ -49,8 +49,60 @@ enum Command {
     /// Run an invocation (POST /invocations): prints the handler's reply; exits 0 when
     /// the handler returned, 1 otherwise (the error on stderr).
     Invoke(InvokeArgs),
+    /// Write a snapshot of the paused VM to a new directory (PUT /snapshot); prints what
+    /// was written.
+    Snapshot(SnapshotArgs),
+    /// Start a VM from a snapshot directory and run until it stops (as `run` does).
+    Restore(Box<RestoreArgs>),
     /// Print the control API's OpenAPI description (YAML; docs/api/openapi.yaml).
     Openapi,
+}
+
+#[derive(clap::Args)]
+struct SnapshotArgs {
+    /// The VM's control socket.
+    #[arg(long)]
+    api_sock: PathBuf,
+    /// The snapshot's directory (must not exist; its parent must). Its files hold guest
+    /// memory and are owner-only.
+    #[arg(long)]
+    dir: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct RestoreArgs {
+    /// The snapshot's directory (`vmm snapshot`).
+    #[arg(long)]
+    dir: PathBuf,
+    /// Control socket path (REST over a Unix socket).
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+    /// Serial console sink: stdout, null, or a file path.
+    #[arg(long, default_value = "stdout")]
+    console: ConsoleSink,
+    /// Keep the VM paused once restored (a template for clones) instead of running it.
+    #[arg(long)]
+    paused: bool,
+    /// While the VM is paused, keep this many clones forked and prepared (0 to 256).
+    #[arg(long, default_value_t = 0)]
+    warm_clones: usize,
+    /// Most live clones (1 to 2000).
+    #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
+    max_clones: usize,
+    /// The host tap of the network card (default: the snapshot's).
+    #[arg(long)]
+    tap: Option<String>,
+    /// The host side of the vsock device (default: `<api-sock>.vsock`).
+    #[arg(long)]
+    vsock: Option<PathBuf>,
+    /// Where writable disks' overlays go (default: the snapshot's directories).
+    #[arg(long, value_name = "DIR")]
+    cow_dir: Option<PathBuf>,
+    #[command(flatten)]
+    cgroups: CgroupArgs,
+    /// Seccomp filters per thread kind (as `run`).
+    #[arg(long, default_value = "kill")]
+    seccomp: jailer::seccomp::SeccompMode,
 }
 
 #[derive(clap::Args)]
@@ -216,26 +268,8 @@ struct RunArgs {
     /// an invocation that needs a clone
     #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
     max_clones: usize,
-    /// A resource class for clones, NAME[:cpu=CPUS,memory=BYTES[K|M|G],pids=N]; each gets
-    /// a pool of ready cgroups and every clone is placed in one. Repeat for more classes;
-    /// the first is the default.
-    #[arg(long = "cgroup-class", value_parser = parse_cgroup_class)]
-    cgroup_classes: Vec<(String, api_types::ResourceClass)>,
-    /// cgroup version for the pools, 1 or 2 (default: v2 on a v2-only host, else v1).
-    #[arg(long)]
-    cgroup_version: Option<api_types::cgroup::CgroupVersion>,
-    /// Directory in each cgroup hierarchy that the pools go under (as `<dir>/vmm-<pid>`).
-    #[arg(long, default_value = "forkvm")]
-    cgroup_parent: String,
-    /// Ready cgroups kept per class.
-    #[arg(long, default_value_t = 4)]
-    cgroup_pool_size: usize,
-    /// Most cgroups per class; further clone requests wait or fail.
-    #[arg(long, default_value_t = 256)]
-    cgroup_pool_max: usize,
-    /// How long a clone request waits for a free cgroup at the maximum (0: fail at once).
-    #[arg(long, default_value_t = 0)]
-    cgroup_wait_ms: u64,
+    #[command(flatten)]
+    cgroups: CgroupArgs,
     /// The invocation mailbox's size in MiB (0: none; 1 to 256): the largest request
     /// or reply is this less 64 bytes.
     #[arg(long, default_value_t = vmm::config::DEFAULT_MAILBOX_MIB)]
@@ -267,8 +301,33 @@ struct RunArgs {
     seccomp: jailer::seccomp::SeccompMode,
 }
 
-impl RunArgs {
-    fn cgroups(&self) -> Option<CgroupConfig> {
+/// Cgroup pools for clones (`run` and `restore`).
+#[derive(clap::Args)]
+struct CgroupArgs {
+    /// A resource class for clones, NAME[:cpu=CPUS,memory=BYTES[K|M|G],pids=N]; each gets
+    /// a pool of ready cgroups and every clone is placed in one. Repeat for more classes;
+    /// the first is the default.
+    #[arg(long = "cgroup-class", value_parser = parse_cgroup_class)]
+    cgroup_classes: Vec<(String, api_types::ResourceClass)>,
+    /// cgroup version for the pools, 1 or 2 (default: v2 on a v2-only host, else v1).
+    #[arg(long)]
+    cgroup_version: Option<api_types::cgroup::CgroupVersion>,
+    /// Directory in each cgroup hierarchy that the pools go under (as `<dir>/vmm-<pid>`).
+    #[arg(long, default_value = "forkvm")]
+    cgroup_parent: String,
+    /// Ready cgroups kept per class.
+    #[arg(long, default_value_t = 4)]
+    cgroup_pool_size: usize,
+    /// Most cgroups per class; further clone requests wait or fail.
+    #[arg(long, default_value_t = 256)]
+    cgroup_pool_max: usize,
+    /// How long a clone request waits for a free cgroup at the maximum (0: fail at once).
+    #[arg(long, default_value_t = 0)]
+    cgroup_wait_ms: u64,
+}
+
+impl CgroupArgs {
+    fn config(&self) -> Option<CgroupConfig> {
         (!self.cgroup_classes.is_empty()).then(|| CgroupConfig {
             classes: self.cgroup_classes.clone(),
             version: self.cgroup_version,
@@ -436,6 +495,22 @@ fn invoke(i: &InvokeArgs) -> ExitCode {
     ExitCode::FAILURE
 }
 
+/// The exit status of a VM that ran (`run`, `restore`), its error printed.
+fn finish(result: Result<vmm::microvm::RunOutcome, vmm::VmmError>) -> ExitCode {
+    match result {
+        Ok(outcome) => {
+            if let vmm::microvm::RunOutcome::Error(msg) = &outcome {
+                eprintln!("vmm: guest stopped: {msg}");
+            }
+            ExitCode::from(outcome.exit_code() as u8)
+        }
+        Err(e) => {
+            eprintln!("vmm: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
     // glibc reports a fatal error it detects (heap corruption, a failed check) on
     // /dev/tty unless this is set: opening it is outside every thread's seccomp filter,
@@ -453,7 +528,7 @@ fn main() -> ExitCode {
         Command::Run(a) => {
             let a = *a;
             let config = VmConfig {
-                cgroups: a.cgroups(),
+                cgroups: a.cgroups.config(),
                 initrd: a.initrd,
                 disks: a
                     .rootfs
@@ -499,18 +574,7 @@ fn main() -> ExitCode {
                 seccomp: a.seccomp,
                 ..VmConfig::new(a.kernel)
             };
-            match vmm::run(config) {
-                Ok(outcome) => {
-                    if let vmm::microvm::RunOutcome::Error(msg) = &outcome {
-                        eprintln!("vmm: guest stopped: {msg}");
-                    }
-                    ExitCode::from(outcome.exit_code() as u8)
-                }
-                Err(e) => {
-                    eprintln!("vmm: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+            finish(vmm::run(config))
         }
         Command::Status(s) => print_answer(client::describe_vm(&s.api_sock)),
         Command::Pause(s) => print_answer(client::set_state(&s.api_sock, TargetState::Paused)),
@@ -519,6 +583,25 @@ fn main() -> ExitCode {
         Command::Clones(s) => print_answer(client::list_clones(&s.api_sock)),
         Command::Exec(e) => exec(&e),
         Command::Invoke(i) => invoke(&i),
+        Command::Snapshot(a) => {
+            print_answer(client::snapshot(&a.api_sock, &a.dir.display().to_string()))
+        }
+        Command::Restore(a) => {
+            let opts = vmm::snapshot::RestoreOptions {
+                dir: a.dir,
+                api_sock: a.api_sock,
+                console: a.console,
+                paused: a.paused,
+                warm_clones: a.warm_clones,
+                max_clones: a.max_clones,
+                cgroups: a.cgroups.config(),
+                seccomp: a.seccomp,
+                tap: a.tap,
+                vsock: a.vsock,
+                cow_dir: a.cow_dir,
+            };
+            finish(vmm::restore(opts))
+        }
         Command::Openapi => {
             print!("{}", vmm::api::spec::openapi_yaml());
             ExitCode::SUCCESS

@@ -47,6 +47,8 @@ pub enum VmmAction {
     /// Run an invocation (`POST /invocations`): in a clone of a template, or in place.
     /// The VM that runs it answers on its connection.
     Invoke(Box<Invocation>),
+    /// Write a snapshot of the paused VM to this new directory (`PUT /snapshot`).
+    Snapshot(std::path::PathBuf),
 }
 
 /// What the VMM core answers.
@@ -64,6 +66,8 @@ pub enum VmmData {
     Clone(Box<CloneInfo>),
     /// The invocation is on its way; the VM that runs it answers the caller.
     Invoked,
+    /// The snapshot just written.
+    Snapshot(Box<api_types::SnapshotInfo>),
 }
 
 /// Why the VMM core refused or failed an action, per operation.
@@ -78,6 +82,9 @@ pub enum VmmActionError {
     /// The invocation was refused before it reached a runtime.
     #[error(transparent)]
     Invoke(#[from] InvokeError),
+    /// The snapshot was refused or failed (the VM goes on as before).
+    #[error(transparent)]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
     /// No live clone has this id.
     #[error("no running clone with id {0:?}")]
     NoSuchClone(String),

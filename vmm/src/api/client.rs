@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use api_types::invoke::InvokeOptions;
 use api_types::{
-    Action, ActionType, CloneInfo, CloneList, CreateClones, ErrorBody, TargetState, VmInfo,
-    VmUpdate,
+    Action, ActionType, CloneInfo, CloneList, CreateClones, CreateSnapshot, ErrorBody,
+    SnapshotInfo, TargetState, VmInfo, VmUpdate,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -174,6 +174,18 @@ pub fn create_clones(sock: &Path, request: &CreateClones) -> Result<CloneList, C
 /// `GET /clones`.
 pub fn list_clones(sock: &Path) -> Result<CloneList, ClientError> {
     call(sock, "GET", "/clones", NO_BODY)
+}
+
+/// `PUT /snapshot`: writes a snapshot of the paused VM to the new directory `dir`.
+/// Waits as long as the VMM may take (`conn::SNAPSHOT_TIMEOUT`).
+pub fn snapshot(sock: &Path, dir: &str) -> Result<SnapshotInfo, ClientError> {
+    let body = serde_json::to_vec(&CreateSnapshot {
+        dir: dir.to_string(),
+    })
+    .expect("API bodies serialize");
+    let wait = super::conn::SNAPSHOT_TIMEOUT + Duration::from_secs(5);
+    let json = Some("application/json");
+    decode(request_bytes(sock, "PUT", "/snapshot", json, &body, wait)?)
 }
 
 /// `DELETE /clones/{id}`.

@@ -29,6 +29,9 @@ pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 /// What each clone of a request adds to its answer's deadline (1,000 clones of a busy
 /// guest took 24 s on a saturated 2-CPU host).
 const PER_CLONE: Duration = Duration::from_millis(100);
+/// How long a snapshot's answer may take: writing many GiB of guest memory to a slow
+/// disk takes minutes.
+pub const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// How long `action` may wait for the VMM's answer.
 fn answer_timeout(action: &VmmAction) -> Duration {
@@ -37,6 +40,7 @@ fn answer_timeout(action: &VmmAction) -> Duration {
             let count = u32::try_from(request.count).unwrap_or(u32::MAX);
             ANSWER_TIMEOUT.saturating_add(PER_CLONE.saturating_mul(count))
         }
+        VmmAction::Snapshot(_) => SNAPSHOT_TIMEOUT,
         _ => ANSWER_TIMEOUT,
     }
 }

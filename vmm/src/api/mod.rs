@@ -15,7 +15,7 @@ pub mod invoke;
 pub mod server;
 pub mod spec;
 
-use api_types::{Action, ActionType, CreateClones, ErrorBody, VmUpdate};
+use api_types::{Action, ActionType, CreateClones, CreateSnapshot, ErrorBody, VmUpdate};
 use serde::{Deserialize, Serialize};
 
 use crate::cloning::cgroups::PlacementError;
@@ -118,6 +118,9 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
             })
         }
         ("GET", "/clones") => Ok(VmmAction::ListClones),
+        ("PUT", "/snapshot") => Ok(VmmAction::Snapshot(
+            parse_json::<CreateSnapshot>(&req.body)?.dir.into(),
+        )),
         ("POST", "/invocations") => invoke::route(req).map(|i| VmmAction::Invoke(Box::new(i))),
         ("DELETE", path) if clone_id(path).is_some() => {
             Ok(VmmAction::DeleteClone(path["/clones/".len()..].to_string()))
@@ -144,6 +147,7 @@ pub fn reply(response: VmmResponse) -> ApiReply {
         Ok(VmmData::Clone(info)) => ApiReply::json(200, &info),
         // The server writes nothing for an invocation on its way (see `server`).
         Ok(VmmData::Invoked) => ApiReply::no_content(),
+        Ok(VmmData::Snapshot(info)) => ApiReply::json(201, &info),
         Err(e) => ApiReply::error(status_of(&e), e),
     }
 }
@@ -183,6 +187,18 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             InvokeError::HeldFull => 503,
             InvokeError::Mailbox(_) | InvokeError::Vcpu(_) | InvokeError::CloneFailed(_) => 500,
         },
+        VmmActionError::Snapshot(e) => {
+            use crate::snapshot::{SaveError, SnapshotError};
+            match e {
+                SnapshotError::Save(SaveError::Path(_)) => 400,
+                SnapshotError::NotPaused
+                | SnapshotError::EventsPending
+                | SnapshotError::Save(SaveError::Exists(_)) => 409,
+                SnapshotError::Save(s) if s.host_short() => 503,
+                SnapshotError::Capture(c) if c.host_short() => 503,
+                _ => 500,
+            }
+        }
         VmmActionError::NoSuchClone(_) => 404,
         VmmActionError::ShuttingDown => 503,
     }

@@ -7,7 +7,8 @@
 //! while the file is stale.
 
 use api_types::{
-    Action, CloneInfo, CloneList, CreateClones, ErrorBody, InvokeOptions, VmInfo, VmUpdate,
+    Action, CloneInfo, CloneList, CreateClones, CreateSnapshot, ErrorBody, InvokeOptions,
+    SnapshotInfo, VmInfo, VmUpdate,
 };
 use schemars::generate::SchemaSettings;
 use schemars::{JsonSchema, Schema, SchemaGenerator};
@@ -184,6 +185,36 @@ pub const ROUTES: &[Route] = &[
                 body: Some(schema::<CloneInfo>),
             },
             answer(404, "No live clone has this id."),
+        ],
+        query: None,
+        raw: false,
+    },
+    Route {
+        method: "put",
+        path: "/snapshot",
+        summary: "Write a snapshot of the paused VM (its state, its memory as a sparse file, \
+                  its writable disks' overlays; every file owner-only) to a new directory \
+                  (docs/snapshots.md). `vmm restore --dir` starts a VM from it.",
+        request: Some((schema::<CreateSnapshot>, true)),
+        answers: &[
+            Answer {
+                status: 201,
+                description: "Written: the directory holds the whole snapshot.",
+                body: Some(schema::<SnapshotInfo>),
+            },
+            answer(
+                409,
+                "The VM is not paused, has vCPU events to handle first, or the directory \
+                 exists.",
+            ),
+            answer(
+                503,
+                "The host is out of space for it (nothing of it is left).",
+            ),
+            answer(
+                500,
+                "The host failed to capture or write it (nothing of it is left).",
+            ),
         ],
         query: None,
         raw: false,

@@ -310,13 +310,16 @@ pub(crate) const FAIL_MARK: u64 = u64::MAX - 1;
 pub(crate) const READY_MARK: u64 = u64::MAX;
 
 /// A VM rebuilt from captured state, its vCPUs restored but not started.
-pub(super) struct Prepared {
-    pub(super) vm: VmFd,
-    pub(super) vcpus: Vec<Vcpu>,
+pub(crate) struct Prepared {
+    pub(crate) vm: VmFd,
+    pub(crate) vcpus: Vec<Vcpu>,
+    /// MSRs the host refused to restore (vCPU 0's).
+    pub(crate) skipped_msrs: Vec<u32>,
 }
 
-/// Creates the VM on the inherited memory and restores every vCPU from `state`.
-pub(super) fn prepare(
+/// Creates the VM on `mem` (a clone's inherited memory, or a snapshot's) and restores
+/// every vCPU from `state`.
+pub(crate) fn prepare(
     kvm: &KvmContext,
     state: &MicrovmState,
     mem: &GuestMemoryMmap,
@@ -324,14 +327,22 @@ pub(super) fn prepare(
 ) -> Result<Prepared, ChildError> {
     let vm = create_vm(kvm, mem)?;
     let mut vcpus = Vec::with_capacity(state.vcpus.len());
+    let mut skipped_msrs = Vec::new();
     for s in &state.vcpus {
         let (v, skipped) = Vcpu::from_state(&vm, s, mailbox)?;
         if !skipped.is_empty() {
-            tracing::debug!("clone: host refused MSRs {skipped:#x?}");
+            tracing::debug!("restore: host refused MSRs {skipped:#x?}");
+            if vcpus.is_empty() {
+                skipped_msrs = skipped;
+            }
         }
         vcpus.push(v);
     }
-    Ok(Prepared { vm, vcpus })
+    Ok(Prepared {
+        vm,
+        vcpus,
+        skipped_msrs,
+    })
 }
 
 /// What a warm clone receives: its identity, and an invocation's payload and connection.

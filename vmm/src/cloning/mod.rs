@@ -43,6 +43,7 @@ use clone::MicrovmState;
 use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use cgroups::{CgroupSetupError, ClonePools};
+pub(crate) use child::{errno_of, prepare as prepare_restored};
 pub use child::{ChildError, ReadyMark, RebuiltClone, ServeClone, ServeError};
 pub use request::{CloneError, CLONE_FAILED};
 pub use table::CloneTable;
@@ -111,6 +112,12 @@ impl Cloner {
     /// This VM's clone id ("" for an original VM).
     pub fn clone_id(&self) -> &str {
         &self.clone_id
+    }
+
+    /// The paused `vm`'s state, captured once per pause (what its clones and a
+    /// snapshot are made from).
+    pub fn paused_state(&mut self, vm: &mut Microvm) -> Result<Arc<MicrovmState>, CloneError> {
+        self.warm.epoch_state(vm)
     }
 
     /// The warm-clone figures for `GET /vm`.

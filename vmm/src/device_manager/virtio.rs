@@ -64,6 +64,24 @@ impl DeviceManager {
             .collect()
     }
 
+    /// Writes a copy of each writable disk's overlay to the path `path_of` gives its
+    /// index ([`Overlay::save_copy`]); returns the bytes of each (their length). Call
+    /// it while the disks' workers are parked (a paused VM).
+    pub fn save_overlays(
+        &self,
+        path_of: impl Fn(usize) -> std::path::PathBuf,
+    ) -> Result<u64, OverlayError> {
+        let mut bytes = 0;
+        for (i, o) in self.overlays.iter().enumerate() {
+            if let Some(o) = o {
+                let o = lock(o);
+                o.save_copy(&path_of(i))?;
+                bytes += o.size();
+            }
+        }
+        Ok(bytes)
+    }
+
     /// Whether a writable disk may have no spare overlay file made for the next clone.
     /// The event loop asks: an overlay its disk's worker holds (during a request, a
     /// flush may take milliseconds) is not waited for and counts as wanting one.

@@ -197,6 +197,12 @@ impl Vcpu {
         Ok((Self::new(id, fd, control), skipped))
     }
 
+    /// The CPUID this vCPU has in effect (`KVM_GET_CPUID2`): what was set, except on a
+    /// host that does not fully honour it (PVM, where the host CPU's own features show).
+    pub fn effective_cpuid(&self) -> Result<kvm_bindings::CpuId, kvm_ioctls::Error> {
+        self.fd.get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+    }
+
     /// This vCPU's state (not running: paused, or not started) and the MSRs the host
     /// would not read.
     pub fn save(&self, spec: &CaptureSpec) -> Result<(VcpuState, Vec<u32>), String> {

@@ -164,6 +164,11 @@ impl Overlay {
         self.present[(b / 64) as usize] |= 1 << (b % 64);
     }
 
+    /// The disk's size in bytes (the overlay file's length).
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
     /// Blocks the overlay holds.
     pub fn blocks_present(&self) -> u64 {
         self.present.iter().map(|w| u64::from(w.count_ones())).sum()
@@ -300,9 +305,52 @@ impl Overlay {
         })
     }
 
+    /// Writes a copy of the overlay to a new file at `path` (owner-only; it must not
+    /// exist) and its block map beside it, as [`Overlay::keep`] names them: for a
+    /// snapshot, while nothing writes to the overlay. The overlay goes on as it was.
+    pub fn save_copy(&self, path: &Path) -> Result<(), OverlayError> {
+        let err = |source| OverlayError::Keep {
+            path: path.display().to_string(),
+            source,
+        };
+        let copy = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(err)?;
+        copy.set_len(self.size).map_err(err)?;
+        copy_blocks(&self.file, &copy, &self.present, self.size).map_err(err)?;
+        copy.sync_data().map_err(err)?;
+        let map: Vec<u8> = self.present.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let map_path = path.with_extension("blocks");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(map_path)
+            .map_err(err)?;
+        std::io::Write::write_all(&mut f, &map).map_err(err)?;
+        f.sync_data().map_err(err)
+    }
+
     /// An overlay that goes on from a kept one ([`Overlay::keep`]: `path` and its
     /// `.blocks` map) over a base of `size` bytes: its blocks copied into a new file in
     /// `dir`, so that the kept overlay stays as it was and can be taken up again.
+    pub fn from_kept(path: &Path, dir: &Path, size: u64) -> Result<Self, OverlayError> {
+        Ok(Self::from_snapshot(
+            OverlaySnapshot::from_kept(path, dir, size)?,
+            dir,
+            size,
+        ))
+    }
+}
+
+impl OverlaySnapshot {
+    /// A copy of a kept overlay ([`Overlay::keep`], [`Overlay::save_copy`]: `path` and
+    /// its `.blocks` map) over a base of `size` bytes, in a new anonymous file in `dir`
+    /// (the kept one stays as it was).
     pub fn from_kept(path: &Path, dir: &Path, size: u64) -> Result<Self, OverlayError> {
         let kept_err = |reason: String| OverlayError::Kept {
             path: path.display().to_string(),
@@ -336,19 +384,14 @@ impl Overlay {
         }
         let file = tmpfile(dir, size)?;
         copy_blocks(&kept, &file, &present, size).map_err(|e| kept_err(e.to_string()))?;
-        Ok(Self {
-            file,
-            dir: dir.to_path_buf(),
-            size,
-            present,
-            spare: None,
-        })
+        Ok(Self { file, present })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     struct Base(PathBuf, File);
 
@@ -529,6 +572,18 @@ mod tests {
         again.write_at(&b.1, &[1; 4096], 0).unwrap();
         let twice = Overlay::from_kept(&path, &d, size).unwrap();
         assert_eq!(read_all(&twice), kept);
+        // A saved copy (a snapshot's) is taken up the same way; the overlay goes on,
+        // and the copy is a new file, never one that exists.
+        let saved = d.join("disk1.overlay");
+        again.save_copy(&saved).unwrap();
+        let mode = std::fs::metadata(&saved).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let of_copy = Overlay::from_kept(&saved, &d, size).unwrap();
+        assert_eq!(read_all(&of_copy), read_all(&again));
+        again.write_at(&b.1, &[2; 10], 0).unwrap();
+        assert_ne!(read_all(&of_copy), read_all(&again));
+        let e = again.save_copy(&saved).unwrap_err().to_string();
+        assert!(e.contains("disk1.overlay") && e.contains("exists"), "{e}");
         // A disk of another size, a damaged map, no map: refused, each saying why.
         let e = Overlay::from_kept(&path, &d, size + 4096)
             .unwrap_err()

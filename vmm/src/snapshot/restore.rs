@@ -1,0 +1,447 @@
+//! Rebuilding a VM from a snapshot directory in this process: the state file read and
+//! checked, the host checked against the guest's CPU, memory mapped from the memory
+//! file, then the clone path's steps (`cloning::prepare`: a VM on that memory and its
+//! vCPUs restored; devices restored, the guest kernel's RNG reseeded, the VM-wide state,
+//! the vCPU threads started, the devices' host sides opened).
+//!
+//! Every check that can fail on a bad snapshot comes before anything is created: a
+//! restore that fails leaves no VM, thread, socket, tap or file behind (the process
+//! that tried ends with the error).
+
+use std::fs::File;
+use std::mem::ManuallyDrop;
+use std::os::fd::IntoRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use api_types::vm::{HostReport, MemoryInfo};
+use devices::virtio::block::overlay::{OverlayError, OverlaySnapshot};
+use jailer::seccomp::SeccompMode;
+use kvm_bindings::CpuId;
+
+use super::{overlay_file, SavedConfig, SnapshotFile, MEMORY_FILE, STATE_FILE};
+use crate::arch::x86_64::cpu_compat::{missing_features, missing_msrs};
+use crate::arch::x86_64::layout::ram_ranges;
+use crate::builder::capture_spec;
+use crate::cloning::prepare_restored;
+use crate::config::{CgroupConfig, ConsoleSink, DiskConfig, NetConfig, RngConfig, VmConfig};
+use crate::config::{ConfigError, VsockConfig};
+use crate::device_manager::{DeviceError, DeviceManager, VirtioRestore};
+use crate::microvm::VmParts;
+use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
+use crate::vstate::memory_file::{map_memory_file, MemoryFileError};
+use crate::vstate::vcpu::{start_vcpus, VcpuError};
+
+/// What the host gives a restored VM (the guest's side comes from the snapshot).
+#[derive(Debug, Clone)]
+pub struct RestoreOptions {
+    /// The snapshot directory.
+    pub dir: PathBuf,
+    /// Its control socket.
+    pub api_sock: Option<PathBuf>,
+    /// Where its serial console goes.
+    pub console: ConsoleSink,
+    /// Keep it paused (a template for clones) instead of running it.
+    pub paused: bool,
+    /// Warm clones to keep while paused.
+    pub warm_clones: usize,
+    /// Most live clones.
+    pub max_clones: usize,
+    /// Pooled cgroups for its clones.
+    pub cgroups: Option<CgroupConfig>,
+    /// Seccomp mode.
+    pub seccomp: SeccompMode,
+    /// The tap of its network card (default: the snapshot's).
+    pub tap: Option<String>,
+    /// The host side of its vsock device (default: `<api_sock>.vsock`).
+    pub vsock: Option<PathBuf>,
+    /// Where writable disks' overlays go (default: where the snapshot's were).
+    pub cow_dir: Option<PathBuf>,
+}
+
+/// Why a snapshot could not be restored.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// The state file is missing, truncated, corrupted, of an unknown version, or not
+    /// a snapshot's.
+    #[error(transparent)]
+    State(#[from] clone::state_file::StateFileError),
+    /// The memory file is missing or not the snapshot's.
+    #[error(transparent)]
+    Memory(#[from] MemoryFileError),
+    /// The snapshot's parts do not fit together.
+    #[error("snapshot {dir}: {why}")]
+    Mismatch {
+        /// The snapshot.
+        dir: String,
+        /// What does not fit.
+        why: String,
+    },
+    /// The host lacks CPU features or MSRs the guest saw.
+    #[error("this host cannot run the snapshot's guest: {0}")]
+    Cpu(String),
+    /// The restore options do not fit the snapshot.
+    #[error("{0}")]
+    Options(String),
+    /// The configuration is refused.
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// A writable disk's overlay could not be taken up.
+    #[error(transparent)]
+    Overlay(#[from] OverlayError),
+    /// A disk image could not be opened.
+    #[error("cannot open disk image {path}: {source}")]
+    Disk {
+        /// The image.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// KVM failed.
+    #[error(transparent)]
+    Kvm(#[from] KvmError),
+    /// The VM or its vCPUs could not be rebuilt.
+    #[error(transparent)]
+    Rebuild(#[from] crate::cloning::ChildError),
+    /// The devices could not be restored.
+    #[error(transparent)]
+    Devices(#[from] DeviceError),
+    /// The vCPU threads could not start.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// The VM-wide state could not be restored.
+    #[error(transparent)]
+    VmState(#[from] clone::vm::VmStateError),
+    /// The guest kernel's RNG could not be reseeded.
+    #[error("cannot reseed the guest kernel's RNG: {0}")]
+    Crng(#[from] devices::crng::CrngError),
+    /// The restored VM could not be paused.
+    #[error("cannot pause the restored VM: {0}")]
+    Pause(#[from] crate::microvm::StateError),
+    /// What capturing vCPU state needs could not be read.
+    #[error(transparent)]
+    Build(#[from] crate::builder::BuildError),
+}
+
+/// The configuration of the VM restored from `saved` with `opts`.
+pub fn restored_config(
+    saved: &SavedConfig,
+    opts: &RestoreOptions,
+) -> Result<VmConfig, RestoreError> {
+    let vsock = match (saved.vsock_cid, &opts.vsock, &opts.api_sock) {
+        (None, _, _) => None,
+        (Some(cid), Some(path), _) => Some((cid, path.clone())),
+        (Some(cid), None, Some(sock)) => {
+            let mut p = sock.clone().into_os_string();
+            p.push(".vsock");
+            Some((cid, PathBuf::from(p)))
+        }
+        (Some(_), None, None) => {
+            return Err(RestoreError::Options(
+                "the snapshot's VM has a vsock device: give --vsock PATH or --api-sock".into(),
+            ))
+        }
+    };
+    let disks = (saved.disks.iter())
+        .map(|d| DiskConfig {
+            path: d.path.clone(),
+            cow_dir: d
+                .cow_dir
+                .as_ref()
+                .map(|c| opts.cow_dir.clone().unwrap_or(c.clone())),
+            keep: false,
+            rate_limit: d.rate_limit,
+        })
+        .collect();
+    Ok(VmConfig {
+        initrd: None,
+        disks,
+        rng: (saved.rng.as_ref()).map(|r| RngConfig {
+            rate_limit: r.rate_limit,
+        }),
+        vsock: vsock.map(|(cid, uds_path)| VsockConfig { cid, uds_path }),
+        net: saved.net.as_ref().map(|n| NetConfig {
+            tap: opts.tap.clone().unwrap_or(n.tap.clone()),
+            mac: n.mac,
+            rate_limit: n.rate_limit,
+            ipv4: n.ipv4,
+            gateway: n.gateway,
+        }),
+        mem_mib: saved.mem_mib,
+        vcpus: saved.vcpus,
+        cmdline: saved.user_cmdline.clone(),
+        console: opts.console.clone(),
+        api_sock: opts.api_sock.clone(),
+        host_quirks: saved.host_quirks,
+        thp: false,
+        prefault: false,
+        ap_boot: saved.ap_boot,
+        warm_clones: opts.warm_clones,
+        max_clones: opts.max_clones,
+        mailbox_mib: saved.mailbox_mib,
+        template: saved.template,
+        refresh_idle_ms: saved.refresh_idle_ms,
+        tick_defer_ms: saved.tick_defer_ms,
+        prime: saved.prime,
+        cgroups: opts.cgroups.clone(),
+        seccomp: opts.seccomp,
+        ..VmConfig::new(saved.kernel.clone())
+    })
+}
+
+/// Checks that this host offers every CPUID feature the saved vCPUs saw: those KVM
+/// supports, and on PVM, which does not fully honour the CPUID a VMM sets, those a vCPU
+/// here has in effect (`restored`: the VM's vCPUs, created with the saved CPUID and not
+/// run yet), which are the host CPU's own.
+fn check_cpuid(
+    file: &SnapshotFile,
+    kvm: &KvmContext,
+    restored: &[crate::vstate::vcpu::Vcpu],
+) -> Result<(), RestoreError> {
+    let mut offered = (kvm.kvm)
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(KvmError::Cpuid)?;
+    if kvm.host == HostKind::Pvm {
+        if let Some(v) = restored.first() {
+            let effective = v.effective_cpuid().map_err(KvmError::Cpuid)?;
+            offered = union(&offered, &effective);
+        }
+    }
+    let mut missing = Vec::new();
+    for v in &file.state.vcpus {
+        for f in missing_features(&v.cpuid, &offered) {
+            let f = f.to_string();
+            if !missing.contains(&f) {
+                missing.push(f);
+            }
+        }
+    }
+    match missing.is_empty() {
+        true => Ok(()),
+        false => Err(RestoreError::Cpu(format!(
+            "the host lacks {}",
+            missing.join(", ")
+        ))),
+    }
+}
+
+/// Every leaf of `a`, each register with `b`'s bits of the same leaf added.
+fn union(a: &CpuId, b: &CpuId) -> CpuId {
+    let mut u = a.clone();
+    for e in u.as_mut_slice() {
+        let other = (b.as_slice().iter()).find(|o| o.function == e.function && o.index == e.index);
+        if let Some(o) = other {
+            e.eax |= o.eax;
+            e.ebx |= o.ebx;
+            e.ecx |= o.ecx;
+            e.edx |= o.edx;
+        }
+    }
+    u
+}
+
+/// Reads and checks the snapshot in `dir` against `config`'s memory and this host.
+fn check(
+    dir: &Path,
+    file: &SnapshotFile,
+    config: &VmConfig,
+    kvm: &KvmContext,
+) -> Result<(), RestoreError> {
+    let mismatch = |why: String| RestoreError::Mismatch {
+        dir: dir.display().to_string(),
+        why,
+    };
+    // The memory file's regions are those of a VM of this size and mailbox.
+    let mut expected = ram_ranges(config.mem_mib << 20);
+    let mailbox = config.mailbox();
+    if mailbox.size > 0 {
+        expected.push((u64::from(mailbox.addr), u64::from(mailbox.size)));
+        expected.sort_unstable();
+    }
+    let regions: Vec<(u64, u64)> = (file.memory.regions.iter())
+        .map(|r| (r.guest_addr, r.size))
+        .collect();
+    if regions != expected {
+        return Err(mismatch(format!(
+            "its memory regions {regions:x?} are not those of a {} MiB VM with a {} MiB mailbox",
+            config.mem_mib, config.mailbox_mib
+        )));
+    }
+    if file.state.vcpus.len() != usize::from(config.vcpus) {
+        return Err(mismatch(format!(
+            "it holds {} vCPUs, its configuration says {}",
+            file.state.vcpus.len(),
+            config.vcpus
+        )));
+    }
+    // Every MSR the guest saw is this host's too (CPUID features: `check_cpuid`).
+    let host_msrs = kvm.kvm.get_msr_index_list().map_err(KvmError::MsrList)?;
+    let mut missing = Vec::new();
+    for v in &file.state.vcpus {
+        let saved: Vec<u32> = v.msrs.iter().map(|m| m.index).collect();
+        for m in missing_msrs(&saved, host_msrs.as_slice()) {
+            let m = format!("MSR {m:#x}");
+            if !missing.contains(&m) {
+                missing.push(m);
+            }
+        }
+    }
+    if !missing.is_empty() {
+        return Err(RestoreError::Cpu(format!(
+            "the host lacks {}",
+            missing.join(", ")
+        )));
+    }
+    // A writable disk has its overlay in the snapshot.
+    for (i, d) in config.disks.iter().enumerate() {
+        let path = dir.join(overlay_file(i));
+        if d.cow_dir.is_some() && !path.is_file() {
+            return Err(mismatch(format!(
+                "disk {i} ({}) is writable and its overlay {} is missing",
+                d.path.display(),
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A snapshot read and checked against this host, not started yet.
+pub struct Restoring {
+    dir: PathBuf,
+    file: SnapshotFile,
+    config: VmConfig,
+    kvm: KvmContext,
+}
+
+/// Reads the snapshot `opts.dir` and checks it against `opts` and this host: nothing is
+/// created yet.
+pub fn open(opts: &RestoreOptions) -> Result<Restoring, RestoreError> {
+    let dir = &opts.dir;
+    let file: SnapshotFile = clone::state_file::read(&dir.join(STATE_FILE))?;
+    if opts.paused && file.config.template {
+        return Err(RestoreError::Options(
+            "the snapshot is of a template, which pauses itself once its runtime waits \
+             for a request: restore it without --paused"
+                .into(),
+        ));
+    }
+    let config = restored_config(&file.config, opts)?;
+    let kvm = KvmContext::open()?;
+    config.validate_restored(kvm.max_vcpus)?;
+    check(dir, &file, &config, &kvm)?;
+    Ok(Restoring {
+        dir: dir.clone(),
+        file,
+        config,
+        kvm,
+    })
+}
+
+impl Restoring {
+    /// The restored VM's configuration.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// Rebuilds the VM; its vCPUs run and its devices' host sides are open, their
+    /// workers not started yet (`DeviceManager::start_restored_virtio`).
+    pub fn start(self) -> Result<VmParts, RestoreError> {
+        let Self {
+            dir,
+            file,
+            config,
+            kvm,
+        } = self;
+        let dir = &dir;
+        let mem = map_memory_file(&dir.join(MEMORY_FILE), &file.memory)?;
+
+        // The disks: their images opened again, writable ones' overlays copied from the
+        // snapshot into their directories (the snapshot's stay as they are). The device
+        // restore takes each descriptor over (`VirtioRestore`): the overlays' are not
+        // dropped here.
+        let mut disk_fds = Vec::with_capacity(config.disks.len());
+        let mut overlays = ManuallyDrop::new(Vec::with_capacity(config.disks.len()));
+        for (i, d) in config.disks.iter().enumerate() {
+            let image = File::open(&d.path).map_err(|source| RestoreError::Disk {
+                path: d.path.display().to_string(),
+                source,
+            })?;
+            let size = image
+                .metadata()
+                .map_err(|source| RestoreError::Disk {
+                    path: d.path.display().to_string(),
+                    source,
+                })?
+                .len();
+            overlays.push(match &d.cow_dir {
+                Some(cow) => Some(OverlaySnapshot::from_kept(
+                    &dir.join(overlay_file(i)),
+                    cow,
+                    size,
+                )?),
+                None => None,
+            });
+            disk_fds.push(image.into_raw_fd());
+        }
+
+        let state = &file.state;
+        let prepared = prepare_restored(&kvm, state, &mem, config.mailbox())?;
+        check_cpuid(&file, &kvm, &prepared.vcpus)?;
+        let mut devices = DeviceManager::new(&prepared.vm, &config, &mem, 0, Some(&state.devices))?;
+        devices.add_virtio_devices(
+            &prepared.vm,
+            &mem,
+            &config,
+            Some(&VirtioRestore {
+                states: &state.devices,
+                disk_fds: &disk_fds,
+                overlays: &overlays,
+            }),
+        )?;
+        // Every VM restored from one snapshot gets its own kernel RNG key, as a clone does
+        // (its identity block got a new generation with the devices).
+        if let Some(layout) = devices.crng.registration.layout() {
+            layout.reseed(&mem)?;
+        }
+        clone::vm::restore_vm(&prepared.vm, &state.vm)?;
+        let capture_spec = capture_spec(&kvm, &prepared.vm)?;
+        let vcpus = start_vcpus(
+            prepared.vcpus,
+            &devices.pio,
+            &devices.mmio,
+            None,
+            &devices.crng,
+        )?;
+        devices.open_host_endpoints()?;
+        let kvm_run_size = kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?;
+        let host = HostReport {
+            kvm: kvm.host,
+            skipped_msrs: prepared.skipped_msrs,
+            // Mapped from the file: no huge pages asked for.
+            memory: MemoryInfo {
+                thp_advised: false,
+                huge_aligned: false,
+            },
+            ..file.host
+        };
+        tracing::info!(
+            "restored {} ({} MiB, {} vCPUs)",
+            dir.display(),
+            config.mem_mib,
+            config.vcpus
+        );
+        Ok(VmParts {
+            config,
+            vm: prepared.vm,
+            mem,
+            kvm,
+            devices,
+            vcpus,
+            host,
+            cmdline: file.cmdline,
+            capture_spec: Arc::new(capture_spec),
+            kvm_run_size,
+        })
+    }
+}

@@ -248,11 +248,39 @@ impl Vm {
         args: &[&str],
         prepare: impl FnOnce(&mut Command),
     ) -> Vm {
+        Self::spawn(scratch, "run", sock, console, args, prepare)
+    }
+
+    /// Starts `vmm restore --dir DIR ARGS --console <scratch>/console --api-sock
+    /// <scratch>/api.sock` (a VM from a snapshot).
+    pub fn restore(scratch: &Scratch, dir: &Path, args: &[&str]) -> Vm {
+        let sock = scratch.path("api.sock");
+        let mut all = vec!["--dir", dir.to_str().expect("UTF-8 path")];
+        all.extend_from_slice(args);
+        Self::spawn(
+            scratch,
+            "restore",
+            &sock,
+            &scratch.path("console"),
+            &all,
+            |_| {},
+        )
+    }
+
+    /// Starts `vmm SUBCOMMAND ARGS --console CONSOLE --api-sock SOCK`.
+    fn spawn(
+        scratch: &Scratch,
+        subcommand: &str,
+        sock: &Path,
+        console: &Path,
+        args: &[&str],
+        prepare: impl FnOnce(&mut Command),
+    ) -> Vm {
         let stderr = scratch.path("stderr");
         let mut cmd = Command::new(vmm_bin());
         cmd.arg("--log-level")
             .arg("info")
-            .arg("run")
+            .arg(subcommand)
             .args(args)
             .arg("--console")
             .arg(console)
@@ -446,6 +474,15 @@ pub fn tiny_vm_with(
     ];
     args.extend_from_slice(extra);
     Vm::start(scratch, &args)
+}
+
+/// Waits until `done` holds, checking every 50 ms; panics naming `what` after `timeout`.
+pub fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Entries in directory `path` (0 if it cannot be read): a process's `/proc/PID/fd` or

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{guest_file, jailer_bin, kvm_and_root_available, Scratch, Vm};
+use tests::{guest_file, jailer_bin, kvm_and_root_available, wait_until, Scratch, Vm};
 
 const BOOT: Duration = Duration::from_secs(30);
 const V1: [&str; 4] = ["cpu", "cpuacct", "memory", "pids"];
@@ -167,14 +167,6 @@ fn cgroup_in(file: &str, ctrl: &str) -> String {
                 .then(|| path.to_string())
         })
         .unwrap_or_default()
-}
-
-fn wait_until(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !ok() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn assert_no_cgroups_left(parent: &str) {

@@ -7,11 +7,11 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use api_types::InvokeOptions;
 use serde_json::Value;
-use tests::{guest_file, kvm_available, Scratch, Vm};
+use tests::{guest_file, kvm_available, wait_until, Scratch, Vm};
 use vmm::api::client;
 use vmm::api::http::Response;
 
@@ -130,14 +130,6 @@ fn assert_timeout_and_runtime_exit(vm: &Vm) {
         r.body
     );
     assert!(error_of(&r).contains("exit status 3"), "{}", r.body);
-}
-
-fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn invoke_with(sock: &Path, options: &InvokeOptions, payload: &str) -> Response {

@@ -254,6 +254,10 @@ mod tests {
         );
         assert_eq!(route(req("GET", "/clones", "")), Ok(VmmAction::ListClones));
         assert_eq!(
+            route(req("PUT", "/snapshot", r#"{"dir":"/var/snap/a"}"#)),
+            Ok(VmmAction::Snapshot("/var/snap/a".into()))
+        );
+        assert_eq!(
             route(req("DELETE", "/clones/2.1", "")),
             Ok(VmmAction::DeleteClone("2.1".into()))
         );
@@ -270,6 +274,9 @@ mod tests {
         assert!(e.body.unwrap().contains("reboot"));
         assert_eq!(status("DELETE", "/vm", ""), 405);
         assert_eq!(status("PUT", "/clones", ""), 405);
+        assert_eq!(status("PUT", "/snapshot", ""), 400);
+        assert_eq!(status("PUT", "/snapshot", r#"{"dir":"/a","x":1}"#), 400);
+        assert_eq!(status("GET", "/snapshot", ""), 405);
         for bad in [
             r#"{"count":"many"}"#,
             r#"{"count":2,"x":1}"#,

@@ -100,13 +100,21 @@ pub fn save_vcpu(
     ))
 }
 
-/// Writes `state` into a new vCPU in the order KVM honours: CPUID, mp_state, regs,
+/// Writes `state` into a new vCPU in the order KVM honours: CPUID, TSC frequency,
+/// mp_state, regs,
 /// sregs, xsave, xcrs, debug registers, LAPIC, MSRs (TSC_DEADLINE after TSC), events.
 /// Returns the MSRs the host refused.
 pub fn restore_vcpu(fd: &VcpuFd, state: &VcpuState) -> Result<Vec<u32>, VcpuStateError> {
     let id = state.id;
     let kvm = |what| move |source| VcpuStateError::Kvm { id, what, source };
     fd.set_cpuid2(&state.cpuid).map_err(kvm("KVM_SET_CPUID2"))?;
+    // The TSC frequency the guest calibrated, where this host's differs (a snapshot
+    // taken on another host; TSC scaling must be there, or KVM refuses).
+    if let Some(khz) = state.tsc_khz {
+        if fd.get_tsc_khz().ok() != Some(khz) {
+            fd.set_tsc_khz(khz).map_err(kvm("KVM_SET_TSC_KHZ"))?;
+        }
+    }
     fd.set_mp_state(state.mp_state)
         .map_err(kvm("KVM_SET_MP_STATE"))?;
     fd.set_regs(&state.regs).map_err(kvm("KVM_SET_REGS"))?;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tests::{guest_file, kvm_available, Scratch, Vm};
+use tests::{guest_file, kvm_available, vmm_exec, Scratch, Vm};
 
 /// Generous for one guest at a time: a Linux boot takes about 20-60 s here (the bzImage,
 /// which decompresses itself (LZ4) in the host's instruction emulator, about 100 s).
@@ -328,51 +328,6 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
         assert_clock_right(Some(&ticks[1].1), &format!("warm clone {}", c["id"]));
     }
     vm.shutdown(Duration::from_secs(30));
-}
-
-/// `vmm exec` with `args` and `input`; a command that dies by SIGSEGV (status 139) is
-/// run again, at most twice, and said so: on this host a guest process starting up can
-/// crash for reasons outside the VMM (docs/guest-kernel.md, "Known host problems").
-fn vmm_exec(sock: &std::path::Path, args: &[&str], input: &[u8]) -> (Option<i32>, String, String) {
-    let mut result = vmm_exec_once(sock, args, input);
-    for _ in 0..2 {
-        if result.0 != Some(139) {
-            break;
-        }
-        eprintln!(
-            "WARNING: `vmm exec {args:?}` died by SIGSEGV in the guest (known host problem, \
-             docs/guest-kernel.md); running it again: {result:?}"
-        );
-        result = vmm_exec_once(sock, args, input);
-    }
-    result
-}
-
-/// `vmm exec ARGS` with `input` on its stdin: (exit code, stdout, stderr).
-fn vmm_exec_once(
-    sock: &std::path::Path,
-    args: &[&str],
-    input: &[u8],
-) -> (Option<i32>, String, String) {
-    use std::io::Write;
-    let mut child = std::process::Command::new(tests::vmm_bin())
-        .arg("exec")
-        .arg("--api-sock")
-        .arg(sock)
-        .args(["--timeout", "300"])
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn vmm exec");
-    child.stdin.take().unwrap().write_all(input).unwrap();
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 /// A host that connects to the agent on `vsock` (`CONNECT 1024`) and is accepted.

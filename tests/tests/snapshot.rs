@@ -346,3 +346,50 @@ fn a_bad_snapshot_is_refused_with_a_clear_error_and_nothing_started() {
     r.wait_console("tiny: beat ", BOOT);
     r.shutdown(Duration::from_secs(10));
 }
+
+#[test]
+fn a_template_snapshot_restores_as_a_template_that_serves_invocations() {
+    if !kvm_available("snapshot_template") {
+        return;
+    }
+    let scratch = Scratch::new("snapshot-invoke");
+    let args = ["--template", "--warm-clones", "1"];
+    let mut vm = tests::tiny_vm_with(&scratch, "64", "1", "ticks=1 invoke=1", &args);
+    vm.wait_console("tiny: invoke ready\n", BOOT);
+    vm.wait_api(BOOT);
+    wait_until("the template to pause", BOOT, || vm.waits_as_template());
+    let snap = scratch.path("snap");
+    let body = format!(r#"{{"dir":"{}"}}"#, snap.display());
+    let (code, answer) = vm.api("PUT", "/snapshot", Some(&body));
+    assert_eq!(code, 201, "{answer}");
+    vm.shutdown(Duration::from_secs(10));
+
+    // A template pauses itself where its runtime waits: --paused is refused, clearly.
+    let (status, _, err) = run_vmm(
+        &["restore", "--dir", snap.to_str().unwrap(), "--paused"],
+        Duration::from_secs(60),
+    );
+    assert!(!status.success());
+    assert!(err.contains("restore it without --paused"), "{err}");
+
+    // Restored, its runtime reads "no request", waits again, and the template pauses
+    // there; each invocation then runs in a fresh clone of it (the echo's reply carries
+    // the clone's number).
+    let s = Scratch::new("snapshot-invoke-restored");
+    let mut t = Vm::restore(&s, &snap, &["--warm-clones", "1"]);
+    t.wait_api(BOOT);
+    wait_until("the restored template to pause", BOOT, || {
+        t.waits_as_template()
+    });
+    for n in 1..=3u64 {
+        let payload = format!("hello {n}");
+        let r = vmm::api::client::invoke(&t.sock, &Default::default(), payload.as_bytes())
+            .unwrap_or_else(|e| panic!("invoke: {e}"));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(r.bytes.starts_with(payload.as_bytes()), "{:?}", r.bytes);
+        let trailer = &r.bytes[payload.len()..];
+        let clone = u64::from_le_bytes(trailer[..8].try_into().unwrap());
+        assert_eq!(clone, n, "invocation {n} ran in clone {clone}");
+    }
+    t.shutdown(Duration::from_secs(10));
+}

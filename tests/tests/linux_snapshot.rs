@@ -1,0 +1,106 @@
+//! Snapshots of the real Linux guest (docs/snapshots.md): a booted guest saved while
+//! paused, restored twice and as a template; each restored kernel draws its own random
+//! bytes (the VMM reseeds its CRNG, as in a clone), and the agent serves every restored
+//! VM and its clones over vsock.
+
+use std::path::Path;
+use std::time::Duration;
+
+use tests::{guest_file, kvm_available, vmm_exec, wait_until, Scratch, Vm};
+
+const LINUX_BOOT: Duration = Duration::from_secs(400);
+
+/// 16 bytes of the guest kernel's /dev/urandom, in hex, and its clone number.
+fn urandom_and_id(sock: &Path, who: &str) -> (String, String) {
+    let cmd = "echo rand=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'); \
+               echo id=$(forkvm-clone --id)";
+    let (code, out, err) = vmm_exec(sock, &["--", cmd], b"");
+    assert_eq!(code, Some(0), "{who}: {out}{err}");
+    let field = |k: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .unwrap_or_else(|| panic!("{who}: no {k} in {out:?}"))
+            .to_string()
+    };
+    let rand = field("rand=");
+    assert_eq!(rand.len(), 32, "{who}: {out}");
+    (rand, field("id="))
+}
+
+#[test]
+fn linux_a_restored_guest_draws_its_own_random_bytes_and_serves_itself_and_its_clones() {
+    if !kvm_available("linux_snapshot") {
+        return;
+    }
+    let scratch = Scratch::new("linux-snapshot");
+    let vsock = scratch.path("vm.vsock");
+    let kernel = guest_file("vmlinux").display().to_string();
+    let initrd = guest_file("initramfs.cpio").display().to_string();
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &kernel,
+            "--initrd",
+            &initrd,
+            "--vsock",
+            vsock.to_str().unwrap(),
+            "--rng",
+            "--mem-mib",
+            "256",
+            "--cmdline",
+            "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
+        ],
+    );
+    vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
+    assert!(vm.stderr_text().contains("registered its CRNG"));
+    let (original, _) = urandom_and_id(&vm.sock, "the original");
+    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    let snap = scratch.path("snap");
+    let body = format!(r#"{{"dir":"{}"}}"#, snap.display());
+    let (code, answer) = vm.api("PUT", "/snapshot", Some(&body));
+    assert_eq!(code, 201, "{answer}");
+    eprintln!("linux_snapshot: {answer}");
+    vm.shutdown(Duration::from_secs(60));
+    assert!(!vsock.exists());
+
+    // Restored twice, running: each answers on its own vsock socket, is no clone, and
+    // reads bytes of its own (both resume from one CRNG state, which the VMM reseeds).
+    let mut seen = vec![original];
+    for i in 0..2 {
+        let s = Scratch::new(&format!("linux-snapshot-restore{i}"));
+        let mut r = Vm::restore(&s, &snap, &[]);
+        r.wait_api(LINUX_BOOT);
+        let (rand, id) = urandom_and_id(&r.sock, &format!("restore {i}"));
+        assert_eq!(id, "0");
+        assert!(
+            !seen.contains(&rand),
+            "restore {i} read {rand} again: {seen:?}"
+        );
+        seen.push(rand);
+        r.shutdown(Duration::from_secs(60));
+        assert!(!s.path("api.sock.vsock").exists());
+    }
+
+    // Restored paused, as a template with a warm clone: its clones serve commands and
+    // read bytes of their own too.
+    let s = Scratch::new("linux-snapshot-template");
+    let mut t = Vm::restore(&s, &snap, &["--paused", "--warm-clones", "1"]);
+    t.wait_api(LINUX_BOOT);
+    wait_until("a warm clone", LINUX_BOOT, || {
+        t.describe()["warm_clones"]["ready"] == 1
+    });
+    let (code, body) = t.api("POST", "/clones", Some(r#"{"count":2,"console":"null"}"#));
+    assert_eq!(code, 201, "{body}");
+    let clones: serde_json::Value = serde_json::from_str(&body).unwrap();
+    for c in clones["clones"].as_array().unwrap() {
+        let sock = Path::new(c["api_sock"].as_str().unwrap());
+        let who = format!("clone {}", c["id"]);
+        let (rand, id) = urandom_and_id(sock, &who);
+        assert_eq!(id, c["id"].as_str().unwrap(), "{who}");
+        assert!(!seen.contains(&rand), "{who} read {rand} again: {seen:?}");
+        seen.push(rand);
+    }
+    t.shutdown(Duration::from_secs(60));
+    assert!(!s.path("api.sock.vsock").exists());
+}

@@ -278,8 +278,10 @@ impl Vm {
     ) -> Vm {
         let stderr = scratch.path("stderr");
         let mut cmd = Command::new(vmm_bin());
+        // FORKVM_TEST_LOG_LEVEL=debug for a closer look at a failing test.
+        let level = std::env::var("FORKVM_TEST_LOG_LEVEL").unwrap_or_else(|_| "info".into());
         cmd.arg("--log-level")
-            .arg("info")
+            .arg(level)
             .arg(subcommand)
             .args(args)
             .arg("--console")

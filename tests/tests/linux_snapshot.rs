@@ -10,19 +10,19 @@ use tests::{guest_file, kvm_available, vmm_exec, wait_until, Scratch, Vm};
 
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 
-/// 16 bytes of the guest kernel's /dev/urandom, in hex, and its clone number.
-fn urandom_and_id(sock: &Path, who: &str) -> (String, String) {
-    let cmd = "echo rand=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'); \
-               echo id=$(forkvm-clone --id)";
+/// 16 bytes of the guest kernel's /dev/urandom, in hex, and its clone number; `log`
+/// is the VMM's log, for a failure.
+fn urandom_and_id(sock: &Path, who: &str, log: &dyn Fn() -> String) -> (String, String) {
+    let cmd = "echo rand=$(od -An -tx1 -N16 /dev/urandom); echo id=$(forkvm-clone --id)";
     let (code, out, err) = vmm_exec(sock, &["--", cmd], b"");
-    assert_eq!(code, Some(0), "{who}: {out}{err}");
+    assert_eq!(code, Some(0), "{who}: {out}{err}\n--- VMM log:\n{}", log());
     let field = |k: &str| {
         out.lines()
             .find_map(|l| l.strip_prefix(k))
             .unwrap_or_else(|| panic!("{who}: no {k} in {out:?}"))
             .to_string()
     };
-    let rand = field("rand=");
+    let rand: String = field("rand=").split_whitespace().collect();
     assert_eq!(rand.len(), 32, "{who}: {out}");
     (rand, field("id="))
 }
@@ -54,7 +54,7 @@ fn linux_a_restored_guest_draws_its_own_random_bytes_and_serves_itself_and_its_c
     );
     vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
     assert!(vm.stderr_text().contains("registered its CRNG"));
-    let (original, _) = urandom_and_id(&vm.sock, "the original");
+    let (original, _) = urandom_and_id(&vm.sock, "the original", &|| vm.stderr_text());
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     let snap = scratch.path("snap");
     let body = format!(r#"{{"dir":"{}"}}"#, snap.display());
@@ -71,7 +71,7 @@ fn linux_a_restored_guest_draws_its_own_random_bytes_and_serves_itself_and_its_c
         let s = Scratch::new(&format!("linux-snapshot-restore{i}"));
         let mut r = Vm::restore(&s, &snap, &[]);
         r.wait_api(LINUX_BOOT);
-        let (rand, id) = urandom_and_id(&r.sock, &format!("restore {i}"));
+        let (rand, id) = urandom_and_id(&r.sock, &format!("restore {i}"), &|| r.stderr_text());
         assert_eq!(id, "0");
         assert!(
             !seen.contains(&rand),
@@ -96,7 +96,7 @@ fn linux_a_restored_guest_draws_its_own_random_bytes_and_serves_itself_and_its_c
     for c in clones["clones"].as_array().unwrap() {
         let sock = Path::new(c["api_sock"].as_str().unwrap());
         let who = format!("clone {}", c["id"]);
-        let (rand, id) = urandom_and_id(sock, &who);
+        let (rand, id) = urandom_and_id(sock, &who, &|| t.stderr_text());
         assert_eq!(id, c["id"].as_str().unwrap(), "{who}");
         assert!(!seen.contains(&rand), "{who} read {rand} again: {seen:?}");
         seen.push(rand);

@@ -18,6 +18,7 @@ mod packet;
 
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -61,6 +62,8 @@ pub struct Vsock {
     /// A clone's device: tell the driver its connections are gone.
     restored: bool,
     queue_sizes: [u16; 3],
+    /// The host-side port of the next host connection (its worker's, saved).
+    next_local_port: Arc<AtomicU32>,
 }
 
 impl Vsock {
@@ -84,6 +87,7 @@ impl Vsock {
             listener: None,
             restored,
             queue_sizes: [QUEUE_SIZE; 3],
+            next_local_port: Arc::new(AtomicU32::new(muxer::FIRST_LOCAL_PORT)),
         })
     }
 
@@ -123,6 +127,15 @@ impl Drop for Vsock {
 pub struct VsockState {
     /// The guest's CID.
     pub cid: u64,
+    /// The host-side port the next host connection takes (a clone's first connection
+    /// must not take the port of one its parent just closed: the guest's socket for it
+    /// may still be closing, and would answer the new request with a reset).
+    #[serde(default = "first_local_port")]
+    pub next_local_port: u32,
+}
+
+fn first_local_port() -> u32 {
+    muxer::FIRST_LOCAL_PORT
 }
 
 impl Persist for Vsock {
@@ -132,11 +145,17 @@ impl Persist for Vsock {
     type Error = VsockError;
 
     fn save(&self) -> VsockState {
-        VsockState { cid: self.cid }
+        VsockState {
+            cid: self.cid,
+            next_local_port: self.next_local_port.load(Ordering::Relaxed),
+        }
     }
 
     fn restore(path: PathBuf, state: &VsockState) -> Result<Self, VsockError> {
-        Self::deferred(state.cid, &path, true)
+        let v = Self::deferred(state.cid, &path, true)?;
+        v.next_local_port
+            .store(state.next_local_port, Ordering::Relaxed);
+        Ok(v)
     }
 }
 
@@ -207,6 +226,7 @@ impl VirtioDevice for Vsock {
             interrupt,
             // Only the first activation of a clone's device reports the reset.
             std::mem::take(&mut self.restored),
+            self.next_local_port.clone(),
         )))
     }
 }
@@ -230,6 +250,7 @@ pub(crate) fn fuzz_worker(
         queues,
         interrupt,
         restored,
+        Arc::new(AtomicU32::new(muxer::FIRST_LOCAL_PORT)),
     )
 }
 

@@ -12,6 +12,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueState, QueueT};
@@ -31,7 +32,7 @@ const TX_BUF_ALLOC: u32 = 256 << 10;
 /// The longest `CONNECT <port>\n` line read from a host.
 const MAX_CONNECT_LINE: usize = 32;
 /// First port this side uses for host-initiated connections.
-const FIRST_LOCAL_PORT: u32 = 1 << 30;
+pub(super) const FIRST_LOCAL_PORT: u32 = 1 << 30;
 const TOKEN_LISTENER: u64 = FIRST_HANDLER_TOKEN;
 
 /// Makes `s` non-blocking with fcntl (std uses ioctl(FIONBIO), which the device
@@ -179,7 +180,11 @@ pub(super) struct Muxer {
     /// buffer (and notifies) once it has handled the event.
     reset_avail: Option<u16>,
     next_token: u64,
-    next_local_port: u32,
+    /// The host-side port of the next host connection, shared with the device (which
+    /// saves it: a clone or restored VM goes on from it, so its first connections do
+    /// not take the ports of the parent's last ones, whose guest sockets may still be
+    /// closing in the copy of the guest).
+    next_local_port: Arc<AtomicU32>,
 }
 
 impl Muxer {
@@ -191,6 +196,7 @@ impl Muxer {
         queues: [Queue; 3],
         interrupt: Arc<VirtioInterrupt>,
         reset_pending: bool,
+        next_local_port: Arc<AtomicU32>,
     ) -> Self {
         Self {
             cid,
@@ -207,7 +213,7 @@ impl Muxer {
             reset_avail: None,
             reset_pending,
             next_token: TOKEN_LISTENER + 1,
-            next_local_port: FIRST_LOCAL_PORT,
+            next_local_port,
         }
     }
 
@@ -469,8 +475,10 @@ impl Muxer {
 
     fn local_port(&mut self) -> u32 {
         loop {
-            let p = self.next_local_port;
-            self.next_local_port = p.checked_add(1).unwrap_or(FIRST_LOCAL_PORT);
+            // Only this worker writes it (the device reads it while the worker is parked).
+            let p = self.next_local_port.load(Ordering::Relaxed);
+            let next = p.checked_add(1).unwrap_or(FIRST_LOCAL_PORT);
+            self.next_local_port.store(next, Ordering::Relaxed);
             if !self.conns.keys().any(|k| k.0 == p) {
                 return p;
             }

@@ -40,10 +40,14 @@ struct Rig<'a> {
 }
 
 fn rig<'a>(mem: &'a GuestMemoryMmap, path: &Path, restored: bool) -> Rig<'a> {
+    rig_with(mem, Vsock::new(GUEST_CID, path, restored).unwrap())
+}
+
+/// The rig around `dev`, activated.
+fn rig_with(mem: &GuestMemoryMmap, mut dev: Vsock) -> Rig<'_> {
     let rx = MockSplitQueue::create(mem, GuestAddress(0x1_0000), 16);
     let tx = MockSplitQueue::create(mem, GuestAddress(0x2_0000), 16);
     let ev = MockSplitQueue::create(mem, GuestAddress(0x3_0000), 16);
-    let mut dev = Vsock::new(GUEST_CID, path, restored).unwrap();
     let queues = vec![
         rx.create_queue().unwrap(),
         tx.create_queue().unwrap(),
@@ -323,6 +327,42 @@ fn a_restored_device_reports_a_transport_reset_and_holds_hosts_until_it_is_handl
     drop(host);
     drop(r);
     assert!(!path.exists(), "socket file removed with the device");
+}
+
+#[test]
+fn a_restored_device_goes_on_from_its_parents_host_ports() {
+    // The parent's last host connection may still be closing in the copy of its guest:
+    // a clone (or a restored VM) whose first connection took the same port would be
+    // answered with a reset by that socket.
+    let m = mem();
+    let path = temp_path("ports");
+    let mut r = rig(&m, &path, false);
+    r.post_rx(8);
+    let mut host = UnixStream::connect(&path).unwrap();
+    host.write_all(b"CONNECT 1234\n").unwrap();
+    let first = r.next_rx().hdr.src_port;
+    let state = r._dev.save();
+    assert_eq!(state.next_local_port, first + 1);
+    drop(host);
+    drop(r);
+    // A state saved before the field existed starts where a new device does.
+    let old: VsockState = serde_json::from_str(r#"{"cid":3}"#).unwrap();
+    assert_eq!(old.next_local_port, first);
+
+    let path = temp_path("ports-restored");
+    let mut dev = Vsock::restore(path.clone(), &state).unwrap();
+    dev.open_host().unwrap();
+    let mut r = rig_with(&m, dev);
+    // The reset delivered and handled (the driver refills the event queue).
+    r.handler.queue_event(EVENT, &WorkerContext::new(&r.epoll));
+    let d = SplitDescriptor::new(EVENT_BUF, 4, WRITE, 0);
+    r.ev.add_desc_chains(&[RawDescriptor::from(d)], 1).unwrap();
+    r.handler.queue_event(EVENT, &WorkerContext::new(&r.epoll));
+    r.post_rx(4);
+    let mut host = UnixStream::connect(&path).unwrap();
+    host.write_all(b"CONNECT 1234\n").unwrap();
+    let req = r.next_rx();
+    assert_eq!(({ req.hdr.op }, { req.hdr.src_port }), (OP_REQUEST, first + 1));
 }
 
 #[test]

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Snapshots (docs/snapshots.md): taking one, restoring one, and what a restored VM costs.
+
+With the tiny guest (target/guest/tiny.elf, ticks=1 beat=1: a heartbeat line every 1 ms):
+
+  create   for each memory size: a paused VM's snapshot, untouched (the guest wrote a
+           few pages) and touched (dirty=M: the guest wrote all but 32 MiB): the time
+           PUT /snapshot took, the memory file's length and what it takes on disk.
+  restore  for each memory size, interleaved run by run so machine noise hits each
+           alike: process start to the guest's first serial line for a cold boot
+           (`vmm run`, its first line), a restore with the memory file in the page cache
+           (warm) and one with it dropped from the cache first (cold, posix_fadvise
+           DONTNEED on the snapshot's files), and a warm clone of the same snapshot
+           restored paused (POST /clones: the VMM's own latency_us, request to the
+           clone's vCPU in the guest, and the request's round trip as the client saw
+           it). min / median / p99 and the median against the warm restore.
+  memory   N VMs restored from one snapshot, running: each VMM process's PSS, RSS and
+           private dirty memory (/proc/PID/smaps_rollup).
+
+usage: benches/snapshot.py [create|restore|memory|all] [--sizes 128,256,1024,4096]
+                           [--runs N] [--count N] [--dir DIR]
+"""
+import argparse
+import json
+import os
+import select
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "target/guest/tiny.elf")
+VMM = os.path.join(ROOT, "target/release/vmm")
+
+
+def api(sock, method, path, body=None, timeout=600):
+    """One request on the control socket: (status, parsed JSON body or None)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(timeout)
+    s.connect(sock)
+    data = json.dumps(body).encode() if body is not None else b""
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
+    if body is not None:
+        head += "Content-Type: application/json\r\n"
+    s.sendall(head.encode() + b"Connection: close\r\n\r\n" + data)
+    buf = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    s.close()
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    return status, (json.loads(rest) if rest.strip() else None)
+
+
+def wait_for(what, ok, timeout=60):
+    start = time.monotonic()
+    while not ok():
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def first_line(cmd, needle, timeout=30.0):
+    """Seconds from spawn to `needle` on stdout; the process is killed afterwards."""
+    start = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         stdin=subprocess.DEVNULL)
+    buf = b""
+    try:
+        while True:
+            left = timeout - (time.perf_counter() - start)
+            if left <= 0:
+                raise RuntimeError(f"no {needle!r} within {timeout}s: {cmd} printed {buf[:200]!r}")
+            r, _, _ = select.select([p.stdout], [], [], left)
+            if not r:
+                continue
+            chunk = os.read(p.stdout.fileno(), 65536)
+            if not chunk:
+                raise RuntimeError(f"{cmd} exited before {needle!r}: {buf[:300]!r}")
+            buf += chunk
+            if needle in buf:
+                return time.perf_counter() - start
+    finally:
+        p.kill()
+        p.wait()
+
+
+def stats(xs):
+    xs = sorted(xs)
+    p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
+    return xs[0], statistics.median(xs), p99
+
+
+def boot_args(mib, cmdline):
+    return [VMM, "run", "--kernel", TINY, "--mem-mib", str(mib), "--ap-boot", "direct",
+            "--cmdline", cmdline]
+
+
+def take_snapshot(work, mib, touched):
+    """Boots the tiny guest, pauses it, writes its snapshot; returns (dir, answer)."""
+    tag = f"{mib}-{'touched' if touched else 'untouched'}"
+    sock = os.path.join(work, f"{tag}.sock")
+    cmdline = "ticks=1 beat=1"
+    if touched:
+        cmdline = f"ticks=1 beat=1000 dirty={mib - 32}"
+    p = subprocess.Popen(boot_args(mib, cmdline) + ["--api-sock", sock, "--console",
+                         os.path.join(work, f"{tag}.console")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        console = os.path.join(work, f"{tag}.console")
+        needle = "tiny: dirty pass 1" if touched else "tiny: beat 5"
+        wait_for(needle, lambda: os.path.exists(console) and needle in open(console).read(),
+                 timeout=300)
+        assert api(sock, "PATCH", "/vm", {"state": "paused"})[0] == 204
+        snap = os.path.join(work, f"snap-{tag}")
+        status, answer = api(sock, "PUT", "/snapshot", {"dir": snap})
+        if status != 201:
+            raise RuntimeError(f"PUT /snapshot: {status} {answer}")
+        api(sock, "PUT", "/actions", {"action_type": "shutdown"})
+        p.wait(timeout=30)
+        return snap, answer
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def drop_cache(snap):
+    for name in os.listdir(snap):
+        fd = os.open(os.path.join(snap, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def create(work, sizes):
+    print("Snapshot creation (PUT /snapshot on the paused tiny guest):\n")
+    print("| guest memory | guest wrote | took (ms) | memory file | on disk |")
+    print("|---|---|---|---|---|")
+    for mib in sizes:
+        for touched in (False, True):
+            snap, a = take_snapshot(work, mib, touched)
+            st = os.stat(os.path.join(snap, "memory"))
+            print(f"| {mib} MiB | {'all but 32 MiB' if touched else 'a few pages'} "
+                  f"| {a['took_ms']} | {st.st_size >> 20} MiB "
+                  f"| {st.st_blocks * 512 / 2**20:.1f} MiB |")
+            shutil.rmtree(snap)
+    print()
+
+
+def restore(work, sizes, runs):
+    print(f"Process start (or clone request) to the new VM's guest running, tiny guest, "
+          f"{runs} interleaved runs each (ms):\n")
+    print("| memory | how | min | median | p99 | median vs warm restore |")
+    print("|---|---|---|---|---|---|")
+    for mib in sizes:
+        snap, _ = take_snapshot(work, mib, False)
+        tsock = os.path.join(work, f"t{mib}.sock")
+        template = subprocess.Popen(
+            [VMM, "restore", "--dir", snap, "--paused", "--warm-clones", "1",
+             "--api-sock", tsock, "--console", "null"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for("the restored template", lambda: os.path.exists(tsock))
+            wait_for("a warm clone", lambda: api(tsock, "GET", "/vm")[1]["warm_clones"]["ready"] == 1)
+            restore_cmd = [VMM, "restore", "--dir", snap, "--console", "stdout"]
+            needle = b"tiny: beat "
+            res = {"cold boot": [], "restore, warm cache": [], "restore, cold cache": [],
+                   "warm clone (VMM latency_us)": [], "warm clone (request round trip)": []}
+            first_line(restore_cmd, needle)  # the page cache, warmed once unmeasured
+            for _ in range(runs):
+                res["cold boot"].append(first_line(boot_args(mib, "ticks=1 beat=1"),
+                                                   b"tiny: cpu 0 up"))
+                res["restore, warm cache"].append(first_line(restore_cmd, needle))
+                drop_cache(snap)
+                res["restore, cold cache"].append(first_line(restore_cmd, needle))
+                wait_for("a warm clone",
+                         lambda: api(tsock, "GET", "/vm")[1]["warm_clones"]["ready"] == 1)
+                t0 = time.perf_counter()
+                status, made = api(tsock, "POST", "/clones", {"count": 1, "console": "null"})
+                rtt = time.perf_counter() - t0
+                assert status == 201, made
+                c = made["clones"][0]
+                res["warm clone (VMM latency_us)"].append(c["latency_us"] / 1e6)
+                res["warm clone (request round trip)"].append(rtt)
+                api(tsock, "DELETE", f"/clones/{c['id']}")
+            base = statistics.median(res["restore, warm cache"])
+            for how, xs in res.items():
+                lo, med, p99 = stats(xs)
+                print(f"| {mib} MiB | {how} | {lo*1e3:.2f} | {med*1e3:.2f} | {p99*1e3:.2f} "
+                      f"| {med/base:.2f}x |")
+        finally:
+            template.kill()
+            template.wait()
+            shutil.rmtree(snap, ignore_errors=True)
+    print()
+
+
+def smaps_rollup(pid):
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+                out[parts[0][:-1]] = int(parts[1])
+    return out
+
+
+def memory(work, count, mib=128):
+    snap, answer = take_snapshot(work, mib, False)
+    procs = []
+    try:
+        for i in range(count):
+            sock = os.path.join(work, f"m{i}.sock")
+            procs.append((subprocess.Popen(
+                [VMM, "restore", "--dir", snap, "--api-sock", sock, "--console", "null"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), sock))
+        for p, sock in procs:
+            wait_for("a restored VM", lambda: os.path.exists(sock))
+        time.sleep(2)  # every guest ran a while
+        rows = [smaps_rollup(p.pid) for p, _ in procs]
+        pss = [r.get("Pss", 0) for r in rows]
+        rss = [r.get("Rss", 0) for r in rows]
+        dirty = [r.get("Private_Dirty", 0) for r in rows]
+        print(f"{count} VMs restored from one {mib} MiB snapshot (the guest wrote "
+              f"{answer['memory_written_bytes'] >> 10} KiB before it), per VMM process (KiB):\n")
+        print("| | min | median | max |")
+        print("|---|---|---|---|")
+        for name, xs in (("PSS", pss), ("RSS", rss), ("private dirty", dirty)):
+            print(f"| {name} | {min(xs)} | {statistics.median(xs):.0f} | {max(xs)} |")
+        print(f"\nTotal PSS {sum(pss) >> 10} MiB, {sum(pss) / count / 1024:.2f} MiB per VM.\n")
+    finally:
+        for p, _ in procs:
+            p.kill()
+        for p, _ in procs:
+            p.wait()
+        shutil.rmtree(snap, ignore_errors=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", nargs="?", default="all", choices=["create", "restore", "memory", "all"])
+    ap.add_argument("--sizes", default="128,256,1024,4096")
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--count", type=int, default=100)
+    ap.add_argument("--dir", default=None, help="where snapshots go (default: a temporary directory in /var/tmp)")
+    a = ap.parse_args()
+    for f in (TINY, VMM):
+        if not os.path.exists(f):
+            sys.exit(f"{f} missing: run `make release guest` first")
+    sizes = [int(s) for s in a.sizes.split(",")]
+    work = tempfile.mkdtemp(prefix="forkvm-snapbench-", dir=a.dir or "/var/tmp")
+    try:
+        if a.what in ("create", "all"):
+            create(work, sizes)
+        if a.what in ("restore", "all"):
+            restore(work, sizes, a.runs)
+        if a.what in ("memory", "all"):
+            memory(work, a.count)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

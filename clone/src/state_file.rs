@@ -1,6 +1,6 @@
-//! The snapshot state file (issue 24, in progress: nothing writes or restores snapshots
-//! yet): a versioned, checksummed container for a snapshot's state (vCPUs, VM, devices,
-//! the VM's configuration), so that a file from another forkvm version, a truncated
+//! The snapshot state file (the VMM's `snapshot` module writes and reads it): a
+//! versioned, checksummed container for a snapshot's state (vCPUs, VM, devices, the
+//! VM's configuration), so that a file from another forkvm version, a truncated
 //! copy or a corrupted one is refused with a clear error before anything is built from
 //! it.
 //!

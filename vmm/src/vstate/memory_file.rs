@@ -1,5 +1,4 @@
-//! Guest memory in a snapshot (issue 24, in progress: nothing takes or restores a
-//! snapshot yet). [`write_memory_file`] stores every region of a VM's memory in one
+//! Guest memory in a snapshot (`crate::snapshot`). [`write_memory_file`] stores every region of a VM's memory in one
 //! sparse file, region after region, writing only pages that hold something (a page of
 //! zeros is a hole, which reads back as zeros); [`map_memory_file`] maps such a file
 //! back as guest memory `MAP_PRIVATE`: pages come from the page cache on first touch,

@@ -362,7 +362,10 @@ fn a_restored_device_goes_on_from_its_parents_host_ports() {
     let mut host = UnixStream::connect(&path).unwrap();
     host.write_all(b"CONNECT 1234\n").unwrap();
     let req = r.next_rx();
-    assert_eq!(({ req.hdr.op }, { req.hdr.src_port }), (OP_REQUEST, first + 1));
+    assert_eq!(
+        ({ req.hdr.op }, { req.hdr.src_port }),
+        (OP_REQUEST, first + 1)
+    );
 }
 
 #[test]

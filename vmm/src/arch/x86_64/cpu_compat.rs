@@ -1,8 +1,8 @@
-//! Whether a VM saved on one host can run on this one (issue 24, in progress: nothing
-//! restores a snapshot yet): every CPUID feature the guest was shown must be one this
-//! host's KVM offers, and every MSR the snapshot holds one this host's KVM can set. A
-//! guest that saw AVX-512 at boot would otherwise fault (or worse, compute wrongly) the
-//! first time it uses it after the restore, long after the restore "worked".
+//! Whether a VM saved on one host can run on this one (a snapshot's restore checks):
+//! every CPUID feature the guest was shown must be one this host's KVM offers, and
+//! every MSR the snapshot holds one this host's KVM can set. A guest that saw AVX-512
+//! at boot would otherwise fault (or worse, compute wrongly) the first time it uses it
+//! after the restore, long after the restore "worked".
 
 use kvm_bindings::{kvm_cpuid_entry2, CpuId};
 

@@ -225,8 +225,10 @@ impl VirtioDevice for Vsock {
             [rx, tx, event],
             interrupt,
             // Only the first activation of a clone's device reports the reset.
-            std::mem::take(&mut self.restored),
-            self.next_local_port.clone(),
+            (
+                std::mem::take(&mut self.restored),
+                self.next_local_port.clone(),
+            ),
         )))
     }
 }
@@ -249,8 +251,7 @@ pub(crate) fn fuzz_worker(
         mem,
         queues,
         interrupt,
-        restored,
-        Arc::new(AtomicU32::new(muxer::FIRST_LOCAL_PORT)),
+        (restored, Arc::new(AtomicU32::new(muxer::FIRST_LOCAL_PORT))),
     )
 }
 

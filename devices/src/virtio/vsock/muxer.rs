@@ -195,8 +195,7 @@ impl Muxer {
         mem: GuestMemoryMmap,
         queues: [Queue; 3],
         interrupt: Arc<VirtioInterrupt>,
-        reset_pending: bool,
-        next_local_port: Arc<AtomicU32>,
+        (reset_pending, next_local_port): (bool, Arc<AtomicU32>),
     ) -> Self {
         Self {
             cid,

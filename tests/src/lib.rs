@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod cache;
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -393,6 +395,22 @@ impl Vm {
             assert!(start.elapsed() < timeout, "API socket never came up");
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Waits until the VMM answers `GET /vm` (a restored VM: once it is restored);
+    /// false if it exits first or `timeout` passes.
+    pub fn try_wait_api(&mut self, timeout: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if vmm::api::client::describe_vm(&self.sock).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
     }
 
     /// Shuts the VM down over the API and checks that the VMM exits with status 0.

@@ -19,10 +19,6 @@ use vmm::api::http::Response;
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 const CLONES: usize = 20;
 
-fn path(name: &str) -> String {
-    guest_file(name).display().to_string()
-}
-
 /// A Linux guest running `run`, from the initramfs, or from `root` (an image in
 /// target/guest) as its read-only root disk.
 fn linux_vm(
@@ -32,6 +28,19 @@ fn linux_vm(
     run: &str,
     extra: &[&str],
 ) -> Vm {
+    let (args, _) = linux_args(root, cmdline_extra, run, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Vm::start(scratch, &args)
+}
+
+/// `vmm run` arguments for the Linux guest running `run` (on `root`, or the initramfs),
+/// and the files it boots from.
+fn linux_args(
+    root: Option<&str>,
+    cmdline_extra: &str,
+    run: &str,
+    extra: &[&str],
+) -> (Vec<String>, Vec<std::path::PathBuf>) {
     let boot = match root {
         Some(_) => "root=/dev/vda ro rootfstype=ext4",
         None => "",
@@ -39,27 +48,29 @@ fn linux_vm(
     let cmdline = format!(
         "console=ttyS0 reboot=k panic=-1 quiet {boot} {cmdline_extra} forkvm.run=\"{run}\""
     );
-    let kernel = path("vmlinux");
+    let kernel = guest_file("vmlinux");
     let (disk_flag, disk) = match root {
-        Some(image) => ("--rootfs", path(image)),
-        None => ("--initrd", path("initramfs.cpio")),
+        Some(image) => ("--rootfs", guest_file(image)),
+        None => ("--initrd", guest_file("initramfs.cpio")),
     };
-    let mut args = vec![
-        "--kernel",
-        &kernel,
-        disk_flag,
-        &disk,
-        "--mem-mib",
-        "256",
-        "--cmdline",
-        &cmdline,
+    let mut args: Vec<String> = vec![
+        "--kernel".into(),
+        kernel.display().to_string(),
+        disk_flag.into(),
+        disk.display().to_string(),
+        "--mem-mib".into(),
+        "256".into(),
+        "--cmdline".into(),
+        cmdline,
     ];
-    args.extend_from_slice(extra);
-    Vm::start(scratch, &args)
+    args.extend(extra.iter().map(|a| a.to_string()));
+    (args, vec![kernel, disk])
 }
 
 /// A template running the runtime `run`, once it printed `ready` and paused where the
-/// runtime waits; `extra` are further `vmm run` options.
+/// runtime waits, with two warm clones; `extra` are further `vmm run` options. Booted
+/// once and kept as a cached snapshot (`tests::cache`), then restored: the restored
+/// template's runtime reads "no request", waits again, and the template pauses there.
 fn ready_template(
     scratch: &Scratch,
     root: Option<&str>,
@@ -67,11 +78,25 @@ fn ready_template(
     ready: &str,
     extra: &[&str],
 ) -> Vm {
-    let mut args = vec!["--template", "--warm-clones", "2"];
+    let mut args = vec!["--template"];
     args.extend_from_slice(extra);
-    let mut vm = linux_vm(scratch, root, "", run, &args);
-    vm.wait_console(ready, LINUX_BOOT);
-    wait_until("the template to pause", LINUX_BOOT, || {
+    let (args, inputs) = linux_args(root, "", run, &args);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let wait = |vm: &mut Vm| {
+        vm.wait_console(ready, LINUX_BOOT);
+        wait_until("the template to pause", LINUX_BOOT, || {
+            vm.waits_as_template()
+        });
+    };
+    let boot = tests::cache::CachedBoot {
+        name: "linux-template",
+        run_args: &args,
+        inputs: &inputs,
+        vsock: false,
+        ready: &wait,
+    };
+    let vm = tests::cache::restored(scratch, &boot, &["--warm-clones", "2"], LINUX_BOOT);
+    wait_until("the restored template to pause", LINUX_BOOT, || {
         vm.waits_as_template()
     });
     vm

@@ -171,3 +171,37 @@ pub fn restored(
     }
     panic!("{} does not restore even when just made", dir.display());
 }
+
+/// The Linux guest (the initramfs, 256 MiB) once init serves forkvm's agent on vsock
+/// port 1024 (nothing else in it is starting up then), restored with its host socket at
+/// `vsock`: booted and saved the first time.
+pub fn linux_agent(scratch: &Scratch, vsock: &Path, timeout: Duration) -> Vm {
+    let (kernel, initrd) = (
+        crate::guest_file("vmlinux"),
+        crate::guest_file("initramfs.cpio"),
+    );
+    let (k, i) = (kernel.display().to_string(), initrd.display().to_string());
+    let args = [
+        "--kernel",
+        &k,
+        "--initrd",
+        &i,
+        "--mem-mib",
+        "256",
+        "--cmdline",
+        "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
+    ];
+    let serving = |vm: &mut Vm| {
+        vm.wait_console_line("forkvm-init: serving on vsock port 1024", timeout);
+        assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    };
+    let boot = CachedBoot {
+        name: "linux-agent",
+        run_args: &args,
+        inputs: &[kernel.clone(), initrd.clone()],
+        vsock: true,
+        ready: &serving,
+    };
+    let restore = ["--vsock", vsock.to_str().expect("UTF-8 path")];
+    restored(scratch, &boot, &restore, timeout)
+}

@@ -395,33 +395,9 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
     let _one = one_guest();
     let scratch = Scratch::new("linux-vsock");
     let vsock = scratch.path("vm.vsock");
-    // The guest once init serves the agent (nothing else in it is starting up then),
-    // booted once and kept as a cached snapshot (`tests::cache`), restored here.
-    let (kernel, initrd) = (guest_file("vmlinux"), guest_file("initramfs.cpio"));
-    let (k, i) = (kernel.display().to_string(), initrd.display().to_string());
-    let args = [
-        "--kernel",
-        &k,
-        "--initrd",
-        &i,
-        "--mem-mib",
-        "256",
-        "--cmdline",
-        "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
-    ];
-    let serving = |vm: &mut Vm| {
-        vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
-        assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
-    };
-    let boot = tests::cache::CachedBoot {
-        name: "linux-agent",
-        run_args: &args,
-        inputs: &[kernel.clone(), initrd.clone()],
-        vsock: true,
-        ready: &serving,
-    };
-    let restore = ["--vsock", vsock.to_str().unwrap()];
-    let mut vm = tests::cache::restored(&scratch, &boot, &restore, LINUX_BOOT);
+    // The guest once init serves the agent, booted once and kept as a cached snapshot
+    // (`tests::cache`), restored here.
+    let mut vm = tests::cache::linux_agent(&scratch, &vsock, LINUX_BOOT);
     // The template: input, output and exit status go through; it is not a clone.
     let (code, out, err) = vmm_exec(
         &vm.sock,

@@ -1,12 +1,12 @@
-//! Snapshots of the real Linux guest (docs/snapshots.md): a booted guest saved while
-//! paused, restored twice and as a template; each restored kernel draws its own random
+//! Snapshots of the real Linux guest (docs/snapshots.md): a guest serving its agent
+//! saved while paused, restored twice and as a template; each restored kernel draws its own random
 //! bytes (the VMM reseeds its CRNG, as in a clone), and the agent serves every restored
 //! VM and its clones over vsock.
 
 use std::path::Path;
 use std::time::Duration;
 
-use tests::{guest_file, kvm_available, vmm_exec, wait_until, Scratch, Vm};
+use tests::{kvm_available, vmm_exec, wait_until, Scratch, Vm};
 
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 
@@ -34,26 +34,9 @@ fn linux_a_restored_guest_draws_its_own_random_bytes_and_serves_itself_and_its_c
     }
     let scratch = Scratch::new("linux-snapshot");
     let vsock = scratch.path("vm.vsock");
-    let kernel = guest_file("vmlinux").display().to_string();
-    let initrd = guest_file("initramfs.cpio").display().to_string();
-    let mut vm = Vm::start(
-        &scratch,
-        &[
-            "--kernel",
-            &kernel,
-            "--initrd",
-            &initrd,
-            "--vsock",
-            vsock.to_str().unwrap(),
-            "--rng",
-            "--mem-mib",
-            "256",
-            "--cmdline",
-            "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
-        ],
-    );
-    vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
-    assert!(vm.stderr_text().contains("registered its CRNG"));
+    // The guest serving its agent: itself restored from the test cache (booted there
+    // once), so this also takes a snapshot of a restored VM.
+    let mut vm = tests::cache::linux_agent(&scratch, &vsock, LINUX_BOOT);
     let (original, _) = urandom_and_id(&vm.sock, "the original", &|| vm.stderr_text());
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     let snap = scratch.path("snap");

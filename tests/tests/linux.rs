@@ -343,9 +343,12 @@ fn agent_stream(vsock: &std::path::Path) -> std::os::unix::net::UnixStream {
     s
 }
 
-/// Processes in the guest, through the agent.
+/// User processes in the guest, through the agent: not init, not kernel threads (their
+/// parent is kthreadd, pid 2), which come and go on their own (a worker of a freshly
+/// restored kernel ends a while after).
 fn guest_processes(vm: &Vm) -> usize {
-    let (code, out, err) = vmm_exec(&vm.sock, &["--", "ls -d /proc/[0-9]* | wc -l"], b"");
+    let count = "grep -L '^PPid:[[:space:]]*[02]$' /proc/[0-9]*/status | wc -l";
+    let (code, out, err) = vmm_exec(&vm.sock, &["--", count], b"");
     assert_eq!(code, Some(0), "{err}");
     out.trim().parse().unwrap()
 }

@@ -1,5 +1,6 @@
 //! Snapshots: a paused VM saved to a directory ([`save`]), and a VM rebuilt from one
-//! in a new process ([`restore`]) on this host or another (docs/snapshots.md).
+//! in a new process ([`open`], then [`Restoring::start`]) on this host or another
+//! (docs/snapshots.md).
 //!
 //! A snapshot directory holds:
 //!

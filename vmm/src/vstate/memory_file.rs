@@ -1,9 +1,9 @@
-//! Guest memory in a snapshot (`crate::snapshot`). [`write_memory_file`] stores every region of a VM's memory in one
-//! sparse file, region after region, writing only pages that hold something (a page of
-//! zeros is a hole, which reads back as zeros); [`map_memory_file`] maps such a file
-//! back as guest memory `MAP_PRIVATE`: pages come from the page cache on first touch,
-//! shared by every VM mapped from the same file, and a guest's writes go to its own
-//! copies, never to the file.
+//! Guest memory in a snapshot (docs/snapshots.md). [`write_memory_file`] stores every
+//! region of a VM's memory in one sparse file, region after region, writing only pages
+//! that hold something (a page of zeros is a hole, which reads back as zeros);
+//! [`map_memory_file`] maps such a file back as guest memory `MAP_PRIVATE`: pages come
+//! from the page cache on first touch, shared by every VM mapped from the same file,
+//! and a guest's writes go to its own copies, never to the file.
 //!
 //! The file holds the guest's memory, secrets included: it is created owner-only (0600).
 

@@ -10,7 +10,9 @@ With the tiny guest (target/guest/tiny.elf, ticks=1 beat=1: a heartbeat line eve
            alike: process start to the guest's first serial line for a cold boot
            (`vmm run`, its first line), a restore with the memory file in the page cache
            (warm) and one with it dropped from the cache first (cold, posix_fadvise
-           DONTNEED on the snapshot's files), and a warm clone of the same snapshot
+           DONTNEED on the snapshot's files), each also to the guest's first instruction
+           (the CLOCK_MONOTONIC time the restored VMM logs for vCPU 0's first entry; the
+           tiny guest's next heartbeat line comes within 1 ms after), and a warm clone of the same snapshot
            restored paused (POST /clones: the VMM's own latency_us, request to the
            clone's vCPU in the guest, and the request's round trip as the client saw
            it). min / median / p99 and the median against the warm restore.
@@ -23,6 +25,7 @@ usage: benches/snapshot.py [create|restore|memory|all] [--sizes 128,256,1024,409
 import argparse
 import json
 import os
+import re
 import select
 import shutil
 import socket
@@ -68,25 +71,34 @@ def wait_for(what, ok, timeout=60):
 
 
 def first_line(cmd, needle, timeout=30.0):
-    """Seconds from spawn to `needle` on stdout; the process is killed afterwards."""
+    """(seconds from spawn to `needle` on stdout, seconds from spawn to vCPU 0's first
+    entry into the guest as the VMM logs it, or None); the process is killed afterwards."""
+    start_ns = time.monotonic_ns()
     start = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          stdin=subprocess.DEVNULL)
-    buf = b""
+    out, err, seen, entry = b"", b"", None, None
+    want_entry = "restore" in cmd
     try:
-        while True:
+        while seen is None or (want_entry and entry is None):
             left = timeout - (time.perf_counter() - start)
             if left <= 0:
-                raise RuntimeError(f"no {needle!r} within {timeout}s: {cmd} printed {buf[:200]!r}")
-            r, _, _ = select.select([p.stdout], [], [], left)
-            if not r:
-                continue
-            chunk = os.read(p.stdout.fileno(), 65536)
-            if not chunk:
-                raise RuntimeError(f"{cmd} exited before {needle!r}: {buf[:300]!r}")
-            buf += chunk
-            if needle in buf:
-                return time.perf_counter() - start
+                raise RuntimeError(f"no {needle!r} within {timeout}s: {cmd} printed {out[:200]!r} {err[-300:]!r}")
+            r, _, _ = select.select([p.stdout, p.stderr], [], [], left)
+            for f in r:
+                chunk = os.read(f.fileno(), 65536)
+                if not chunk:
+                    raise RuntimeError(f"{cmd} exited before {needle!r}: {out[:300]!r} {err[-300:]!r}")
+                if f is p.stdout:
+                    out += chunk
+                    if seen is None and needle in out:
+                        seen = time.perf_counter() - start
+                else:
+                    err += chunk
+                    m = re.search(rb"entered the guest at (\d+) ns", err)
+                    if m and entry is None:
+                        entry = (int(m.group(1)) - start_ns) / 1e9
+        return seen, entry
     finally:
         p.kill()
         p.wait()
@@ -171,17 +183,26 @@ def restore(work, sizes, runs):
         try:
             wait_for("the restored template", lambda: os.path.exists(tsock))
             wait_for("a warm clone", lambda: api(tsock, "GET", "/vm")[1]["warm_clones"]["ready"] == 1)
-            restore_cmd = [VMM, "restore", "--dir", snap, "--console", "stdout"]
+            restore_cmd = [VMM, "--log-level", "info", "restore", "--dir", snap, "--console",
+                           "stdout"]
             needle = b"tiny: beat "
-            res = {"cold boot": [], "restore, warm cache": [], "restore, cold cache": [],
+            res = {"cold boot (first serial line)": [],
+                   "restore, warm cache (first serial line)": [],
+                   "restore, warm cache (guest's first instruction)": [],
+                   "restore, cold cache (first serial line)": [],
+                   "restore, cold cache (guest's first instruction)": [],
                    "warm clone (VMM latency_us)": [], "warm clone (request round trip)": []}
             first_line(restore_cmd, needle)  # the page cache, warmed once unmeasured
             for _ in range(runs):
-                res["cold boot"].append(first_line(boot_args(mib, "ticks=1 beat=1"),
-                                                   b"tiny: cpu 0 up"))
-                res["restore, warm cache"].append(first_line(restore_cmd, needle))
+                boot, _ = first_line(boot_args(mib, "ticks=1 beat=1"), b"tiny: cpu 0 up")
+                res["cold boot (first serial line)"].append(boot)
+                line, entry = first_line(restore_cmd, needle)
+                res["restore, warm cache (first serial line)"].append(line)
+                res["restore, warm cache (guest's first instruction)"].append(entry)
                 drop_cache(snap)
-                res["restore, cold cache"].append(first_line(restore_cmd, needle))
+                line, entry = first_line(restore_cmd, needle)
+                res["restore, cold cache (first serial line)"].append(line)
+                res["restore, cold cache (guest's first instruction)"].append(entry)
                 wait_for("a warm clone",
                          lambda: api(tsock, "GET", "/vm")[1]["warm_clones"]["ready"] == 1)
                 t0 = time.perf_counter()
@@ -192,7 +213,7 @@ def restore(work, sizes, runs):
                 res["warm clone (VMM latency_us)"].append(c["latency_us"] / 1e6)
                 res["warm clone (request round trip)"].append(rtt)
                 api(tsock, "DELETE", f"/clones/{c['id']}")
-            base = statistics.median(res["restore, warm cache"])
+            base = statistics.median(res["restore, warm cache (first serial line)"])
             for how, xs in res.items():
                 lo, med, p99 = stats(xs)
                 print(f"| {mib} MiB | {how} | {lo*1e3:.2f} | {med*1e3:.2f} | {p99*1e3:.2f} "

@@ -13,6 +13,7 @@ use std::mem::ManuallyDrop;
 use std::os::fd::IntoRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use api_types::vm::{HostReport, MemoryInfo};
 use devices::virtio::block::overlay::{OverlayError, OverlaySnapshot};
@@ -27,10 +28,11 @@ use crate::cloning::prepare_restored;
 use crate::config::{CgroupConfig, ConsoleSink, DiskConfig, NetConfig, RngConfig, VmConfig};
 use crate::config::{ConfigError, VsockConfig};
 use crate::device_manager::{DeviceError, DeviceManager, VirtioRestore};
+use crate::logging::StageTimer;
 use crate::microvm::VmParts;
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
 use crate::vstate::memory_file::{map_memory_file, MemoryFileError};
-use crate::vstate::vcpu::{start_vcpus, VcpuError};
+use crate::vstate::vcpu::{start_vcpus, FirstEntry, VcpuError};
 
 /// What the host gives a restored VM (the guest's side comes from the snapshot).
 #[derive(Debug, Clone)]
@@ -312,13 +314,18 @@ pub struct Restoring {
     file: SnapshotFile,
     config: VmConfig,
     kvm: KvmContext,
+    started: Instant,
+    marks: StageTimer,
 }
 
 /// Reads the snapshot `opts.dir` and checks it against `opts` and this host: nothing is
 /// created yet.
 pub fn open(opts: &RestoreOptions) -> Result<Restoring, RestoreError> {
+    let started = Instant::now();
+    let mut marks = StageTimer::new();
     let dir = &opts.dir;
     let file: SnapshotFile = clone::state_file::read(&dir.join(STATE_FILE))?;
+    marks.done("state file");
     if opts.paused && file.config.template {
         return Err(RestoreError::Options(
             "the snapshot is of a template, which pauses itself once its runtime waits \
@@ -330,11 +337,14 @@ pub fn open(opts: &RestoreOptions) -> Result<Restoring, RestoreError> {
     let kvm = KvmContext::open()?;
     config.validate_restored(kvm.max_vcpus)?;
     check(dir, &file, &config, &kvm)?;
+    marks.done("checks");
     Ok(Restoring {
         dir: dir.clone(),
         file,
         config,
         kvm,
+        started,
+        marks,
     })
 }
 
@@ -352,9 +362,12 @@ impl Restoring {
             file,
             config,
             kvm,
+            started,
+            mut marks,
         } = self;
         let dir = &dir;
         let mem = map_memory_file(&dir.join(MEMORY_FILE), &file.memory)?;
+        marks.done("memory mapped");
 
         // The disks: their images opened again, writable ones' overlays copied from the
         // snapshot into their directories (the snapshot's stay as they are). The device
@@ -385,9 +398,12 @@ impl Restoring {
             disk_fds.push(image.into_raw_fd());
         }
 
+        marks.done("disks");
         let state = &file.state;
         let prepared = prepare_restored(&kvm, state, &mem, config.mailbox())?;
+        marks.done("vm and vcpus");
         check_cpuid(&file, &kvm, &prepared.vcpus)?;
+        marks.done("cpuid check");
         let mut devices = DeviceManager::new(&prepared.vm, &config, &mem, 0, Some(&state.devices))?;
         devices.add_virtio_devices(
             &prepared.vm,
@@ -399,21 +415,35 @@ impl Restoring {
                 overlays: &overlays,
             }),
         )?;
+        marks.done("devices");
         // Every VM restored from one snapshot gets its own kernel RNG key, as a clone does
         // (its identity block got a new generation with the devices).
         if let Some(layout) = devices.crng.registration.layout() {
             layout.reseed(&mem)?;
         }
         clone::vm::restore_vm(&prepared.vm, &state.vm)?;
+        marks.done("crng reseed, vm state");
         let capture_spec = capture_spec(&kvm, &prepared.vm)?;
+        // vCPU 0 writes when it first enters the guest (CLOCK_MONOTONIC ns), logged below:
+        // what a caller measures a restore by.
+        let (entry_read, entry_write) = nix::unistd::pipe()
+            .map_err(|e| RestoreError::Options(format!("cannot make a pipe: {e}")))?;
+        let (entered, vcpu0_entered) = std::sync::mpsc::sync_channel(1);
+        let first_entry = FirstEntry {
+            pipe: File::from(entry_write),
+            entered,
+        };
         let vcpus = start_vcpus(
             prepared.vcpus,
             &devices.pio,
             &devices.mmio,
-            None,
+            Some(first_entry),
             &devices.crng,
         )?;
+        let _ = vcpu0_entered.recv_timeout(std::time::Duration::from_millis(20));
+        marks.done("vcpus started");
         devices.open_host_endpoints()?;
+        marks.done("host endpoints");
         let kvm_run_size = kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?;
         let host = HostReport {
             kvm: kvm.host,
@@ -425,12 +455,19 @@ impl Restoring {
             },
             ..file.host
         };
+        let mut ns = [0u8; 8];
+        let entered_ns = std::io::Read::read_exact(&mut File::from(entry_read), &mut ns)
+            .map_or(0, |()| u64::from_le_bytes(ns));
         tracing::info!(
-            "restored {} ({} MiB, {} vCPUs)",
+            "restored {} ({} MiB, {} vCPUs) in {} us; vCPU 0 entered the guest at {} ns \
+             (CLOCK_MONOTONIC)",
             dir.display(),
             config.mem_mib,
-            config.vcpus
+            config.vcpus,
+            started.elapsed().as_micros(),
+            entered_ns
         );
+        tracing::debug!("restore stages: {}", marks.report());
         Ok(VmParts {
             config,
             vm: prepared.vm,

@@ -4,7 +4,8 @@
 //! everything the saved guest depends on: the snapshot format version, the `vmm run`
 //! arguments, the contents of the files the guest boots from (kernel, initramfs, root
 //! image), the sources of the device models and of the saved state's types (a change
-//! there may change what a state means), and the host CPU model.
+//! there may change what a state means), and the host CPU model. Paths are part of it
+//! (a snapshot names its disk images by path): each checkout has entries of its own.
 //!
 //! A test asks for a guest in a given state ([`CachedBoot`]); the first run boots it,
 //! waits for that state and writes the snapshot; every run, the first included,

@@ -86,6 +86,7 @@ fn ready_template(
     // `ready` line may still be in the guest kernel's serial buffer when the template
     // pauses (the CI once saw "forkvm.serve: re" and nothing more).
     let wait = |vm: &mut Vm| {
+        vm.wait_api(LINUX_BOOT);
         let start = std::time::Instant::now();
         while !vm.waits_as_template() {
             let gone = matches!(vm.child.try_wait(), Ok(Some(_)));

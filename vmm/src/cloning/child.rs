@@ -45,7 +45,7 @@ use crate::logging::{raw_eprintln, StageTimer};
 use crate::microvm::{Microvm, RunOutcome, VmParts};
 use crate::signals::block_shutdown_signals;
 use crate::vstate::kvm::KvmContext;
-use crate::vstate::vcpu::{monotonic_ns, start_vcpus, FirstEntry, Vcpu, VcpuError};
+use crate::vstate::vcpu::{monotonic_ns, start_vcpus, FirstEntry, StartedVcpus, Vcpu, VcpuError};
 use crate::vstate::vm::{create_vm, VmError};
 
 /// How a child starts.
@@ -522,40 +522,32 @@ fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildErr
     Ok(config)
 }
 
-/// Devices, VM-wide state and vCPU threads of the clone with `config`; returns once
-/// vCPU 0 is in the guest (or 20 ms have passed) and the devices' host sides are open.
+/// What a clone and a VM restored from a snapshot do once their VM and vCPUs exist
+/// ([`prepare`]): devices from their saved states (`restore`), the guest kernel's RNG
+/// reseeded before any of its code runs (every vCPU is stopped: none is mid-key, the
+/// pause that captured `state` saw to it), the VM-wide state, the vCPU threads (vCPU 0
+/// writes the time it first enters the guest to `ready`). Returns once vCPU 0 is in the
+/// guest (or 20 ms have passed) and the devices' host sides are open.
 #[allow(clippy::too_many_arguments)]
-fn launch(
-    plan: &ChildPlan<'_>,
-    kvm: KvmContext,
-    prepared: Prepared,
-    state: &MicrovmState,
-    config: VmConfig,
+pub(crate) fn start_rebuilt(
+    prepared: &mut Prepared,
+    mem: &GuestMemoryMmap,
+    config: &VmConfig,
     seq: u32,
+    state: &MicrovmState,
+    restore: &VirtioRestore<'_>,
     ready: File,
     marks: &mut StageTimer,
-) -> Result<VmParts, ChildError> {
-    let template = plan.template;
-    let mem = template.memory();
-    let mut devices = DeviceManager::new(&prepared.vm, &config, mem, seq, Some(&state.devices))?;
-    devices.add_virtio_devices(
-        &prepared.vm,
-        mem,
-        &config,
-        Some(&VirtioRestore {
-            states: &state.devices,
-            disk_fds: template.devices().disk_fds(),
-            overlays: plan.overlays,
-        }),
-    )?;
+) -> Result<(DeviceManager, StartedVcpus), ChildError> {
+    let vm = &prepared.vm;
+    let mut devices = DeviceManager::new(vm, config, mem, seq, Some(&state.devices))?;
+    devices.add_virtio_devices(vm, mem, config, Some(restore))?;
     marks.done("devices");
-    // A kernel that registered its CRNG gets a fresh key before any of its code runs
-    // (every vCPU is stopped: none is mid-key, the template's pause saw to it).
     if let Some(layout) = devices.crng.registration.layout() {
         layout.reseed(mem)?;
         marks.done("crng reseed");
     }
-    clone::vm::restore_vm(&prepared.vm, &state.vm)?;
+    clone::vm::restore_vm(vm, &state.vm)?;
     marks.done("vm state");
     let (entered, vcpu0_entered) = std::sync::mpsc::sync_channel(1);
     let first_entry = FirstEntry {
@@ -563,7 +555,7 @@ fn launch(
         entered,
     };
     let vcpus = start_vcpus(
-        prepared.vcpus,
+        std::mem::take(&mut prepared.vcpus),
         &devices.pio,
         &devices.mmio,
         Some(first_entry),
@@ -579,6 +571,38 @@ fn launch(
     // off the latency path, and there when the parent answers.
     devices.open_host_endpoints()?;
     marks.done("host endpoints");
+    Ok((devices, vcpus))
+}
+
+/// [`start_rebuilt`] for the clone with `config`, on its template's memory and disks.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    plan: &ChildPlan<'_>,
+    kvm: KvmContext,
+    mut prepared: Prepared,
+    state: &MicrovmState,
+    config: VmConfig,
+    seq: u32,
+    ready: File,
+    marks: &mut StageTimer,
+) -> Result<VmParts, ChildError> {
+    let template = plan.template;
+    let mem = template.memory();
+    let restore = VirtioRestore {
+        states: &state.devices,
+        disk_fds: template.devices().disk_fds(),
+        overlays: plan.overlays,
+    };
+    let (devices, vcpus) = start_rebuilt(
+        &mut prepared,
+        mem,
+        &config,
+        seq,
+        state,
+        &restore,
+        ready,
+        marks,
+    )?;
     Ok(VmParts {
         config,
         vm: prepared.vm,

@@ -43,7 +43,7 @@ use clone::MicrovmState;
 use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use cgroups::{CgroupSetupError, ClonePools};
-pub(crate) use child::{errno_of, prepare as prepare_restored};
+pub(crate) use child::{errno_of, prepare as prepare_restored, start_rebuilt};
 pub use child::{ChildError, ReadyMark, RebuiltClone, ServeClone, ServeError};
 pub use request::{CloneError, CLONE_FAILED};
 pub use table::CloneTable;

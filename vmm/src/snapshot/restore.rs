@@ -24,15 +24,14 @@ use super::{overlay_file, SavedConfig, SnapshotFile, MEMORY_FILE, STATE_FILE};
 use crate::arch::x86_64::cpu_compat::{missing_features, missing_msrs};
 use crate::arch::x86_64::layout::ram_ranges;
 use crate::builder::capture_spec;
-use crate::cloning::prepare_restored;
+use crate::cloning::{prepare_restored, start_rebuilt};
 use crate::config::{CgroupConfig, ConsoleSink, DiskConfig, NetConfig, RngConfig, VmConfig};
 use crate::config::{ConfigError, VsockConfig};
-use crate::device_manager::{DeviceError, DeviceManager, VirtioRestore};
+use crate::device_manager::{DeviceError, VirtioRestore};
 use crate::logging::StageTimer;
 use crate::microvm::VmParts;
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
 use crate::vstate::memory_file::{map_memory_file, MemoryFileError};
-use crate::vstate::vcpu::{start_vcpus, FirstEntry, VcpuError};
 
 /// What the host gives a restored VM (the guest's side comes from the snapshot).
 #[derive(Debug, Clone)]
@@ -108,15 +107,9 @@ pub enum RestoreError {
     /// The devices could not be restored.
     #[error(transparent)]
     Devices(#[from] DeviceError),
-    /// The vCPU threads could not start.
-    #[error(transparent)]
-    Vcpu(#[from] VcpuError),
-    /// The VM-wide state could not be restored.
-    #[error(transparent)]
-    VmState(#[from] clone::vm::VmStateError),
-    /// The guest kernel's RNG could not be reseeded.
-    #[error("cannot reseed the guest kernel's RNG: {0}")]
-    Crng(#[from] devices::crng::CrngError),
+    /// The pipe vCPU 0 reports its first entry on could not be made.
+    #[error("cannot make a pipe: {0}")]
+    Pipe(nix::Error),
     /// The restored VM could not be paused.
     #[error("cannot pause the restored VM: {0}")]
     Pause(#[from] crate::microvm::StateError),
@@ -400,50 +393,32 @@ impl Restoring {
 
         marks.done("disks");
         let state = &file.state;
-        let prepared = prepare_restored(&kvm, state, &mem, config.mailbox())?;
+        let mut prepared = prepare_restored(&kvm, state, &mem, config.mailbox())?;
         marks.done("vm and vcpus");
         check_cpuid(&file, &kvm, &prepared.vcpus)?;
         marks.done("cpuid check");
-        let mut devices = DeviceManager::new(&prepared.vm, &config, &mem, 0, Some(&state.devices))?;
-        devices.add_virtio_devices(
-            &prepared.vm,
+        // The rest is a clone's: every VM restored from one snapshot gets its own kernel
+        // RNG key (and its identity block a new generation, with the devices). vCPU 0
+        // writes when it first enters the guest (CLOCK_MONOTONIC ns), logged below: what
+        // a caller measures a restore by.
+        let (entry_read, entry_write) = nix::unistd::pipe().map_err(RestoreError::Pipe)?;
+        let restore = VirtioRestore {
+            states: &state.devices,
+            disk_fds: &disk_fds,
+            overlays: &overlays,
+        };
+        let ready = File::from(entry_write);
+        let (devices, vcpus) = start_rebuilt(
+            &mut prepared,
             &mem,
             &config,
-            Some(&VirtioRestore {
-                states: &state.devices,
-                disk_fds: &disk_fds,
-                overlays: &overlays,
-            }),
+            0,
+            state,
+            &restore,
+            ready,
+            &mut marks,
         )?;
-        marks.done("devices");
-        // Every VM restored from one snapshot gets its own kernel RNG key, as a clone does
-        // (its identity block got a new generation with the devices).
-        if let Some(layout) = devices.crng.registration.layout() {
-            layout.reseed(&mem)?;
-        }
-        clone::vm::restore_vm(&prepared.vm, &state.vm)?;
-        marks.done("crng reseed, vm state");
         let capture_spec = capture_spec(&kvm, &prepared.vm)?;
-        // vCPU 0 writes when it first enters the guest (CLOCK_MONOTONIC ns), logged below:
-        // what a caller measures a restore by.
-        let (entry_read, entry_write) = nix::unistd::pipe()
-            .map_err(|e| RestoreError::Options(format!("cannot make a pipe: {e}")))?;
-        let (entered, vcpu0_entered) = std::sync::mpsc::sync_channel(1);
-        let first_entry = FirstEntry {
-            pipe: File::from(entry_write),
-            entered,
-        };
-        let vcpus = start_vcpus(
-            prepared.vcpus,
-            &devices.pio,
-            &devices.mmio,
-            Some(first_entry),
-            &devices.crng,
-        )?;
-        let _ = vcpu0_entered.recv_timeout(std::time::Duration::from_millis(20));
-        marks.done("vcpus started");
-        devices.open_host_endpoints()?;
-        marks.done("host endpoints");
         let kvm_run_size = kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?;
         let host = HostReport {
             kvm: kvm.host,

@@ -28,38 +28,24 @@ import os
 import re
 import select
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from clone import api as clone_api, pct  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "target/guest/tiny.elf")
 VMM = os.path.join(ROOT, "target/release/vmm")
 
 
-def api(sock, method, path, body=None, timeout=600):
-    """One request on the control socket: (status, parsed JSON body or None)."""
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(timeout)
-    s.connect(sock)
-    data = json.dumps(body).encode() if body is not None else b""
-    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
-    if body is not None:
-        head += "Content-Type: application/json\r\n"
-    s.sendall(head.encode() + b"Connection: close\r\n\r\n" + data)
-    buf = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
-    s.close()
-    head, _, rest = buf.partition(b"\r\n\r\n")
-    status = int(head.split()[1])
-    return status, (json.loads(rest) if rest.strip() else None)
+def api(sock, method, path, body=None):
+    """clone.py's request, with JSON in and out: (status, parsed body or None)."""
+    status, text = clone_api(sock, method, path, json.dumps(body) if body is not None else None)
+    return status, (json.loads(text) if text.strip() else None)
 
 
 def wait_for(what, ok, timeout=60):
@@ -105,9 +91,7 @@ def first_line(cmd, needle, timeout=30.0):
 
 
 def stats(xs):
-    xs = sorted(xs)
-    p99 = xs[min(len(xs) - 1, int(round(0.99 * (len(xs) - 1))))]
-    return xs[0], statistics.median(xs), p99
+    return min(xs), statistics.median(xs), pct(xs, 0.99)
 
 
 def boot_args(mib, cmdline):

@@ -129,8 +129,7 @@ fn make(boot: &CachedBoot<'_>, dir: &Path, timeout: Duration) {
         "{} is not paused",
         boot.name
     );
-    let body = serde_json::json!({ "dir": dir }).to_string();
-    let (code, answer) = vm.api("PUT", "/snapshot", Some(&body));
+    let (code, answer) = vm.snapshot(dir);
     // 409: another test made it meanwhile.
     assert!(code == 201 || code == 409, "{}: {code} {answer}", boot.name);
     eprintln!(

@@ -413,6 +413,12 @@ impl Vm {
         false
     }
 
+    /// `PUT /snapshot` into `dir`: (status, body).
+    pub fn snapshot(&self, dir: &Path) -> (u16, String) {
+        let body = serde_json::json!({ "dir": dir }).to_string();
+        self.api("PUT", "/snapshot", Some(&body))
+    }
+
     /// Shuts the VM down over the API and checks that the VMM exits with status 0.
     pub fn shutdown(&mut self, timeout: Duration) {
         let (code, body) = self.api("PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#));

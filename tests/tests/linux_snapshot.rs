@@ -40,8 +40,7 @@ fn linux_a_restored_guest_draws_its_own_random_bytes_and_serves_itself_and_its_c
     let (original, _) = urandom_and_id(&vm.sock, "the original", &|| vm.stderr_text());
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     let snap = scratch.path("snap");
-    let body = format!(r#"{{"dir":"{}"}}"#, snap.display());
-    let (code, answer) = vm.api("PUT", "/snapshot", Some(&body));
+    let (code, answer) = vm.snapshot(&snap);
     assert_eq!(code, 201, "{answer}");
     eprintln!("linux_snapshot: {answer}");
     vm.shutdown(Duration::from_secs(60));

@@ -60,8 +60,7 @@ fn snapshotted(scratch: &Scratch) -> (Vm, PathBuf) {
     vm.wait_console("tiny: beat 3\n", BOOT);
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     let snap = scratch.path("snap");
-    let body = format!(r#"{{"dir":"{}"}}"#, snap.display());
-    let (code, answer) = vm.api("PUT", "/snapshot", Some(&body));
+    let (code, answer) = vm.snapshot(&snap);
     assert_eq!(code, 201, "{answer}");
     let info: Value = serde_json::from_str(&answer).unwrap();
     assert_eq!(info["dir"], snap.display().to_string());
@@ -118,18 +117,16 @@ fn a_paused_vm_saved_to_a_directory_restores_where_it_stopped_twice_and_as_a_tem
     assert!(leftovers.is_empty(), "{leftovers:?}");
 
     // Refused: an existing directory, a relative path, a running VM; the VM goes on.
-    let again = format!(r#"{{"dir":"{}"}}"#, snap.display());
-    let (code, body) = vm.api("PUT", "/snapshot", Some(&again));
+    let (code, body) = vm.snapshot(&snap);
     assert_eq!(code, 409, "{body}");
     assert!(body.contains("exists already"), "{body}");
-    let (code, body) = vm.api("PUT", "/snapshot", Some(r#"{"dir":"relative/snap"}"#));
+    let (code, body) = vm.snapshot(Path::new("relative/snap"));
     assert_eq!(code, 400, "{body}");
     assert_eq!(
         vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#)).0,
         204
     );
-    let other = format!(r#"{{"dir":"{}"}}"#, scratch.path("snap2").display());
-    let (code, body) = vm.api("PUT", "/snapshot", Some(&other));
+    let (code, body) = vm.snapshot(&scratch.path("snap2"));
     assert_eq!(code, 409, "{body}");
     assert!(body.contains("paused"), "{body}");
     vm.wait_console(&format!("tiny: beat {}\n", at + 2), BOOT);
@@ -359,8 +356,7 @@ fn a_template_snapshot_restores_as_a_template_that_serves_invocations() {
     vm.wait_api(BOOT);
     wait_until("the template to pause", BOOT, || vm.waits_as_template());
     let snap = scratch.path("snap");
-    let body = format!(r#"{{"dir":"{}"}}"#, snap.display());
-    let (code, answer) = vm.api("PUT", "/snapshot", Some(&body));
+    let (code, answer) = vm.snapshot(&snap);
     assert_eq!(code, 201, "{answer}");
     vm.shutdown(Duration::from_secs(10));
 

@@ -11,20 +11,34 @@ use tests::{kvm_available, vmm_exec, wait_until, Scratch, Vm};
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 
 /// 16 bytes of the guest kernel's /dev/urandom, in hex, and its clone number; `log`
-/// is the VMM's log, for a failure.
+/// is the VMM's log, for a failure. An `od` whose output is garbled (characters turned
+/// to spaces: seen in booted and restored guests alike on the AMD PVM host, beside the
+/// start-up crashes of docs/guest-kernel.md, "Known host problems") is run again, at
+/// most twice, and said so; the third must be whole.
 fn urandom_and_id(sock: &Path, who: &str, log: &dyn Fn() -> String) -> (String, String) {
     let cmd = "echo rand=$(od -An -tx1 -N16 /dev/urandom); echo id=$(forkvm-clone --id)";
-    let (code, out, err) = vmm_exec(sock, &["--", cmd], b"");
-    assert_eq!(code, Some(0), "{who}: {out}{err}\n--- VMM log:\n{}", log());
-    let field = |k: &str| {
-        out.lines()
-            .find_map(|l| l.strip_prefix(k))
-            .unwrap_or_else(|| panic!("{who}: no {k} in {out:?}"))
-            .to_string()
-    };
-    let rand: String = field("rand=").split_whitespace().collect();
-    assert_eq!(rand.len(), 32, "{who}: {out}");
-    (rand, field("id="))
+    for attempt in 0.. {
+        let (code, out, err) = vmm_exec(sock, &["--", cmd], b"");
+        assert_eq!(code, Some(0), "{who}: {out}{err}\n--- VMM log:\n{}", log());
+        let field = |k: &str| {
+            out.lines()
+                .find_map(|l| l.strip_prefix(k))
+                .unwrap_or_else(|| panic!("{who}: no {k} in {out:?}"))
+                .to_string()
+        };
+        let rand: String = field("rand=").split_whitespace().collect();
+        let whole = rand.len() == 32 && rand.bytes().all(|b| b.is_ascii_hexdigit());
+        if !whole && attempt < 2 {
+            eprintln!(
+                "WARNING: {who}: garbled od output {out:?} (known host problem, \
+                 docs/guest-kernel.md); running it again"
+            );
+            continue;
+        }
+        assert_eq!(rand.len(), 32, "{who}: {out}");
+        return (rand, field("id="));
+    }
+    unreachable!("the loop returns or panics")
 }
 
 #[test]

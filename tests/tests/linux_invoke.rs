@@ -497,7 +497,7 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
         &control,
         None,
         "forkvm.crng=off",
-        "forkvm-clone --no-reseed --ticks 1000 3",
+        "forkvm-clone --no-reseed --ticks 1000 4",
         &[],
     );
 
@@ -559,18 +559,35 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
     let mut inherited = Vec::new();
     wait_until("the control's clones", LINUX_BOOT, || {
         inherited = clones_of(&off, None);
-        inherited.len() == 3
+        inherited.len() == 4
     });
     // Read once every clone has ticked, before they are deleted.
     first_ticks(&inherited);
     let consoles: Vec<String> = inherited.iter().map(clone_console).collect();
     let ticks = clone_ticks(&off, &inherited);
+    // Most of them, not all: the guest kernel itself reseeds from its input pool when
+    // a read finds the seed older than an interval (uptime/2 in early boot, then 60 s),
+    // and a clone whose first read crossed that deadline reads fresh bytes by chance
+    // (the CI saw 1 of 3 do so). The registration is what makes it certain.
+    let shared = ticks
+        .iter()
+        .map(|t| ticks.iter().filter(|u| u.rand == t.rand).count())
+        .max()
+        .unwrap_or(0);
     assert!(
-        ticks.iter().all(|t| *t == ticks[0] && !t.straddled),
+        shared >= 3 && ticks.iter().all(|t| !t.straddled),
         "clones of a kernel that did not register read different bytes: {ticks:?}\n\
          parent:\n{}\nclones:\n{consoles:#?}",
         off.console_text()
     );
+    if shared < ticks.len() {
+        eprintln!(
+            "linux_crng_reseed: {} of {} unregistered clones read the same first bytes \
+             (the others' first read met the kernel's own timed reseed)",
+            shared,
+            ticks.len()
+        );
+    }
     assert!(!off.stderr_text().contains("registered its CRNG"));
     assert!(vm.stderr_text().contains("registered its CRNG"));
     off.shutdown(Duration::from_secs(60));

@@ -19,8 +19,23 @@ With the tiny guest (target/guest/tiny.elf, ticks=1 beat=1: a heartbeat line eve
   memory   N VMs restored from one snapshot, running: each VMM process's PSS, RSS and
            private dirty memory (/proc/PID/smaps_rollup).
 
+With the Linux guest's Python runtime (python.ext4, `python3 -m forkvm` serving the no-op
+handler, 256 MiB, a template booted, paused where its runtime waits and snapshotted once;
+--python-snapshot DIR keeps that snapshot for later runs):
+
+  python   interleaved run by run: process start to the reply of the first invocation
+           of a template restored from the snapshot (`vmm restore`, GET /vm polled until
+           the restored template waits, then POST /invocations, served in a clone forked
+           for it), with the page cache warm and cold, each also split at the template
+           being ready; and as references an invocation in a fresh warm clone and in a
+           clone forked per request of a restored template already running, and
+           (--boots N, 1 by default) a cold boot of the same guest serving one invocation
+           in place, from spawning the VMM to the reply.
+
 usage: benches/snapshot.py [create|restore|memory|all] [--sizes 128,256,1024,4096]
                            [--runs N] [--count N] [--touched-max MIB] [--dir DIR]
+       benches/snapshot.py python [--runs N] [--boots N] [--python-snapshot DIR]
+                                  [--dir DIR]
 """
 import argparse
 import json
@@ -36,6 +51,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clone import api as clone_api, pct  # noqa: E402
+from invoke import PY_NOOP, cold_boot_invoke, invoke, linux_vm, stop, wait_vm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "target/guest/tiny.elf")
@@ -254,15 +270,115 @@ def memory(work, count, mib=128):
         shutil.rmtree(snap, ignore_errors=True)
 
 
+def python_snapshot(work, keep):
+    """The Python runtime's template, booted once, paused where its runtime waits, and
+    snapshotted (into `keep` when given and kept there; reused when it exists)."""
+    snap = keep or os.path.join(work, "python-template")
+    if keep and os.path.exists(os.path.join(keep, "state")):
+        print(f"Python template: the snapshot in {keep}", file=sys.stderr)
+        return snap
+    p, sock, t0 = linux_vm(work, "py-boot", root="python.ext4",
+                           run=f"python3 -m forkvm {PY_NOOP}", extra=["--template"])
+    try:
+        wait_vm(p, sock, lambda v: v["state"] == "paused" and v["invoke"]["waiting"])
+        print(f"Python template: booted and waiting in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr)
+        status, answer = api(sock, "PUT", "/snapshot", {"dir": snap})
+        if status != 201:
+            raise RuntimeError(f"PUT /snapshot: {status} {answer}")
+        print(f"Python template: snapshot in {answer['took_ms']} ms, "
+              f"{answer['memory_written_bytes'] >> 20} MiB of memory written",
+              file=sys.stderr)
+        stop(p, sock)
+        return snap
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def restored_template(work, snap, name, warm):
+    """`vmm restore` of the template snapshot `snap`: (process, socket, spawn time,
+    seconds until it waits as a template)."""
+    sock = os.path.join(work, name + ".sock")
+    t0 = time.perf_counter()
+    p = subprocess.Popen([VMM, "restore", "--dir", snap, "--api-sock", sock, "--console",
+                          "null", "--warm-clones", str(warm)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=open(sock + ".log", "wb"))
+    wait_vm(p, sock, lambda v: v["state"] == "paused" and v["invoke"]["waiting"]
+            and v["warm_clones"]["ready"] == warm, timeout=60, poll=0.0005)
+    return p, sock, t0, time.perf_counter() - t0
+
+
+def python(work, runs, boots, keep):
+    snap = python_snapshot(work, keep)
+    res = {"restore + first invocation, warm cache": [],
+           "restore until the template waits, warm cache": [],
+           "restore + first invocation, cold cache": [],
+           "restore until the template waits, cold cache": [],
+           "invocation in a fresh warm clone of a running restored template": [],
+           "invocation in a clone forked for it, same template": []}
+    warm_p, warm_sock, _, _ = restored_template(work, snap, "warm", 1)
+    fork_p, fork_sock, _, _ = restored_template(work, snap, "fork", 0)
+    try:
+        for _ in range(2):  # the page cache and the host's paths warmed, unmeasured
+            p, sock, _, _ = restored_template(work, snap, "first", 0)
+            invoke(sock, b"", expect=b"")
+            stop(p, sock)
+        for _ in range(runs):
+            for cold in (False, True):
+                if cold:
+                    drop_cache(snap)
+                p, sock, t0, ready = restored_template(work, snap, "first", 0)
+                invoke(sock, b"", expect=b"")
+                total = time.perf_counter() - t0
+                stop(p, sock)
+                key = "cold" if cold else "warm"
+                res[f"restore + first invocation, {key} cache"].append(total)
+                res[f"restore until the template waits, {key} cache"].append(ready)
+            wait_vm(warm_p, warm_sock, lambda v: v["warm_clones"]["ready"] == 1)
+            res["invocation in a fresh warm clone of a running restored template"].append(
+                invoke(warm_sock, b"", expect=b"")[0])
+            res["invocation in a clone forked for it, same template"].append(
+                invoke(fork_sock, b"", expect=b"")[0])
+    finally:
+        for p, sock in ((warm_p, warm_sock), (fork_p, fork_sock)):
+            try:
+                stop(p, sock)
+            except OSError:
+                p.kill()
+                p.wait()
+    booted = [cold_boot_invoke(work, f"boot{i}", "python.ext4", f"python3 -m forkvm {PY_NOOP}",
+                               b"", b"") / 1e3 for i in range(boots)]
+    print(f"Python runtime (no-op handler, 256 MiB), start to the first invocation's reply, "
+          f"{runs} interleaved runs (ms):\n")
+    print("| how | min | median | p99 | median vs restore + first invocation (warm) |")
+    print("|---|---|---|---|---|")
+    base = statistics.median(res["restore + first invocation, warm cache"])
+    rows = list(res.items())
+    if booted:
+        rows.append((f"cold boot serving one invocation in place ({boots} run"
+                     f"{'s' if boots > 1 else ''})", booted))
+    for how, xs in rows:
+        lo, med, p99 = stats(xs)
+        print(f"| {how} | {lo*1e3:.2f} | {med*1e3:.2f} | {p99*1e3:.2f} | {med/base:.2f}x |")
+    print()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="?", default="all", choices=["create", "restore", "memory", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["create", "restore", "memory", "all", "python"])
     ap.add_argument("--sizes", default="128,256,1024,4096")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--touched-max", type=int, default=1024,
                     help="largest guest whose memory is touched for `create` (MiB): here a "
                          "tiny guest took over 5 minutes to write 4 GiB the first time")
+    ap.add_argument("--boots", type=int, default=1,
+                    help="cold boots of the Python guest for `python` (minutes each here)")
+    ap.add_argument("--python-snapshot", default=None,
+                    help="where `python` keeps its template's snapshot (reused if there)")
     ap.add_argument("--dir", default=None, help="where snapshots go (default: a temporary directory in /var/tmp)")
     a = ap.parse_args()
     for f in (TINY, VMM):
@@ -277,6 +393,8 @@ def main():
             restore(work, sizes, a.runs)
         if a.what in ("memory", "all"):
             memory(work, a.count)
+        if a.what == "python":
+            python(work, a.runs, a.boots, a.python_snapshot)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

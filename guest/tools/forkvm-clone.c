@@ -34,11 +34,17 @@
  *                           print the shift; a clone made by the tool does this too
  *   forkvm-clone --net      give the first Ethernet interface the MAC address, IPv4
  *                           address and default gateway of the identity block (what the
- *                           host set for this VM or clone); prints what it set. A clone
- *                           made by the tool does this too
+ *                           host set for this VM or clone); prints what it set. When the
+ *                           address changes, the TCP connections from the old one are
+ *                           aborted (inherited from the template, they can send nothing;
+ *                           an NFS mount's reconnects at once, docs/shared-storage.md).
+ *                           A clone made by the tool does this too
  *   forkvm-clone --adopt    what a clone made by the tool does after the clone point:
  *                           reseed, drain /dev/hwrng, sync the clock, --net (forkvm-agent
  *                           runs it before its first command in every new clone)
+ *
+ * Before it asks for clones, `forkvm-clone [N]` runs sync(): data written to an NFS
+ * mount and not yet sent would otherwise be sent by every clone (and by the parent).
  *
  * Port access (forkvm-ports.h): ioperm() and 32-bit port I/O from user mode where the
  * CPU allows it, otherwise /dev/port (byte-wide: clone numbers above 254 then read
@@ -47,10 +53,14 @@
 #include "forkvm-ports.h"
 
 #include <arpa/inet.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
 #include <linux/random.h>
+#include <linux/sock_diag.h>
 #include <net/if.h>
 #include <net/if_arp.h>
 #include <net/route.h>
+#include <netinet/tcp.h>
 #include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -270,9 +280,102 @@ static int first_ethernet(int sock, struct ifreq *ifr)
     return found;
 }
 
+#define MAX_ABORTS 1024
+
+/* One sock_diag request: a TCP/IPv4 dump (NLM_F_DUMP) or SOCK_DESTROY of one socket. */
+struct diag_req {
+    struct nlmsghdr h;
+    struct inet_diag_req_v2 r;
+};
+
+/* Aborts every TCP socket whose local IPv4 address is `old` (SOCK_DESTROY through
+ * sock_diag, CONFIG_INET_DIAG_DESTROY): a clone that took its own address still holds
+ * its template's connections from the old one, which can send nothing any more and
+ * would only hang until their timeouts (an NFS mount's for minutes, as the kernel closes
+ * it gracefully and waits for a FIN that cannot leave). Aborted, a kernel user such as
+ * the NFS client connects again at once, from the new address. The number aborted, or
+ * -1. */
+static int abort_tcp_from(const uint8_t *old)
+{
+    int nl = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+    if (nl < 0)
+        return -1;
+    struct diag_req req;
+    memset(&req, 0, sizeof(req));
+    req.h.nlmsg_len = sizeof(req);
+    req.h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+    req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
+    req.r.sdiag_family = AF_INET;
+    req.r.sdiag_protocol = IPPROTO_TCP;
+    /* Every state but LISTEN (a listener bound to the old address serves nobody either,
+     * but closing it is its owner's business) and TIME_WAIT (nothing to abort). */
+    req.r.idiag_states = ~((1u << TCP_LISTEN) | (1u << TCP_TIME_WAIT));
+    static struct inet_diag_sockid ids[MAX_ABORTS];
+    int n = 0, done = 0, err = 0;
+    if (send(nl, &req, sizeof(req), 0) != (ssize_t)sizeof(req))
+        err = 1;
+    static char buf[32768];
+    while (!err && !done) {
+        ssize_t len = recv(nl, buf, sizeof(buf), 0);
+        if (len < 0 && errno == EINTR)
+            continue;
+        if (len <= 0) {
+            err = 1;
+            break;
+        }
+        for (struct nlmsghdr *h = (struct nlmsghdr *)buf; NLMSG_OK(h, (size_t)len);
+             h = NLMSG_NEXT(h, len)) {
+            if (h->nlmsg_type == NLMSG_DONE) {
+                done = 1;
+                break;
+            }
+            if (h->nlmsg_type == NLMSG_ERROR) {
+                err = 1;
+                break;
+            }
+            struct inet_diag_msg *m = NLMSG_DATA(h);
+            if (memcmp(m->id.idiag_src, old, 4) == 0 && n < MAX_ABORTS)
+                ids[n++] = m->id;
+        }
+    }
+    int aborted = 0;
+    for (int i = 0; !err && i < n; i++) {
+        memset(&req, 0, sizeof(req));
+        req.h.nlmsg_len = sizeof(req);
+        req.h.nlmsg_type = SOCK_DESTROY;
+        req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK;
+        req.r.sdiag_family = AF_INET;
+        req.r.sdiag_protocol = IPPROTO_TCP;
+        req.r.idiag_states = ~0u;
+        req.r.id = ids[i];
+        if (send(nl, &req, sizeof(req), 0) != (ssize_t)sizeof(req)) {
+            err = 1;
+            break;
+        }
+        ssize_t len = recv(nl, buf, sizeof(buf), 0);
+        struct nlmsghdr *h = (struct nlmsghdr *)buf;
+        if (len < (ssize_t)NLMSG_LENGTH(sizeof(struct nlmsgerr)) ||
+            h->nlmsg_type != NLMSG_ERROR) {
+            err = 1;
+            break;
+        }
+        int e = ((struct nlmsgerr *)NLMSG_DATA(h))->error;
+        if (e == 0) {
+            aborted++;
+        } else if (e != -ENOENT) { /* ENOENT: it closed meanwhile */
+            fprintf(stderr, "forkvm-clone: aborting a connection from the old address: %s\n",
+                    strerror(-e));
+            err = 1;
+        }
+    }
+    close(nl);
+    return err ? -1 : aborted;
+}
+
 /*
  * Applies the identity block's network identity (docs/clone-network.md): MAC, then
- * address and netmask, then the default route. Returns 0 (also with no card) or -1.
+ * address and netmask, then the default route, then aborts the TCP connections
+ * from the address it replaced. Returns 0 (also with no card) or -1.
  */
 static int apply_net(int mode)
 {
@@ -319,7 +422,11 @@ static int apply_net(int mode)
     }
     printf("%s ", ifr.ifr_name);
     print_mac(mac);
+    uint8_t old_addr[4] = {0};
     if (rc == 0 && prefix > 0 && prefix <= 32) {
+        struct ifreq cur = ifr;
+        if (ioctl(sock, SIOCGIFADDR, &cur) == 0) /* EADDRNOTAVAIL: none yet */
+            memcpy(old_addr, &((struct sockaddr_in *)&cur.ifr_addr)->sin_addr, 4);
         set_sin(&ifr.ifr_addr, addr);
         rc |= ifreq_ioctl(sock, SIOCSIFADDR, &ifr, "setting the address");
         uint32_t mask = htonl(prefix == 32 ? 0xffffffffu : ~(0xffffffffu >> prefix));
@@ -353,6 +460,18 @@ static int apply_net(int mode)
     }
     printf("\n");
     close(sock);
+    if (rc == 0 && memcmp(old_addr, zero, 4) != 0 && memcmp(old_addr, addr, 4) != 0) {
+        int aborted = abort_tcp_from(old_addr);
+        if (aborted < 0) {
+            fprintf(stderr, "forkvm-clone: cannot abort the connections from %u.%u.%u.%u "
+                    "(a kernel without CONFIG_INET_DIAG_DESTROY?)\n",
+                    old_addr[0], old_addr[1], old_addr[2], old_addr[3]);
+            rc = -1;
+        } else if (aborted > 0) {
+            printf("aborted %d TCP connections from %u.%u.%u.%u\n", aborted, old_addr[0],
+                   old_addr[1], old_addr[2], old_addr[3]);
+        }
+    }
     return rc;
 }
 
@@ -502,6 +621,9 @@ int main(int argc, char **argv)
         tick_forever(mode, ticks, buf, tick_bytes);
     }
     fflush(stdout);
+    /* Data written and not yet sent (an NFS mount's dirty pages) goes out once, from
+     * here, rather than from every clone. */
+    sync();
     out32(mode, CLONE_PORT, (uint32_t)n);
     uint32_t r = in32(mode, CLONE_PORT);
     if (r == 0xffffffffu) {

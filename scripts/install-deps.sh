@@ -3,7 +3,10 @@
 # Needs root for apt-get (CI runs as root). Rust comes from rustup (1.85 or newer).
 set -euo pipefail
 pkgs=(linux-source-6.1 busybox-static bc bison flex libelf-dev libssl-dev cpio e2fsprogs
-      gcc make binutils patch xz-utils lz4 qemu-system-x86 hyperfine python3 python3-venv iproute2)
+      gcc make binutils patch xz-utils lz4 qemu-system-x86 hyperfine python3 python3-venv iproute2
+      nfs-ganesha nfs-ganesha-vfs rpcbind)
+# (nfs-ganesha and rpcbind: the user-space NFS server of the shared-storage tests, which
+# start their own instances in namespaces; tests/src/nfs.rs.)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

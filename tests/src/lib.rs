@@ -11,6 +11,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 pub mod cache;
+pub mod nfs;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {

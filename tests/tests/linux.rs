@@ -751,7 +751,57 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
             None,
         );
     }
+    // The paused template saved to a snapshot, shut down, and restored on a tap of its
+    // own (`vmm restore --tap`): the restored guest keeps its MAC and address and
+    // reaches the host through the new tap; the old tap is gone with its VMM.
+    let snap = scratch.path("snapshot");
+    let (code, body) = vm.snapshot(&snap);
+    assert_eq!(code, 201, "{body}");
     vm.shutdown(Duration::from_secs(30));
+    assert!(!ns.has_link(&tap), "the template's tap outlived it");
+    let restored_scratch = Scratch::new("linux-netid-restored");
+    let restored_tap = format!("fkr{}", pid % 100_000_000);
+    let restored_vsock = restored_scratch.path("vm.vsock");
+    let mut restored = Vm::restore(
+        &restored_scratch,
+        &snap,
+        &[
+            "--tap",
+            &restored_tap,
+            "--vsock",
+            restored_vsock.to_str().unwrap(),
+        ],
+    );
+    restored.wait_api(Duration::from_secs(30));
+    tests::wait_link(&restored_tap);
+    attach(&restored_tap);
+    let (code, out, err) = vmm_exec(
+        &restored_scratch.path("api.sock"),
+        &[
+            "--",
+            "cat /sys/class/net/eth0/address; ip addr show dev eth0; \
+               ping -c1 -W5 10.78.0.1 >/dev/null && echo host-ok",
+        ],
+        b"",
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.starts_with("06:00:ac:10:00:02\n") && out.contains("inet 10.78.0.2/24 "),
+        "the restored guest changed its identity: {out}"
+    );
+    assert!(
+        out.ends_with("host-ok\n"),
+        "the restored guest did not reach the host: {out}"
+    );
+    assert!(
+        ns.counter(&restored_tap, "rx_packets") > 0,
+        "no frame of the restored guest on its tap"
+    );
+    restored.shutdown(Duration::from_secs(30));
+    assert!(
+        !ns.has_link(&restored_tap),
+        "the restored VM's tap outlived it"
+    );
 }
 
 #[test]

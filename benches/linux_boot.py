@@ -3,7 +3,12 @@
 userspace up", the first thing /init prints), for several boot setups, interleaved run by
 run so machine noise hits all alike. Each boot takes tens of seconds on a PVM host.
 
+With --kernels NAME=VMLINUX,... each setup boots each kernel, interleaved too (to
+measure what a kernel configuration change costs, beside the kernel before it: the
+build cache keeps the last four in $FORKVM_CACHE_DIR/kernel).
+
 usage: benches/linux_boot.py [--runs N] [--mem-mib M] [--variants 'a;b;...']
+                             [--kernels NAME=VMLINUX,...]
 """
 import argparse
 import os
@@ -31,8 +36,8 @@ VARIANTS = {
 }
 
 
-def boot(args, mem, timeout=400.0):
-    cmd = [VMM, "run", "--kernel", f"{G}/vmlinux", "--mem-mib", str(mem)] + args
+def boot(args, mem, kernel, timeout=400.0):
+    cmd = [VMM, "run", "--kernel", kernel, "--mem-mib", str(mem)] + args
     start = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                          stdin=subprocess.DEVNULL)
@@ -60,16 +65,22 @@ def main():
     ap.add_argument("--mem-mib", type=int, default=256)
     ap.add_argument("--variants", default="initramfs.cpio.gz;rootfs.ext4 as root, quiet",
                     help="';'-separated names from: " + "; ".join(VARIANTS))
+    ap.add_argument("--kernels", default=f"vmlinux={G}/vmlinux",
+                    help="','-separated NAME=PATH of the kernels to boot")
     a = ap.parse_args()
+    kernels = dict(k.split("=", 1) for k in a.kernels.split(","))
     chosen = [v.strip() for v in a.variants.split(";") if v.strip()]
     for n in chosen:
         if n not in VARIANTS:
             sys.exit(f"unknown variant {n!r}; known: {list(VARIANTS)}")
-    res = {n: [] for n in chosen}
+    names = [n if len(kernels) == 1 else f"{n}, {k}" for n in chosen for k in kernels]
+    res = {n: [] for n in names}
     for _ in range(a.runs):
         for n in chosen:
-            res[n].append(boot(VARIANTS[n], a.mem_mib))
-            print(f"{n}: {res[n][-1]:.1f} s", file=sys.stderr)
+            for k, path in kernels.items():
+                name = n if len(kernels) == 1 else f"{n}, {k}"
+                res[name].append(boot(VARIANTS[n], a.mem_mib, path))
+                print(f"{name}: {res[name][-1]:.1f} s", file=sys.stderr)
     print(f"Linux 6.1 (vmlinux, PVH), {a.mem_mib} MiB, 1 vCPU: process start to the first "
           f"userspace line, {a.runs} interleaved runs each (s):\n")
     print("| setup | min | median | max |")

@@ -607,7 +607,15 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     let ns = tests::Netns::new(&format!("fkvm-test-{pid}-br"));
     // A fixed MAC: a bridge's own follows its lowest port's, so it would change as clone
     // taps come and go, and guests would keep sending to the old one (docs/clone-network.md).
-    ns.ip(&["link", "add", "br0", "address", "02:00:0a:4e:00:01", "type", "bridge"]);
+    ns.ip(&[
+        "link",
+        "add",
+        "br0",
+        "address",
+        "02:00:0a:4e:00:01",
+        "type",
+        "bridge",
+    ]);
     ns.ip(&["addr", "add", "10.78.0.1/24", "dev", "br0"]);
     ns.ip(&["link", "set", "br0", "up"]);
     let attach = |dev: &str| {
@@ -789,7 +797,10 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     );
     let diag = || {
         let show = |args: &[&str]| {
-            let out = std::process::Command::new("ip").args(args).output().unwrap();
+            let out = std::process::Command::new("ip")
+                .args(args)
+                .output()
+                .unwrap();
             String::from_utf8_lossy(&out.stdout).into_owned()
         };
         format!(

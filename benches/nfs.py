@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Shared NFS storage per clone against the number of clones at once (root;
+docs/shared-storage.md).
+
+A user-space NFS server (nfs-ganesha, VFS backend, with an rpcbind of its own) serves a
+host directory over NFSv3/TCP in a network namespace, behind a bridge that every VM's tap
+joins. A 256 MiB Linux template takes 10.79.0.2, mounts the export (the options of
+docs/shared-storage.md), remounts its private disk (an ext4 image attached with
+`--disk IMG,cow=DIR`: each clone writes its own copy-on-write overlay) read-write, and is
+paused. Then, for 1, 2, 4 and 8 clones at once (`POST /clones` with their own addresses,
+and in the limited configuration a per-clone `rate_limits.net`), every clone, started
+together by the clock:
+
+  nfs write   dd of --mib MiB of zeros to a file of its own on the export, conv=fsync
+  nfs read    the caches dropped, dd of that file to /dev/null
+  disk write  the same on its private overlay disk (the reference; not limited)
+  disk read
+
+Each clone's rate is the bytes moved over the time the guest measured around dd
+(/proc/uptime, 10 ms steps). For the NFS phases the
+clone's tap counters are read too: the bytes of the frames the limiter counts (tap rx
+for writes, tx for reads) over the phase's time. The configurations run one after the
+other in one run: unlimited, then --limit.
+
+usage: benches/nfs.py [--counts 1,2,4,8] [--mib 4] [--limit bytes=128K]
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GUEST = os.path.join(ROOT, "target/guest")
+VMM = os.path.join(ROOT, "target/release/vmm")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from clone import api  # noqa: E402
+
+SERVER = "10.79.0.1"
+OPTS = (f"vers=3,proto=tcp,port=2049,mountport=20048,mountproto=tcp,nolock,"
+        f"lookupcache=positive,hard,addr={SERVER}")
+GANESHA = """NFS_CORE_PARAM {{ Protocols = 3; NFS_Port = 2049; MNT_Port = 20048;
+  Enable_NLM = false; Enable_RQUOTA = false; Enable_UDP = false; }}
+NFSV4 {{ Graceless = true; }}
+EXPORT {{ Export_Id = 1; Path = {export}; Pseudo = /export; Access_Type = RW;
+  Squash = No_Root_Squash; Protocols = 3; Transports = TCP; SecType = sys;
+  FSAL {{ Name = VFS; }} }}
+"""
+SERVER_SCRIPT = """mount -t tmpfs tmpfs /run && mount -t tmpfs tmpfs /var/lib/nfs || exit 1
+rpcbind -f &
+i=0; while [ ! -S /run/rpcbind.sock ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done
+exec ganesha.nfsd -F -L {log} -f {conf} -p /run/ganesha.pid -N NIV_EVENT
+"""
+
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def counter(ns, dev, name):
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat",
+                          f"/sys/class/net/{dev}/statistics/{name}"],
+                         check=True, capture_output=True, text=True)
+    return int(out.stdout)
+
+
+def wait_for(what, ok, timeout):
+    deadline = time.time() + timeout
+    while not ok():
+        if time.time() > deadline:
+            sys.exit(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def start_server(ns, work, export):
+    conf, log = os.path.join(work, "ganesha.conf"), os.path.join(work, "ganesha.log")
+    with open(conf, "w") as f:
+        f.write(GANESHA.format(export=export))
+    p = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--pid", "--fork",
+                          "--propagation", "private", "sh", "-c",
+                          SERVER_SCRIPT.format(log=log, conf=conf)],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    wait_for("the NFS server", lambda: os.path.exists(log) and
+             "NFS SERVER INITIALIZED" in open(log).read(), 60)
+    return p
+
+
+def stop_server(p):
+    """SIGKILL to ganesha, the first process of its PID namespace (ends its rpcbind)."""
+    try:
+        with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+            for pid in f.read().split():
+                os.kill(int(pid), 9)
+    except OSError:
+        pass
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def vmm_exec(sock, cmd):
+    out = subprocess.run([VMM, "exec", "--api-sock", sock, "--timeout", "900", "--", cmd],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        raise RuntimeError(f"`{cmd}` in {sock}: {out.returncode} {out.stdout} {out.stderr}")
+    return out.stdout
+
+
+UPTIME = re.compile(r"^took ([0-9.]+) ([0-9.]+)$", re.M)
+
+
+def timed(cmd):
+    """`cmd` in the guest between two readings of /proc/uptime (10 ms steps; busybox's
+    dd prints no time)."""
+    up = "cut -d' ' -f1 /proc/uptime"
+    return f"t0=$({up}); {cmd} >/dev/null 2>&1 || exit 1; echo took $t0 $({up})"
+
+
+def phase(clones, nbytes, cmd_of, taps=None):
+    """Runs cmd_of(i), which moves `nbytes`, in every clone at once, each starting at the
+    same wall-clock second (the clones' clocks are the host's); returns (each clone's
+    rate in B/s, its tap's rate in B/s or None)."""
+    start = int(time.time()) + 4 + len(clones)
+    procs = []
+    for i, c in enumerate(clones, 1):
+        wait = f"while [ $(date +%s) -lt {start} ]; do sleep 0.05; done; "
+        procs.append(subprocess.Popen(
+            [VMM, "exec", "--api-sock", c["api_sock"], "--timeout", "900", "--",
+             wait + timed(cmd_of(i))],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdin=subprocess.DEVNULL))
+    before = None
+    if taps:
+        while time.time() < start:
+            time.sleep(0.01)
+        before = [counter(ns, t, name) for ns, t, name in taps]
+        t0 = time.monotonic()
+    outs = []
+    ends = []
+    for p in procs:
+        out, err = p.communicate()
+        ends.append(time.monotonic())
+        if p.returncode != 0:
+            raise RuntimeError(f"clone exec failed: {out} {err}")
+        outs.append(out)
+    rates = []
+    for out in outs:
+        m = UPTIME.search(out)
+        if not m:
+            raise RuntimeError(f"no timing in {out!r}")
+        rates.append(nbytes / max(float(m.group(2)) - float(m.group(1)), 0.01))
+    frames = None
+    if taps:
+        # Over the phase as a whole (to the last clone's end): a bound on the rate each
+        # clone's frames had, as the limiter counts them.
+        after = [counter(ns, t, name) for ns, t, name in taps]
+        secs = max(ends) - t0
+        frames = [(a - b) / secs for a, b in zip(after, before)]
+    return rates, frames
+
+
+def measure(work, ns, label, limit, counts, mib, with_disk):
+    tap = f"fkb{os.getpid() % 10000000}"
+    export = os.path.join(work, "export")
+    src = f"{SERVER}:{export}"
+    script = (f"forkvm-clone --net; until ping -c1 -W1 {SERVER} >/dev/null 2>&1; "
+              f"do sleep 1; done; mkdir -p /mnt/nfs && mount -t nfs -o {OPTS} {src} /mnt/nfs "
+              f"&& mount -o remount,rw /mnt/disk && sync && echo nfs-up")
+    sock = os.path.join(work, f"{label}.sock")
+    console = sock + ".console"
+    cowdir = os.path.join(work, "cow")
+    os.makedirs(cowdir, exist_ok=True)
+    cmdline = (f'console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 '
+               f'forkvm.run="{script}"')
+    p = subprocess.Popen([VMM, "run", "--kernel", os.path.join(GUEST, "vmlinux"), "--initrd",
+                          os.path.join(GUEST, "initramfs.cpio"), "--mem-mib", "256",
+                          "--disk", f"{os.path.join(work, 'disk.ext4')},cow={cowdir}",
+                          "--tap", tap, "--ipv4", "10.79.0.2/24", "--gateway", SERVER,
+                          "--vsock", sock + ".vsock", "--cmdline", cmdline,
+                          "--console", console, "--api-sock", sock],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=open(sock + ".log", "w"))
+    rows = []
+    try:
+        wait_for(f"{tap}", lambda: os.path.exists(f"/sys/class/net/{tap}"), 30)
+        for args in (["link", "set", tap, "netns", ns], ["-n", ns, "link", "set", tap, "master",
+                                                         "br0"], ["-n", ns, "link", "set", tap, "up"]):
+            ip(*args)
+        wait_for("the template's mount", lambda: os.path.exists(console) and
+                 "forkvm-init: serving on vsock port" in open(console).read(), 900)
+        if "nfs-up" not in open(console).read():
+            sys.exit(f"the template did not mount: {open(console).read()[-2000:]}")
+        code, body = api(sock, "PATCH", "/vm", '{"state":"paused"}')
+        assert code == 204, body
+        for n in counts:
+            req = {"count": n, "console": "null",
+                   "addresses": [{"ipv4": f"10.79.0.{10 + i}/24"} for i in range(1, n + 1)]}
+            if limit:
+                req["rate_limits"] = {"net": limit}
+            code, body = api(sock, "POST", "/clones", json.dumps(req))
+            assert code == 201, body
+            clones = json.loads(body)["clones"]
+            taps = [c["net"]["tap"] for c in clones]
+            for t in taps:
+                wait_for(t, lambda t=t: os.path.exists(f"/sys/class/net/{t}"), 30)
+                ip("link", "set", t, "netns", ns)
+                ip("-n", ns, "link", "set", t, "master", "br0")
+                ip("-n", ns, "link", "set", t, "up")
+            # Adoption (address, connections) and a first NFS request, unmeasured.
+            for c in clones:
+                vmm_exec(c["api_sock"], "ls /mnt/nfs >/dev/null")
+            count, nbytes = mib * 16, mib << 20
+            tag = f"{label}-{n}"
+            w, wf = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
+                          f"bs=64k count={count} conv=fsync",
+                          [(ns, t, "rx_bytes") for t in taps])
+            r, rf = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
+                          f"dd if=/mnt/nfs/{tag}-{i} of=/dev/null bs=64k",
+                          [(ns, t, "tx_bytes") for t in taps])
+            rows.append((label, n, "NFS write", w, wf))
+            rows.append((label, n, "NFS read", r, rf))
+            if with_disk:
+                dw, _ = phase(clones, nbytes, lambda i: f"dd if=/dev/zero "
+                              f"of=/mnt/disk/{tag}-{i} bs=64k count={count} conv=fsync")
+                dr, _ = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
+                              f"dd if=/mnt/disk/{tag}-{i} of=/dev/null bs=64k")
+                rows.append((label, n, "private disk write", dw, None))
+                rows.append((label, n, "private disk read", dr, None))
+            for row in rows[-(4 if with_disk else 2):]:
+                print(f"  {row[0]}, {row[1]} clones, {row[2]}: "
+                      f"{[round(x / 1024) for x in row[3]]} KiB/s", file=sys.stderr)
+            for c in clones:
+                api(sock, "DELETE", f"/clones/{c['id']}")
+    finally:
+        try:
+            api(sock, "PUT", "/actions", '{"action_type":"shutdown"}')
+            p.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            p.kill()
+            p.wait()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--counts", default="1,2,4,8")
+    ap.add_argument("--mib", type=int, default=4, help="MiB each clone writes and reads")
+    ap.add_argument("--limit", default="bytes=128K",
+                    help="the per-clone network rate limit of the limited configuration")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("benches/nfs.py needs root (taps, namespaces, the NFS server)")
+    for f in (VMM, os.path.join(GUEST, "vmlinux"), "/usr/bin/ganesha.nfsd"):
+        if not os.path.exists(f):
+            sys.exit(f"{f} missing: make release guest deps")
+    counts = [int(c) for c in a.counts.split(",")]
+    ns = f"fkvm-bench-{os.getpid()}-nfs"
+    work = tempfile.mkdtemp(prefix="forkvm-nfsbench-", dir="/var/tmp")
+    server = None
+    rows = []
+    try:
+        ip("netns", "add", ns)
+        ip("-n", ns, "link", "set", "lo", "up")
+        # A fixed MAC, not its lowest port's (docs/clone-network.md).
+        ip("-n", ns, "link", "add", "br0", "address", "02:00:0a:4f:00:01", "type", "bridge")
+        ip("-n", ns, "addr", "add", f"{SERVER}/24", "dev", "br0")
+        ip("-n", ns, "link", "set", "br0", "up")
+        os.makedirs(os.path.join(work, "export"))
+        disk = os.path.join(work, "disk.ext4")
+        subprocess.run(["truncate", "-s", f"{max(counts) * a.mib * 2 + 64}M", disk], check=True)
+        subprocess.run(["mkfs.ext4", "-q", "-F", disk], check=True)
+        server = start_server(ns, work, os.path.join(work, "export"))
+        rows += measure(work, ns, "unlimited", None, counts, a.mib, True)
+        rows += measure(work, ns, a.limit, a.limit, counts, a.mib, False)
+    finally:
+        if server:
+            stop_server(server)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nPer-clone throughput, {a.mib} MiB each, 256 MiB Linux clones of one paused "
+          f"template, all at once (KiB/s, each clone's own timing; frames: the clone's tap bytes "
+          f"over the phase):\n")
+    print("| limit | clones | what | min | median | max | total | frames min | frames max |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, n, what, rates, frames in rows:
+        fr = (f"{min(frames) / 1024:.0f} | {max(frames) / 1024:.0f}" if frames else " | ")
+        print(f"| {label} | {n} | {what} | {min(rates) / 1024:.0f} | "
+              f"{statistics.median(rates) / 1024:.0f} | {max(rates) / 1024:.0f} | "
+              f"{sum(rates) / 1024:.0f} | {fr} |")
+
+
+if __name__ == "__main__":
+    main()

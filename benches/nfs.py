@@ -291,10 +291,10 @@ def main():
     print("| limit | clones | what | min | median | max | total | frames min | frames max |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, n, what, rates, frames in rows:
-        fr = (f"{min(frames) / 1024:.0f} | {max(frames) / 1024:.0f}" if frames else " | ")
-        print(f"| {label} | {n} | {what} | {min(rates) / 1024:.0f} | "
-              f"{statistics.median(rates) / 1024:.0f} | {max(rates) / 1024:.0f} | "
-              f"{sum(rates) / 1024:.0f} | {fr} |")
+        fr = (f"{min(frames) / 1024:.1f} | {max(frames) / 1024:.1f}" if frames else " | ")
+        print(f"| {label} | {n} | {what} | {min(rates) / 1024:.1f} | "
+              f"{statistics.median(rates) / 1024:.1f} | {max(rates) / 1024:.1f} | "
+              f"{sum(rates) / 1024:.1f} | {fr} |")
 
 
 if __name__ == "__main__":

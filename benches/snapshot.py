@@ -51,7 +51,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clone import api as clone_api, pct  # noqa: E402
-from invoke import PY_NOOP, cold_boot_invoke, invoke, linux_vm, stop, wait_vm  # noqa: E402
+from invoke import (PY_NOOP, cold_boot_invoke, invoke, linux_vm, stop, stop_all,  # noqa: E402
+                    wait_vm)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "target/guest/tiny.elf")
@@ -343,12 +344,7 @@ def python(work, runs, boots, keep):
             res["invocation in a clone forked for it, same template"].append(
                 invoke(fork_sock, b"", expect=b"")[0])
     finally:
-        for p, sock in ((warm_p, warm_sock), (fork_p, fork_sock)):
-            try:
-                stop(p, sock)
-            except OSError:
-                p.kill()
-                p.wait()
+        stop_all([(warm_p, warm_sock, None), (fork_p, fork_sock, None)])
     booted = [cold_boot_invoke(work, f"boot{i}", "python.ext4", f"python3 -m forkvm {PY_NOOP}",
                                b"", b"") / 1e3 for i in range(boots)]
     print(f"Python runtime (no-op handler, 256 MiB), start to the first invocation's reply, "

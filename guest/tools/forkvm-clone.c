@@ -288,6 +288,20 @@ struct diag_req {
     struct inet_diag_req_v2 r;
 };
 
+/* A TCP/IPv4 sock_diag request of `type` with `flags`, over the sockets in `states`. */
+static struct diag_req diag_request(uint16_t type, uint16_t flags, uint32_t states)
+{
+    struct diag_req req;
+    memset(&req, 0, sizeof(req));
+    req.h.nlmsg_len = sizeof(req);
+    req.h.nlmsg_type = type;
+    req.h.nlmsg_flags = NLM_F_REQUEST | flags;
+    req.r.sdiag_family = AF_INET;
+    req.r.sdiag_protocol = IPPROTO_TCP;
+    req.r.idiag_states = states;
+    return req;
+}
+
 /* Aborts every TCP socket whose local IPv4 address is `old` (SOCK_DESTROY through
  * sock_diag, CONFIG_INET_DIAG_DESTROY): a clone that took its own address still holds
  * its template's connections from the old one, which can send nothing any more and
@@ -300,16 +314,10 @@ static int abort_tcp_from(const uint8_t *old)
     int nl = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
     if (nl < 0)
         return -1;
-    struct diag_req req;
-    memset(&req, 0, sizeof(req));
-    req.h.nlmsg_len = sizeof(req);
-    req.h.nlmsg_type = SOCK_DIAG_BY_FAMILY;
-    req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
-    req.r.sdiag_family = AF_INET;
-    req.r.sdiag_protocol = IPPROTO_TCP;
     /* Every state but LISTEN (a listener bound to the old address serves nobody either,
      * but closing it is its owner's business) and TIME_WAIT (nothing to abort). */
-    req.r.idiag_states = ~((1u << TCP_LISTEN) | (1u << TCP_TIME_WAIT));
+    struct diag_req req = diag_request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP,
+                                       ~((1u << TCP_LISTEN) | (1u << TCP_TIME_WAIT)));
     static struct inet_diag_sockid ids[MAX_ABORTS];
     int n = 0, done = 0, err = 0;
     if (send(nl, &req, sizeof(req), 0) != (ssize_t)sizeof(req))
@@ -340,13 +348,7 @@ static int abort_tcp_from(const uint8_t *old)
     }
     int aborted = 0;
     for (int i = 0; !err && i < n; i++) {
-        memset(&req, 0, sizeof(req));
-        req.h.nlmsg_len = sizeof(req);
-        req.h.nlmsg_type = SOCK_DESTROY;
-        req.h.nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK;
-        req.r.sdiag_family = AF_INET;
-        req.r.sdiag_protocol = IPPROTO_TCP;
-        req.r.idiag_states = ~0u;
+        req = diag_request(SOCK_DESTROY, NLM_F_ACK, ~0u);
         req.r.id = ids[i];
         if (send(nl, &req, sizeof(req), 0) != (ssize_t)sizeof(req)) {
             err = 1;

@@ -143,6 +143,23 @@ impl Netns {
         self.ip(&["link", "set", dev, "up"]);
     }
 
+    /// Adds bridge `br0` with address `addr` (CIDR) for the host side and brings it up.
+    /// It gets the fixed MAC `mac`: a bridge's own otherwise follows its lowest port's,
+    /// which changes as clone taps come and go while guests keep the old one in their
+    /// ARP caches (docs/clone-network.md).
+    pub fn add_bridge(&self, addr: &str, mac: &str) {
+        self.ip(&["link", "add", "br0", "address", mac, "type", "bridge"]);
+        self.ip(&["addr", "add", addr, "dev", "br0"]);
+        self.ip(&["link", "set", "br0", "up"]);
+    }
+
+    /// Moves host interface `dev` (a tap) into this namespace, onto `br0`, and up.
+    pub fn attach_to_bridge(&self, dev: &str) {
+        ip(&["link", "set", dev, "netns", &self.0]);
+        self.ip(&["link", "set", dev, "master", "br0"]);
+        self.ip(&["link", "set", dev, "up"]);
+    }
+
     /// Whether interface `dev` is in this namespace.
     pub fn has_link(&self, dev: &str) -> bool {
         Command::new("ip")

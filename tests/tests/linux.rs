@@ -605,24 +605,8 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     let pid = std::process::id();
     let tap = format!("fki{}", pid % 100_000_000);
     let ns = tests::Netns::new(&format!("fkvm-test-{pid}-br"));
-    // A fixed MAC: a bridge's own follows its lowest port's, so it would change as clone
-    // taps come and go, and guests would keep sending to the old one (docs/clone-network.md).
-    ns.ip(&[
-        "link",
-        "add",
-        "br0",
-        "address",
-        "02:00:0a:4e:00:01",
-        "type",
-        "bridge",
-    ]);
-    ns.ip(&["addr", "add", "10.78.0.1/24", "dev", "br0"]);
-    ns.ip(&["link", "set", "br0", "up"]);
-    let attach = |dev: &str| {
-        tests::ip(&["link", "set", dev, "netns", &ns.0]);
-        ns.ip(&["link", "set", dev, "master", "br0"]);
-        ns.ip(&["link", "set", dev, "up"]);
-    };
+    ns.add_bridge("10.78.0.1/24", "02:00:0a:4e:00:01");
+    let attach = |dev: &str| ns.attach_to_bridge(dev);
     let vsock = scratch.path("vm.vsock");
     let script = "forkvm-clone --net; \
                   until ping -c1 -W1 10.78.0.1 >/dev/null 2>&1; do sleep 1; done; \

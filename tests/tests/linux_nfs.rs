@@ -76,23 +76,8 @@ fn linux_clones_share_an_nfs_export_each_as_itself_and_survive_a_server_restart(
     let pid = std::process::id();
     let tap = format!("fkn{}", pid % 100_000_000);
     let ns = Netns::new(&format!("fkvm-test-{pid}-nfs"));
-    // A fixed MAC, not its lowest port's (docs/clone-network.md).
-    ns.ip(&[
-        "link",
-        "add",
-        "br0",
-        "address",
-        "02:00:0a:4f:00:01",
-        "type",
-        "bridge",
-    ]);
-    ns.ip(&["addr", "add", &format!("{SERVER}/24"), "dev", "br0"]);
-    ns.ip(&["link", "set", "br0", "up"]);
-    let attach = |dev: &str| {
-        tests::ip(&["link", "set", dev, "netns", &ns.0]);
-        ns.ip(&["link", "set", dev, "master", "br0"]);
-        ns.ip(&["link", "set", dev, "up"]);
-    };
+    ns.add_bridge(&format!("{SERVER}/24"), "02:00:0a:4f:00:01");
+    let attach = |dev: &str| ns.attach_to_bridge(dev);
     let export = scratch.path("export");
     let mut server = NfsServer::start(&ns, &export, &scratch.path("server"));
 

@@ -7,7 +7,10 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::clones::CloneRateLimits;
+use std::net::Ipv4Addr;
+
+use crate::clones::{CloneAddresses, CloneRateLimits};
+use crate::net::Ipv4Cidr;
 use crate::rate_limit::{RateLimit, RateLimitText};
 
 /// Header of every invocation answer from a VM that ran the handler: how it ended
@@ -88,6 +91,21 @@ pub struct InvokeOptions {
     )]
     #[schemars(with = "Option<RateLimitText>")]
     pub rng_rate: Option<RateLimit>,
+    /// A tap the caller made for the clone (as `taps` in `POST /clones`), instead of
+    /// the `fkvm<pid>` it creates: a tap already on the caller's bridge or in its
+    /// namespace carries the handler's traffic from its first frame.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(regex(pattern = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,14}$"))]
+    pub tap: Option<String>,
+    /// The clone's own guest address (`10.0.0.5/24`; as `addresses` in
+    /// `POST /clones`). The runtime takes it, with the clone's own MAC and `gateway`,
+    /// before the handler runs, and aborts the TCP connections the template held from
+    /// its address (docs/shared-storage.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipv4: Option<Ipv4Cidr>,
+    /// The clone's default gateway (with `ipv4`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<Ipv4Addr>,
 }
 
 impl InvokeOptions {
@@ -110,16 +128,50 @@ impl InvokeOptions {
         }
     }
 
-    /// Checks the values.
-    pub fn check(&self) -> Result<(), String> {
-        match self.timeout_ms {
-            Some(0) => Err("timeout_ms must be at least 1".into()),
-            Some(t) if t > MAX_TIMEOUT_MS => {
-                Err(format!("timeout_ms {t} is over {MAX_TIMEOUT_MS}"))
-            }
-            _ => Ok(()),
-        }
+    /// The guest addresses asked for (`ipv4`, `gateway`).
+    pub fn addresses(&self) -> Option<CloneAddresses> {
+        self.ipv4.map(|ipv4| CloneAddresses {
+            ipv4,
+            gateway: self.gateway,
+        })
     }
+
+    /// Whether the request asks for a clone's own network identity (`tap`, `ipv4`),
+    /// which only a clone made for it can have.
+    pub fn wants_own_net(&self) -> bool {
+        self.tap.is_some() || self.ipv4.is_some()
+    }
+
+    /// Checks the values.
+    pub fn check(&self) -> Result<(), InvokeOptionsError> {
+        if let Some(t) = self
+            .timeout_ms
+            .filter(|t| !(1..=MAX_TIMEOUT_MS).contains(t))
+        {
+            return Err(InvokeOptionsError::Timeout(t));
+        }
+        if let Some(t) = self.tap.as_ref().filter(|t| !crate::net::valid_ifname(t)) {
+            return Err(InvokeOptionsError::TapName(t.clone()));
+        }
+        if self.gateway.is_some() && self.ipv4.is_none() {
+            return Err(InvokeOptionsError::GatewayWithoutAddress);
+        }
+        Ok(())
+    }
+}
+
+/// Why [`InvokeOptions::check`] refused the options.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvokeOptionsError {
+    /// A timeout out of range.
+    #[error("timeout_ms must be 1 to {MAX_TIMEOUT_MS}, not {0}")]
+    Timeout(u64),
+    /// A tap name Linux would refuse.
+    #[error("invalid tap name {0:?}")]
+    TapName(String),
+    /// A gateway without an address: each part valid, but they do not fit together.
+    #[error("gateway is given with ipv4 only")]
+    GatewayWithoutAddress,
 }
 
 /// How an invocation ended, in the answer's `x-forkvm-outcome` header.
@@ -237,5 +289,15 @@ mod tests {
         assert!(o.check().is_err());
         o.timeout_ms = Some(MAX_TIMEOUT_MS + 1);
         assert!(o.check().is_err());
+        let mut o = InvokeOptions {
+            gateway: Some("10.0.0.1".parse().unwrap()),
+            ..InvokeOptions::default()
+        };
+        assert_eq!(o.check(), Err(InvokeOptionsError::GatewayWithoutAddress));
+        o.ipv4 = Some("10.0.0.5/24".parse().unwrap());
+        assert!(o.check().is_ok() && o.wants_own_net());
+        assert_eq!(o.addresses().unwrap().gateway, o.gateway);
+        o.tap = Some("no/slash".into());
+        assert!(matches!(o.check(), Err(InvokeOptionsError::TapName(_))));
     }
 }

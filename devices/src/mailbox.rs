@@ -46,6 +46,10 @@ pub const FEATURE_PRIME: u32 = 1;
 pub const FEATURE_LOAD: u32 = 2;
 /// Request flag: the runtime waits for further requests after this one (keep-alive).
 pub const FLAG_KEEP_ALIVE: u32 = 1;
+/// Request flag: the VM has a network identity of its own (a clone given an address):
+/// the runtime takes it (MAC, address, gateway from the identity block) before the
+/// handler runs, and aborts the TCP connections from the address it replaced.
+pub const FLAG_ADOPT_NET: u32 = 2;
 /// Bytes of fresh host entropy in every request header.
 pub const ENTROPY_BYTES: usize = 32;
 
@@ -105,7 +109,7 @@ pub fn runtime_features<M: GuestMemory>(mem: &M, window: MailboxWindow) -> u32 {
 pub struct RequestHeader {
     /// [`KIND_INVOKE`], [`KIND_PRIME`] or [`KIND_LOAD`].
     pub kind: u16,
-    /// [`FLAG_KEEP_ALIVE`] or 0.
+    /// [`FLAG_KEEP_ALIVE`], [`FLAG_ADOPT_NET`], or 0.
     pub flags: u32,
     /// Payload length.
     pub length: u32,

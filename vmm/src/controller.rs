@@ -90,7 +90,7 @@ impl Vmm {
     /// Runs invocation `inv`: in a clone of a template (which answers the caller), or
     /// in place.
     fn invoke(&mut self, inv: Invocation) -> VmmResponse {
-        match (self.invoker).route(&self.vm, inv.payload.len(), inv.options.derive)? {
+        match (self.invoker).route(&self.vm, &inv)? {
             Route::Clone(vcpu) => {
                 let delivery = self.invoker.hand_to_clone(&inv, vcpu);
                 let info = self.clones.invoke(&mut self.vm, inv, delivery)?;

@@ -40,8 +40,8 @@ use api_types::invoke::{InvokeOptions, InvokeReport, Outcome};
 use api_types::vm::VmState;
 use devices::mailbox::{
     read_reply, runtime_features, write_request, MailboxWindow, ReplyError, ReplyStatus,
-    RequestHeader, ENTROPY_BYTES, FEATURE_LOAD, FEATURE_PRIME, FLAG_KEEP_ALIVE, KIND_INVOKE,
-    KIND_LOAD, KIND_PRIME,
+    RequestHeader, ENTROPY_BYTES, FEATURE_LOAD, FEATURE_PRIME, FLAG_ADOPT_NET, FLAG_KEEP_ALIVE,
+    KIND_INVOKE, KIND_LOAD, KIND_PRIME,
 };
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
@@ -109,6 +109,11 @@ pub struct Delivery {
     pub timeout_ms: u64,
     /// When the request reached the template (CLOCK_MONOTONIC ns).
     pub received_ns: u64,
+    /// The clone has a guest address of its own (`ipv4`): the request header tells the
+    /// runtime to take its network identity before the handler runs
+    /// ([`FLAG_ADOPT_NET`]).
+    #[serde(default)]
+    pub adopt_net: bool,
 }
 
 impl Delivery {
@@ -121,6 +126,7 @@ impl Delivery {
             derive: inv.options.derive,
             timeout_ms: inv.options.timeout_ms(),
             received_ns: inv.received_ns,
+            adopt_net: inv.options.ipv4.is_some(),
         }
     }
 }
@@ -140,6 +146,9 @@ pub enum InvokeError {
     /// A template is to be derived, and the runtime loads nothing.
     #[error("the runtime does not take load requests (its wait header does not declare it), so no template can be derived from it")]
     NoLoader,
+    /// A clone's own tap or address asked of a VM that serves in place.
+    #[error("tap and ipv4 are for a clone made for the invocation, and this VM is no template: it serves the request in place")]
+    OwnNetInPlace,
     /// The payload does not fit the mailbox.
     #[error("a payload of {length} bytes does not fit the mailbox ({capacity} bytes)")]
     TooLarge {
@@ -278,7 +287,8 @@ fn write(
     sequence: u64,
     payload: &[u8],
 ) -> Result<(), ReplyError> {
-    let flags = if d.keep_alive { FLAG_KEEP_ALIVE } else { 0 };
+    let flags = if d.keep_alive { FLAG_KEEP_ALIVE } else { 0 }
+        | if d.adopt_net { FLAG_ADOPT_NET } else { 0 };
     let kind = if d.derive { KIND_LOAD } else { KIND_INVOKE };
     write_header(mem, window, kind, flags, (sequence, d.timeout_ms), payload)
 }
@@ -435,9 +445,13 @@ impl Invoker {
 
     /// How an invocation with a payload of `length` bytes would be served now
     /// (`derive`: a load request, for a runtime that declared it takes them).
-    pub fn route(&self, vm: &Microvm, length: usize, derive: bool) -> Result<Route, InvokeError> {
+    pub fn route(&self, vm: &Microvm, inv: &Invocation) -> Result<Route, InvokeError> {
+        let (length, derive) = (inv.payload.len(), inv.options.derive);
         if !self.window.exists() {
             return Err(InvokeError::NoMailbox);
+        }
+        if inv.options.wants_own_net() && !self.template {
+            return Err(InvokeError::OwnNetInPlace);
         }
         let loads = || runtime_features(vm.memory(), self.window) & FEATURE_LOAD != 0;
         if derive && self.waiting.is_some() && !loads() {

@@ -198,7 +198,7 @@ fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failu
         net_rate: rate("net_rate", &spec.limits.net_rate)?,
         ..Default::default()
     };
-    options.check().map_err(bad)?;
+    options.check().map_err(|e| bad(e.to_string()))?;
     let load = Load {
         imports: spec.packages.clone(),
         source: Some(spec.source.clone()),

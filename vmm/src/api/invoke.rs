@@ -7,8 +7,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use api_types::invoke::{
-    InvokeOptions, Outcome, HEADER_CLONE_ID, HEADER_CLONE_US, HEADER_HANDLER_US, HEADER_OUTCOME,
-    HEADER_PRIMED, HEADER_SOCKET, HEADER_STRETCHED_US, HEADER_TOTAL_US,
+    InvokeOptions, InvokeOptionsError, Outcome, HEADER_CLONE_ID, HEADER_CLONE_US,
+    HEADER_HANDLER_US, HEADER_OUTCOME, HEADER_PRIMED, HEADER_SOCKET, HEADER_STRETCHED_US,
+    HEADER_TOTAL_US,
 };
 use api_types::ErrorBody;
 
@@ -26,7 +27,11 @@ pub fn route(req: http::Request) -> Result<Invocation, ApiReply> {
     let received_ns = crate::vstate::vcpu::monotonic_ns();
     let options: InvokeOptions = serde_urlencoded::from_str(&req.query)
         .map_err(|e| ApiReply::error(400, format!("invalid query string: {e}")))?;
-    options.check().map_err(|e| ApiReply::error(400, e))?;
+    options.check().map_err(|e| match e {
+        // Each part valid, but they do not fit together (no schema says so).
+        InvokeOptionsError::GatewayWithoutAddress => ApiReply::error(422, e),
+        InvokeOptionsError::Timeout(_) | InvokeOptionsError::TapName(_) => ApiReply::error(400, e),
+    })?;
     let conn =
         (req.conn).ok_or_else(|| ApiReply::error(500, "the request's connection is gone"))?;
     Ok(Invocation {
@@ -219,7 +224,15 @@ mod tests {
         assert!(inv.options.net_rate.is_some());
         assert_eq!(inv.payload, b"x");
         assert_eq!(route(req("")).unwrap().options, InvokeOptions::default());
+        let own = route(req("tap=fkc1&ipv4=10.0.0.5%2F24&gateway=10.0.0.1")).unwrap();
+        assert_eq!(own.options.tap.as_deref(), Some("fkc1"));
+        assert_eq!(own.options.ipv4, Some("10.0.0.5/24".parse().unwrap()));
+        assert_eq!(own.options.gateway, Some([10, 0, 0, 1].into()));
         for bad in [
+            "ipv4=10.0.0.5",
+            "ipv4=10.0.0.5%2F33",
+            "tap=a%2Fb",
+            "tap=sixteen-bytes-xx",
             "timeout_ms=0",
             "timeout_ms=soon",
             "colour=red",
@@ -227,5 +240,7 @@ mod tests {
         ] {
             assert_eq!(route(req(bad)).unwrap_err().status, 400, "{bad}");
         }
+        // Each part valid, but a gateway needs an address.
+        assert_eq!(route(req("gateway=10.0.0.1")).unwrap_err().status, 422);
     }
 }

@@ -182,7 +182,8 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             InvokeError::NoMailbox
             | InvokeError::NotWaiting
             | InvokeError::Busy
-            | InvokeError::NoLoader => 409,
+            | InvokeError::NoLoader
+            | InvokeError::OwnNetInPlace => 409,
             InvokeError::TooLarge { .. } => 413,
             InvokeError::HeldFull => 503,
             InvokeError::Mailbox(_) | InvokeError::Vcpu(_) | InvokeError::CloneFailed(_) => 500,

@@ -226,8 +226,9 @@ pub const ROUTES: &[Route] = &[
         request: None,
         answers: &[
             answer(200, "The handler's reply, as raw bytes; x-forkvm-* headers give the clone and the timings."),
-            answer(409, "No runtime waits for a request (not started, busy, or a template not paused), or the VM has no mailbox."),
+            answer(409, "No runtime waits for a request (not started, busy, or a template not paused), the VM has no mailbox, or a tap or address was asked of a VM that serves in place or has no network card."),
             answer(413, "The body does not fit the mailbox (--mailbox-mib, less 64 bytes)."),
+            answer(422, "The query's parts do not fit together: a gateway without an address."),
             answer(500, "The handler failed (x-forkvm-outcome: handler_error; the error has its text), or the host failed to start the clone."),
             answer(502, "The guest stopped before its runtime replied, or the reply was malformed; the error quotes the clone's console."),
             answer(503, "The resource class's cgroup pool is exhausted, the template holds as many requests as it may while its runtime is on its way back to the invoke port, or the VMM is shutting down."),
@@ -507,6 +508,7 @@ mod tests {
             InvokeError::NoMailbox,
             InvokeError::NotWaiting,
             InvokeError::NoLoader,
+            InvokeError::OwnNetInPlace,
             InvokeError::Busy,
             InvokeError::HeldFull,
             InvokeError::TooLarge {

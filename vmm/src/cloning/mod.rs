@@ -251,6 +251,8 @@ impl Cloner {
             count: 1,
             resource_class: inv.options.resource_class.clone(),
             rate_limits: inv.options.rate_limits(),
+            taps: inv.options.tap.iter().cloned().collect(),
+            addresses: inv.options.addresses().into_iter().collect(),
             ..CreateClones::default()
         };
         let carried = Arc::new(request::Carried {

@@ -113,9 +113,11 @@ done
 # Python runtime loads the shared one through ctypes).
 lib="$stage/lib"
 mkdir -p "$lib" "$root/usr/lib" "$root/usr/include"
-gcc -O2 -Wall -Wextra -Werror -fPIC -c -o "$lib/forkvm.o" "$repo/guest/lib/forkvm.c"
-ar rcs "$lib/libforkvm.a" "$lib/forkvm.o"
-gcc -shared -Wl,-soname,libforkvm.so.1 -o "$lib/libforkvm.so.1" "$lib/forkvm.o"
+for src in forkvm forkvm-net; do
+    gcc -O2 -Wall -Wextra -Werror -fPIC -c -o "$lib/$src.o" "$repo/guest/lib/$src.c"
+done
+ar rcs "$lib/libforkvm.a" "$lib/forkvm.o" "$lib/forkvm-net.o"
+gcc -shared -Wl,-soname,libforkvm.so.1 -o "$lib/libforkvm.so.1" "$lib/forkvm.o" "$lib/forkvm-net.o"
 install -m 0644 "$lib/libforkvm.a" "$lib/libforkvm.so.1" "$root/usr/lib/"
 ln -sf libforkvm.so.1 "$root/usr/lib/libforkvm.so"
 install -m 0644 "$repo/guest/lib/forkvm.h" "$root/usr/include/"

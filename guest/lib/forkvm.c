@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/io.h>
 #include <sys/mman.h>
@@ -81,7 +82,47 @@ void forkvm_enable(uint32_t f)
     features = f;
 }
 
+int forkvm_identity_block(uint8_t block[FORKVM_IDENTITY_BLOCK_LEN])
+{
+    int r = forkvm_open();
+    if (r != 0)
+        return r;
+    for (int i = 0; i < FORKVM_IDENTITY_BLOCK_LEN; i += 4) {
+        uint32_t v = inl(IDENTITY_BLOCK + i);
+        memcpy(block + i, &v, 4);
+    }
+    return 0;
+}
+
+/* Applies this clone's network identity (FORKVM_ADOPT_NET); 0, or -1 once the request
+ * was failed with the reason. */
+static int adopt_net(void)
+{
+    uint8_t block[FORKVM_IDENTITY_BLOCK_LEN];
+    struct forkvm_net net;
+    char why[256];
+    int r = forkvm_identity_block(block);
+    if (r == 0 && forkvm_net_apply(block, &net, why, sizeof why) == 0)
+        return 0;
+    char msg[320];
+    snprintf(msg, sizeof msg, "forkvm: cannot take the clone's network identity: %s",
+             r != 0 ? forkvm_strerror(r) : why);
+    forkvm_fail(msg);
+    return -1;
+}
+
+static int wait_once(struct forkvm_request *req);
+
 int forkvm_wait(struct forkvm_request *req)
+{
+    for (;;) {
+        int r = wait_once(req);
+        if (r != 0 || !(req->flags & FORKVM_ADOPT_NET) || adopt_net() == 0)
+            return r;
+    }
+}
+
+static int wait_once(struct forkvm_request *req)
 {
     int r = forkvm_open();
     if (r != 0)

@@ -24,6 +24,11 @@ extern "C" {
 
 /* Request flag: the caller asked to keep this VM for further requests (keep-alive). */
 #define FORKVM_KEEP_ALIVE 1u
+/* Request flag: this clone was given a network identity of its own (an address). The
+ * library has applied it (forkvm_net_apply) before forkvm_wait returned the request; a
+ * request whose identity could not be applied was failed with the reason, and the wait
+ * went on. */
+#define FORKVM_ADOPT_NET 2u
 /* Bytes of fresh host entropy in each request, for the runtime's own PRNGs. */
 #define FORKVM_ENTROPY_LEN 32
 
@@ -81,6 +86,32 @@ int forkvm_fail(const char *msg);
  * every VM process, so in every clone). 0 before forkvm_open succeeded. */
 uint32_t forkvm_clone_seq(void);
 uint64_t forkvm_generation(void);
+
+/* The identity block's length (docs/guest-abi.md). */
+#define FORKVM_IDENTITY_BLOCK_LEN 32
+
+/* This VM's identity block, read from the ports (after forkvm_open). 0, or -errno. */
+int forkvm_identity_block(uint8_t block[FORKVM_IDENTITY_BLOCK_LEN]);
+
+/* A VM's network identity as an identity block gives it, and what applying it did. */
+struct forkvm_net {
+    char ifname[16];     /* the first Ethernet interface, given the identity */
+    uint8_t mac[6];      /* all zero: the VM has no network card (nothing was done) */
+    uint8_t addr[4];     /* the address, when prefix is not 0 */
+    uint8_t prefix;      /* 0: the block has no address (only the MAC was set) */
+    uint8_t gateway[4];  /* 0.0.0.0: none (the routes were left as they are) */
+    uint8_t old_addr[4]; /* the address it replaced (0.0.0.0: none) */
+    int aborted;         /* TCP connections from old_addr aborted */
+};
+
+/* Applies identity block `block` (docs/clone-network.md) to the first Ethernet
+ * interface: its MAC, then its address and netmask (replacing the primary one), then the
+ * default route (replacing any other), then aborts the TCP connections from the address
+ * it replaced (sock_diag SOCK_DESTROY): a clone's copies of its template's connections
+ * can send nothing from the new address, and a kernel user such as an NFS mount connects
+ * again at once. Needs CAP_NET_ADMIN. 0 (also with no card), or -1 with the reason in
+ * `why` (`why_len` bytes at most, NUL included). */
+int forkvm_net_apply(const uint8_t *block, struct forkvm_net *net, char *why, size_t why_len);
 
 /* A message for a negative value returned here. */
 const char *forkvm_strerror(int err);

@@ -16,7 +16,9 @@ a fresh clone with the request already in its memory. The handler gets the paylo
 by the VMM in every clone, so ``os.urandom`` needs nothing). A template's warm clones
 run the loop once ahead of their request without calling the handler (a prime request,
 docs/invoke.md). An exception becomes a 500
-with its traceback; a reply larger than the mailbox becomes a 500 that says so.
+with its traceback; a reply larger than the mailbox becomes a 500 that says so. A clone
+given an address of its own (``POST /invocations?ipv4=...``) has taken it before the
+handler is called: libforkvm's ``forkvm_wait`` applies it (docs/shared-storage.md).
 
 A **load request** (a template derived from this one, docs/invoke.md) carries a JSON
 object: ``imports``, module names to import; ``source``, Python source run as the

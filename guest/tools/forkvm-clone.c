@@ -51,19 +51,11 @@
  * modulo 256). Needs root (CAP_SYS_RAWIO).
  */
 #include "forkvm-ports.h"
+#include "forkvm.h" /* forkvm_net_apply (libforkvm) */
 
-#include <arpa/inet.h>
-#include <linux/inet_diag.h>
-#include <linux/netlink.h>
 #include <linux/random.h>
-#include <linux/sock_diag.h>
-#include <net/if.h>
-#include <net/if_arp.h>
-#include <net/route.h>
-#include <netinet/tcp.h>
 #include <sched.h>
 #include <sys/ioctl.h>
-#include <sys/socket.h>
 #include <sys/random.h>
 #include <sys/timex.h>
 #include <time.h>
@@ -248,136 +240,9 @@ static void print_mac(const uint8_t *m)
     printf("%02x:%02x:%02x:%02x:%02x:%02x", m[0], m[1], m[2], m[3], m[4], m[5]);
 }
 
-static int ifreq_ioctl(int sock, unsigned long req, struct ifreq *ifr, const char *what)
-{
-    if (ioctl(sock, req, ifr) == 0)
-        return 0;
-    fprintf(stderr, "forkvm-clone: %s on %s: %s\n", what, ifr->ifr_name, strerror(errno));
-    return -1;
-}
-
-static void set_sin(struct sockaddr *sa, const uint8_t *addr)
-{
-    struct sockaddr_in *sin = (struct sockaddr_in *)sa;
-    memset(sin, 0, sizeof(*sin));
-    sin->sin_family = AF_INET;
-    memcpy(&sin->sin_addr, addr, 4);
-}
-
-/* The first Ethernet interface's name in ifr->ifr_name; 0, or -1 if there is none. */
-static int first_ethernet(int sock, struct ifreq *ifr)
-{
-    struct if_nameindex *names = if_nameindex();
-    int found = -1;
-    for (struct if_nameindex *n = names; n && n->if_index != 0 && found < 0; n++) {
-        memset(ifr, 0, sizeof(*ifr));
-        snprintf(ifr->ifr_name, IFNAMSIZ, "%s", n->if_name);
-        if (ioctl(sock, SIOCGIFHWADDR, ifr) == 0 && ifr->ifr_hwaddr.sa_family == ARPHRD_ETHER)
-            found = 0;
-    }
-    if (names)
-        if_freenameindex(names);
-    return found;
-}
-
-#define MAX_ABORTS 1024
-
-/* One sock_diag request: a TCP/IPv4 dump (NLM_F_DUMP) or SOCK_DESTROY of one socket. */
-struct diag_req {
-    struct nlmsghdr h;
-    struct inet_diag_req_v2 r;
-};
-
-/* A TCP/IPv4 sock_diag request of `type` with `flags`, over the sockets in `states`. */
-static struct diag_req diag_request(uint16_t type, uint16_t flags, uint32_t states)
-{
-    struct diag_req req;
-    memset(&req, 0, sizeof(req));
-    req.h.nlmsg_len = sizeof(req);
-    req.h.nlmsg_type = type;
-    req.h.nlmsg_flags = NLM_F_REQUEST | flags;
-    req.r.sdiag_family = AF_INET;
-    req.r.sdiag_protocol = IPPROTO_TCP;
-    req.r.idiag_states = states;
-    return req;
-}
-
-/* Aborts every TCP socket whose local IPv4 address is `old` (SOCK_DESTROY through
- * sock_diag, CONFIG_INET_DIAG_DESTROY): a clone that took its own address still holds
- * its template's connections from the old one, which can send nothing any more and
- * would only hang until their timeouts (an NFS mount's for minutes, as the kernel closes
- * it gracefully and waits for a FIN that cannot leave). Aborted, a kernel user such as
- * the NFS client connects again at once, from the new address. The number aborted, or
- * -1. */
-static int abort_tcp_from(const uint8_t *old)
-{
-    int nl = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
-    if (nl < 0)
-        return -1;
-    /* Every state but LISTEN (a listener bound to the old address serves nobody either,
-     * but closing it is its owner's business) and TIME_WAIT (nothing to abort). */
-    struct diag_req req = diag_request(SOCK_DIAG_BY_FAMILY, NLM_F_DUMP,
-                                       ~((1u << TCP_LISTEN) | (1u << TCP_TIME_WAIT)));
-    static struct inet_diag_sockid ids[MAX_ABORTS];
-    int n = 0, done = 0, err = 0;
-    if (send(nl, &req, sizeof(req), 0) != (ssize_t)sizeof(req))
-        err = 1;
-    static char buf[32768];
-    while (!err && !done) {
-        ssize_t len = recv(nl, buf, sizeof(buf), 0);
-        if (len < 0 && errno == EINTR)
-            continue;
-        if (len <= 0) {
-            err = 1;
-            break;
-        }
-        for (struct nlmsghdr *h = (struct nlmsghdr *)buf; NLMSG_OK(h, (size_t)len);
-             h = NLMSG_NEXT(h, len)) {
-            if (h->nlmsg_type == NLMSG_DONE) {
-                done = 1;
-                break;
-            }
-            if (h->nlmsg_type == NLMSG_ERROR) {
-                err = 1;
-                break;
-            }
-            struct inet_diag_msg *m = NLMSG_DATA(h);
-            if (memcmp(m->id.idiag_src, old, 4) == 0 && n < MAX_ABORTS)
-                ids[n++] = m->id;
-        }
-    }
-    int aborted = 0;
-    for (int i = 0; !err && i < n; i++) {
-        req = diag_request(SOCK_DESTROY, NLM_F_ACK, ~0u);
-        req.r.id = ids[i];
-        if (send(nl, &req, sizeof(req), 0) != (ssize_t)sizeof(req)) {
-            err = 1;
-            break;
-        }
-        ssize_t len = recv(nl, buf, sizeof(buf), 0);
-        struct nlmsghdr *h = (struct nlmsghdr *)buf;
-        if (len < (ssize_t)NLMSG_LENGTH(sizeof(struct nlmsgerr)) ||
-            h->nlmsg_type != NLMSG_ERROR) {
-            err = 1;
-            break;
-        }
-        int e = ((struct nlmsgerr *)NLMSG_DATA(h))->error;
-        if (e == 0) {
-            aborted++;
-        } else if (e != -ENOENT) { /* ENOENT: it closed meanwhile */
-            fprintf(stderr, "forkvm-clone: aborting a connection from the old address: %s\n",
-                    strerror(-e));
-            err = 1;
-        }
-    }
-    close(nl);
-    return err ? -1 : aborted;
-}
-
 /*
- * Applies the identity block's network identity (docs/clone-network.md): MAC, then
- * address and netmask, then the default route, then aborts the TCP connections
- * from the address it replaced. Returns 0 (also with no card) or -1.
+ * Applies the identity block's network identity (docs/clone-network.md, libforkvm's
+ * forkvm_net_apply) and prints what it set. Returns 0 (also with no card) or -1.
  */
 static int apply_net(int mode)
 {
@@ -386,95 +251,33 @@ static int apply_net(int mode)
         perror("forkvm-clone: reading the identity block");
         return -1;
     }
-    const uint8_t *mac = blk + 8, *addr = blk + 16, *gw = blk + 20;
-    unsigned prefix = blk[14];
+    struct forkvm_net net;
+    char why[256];
+    int rc = forkvm_net_apply(blk, &net, why, sizeof why);
     static const uint8_t zero[6];
-    if (memcmp(mac, zero, 6) == 0) {
+    if (rc == 0 && memcmp(net.mac, zero, 6) == 0) {
         printf("no network card\n");
         return 0;
     }
-    int sock = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    struct ifreq ifr;
-    if (sock < 0 || first_ethernet(sock, &ifr) != 0) {
-        fprintf(stderr, "forkvm-clone: no Ethernet interface\n");
-        if (sock >= 0)
-            close(sock);
+    if (net.ifname[0]) {
+        printf("%s ", net.ifname);
+        print_mac(net.mac);
+        if (net.prefix)
+            printf(" %u.%u.%u.%u/%u", net.addr[0], net.addr[1], net.addr[2], net.addr[3],
+                   net.prefix);
+        if (net.prefix && memcmp(net.gateway, zero, 4) != 0)
+            printf(" via %u.%u.%u.%u", net.gateway[0], net.gateway[1], net.gateway[2],
+                   net.gateway[3]);
+        printf("\n");
+    }
+    if (rc != 0) {
+        fprintf(stderr, "forkvm-clone: %s\n", why);
         return -1;
     }
-    int rc = 0;
-    if (memcmp(ifr.ifr_hwaddr.sa_data, mac, 6) != 0) {
-        ifr.ifr_hwaddr.sa_family = ARPHRD_ETHER;
-        memcpy(ifr.ifr_hwaddr.sa_data, mac, 6);
-        int set = ioctl(sock, SIOCSIFHWADDR, &ifr);
-        if (set != 0 && errno == EBUSY) {
-            /* A driver without live address change: down, change, up again. */
-            struct ifreq f = ifr;
-            rc |= ifreq_ioctl(sock, SIOCGIFFLAGS, &f, "reading flags");
-            short flags = f.ifr_flags;
-            f.ifr_flags = flags & ~IFF_UP;
-            rc |= ifreq_ioctl(sock, SIOCSIFFLAGS, &f, "taking down");
-            rc |= ifreq_ioctl(sock, SIOCSIFHWADDR, &ifr, "setting the MAC");
-            f.ifr_flags = flags;
-            rc |= ifreq_ioctl(sock, SIOCSIFFLAGS, &f, "bringing up");
-        } else if (set != 0) {
-            fprintf(stderr, "forkvm-clone: setting the MAC on %s: %s\n", ifr.ifr_name,
-                    strerror(errno));
-            rc = -1;
-        }
-    }
-    printf("%s ", ifr.ifr_name);
-    print_mac(mac);
-    uint8_t old_addr[4] = {0};
-    if (rc == 0 && prefix > 0 && prefix <= 32) {
-        struct ifreq cur = ifr;
-        if (ioctl(sock, SIOCGIFADDR, &cur) == 0) /* EADDRNOTAVAIL: none yet */
-            memcpy(old_addr, &((struct sockaddr_in *)&cur.ifr_addr)->sin_addr, 4);
-        set_sin(&ifr.ifr_addr, addr);
-        rc |= ifreq_ioctl(sock, SIOCSIFADDR, &ifr, "setting the address");
-        uint32_t mask = htonl(prefix == 32 ? 0xffffffffu : ~(0xffffffffu >> prefix));
-        set_sin(&ifr.ifr_netmask, (const uint8_t *)&mask);
-        rc |= ifreq_ioctl(sock, SIOCSIFNETMASK, &ifr, "setting the netmask");
-        rc |= ifreq_ioctl(sock, SIOCGIFFLAGS, &ifr, "reading flags");
-        ifr.ifr_flags |= IFF_UP;
-        rc |= ifreq_ioctl(sock, SIOCSIFFLAGS, &ifr, "bringing up");
-        printf(" %u.%u.%u.%u/%u", addr[0], addr[1], addr[2], addr[3], prefix);
-    }
-    if (rc == 0 && prefix > 0 && memcmp(gw, zero, 4) != 0) {
-        struct rtentry rt;
-        memset(&rt, 0, sizeof(rt));
-        set_sin(&rt.rt_dst, zero);
-        set_sin(&rt.rt_genmask, zero);
-        set_sin(&rt.rt_gateway, gw);
-        rt.rt_flags = RTF_UP | RTF_GATEWAY;
-        rt.rt_dev = ifr.ifr_name;
-        /* Replace the template's default routes, whatever their gateway. */
-        struct rtentry old = rt;
-        memset(&old.rt_gateway, 0, sizeof(old.rt_gateway));
-        old.rt_flags = RTF_UP;
-        old.rt_dev = NULL;
-        for (int i = 0; i < 16 && ioctl(sock, SIOCDELRT, &old) == 0; i++)
-            ;
-        if (ioctl(sock, SIOCADDRT, &rt) != 0) {
-            fprintf(stderr, "forkvm-clone: adding the default route: %s\n", strerror(errno));
-            rc = -1;
-        }
-        printf(" via %u.%u.%u.%u", gw[0], gw[1], gw[2], gw[3]);
-    }
-    printf("\n");
-    close(sock);
-    if (rc == 0 && memcmp(old_addr, zero, 4) != 0 && memcmp(old_addr, addr, 4) != 0) {
-        int aborted = abort_tcp_from(old_addr);
-        if (aborted < 0) {
-            fprintf(stderr, "forkvm-clone: cannot abort the connections from %u.%u.%u.%u "
-                    "(a kernel without CONFIG_INET_DIAG_DESTROY?)\n",
-                    old_addr[0], old_addr[1], old_addr[2], old_addr[3]);
-            rc = -1;
-        } else if (aborted > 0) {
-            printf("aborted %d TCP connections from %u.%u.%u.%u\n", aborted, old_addr[0],
-                   old_addr[1], old_addr[2], old_addr[3]);
-        }
-    }
-    return rc;
+    if (net.aborted > 0)
+        printf("aborted %d TCP connections from %u.%u.%u.%u\n", net.aborted, net.old_addr[0],
+               net.old_addr[1], net.old_addr[2], net.old_addr[3]);
+    return 0;
 }
 
 /* apply_net with what it prints sent to /dev/null (errors still go to stderr). */

@@ -11,18 +11,20 @@ paused. Then, for 1, 2, 4 and 8 clones at once (`POST /clones` with their own ad
 and in the limited configuration a per-clone `rate_limits.net`), every clone, started
 together by the clock:
 
-  nfs write   dd of --mib MiB of zeros to a file of its own on the export, conv=fsync
+  nfs write   dd of --kib KiB of zeros to a file of its own on the export, conv=fsync
   nfs read    the caches dropped, dd of that file to /dev/null
   disk write  the same on its private overlay disk (the reference; not limited)
   disk read
 
 Each clone's rate is the bytes moved over the time the guest measured around dd
-(/proc/uptime, 10 ms steps). For the NFS phases the
-clone's tap counters are read too: the bytes of the frames the limiter counts (tap rx
-for writes, tx for reads) over the phase's time. The configurations run one after the
-other in one run: unlimited, then --limit.
+(/proc/uptime, 10 ms steps): file data only. For the NFS phases the clone's tap
+counters are sampled every 0.2 s inside the namespace: its frame rate is the bytes of
+the frames the limiter counts (tap rx for writes, tx for reads; Ethernet, IP, TCP and
+RPC headers included) over the time they moved, from the sample before the first rise
+to the sample of the last. That is the rate a per-clone limit R is judged by. The
+configurations run one after the other in one run: unlimited, then --limit.
 
-usage: benches/nfs.py [--counts 1,2,4,8] [--mib 4] [--limit bytes=128K]
+usage: benches/nfs.py [--counts 1,2,4,8] [--kib 4096] [--limit bytes=128K]
 """
 import argparse
 import json
@@ -60,13 +62,6 @@ exec ganesha.nfsd -F -L {log} -f {conf} -p /run/ganesha.pid -N NIV_EVENT
 
 def ip(*args):
     subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-def counter(ns, dev, name):
-    out = subprocess.run(["ip", "netns", "exec", ns, "cat",
-                          f"/sys/class/net/{dev}/statistics/{name}"],
-                         check=True, capture_output=True, text=True)
-    return int(out.stdout)
 
 
 def wait_for(what, ok, timeout):
@@ -124,11 +119,57 @@ def timed(cmd):
     return f"t0=$({up}); {cmd} >/dev/null 2>&1 || exit 1; echo took $t0 $({up})"
 
 
-def phase(clones, nbytes, cmd_of, taps=None):
+SAMPLER = """import time
+while True:
+    t = time.monotonic()
+    rows = [l.split() for l in open('/proc/net/dev').read().splitlines()[2:]]
+    print(t, ' '.join(r[0].rstrip(':') + '=' + r[1] + ',' + r[9] for r in rows), flush=True)
+    time.sleep(0.2)
+"""
+
+
+class Sampler:
+    """Every tap's rx and tx byte counters in namespace `ns`, sampled every 0.2 s by one
+    Python process inside it (CLOCK_MONOTONIC, as this process reads it)."""
+
+    def __init__(self, ns):
+        self.p = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-u", "-c", SAMPLER],
+                                  stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+
+    def stop(self):
+        """The samples: [(t, {dev: (rx, tx)})]."""
+        self.p.terminate()
+        out, _ = self.p.communicate()
+        samples = []
+        for line in out.splitlines():
+            t, *devs = line.split(" ")
+            counts = {}
+            for d in devs:
+                name, _, v = d.partition("=")
+                rx, tx = v.split(",")
+                counts[name] = (int(rx), int(tx))
+            samples.append((float(t), counts))
+        return samples
+
+
+def active_rate(samples, dev, which):
+    """`dev`'s counter `which` (0: rx, 1: tx) over the time it was moving: from the sample
+    before its first rise to the sample of its last (B/s), or None."""
+    series = [(t, c[dev][which]) for t, c in samples if dev in c]
+    rises = [k for k in range(1, len(series)) if series[k][1] > series[k - 1][1]]
+    if not rises:
+        return None
+    (t0, v0), (t1, v1) = series[rises[0] - 1], series[rises[-1]]
+    return (v1 - v0) / (t1 - t0)
+
+
+def phase(clones, nbytes, cmd_of, ns=None, taps=None):
     """Runs cmd_of(i), which moves `nbytes`, in every clone at once, each starting at the
     same wall-clock second (the clones' clocks are the host's); returns (each clone's
-    rate in B/s, its tap's rate in B/s or None)."""
+    rate in B/s, its tap's frame rate in B/s while it moved, or None). `taps`: each
+    clone's (tap, 0 for rx or 1 for tx) in namespace `ns`."""
     start = int(time.time()) + 4 + len(clones)
+    sampler = Sampler(ns) if taps else None
     procs = []
     for i, c in enumerate(clones, 1):
         wait = f"while [ $(date +%s) -lt {start} ]; do sleep 0.05; done; "
@@ -137,20 +178,15 @@ def phase(clones, nbytes, cmd_of, taps=None):
              wait + timed(cmd_of(i))],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             stdin=subprocess.DEVNULL))
-    before = None
-    if taps:
-        while time.time() < start:
-            time.sleep(0.01)
-        before = [counter(ns, t, name) for ns, t, name in taps]
-        t0 = time.monotonic()
     outs = []
-    ends = []
-    for p in procs:
-        out, err = p.communicate()
-        ends.append(time.monotonic())
-        if p.returncode != 0:
-            raise RuntimeError(f"clone exec failed: {out} {err}")
-        outs.append(out)
+    try:
+        for p in procs:
+            out, err = p.communicate()
+            if p.returncode != 0:
+                raise RuntimeError(f"clone exec failed: {out} {err}")
+            outs.append(out)
+    finally:
+        samples = sampler.stop() if sampler else None
     rates = []
     for out in outs:
         m = UPTIME.search(out)
@@ -159,15 +195,12 @@ def phase(clones, nbytes, cmd_of, taps=None):
         rates.append(nbytes / max(float(m.group(2)) - float(m.group(1)), 0.01))
     frames = None
     if taps:
-        # Over the phase as a whole (to the last clone's end): a bound on the rate each
-        # clone's frames had, as the limiter counts them.
-        after = [counter(ns, t, name) for ns, t, name in taps]
-        secs = max(ends) - t0
-        frames = [(a - b) / secs for a, b in zip(after, before)]
+        # Each tap over the time its own frames moved: the rate the limiter let through.
+        frames = [active_rate(samples, t, which) or 0.0 for t, which in taps]
     return rates, frames
 
 
-def measure(work, ns, label, limit, counts, mib, with_disk):
+def measure(work, ns, label, limit, counts, kib, with_disk):
     tap = f"fkb{os.getpid() % 10000000}"
     export = os.path.join(work, "export")
     src = f"{SERVER}:{export}"
@@ -217,14 +250,14 @@ def measure(work, ns, label, limit, counts, mib, with_disk):
             # Adoption (address, connections) and a first NFS request, unmeasured.
             for c in clones:
                 vmm_exec(c["api_sock"], "ls /mnt/nfs >/dev/null")
-            count, nbytes = mib * 16, mib << 20
+            count, nbytes = kib // 64, kib << 10
             tag = f"{label}-{n}"
             w, wf = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
                           f"bs=64k count={count} conv=fsync",
-                          [(ns, t, "rx_bytes") for t in taps])
+                          ns, [(t, 0) for t in taps])
             r, rf = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
                           f"dd if=/mnt/nfs/{tag}-{i} of=/dev/null bs=64k",
-                          [(ns, t, "tx_bytes") for t in taps])
+                          ns, [(t, 1) for t in taps])
             rows.append((label, n, "NFS write", w, wf))
             rows.append((label, n, "NFS read", r, rf))
             if with_disk:
@@ -252,7 +285,8 @@ def measure(work, ns, label, limit, counts, mib, with_disk):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--counts", default="1,2,4,8")
-    ap.add_argument("--mib", type=int, default=4, help="MiB each clone writes and reads")
+    ap.add_argument("--kib", type=int, default=4096,
+                    help="KiB each clone writes and reads (a multiple of 64)")
     ap.add_argument("--limit", default="bytes=128K",
                     help="the per-clone network rate limit of the limited configuration")
     a = ap.parse_args()
@@ -262,6 +296,8 @@ def main():
         if not os.path.exists(f):
             sys.exit(f"{f} missing: make release guest deps")
     counts = [int(c) for c in a.counts.split(",")]
+    if a.kib < 64 or a.kib % 64:
+        sys.exit("--kib takes a multiple of 64")
     ns = f"fkvm-bench-{os.getpid()}-nfs"
     work = tempfile.mkdtemp(prefix="forkvm-nfsbench-", dir="/var/tmp")
     server = None
@@ -275,19 +311,19 @@ def main():
         ip("-n", ns, "link", "set", "br0", "up")
         os.makedirs(os.path.join(work, "export"))
         disk = os.path.join(work, "disk.ext4")
-        subprocess.run(["truncate", "-s", f"{max(counts) * a.mib * 2 + 64}M", disk], check=True)
+        subprocess.run(["truncate", "-s", f"{max(counts) * a.kib * 2 // 1024 + 64}M", disk], check=True)
         subprocess.run(["mkfs.ext4", "-q", "-F", disk], check=True)
         server = start_server(ns, work, os.path.join(work, "export"))
-        rows += measure(work, ns, "unlimited", None, counts, a.mib, True)
-        rows += measure(work, ns, a.limit, a.limit, counts, a.mib, False)
+        rows += measure(work, ns, "unlimited", None, counts, a.kib, True)
+        rows += measure(work, ns, a.limit, a.limit, counts, a.kib, False)
     finally:
         if server:
             stop_server(server)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nPer-clone throughput, {a.mib} MiB each, 256 MiB Linux clones of one paused "
+    print(f"\nPer-clone throughput, {a.kib} KiB each, 256 MiB Linux clones of one paused "
           f"template, all at once (KiB/s, each clone's own timing; frames: the clone's tap bytes "
-          f"over the phase):\n")
+          f"over the time they moved):\n")
     print("| limit | clones | what | min | median | max | total | frames min | frames max |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, n, what, rates, frames in rows:
@@ -295,6 +331,28 @@ def main():
         print(f"| {label} | {n} | {what} | {min(rates) / 1024:.1f} | "
               f"{statistics.median(rates) / 1024:.1f} | {max(rates) / 1024:.1f} | "
               f"{sum(rates) / 1024:.1f} | {fr} |")
+    rate = limit_rate(a.limit)
+    limited = [(n, what, f) for label, n, what, _, f in rows if label == a.limit and f]
+    if rate and limited:
+        worst = max(abs(x - rate) / rate for _, _, f in limited for x in f)
+        print(f"\nGoal (every clone's frame rate within 10% of R = {rate / 1024:.1f} KiB/s at "
+              f"every count): {'met' if worst <= 0.10 else 'NOT met'}, worst {worst:.1%} off")
+    for n in counts:
+        fair = [sum(r) / n for label, c, what, r, _ in rows
+                if label == "unlimited" and c == n and what.startswith("NFS")]
+        if fair and rate:
+            print(f"  {n} clones: fair share of the unlimited NFS total "
+                  f"{min(fair) / 1024:.1f} KiB/s per clone; R is "
+                  f"{'below' if rate < min(fair) else 'NOT below'} it")
+
+
+def limit_rate(text):
+    """B/s of a `bytes=SIZE[/MS]` limit (K and M in 1024s), or None."""
+    m = re.search(r"bytes=([0-9]+)([KM]?)(?:/([0-9]+))?", text)
+    if not m:
+        return None
+    size = int(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20}[m.group(2)]
+    return size * 1000 / int(m.group(3) or 1000)
 
 
 if __name__ == "__main__":

@@ -156,8 +156,37 @@ impl Netns {
     /// Moves host interface `dev` (a tap) into this namespace, onto `br0`, and up.
     pub fn attach_to_bridge(&self, dev: &str) {
         ip(&["link", "set", dev, "netns", &self.0]);
+        self.bridge_port(dev);
+    }
+
+    /// Puts interface `dev` of this namespace onto `br0`, and up.
+    pub fn bridge_port(&self, dev: &str) {
         self.ip(&["link", "set", dev, "master", "br0"]);
         self.ip(&["link", "set", dev, "up"]);
+    }
+
+    /// Makes `cmd` run in this namespace (`setns` between fork and exec): a VMM started
+    /// so creates its taps here, and opens taps made here by name.
+    pub fn enter_on_exec(&self, cmd: &mut Command) {
+        use std::os::unix::io::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let ns = std::fs::File::open(format!("/run/netns/{}", self.0)).expect("netns file");
+        // SAFETY: the closure runs in the forked child before exec and only calls
+        // setns(2), which is async-signal-safe, on a descriptor it owns (moved in).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+
+    /// Creates tap `dev` in this namespace, on `br0`, and up (a tap handed to a clone).
+    pub fn add_tap_on_bridge(&self, dev: &str) {
+        self.ip(&["tuntap", "add", dev, "mode", "tap"]);
+        self.bridge_port(dev);
     }
 
     /// Whether interface `dev` is in this namespace.

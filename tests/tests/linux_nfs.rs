@@ -6,9 +6,11 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use api_types::InvokeOptions;
 use serde_json::Value;
 use tests::nfs::{NfsServer, MOUNT_PORT, NFS_PORT};
-use tests::{guest_file, vmm_exec, Netns, Scratch, Vm};
+use tests::{guest_file, vmm_exec, wait_until, Netns, Scratch, Vm};
+use vmm::api::client;
 
 /// A Linux boot takes about 20-60 s here; generous for a loaded CI host.
 const LINUX_BOOT: Duration = Duration::from_secs(400);
@@ -249,6 +251,145 @@ fn linux_clones_share_an_nfs_export_each_as_itself_and_survive_a_server_restart(
             &format!("/clones/{}", c["id"].as_str().unwrap()),
             None,
         );
+    }
+    vm.shutdown(Duration::from_secs(60));
+    drop(server);
+}
+
+/// Invocations: a template whose C runtime waits mounted the export; each invocation's
+/// clone, given a tap on the bridge and an address (`tap`, `ipv4`, `gateway`), takes
+/// its address in the runtime before the handler runs and uses the mount as itself.
+#[test]
+fn linux_invocation_clones_given_an_address_use_the_nfs_export_as_themselves() {
+    if !tests::kvm_and_root_available("linux_nfs_invocations") {
+        return;
+    }
+    const INVOCATIONS: usize = 3;
+    let scratch = Scratch::new("linux-nfs-inv");
+    let pid = std::process::id();
+    let ns = Netns::new(&format!("fkvm-test-{pid}-nfsinv"));
+    ns.add_bridge(&format!("{SERVER}/24"), "02:00:0a:4f:00:01");
+    let export = scratch.path("export");
+    let server = NfsServer::start(&ns, &export, &scratch.path("server"));
+
+    // The VMM runs in the namespace (as a platform's would), so the taps it creates and
+    // the taps handed to its clones are the namespace's, on its bridge.
+    let opts = mount_options();
+    let src = format!("{SERVER}:{}", server.export().display());
+    let script = format!(
+        "forkvm-clone --net; until ping -c1 -W1 {SERVER} >/dev/null 2>&1; do sleep 1; done; \
+         mkdir -p /mnt/nfs && mount -t nfs -o {opts},hard {src} /mnt/nfs && \
+         echo template > /mnt/nfs/template && sync && exec forkvm-fn info"
+    );
+    let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
+    let tap = "fknt";
+    let mut vm = Vm::start_at(
+        &scratch,
+        &scratch.path("api.sock"),
+        &scratch.path("console"),
+        &[
+            "--kernel",
+            &guest_file("vmlinux").display().to_string(),
+            "--initrd",
+            &guest_file("initramfs.cpio").display().to_string(),
+            "--mem-mib",
+            "256",
+            "--template",
+            "--tap",
+            tap,
+            "--ipv4",
+            "10.79.0.2/24",
+            "--gateway",
+            SERVER,
+            "--cmdline",
+            &cmdline,
+        ],
+        |cmd| ns.enter_on_exec(cmd),
+    );
+    wait_until("the template's tap", Duration::from_secs(30), || {
+        ns.has_link(tap)
+    });
+    ns.bridge_port(tap);
+    vm.wait_api(LINUX_BOOT);
+    let start = Instant::now();
+    while !vm.waits_as_template() {
+        assert!(
+            start.elapsed() < LINUX_BOOT && matches!(vm.child.try_wait(), Ok(None)),
+            "the template's runtime did not wait\n--- console:\n{}\n--- log:\n{}",
+            vm.console_text(),
+            vm.stderr_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(
+        std::fs::read_to_string(export.join("template")).unwrap(),
+        "template\n"
+    );
+
+    // Each invocation gets a tap made on the bridge beforehand and its own address; the
+    // handler reads the template's file, writes its own and shows its address. Kept
+    // alive, so the server's connections from them can be seen.
+    let taps: Vec<String> = (1..=INVOCATIONS).map(|i| format!("fkni{i}")).collect();
+    taps.iter().for_each(|t| ns.add_tap_on_bridge(t));
+    let replies: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (1..=INVOCATIONS)
+            .map(|i| {
+                let (sock, tap) = (&vm.sock, &taps[i - 1]);
+                s.spawn(move || {
+                    let options = InvokeOptions {
+                        tap: Some(tap.clone()),
+                        ipv4: Some(format!("10.79.0.{}/24", 30 + i).parse().unwrap()),
+                        gateway: Some(SERVER.parse().unwrap()),
+                        keep_alive: true,
+                        timeout_ms: Some(300_000),
+                        ..InvokeOptions::default()
+                    };
+                    let payload = format!(
+                        "sh cat /mnt/nfs/template && echo inv-{i} > /mnt/nfs/inv-{i} && sync && \
+                         ip -4 -o addr show eth0"
+                    );
+                    client::invoke(sock, &options, payload.as_bytes()).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, r) in (1..=INVOCATIONS).zip(&replies) {
+        assert_eq!(r.status, 200, "invocation {i}: {}", r.body);
+        assert!(r.body.starts_with("template\n"), "{}", r.body);
+        let own = format!("inet 10.79.0.{}/24", 30 + i);
+        assert!(
+            r.body.contains(&own) && !r.body.contains("10.79.0.2/"),
+            "invocation {i} did not take its address: {}",
+            r.body
+        );
+        assert_eq!(
+            std::fs::read_to_string(export.join(format!("inv-{i}"))).unwrap(),
+            format!("inv-{i}\n")
+        );
+    }
+    let peers: BTreeSet<String> = server.clients().into_iter().collect();
+    for i in 1..=INVOCATIONS {
+        let addr = format!("10.79.0.{}", 30 + i);
+        assert!(
+            peers.contains(&addr),
+            "no NFS connection from {addr}: {peers:?}"
+        );
+    }
+
+    // A kept clone serves in place: it has its identity, and refuses another (409).
+    let kept = PathBuf::from(replies[0].header("x-forkvm-socket").unwrap());
+    let again = InvokeOptions {
+        ipv4: Some("10.79.0.40/24".parse().unwrap()),
+        ..InvokeOptions::default()
+    };
+    let r = client::invoke(&kept, &again, b"x").unwrap();
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(r.body.contains("no template"), "{}", r.body);
+
+    for r in &replies {
+        let id = r.header("x-forkvm-clone-id").unwrap();
+        assert_eq!(vm.api("DELETE", &format!("/clones/{id}"), None).0, 200);
     }
     vm.shutdown(Duration::from_secs(60));
     drop(server);

@@ -122,8 +122,8 @@ def timed(cmd):
 SAMPLER = """import time
 while True:
     t = time.monotonic()
-    rows = [l.split() for l in open('/proc/net/dev').read().splitlines()[2:]]
-    print(t, ' '.join(r[0].rstrip(':') + '=' + r[1] + ',' + r[9] for r in rows), flush=True)
+    rows = [l.replace(':', ' ', 1).split() for l in open('/proc/net/dev').read().splitlines()[2:]]
+    print(t, ' '.join(r[0] + '=' + r[1] + ',' + r[9] for r in rows), flush=True)
     time.sleep(0.2)
 """
 
@@ -143,12 +143,15 @@ class Sampler:
         samples = []
         for line in out.splitlines():
             t, *devs = line.split(" ")
-            counts = {}
-            for d in devs:
-                name, _, v = d.partition("=")
-                rx, tx = v.split(",")
-                counts[name] = (int(rx), int(tx))
-            samples.append((float(t), counts))
+            try:
+                counts = {}
+                for d in devs:
+                    name, _, v = d.partition("=")
+                    rx, tx = v.split(",")
+                    counts[name] = (int(rx), int(tx))
+                samples.append((float(t), counts))
+            except ValueError:
+                pass  # the last line, cut short by the terminate
         return samples
 
 

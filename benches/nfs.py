@@ -20,11 +20,15 @@ Each clone's rate is the bytes moved over the time the guest measured around dd
 (/proc/uptime, 10 ms steps): file data only. For the NFS phases the clone's tap
 counters are sampled every 0.2 s inside the namespace: its frame rate is the bytes of
 the frames the limiter counts (tap rx for writes, tx for reads; Ethernet, IP, TCP and
-RPC headers included) over the time they moved, from the sample before the first rise
-to the sample of the last. That is the rate a per-clone limit R is judged by. The
-configurations run one after the other in one run: unlimited, then --limit.
+RPC headers included) over the time they moved: the middle 90% of the bytes over the
+time between the samples that passed 5% and 95%. For writes (tap rx: what the VMM let out through the
+limiter) that is the rate a per-clone limit R is judged by. For reads the tap's tx
+counter counts frames as the server's stack queues them into the tap, before the
+limiter takes them out, retransmissions included; the server's TCP retransmissions and
+the taps' drops are counted beside. The configurations run one after the other in one
+run: unlimited, then --limit (--limited-only: the limit alone).
 
-usage: benches/nfs.py [--counts 1,2,4,8] [--kib 4096] [--limit bytes=128K]
+usage: benches/nfs.py [--counts 1,2,4,8] [--kib 4096] [--limit bytes=128K] [--limited-only] [--rwsize N]
 """
 import argparse
 import json
@@ -123,21 +127,26 @@ SAMPLER = """import time
 while True:
     t = time.monotonic()
     rows = [l.replace(':', ' ', 1).split() for l in open('/proc/net/dev').read().splitlines()[2:]]
-    print(t, ' '.join(r[0] + '=' + r[1] + ',' + r[9] for r in rows), flush=True)
+    snmp = [l.split() for l in open('/proc/net/snmp') if l.startswith('Tcp:')]
+    retrans = snmp[1][snmp[0].index('RetransSegs')]
+    print(t, ' '.join(r[0] + '=' + r[1] + ',' + r[9] + ',' + r[12] for r in rows),
+          'tcp-retrans=' + retrans + ',0,0', flush=True)
     time.sleep(0.2)
 """
 
 
 class Sampler:
-    """Every tap's rx and tx byte counters in namespace `ns`, sampled every 0.2 s by one
-    Python process inside it (CLOCK_MONOTONIC, as this process reads it)."""
+    """Every tap's rx and tx byte counters and tx drops (frames for the guest the tap's
+    queue had no room for) in namespace `ns`, sampled every 0.2 s by one Python process
+    inside it (CLOCK_MONOTONIC, as this process reads it), and the namespace's TCP
+    retransmissions (the server's: the clients are in the guests) as `tcp-retrans`."""
 
     def __init__(self, ns):
         self.p = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-u", "-c", SAMPLER],
                                   stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
 
     def stop(self):
-        """The samples: [(t, {dev: (rx, tx)})]."""
+        """The samples: [(t, {dev: (rx, tx, tx_dropped)})]."""
         self.p.terminate()
         out, _ = self.p.communicate()
         samples = []
@@ -147,8 +156,8 @@ class Sampler:
                 counts = {}
                 for d in devs:
                     name, _, v = d.partition("=")
-                    rx, tx = v.split(",")
-                    counts[name] = (int(rx), int(tx))
+                    rx, tx, drops = v.split(",")
+                    counts[name] = (int(rx), int(tx), int(drops))
                 samples.append((float(t), counts))
             except ValueError:
                 pass  # the last line, cut short by the terminate
@@ -156,21 +165,27 @@ class Sampler:
 
 
 def active_rate(samples, dev, which):
-    """`dev`'s counter `which` (0: rx, 1: tx) over the time it was moving: from the sample
-    before its first rise to the sample of its last (B/s), or None."""
+    """`dev`'s counter `which` (0: rx, 1: tx) over the time its bytes moved: the middle
+    90% of what it moved over the phase, from the first sample past 5% to the first past
+    95% (a stray frame before or after, an ARP, does not stretch the time); B/s, or
+    None."""
     series = [(t, c[dev][which]) for t, c in samples if dev in c]
-    rises = [k for k in range(1, len(series)) if series[k][1] > series[k - 1][1]]
-    if not rises:
+    if len(series) < 2 or series[-1][1] == series[0][1]:
         return None
-    (t0, v0), (t1, v1) = series[rises[0] - 1], series[rises[-1]]
-    return (v1 - v0) / (t1 - t0)
+    v0, total = series[0][1], series[-1][1] - series[0][1]
+    lo = next((t, v) for t, v in series if v - v0 >= 0.05 * total)
+    hi = next((t, v) for t, v in series if v - v0 >= 0.95 * total)
+    if hi[0] <= lo[0]:
+        return None
+    return (hi[1] - lo[1]) / (hi[0] - lo[0])
 
 
 def phase(clones, nbytes, cmd_of, ns=None, taps=None):
     """Runs cmd_of(i), which moves `nbytes`, in every clone at once, each starting at the
     same wall-clock second (the clones' clocks are the host's); returns (each clone's
-    rate in B/s, its tap's frame rate in B/s while it moved, or None). `taps`: each
-    clone's (tap, 0 for rx or 1 for tx) in namespace `ns`."""
+    rate in B/s, its tap's frame rate in B/s while it moved or None, and (the frames
+    the taps dropped for want of room, the server's TCP retransmissions) or None). `taps`: each clone's (tap, 0 for rx or 1 for tx)
+    in namespace `ns`."""
     start = int(time.time()) + 4 + len(clones)
     sampler = Sampler(ns) if taps else None
     procs = []
@@ -196,19 +211,23 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None):
         if not m:
             raise RuntimeError(f"no timing in {out!r}")
         rates.append(nbytes / max(float(m.group(2)) - float(m.group(1)), 0.01))
-    frames = None
+    frames = drops = None
     if taps:
         # Each tap over the time its own frames moved: the rate the limiter let through.
         frames = [active_rate(samples, t, which) or 0.0 for t, which in taps]
-    return rates, frames
+        whole = [c for _, c in samples if all(t in c for t, _ in taps)]
+        drops = sum(whole[-1][t][2] - whole[0][t][2] for t, _ in taps)
+        retrans = [c["tcp-retrans"][0] for _, c in samples if "tcp-retrans" in c]
+        drops = (drops, retrans[-1] - retrans[0])
+    return rates, frames, drops
 
 
-def measure(work, ns, label, limit, counts, kib, with_disk):
+def measure(work, ns, label, limit, counts, kib, with_disk, opts=OPTS):
     tap = f"fkb{os.getpid() % 10000000}"
     export = os.path.join(work, "export")
     src = f"{SERVER}:{export}"
     script = (f"forkvm-clone --net; until ping -c1 -W1 {SERVER} >/dev/null 2>&1; "
-              f"do sleep 1; done; mkdir -p /mnt/nfs && mount -t nfs -o {OPTS} {src} /mnt/nfs "
+              f"do sleep 1; done; mkdir -p /mnt/nfs && mount -t nfs -o {opts} {src} /mnt/nfs "
               f"&& mount -o remount,rw /mnt/disk && sync && echo nfs-up")
     sock = os.path.join(work, f"{label}.sock")
     console = sock + ".console"
@@ -255,21 +274,21 @@ def measure(work, ns, label, limit, counts, kib, with_disk):
                 vmm_exec(c["api_sock"], "ls /mnt/nfs >/dev/null")
             count, nbytes = kib // 64, kib << 10
             tag = f"{label}-{n}"
-            w, wf = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
+            w, wf, wd = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
                           f"bs=64k count={count} conv=fsync",
                           ns, [(t, 0) for t in taps])
-            r, rf = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
+            r, rf, rd = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
                           f"dd if=/mnt/nfs/{tag}-{i} of=/dev/null bs=64k",
                           ns, [(t, 1) for t in taps])
-            rows.append((label, n, "NFS write", w, wf))
-            rows.append((label, n, "NFS read", r, rf))
+            rows.append((label, n, "NFS write", w, wf, wd))
+            rows.append((label, n, "NFS read", r, rf, rd))
             if with_disk:
-                dw, _ = phase(clones, nbytes, lambda i: f"dd if=/dev/zero "
+                dw, _, _ = phase(clones, nbytes, lambda i: f"dd if=/dev/zero "
                               f"of=/mnt/disk/{tag}-{i} bs=64k count={count} conv=fsync")
-                dr, _ = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
+                dr, _, _ = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
                               f"dd if=/mnt/disk/{tag}-{i} of=/dev/null bs=64k")
-                rows.append((label, n, "private disk write", dw, None))
-                rows.append((label, n, "private disk read", dr, None))
+                rows.append((label, n, "private disk write", dw, None, None))
+                rows.append((label, n, "private disk read", dr, None, None))
             for row in rows[-(4 if with_disk else 2):]:
                 print(f"  {row[0]}, {row[1]} clones, {row[2]}: "
                       f"{[round(x / 1024) for x in row[3]]} KiB/s", file=sys.stderr)
@@ -292,6 +311,11 @@ def main():
                     help="KiB each clone writes and reads (a multiple of 64)")
     ap.add_argument("--limit", default="bytes=128K",
                     help="the per-clone network rate limit of the limited configuration")
+    ap.add_argument("--rwsize", type=int,
+                    help="rsize and wsize of the mount (default: as client and server agree)")
+    ap.add_argument("--limited-only", action="store_true",
+                    help="run the limited configuration only (a second limit after a "
+                         "whole run showed the fair shares)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("benches/nfs.py needs root (taps, namespaces, the NFS server)")
@@ -317,8 +341,10 @@ def main():
         subprocess.run(["truncate", "-s", f"{max(counts) * a.kib * 2 // 1024 + 64}M", disk], check=True)
         subprocess.run(["mkfs.ext4", "-q", "-F", disk], check=True)
         server = start_server(ns, work, os.path.join(work, "export"))
-        rows += measure(work, ns, "unlimited", None, counts, a.kib, True)
-        rows += measure(work, ns, a.limit, a.limit, counts, a.kib, False)
+        opts = OPTS + (f",rsize={a.rwsize},wsize={a.rwsize}" if a.rwsize else "")
+        if not a.limited_only:
+            rows += measure(work, ns, "unlimited", None, counts, a.kib, True, opts)
+        rows += measure(work, ns, a.limit, a.limit, counts, a.kib, False, opts)
     finally:
         if server:
             stop_server(server)
@@ -327,21 +353,23 @@ def main():
     print(f"\nPer-clone throughput, {a.kib} KiB each, 256 MiB Linux clones of one paused "
           f"template, all at once (KiB/s, each clone's own timing; frames: the clone's tap bytes "
           f"over the time they moved):\n")
-    print("| limit | clones | what | min | median | max | total | frames min | frames max |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for label, n, what, rates, frames in rows:
-        fr = (f"{min(frames) / 1024:.1f} | {max(frames) / 1024:.1f}" if frames else " | ")
+    print("| limit | clones | what | min | median | max | total | frames min | frames max "
+          "| tap drops | server retransmits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, n, what, rates, frames, drops in rows:
+        fr = (f"{min(frames) / 1024:.1f} | {max(frames) / 1024:.1f} | {drops[0]} | {drops[1]}"
+              if frames else " | | | ")
         print(f"| {label} | {n} | {what} | {min(rates) / 1024:.1f} | "
               f"{statistics.median(rates) / 1024:.1f} | {max(rates) / 1024:.1f} | "
               f"{sum(rates) / 1024:.1f} | {fr} |")
     rate = limit_rate(a.limit)
-    limited = [(n, what, f) for label, n, what, _, f in rows if label == a.limit and f]
+    limited = [(n, what, f) for label, n, what, _, f, _ in rows if label == a.limit and f]
     if rate and limited:
         worst = max(abs(x - rate) / rate for _, _, f in limited for x in f)
         print(f"\nGoal (every clone's frame rate within 10% of R = {rate / 1024:.1f} KiB/s at "
               f"every count): {'met' if worst <= 0.10 else 'NOT met'}, worst {worst:.1%} off")
     for n in counts:
-        fair = [sum(r) / n for label, c, what, r, _ in rows
+        fair = [sum(r) / n for label, c, what, r, _, _ in rows
                 if label == "unlimited" and c == n and what.startswith("NFS")]
         if fair and rate:
             print(f"  {n} clones: fair share of the unlimited NFS total "

@@ -443,8 +443,8 @@ impl Invoker {
         Some(vcpu)
     }
 
-    /// How an invocation with a payload of `length` bytes would be served now
-    /// (`derive`: a load request, for a runtime that declared it takes them).
+    /// How invocation `inv` would be served now (a load request, `derive`, only by a
+    /// runtime that declared it takes them; a tap or address of its own only in a clone).
     pub fn route(&self, vm: &Microvm, inv: &Invocation) -> Result<Route, InvokeError> {
         let (length, derive) = (inv.payload.len(), inv.options.derive);
         if !self.window.exists() {

@@ -938,19 +938,23 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
         }
     }
     eprintln!("per-clone tap rx bytes/s with a {RATE} B/s limit: {report:?}");
-    // Above the limit is a limiter bug at any count. Below it, up to 4 clones must reach
-    // 90% of it; 8 slow guest kernels on 2 CPUs (beside the other tests) cannot always
-    // queue a frame within the bucket's 4 s (CI measured 1804-2056 B/s), so there the
-    // floor is 75%, which still fails a limiter that refills or re-arms late.
+    // Above the limit and what a full bucket adds is a limiter bug at any count: a clone
+    // starved of a CPU for 4 s before the window has a full bucket at its start, which
+    // it may spend on top of the rate (CI saw 2275 B/s at 8 clones, 111%, with a 2321 B/s
+    // ceiling so), and the counters are read by processes that start late under load
+    // (3%). Below it, up to 4 clones must reach 90% of it; 8 slow guest kernels on 2
+    // CPUs (beside the other tests) cannot always queue a frame within the bucket's 4 s
+    // (CI measured 1804-2056 B/s), so there the floor is 75%, which still fails a limiter
+    // that refills or re-arms late.
+    let ceiling = 1.03 * RATE + BUCKET as f64 / WINDOW.as_secs_f64();
     for (n, rates) in &report {
         let floor = if *n <= 4 { 0.9 } else { 0.75 };
         for r in rates {
             assert!(
-                *r <= 1.1 * RATE && *r >= floor * RATE,
+                *r <= ceiling && *r >= floor * RATE,
                 "{n} clones: a clone sent {r:.0} B/s with a {RATE} B/s limit \
-                 (allowed {:.0}..={:.0}): {report:?}",
+                 (allowed {:.0}..={ceiling:.0}): {report:?}",
                 floor * RATE,
-                1.1 * RATE
             );
         }
     }

@@ -26,6 +26,32 @@ fn mount_options() -> String {
     )
 }
 
+/// `vmm run` options of a 256 MiB Linux template on `tap` at 10.79.0.2 (gateway: the
+/// server) booting `cmdline`, then `extra`.
+fn template_args(tap: &str, cmdline: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--kernel",
+        &guest_file("vmlinux").display().to_string(),
+        "--initrd",
+        &guest_file("initramfs.cpio").display().to_string(),
+        "--mem-mib",
+        "256",
+        "--tap",
+        tap,
+        "--ipv4",
+        "10.79.0.2/24",
+        "--gateway",
+        SERVER,
+        "--cmdline",
+        cmdline,
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
 /// A clone's API socket, from `POST /clones`' answer.
 fn sock(c: &Value) -> PathBuf {
     PathBuf::from(c["api_sock"].as_str().expect("api_sock"))
@@ -97,26 +123,10 @@ fn linux_clones_share_an_nfs_export_each_as_itself_and_survive_a_server_restart(
     let cmdline =
         format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run=\"{script}\"");
     let vsock = scratch.path("vm.vsock");
+    let args = template_args(&tap, &cmdline, &["--vsock", vsock.to_str().unwrap()]);
     let mut vm = Vm::start(
         &scratch,
-        &[
-            "--kernel",
-            &guest_file("vmlinux").display().to_string(),
-            "--initrd",
-            &guest_file("initramfs.cpio").display().to_string(),
-            "--mem-mib",
-            "256",
-            "--tap",
-            &tap,
-            "--ipv4",
-            "10.79.0.2/24",
-            "--gateway",
-            SERVER,
-            "--vsock",
-            vsock.to_str().unwrap(),
-            "--cmdline",
-            &cmdline,
-        ],
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
     );
     tests::wait_link(&tap);
     attach(&tap);
@@ -283,27 +293,12 @@ fn linux_invocation_clones_given_an_address_use_the_nfs_export_as_themselves() {
     );
     let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
     let tap = "fknt";
+    let args = template_args(tap, &cmdline, &["--template"]);
     let mut vm = Vm::start_at(
         &scratch,
         &scratch.path("api.sock"),
         &scratch.path("console"),
-        &[
-            "--kernel",
-            &guest_file("vmlinux").display().to_string(),
-            "--initrd",
-            &guest_file("initramfs.cpio").display().to_string(),
-            "--mem-mib",
-            "256",
-            "--template",
-            "--tap",
-            tap,
-            "--ipv4",
-            "10.79.0.2/24",
-            "--gateway",
-            SERVER,
-            "--cmdline",
-            &cmdline,
-        ],
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
         |cmd| ns.enter_on_exec(cmd),
     );
     wait_until("the template's tap", Duration::from_secs(30), || {

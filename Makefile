@@ -1,5 +1,5 @@
 # forkvm: `make demo` builds everything and boots guests; `make test` runs every test.
-.PHONY: all deps guest build release demo test lint bench fuzz clean-guest-cache
+.PHONY: all deps guest build release demo test lint bench fuzz fuzz-ci clean-guest-cache
 
 CARGO ?= cargo
 
@@ -36,6 +36,16 @@ fuzz:
 	cd fuzz && for t in $$(cargo +nightly fuzz list); do \
 		cargo +nightly fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 || exit 1; \
 	done
+
+# What CI runs (.ci/run): each target for FUZZ_CI_SECONDS (10) from the committed corpus,
+# which it leaves as it is (new inputs go to a scratch directory); a crash fails the run
+# and leaves its input in fuzz/artifacts/<target>. The sanitizer build is kept outside the
+# repository (FUZZ_TARGET_DIR), so a run after a small change rebuilds only what changed.
+FUZZ_CI_SECONDS ?= 10
+FUZZ_TARGET_DIR ?= /var/cache/forkvm/fuzz-target
+fuzz-ci:
+	./scripts/install-fuzz.sh
+	./scripts/fuzz-ci.sh $(FUZZ_CI_SECONDS) $(FUZZ_TARGET_DIR)
 
 # A short standard set (a few minutes); each bench has more (benches/*.py --help).
 bench: deps guest release

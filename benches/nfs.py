@@ -16,17 +16,18 @@ together by the clock:
   disk write  the same on its private overlay disk (the reference; not limited)
   disk read
 
-Each clone's rate is the bytes moved over the time the guest measured around dd
-(/proc/uptime, 10 ms steps): file data only. For the NFS phases the clone's tap
-counters are sampled every 0.2 s inside the namespace: its frame rate is the bytes of
-the frames the limiter counts (tap rx for writes, tx for reads; Ethernet, IP, TCP and
-RPC headers included) over the time they moved: the middle 90% of the bytes over the
-time between the samples that passed 5% and 95%. For writes (tap rx: what the VMM let out through the
-limiter) that is the rate a per-clone limit R is judged by. For reads the tap's tx
-counter counts frames as the server's stack queues them into the tap, before the
-limiter takes them out, retransmissions included; the server's TCP retransmissions and
-the taps' drops are counted beside. The configurations run one after the other in one
-run: unlimited, then --limit (--limited-only: the limit alone).
+Each clone's data rate is the file's bytes over the time the guest measured around dd
+(/proc/uptime, 10 ms steps). Its link rate is the bytes of the frames its network card
+counted over the same time (eth0's tx_bytes for writes, rx_bytes for reads): what the
+VMM let through its limiter, Ethernet, IP, TCP and RPC headers included, so the rate a
+per-clone limit R is judged by. Beside them, for the NFS phases: the frames the taps
+dropped for want of room, the server's TCP retransmissions (both counted in the
+namespace before and after), and the share of the host's CPU time that was busy. A
+phase in which every clone only sleeps 20 s gives the CPU floor under those figures
+and names the host threads that used the most CPU meanwhile. The configurations run
+one after the other in one run: unlimited, then --limit (--limited-only: the limit alone; a limit is
+`bytes=SIZE[/MS]`, SIZE bytes every MS milliseconds, 1000 by default, and SIZE is also
+the bucket: `bytes=8K/4000` is 2 KiB/s with 4 s of tokens).
 
 usage: benches/nfs.py [--counts 1,2,4,8] [--kib 4096] [--limit bytes=128K] [--limited-only] [--rwsize N]
 """
@@ -113,89 +114,97 @@ def vmm_exec(sock, cmd):
     return out.stdout
 
 
-UPTIME = re.compile(r"^took ([0-9.]+) ([0-9.]+)$", re.M)
+UPTIME = re.compile(r"^took ([0-9.]+) ([0-9.]+)(?: ([0-9]+) ([0-9]+))?$", re.M)
 
 
-def timed(cmd):
+def timed(cmd, counter=None):
     """`cmd` in the guest between two readings of /proc/uptime (10 ms steps; busybox's
-    dd prints no time)."""
+    dd prints no time) and of eth0's `counter` (rx_bytes, tx_bytes) if given: the bytes
+    of the frames the VMM passed through its limiter, as the guest's card counted them."""
     up = "cut -d' ' -f1 /proc/uptime"
-    return f"t0=$({up}); {cmd} >/dev/null 2>&1 || exit 1; echo took $t0 $({up})"
+    count = f"cat /sys/class/net/eth0/statistics/{counter}" if counter else "true"
+    return (f"t0=$({up}); b0=$({count}); {cmd} >/dev/null 2>&1 || exit 1; "
+            f"echo took $t0 $({up}) $b0 $({count})")
 
 
-SAMPLER = """import time
-while True:
-    t = time.monotonic()
-    rows = [l.replace(':', ' ', 1).split() for l in open('/proc/net/dev').read().splitlines()[2:]]
-    snmp = [l.split() for l in open('/proc/net/snmp') if l.startswith('Tcp:')]
-    retrans = snmp[1][snmp[0].index('RetransSegs')]
-    print(t, ' '.join(r[0] + '=' + r[1] + ',' + r[9] + ',' + r[12] for r in rows),
-          'tcp-retrans=' + retrans + ',0,0', flush=True)
-    time.sleep(0.2)
-"""
+def net_counts(ns):
+    """Every tap's tx drops (frames for the guest its queue had no room for) in namespace
+    `ns`, and the namespace's TCP retransmissions (the server's: the clients are in the
+    guests) as `tcp-retrans`: {name: count}."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/dev", "/proc/net/snmp"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    counts = {}
+    for line in out:
+        if ":" in line and "|" not in line and not line.startswith(("Ip", "Icmp", "Tcp", "Udp")):
+            row = line.replace(":", " ", 1).split()
+            counts[row[0]] = int(row[12])
+    tcp = [line.split() for line in out if line.startswith("Tcp:")]
+    counts["tcp-retrans"] = int(tcp[1][tcp[0].index("RetransSegs")])
+    return counts
 
 
-class Sampler:
-    """Every tap's rx and tx byte counters and tx drops (frames for the guest the tap's
-    queue had no room for) in namespace `ns`, sampled every 0.2 s by one Python process
-    inside it (CLOCK_MONOTONIC, as this process reads it), and the namespace's TCP
-    retransmissions (the server's: the clients are in the guests) as `tcp-retrans`."""
+def host_cpu():
+    """(idle, total) jiffies of all host CPUs (/proc/stat; idle includes iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return v[3] + v[4], sum(v)
 
-    def __init__(self, ns):
-        self.p = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-u", "-c", SAMPLER],
-                                  stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
 
-    def stop(self):
-        """The samples: [(t, {dev: (rx, tx, tx_dropped)})]."""
-        self.p.terminate()
-        out, _ = self.p.communicate()
-        samples = []
-        for line in out.splitlines():
-            t, *devs = line.split(" ")
+def proc_cpu():
+    """{(pid/tid, process name/thread name): CPU ticks so far} of every host thread."""
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+            with open(f"/proc/{pid}/comm") as f:
+                pname = f.read().strip()
+        except OSError:
+            continue
+        for tid in tids:
             try:
-                counts = {}
-                for d in devs:
-                    name, _, v = d.partition("=")
-                    rx, tx, drops = v.split(",")
-                    counts[name] = (int(rx), int(tx), int(drops))
-                samples.append((float(t), counts))
-            except ValueError:
-                pass  # the last line, cut short by the terminate
-        return samples
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            name = text[text.index("(") + 1:text.rindex(")")]
+            v = text[text.rindex(")") + 2:].split()
+            out[(f"{pid}/{tid}", f"{pname}/{name}")] = int(v[11]) + int(v[12])
+    return out
 
 
-def active_rate(samples, dev, which):
-    """`dev`'s counter `which` (0: rx, 1: tx) over the time its bytes moved: the middle
-    90% of what it moved over the phase, from the first sample past 5% to the first past
-    95% (a stray frame before or after, an ARP, does not stretch the time); B/s, or
-    None."""
-    series = [(t, c[dev][which]) for t, c in samples if dev in c]
-    if len(series) < 2 or series[-1][1] == series[0][1]:
-        return None
-    v0, total = series[0][1], series[-1][1] - series[0][1]
-    lo = next((t, v) for t, v in series if v - v0 >= 0.05 * total)
-    hi = next((t, v) for t, v in series if v - v0 >= 0.95 * total)
-    if hi[0] <= lo[0]:
-        return None
-    return (hi[1] - lo[1]) / (hi[0] - lo[0])
+def top_cpu(before, after, secs, n=6):
+    """The `n` threads that used the most CPU between two proc_cpu() readings, as
+    text: process/thread (pid/tid) share of one CPU."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = sorted(((after[k] - before.get(k, 0), k) for k in after), reverse=True)[:n]
+    return ", ".join(f"{k[1]} ({k[0]}) {u / tick / secs:.0%}" for u, k in used)
 
 
-def phase(clones, nbytes, cmd_of, ns=None, taps=None):
+def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None):
     """Runs cmd_of(i), which moves `nbytes`, in every clone at once, each starting at the
-    same wall-clock second (the clones' clocks are the host's); returns (each clone's
-    rate in B/s, its tap's frame rate in B/s while it moved or None, and (the frames
-    the taps dropped for want of room, the server's TCP retransmissions) or None). `taps`: each clone's (tap, 0 for rx or 1 for tx)
-    in namespace `ns`."""
+    same wall-clock second (the clones' clocks are the host's). Returns a dict: `rates`,
+    each clone's file data in B/s; with `counter` (eth0's rx_bytes or tx_bytes) `link`,
+    the bytes of the frames its card counted over the same time in B/s (what the
+    limiter let through); with `taps` (the clones' taps in namespace `ns`) `drops`, the
+    frames the taps dropped for want of room, and `retrans`, the server's TCP
+    retransmissions; `cpu`, the share of the host's CPU time that was busy meanwhile
+    (from the second the clones start at to the last one's end)."""
     start = int(time.time()) + 4 + len(clones)
-    sampler = Sampler(ns) if taps else None
+    net0 = net_counts(ns) if taps else None
     procs = []
     for i, c in enumerate(clones, 1):
-        wait = f"while [ $(date +%s) -lt {start} ]; do sleep 0.05; done; "
+        # One sleep to the start (to the second): a loop polling the clock would fork a
+        # process every step, which costs an emulated guest kernel a CPU.
+        wait = f"d=$(({start} - $(date +%s))); [ $d -le 0 ] || sleep $d; "
         procs.append(subprocess.Popen(
             [VMM, "exec", "--api-sock", c["api_sock"], "--timeout", "900", "--",
-             wait + timed(cmd_of(i))],
+             wait + timed(cmd_of(i), counter)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             stdin=subprocess.DEVNULL))
+    time.sleep(max(0.0, start - time.time()))
+    cpu0 = host_cpu()
     outs = []
     try:
         for p in procs:
@@ -204,32 +213,34 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None):
                 raise RuntimeError(f"clone exec failed: {out} {err}")
             outs.append(out)
     finally:
-        samples = sampler.stop() if sampler else None
-    rates = []
+        net1 = net_counts(ns) if taps else None
+    cpu1 = host_cpu()
+    res = {"rates": [], "link": [] if counter else None,
+           "cpu": 1 - (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1)}
     for out in outs:
         m = UPTIME.search(out)
         if not m:
             raise RuntimeError(f"no timing in {out!r}")
-        rates.append(nbytes / max(float(m.group(2)) - float(m.group(1)), 0.01))
-    frames = drops = None
+        took = max(float(m.group(2)) - float(m.group(1)), 0.01)
+        res["rates"].append(nbytes / took)
+        if counter:
+            res["link"].append((int(m.group(4)) - int(m.group(3))) / took)
     if taps:
-        # Each tap over the time its own frames moved: the rate the limiter let through.
-        frames = [active_rate(samples, t, which) or 0.0 for t, which in taps]
-        whole = [c for _, c in samples if all(t in c for t, _ in taps)]
-        drops = sum(whole[-1][t][2] - whole[0][t][2] for t, _ in taps)
-        retrans = [c["tcp-retrans"][0] for _, c in samples if "tcp-retrans" in c]
-        drops = (drops, retrans[-1] - retrans[0])
-    return rates, frames, drops
+        res["drops"] = sum(net1[t] - net0[t] for t in taps)
+        res["retrans"] = net1["tcp-retrans"] - net0["tcp-retrans"]
+    return res
 
 
-def measure(work, ns, label, limit, counts, kib, with_disk, opts=OPTS):
+def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS):
+    """The rows of one configuration; appends (label, count, host CPU busy) with the
+    clones asleep to `idles`."""
     tap = f"fkb{os.getpid() % 10000000}"
     export = os.path.join(work, "export")
     src = f"{SERVER}:{export}"
     script = (f"forkvm-clone --net; until ping -c1 -W1 {SERVER} >/dev/null 2>&1; "
               f"do sleep 1; done; mkdir -p /mnt/nfs && mount -t nfs -o {opts} {src} /mnt/nfs "
               f"&& mount -o remount,rw /mnt/disk && sync && echo nfs-up")
-    sock = os.path.join(work, f"{label}.sock")
+    sock = os.path.join(work, re.sub(r"[^A-Za-z0-9]", "-", label) + ".sock")
     console = sock + ".console"
     cowdir = os.path.join(work, "cow")
     os.makedirs(cowdir, exist_ok=True)
@@ -273,25 +284,37 @@ def measure(work, ns, label, limit, counts, kib, with_disk, opts=OPTS):
             for c in clones:
                 vmm_exec(c["api_sock"], "ls /mnt/nfs >/dev/null")
             count, nbytes = kib // 64, kib << 10
-            tag = f"{label}-{n}"
-            w, wf, wd = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
-                          f"bs=64k count={count} conv=fsync",
-                          ns, [(t, 0) for t in taps])
-            r, rf, rd = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
-                          f"dd if=/mnt/nfs/{tag}-{i} of=/dev/null bs=64k",
-                          ns, [(t, 1) for t in taps])
-            rows.append((label, n, "NFS write", w, wf, wd))
-            rows.append((label, n, "NFS read", r, rf, rd))
+            tag = f"{os.path.basename(sock)[:-5]}-{n}"
+            w = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
+                      f"bs=64k count={count} conv=fsync", ns, taps, "tx_bytes")
+            r = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
+                      f"dd if=/mnt/nfs/{tag}-{i} of=/dev/null bs=64k",
+                      ns, taps, "rx_bytes")
+            # What the clones cost the host while they do nothing (their kernels' timers,
+            # the server, the VMMs): the floor under the phases' CPU figures.
+            p0, t0 = proc_cpu(), time.time()
+            idle = phase(clones, 0, lambda i: "sleep 20")
+            print(f"  asleep, the most CPU: {top_cpu(p0, proc_cpu(), time.time() - t0)}",
+                  file=sys.stderr)
+            rows.append((label, n, "NFS write", w))
+            rows.append((label, n, "NFS read", r))
             if with_disk:
-                dw, _, _ = phase(clones, nbytes, lambda i: f"dd if=/dev/zero "
-                              f"of=/mnt/disk/{tag}-{i} bs=64k count={count} conv=fsync")
-                dr, _, _ = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
-                              f"dd if=/mnt/disk/{tag}-{i} of=/dev/null bs=64k")
-                rows.append((label, n, "private disk write", dw, None, None))
-                rows.append((label, n, "private disk read", dr, None, None))
+                dw = phase(clones, nbytes, lambda i: f"dd if=/dev/zero "
+                           f"of=/mnt/disk/{tag}-{i} bs=64k count={count} conv=fsync")
+                dr = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
+                           f"dd if=/mnt/disk/{tag}-{i} of=/dev/null bs=64k")
+                rows.append((label, n, "private disk write", dw))
+                rows.append((label, n, "private disk read", dr))
+            print(f"  {label}, {n} clones asleep: host CPU {idle['cpu']:.0%} busy",
+                  file=sys.stderr)
+            idles.append((label, n, idle["cpu"]))
             for row in rows[-(4 if with_disk else 2):]:
+                link = (f", link {[round(x / 1024, 2) for x in row[3]['link']]}"
+                        if row[3]["link"] else "")
                 print(f"  {row[0]}, {row[1]} clones, {row[2]}: "
-                      f"{[round(x / 1024) for x in row[3]]} KiB/s", file=sys.stderr)
+                      f"{[round(x / 1024, 2) for x in row[3]['rates']]} KiB/s{link}, "
+                      f"host CPU {row[3]['cpu']:.0%} busy",
+                      file=sys.stderr)
             for c in clones:
                 api(sock, "DELETE", f"/clones/{c['id']}")
     finally:
@@ -328,7 +351,7 @@ def main():
     ns = f"fkvm-bench-{os.getpid()}-nfs"
     work = tempfile.mkdtemp(prefix="forkvm-nfsbench-", dir="/var/tmp")
     server = None
-    rows = []
+    rows, idles = [], []
     try:
         ip("netns", "add", ns)
         ip("-n", ns, "link", "set", "lo", "up")
@@ -343,33 +366,37 @@ def main():
         server = start_server(ns, work, os.path.join(work, "export"))
         opts = OPTS + (f",rsize={a.rwsize},wsize={a.rwsize}" if a.rwsize else "")
         if not a.limited_only:
-            rows += measure(work, ns, "unlimited", None, counts, a.kib, True, opts)
-        rows += measure(work, ns, a.limit, a.limit, counts, a.kib, False, opts)
+            rows += measure(work, ns, "unlimited", None, counts, a.kib, True, idles, opts)
+        rows += measure(work, ns, a.limit, a.limit, counts, a.kib, False, idles, opts)
     finally:
         if server:
             stop_server(server)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     print(f"\nPer-clone throughput, {a.kib} KiB each, 256 MiB Linux clones of one paused "
-          f"template, all at once (KiB/s, each clone's own timing; frames: the clone's tap bytes "
-          f"over the time they moved):\n")
-    print("| limit | clones | what | min | median | max | total | frames min | frames max "
-          "| tap drops | server retransmits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, n, what, rates, frames, drops in rows:
-        fr = (f"{min(frames) / 1024:.1f} | {max(frames) / 1024:.1f} | {drops[0]} | {drops[1]}"
-              if frames else " | | | ")
-        print(f"| {label} | {n} | {what} | {min(rates) / 1024:.1f} | "
-              f"{statistics.median(rates) / 1024:.1f} | {max(rates) / 1024:.1f} | "
-              f"{sum(rates) / 1024:.1f} | {fr} |")
+          f"template, all at once (KiB/s; data: the file's bytes over the clone's own timing "
+          f"of dd; link: the frame bytes its card counted over the same time, which is what "
+          f"the limiter let through; the host's CPU over the phase):\n")
+    print("| limit | clones | what | data min | data median | data max | data total "
+          "| link min | link max | tap drops | server retransmits | host CPU busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    kib = lambda x: f"{x / 1024:.2f}"  # noqa: E731
+    for label, n, what, res in rows:
+        rates = res["rates"]
+        link = (f"{kib(min(res['link']))} | {kib(max(res['link']))}" if res["link"] else " | ")
+        tap = f"{res['drops']} | {res['retrans']}" if "drops" in res else " | "
+        print(f"| {label} | {n} | {what} | {kib(min(rates))} | {kib(statistics.median(rates))} "
+              f"| {kib(max(rates))} | {kib(sum(rates))} | {link} | {tap} | {res['cpu']:.0%} |")
+    print("\nHost CPU busy while the clones sleep 20 s (the floor under the column above): " +
+          ", ".join(f"{label} {n} clones {cpu:.0%}" for label, n, cpu in idles))
     rate = limit_rate(a.limit)
-    limited = [(n, what, f) for label, n, what, _, f, _ in rows if label == a.limit and f]
+    limited = [res["link"] for label, _, _, res in rows if label == a.limit and res["link"]]
     if rate and limited:
-        worst = max(abs(x - rate) / rate for _, _, f in limited for x in f)
-        print(f"\nGoal (every clone's frame rate within 10% of R = {rate / 1024:.1f} KiB/s at "
+        worst = max(abs(x - rate) / rate for link in limited for x in link)
+        print(f"\nGoal (every clone's link rate within 10% of R = {rate / 1024:.2f} KiB/s at "
               f"every count): {'met' if worst <= 0.10 else 'NOT met'}, worst {worst:.1%} off")
     for n in counts:
-        fair = [sum(r) / n for label, c, what, r, _, _ in rows
+        fair = [sum(res["rates"]) / n for label, c, what, res in rows
                 if label == "unlimited" and c == n and what.startswith("NFS")]
         if fair and rate:
             print(f"  {n} clones: fair share of the unlimited NFS total "

@@ -240,7 +240,9 @@ def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS):
     script = (f"forkvm-clone --net; until ping -c1 -W1 {SERVER} >/dev/null 2>&1; "
               f"do sleep 1; done; mkdir -p /mnt/nfs && mount -t nfs -o {opts} {src} /mnt/nfs "
               f"&& mount -o remount,rw /mnt/disk && sync && echo nfs-up")
-    sock = os.path.join(work, re.sub(r"[^A-Za-z0-9]", "-", label) + ".sock")
+    # The label as a file name (a limit such as bytes=8K/4000 holds a slash).
+    name = re.sub(r"[^A-Za-z0-9]", "-", label)
+    sock = os.path.join(work, name + ".sock")
     console = sock + ".console"
     cowdir = os.path.join(work, "cow")
     os.makedirs(cowdir, exist_ok=True)
@@ -284,7 +286,7 @@ def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS):
             for c in clones:
                 vmm_exec(c["api_sock"], "ls /mnt/nfs >/dev/null")
             count, nbytes = kib // 64, kib << 10
-            tag = f"{os.path.basename(sock)[:-5]}-{n}"
+            tag = f"{name}-{n}"
             w = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
                       f"bs=64k count={count} conv=fsync", ns, taps, "tx_bytes")
             r = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "

@@ -22,9 +22,12 @@ counted over the same time (eth0's tx_bytes for writes, rx_bytes for reads): wha
 VMM let through its limiter, Ethernet, IP, TCP and RPC headers included, so the rate a
 per-clone limit R is judged by. Beside them, for the NFS phases: the frames the taps
 dropped for want of room, the server's TCP retransmissions (both counted in the
-namespace before and after), and the share of the host's CPU time that was busy. A
-phase in which every clone only sleeps 20 s gives the CPU floor under those figures
-and names the host threads that used the most CPU meanwhile. The configurations run
+namespace before and after), and the share of the host's CPU time that was busy. 15 s
+in which every clone only sleeps (from 5 s after the processes that sleep started)
+give the CPU floor under those figures and name the host threads that used the most CPU
+meanwhile. Each phase starts its clones' commands `4 + 3n` s ahead of the start second,
+and nothing but dd starts a process within a clone's timed window: starting a process
+costs this host's emulated guest kernel about a second of CPU. The configurations run
 one after the other in one run: unlimited, then --limit (--limited-only: the limit alone; a limit is
 `bytes=SIZE[/MS]`, SIZE bytes every MS milliseconds, 1000 by default, and SIZE is also
 the bucket: `bytes=8K/4000` is 2 KiB/s with 4 s of tokens).
@@ -63,6 +66,10 @@ rpcbind -f &
 i=0; while [ ! -S /run/rpcbind.sock ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done
 exec ganesha.nfsd -F -L {log} -f {conf} -p /run/ganesha.pid -N NIV_EVENT
 """
+
+
+# Before a read: its data comes from the server or the disk, not the guest's page cache.
+DROP = "echo 3 > /proc/sys/vm/drop_caches; "
 
 
 def ip(*args):
@@ -114,17 +121,19 @@ def vmm_exec(sock, cmd):
     return out.stdout
 
 
-UPTIME = re.compile(r"^took ([0-9.]+) ([0-9.]+)(?: ([0-9]+) ([0-9]+))?$", re.M)
+UPTIME = re.compile(r"^took ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9.]+)$", re.M)
 
 
 def timed(cmd, counter=None):
     """`cmd` in the guest between two readings of /proc/uptime (10 ms steps; busybox's
     dd prints no time) and of eth0's `counter` (rx_bytes, tx_bytes) if given: the bytes
-    of the frames the VMM passed through its limiter, as the guest's card counted them."""
-    up = "cut -d' ' -f1 /proc/uptime"
-    count = f"cat /sys/class/net/eth0/statistics/{counter}" if counter else "true"
-    return (f"t0=$({up}); b0=$({count}); {cmd} >/dev/null 2>&1 || exit 1; "
-            f"echo took $t0 $({up}) $b0 $({count})")
+    of the frames the VMM passed through its limiter, as the guest's card counted them.
+    The readings are the shell's own `read`: a process started in the window (`cut`,
+    `cat`) costs this host's emulated guest kernel about a second of CPU, which with 8
+    clones on 2 CPUs kept each window open seconds longer than its transfer."""
+    count = f"/sys/class/net/eth0/statistics/{counter}" if counter else "/proc/uptime"
+    return (f"read t0 x < /proc/uptime; read b0 x < {count}; {cmd} >/dev/null 2>&1 || exit 1; "
+            f"read t1 x < /proc/uptime; read b1 x < {count}; echo took $t0 $t1 $b0 $b1")
 
 
 def net_counts(ns):
@@ -182,16 +191,45 @@ def top_cpu(before, after, secs, n=6):
     return ", ".join(f"{k[1]} ({k[0]}) {u / tick / secs:.0%}" for u, k in used)
 
 
-def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None):
+def lead(n):
+    """Seconds from now to the start of a phase of `n` clones: each clone's `vmm exec`,
+    its `date` and its `sleep` start processes, about 4 s of CPU in all on this host's
+    emulated guest kernel, and n clones share 2 CPUs."""
+    return 4 + 3 * n
+
+
+def asleep(clones, secs=15):
+    """The host's CPU busy share, and the threads that used the most, over `secs` while
+    every clone sleeps (a `sleep` started before, its process start not counted): what
+    the clones, the server and the VMMs cost doing nothing."""
+    start = int(time.time()) + lead(len(clones))
+    procs = [subprocess.Popen([VMM, "exec", "--api-sock", c["api_sock"], "--timeout", "900",
+                               "--", f"d=$(({start} - $(date +%s))); [ $d -le 0 ] || sleep $d; "
+                               f"sleep {secs + 10}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL) for c in clones]
+    time.sleep(max(0.0, start + 5 - time.time()))
+    cpu0, p0, t0 = host_cpu(), proc_cpu(), time.time()
+    time.sleep(secs)
+    cpu1, p1, t1 = host_cpu(), proc_cpu(), time.time()
+    for p in procs:
+        _, err = p.communicate()
+        if p.returncode != 0:
+            raise RuntimeError(f"clone exec failed: {err}")
+    return 1 - (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1), top_cpu(p0, p1, t1 - t0)
+
+
+def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
     """Runs cmd_of(i), which moves `nbytes`, in every clone at once, each starting at the
-    same wall-clock second (the clones' clocks are the host's). Returns a dict: `rates`,
+    same wall-clock second (the clones' clocks are the host's), after `prep` (shell,
+    outside the timed window). Returns a dict: `rates`,
     each clone's file data in B/s; with `counter` (eth0's rx_bytes or tx_bytes) `link`,
     the bytes of the frames its card counted over the same time in B/s (what the
     limiter let through); with `taps` (the clones' taps in namespace `ns`) `drops`, the
     frames the taps dropped for want of room, and `retrans`, the server's TCP
     retransmissions; `cpu`, the share of the host's CPU time that was busy meanwhile
     (from the second the clones start at to the last one's end)."""
-    start = int(time.time()) + 4 + len(clones)
+    start = int(time.time()) + lead(len(clones))
     net0 = net_counts(ns) if taps else None
     procs = []
     for i, c in enumerate(clones, 1):
@@ -200,7 +238,7 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None):
         wait = f"d=$(({start} - $(date +%s))); [ $d -le 0 ] || sleep $d; "
         procs.append(subprocess.Popen(
             [VMM, "exec", "--api-sock", c["api_sock"], "--timeout", "900", "--",
-             wait + timed(cmd_of(i), counter)],
+             prep + wait + timed(cmd_of(i), counter)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             stdin=subprocess.DEVNULL))
     time.sleep(max(0.0, start - time.time()))
@@ -289,27 +327,23 @@ def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS):
             tag = f"{name}-{n}"
             w = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
                       f"bs=64k count={count} conv=fsync", ns, taps, "tx_bytes")
-            r = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
-                      f"dd if=/mnt/nfs/{tag}-{i} of=/dev/null bs=64k",
-                      ns, taps, "rx_bytes")
+            r = phase(clones, nbytes, lambda i: f"dd if=/mnt/nfs/{tag}-{i} of=/dev/null bs=64k",
+                      ns, taps, "rx_bytes", DROP)
             # What the clones cost the host while they do nothing (their kernels' timers,
             # the server, the VMMs): the floor under the phases' CPU figures.
-            p0, t0 = proc_cpu(), time.time()
-            idle = phase(clones, 0, lambda i: "sleep 20")
-            print(f"  asleep, the most CPU: {top_cpu(p0, proc_cpu(), time.time() - t0)}",
-                  file=sys.stderr)
+            idle, top = asleep(clones)
+            print(f"  asleep, the most CPU: {top}", file=sys.stderr)
             rows.append((label, n, "NFS write", w))
             rows.append((label, n, "NFS read", r))
             if with_disk:
                 dw = phase(clones, nbytes, lambda i: f"dd if=/dev/zero "
                            f"of=/mnt/disk/{tag}-{i} bs=64k count={count} conv=fsync")
-                dr = phase(clones, nbytes, lambda i: f"echo 3 > /proc/sys/vm/drop_caches; "
-                           f"dd if=/mnt/disk/{tag}-{i} of=/dev/null bs=64k")
+                dr = phase(clones, nbytes, lambda i: f"dd if=/mnt/disk/{tag}-{i} of=/dev/null "
+                           "bs=64k", prep=DROP)
                 rows.append((label, n, "private disk write", dw))
                 rows.append((label, n, "private disk read", dr))
-            print(f"  {label}, {n} clones asleep: host CPU {idle['cpu']:.0%} busy",
-                  file=sys.stderr)
-            idles.append((label, n, idle["cpu"]))
+            print(f"  {label}, {n} clones asleep: host CPU {idle:.0%} busy", file=sys.stderr)
+            idles.append((label, n, idle))
             for row in rows[-(4 if with_disk else 2):]:
                 link = (f", link {[round(x / 1024, 2) for x in row[3]['link']]}"
                         if row[3]["link"] else "")
@@ -389,7 +423,7 @@ def main():
         tap = f"{res['drops']} | {res['retrans']}" if "drops" in res else " | "
         print(f"| {label} | {n} | {what} | {kib(min(rates))} | {kib(statistics.median(rates))} "
               f"| {kib(max(rates))} | {kib(sum(rates))} | {link} | {tap} | {res['cpu']:.0%} |")
-    print("\nHost CPU busy while the clones sleep 20 s (the floor under the column above): " +
+    print("\nHost CPU busy while the clones sleep 15 s (the floor under the column above): " +
           ", ".join(f"{label} {n} clones {cpu:.0%}" for label, n, cpu in idles))
     rate = limit_rate(a.limit)
     limited = [res["link"] for label, _, _, res in rows if label == a.limit and res["link"]]

@@ -610,6 +610,17 @@ pub fn api_request(sock: &Path, method: &str, path: &str, body: Option<&str>) ->
     raw_request(sock, &http_request(method, path, body))
 }
 
+/// A figure of the invocation report in `GET /vm` (`invoke.<what>`) of the VM at `sock`.
+pub fn invoke_figure(sock: &Path, what: &str) -> u64 {
+    let (code, body) = api_request(sock, "GET", "/vm", None);
+    assert_eq!(code, 200, "GET /vm: {body}");
+    let v: serde_json::Value =
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    v["invoke"][what]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{what}: {body}"))
+}
+
 /// Sends raw bytes and returns (status, body).
 pub fn raw_request(sock: &Path, bytes: &[u8]) -> (u16, String) {
     let s = UnixStream::connect(sock)

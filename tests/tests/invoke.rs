@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use api_types::InvokeOptions;
 use serde_json::Value;
-use tests::{children_of, count_dir, kvm_available, tiny_vm, Scratch, Vm};
+use tests::{children_of, count_dir, invoke_figure, kvm_available, tiny_vm, Scratch, Vm};
 use vmm::api::client;
 use vmm::api::http::Response;
 
@@ -427,14 +427,6 @@ fn a_vm_that_is_no_template_serves_one_invocation_in_place_and_ends() {
 }
 
 /// `GET /vm`'s invocation figure `what` of the VM serving on `sock`.
-fn invoke_figure(sock: &Path, what: &str) -> u64 {
-    let (_, body) = tests::api_request(sock, "GET", "/vm", None);
-    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
-    v["invoke"][what]
-        .as_u64()
-        .unwrap_or_else(|| panic!("{what}: {body}"))
-}
-
 #[test]
 fn requests_that_come_while_the_runtime_is_on_its_way_back_are_held_for_it() {
     if !kvm_available("invoke_held") {

@@ -113,12 +113,35 @@ def stop_server(p):
         p.wait()
 
 
+def exec_start(sock, cmd):
+    """`cmd` started in the VM behind `sock` (`vmm exec`): its Popen, output piped."""
+    return subprocess.Popen([VMM, "exec", "--api-sock", sock, "--timeout", "900", "--", cmd],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+
+
+def exec_end(p, sock, cmd):
+    """The output of `exec_start(sock, cmd)`'s `p` once it ended; raises if it failed."""
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise RuntimeError(f"`{cmd}` in {sock}: {p.returncode} {out} {err}")
+    return out
+
+
 def vmm_exec(sock, cmd):
-    out = subprocess.run([VMM, "exec", "--api-sock", sock, "--timeout", "900", "--", cmd],
-                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if out.returncode != 0:
-        raise RuntimeError(f"`{cmd}` in {sock}: {out.returncode} {out.stdout} {out.stderr}")
-    return out.stdout
+    return exec_end(exec_start(sock, cmd), sock, cmd)
+
+
+def in_every(clones, start, cmd_of, prep=""):
+    """Runs `cmd_of(i)` (shell) in every clone, each from the wall-clock second `start`
+    (the clones' clocks are the host's), after `prep` (run before the wait). Returns a
+    function that waits for them all and gives their outputs."""
+    # One sleep to the start (to the second): a loop polling the clock would fork a
+    # process every step, which costs an emulated guest kernel a CPU.
+    wait = f"d=$(({start} - $(date +%s))); [ $d -le 0 ] || sleep $d; "
+    started = [(c["api_sock"], prep + wait + cmd_of(i)) for i, c in enumerate(clones, 1)]
+    procs = [exec_start(sock, cmd) for sock, cmd in started]
+    return lambda: [exec_end(p, sock, cmd) for p, (sock, cmd) in zip(procs, started)]
 
 
 UPTIME = re.compile(r"^took ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9.]+)$", re.M)
@@ -203,19 +226,12 @@ def asleep(clones, secs=15):
     every clone sleeps (a `sleep` started before, its process start not counted): what
     the clones, the server and the VMMs cost doing nothing."""
     start = int(time.time()) + lead(len(clones))
-    procs = [subprocess.Popen([VMM, "exec", "--api-sock", c["api_sock"], "--timeout", "900",
-                               "--", f"d=$(({start} - $(date +%s))); [ $d -le 0 ] || sleep $d; "
-                               f"sleep {secs + 10}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              stdin=subprocess.DEVNULL) for c in clones]
+    done = in_every(clones, start, lambda i: f"sleep {secs + 10}")
     time.sleep(max(0.0, start + 5 - time.time()))
     cpu0, p0, t0 = host_cpu(), proc_cpu(), time.time()
     time.sleep(secs)
     cpu1, p1, t1 = host_cpu(), proc_cpu(), time.time()
-    for p in procs:
-        _, err = p.communicate()
-        if p.returncode != 0:
-            raise RuntimeError(f"clone exec failed: {err}")
+    done()
     return 1 - (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1), top_cpu(p0, p1, t1 - t0)
 
 
@@ -231,25 +247,11 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
     (from the second the clones start at to the last one's end)."""
     start = int(time.time()) + lead(len(clones))
     net0 = net_counts(ns) if taps else None
-    procs = []
-    for i, c in enumerate(clones, 1):
-        # One sleep to the start (to the second): a loop polling the clock would fork a
-        # process every step, which costs an emulated guest kernel a CPU.
-        wait = f"d=$(({start} - $(date +%s))); [ $d -le 0 ] || sleep $d; "
-        procs.append(subprocess.Popen(
-            [VMM, "exec", "--api-sock", c["api_sock"], "--timeout", "900", "--",
-             prep + wait + timed(cmd_of(i), counter)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            stdin=subprocess.DEVNULL))
+    done = in_every(clones, start, lambda i: timed(cmd_of(i), counter), prep)
     time.sleep(max(0.0, start - time.time()))
     cpu0 = host_cpu()
-    outs = []
     try:
-        for p in procs:
-            out, err = p.communicate()
-            if p.returncode != 0:
-                raise RuntimeError(f"clone exec failed: {out} {err}")
-            outs.append(out)
+        outs = done()
     finally:
         net1 = net_counts(ns) if taps else None
     cpu1 = host_cpu()

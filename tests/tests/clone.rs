@@ -175,6 +175,19 @@ fn clone_of_a_clone_list_and_delete() {
         1,
         "only direct clones: {body}"
     );
+    // Every VM of the tree logs to the template's stderr; a clone's lines carry its id.
+    let log = vm.stderr_text();
+    for (id, clone) in [("1", &first), ("1.1", &grandchild)] {
+        let started = format!("clone {id} (pid {}) running", clone["pid"]);
+        let line = log.lines().find(|l| l.contains(&started));
+        let line = line.unwrap_or_else(|| panic!("no {started:?} in\n{log}"));
+        assert!(line.starts_with(&format!("[clone {id}] ")), "{line}");
+    }
+    let template = log.lines().find(|l| l.contains("VM started in")).unwrap();
+    assert!(
+        template.starts_with(|c: char| c.is_ascii_digit()),
+        "{template}"
+    );
 
     // Deleting clone 1 stops it; its own clone dies with it (PR_SET_PDEATHSIG).
     let (code, body) = vm.api("DELETE", "/clones/1", None);

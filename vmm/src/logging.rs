@@ -4,10 +4,12 @@
 //! line. `std::io::stderr()` takes a process-wide lock for each write; a child forked
 //! while another thread holds it would block forever on its first log line. This
 //! writer takes no lock: tracing formats each event into a buffer first, and the
-//! buffer goes out in `write(2)` calls on fd 2, which the kernel keeps whole for a
-//! line of ordinary size.
+//! buffer goes out in one `write(2)` on fd 2, which the kernel keeps whole for a line
+//! of ordinary size. Clones share their parent's stderr; each of their lines starts
+//! with the clone's tag ([`set_tag`]).
 
 use std::io::Write;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// A `tracing_subscriber` writer for fd 2 that holds no lock.
 #[derive(Debug, Clone, Copy, Default)]
@@ -34,11 +36,70 @@ impl Write for RawStderr {
 }
 
 impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for RawStderr {
-    type Writer = RawStderr;
+    type Writer = LogLine;
 
     fn make_writer(&'a self) -> Self::Writer {
-        *self
+        LogLine(Vec::with_capacity(160))
     }
+}
+
+/// The tag of this process's VM, `[clone 2.1] `, or null in an original VM. Clones
+/// share their parent's stderr, so every log line a clone writes starts with it.
+static TAG: AtomicPtr<String> = AtomicPtr::new(std::ptr::null_mut());
+
+/// From now on, every log line of this process starts with `[<name>] ` (a clone names
+/// itself once forked, `clone pid 123` while it is warm, then `clone 2.1`).
+pub fn set_tag(name: &str) {
+    let tag = Box::into_raw(Box::new(format!("[{name}] ")));
+    // The tag it replaces is left allocated: another thread may be writing it out.
+    // A clone sets two at most.
+    TAG.store(tag, Ordering::Release);
+}
+
+fn tag() -> &'static str {
+    let tag = TAG.load(Ordering::Acquire);
+    if tag.is_null() {
+        return "";
+    }
+    // SAFETY: a non-null TAG comes from Box::into_raw in set_tag and is never freed.
+    unsafe { &*tag }
+}
+
+/// One log event, collected and written out with the process's tag in one `write(2)`
+/// when tracing is done with it (so lines of clones sharing stderr do not interleave).
+#[derive(Debug)]
+pub struct LogLine(Vec<u8>);
+
+impl Write for LogLine {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            let _ = RawStderr.write_all(&tagged(tag(), &self.0));
+        }
+    }
+}
+
+/// `text` with `tag` before each of its lines.
+fn tagged(tag: &str, text: &[u8]) -> Vec<u8> {
+    if tag.is_empty() {
+        return text.to_vec();
+    }
+    let mut out = Vec::with_capacity(text.len() + tag.len());
+    for line in text.split_inclusive(|b| *b == b'\n') {
+        out.extend_from_slice(tag.as_bytes());
+        out.extend_from_slice(line);
+    }
+    out
 }
 
 /// Writes one message line to stderr without taking a lock (for forked children,
@@ -86,5 +147,20 @@ impl StageTimer {
 impl Default for StageTimer {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tag_starts_every_line_of_an_event() {
+        assert_eq!(tagged("", b"a\nb\n"), b"a\nb\n");
+        assert_eq!(
+            tagged("[clone 2.1] ", b" WARN refused\n  detail\n"),
+            b"[clone 2.1]  WARN refused\n[clone 2.1]   detail\n"
+        );
+        assert_eq!(tagged("[c] ", b"no newline"), b"[c] no newline");
     }
 }

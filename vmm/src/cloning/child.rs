@@ -248,6 +248,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
         }
     }
     close_all_but(&keep);
+    crate::logging::set_tag(&format!("clone pid {}", std::process::id()));
     // SAFETY: the ready pipe's write end, kept open above, owned from here on.
     let ready = unsafe { File::from_raw_fd(plan.ready) };
     // The parent answers once every write end of the ready pipe is closed: vCPU 0's
@@ -651,6 +652,7 @@ fn run_clone(
         }
     };
     name.clone_from(&identity.id);
+    crate::logging::set_tag(&format!("clone {}", identity.id));
     let launched = Instant::now();
     marks.done("vcpus");
     let config = clone_config(plan.template.config(), &identity)?;

@@ -146,6 +146,18 @@ pub struct WarmReport {
     pub primed: u64,
 }
 
+/// The live clones of a VM's whole tree (its original, every clone, their clones), in
+/// `GET /vm`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TreeReport {
+    /// Slots taken: the tree's live clones, those being made, and those that ended
+    /// without their parent reaping them (their parent was killed first) until a
+    /// request that finds the tree full frees theirs.
+    pub taken: usize,
+    /// At most this many (`--max-tree-clones` of the original VM).
+    pub max: usize,
+}
+
 /// The probe port's counters (forkvm's test guests write it), in `GET /vm`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ProbeReport {
@@ -240,6 +252,9 @@ pub struct VmInfo {
     pub invoke: crate::invoke::InvokeReport,
     /// Cgroup pools for clones (None: none).
     pub cgroups: Option<CgroupsReport>,
+    /// The live clones of this VM's whole tree (`--max-tree-clones`).
+    #[serde(default)]
+    pub clone_tree: TreeReport,
     /// The host.
     pub host: HostReport,
     /// Virtio devices, in bus order.

@@ -207,6 +207,70 @@ fn clone_of_a_clone_list_and_delete() {
     vm.shutdown(BOOT);
 }
 
+#[test]
+fn a_tree_of_clones_stays_within_max_tree_clones() {
+    // --max-clones bounds each VM's own clones; --max-tree-clones the whole tree's, so
+    // clones that each make clones cannot grow it without end.
+    if !kvm_available("clone_tree_limit") {
+        return;
+    }
+    let scratch = Scratch::new("clone-tree-max");
+    let extra = ["--max-tree-clones", "3"];
+    let mut vm = tests::tiny_vm_with(&scratch, "64", "1", "ticks=1 beat=10", &extra);
+    vm.wait_console("tiny: beat 1\n", BOOT);
+    let sock_of = |c: &Value| PathBuf::from(c["api_sock"].as_str().unwrap());
+    let two = post_clones(&vm.sock, 2);
+    let (one, two) = (sock_of(&two[0]), &two[1]);
+    let one_one = post_clones(&one, 1).remove(0);
+    // Three live clones: no VM of the tree may make a fourth.
+    let refused = |sock: &Path| {
+        let (code, body) = api_request(sock, "POST", "/clones", Some(r#"{"count":1}"#));
+        assert_eq!(code, 409, "{body}");
+        assert!(
+            body.contains("at most 3 may be (--max-tree-clones)"),
+            "{body}"
+        );
+    };
+    for sock in [&vm.sock, &one, &sock_of(two), &sock_of(&one_one)] {
+        refused(sock);
+    }
+    let taken = |sock: &Path| {
+        let (code, body) = api_request(sock, "GET", "/vm", None);
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["clone_tree"]["max"], 3, "{body}");
+        v["clone_tree"]["taken"].as_u64().unwrap()
+    };
+    assert_eq!(taken(&vm.sock), 3);
+    // A clone its parent stopped gives its slot back, and every VM sees it.
+    let (code, body) = api_request(&one, "DELETE", "/clones/1.1", None);
+    assert_eq!(code, 200, "{body}");
+    assert_eq!((taken(&vm.sock), taken(&sock_of(two))), (2, 2));
+    let two_one = post_clones(&sock_of(two), 1).remove(0);
+    refused(&vm.sock);
+    // A clone whose parent was killed dies with it, and nobody of the tree reaps it:
+    // its slot is freed once a VM finds the tree full and its process gone.
+    let pid = |c: &Value| c["pid"].as_i64().unwrap();
+    // SAFETY: signals a clone process this test made.
+    unsafe { libc::kill(pid(two) as i32, libc::SIGKILL) };
+    let start = Instant::now();
+    // Clone 2 is the template's to reap; 2.1 is gone once init reaped it.
+    let gone = |c: &Value| !Path::new(&format!("/proc/{}", pid(c))).exists();
+    while !gone(&two_one) || alive(pid(two)) {
+        assert!(start.elapsed() < BOOT, "clone 2.1 outlived its parent");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The template reaps clone 2 and frees its slot; 2.1's stays taken until needed.
+    while taken(&vm.sock) != 2 {
+        assert!(start.elapsed() < BOOT, "clone 2's slot was never freed");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let two_more = post_clones(&vm.sock, 2);
+    assert_eq!(two_more[0]["id"], "3", "{two_more:?}");
+    refused(&one);
+    vm.shutdown(BOOT);
+}
+
 fn last_beat_plain(console: &str) -> u64 {
     console
         .lines()
@@ -588,6 +652,28 @@ fn guest_request_for_too_many_clones_fails_cleanly() {
         "{}",
         vm.stderr_text()
     );
+    vm.shutdown(BOOT);
+}
+
+#[test]
+fn a_guest_request_beyond_the_tree_limit_fails_cleanly() {
+    if !kvm_available("guest_clone_tree_limit") {
+        return;
+    }
+    let scratch = Scratch::new("clone-guest-tree");
+    let extra = ["--max-tree-clones", "3"];
+    let mut vm = tests::tiny_vm_with(&scratch, "64", "1", "ticks=1 beat=10 clonetest=4", &extra);
+    let text = vm.wait_console("tiny: clone failed\n", Duration::from_secs(120));
+    assert!(!text.contains("tiny: clone 0"), "{text}");
+    vm.wait_console("tiny: beat 2\n", BOOT);
+    let (_, list) = vm.api("GET", "/clones", None);
+    assert_eq!(list, r#"{"clones":[]}"#);
+    let log = vm.stderr_text();
+    assert!(
+        log.contains("at most 3 may be (--max-tree-clones)"),
+        "{log}"
+    );
+    assert_eq!(vm.describe()["clone_tree"]["taken"], 0);
     vm.shutdown(BOOT);
 }
 

@@ -47,7 +47,8 @@ fn a_guest_writing_garbage_to_every_port_from_every_vcpu_leaves_the_vmm_serving_
         return;
     }
     let start = |scratch: &Scratch, cmdline: &str| {
-        tests::tiny_vm_with(scratch, "64", "2", cmdline, &["--max-clones", "4"])
+        let limits = ["--max-clones", "4", "--max-tree-clones", "6"];
+        tests::tiny_vm_with(scratch, "64", "2", cmdline, &limits)
     };
     let (s1, s2) = (Scratch::new("hostile"), Scratch::new("hostile-neighbour"));
     let mut neighbour = start(&s2, "ticks=1 beat=10");
@@ -120,6 +121,10 @@ fn a_guest_writing_garbage_to_every_port_from_every_vcpu_leaves_the_vmm_serving_
         "{} tags, {made} clones:\n{log}",
         vms.len()
     );
+    // The guests' clones, clones of clones among them, stay within the tree's bound.
+    assert!(made <= 6, "{made} clones in a tree of at most 6:\n{log}");
+    let v = vm.describe();
+    assert!(v["clone_tree"]["taken"].as_u64().unwrap() <= 6, "{v}");
     for (tag, (lines, refusals)) in &vms {
         assert!(
             refusals.windows(2).all(|w| w[0] < w[1]),

@@ -12,6 +12,9 @@ use crate::arch::x86_64::mptable::{MAX_VCPUS, MAX_VIRTIO_DEVICES};
 /// Most live clones one VM may have (each clone may have as many of its own), and the
 /// default of `--max-clones`.
 pub const MAX_LIVE_CLONES: usize = 2000;
+/// Most live clones a whole tree (an original VM, its clones, theirs, ...) may have
+/// (`--max-tree-clones`, default [`MAX_LIVE_CLONES`]).
+pub const MAX_TREE_CLONES: usize = 65536;
 /// Most warm clones a VM may keep (`--warm-clones`).
 pub const MAX_WARM_CLONES: usize = 256;
 
@@ -357,6 +360,9 @@ pub struct VmConfig {
     pub warm_clones: usize,
     /// Most live clones (1 to [`MAX_LIVE_CLONES`]); requests beyond are refused (409).
     pub max_clones: usize,
+    /// Most live clones of the whole tree this VM starts (1 to [`MAX_TREE_CLONES`];
+    /// an original VM's, which its clones inherit: `cloning::tree`).
+    pub max_tree_clones: usize,
     /// The invocation mailbox's size in MiB (0: none; docs/invoke.md).
     pub mailbox_mib: u32,
     /// A template: the VM pauses itself the first time its runtime waits for a
@@ -397,6 +403,7 @@ impl VmConfig {
             ap_boot: ApBoot::Sipi,
             warm_clones: 0,
             max_clones: MAX_LIVE_CLONES,
+            max_tree_clones: MAX_LIVE_CLONES,
             mailbox_mib: DEFAULT_MAILBOX_MIB,
             template: false,
             refresh_idle_ms: DEFAULT_REFRESH_IDLE_MS,
@@ -437,6 +444,9 @@ pub enum ConfigError {
     /// A limit of live clones out of range.
     #[error("--max-clones {0} is not 1 to {max}", max = MAX_LIVE_CLONES)]
     MaxClones(usize),
+    /// A limit of a tree's live clones out of range.
+    #[error("--max-tree-clones {0} is not 1 to {max}", max = MAX_TREE_CLONES)]
+    MaxTreeClones(usize),
     /// Too many warm clones.
     #[error("{0} warm clones requested; at most {max} may be kept", max = MAX_WARM_CLONES)]
     WarmClones(usize),
@@ -554,6 +564,9 @@ impl VmConfig {
         }
         if !(1..=MAX_LIVE_CLONES).contains(&self.max_clones) {
             return Err(ConfigError::MaxClones(self.max_clones));
+        }
+        if !(1..=MAX_TREE_CLONES).contains(&self.max_tree_clones) {
+            return Err(ConfigError::MaxTreeClones(self.max_tree_clones));
         }
         if self.tick_defer_ms > MAX_TICK_DEFER_MS {
             return Err(ConfigError::TickDefer(self.tick_defer_ms));

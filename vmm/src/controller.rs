@@ -79,12 +79,14 @@ impl Vmm {
 
     /// What `GET /vm` shows.
     pub fn describe(&self) -> VmInfo {
-        self.vm.describe(
+        let mut info = self.vm.describe(
             self.clones.clone_id(),
             self.clones.warm_report(),
             self.clones.cgroups_report(),
             self.invoker.report(),
-        )
+        );
+        info.clone_tree = crate::cloning::tree_report();
+        info
     }
 
     /// Runs invocation `inv`: in a clone of a template (which answers the caller), or

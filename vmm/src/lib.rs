@@ -40,6 +40,9 @@ pub enum VmmError {
     /// The clones' cgroup pools could not be made.
     #[error(transparent)]
     Cgroups(#[from] CgroupSetupError),
+    /// The shared slots of the VM's clone tree could not be mapped.
+    #[error("cannot map the clone tree's slots: {0}")]
+    Tree(std::io::Error),
     /// The event loop failed.
     #[error(transparent)]
     Run(#[from] RunError),
@@ -99,6 +102,7 @@ fn pools(config: &VmConfig) -> Result<Cloner, VmmError> {
         c.check()
             .map_err(|e| BuildError::Config(config::ConfigError::Cgroups(e)))?;
     }
+    cloning::init_tree(config.max_tree_clones).map_err(VmmError::Tree)?;
     Ok(Cloner::new(config, controller::serve_clone)?)
 }
 

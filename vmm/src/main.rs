@@ -89,6 +89,10 @@ struct RestoreArgs {
     /// Most live clones (1 to 2000).
     #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
     max_clones: usize,
+    /// Most live clones of the whole tree: this VM's, their clones', and so on (1 to
+    /// 65536); requests beyond are refused (409), a guest's too
+    #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
+    max_tree_clones: usize,
     /// The host tap of the network card (default: the snapshot's).
     #[arg(long)]
     tap: Option<String>,
@@ -268,6 +272,10 @@ struct RunArgs {
     /// an invocation that needs a clone
     #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
     max_clones: usize,
+    /// Most live clones of the whole tree: this VM's, their clones', and so on (1 to
+    /// 65536); requests beyond are refused (409), a guest's too
+    #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
+    max_tree_clones: usize,
     #[command(flatten)]
     cgroups: CgroupArgs,
     /// The invocation mailbox's size in MiB (0: none; 1 to 256): the largest request
@@ -567,6 +575,7 @@ fn main() -> ExitCode {
                 ap_boot: a.ap_boot,
                 warm_clones: a.warm_clones,
                 max_clones: a.max_clones,
+                max_tree_clones: a.max_tree_clones,
                 mailbox_mib: a.mailbox_mib,
                 template: a.template,
                 refresh_idle_ms: a.refresh_idle_ms,
@@ -595,6 +604,7 @@ fn main() -> ExitCode {
                 paused: a.paused,
                 warm_clones: a.warm_clones,
                 max_clones: a.max_clones,
+                max_tree_clones: a.max_tree_clones,
                 cgroups: a.cgroups.config(),
                 seccomp: a.seccomp,
                 tap: a.tap,

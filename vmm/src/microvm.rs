@@ -294,6 +294,8 @@ impl Microvm {
             warm_clones,
             invoke,
             cgroups,
+            // The clone side's, filled in by the controller.
+            clone_tree: Default::default(),
             host: self.host.clone(),
             devices: self.devices.describe_virtio(),
             probe: ProbeReport {

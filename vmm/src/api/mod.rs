@@ -173,7 +173,8 @@ pub fn status_of(e: &VmmActionError) -> u16 {
                 PlacementError::UnknownClass { .. } | PlacementError::NoPools(_),
             )
             | CloneError::State(_)
-            | CloneError::TooMany { .. } => 409,
+            | CloneError::TooMany { .. }
+            | CloneError::Tree(_) => 409,
             CloneError::Cgroup(PlacementError::Pool(PoolError::Exhausted { .. })) => 503,
             c if c.host_short() => 503,
             _ => 500,

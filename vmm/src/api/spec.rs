@@ -463,6 +463,7 @@ mod tests {
         let clone_errors = [
             CloneError::Count(0),
             CloneError::TooMany { live: 1, max: 1 },
+            CloneError::Tree(crate::cloning::TreeFull { live: 1, max: 1 }),
             CloneError::State(api_types::VmState::Stopped),
             CloneError::PathTooLong("p".into()),
             CloneError::Os(std::io::Error::other("x")),
@@ -527,6 +528,7 @@ mod tests {
             })),
             CloneError::Cgroup(PlacementError::NoPools("c".into())),
             CloneError::TooMany { live: 1, max: 1 },
+            CloneError::Tree(crate::cloning::TreeFull { live: 1, max: 1 }),
             CloneError::Os(std::io::Error::other("x")),
         ] {
             cases.push(("post", "/invocations", c.into()));

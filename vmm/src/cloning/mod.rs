@@ -29,6 +29,7 @@ mod prime;
 mod quiesce;
 mod request;
 mod table;
+mod tree;
 mod warm;
 
 use std::fs::File;
@@ -47,6 +48,7 @@ pub(crate) use child::{errno_of, prepare as prepare_restored, start_rebuilt};
 pub use child::{ChildError, ReadyMark, RebuiltClone, ServeClone, ServeError};
 pub use request::{CloneError, CLONE_FAILED};
 pub use table::CloneTable;
+pub use tree::{init as init_tree, report as tree_report, TreeFull};
 pub use warm::{WarmPool, REFILL_DELAY};
 
 /// The clone side of one VM: the clones it made, its warm clones, its cgroup pools.
@@ -155,7 +157,7 @@ impl Cloner {
     ) -> Result<Vec<CloneInfo>, CloneError> {
         // 1. The request.
         self.reap();
-        let identities = request::check(vm, &self.table, req).and_then(|()| {
+        let checked = request::check(vm, &self.table, req).and_then(|()| {
             let mut identities = request::identities(
                 vm.config(),
                 &self.clone_id,
@@ -164,9 +166,11 @@ impl Cloner {
                 requester,
             )?;
             identities.iter_mut().for_each(prepare);
-            Ok(identities)
+            // Their slots in the tree, freed again if the request fails.
+            let slots = tree::reserve(identities.len())?;
+            Ok((identities, slots))
         });
-        let identities = match identities {
+        let (identities, slots) = match checked {
             Ok(i) => i,
             Err(e) => {
                 quiesce::release_requester(vm, requester, CLONE_FAILED);
@@ -191,6 +195,9 @@ impl Cloner {
             // 2-4. Quiesce, capture, fork, resume.
             self.clone_now(vm, identities, requester, class, t0)?
         };
+        if let Some(slots) = slots {
+            slots.assign(made.iter().map(|(info, _)| info.pid as u32));
+        }
         // The parent waits for each clone's vCPU 0 to enter the guest. A running VM's
         // device workers were left parked until its first clone is up: woken at once,
         // they took the CPUs the clone starts on (0.5-0.9 ms more here with five of

@@ -36,6 +36,9 @@ pub enum CloneError {
         /// The VM's limit.
         max: usize,
     },
+    /// Too many live clones in the VM's whole tree.
+    #[error(transparent)]
+    Tree(#[from] super::tree::TreeFull),
     /// The VM is not in a state that can be cloned.
     #[error("cannot clone a VM that is {0:?}")]
     State(VmState),

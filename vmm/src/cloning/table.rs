@@ -86,6 +86,7 @@ impl CloneTable {
         status: WaitStatus,
     ) -> Option<CloneInfo> {
         let usage = pools.and_then(|p| p.exited(pid));
+        super::tree::release(pid);
         // The live record: an ended clone's pid may have been given to a newer one.
         let at = (self.clones.iter()).position(|c| c.pid == pid && c.status.is_live())?;
         let c = &mut self.clones[at];

@@ -48,6 +48,8 @@ pub struct RestoreOptions {
     pub warm_clones: usize,
     /// Most live clones.
     pub max_clones: usize,
+    /// Most live clones of its whole tree.
+    pub max_tree_clones: usize,
     /// Pooled cgroups for its clones.
     pub cgroups: Option<CgroupConfig>,
     /// Seccomp mode.
@@ -173,6 +175,7 @@ pub fn restored_config(
         ap_boot: saved.ap_boot,
         warm_clones: opts.warm_clones,
         max_clones: opts.max_clones,
+        max_tree_clones: opts.max_tree_clones,
         mailbox_mib: saved.mailbox_mib,
         template: saved.template,
         refresh_idle_ms: saved.refresh_idle_ms,

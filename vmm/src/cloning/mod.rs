@@ -13,7 +13,8 @@
 //! 6. `warm.rs`: for a paused template, stages 4 and 5 done ahead of requests.
 //! 7. `prime.rs`: a ready template's warm clones run its runtime's serving path once.
 //!
-//! `table.rs` keeps every clone's record until it is reaped or stopped.
+//! `table.rs` keeps every clone's record until it is reaped or stopped; `tree.rs` bounds
+//! the live clones of the whole tree (`--max-tree-clones`) in slots all its VMs share.
 //! [`Cloner::make_clones`] below reads the whole path top to bottom. A paused VM's state
 //! cannot change, so it is captured once per pause and reused by every request.
 //!

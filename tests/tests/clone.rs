@@ -740,7 +740,8 @@ fn clones_die_with_a_sigkilled_parent() {
         None,
     );
     assert_eq!(code, 200);
-    // No chance to clean up: PR_SET_PDEATHSIG must take every clone (and theirs) down.
+    // No chance to clean up: PR_SET_PDEATHSIG must take every clone (and theirs) down,
+    // and each removes its own socket on the way out.
     vm.child.kill().unwrap();
     vm.child.wait().unwrap();
     let start = Instant::now();
@@ -753,5 +754,10 @@ fn clones_die_with_a_sigkilled_parent() {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+        let sock = c["api_sock"].as_str().unwrap();
+        assert!(!Path::new(sock).exists(), "{sock} outlived its clone");
+        // Consoles are kept for reading, as when any clone exits.
+        let console = c["console"].as_str().unwrap();
+        assert!(console == "/dev/null" || Path::new(console).exists());
     }
 }

@@ -4,6 +4,7 @@
 //! left behind. Tiny guest, so each boot takes a second or two.
 
 use std::io::{Read, Write};
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -355,6 +356,19 @@ fn a_template_sigkilled_at_any_moment_of_a_clone_request_takes_every_clone_with_
         assert!(
             left.is_empty(),
             "after {delay_ms} ms: processes outlived their SIGKILLed template: {left:?}\n{}",
+            vm.stderr_text()
+        );
+        // Each clone removed its socket as it died; the template's own stays (nothing
+        // could remove it).
+        let sockets: Vec<_> = std::fs::read_dir(scratch.path(""))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_socket()) && e.path() != vm.sock)
+            .map(|e| e.path())
+            .collect();
+        assert!(
+            sockets.is_empty(),
+            "after {delay_ms} ms: clone sockets left: {sockets:?}\n{}",
             vm.stderr_text()
         );
         slowest = slowest.max(killed.elapsed());

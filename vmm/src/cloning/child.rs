@@ -1,7 +1,7 @@
 //! Stage 5, the child's rebuild: a new VM around the inherited guest RAM.
 //!
 //! A child starts with only the forking thread. It dies with its parent
-//! (`PR_SET_PDEATHSIG`), unmaps the parent's `kvm_run` pages, closes every inherited file
+//! (`PR_SET_PDEATHSIG`, removing its sockets first: `signals::die_with_parent`), unmaps the parent's `kvm_run` pages, closes every inherited file
 //! descriptor but its pipes, and never drops the parent's objects (their threads do not
 //! exist in the child). Then, in order:
 //!
@@ -26,7 +26,7 @@
 use std::borrow::Cow;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -221,7 +221,11 @@ fn close_all_but(keep: &[RawFd]) {
 
 /// The child side of fork(). Never returns.
 pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
-    let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+    // Ends this clone (after it removes its files) when the thread that forked it ends;
+    // SIGKILL if the handler cannot be set up.
+    if crate::signals::die_with_parent().is_err() {
+        let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+    }
     if nix::unistd::getppid().as_raw() != plan.parent_pid {
         // SAFETY: _exit has no preconditions; the parent is gone already.
         unsafe { libc::_exit(1) }
@@ -653,6 +657,13 @@ fn run_clone(
     };
     name.clone_from(&identity.id);
     crate::logging::set_tag(&format!("clone {}", identity.id));
+    // Before any of them exists: a parent killed with SIGKILL cannot remove them. Its
+    // sockets, and the console of an invocation's clone: what the parent removes when
+    // it reaps a clone (other clones' consoles are kept for reading).
+    let invocation = carried.is_some() && identity.console != Path::new("/dev/null");
+    let console = invocation.then_some(&identity.console);
+    let files = [Some(&identity.api_sock), console, identity.vsock.as_ref()];
+    crate::signals::remove_at_parent_death(files.into_iter().flatten().map(PathBuf::as_path));
     let launched = Instant::now();
     marks.done("vcpus");
     let config = clone_config(plan.template.config(), &identity)?;

@@ -25,7 +25,11 @@ tap's byte counters every 0.25 s and takes the rate between the moments the clon
 transfer had moved 10% and 90% of its bytes, so what its limiter passed while it
 transferred, without dd's process start before it or the last COMMIT after it. A
 per-clone limit R is judged by the steady rate; the link rate over dd's whole window is
-shown beside it. Beside them, for the NFS phases: the frames the taps
+shown beside it. With each tap sample the bench also reads the clone's limiter counters
+(`GET /vm`), and over the same span reports the rate of tokens its limiter had no frame
+for (`unused`: the transfer did not keep up, the guest or the server slow to queue the
+next frame) and lost while a frame waited (`late`: the VMM's worker came late to its
+timer); a clone more than 10% off R is listed with both. Beside them, for the NFS phases: the frames the taps
 dropped for want of room, the server's TCP retransmissions (both counted in the
 namespace before and after), and the share of the host's CPU time that was busy. 15 s
 in which every clone only sleeps (from 5 s after the processes that sleep started)
@@ -187,8 +191,10 @@ class TapSampler:
     with no process started in the guest. A tap's rx is what its VMM wrote (the guest's
     transmit side, past its limiter); its tx what the host queued for the VMM to read."""
 
-    def __init__(self, ns, every=0.25):
+    def __init__(self, ns, socks=(), limiter="tx", every=0.25):
         self.ns, self.every, self.rows = ns, every, []
+        # Each clone's limiter counters (GET /vm) at each sample: {sock: report}.
+        self.socks, self.limiter, self.limits = list(socks), limiter, []
         self.stop_at = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
@@ -203,24 +209,49 @@ class TapSampler:
                 v = line.replace(":", " ", 1).split()
                 row[v[0]] = (int(v[1]), int(v[9]))
             self.rows.append((t, row))
+            self.limits.append({sk: limiter_of(sk, self.limiter) for sk in self.socks})
             self.stop_at.wait(self.every)
 
     def stop(self):
         self.stop_at.set()
         self.thread.join()
 
-    def steady(self, tap, rx):
+    def steady(self, tap, rx, sock=None):
         """Tap `tap`'s rate in B/s (rx or tx bytes) between the samples at which it had
         moved 10% and 90% of what it moved over the phase: the limiter's rate while the
         transfer flows, without the process start before it, the end after it, or the
-        bucket's first burst."""
-        pts = [(t, row[tap][0 if rx else 1]) for t, row in self.rows if tap in row]
+        bucket's first burst. With `sock`, also the rates over that span of the tokens
+        the clone's limiter had no frame for (`unused`) and lost while a frame waited
+        (`late`): (rate, unused, late), or None."""
+        pts = [(i, t, row[tap][0 if rx else 1]) for i, (t, row) in enumerate(self.rows)
+               if tap in row]
         if len(pts) < 3:
             return None
-        total = pts[-1][1] - pts[0][1]
-        at = lambda share: next(p for p in pts if p[1] - pts[0][1] >= share * total)  # noqa: E731
-        (ta, ba), (tb, bb) = at(0.1), at(0.9)
-        return (bb - ba) / (tb - ta) if tb > ta else None
+        total = pts[-1][2] - pts[0][2]
+        at = lambda share: next(p for p in pts if p[2] - pts[0][2] >= share * total)  # noqa: E731
+        (ia, ta, ba), (ib, tb, bb) = at(0.1), at(0.9)
+        if tb <= ta:
+            return None
+        lost = [None, None]
+        a, b = (self.limits[ia].get(sock), self.limits[ib].get(sock)) if sock else (None, None)
+        if a and b:
+            lost = [(b[k] - a[k]) / (tb - ta) for k in ("unused_bytes", "late_bytes")]
+        return ((bb - ba) / (tb - ta), *lost)
+
+
+def limiter_of(sock, name):
+    """The counters of limiter `name` (rx or tx) of the network card of the VM at `sock`
+    (`GET /vm`), or None."""
+    try:
+        code, body = api(sock, "GET", "/vm")
+        devices = json.loads(body)["devices"] if code == 200 else []
+    except (OSError, ValueError, KeyError):
+        return None
+    for d in devices:
+        for lim in d.get("rate_limiters", []) if d.get("type") == "virtio-net" else []:
+            if lim["name"] == name:
+                return lim
+    return None
 
 
 def host_cpu():
@@ -298,7 +329,9 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
     done = in_every(clones, start, lambda i: timed(cmd_of(i), counter), prep)
     time.sleep(max(0.0, start - time.time()))
     cpu0 = host_cpu()
-    sampler = TapSampler(ns) if taps else None
+    rx = counter == "tx_bytes"
+    socks = [c["api_sock"] for c in clones]
+    sampler = TapSampler(ns, socks, "tx" if rx else "rx") if taps else None
     try:
         outs = done()
     finally:
@@ -318,7 +351,9 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
             res["link"].append((int(m.group(4)) - int(m.group(3))) / took)
     if taps:
         # The guest's tx_bytes went out through its tap (the tap's rx), rx_bytes in.
-        res["steady"] = [sampler.steady(t, counter == "tx_bytes") for t in taps]
+        st = [sampler.steady(t, rx, sk) for t, sk in zip(taps, socks)]
+        for i, key in enumerate(("steady", "unused", "late")):
+            res[key] = [x[i] if x else None for x in st]
         res["drops"] = sum(net1[t] - net0[t] for t in taps)
         res["retrans"] = net1["tcp-retrans"] - net0["tcp-retrans"]
     return res
@@ -400,9 +435,9 @@ def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS):
             print(f"  {label}, {n} clones asleep: host CPU {idle:.0%} busy", file=sys.stderr)
             idles.append((label, n, idle))
             for row in rows[-(4 if with_disk else 2):]:
-                link = (f", link {[round(x / 1024, 2) for x in row[3]['link']]}, steady "
-                        f"{[round((x or 0) / 1024, 2) for x in row[3]['steady']]}"
-                        if row[3]["link"] else "")
+                kibs = lambda k: [round((x or 0) / 1024, 2) for x in row[3][k]]  # noqa: E731
+                link = (f", link {kibs('link')}, steady {kibs('steady')}, limiter unused "
+                        f"{kibs('unused')}, late {kibs('late')}" if row[3]["link"] else "")
                 print(f"  {row[0]}, {row[1]} clones, {row[2]}: "
                       f"{[round(x / 1024, 2) for x in row[3]['rates']]} KiB/s{link}, "
                       f"host CPU {row[3]['cpu']:.0%} busy",
@@ -470,9 +505,9 @@ def main():
           f"of dd; link: the frame bytes its card counted over the same time, which is what "
           f"the limiter let through; the host's CPU over the phase):\n")
     print("| limit | clones | what | data min | data median | data max | data total "
-          "| link min | link max | steady min | steady max | tap drops | server retransmits "
-          "| host CPU busy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| link min | link max | steady min | steady max | unused max | late max "
+          "| tap drops | server retransmits | host CPU busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     kib = lambda x: f"{x / 1024:.2f}"  # noqa: E731
     for label, n, what, res in rows:
         rates = res["rates"]
@@ -480,6 +515,9 @@ def main():
         tap = f"{res['drops']} | {res['retrans']}" if "drops" in res else " | "
         steady = [x for x in res.get("steady") or [] if x]
         steady = f"{kib(min(steady))} | {kib(max(steady))}" if steady else " | "
+        lost = [max((x for x in res.get(k) or [] if x is not None), default=None)
+                for k in ("unused", "late")]
+        steady += " | " + " | ".join(kib(x) if x is not None else "" for x in lost)
         print(f"| {label} | {n} | {what} | {kib(min(rates))} | {kib(statistics.median(rates))} "
               f"| {kib(max(rates))} | {kib(sum(rates))} | {link} | {steady} | {tap} "
               f"| {res['cpu']:.0%} |")
@@ -496,6 +534,16 @@ def main():
               f"{'met' if steady <= 0.10 else 'NOT met'}, worst {steady:.1%} off. Over dd's "
               f"whole window (its process start and the last COMMIT included), the link rate's "
               f"worst is {link:.1%} off.")
+        for label, n, what, res in rows:
+            for i, x in enumerate(res.get("steady") or []):
+                if label == a.limit and x is not None and abs(x - rate) / rate > 0.10:
+                    unused, late = res["unused"][i], res["late"][i]
+                    print(f"  {n} clones, {what}, clone {i}: steady {kib(x)} KiB/s; over the "
+                          f"same span its limiter had no frame for "
+                          f"{kib(unused) if unused is not None else '?'} KiB/s of tokens "
+                          f"(the transfer did not keep up) and lost "
+                          f"{kib(late) if late is not None else '?'} KiB/s while a frame "
+                          f"waited (the VMM's worker came late)")
     for n in counts:
         fair = [sum(res["rates"]) / n for label, c, what, res in rows
                 if label == "unlimited" and c == n and what.startswith("NFS")]

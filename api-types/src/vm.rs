@@ -181,6 +181,32 @@ pub struct VirtioDeviceInfo {
     /// Its type and settings.
     #[serde(flatten)]
     pub kind: VirtioKind,
+    /// Its rate limiters' counters since its worker started (a clone's: since its
+    /// launch), when it has a limit. Only virtio-net reports them so far (`rx`, `tx`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rate_limiters: Vec<LimiterReport>,
+}
+
+/// A rate limiter's counters, in `GET /vm`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct LimiterReport {
+    /// Which one: `rx` (host to guest) or `tx` (guest to host) for a network card.
+    pub name: String,
+    /// Bytes it let through.
+    pub passed_bytes: u64,
+    /// Requests (frames) it held back for want of tokens.
+    pub throttled: u64,
+    /// Time those requests waited, in ms (a request still waiting is counted once it
+    /// goes).
+    pub throttled_ms: u64,
+    /// Tokens (bytes) its bandwidth bucket could not hold because it was full and no
+    /// request waited: rate the device had nothing to use for (an idle card loses them
+    /// all the time; a sender too slow to keep up loses them while it catches up).
+    pub unused_bytes: u64,
+    /// Tokens lost while a request waited: the worker came late to its timer (a host
+    /// short of CPU), and the bucket filled meanwhile. Over any span, what passed plus
+    /// what was unused and late, less what the bucket gained, is the rate times the span.
+    pub late_bytes: u64,
 }
 
 /// A virtio device's type (`type`) and settings.
@@ -288,6 +314,7 @@ mod tests {
                 cid: 3,
                 uds_path: "/tmp/v.sock".into(),
             },
+            rate_limiters: Vec::new(),
         };
         let v = serde_json::to_value(&d).unwrap();
         assert_eq!(v["type"], "virtio-vsock");

@@ -7,11 +7,39 @@
 //! bucket is full and leaves it in debt, so the average rate still holds for large I/O.
 
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::timerfd::TimerFd;
 
 pub use api_types::rate_limit::{BucketConfig, RateLimit, RateLimitError};
+pub use api_types::vm::LimiterReport;
+
+/// A limiter's counters, shared with whoever reports them (`GET /vm`) while a device
+/// worker updates them.
+#[derive(Debug, Default)]
+pub struct LimiterStats {
+    passed_bytes: AtomicU64,
+    throttled: AtomicU64,
+    throttled_ns: AtomicU64,
+    unused_bytes: AtomicU64,
+    late_bytes: AtomicU64,
+}
+
+impl LimiterStats {
+    /// The counters now, for direction or queue `name`.
+    pub fn report(&self, name: &str) -> LimiterReport {
+        LimiterReport {
+            name: name.to_string(),
+            passed_bytes: self.passed_bytes.load(Ordering::Relaxed),
+            throttled: self.throttled.load(Ordering::Relaxed),
+            throttled_ms: self.throttled_ns.load(Ordering::Relaxed) / 1_000_000,
+            unused_bytes: self.unused_bytes.load(Ordering::Relaxed),
+            late_bytes: self.late_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
 
 /// A bucket in use.
 #[derive(Debug)]
@@ -33,20 +61,26 @@ impl TokenBucket {
         }
     }
 
-    fn refill(&mut self, now: Instant) {
+    /// Adds the tokens earned since the last call; returns those a full bucket could not
+    /// hold.
+    fn refill(&mut self, now: Instant) -> u64 {
         let ns = now.saturating_duration_since(self.last).as_nanos() as i128;
         let per_ms = i128::from(self.config.refill_time_ms) * 1_000_000;
         let add = ns * i128::from(self.config.size) / per_ms;
+        let mut lost = 0;
         if add > 0 {
             // Advance the clock only by the time the added tokens stand for, so
             // fractions of a token are not lost between frequent calls.
             let used_ns = add * per_ms / i128::from(self.config.size);
             self.last += Duration::from_nanos(used_ns as u64);
-            self.budget = (self.budget + add).min(i128::from(self.config.size));
-            if self.budget == i128::from(self.config.size) {
+            let size = i128::from(self.config.size);
+            lost = (self.budget + add - size).max(0);
+            self.budget = (self.budget + add).min(size);
+            if self.budget == size {
                 self.last = now;
             }
         }
+        u64::try_from(lost).unwrap_or(u64::MAX)
     }
 
     /// Whether `tokens` can be taken now (a request larger than the bucket needs a full
@@ -83,6 +117,9 @@ pub struct RateLimiter {
     ops: Option<TokenBucket>,
     timer: TimerFd,
     blocked: bool,
+    /// When the request now held back was first refused.
+    blocked_since: Option<Instant>,
+    stats: Arc<LimiterStats>,
 }
 
 impl std::fmt::Debug for RateLimiter {
@@ -98,6 +135,11 @@ impl std::fmt::Debug for RateLimiter {
 impl RateLimiter {
     /// A limiter for `limit` (buckets start full).
     pub fn new(limit: &RateLimit) -> std::io::Result<Self> {
+        Self::with_stats(limit, Arc::default())
+    }
+
+    /// A limiter for `limit` that counts into `stats`.
+    pub fn with_stats(limit: &RateLimit, stats: Arc<LimiterStats>) -> std::io::Result<Self> {
         limit.check().map_err(std::io::Error::other)?;
         let now = Instant::now();
         Ok(Self {
@@ -105,6 +147,8 @@ impl RateLimiter {
             ops: limit.ops.map(|c| TokenBucket::new(c, now)),
             timer: TimerFd::new()?,
             blocked: false,
+            blocked_since: None,
+            stats,
         })
     }
 
@@ -114,9 +158,18 @@ impl RateLimiter {
         let now = Instant::now();
         let buckets = [(&mut self.bandwidth, bytes), (&mut self.ops, 1)];
         let mut wait = Duration::ZERO;
-        for (b, n) in buckets {
+        for (i, (b, n)) in buckets.into_iter().enumerate() {
             if let Some(b) = b.as_mut() {
-                b.refill(now);
+                let lost = b.refill(now);
+                if i == 0 {
+                    // A request refused before waits since: the bucket filled up while
+                    // it waited (the worker came late). Otherwise nothing was asking.
+                    let lost_to = match self.blocked_since {
+                        Some(_) => &self.stats.late_bytes,
+                        None => &self.stats.unused_bytes,
+                    };
+                    lost_to.fetch_add(lost, Ordering::Relaxed);
+                }
                 if !b.can_take(n) {
                     wait = wait.max(b.wait_for(n));
                 }
@@ -129,8 +182,18 @@ impl RateLimiter {
                 tracing::error!("rate limiter: cannot arm its timer: {e}");
             }
             self.blocked = true;
+            if self.blocked_since.is_none() {
+                self.blocked_since = Some(now);
+                self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+            }
             return false;
         }
+        if let Some(since) = self.blocked_since.take() {
+            let ns = now.saturating_duration_since(since).as_nanos();
+            let ns = u64::try_from(ns).unwrap_or(u64::MAX);
+            self.stats.throttled_ns.fetch_add(ns, Ordering::Relaxed);
+        }
+        self.stats.passed_bytes.fetch_add(bytes, Ordering::Relaxed);
         if let Some(b) = self.bandwidth.as_mut() {
             b.take(bytes);
         }
@@ -187,6 +250,45 @@ mod tests {
         let waited = t.elapsed();
         assert!(waited >= Duration::from_millis(9), "{waited:?}");
         assert!(l.consume(100));
+    }
+
+    #[test]
+    fn the_counters_show_what_passed_waited_and_overflowed() {
+        let stats = Arc::new(LimiterStats::default());
+        let mut l =
+            RateLimiter::with_stats(&"bytes=1000/100".parse().unwrap(), stats.clone()).unwrap();
+        // A full bucket at rest loses what it earns: 10 bytes a ms.
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(l.consume(1000));
+        let r = stats.report("rx");
+        assert!(r.unused_bytes >= 500, "{r:?}");
+        assert_eq!((r.passed_bytes, r.throttled, r.throttled_ms), (1000, 0, 0));
+        // Refused twice while it waits: one request held back, counted once it goes.
+        assert!(!l.consume(300));
+        assert!(!l.consume(300));
+        assert_eq!(stats.report("rx").throttled, 1);
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(l.consume(300));
+        let r = stats.report("rx");
+        assert_eq!((r.passed_bytes, r.throttled), (1300, 1), "{r:?}");
+        assert!(r.throttled_ms >= 40, "{r:?}");
+        assert_eq!(r.late_bytes, 0, "{r:?}");
+        // An empty bucket refilling loses nothing.
+        let unused = r.unused_bytes;
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(l.consume(100));
+        assert_eq!(stats.report("rx").unused_bytes, unused);
+        // A request that waits past its timer while the bucket fills: the worker came
+        // late, and what the full bucket lost meanwhile is counted so.
+        std::thread::sleep(Duration::from_millis(110));
+        assert!(l.consume(1000), "a full bucket");
+        let unused = stats.report("rx").unused_bytes;
+        assert!(!l.consume(1000), "empty");
+        std::thread::sleep(Duration::from_millis(150));
+        assert!(l.consume(1000));
+        let r = stats.report("rx");
+        assert!(r.late_bytes >= 400, "{r:?}");
+        assert_eq!(r.unused_bytes, unused, "{r:?}");
     }
 
     #[test]

@@ -2,7 +2,10 @@
 //! kernel code in the host's instruction emulator). Each test is one boot that checks
 //! several things, to keep CI time down.
 
+use std::path::Path;
 use std::time::Duration;
+
+use serde_json::Value;
 
 use tests::{guest_file, kvm_available, vmm_exec, Scratch, Vm};
 
@@ -847,6 +850,26 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     );
 }
 
+/// The tx rate limiter's counters of the network card of the VM at `sock` (`GET /vm`).
+fn tx_limiter(sock: &str) -> Value {
+    let (code, body) = tests::api_request(Path::new(sock), "GET", "/vm", None);
+    assert_eq!(code, 200, "{body}");
+    let vm: Value = serde_json::from_str(&body).unwrap();
+    let net = vm["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["type"] == "virtio-net");
+    let limiters = net.expect("a network card")["rate_limiters"]
+        .as_array()
+        .unwrap();
+    limiters
+        .iter()
+        .find(|l| l["name"] == "tx")
+        .expect("a tx limiter")
+        .clone()
+}
+
 #[test]
 fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
     // Every clone of the template streams TCP to a sink in its own namespace through a
@@ -937,6 +960,11 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
             );
             std::thread::sleep(Duration::from_millis(500));
         }
+        let socks: Vec<&str> = clones
+            .iter()
+            .map(|c| c["api_sock"].as_str().unwrap())
+            .collect();
+        let limiters_before: Vec<Value> = socks.iter().map(|s| tx_limiter(s)).collect();
         let before: Vec<u64> = taps
             .iter()
             .zip(&ns)
@@ -950,6 +978,39 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
             .map(|(t, ns)| ns.counter(t, "rx_bytes"))
             .collect();
         let secs = t0.elapsed().as_secs_f64();
+        let limiters_after: Vec<Value> = socks.iter().map(|s| tx_limiter(s)).collect();
+        let tap_end: Vec<u64> = taps
+            .iter()
+            .zip(&ns)
+            .map(|(t, ns)| ns.counter(t, "rx_bytes"))
+            .collect();
+        // The tx limiter's own counters (GET /vm): every byte it passed reached the tap
+        // (read around the answer), and while a frame waited it lost no token to a
+        // worker that came late to its timer. Tokens nobody asked for (the guest slow to
+        // queue its next frame) are `unused`.
+        for i in 0..taps.len() {
+            let (a, b) = (&limiters_after[i], &limiters_before[i]);
+            let field = |v: &Value, k: &str| v[k].as_u64().unwrap();
+            let passed = field(a, "passed_bytes");
+            assert!(
+                (after[i]..=tap_end[i] + 1514).contains(&passed),
+                "{n} clones: clone {i}'s tx limiter passed {passed} bytes, its tap received \
+                 {}..{}",
+                after[i],
+                tap_end[i]
+            );
+            let late = field(a, "late_bytes") - field(b, "late_bytes");
+            let unused = field(a, "unused_bytes") - field(b, "unused_bytes");
+            eprintln!(
+                "{n} clones: clone {i}: limiter passed {} B, unused {unused} B, late {late} B \
+                 over the window",
+                passed - field(b, "passed_bytes")
+            );
+            assert!(
+                late as f64 <= 0.1 * RATE * secs,
+                "{n} clones: clone {i}'s limiter lost {late} bytes of tokens while frames waited"
+            );
+        }
         let rates: Vec<f64> = before
             .iter()
             .zip(&after)

@@ -249,6 +249,11 @@ impl MmioTransport {
         self.device.open_host()
     }
 
+    /// The device's rate limiters' counters ([`VirtioDevice::limiter_reports`]).
+    pub fn limiter_reports(&self) -> Vec<crate::rate_limiter::LimiterReport> {
+        self.device.limiter_reports()
+    }
+
     /// Whether the driver started the device (its worker runs, or will once restored).
     pub fn is_active(&self) -> bool {
         self.running()

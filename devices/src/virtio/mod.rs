@@ -313,6 +313,11 @@ pub trait VirtioDevice: Send {
     fn open_host(&mut self) -> Result<(), ActivateError> {
         Ok(())
     }
+    /// Its rate limiters' counters, named (`rx`, `tx`), when it has a limit and reports
+    /// them.
+    fn limiter_reports(&self) -> Vec<crate::rate_limiter::LimiterReport> {
+        Vec::new()
+    }
     /// Starts the device: the driver is ready (DRIVER_OK) with these queues, or a clone
     /// restores a running device. Returns what the worker thread runs.
     fn activate(

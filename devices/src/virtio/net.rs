@@ -21,7 +21,7 @@ use vmm_sys_util::epoll::EventSet;
 use super::worker::{QueueHandler, WorkerContext, FIRST_HANDLER_TOKEN};
 use super::{ActivateError, VirtioDevice, VirtioDeviceState, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::persist::Persist;
-use crate::rate_limiter::{RateLimit, RateLimiter};
+use crate::rate_limiter::{LimiterStats, RateLimit, RateLimiter};
 
 /// virtio device id of a network card.
 pub const TYPE_NET: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_NET;
@@ -98,6 +98,8 @@ pub struct Net {
     deferred_tap: Option<String>,
     mac: [u8; 6],
     limit: Option<RateLimit>,
+    /// The rx and tx limiters' counters (each worker's limiters count into them).
+    stats: [Arc<LimiterStats>; 2],
     queue_sizes: [u16; 2],
 }
 
@@ -109,6 +111,7 @@ impl Net {
             deferred_tap: None,
             mac,
             limit,
+            stats: Default::default(),
             queue_sizes: [QUEUE_SIZE; 2],
         }
     }
@@ -128,6 +131,7 @@ impl Net {
             deferred_tap: Some(name.to_string()),
             mac,
             limit,
+            stats: Default::default(),
             queue_sizes: [QUEUE_SIZE; 2],
         })
     }
@@ -214,6 +218,13 @@ impl VirtioDevice for Net {
         Ok(())
     }
 
+    fn limiter_reports(&self) -> Vec<crate::rate_limiter::LimiterReport> {
+        match self.limit {
+            Some(_) => vec![self.stats[0].report("rx"), self.stats[1].report("tx")],
+            None => Vec::new(),
+        }
+    }
+
     fn activate(
         &mut self,
         mem: GuestMemoryMmap,
@@ -233,7 +244,8 @@ impl VirtioDevice for Net {
             .ok_or_else(|| ActivateError::BadQueue("no tap".into()))?
             .try_clone()
             .map_err(|e| super::WorkerError::Spawn("virtio-net", e))?;
-        let worker = NetWorker::new(mem, [rx, tx], interrupt, backend, self.limit.as_ref())?;
+        let limit = self.limit.as_ref().map(|l| (l, &self.stats));
+        let worker = NetWorker::new(mem, [rx, tx], interrupt, backend, limit)?;
         Ok(Box::new(worker))
     }
 }
@@ -263,9 +275,14 @@ impl NetWorker {
         [rx, tx]: [Queue; 2],
         interrupt: Arc<VirtioInterrupt>,
         backend: OwnedFd,
-        limit: Option<&RateLimit>,
+        limit: Option<(&RateLimit, &[Arc<LimiterStats>; 2])>,
     ) -> Result<Self, super::WorkerError> {
-        let limiter = || super::new_limiter(limit, "virtio-net");
+        let limiter = |i: usize| {
+            limit
+                .map(|(l, stats)| RateLimiter::with_stats(l, stats[i].clone()))
+                .transpose()
+                .map_err(|e| super::WorkerError::Spawn("virtio-net", e))
+        };
         Ok(Self {
             mem,
             rx,
@@ -276,8 +293,8 @@ impl NetWorker {
             registered: false,
             watching: false,
             pending: None,
-            rx_limiter: limiter()?,
-            tx_limiter: limiter()?,
+            rx_limiter: limiter(0)?,
+            tx_limiter: limiter(1)?,
             frame: vec![0u8; MAX_FRAME],
         })
     }

@@ -334,9 +334,13 @@ impl DeviceManager {
         self.virtio
             .iter()
             .zip(&self.virtio_info)
-            .map(|(t, info)| VirtioDeviceInfo {
-                active: lock(t).is_active(),
-                ..info.clone()
+            .map(|(t, info)| {
+                let t = lock(t);
+                VirtioDeviceInfo {
+                    active: t.is_active(),
+                    rate_limiters: t.limiter_reports(),
+                    ..info.clone()
+                }
             })
             .collect()
     }
@@ -403,6 +407,7 @@ impl DeviceManager {
             gsi,
             active: false,
             kind,
+            rate_limiters: Vec::new(),
         });
         self.cmdline_extra
             .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));

@@ -24,6 +24,8 @@ struct Rig<'a> {
     tx: MockSplitQueue<'a, GuestMemoryMmap>,
     worker: NetWorker,
     host: UnixDatagram,
+    /// The rx and tx limiters' counters.
+    stats: [Arc<LimiterStats>; 2],
 }
 
 fn rig<'a>(m: &'a GuestMemoryMmap, limit: Option<&str>) -> Rig<'a> {
@@ -35,12 +37,13 @@ fn rig<'a>(m: &'a GuestMemoryMmap, limit: Option<&str>) -> Rig<'a> {
     let limit: Option<RateLimit> = limit.map(|l| l.parse().unwrap());
     let interrupt = Arc::new(VirtioInterrupt::new(EventFd::new(0).unwrap()));
     let queues = [rx.create_queue().unwrap(), tx.create_queue().unwrap()];
+    let stats: [Arc<LimiterStats>; 2] = Default::default();
     let worker = NetWorker::new(
         m.clone(),
         queues,
         interrupt,
         OwnedFd::from(dev),
-        limit.as_ref(),
+        limit.as_ref().map(|l| (l, &stats)),
     )
     .unwrap();
     Rig {
@@ -48,6 +51,7 @@ fn rig<'a>(m: &'a GuestMemoryMmap, limit: Option<&str>) -> Rig<'a> {
         tx,
         worker,
         host,
+        stats,
     }
 }
 
@@ -192,6 +196,11 @@ fn the_tx_rate_limit_holds_frames_until_the_bucket_refills() {
     let mut got = [0u8; 1000];
     assert_eq!(r.host.recv(&mut got).unwrap(), 600);
     assert_eq!(r.host.recv(&mut got).unwrap(), 600);
+    // Counted on the tx limiter only: two frames through, the second and the third
+    // held back (the third still waits).
+    let tx = r.stats[1].report("tx");
+    assert_eq!((tx.passed_bytes, tx.throttled), (1200, 2), "{tx:?}");
+    assert_eq!(r.stats[0].report("rx").passed_bytes, 0);
 }
 
 #[test]
@@ -214,6 +223,9 @@ fn the_rx_rate_limit_holds_a_frame_and_stops_watching() {
     r.worker.rx_limiter.as_mut().unwrap().timer_fired();
     assert!(r.worker.process_rx());
     assert_eq!(r.rx.used().idx().load(), 2);
+    let rx = r.stats[0].report("rx");
+    assert_eq!((rx.passed_bytes, rx.throttled), (160, 1), "{rx:?}");
+    assert!(rx.throttled_ms >= 50, "{rx:?}");
 }
 
 #[test]

@@ -20,8 +20,14 @@ ready, no other child, and with --cgroup-class the pools' cgroup count unchanged
 clones on their way.
 Records of clones that ended are kept up to 1024 (`cloning::table::ENDED_KEPT`).
 
+--guest c or python runs a Linux template instead of the tiny guest (256 MiB, release
+build, as benches/invoke.py's runtimes): the C runtime's echo (`forkvm-fn echo`,
+initramfs) or the Python runtime's no-op (`forkvm_examples:noop`, python.ext4 as a
+read-only root). Its boot takes minutes here; each cycle's clone runs a Linux kernel
+until it is deleted, and each invocation is served by a fresh primed warm clone.
+
 usage: benches/soak.py [--cycles 10000] [--invocations 10000] [--every 1000] [--warm 4]
-                       [--cgroup-class CLASS]
+                       [--cgroup-class CLASS] [--guest tiny|c|python]
 """
 import argparse
 import json
@@ -32,10 +38,26 @@ import sys
 import tempfile
 import time
 
-from invoke import VMM, exchange, invoke, ready_template, wait_vm
+from invoke import LINUX, PY_NOOP, VMM, exchange, invoke, ready_template, wait_vm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "target/guest/tiny.elf")
+GUEST = os.path.join(ROOT, "target/guest")
+
+
+def guest_args(guest):
+    """`vmm run` arguments of the template's guest, and what its handler answers to a
+    payload (None: the payload itself)."""
+    if guest == "tiny":
+        return ["--kernel", TINY, "--ap-boot", "direct", "--mem-mib", "64",
+                "--cmdline", "ticks=1 invoke=1"], None
+    kernel = ["--kernel", os.path.join(GUEST, "vmlinux"), "--mem-mib", "256"]
+    if guest == "c":
+        return kernel + ["--initrd", os.path.join(GUEST, "initramfs.cpio"), "--cmdline",
+                         f'{LINUX} forkvm.run="forkvm-fn echo"'], None
+    return kernel + ["--rootfs", os.path.join(GUEST, "python.ext4"), "--cmdline",
+                     f"{LINUX} root=/dev/vda ro rootfstype=ext4 "
+                     f'forkvm.run="python3 -m forkvm {PY_NOOP}"'], b""
 
 
 def kib(pid, key):
@@ -134,21 +156,23 @@ def main():
     ap.add_argument("--every", type=int, default=1000)
     ap.add_argument("--warm", type=int, default=4)
     ap.add_argument("--cgroup-class", default="", help="a resource class for every clone")
+    ap.add_argument("--guest", choices=["tiny", "c", "python"], default="tiny",
+                    help="the template's guest and runtime")
     a = ap.parse_args()
     a.cgroup_parent = f"forkvm-soak-{os.getpid()}" if a.cgroup_class else ""
     tmp = tempfile.mkdtemp(prefix="forkvm-soak-")
     sock = os.path.join(tmp, "api.sock")
-    cmd = [VMM, "run", "--kernel", TINY, "--ap-boot", "direct", "--mem-mib", "64",
-           "--cmdline", "ticks=1 invoke=1", "--console", os.path.join(tmp, "console"),
+    guest, expect = guest_args(a.guest)
+    cmd = [VMM, "run", *guest, "--console", os.path.join(tmp, "console"),
            "--api-sock", sock, "--template", "--warm-clones", str(a.warm)]
     if a.cgroup_class:
         cmd += ["--cgroup-class", a.cgroup_class, "--cgroup-parent", a.cgroup_parent]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
-        wait_vm(p, sock, ready_template(a.warm), timeout=120)
+        wait_vm(p, sock, ready_template(a.warm), timeout=120 if a.guest == "tiny" else 900)
         t0 = time.time()
         first = None
-        print(f"template pid {p.pid}; counts of its VMM every {a.every} operations")
+        print(f"{a.guest} template pid {p.pid}; counts of its VMM every {a.every} operations")
 
         def cycle():
             status, _, body = exchange(sock, "POST", "/clones", b'{"count":1}')
@@ -166,7 +190,7 @@ def main():
         for _ in range(min(a.every, 100)):
             cycle()
         for _ in range(min(a.every, 100)):
-            invoke(sock, b"soak")
+            invoke(sock, b"soak", expect=expect)
         first = settled(p, sock, tmp, a)
         show("start", 0, first, t0)
         for i in range(1, a.cycles + 1):
@@ -174,7 +198,7 @@ def main():
             if i % a.every == 0:
                 show("cycles", i, counts(p.pid, sock, tmp, a.cgroup_parent), t0)
         for i in range(1, a.invocations + 1):
-            invoke(sock, b"soak %d" % i)
+            invoke(sock, b"soak %d" % i, expect=expect)
             if i % a.every == 0:
                 show("invocations", i, counts(p.pid, sock, tmp, a.cgroup_parent), t0)
         last = settled(p, sock, tmp, a)

@@ -1,9 +1,10 @@
 //! Stage 5, the child's rebuild: a new VM around the inherited guest RAM.
 //!
 //! A child starts with only the forking thread. It dies with its parent
-//! (`PR_SET_PDEATHSIG`, removing its sockets first: `signals::die_with_parent`), unmaps the parent's `kvm_run` pages, closes every inherited file
-//! descriptor but its pipes, and never drops the parent's objects (their threads do not
-//! exist in the child). Then, in order:
+//! (`PR_SET_PDEATHSIG`, removing its sockets first: `signals::die_with_parent`), unmaps
+//! the parent's `kvm_run` pages, closes every inherited file descriptor but its pipes,
+//! and never drops the parent's objects (their threads do not exist in the child).
+//! Then, in order:
 //!
 //! 1. it moves itself into its cgroup, if it was not born inside (`cgroups.rs`);
 //! 2. [`prepare`]: a new VM on the inherited memory (memory slots first, then TSS,

@@ -5,6 +5,11 @@
 //! (continuously, not in steps), plus a `one_time_burst` spent first and never refilled.
 //! A request may take more tokens than the bucket holds: it is let through when the
 //! bucket is full and leaves it in debt, so the average rate still holds for large I/O.
+//!
+//! Each limiter counts into a [`LimiterStats`] what it passed, what it held back and for
+//! how long, and the tokens its full bandwidth bucket could not hold, split by whether a
+//! request waited meanwhile (`late`: the worker came late to its timer) or not
+//! (`unused`: nothing asked for them).
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -965,25 +965,20 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
             .map(|c| c["api_sock"].as_str().unwrap())
             .collect();
         let limiters_before: Vec<Value> = socks.iter().map(|s| tx_limiter(s)).collect();
-        let before: Vec<u64> = taps
-            .iter()
-            .zip(&ns)
-            .map(|(t, ns)| ns.counter(t, "rx_bytes"))
-            .collect();
+        // Each clone's tap's rx bytes: what its VMM wrote, past its tx limiter.
+        let tap_rx = || -> Vec<u64> {
+            taps.iter()
+                .zip(&ns)
+                .map(|(t, ns)| ns.counter(t, "rx_bytes"))
+                .collect()
+        };
+        let before = tap_rx();
         let t0 = std::time::Instant::now();
         std::thread::sleep(WINDOW);
-        let after: Vec<u64> = taps
-            .iter()
-            .zip(&ns)
-            .map(|(t, ns)| ns.counter(t, "rx_bytes"))
-            .collect();
+        let after = tap_rx();
         let secs = t0.elapsed().as_secs_f64();
         let limiters_after: Vec<Value> = socks.iter().map(|s| tx_limiter(s)).collect();
-        let tap_end: Vec<u64> = taps
-            .iter()
-            .zip(&ns)
-            .map(|(t, ns)| ns.counter(t, "rx_bytes"))
-            .collect();
+        let tap_end = tap_rx();
         // The tx limiter's own counters (GET /vm): every byte it passed reached the tap
         // (read around the answer), and while a frame waited it lost no token to a
         // worker that came late to its timer. Tokens nobody asked for (the guest slow to

@@ -125,6 +125,9 @@ impl Default for CreateClones {
 /// A `POST /clones` body whose parts do not fit together.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CreateClonesError {
+    /// `count` out of its range.
+    #[error("clone count must be 1 to {MAX_CLONES_PER_REQUEST}, not {0}")]
+    Count(u64),
     /// `addresses` or `taps` not one per clone.
     #[error("{given} {what} for {count} clones: give one per clone or none")]
     PerClone {
@@ -144,9 +147,12 @@ pub enum CreateClonesError {
 }
 
 impl CreateClones {
-    /// Checks what the body can tell alone (the VMM checks the rest: the count's range,
-    /// the devices the VM has, its classes).
+    /// Checks what the body can tell alone: the count's range, and the parts that must fit
+    /// it (the VMM checks the rest: the devices the VM has, its classes, its live clones).
     pub fn check(&self) -> Result<(), CreateClonesError> {
+        if !(1..=u64::from(MAX_CLONES_PER_REQUEST)).contains(&self.count) {
+            return Err(CreateClonesError::Count(self.count));
+        }
         for (what, given) in [
             ("addresses", self.addresses.len()),
             ("taps", self.taps.len()),
@@ -291,6 +297,9 @@ mod tests {
             r#"{"console":"tty"}"#,
             r#"{"count":"many"}"#,
             r#"{"count":2,"x":1}"#,
+            r#"{"count":0}"#,
+            r#"{"count":1001}"#,
+            r#"{"count":0,"taps":["t1"]}"#,
         ] {
             assert!(body(bad).is_err(), "{bad} accepted");
         }

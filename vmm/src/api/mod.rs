@@ -107,9 +107,9 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
                 match e {
                     // Each part valid, but they do not fit together (no schema says so).
                     CreateClonesError::PerClone { .. } => ApiReply::error(422, e),
-                    CreateClonesError::TapName(_) | CreateClonesError::TapTwice(_) => {
-                        ApiReply::error(400, e)
-                    }
+                    CreateClonesError::Count(_)
+                    | CreateClonesError::TapName(_)
+                    | CreateClonesError::TapTwice(_) => ApiReply::error(400, e),
                 }
             })?;
             Ok(VmmAction::CreateClones {
@@ -287,6 +287,9 @@ mod tests {
             r#"{"taps":["a-name-far-too-long-for-linux"]}"#,
             r#"{"rate_limits":{"net":"fast"}}"#,
             r#"{"console":"tty"}"#,
+            r#"{"count":0}"#,
+            "{\"count\":\r\r0 }",
+            r#"{"count":1001,"taps":["t1"]}"#,
         ] {
             assert_eq!(status("POST", "/clones", bad), 400, "{bad}");
         }

@@ -147,14 +147,40 @@ def in_every(clones, start, cmd_of, prep=""):
     (the clones' clocks are the host's), after `prep` (run before the wait). Returns a
     function that waits for them all and gives their outputs."""
     # One sleep to the start (to the second): a loop polling the clock would fork a
-    # process every step, which costs an emulated guest kernel a CPU.
-    wait = f"d=$(({start} - $(date +%s))); [ $d -le 0 ] || sleep $d; "
+    # process every step, which costs an emulated guest kernel a CPU. The one process
+    # that reads the clock (busybox's adjtimex: its date has no sub-second) sits between
+    # two readings of /proc/uptime, which ties the guest's uptime to the host's clock
+    # (`clock U0 U1 SEC FRACTION STATUS`; see guest_to_host).
+    wait = ("read u0 x < /proc/uptime; c=$(adjtimex); read u1 x < /proc/uptime; set -- $c; "
+            "while [ $# -gt 1 ]; do case $1 in status:) st=$2;; time.tv_sec:) s=$2;; "
+            "time.tv_usec:) us=$2;; esac; shift; done; [ -n \"$s\" ] || s=$(date +%s); "
+            "echo clock $u0 $u1 $s $us $st; "
+            f"d=$(({start} - s)); [ $d -le 0 ] || sleep $d; ")
     started = [(c["api_sock"], prep + wait + cmd_of(i)) for i, c in enumerate(clones, 1)]
     procs = [exec_start(sock, cmd) for sock, cmd in started]
     return lambda: [exec_end(p, sock, cmd) for p, (sock, cmd) in zip(procs, started)]
 
 
-UPTIME = re.compile(r"^took ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9.]+)$", re.M)
+# Not anchored to a line's start: once (2026-11-27) an output came back with the 16 bytes
+# before a `took` line zeroed (docs/reliability.md), and the bench reads what it can.
+UPTIME = re.compile(r"took ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9.]+)\n")
+CLOCK = re.compile(r"clock ([0-9.]+) ([0-9.]+) ([0-9]+) ([0-9]+) ([0-9]+)\n")
+STA_NANO = 0x2000
+
+
+def guest_to_host(out):
+    """What to add to the guest's uptime in `out` (an in_every output) for the host's
+    clock (time.time()), from its `clock` line, or None. Its error is half the time
+    the adjtimex process took to start, run and end (the two uptime readings around it):
+    on this host's emulated guest kernel up to about half a second."""
+    m = CLOCK.search(out)
+    if not m:
+        return None
+    u0, u1, sec, frac = float(m.group(1)), float(m.group(2)), int(m.group(3)), int(m.group(4))
+    # The field is tv_usec, but nanoseconds once the clock runs with STA_NANO (set by the
+    # ADJ_NANO offset `forkvm-clone --sync-clock` applies).
+    frac /= 1e9 if int(m.group(5)) & STA_NANO else 1e6
+    return sec + frac - (u0 + u1) / 2
 
 
 def timed(cmd, counter=None):
@@ -203,7 +229,7 @@ class TapSampler:
         while not self.stop_at.is_set():
             out = subprocess.run(["ip", "netns", "exec", self.ns, "cat", "/proc/net/dev"],
                                  capture_output=True, text=True).stdout
-            t = time.monotonic()
+            t = time.time()
             row = {}
             for line in out.splitlines()[2:]:
                 v = line.replace(":", " ", 1).split()
@@ -237,6 +263,38 @@ class TapSampler:
         if a and b:
             lost = [(b[k] - a[k]) / (tb - ta) for k in ("unused_bytes", "late_bytes")]
         return ((bb - ba) / (tb - ta), *lost)
+
+
+    def window(self, tap, rx, sock, w0, w1):
+        """Where the time of a clone's window [w0, w1] (the host's clock) went, from its
+        tap's samples: `before`, from w0 until its transfer had moved 1% of what it moved
+        over the phase; `ramp`, to 10%; `steady`, to 90%; `tail`, to 99%; `after`, from
+        there to w1 (each to the sample, 0.25 s or more apart); `gap`, the longest time
+        between 1% and 99% in which nothing moved. With the limiter counters at the
+        samples nearest w0 and w1: `throttled` (s frames waited), `unused` and `late`
+        (bytes) over the window. A dict, or None."""
+        pts = [(i, t, row[tap][0 if rx else 1]) for i, (t, row) in enumerate(self.rows)
+               if tap in row]
+        if len(pts) < 3:
+            return None
+        base, total = pts[0][2], pts[-1][2] - pts[0][2]
+        at = lambda share: next(p for p in pts if p[2] - base >= share * total)  # noqa: E731
+        marks = [at(x)[1] for x in (0.01, 0.1, 0.9, 0.99)]
+        edges = [w0] + marks + [w1]
+        res = {k: b - a for k, a, b in zip(("before", "ramp", "steady", "tail", "after"),
+                                           edges, edges[1:])}
+        moving = [p for p in pts if marks[0] <= p[1] <= marks[3]]
+        res["moved"], res["gap"], since = total, 0.0, marks[0]
+        for (_, ta, ba), (_, tb, bb) in zip(moving, moving[1:]):
+            since = since if bb == ba else tb
+            res["gap"] = max(res["gap"], tb - since)
+        near = lambda w: min(pts, key=lambda p: abs(p[1] - w))[0]  # noqa: E731
+        a, b = self.limits[near(w0)].get(sock), self.limits[near(w1)].get(sock)
+        if a and b:
+            res["throttled"] = (b["throttled_ms"] - a["throttled_ms"]) / 1000
+            res["unused"] = b["unused_bytes"] - a["unused_bytes"]
+            res["late"] = b["late_bytes"] - a["late_bytes"]
+        return res
 
 
 def limiter_of(sock, name):
@@ -341,6 +399,7 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
     cpu1 = host_cpu()
     res = {"rates": [], "link": [] if counter else None,
            "cpu": 1 - (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1)}
+    windows = []
     for out in outs:
         m = UPTIME.search(out)
         if not m:
@@ -349,11 +408,18 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
         res["rates"].append(nbytes / took)
         if counter:
             res["link"].append((int(m.group(4)) - int(m.group(3))) / took)
+        off = guest_to_host(out)
+        if off is None:
+            print(f"  no clock line in {out!r}", file=sys.stderr)
+        windows.append((off + float(m.group(1)), off + float(m.group(2)))
+                       if off is not None else None)
     if taps:
         # The guest's tx_bytes went out through its tap (the tap's rx), rx_bytes in.
         st = [sampler.steady(t, rx, sk) for t, sk in zip(taps, socks)]
         for i, key in enumerate(("steady", "unused", "late")):
             res[key] = [x[i] if x else None for x in st]
+        res["window"] = [sampler.window(t, rx, sk, *w) if w else None
+                         for t, sk, w in zip(taps, socks, windows)]
         res["drops"] = sum(net1[t] - net0[t] for t in taps)
         res["retrans"] = net1["tcp-retrans"] - net0["tcp-retrans"]
     return res
@@ -438,9 +504,13 @@ def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS):
                 kibs = lambda k: [round((x or 0) / 1024, 2) for x in row[3][k]]  # noqa: E731
                 link = (f", link {kibs('link')}, steady {kibs('steady')}, limiter unused "
                         f"{kibs('unused')}, late {kibs('late')}" if row[3]["link"] else "")
+                parts = ("before", "ramp", "steady", "tail", "after", "gap")
+                windows = (", windows (s: " + "/".join(parts) + ") " + " ".join(
+                    "/".join(f"{w[k]:.1f}" for k in parts) if w else "?"
+                    for w in row[3]["window"]) if row[3].get("window") else "")
                 print(f"  {row[0]}, {row[1]} clones, {row[2]}: "
                       f"{[round(x / 1024, 2) for x in row[3]['rates']]} KiB/s{link}, "
-                      f"host CPU {row[3]['cpu']:.0%} busy",
+                      f"host CPU {row[3]['cpu']:.0%} busy{windows}",
                       file=sys.stderr)
             for c in clones:
                 api(sock, "DELETE", f"/clones/{c['id']}")
@@ -544,6 +614,11 @@ def main():
                           f"(the transfer did not keep up) and lost "
                           f"{kib(late) if late is not None else '?'} KiB/s while a frame "
                           f"waited (the VMM's worker came late)")
+        for label, n, what, res in rows:
+            for i, x in enumerate(res["link"] if label == a.limit and res["link"] else []):
+                if x < 0.9 * rate:
+                    explain_window(f"{n} clones, {what}, clone {i}", x, limit_rate(a.limit, True),
+                                   (res.get("window") or [None] * n)[i])
     for n in counts:
         fair = [sum(res["rates"]) / n for label, c, what, res in rows
                 if label == "unlimited" and c == n and what.startswith("NFS")]
@@ -553,13 +628,35 @@ def main():
                   f"{'below' if rate < min(fair) else 'NOT below'} it")
 
 
-def limit_rate(text):
-    """B/s of a `bytes=SIZE[/MS]` limit (K and M in 1024s), or None."""
+def explain_window(who, link, limit, w):
+    """Prints where the time of a clone's dd window went (TapSampler.window), for a link
+    rate `link` more than 10% below the rate of `limit` (rate, bucket)."""
+    rate, bucket = limit
+    if not w:
+        print(f"  {who}: link {link / 1024:.2f} KiB/s over dd's window; its window could "
+              f"not be placed on the host's clock")
+        return
+    span = sum(w[k] for k in ("before", "ramp", "steady", "tail", "after"))
+    lim = (f"; its limiter over the window: frames waited {w['throttled']:.1f} s, unused "
+           f"{w['unused'] / 1024:.1f} KiB, late {w['late'] / 1024:.1f} KiB"
+           if "unused" in w else "")
+    print(f"  {who}: link {link / 1024:.2f} KiB/s over dd's window of {span:.1f} s: "
+          f"{w['before']:.1f} s before 1% of its {w['moved'] / 1024:.0f} KiB moved, "
+          f"{w['ramp']:.1f} s to 10%, {w['steady']:.1f} s to 90%, {w['tail']:.1f} s to 99%, "
+          f"{w['after']:.1f} s after (1% to 99% at R after a full bucket: "
+          f"{max(0.98 * w['moved'] - bucket, 0) / rate:.1f} s); "
+          f"longest stall between 1% and 99% {w['gap']:.1f} s{lim}")
+
+
+def limit_rate(text, bucket=False):
+    """B/s of a `bytes=SIZE[/MS]` limit (K and M in 1024s), or None; with `bucket`,
+    (B/s, SIZE)."""
     m = re.search(r"bytes=([0-9]+)([KM]?)(?:/([0-9]+))?", text)
     if not m:
         return None
     size = int(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20}[m.group(2)]
-    return size * 1000 / int(m.group(3) or 1000)
+    rate = size * 1000 / int(m.group(3) or 1000)
+    return (rate, size) if bucket else rate
 
 
 if __name__ == "__main__":

@@ -29,7 +29,12 @@ shown beside it. With each tap sample the bench also reads the clone's limiter c
 (`GET /vm`), and over the same span reports the rate of tokens its limiter had no frame
 for (`unused`: the transfer did not keep up, the guest or the server slow to queue the
 next frame) and lost while a frame waited (`late`: the VMM's worker came late to its
-timer); a clone more than 10% off R is listed with both. Beside them, for the NFS phases: the frames the taps
+timer); a clone more than 10% off R is listed with both. A clone whose link rate over
+dd's whole window is more than 10% below R is listed with where that window's time
+went, from its tap's samples: before its transfer moved 1% of its bytes, to 10%, to
+90%, to 99%, and after; its longest stall between 1% and 99%; and its limiter's counters
+over the window (the guest's window is placed on the host's clock by one clock reading
+between two uptime readings before the phase). Beside them, for the NFS phases: the frames the taps
 dropped for want of room, the server's TCP retransmissions (both counted in the
 namespace before and after), and the share of the host's CPU time that was busy. 15 s
 in which every clone only sleeps (from 5 s after the processes that sleep started)

@@ -119,7 +119,7 @@ pub fn virtio_queue(data: &[u8]) {
     let [which, size, input @ ..] = data else {
         return;
     };
-    let Some((r, offered)) = rig(*which, *size, input) else {
+    let Some((r, offer)) = rig(*which, *size, input) else {
         return;
     };
     let r = match which % 3 {
@@ -127,24 +127,41 @@ pub fn virtio_queue(data: &[u8]) {
         1 => blk(r, true),
         _ => rng(r),
     };
-    returned_no_more_than_offered(&r, offered);
+    returned_no_more_than_offered(&r, offer);
 }
 
 /// Reads a queue's size and the rig from the head of a virtio target's input: the
 /// fuzzed queue of `1 << (size % 9)` entries (1 to 256), with event-index when `flags`
 /// has 0x80.
-fn rig(flags: u8, size: u8, input: &[u8]) -> Option<(Rig, u16)> {
+fn rig(flags: u8, size: u8, input: &[u8]) -> Option<(Rig, Offer)> {
     let rig = Rig::new(input, 1u16 << (size % 9), flags & 0x80 != 0)?;
-    let offered = rig.avail_idx();
-    Some((rig, offered))
+    let offer = Offer {
+        chains: rig.avail_idx(),
+        driver_area: rig.driver_area(),
+    };
+    Some((rig, offer))
 }
 
-fn returned_no_more_than_offered(rig: &Rig, offered: u16) {
-    // A fresh queue: the used index counts the chains returned.
+/// What the driver offered before the device ran: its available index, and its
+/// descriptor table and available ring as they were.
+struct Offer {
+    chains: u16,
+    driver_area: Vec<u8>,
+}
+
+fn returned_no_more_than_offered(rig: &Rig, offer: Offer) {
+    // A driver may give the device a writable buffer over its own descriptors or
+    // available ring (fuzzing found one over both); what it offers then changes as the
+    // device writes, and only "no panic, no hang" is promised. Otherwise the offer is
+    // as it was, and on a fresh queue the used index counts the chains returned.
+    if rig.driver_area() != offer.driver_area {
+        return;
+    }
     assert!(
-        rig.used_idx() <= offered,
-        "{} chains returned of {offered} offered",
-        rig.used_idx()
+        rig.used_idx() <= offer.chains,
+        "{} chains returned of {} offered",
+        rig.used_idx(),
+        offer.chains
     );
 }
 
@@ -163,11 +180,11 @@ pub fn virtio_net(data: &[u8]) {
         .map(|i| vec![i as u8; lens[i]])
         .collect();
     let frames: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
-    let Some((r, offered)) = rig(*flags, *size, input) else {
+    let Some((r, offer)) = rig(*flags, *size, input) else {
         return;
     };
     if let Some(r) = net(r, flags & 4 != 0, &frames) {
-        returned_no_more_than_offered(&r, offered);
+        returned_no_more_than_offered(&r, offer);
     }
 }
 
@@ -187,11 +204,11 @@ pub fn virtio_vsock(data: &[u8]) {
         closes: flags & 16 != 0,
         restored: flags & 32 != 0,
     };
-    let Some((r, offered)) = rig(*flags, *size, input) else {
+    let Some((r, offer)) = rig(*flags, *size, input) else {
         return;
     };
     if let Some(r) = vsock(r, flags & 4 != 0, host) {
-        returned_no_more_than_offered(&r, offered);
+        returned_no_more_than_offered(&r, offer);
     }
 }
 

@@ -125,6 +125,17 @@ impl Rig {
         self.mem.read_obj(GuestAddress(AVAIL_RING + 2)).unwrap_or(0)
     }
 
+    /// The driver's side of the queue as it stands: the descriptor table and the available
+    /// ring (all memory below [`USED_RING`]). A device changes it only where a
+    /// device-writable buffer the driver gave points into it.
+    pub fn driver_area(&self) -> Vec<u8> {
+        let mut area = vec![0u8; USED_RING as usize];
+        self.mem
+            .read_slice(&mut area, GuestAddress(DESC_TABLE))
+            .map(|()| area)
+            .unwrap_or_default()
+    }
+
     /// The used ring's index (how many chains the device returned, mod 2^16).
     pub fn used_idx(&self) -> u16 {
         self.mem.read_obj(GuestAddress(USED_RING + 2)).unwrap_or(0)

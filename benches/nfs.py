@@ -167,7 +167,8 @@ def in_every(clones, start, cmd_of, prep=""):
 
 
 # Not anchored to a line's start: once (2026-11-27) an output came back with the 16 bytes
-# before a `took` line zeroed (docs/reliability.md), and the bench reads what it can.
+# before a `took` line zeroed (docs/guest-kernel.md, "Known host problems"), and the bench
+# reads what it can.
 UPTIME = re.compile(r"took ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9.]+)\n")
 CLOCK = re.compile(r"clock ([0-9.]+) ([0-9.]+) ([0-9]+) ([0-9]+) ([0-9]+)\n")
 STA_NANO = 0x2000
@@ -268,7 +269,6 @@ class TapSampler:
         if a and b:
             lost = [(b[k] - a[k]) / (tb - ta) for k in ("unused_bytes", "late_bytes")]
         return ((bb - ba) / (tb - ta), *lost)
-
 
     def window(self, tap, rx, sock, w0, w1):
         """Where the time of a clone's window [w0, w1] (the host's clock) went, from its

@@ -122,7 +122,8 @@ impl Default for CreateClones {
     }
 }
 
-/// A `POST /clones` body whose parts do not fit together.
+/// A `POST /clones` body wrong on its own: a count out of range, or parts that do not fit
+/// together.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CreateClonesError {
     /// `count` out of its range.

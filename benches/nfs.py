@@ -248,6 +248,17 @@ class TapSampler:
         self.stop_at.set()
         self.thread.join()
 
+    def points(self, tap, rx):
+        """Tap `tap`'s samples as (sample index, time, rx or tx bytes so far), and a
+        function giving the first of them at which it had moved a share of what it moved
+        over the phase; or None with fewer than 3 samples."""
+        pts = [(i, t, row[tap][0 if rx else 1]) for i, (t, row) in enumerate(self.rows)
+               if tap in row]
+        if len(pts) < 3:
+            return None
+        base, total = pts[0][2], pts[-1][2] - pts[0][2]
+        return pts, lambda share: next(p for p in pts if p[2] - base >= share * total)
+
     def steady(self, tap, rx, sock=None):
         """Tap `tap`'s rate in B/s (rx or tx bytes) between the samples at which it had
         moved 10% and 90% of what it moved over the phase: the limiter's rate while the
@@ -255,13 +266,10 @@ class TapSampler:
         bucket's first burst. With `sock`, also the rates over that span of the tokens
         the clone's limiter had no frame for (`unused`) and lost while a frame waited
         (`late`): (rate, unused, late), or None."""
-        pts = [(i, t, row[tap][0 if rx else 1]) for i, (t, row) in enumerate(self.rows)
-               if tap in row]
-        if len(pts) < 3:
+        found = self.points(tap, rx)
+        if not found:
             return None
-        total = pts[-1][2] - pts[0][2]
-        at = lambda share: next(p for p in pts if p[2] - pts[0][2] >= share * total)  # noqa: E731
-        (ia, ta, ba), (ib, tb, bb) = at(0.1), at(0.9)
+        (ia, ta, ba), (ib, tb, bb) = found[1](0.1), found[1](0.9)
         if tb <= ta:
             return None
         lost = [None, None]
@@ -278,18 +286,16 @@ class TapSampler:
         between 1% and 99% in which nothing moved. With the limiter counters at the
         samples nearest w0 and w1: `throttled` (s frames waited), `unused` and `late`
         (bytes) over the window. A dict, or None."""
-        pts = [(i, t, row[tap][0 if rx else 1]) for i, (t, row) in enumerate(self.rows)
-               if tap in row]
-        if len(pts) < 3:
+        found = self.points(tap, rx)
+        if not found:
             return None
-        base, total = pts[0][2], pts[-1][2] - pts[0][2]
-        at = lambda share: next(p for p in pts if p[2] - base >= share * total)  # noqa: E731
+        pts, at = found
         marks = [at(x)[1] for x in (0.01, 0.1, 0.9, 0.99)]
         edges = [w0] + marks + [w1]
         res = {k: b - a for k, a, b in zip(("before", "ramp", "steady", "tail", "after"),
                                            edges, edges[1:])}
         moving = [p for p in pts if marks[0] <= p[1] <= marks[3]]
-        res["moved"], res["gap"], since = total, 0.0, marks[0]
+        res["moved"], res["gap"], since = pts[-1][2] - pts[0][2], 0.0, marks[0]
         for (_, ta, ba), (_, tb, bb) in zip(moving, moving[1:]):
             since = since if bb == ba else tb
             res["gap"] = max(res["gap"], tb - since)
@@ -622,7 +628,7 @@ def main():
         for label, n, what, res in rows:
             for i, x in enumerate(res["link"] if label == a.limit and res["link"] else []):
                 if x < 0.9 * rate:
-                    explain_window(f"{n} clones, {what}, clone {i}", x, limit_rate(a.limit, True),
+                    explain_window(f"{n} clones, {what}, clone {i}", x, parse_limit(a.limit),
                                    (res.get("window") or [None] * n)[i])
     for n in counts:
         fair = [sum(res["rates"]) / n for label, c, what, res in rows
@@ -653,15 +659,19 @@ def explain_window(who, link, limit, w):
           f"longest stall between 1% and 99% {w['gap']:.1f} s{lim}")
 
 
-def limit_rate(text, bucket=False):
-    """B/s of a `bytes=SIZE[/MS]` limit (K and M in 1024s), or None; with `bucket`,
-    (B/s, SIZE)."""
+def parse_limit(text):
+    """(B/s, bucket bytes) of a `bytes=SIZE[/MS]` limit (K and M in 1024s), or None."""
     m = re.search(r"bytes=([0-9]+)([KM]?)(?:/([0-9]+))?", text)
     if not m:
         return None
     size = int(m.group(1)) * {"": 1, "K": 1024, "M": 1 << 20}[m.group(2)]
-    rate = size * 1000 / int(m.group(3) or 1000)
-    return (rate, size) if bucket else rate
+    return size * 1000 / int(m.group(3) or 1000), size
+
+
+def limit_rate(text):
+    """B/s of a `bytes=SIZE[/MS]` limit, or None."""
+    limit = parse_limit(text)
+    return limit[0] if limit else None
 
 
 if __name__ == "__main__":

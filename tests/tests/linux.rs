@@ -471,16 +471,17 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
         b"",
     );
     assert_eq!(code, Some(0), "{err}");
-    let bad: Vec<(usize, &str)> = out
-        .lines()
+    let lines: Vec<&str> = out.lines().collect();
+    let bad: Vec<(usize, &&str)> = lines
+        .iter()
         .enumerate()
-        .filter(|&(i, l)| l != format!("line {i} of a long output"))
+        .filter(|&(i, l)| *l != format!("line {i} of a long output"))
         .collect();
     assert!(
-        bad.is_empty() && out.lines().count() == LINES,
+        bad.is_empty() && lines.len() == LINES,
         "{} of {} lines differ, first: {:?}",
         bad.len(),
-        out.lines().count(),
+        lines.len(),
         &bad[..bad.len().min(3)]
     );
 

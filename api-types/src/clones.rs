@@ -12,6 +12,8 @@ use crate::rate_limit::{RateLimit, RateLimitText};
 
 /// Most clones one request may ask for.
 pub const MAX_CLONES_PER_REQUEST: u32 = 1000;
+/// The clone counts one request may ask for: 1 to [`MAX_CLONES_PER_REQUEST`].
+pub const CLONE_COUNTS: std::ops::RangeInclusive<u64> = 1..=MAX_CLONES_PER_REQUEST as u64;
 
 /// Where a clone's serial console goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
@@ -151,7 +153,7 @@ impl CreateClones {
     /// Checks what the body can tell alone: the count's range, and the parts that must fit
     /// it (the VMM checks the rest: the devices the VM has, its classes, its live clones).
     pub fn check(&self) -> Result<(), CreateClonesError> {
-        if !(1..=u64::from(MAX_CLONES_PER_REQUEST)).contains(&self.count) {
+        if !CLONE_COUNTS.contains(&self.count) {
             return Err(CreateClonesError::Count(self.count));
         }
         for (what, given) in [

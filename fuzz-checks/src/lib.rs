@@ -3,7 +3,7 @@
 //! the committed corpora (`fuzz/corpus`) through them in the test suite; coverage-guided
 //! runs need nightly and cargo-fuzz (`make fuzz`, docs/reliability.md).
 
-use api_types::clones::MAX_CLONES_PER_REQUEST;
+use api_types::clones::CLONE_COUNTS;
 use api_types::net::{Ipv4Cidr, MacAddr};
 use api_types::options::{format_size, key_values, parse_size};
 use api_types::rate_limit::RateLimit;
@@ -74,7 +74,7 @@ pub fn api_route(data: &[u8]) {
     }
     match vmm::api::route(req) {
         Ok(VmmAction::CreateClones { request, .. }) => {
-            assert!((1..=u64::from(MAX_CLONES_PER_REQUEST)).contains(&request.count));
+            assert!(CLONE_COUNTS.contains(&request.count));
         }
         Ok(VmmAction::DeleteClone(id)) => assert!(!id.is_empty()),
         Ok(_) => {}

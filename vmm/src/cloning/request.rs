@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use api_types::clones::MAX_CLONES_PER_REQUEST;
+use api_types::clones::{CLONE_COUNTS, MAX_CLONES_PER_REQUEST};
 use api_types::{CloneCgroup, CloneConsole, CloneInfo, CloneNet, CloneStatus, CreateClones};
 use serde::{Deserialize, Serialize};
 
@@ -154,7 +154,7 @@ pub(super) fn check(
     req: &CreateClones,
 ) -> Result<(), CloneError> {
     let count = req.count;
-    if count == 0 || count > u64::from(MAX_CLONES_PER_REQUEST) {
+    if !CLONE_COUNTS.contains(&count) {
         return Err(CloneError::Count(count));
     }
     if !matches!(vm.state(), VmState::Running | VmState::Paused) {

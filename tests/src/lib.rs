@@ -564,6 +564,37 @@ pub fn count_dir(path: impl AsRef<Path>) -> usize {
     std::fs::read_dir(path).map(|d| d.count()).unwrap_or(0)
 }
 
+/// `pid`'s open descriptors once they number `expected`, or after 2 s: an answer's
+/// connection, or a clone's hand-over socket, closes a moment after the client has what
+/// it waited for. `expected` of 0 (or `usize::MAX`) takes the count after 2 s.
+pub fn fds_of(pid: u32, expected: usize) -> usize {
+    let start = Instant::now();
+    loop {
+        let n = count_dir(format!("/proc/{pid}/fd"));
+        if n == expected || start.elapsed() > Duration::from_secs(2) {
+            return n;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// What `pid`'s descriptors point at (`3 -> socket:[123]`, ...), for a failure message.
+pub fn fd_targets(pid: u32) -> String {
+    let mut fds: Vec<(u32, String)> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_str()?.parse().ok()?;
+            let to = std::fs::read_link(e.path()).ok()?;
+            Some((n, to.display().to_string()))
+        })
+        .collect();
+    fds.sort();
+    let lines: Vec<String> = fds.iter().map(|(n, to)| format!("{n} -> {to}")).collect();
+    lines.join("\n")
+}
+
 /// The processes whose parent is `pid`, whichever of its threads forked them (none once
 /// `pid` is gone). Panics if the host kernel does not list children in /proc.
 pub fn children_of(pid: u32) -> Vec<u32> {

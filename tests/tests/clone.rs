@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{api_request, children_of, count_dir, guest_file, kvm_available, tiny_vm, Scratch, Vm};
+use tests::{
+    api_request, children_of, count_dir, fd_targets, fds_of, guest_file, kvm_available, tiny_vm,
+    Scratch, Vm,
+};
 
 const BOOT: Duration = Duration::from_secs(30);
 
@@ -537,7 +540,7 @@ fn two_hundred_clone_and_stop_cycles_leak_nothing() {
         .0,
         200
     );
-    let fds = count_dir(format!("/proc/{pid}/fd"));
+    let fds = fds_of(pid, 0);
     let threads = count_dir(format!("/proc/{pid}/task"));
     for _ in 0..200 {
         let c = post_clones(&vm.sock, 1).remove(0);
@@ -550,7 +553,7 @@ fn two_hundred_clone_and_stop_cycles_leak_nothing() {
         assert!(!Path::new(c["api_sock"].as_str().unwrap()).exists());
         let _ = std::fs::remove_file(c["console"].as_str().unwrap());
     }
-    assert_eq!(count_dir(format!("/proc/{pid}/fd")), fds, "fds leaked");
+    assert_eq!(fds_of(pid, fds), fds, "fds leaked:\n{}", fd_targets(pid));
     assert_eq!(
         count_dir(format!("/proc/{pid}/task")),
         threads,

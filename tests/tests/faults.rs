@@ -12,9 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{
-    children_of, count_dir, guest_file, kvm_and_root_available, kvm_available, Scratch, Vm,
-};
+use tests::{children_of, fds_of, guest_file, kvm_and_root_available, kvm_available, Scratch, Vm};
 
 const BOOT: Duration = Duration::from_secs(60);
 
@@ -71,19 +69,6 @@ impl Tmpfs {
 impl Drop for Tmpfs {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
-/// The template's open descriptors once they are `expected`, or after 2 s (its last
-/// answer's connection closes after the client read the answer).
-fn fds_of(pid: u32, expected: usize) -> usize {
-    let start = Instant::now();
-    loop {
-        let n = count_dir(format!("/proc/{pid}/fd"));
-        if n == expected || start.elapsed() > Duration::from_secs(2) {
-            return n;
-        }
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -1386,3 +1386,169 @@ fn linux_a_full_overlay_file_system_fails_writes_and_clones_cleanly() {
     let data = std::fs::read(&image).unwrap();
     assert!(data.iter().all(|b| *b == 0), "the image was written");
 }
+
+/// The figures of one `forkvm-rogue` line: (chains returned, rounds that ended with the
+/// device needing a reset).
+fn rogue_figures(out: &str) -> (u64, u64) {
+    let line = (out.lines())
+        .find(|l| l.starts_with("forkvm-rogue: ") && l.contains(" rounds (seed "))
+        .unwrap_or_else(|| panic!("no forkvm-rogue figures: {out}"));
+    assert!(line.ends_with("reset ok"), "{line}");
+    let before = |what: &str| -> u64 {
+        let head = line.split_once(what).unwrap_or_else(|| panic!("{line}")).0;
+        head.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    (
+        before(" chains returned"),
+        line.split_once("needs-reset after ")
+            .and_then(|(_, r)| r.split(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{line}")),
+    )
+}
+
+#[test]
+fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_and_the_devices_working_again(
+) {
+    // `forkvm-rogue` (guest/tools) takes each device from Linux in turn (disk, entropy,
+    // vsock), drives it through /dev/mem with loops, addresses outside memory, absurd
+    // lengths and sizes, random registers and never-acknowledged interrupts, resets it
+    // and gives it back to Linux's driver, which must then work as before. Its rings and
+    // buffers sit in the invocation mailbox, so the guest kernel stays intact.
+    if !kvm_available("linux_rogue_driver") {
+        return;
+    }
+    let _cpus = cpus(ONE);
+    let scratch = Scratch::new("linux-rogue");
+    let neighbour_scratch = Scratch::new("linux-rogue-neighbour");
+    let mut neighbour = tests::tiny_vm(&neighbour_scratch, "64", "1", "ticks=1 beat=10");
+    let image = scratch.path("disk.ext4");
+    std::fs::copy(path("rootfs.ext4"), &image).unwrap();
+    let vsock = scratch.path("vm.vsock");
+    let disk = format!("{},cow={}", image.display(), scratch.path("").display());
+    let mut vm = Vm::start(
+        &scratch,
+        &[
+            "--kernel",
+            &path("vmlinux"),
+            "--initrd",
+            &path("initramfs.cpio"),
+            "--disk",
+            &disk,
+            "--rng",
+            "--vsock",
+            &vsock.display().to_string(),
+            "--mailbox-mib",
+            "1",
+            "--mem-mib",
+            "256",
+            "--vcpus",
+            "2",
+            "--cmdline",
+            "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
+        ],
+    );
+    vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
+    let base = |kind: &str| -> String {
+        let info = vm.describe();
+        let devices = info["devices"].as_array().unwrap();
+        let d = devices.iter().find(|d| d["type"] == kind);
+        let d = d.unwrap_or_else(|| panic!("no {kind}: {info}"));
+        d["mmio_base"].as_str().unwrap().to_string()
+    };
+    let (blk, rng, vsk) = (base("virtio-blk"), base("virtio-rng"), base("virtio-vsock"));
+    // The seed changes with each run (and is printed): each run tries other sequences.
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let rogue = |base: &str| format!("forkvm-rogue --rounds 40 --seed {seed} --rebind {base}");
+    let pid = vm.child.id();
+    let counts = || {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let rss = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        let rss: u64 = rss.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (rss, tests::count_dir(format!("/proc/{pid}/fd")))
+    };
+    let (code, _, err) = vmm_exec(&vm.sock, &["--", "umount /mnt/disk"], b"");
+    assert_eq!(code, Some(0), "{err}");
+    let (rss, fds) = counts();
+    let beats = |n: &Vm| n.console_text().matches("tiny: beat ").count();
+    let neighbour_beats = beats(&neighbour);
+
+    // The disk: then a write and a read through Linux's driver again.
+    let script = format!(
+        "{} && for i in $(seq 50); do [ -b /dev/vda ] && break; sleep 0.1; done && \
+         forkvm-diskcheck write /dev/vda 8 1 after && forkvm-diskcheck check /dev/vda 8 1 after",
+        rogue(&blk)
+    );
+    let (code, out, err) = vmm_exec(&vm.sock, &["--", &script], b"");
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.ends_with("bound to its driver again\nok\nok\n"),
+        "{out}"
+    );
+    let disk = rogue_figures(&out);
+    // The entropy device: then 64 bytes of /dev/hwrng through Linux's driver.
+    let script = format!(
+        "{} && cat /sys/class/misc/hw_random/rng_current && head -c 64 /dev/hwrng | od -An -v -tx1",
+        rogue(&rng)
+    );
+    let (code, out, err) = vmm_exec(&vm.sock, &["--", &script], b"");
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("\nvirtio_rng."), "{out}");
+    let random: String = (out.lines().skip_while(|l| !l.starts_with("virtio_rng.")))
+        .skip(1)
+        .collect();
+    assert_eq!(random.split_whitespace().count(), 64, "{out}");
+    assert!(random.split_whitespace().any(|b| b != "00"), "{out}");
+    let entropy = rogue_figures(&out);
+    // vsock carries the agent itself: the rogue runs in the background and writes to the
+    // console; then a command goes through Linux's driver again.
+    let script = format!(
+        "({}; echo forkvm-rogue exit $?) > /dev/console 2>&1 &",
+        rogue(&vsk)
+    );
+    let (code, _, err) = vmm_exec(&vm.sock, &["--", &script], b"");
+    assert_eq!(code, Some(0), "{err}");
+    let console = vm.wait_console_line("forkvm-rogue exit ", Duration::from_secs(300));
+    assert!(console.contains("\nforkvm-rogue exit 0\n"), "{console}");
+    let vsock_figures = rogue_figures(&console);
+    let (code, out, _) = vmm_exec(&vm.sock, &["--", "echo served-again"], b"");
+    assert_eq!((code, out.as_str()), (Some(0), "served-again\n"));
+
+    // Each device did work for the rogue (chains came back), not only refused it.
+    for (what, (chains, _)) in [
+        ("disk", disk),
+        ("entropy", entropy),
+        ("vsock", vsock_figures),
+    ] {
+        assert!(chains > 0, "{what}: no chain returned: {console}");
+    }
+    assert_eq!(vm.describe()["state"], "running");
+    let (rss_after, fds_after) = counts();
+    let log = vm.stderr_text();
+    eprintln!(
+        "rogue Linux driver (seed {seed}, 40 rounds per device): chains returned and rounds \
+         needing a reset: disk {disk:?}, entropy {entropy:?}, vsock {vsock_figures:?}; VMM \
+         RSS {rss} -> {rss_after} KiB, fds {fds} -> {fds_after}, {} log lines",
+        log.lines().count()
+    );
+    assert!(
+        rss_after < rss + 8 * 1024,
+        "RSS grew {rss} -> {rss_after} KiB"
+    );
+    assert!(fds_after <= fds + 2, "descriptors {fds} -> {fds_after}");
+    // The VMM logs each kind of driver error sparingly (the first ten, then powers of two).
+    assert!(log.lines().count() < 1000, "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    // The neighbour VM went on beating throughout.
+    neighbour.wait_console(
+        &format!("tiny: beat {}\n", neighbour_beats + 3),
+        Duration::from_secs(30),
+    );
+    // The disk's writes went to its overlay; the image is as it was.
+    assert!(
+        std::fs::read(&image).unwrap() == std::fs::read(path("rootfs.ext4")).unwrap(),
+        "the image was written"
+    );
+}

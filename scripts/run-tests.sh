@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs the whole test suite and ends with one summary line over every test binary:
-# "forkvm: P passed, F failed, S skipped" (skipped = cargo's ignored). Exits non-zero if anything failed.
+# "forkvm: P passed, F failed, S skipped" (skipped = cargo's ignored). Every test binary
+# runs even after one failed (--no-fail-fast), so a failed run shows every failure.
+# Exits non-zero if anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --workspace "$@" 2>&1 | tee "$log"
+cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 awk '/^test result:/ {
         for (i = 1; i <= NF; i++) {

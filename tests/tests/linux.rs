@@ -1461,7 +1461,7 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let rogue = |base: &str| format!("forkvm-rogue --rounds 40 --seed {seed} --rebind {base}");
+    let rogue = |base: &str| format!("forkvm-rogue --rounds 25 --seed {seed} --rebind {base}");
     let pid = vm.child.id();
     let counts = || {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -1528,7 +1528,7 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     let (rss_after, fds_after) = counts();
     let log = vm.stderr_text();
     eprintln!(
-        "rogue Linux driver (seed {seed}, 40 rounds per device): chains returned and rounds \
+        "rogue Linux driver (seed {seed}, 25 rounds per device): chains returned and rounds \
          needing a reset: disk {disk:?}, entropy {entropy:?}, vsock {vsock_figures:?}; VMM \
          RSS {rss} -> {rss_after} KiB, fds {fds} -> {fds_after}, {} log lines",
         log.lines().count()

@@ -102,16 +102,9 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
             } else {
                 parse_json::<CreateClones>(&req.body)?
             };
-            request.check().map_err(|e| {
-                use api_types::clones::CreateClonesError;
-                match e {
-                    // Each part valid, but they do not fit together (no schema says so).
-                    CreateClonesError::PerClone { .. } => ApiReply::error(422, e),
-                    CreateClonesError::Count(_)
-                    | CreateClonesError::TapName(_)
-                    | CreateClonesError::TapTwice(_) => ApiReply::error(400, e),
-                }
-            })?;
+            request
+                .check()
+                .map_err(|e| ApiReply::error(request_status(&e), e))?;
             Ok(VmmAction::CreateClones {
                 request: Box::new(request),
                 received_ns,
@@ -152,6 +145,18 @@ pub fn reply(response: VmmResponse) -> ApiReply {
     }
 }
 
+/// The status of a clone request wrong on its own: 422 when each part is valid but they
+/// do not fit together (no schema says so), else 400.
+fn request_status(e: &api_types::clones::CreateClonesError) -> u16 {
+    use api_types::clones::CreateClonesError;
+    match e {
+        CreateClonesError::PerClone { .. } => 422,
+        CreateClonesError::Count(_)
+        | CreateClonesError::TapName(_)
+        | CreateClonesError::TapTwice(_) => 400,
+    }
+}
+
 /// The status of a refused or failed action: a request the schema refuses (400), one
 /// whose parts do not fit together (422, from [`route`]), no such thing (404), one that
 /// does not fit the VM's configuration or state (409), a resource the host is out of for
@@ -162,7 +167,7 @@ pub fn status_of(e: &VmmActionError) -> u16 {
         VmmActionError::SetState(StateError::Transition { .. }) => 409,
         VmmActionError::SetState(StateError::Vcpu(_)) => 500,
         VmmActionError::CreateClones(c) => match c {
-            CloneError::Count(_) => 400,
+            CloneError::Request(e) => request_status(e),
             // Valid requests that do not fit this VM: its devices, classes, socket path,
             // state, or its limit of live clones.
             CloneError::PathTooLong(_)
@@ -324,7 +329,17 @@ mod tests {
         let r = e(transition.into());
         assert_eq!(r.status, 409);
         assert!(r.body.unwrap().contains("cannot go from paused to paused"));
-        assert_eq!(e(CloneError::Count(0).into()).status, 400);
+        use api_types::clones::CreateClonesError;
+        assert_eq!(
+            e(CloneError::from(CreateClonesError::Count(0)).into()).status,
+            400
+        );
+        let per_clone = CreateClonesError::PerClone {
+            what: "taps",
+            given: 1,
+            count: 2,
+        };
+        assert_eq!(e(CloneError::from(per_clone).into()).status, 422);
         assert_eq!(e(CloneError::NoCard.into()).status, 409);
         assert_eq!(
             e(CloneError::TooMany { live: 1, max: 1 }.into()).status,

@@ -461,7 +461,13 @@ mod tests {
     fn every_status_an_action_can_end_with_is_in_the_spec() {
         use jailer::cgroup::PoolError;
         let clone_errors = [
-            CloneError::Count(0),
+            CloneError::Request(api_types::clones::CreateClonesError::Count(0)),
+            CloneError::Request(api_types::clones::CreateClonesError::PerClone {
+                what: "addresses",
+                given: 1,
+                count: 2,
+            }),
+            CloneError::Request(api_types::clones::CreateClonesError::TapTwice("t".into())),
             CloneError::TooMany { live: 1, max: 1 },
             CloneError::Tree(crate::cloning::TreeFull { live: 1, max: 1 }),
             CloneError::State(api_types::VmState::Stopped),

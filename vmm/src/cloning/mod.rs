@@ -38,6 +38,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use api_types::cgroup::CgroupsReport;
+use api_types::clones::CreateClonesError;
 use api_types::vm::{VmState, WarmReport};
 use api_types::{CloneInfo, CloneStatus, CreateClones};
 use clone::MicrovmState;
@@ -274,7 +275,10 @@ impl Cloner {
         };
         let conn = carried.conn.clone();
         let made = self.make_clones_with(vm, &req, inv.received_ns, None, prepare)?;
-        let info = made.into_iter().next().ok_or(CloneError::Count(0))?;
+        let info = made
+            .into_iter()
+            .next()
+            .ok_or(CloneError::Request(CreateClonesError::Count(0)))?;
         self.table.forget_when_reaped(info.pid, conn);
         Ok(info)
     }

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use api_types::clones::{CLONE_COUNTS, MAX_CLONES_PER_REQUEST};
+use api_types::clones::CreateClonesError;
 use api_types::{CloneCgroup, CloneConsole, CloneInfo, CloneNet, CloneStatus, CreateClones};
 use serde::{Deserialize, Serialize};
 
@@ -25,9 +25,11 @@ const MAX_SOCK_PATH: usize = 107;
 /// Errors making clones. The parent keeps running (or stays paused) after any of them.
 #[derive(Debug, thiserror::Error)]
 pub enum CloneError {
-    /// Count out of range.
-    #[error("clone count must be 1 to {MAX_CLONES_PER_REQUEST}, not {0}")]
-    Count(u64),
+    /// The request is wrong on its own (`CreateClones::check`): its count, or taps and
+    /// addresses that do not fit it. The router refuses such bodies first; this catches
+    /// in-process callers and the VMM's own requests.
+    #[error(transparent)]
+    Request(#[from] CreateClonesError),
     /// Too many live clones.
     #[error("{live} clones are running; at most {max} may be (--max-clones)")]
     TooMany {
@@ -153,10 +155,8 @@ pub(super) fn check(
     table: &CloneTable,
     req: &CreateClones,
 ) -> Result<(), CloneError> {
+    req.check()?;
     let count = req.count;
-    if !CLONE_COUNTS.contains(&count) {
-        return Err(CloneError::Count(count));
-    }
     if !matches!(vm.state(), VmState::Running | VmState::Paused) {
         return Err(CloneError::State(vm.state()));
     }

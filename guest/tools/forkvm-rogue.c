@@ -310,11 +310,12 @@ static void sleep_us(long us)
     nanosleep(&t, NULL);
 }
 
-/* Writes 0 to the status register and waits (up to 2 s) for it to read 0. */
+/* Writes 0 to the status register and waits (10,000 times 1 ms at least: a busy host
+ * may take a while to end the device's worker) for it to read 0. */
 static int reset(void)
 {
     wr(R_STATUS, 0);
-    for (int i = 0; i < 2000; i++) {
+    for (int i = 0; i < 10000; i++) {
         if (rd(R_STATUS) == 0)
             return 0;
         sleep_us(1000);

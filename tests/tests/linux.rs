@@ -1410,11 +1410,11 @@ fn rogue_figures(out: &str) -> (u64, u64) {
 fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_and_the_devices_working_again(
 ) {
     // `forkvm-rogue` (guest/tools) takes each device from Linux in turn (disk, entropy,
-    // vsock), drives it through /dev/mem with loops, addresses outside memory, absurd
+    // network card, vsock), drives it through /dev/mem with loops, addresses outside memory, absurd
     // lengths and sizes, random registers and never-acknowledged interrupts, resets it
     // and gives it back to Linux's driver, which must then work as before. Its rings and
     // buffers sit in the invocation mailbox, so the guest kernel stays intact.
-    if !kvm_available("linux_rogue_driver") {
+    if !tests::kvm_and_root_available("linux_rogue_driver") {
         return;
     }
     let _cpus = cpus(ONE);
@@ -1425,6 +1425,7 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     std::fs::copy(path("rootfs.ext4"), &image).unwrap();
     let vsock = scratch.path("vm.vsock");
     let disk = format!("{},cow={}", image.display(), scratch.path("").display());
+    let tap = format!("fkg{}", std::process::id() % 100_000_000);
     let mut vm = Vm::start(
         &scratch,
         &[
@@ -1435,6 +1436,8 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
             "--disk",
             &disk,
             "--rng",
+            "--tap",
+            &tap,
             "--vsock",
             &vsock.display().to_string(),
             "--mailbox-mib",
@@ -1456,6 +1459,15 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
         d["mmio_base"].as_str().unwrap().to_string()
     };
     let (blk, rng, vsk) = (base("virtio-blk"), base("virtio-rng"), base("virtio-vsock"));
+    let net = base("virtio-net");
+    // The card's host peer, in a namespace of the test's own.
+    let ns = tests::Netns::new(&format!("fkvm-rogue-{}", std::process::id()));
+    tests::wait_link(&tap);
+    ns.take(&tap, "10.78.0.1/24");
+    let reach = "ip link set eth0 up && ip addr add 10.78.0.2/24 dev eth0 && \
+                 for i in 1 2 3; do ping -c1 -W5 10.78.0.1 >/dev/null && echo reached && break; done";
+    let (code, out, err) = vmm_exec(&vm.sock, &["--", reach], b"");
+    assert_eq!((code, out.as_str()), (Some(0), "reached\n"), "{err}");
     // The seed changes with each run (and is printed): each run tries other sequences.
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1502,6 +1514,19 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     assert_eq!(random.split_whitespace().count(), 64, "{out}");
     assert!(random.split_whitespace().any(|b| b != "00"), "{out}");
     let entropy = rogue_figures(&out);
+    // The network card: then the host peer reached through Linux's driver (its eth0 is
+    // made anew, without an address).
+    let script = format!(
+        "{} && for i in $(seq 50); do [ -e /sys/class/net/eth0 ] && break; sleep 0.1; done && {reach}",
+        rogue(&net)
+    );
+    let (code, out, err) = vmm_exec(&vm.sock, &["--", &script], b"");
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.ends_with("bound to its driver again\nreached\n"),
+        "{out}"
+    );
+    let card = rogue_figures(&out);
     // vsock carries the agent itself: the rogue runs in the background and writes to the
     // console; then a command goes through Linux's driver again.
     let script = format!(
@@ -1517,11 +1542,13 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     assert_eq!((code, out.as_str()), (Some(0), "served-again\n"));
 
     // Each device did work for the rogue (chains came back), not only refused it.
-    for (what, (chains, _)) in [
+    let devices = [
         ("disk", disk),
         ("entropy", entropy),
+        ("network card", card),
         ("vsock", vsock_figures),
-    ] {
+    ];
+    for (what, (chains, _)) in devices {
         assert!(chains > 0, "{what}: no chain returned: {console}");
     }
     assert_eq!(vm.describe()["state"], "running");
@@ -1529,7 +1556,8 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     let log = vm.stderr_text();
     eprintln!(
         "rogue Linux driver (seed {seed}, 25 rounds per device): chains returned and rounds \
-         needing a reset: disk {disk:?}, entropy {entropy:?}, vsock {vsock_figures:?}; VMM \
+         needing a reset: disk {disk:?}, entropy {entropy:?}, network card {card:?}, vsock \
+         {vsock_figures:?}; VMM \
          RSS {rss} -> {rss_after} KiB, fds {fds} -> {fds_after}, {} log lines",
         log.lines().count()
     );

@@ -291,7 +291,12 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
                 e => errno_of(e),
             };
             fail(errno, &e.to_string());
-            1
+            match e {
+                ChildError::Prime(crate::vstate::vcpu::PrimeError::Timeout(_)) => {
+                    PRIME_TIMEOUT_EXIT
+                }
+                _ => 1,
+            }
         }
         Err(_) => {
             raw_eprintln(&format!("vmm: clone {name}: panicked (reported above)"));
@@ -306,6 +311,10 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
 
 /// A clone's exit status after a panic on its main thread (as a Rust program's).
 const PANIC_EXIT: i32 = 101;
+
+/// A warm clone's exit status when its prime ran out of time (`EX_TEMPFAIL`): the
+/// template pauses priming for a while rather than turning it off (`warm.rs`).
+pub(super) const PRIME_TIMEOUT_EXIT: i32 = 75;
 
 /// What a clone that failed before it was ready writes to its ready pipe, followed by
 /// the error number and the reason's length (u64 each) and the reason.

@@ -478,8 +478,9 @@ impl Cloner {
     /// Reaps every exited child (clone or warm clone) without blocking.
     pub fn reap(&mut self) {
         let warm = &mut self.warm;
-        self.table
-            .reap(self.cgroups.as_mut(), |pid| warm.reaped(pid));
+        self.table.reap(self.cgroups.as_mut(), |pid, status| {
+            warm.reaped(pid, status)
+        });
     }
 
     /// The connections of invocation clones that ended since last asked, each with the

@@ -120,12 +120,12 @@ impl CloneTable {
     }
 
     /// Reaps every exited child without blocking: a clone's record gets its status; a
-    /// child that is no clone (a warm clone, which `is_warm` takes back) only returns
-    /// its cgroup.
+    /// child that is no clone (a warm clone, which `is_warm` takes back with its exit
+    /// status) only returns its cgroup.
     pub(super) fn reap(
         &mut self,
         mut pools: Option<&mut ClonePools>,
-        mut is_warm: impl FnMut(i32) -> bool,
+        mut is_warm: impl FnMut(i32, &WaitStatus) -> bool,
     ) {
         loop {
             let status = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
@@ -135,7 +135,7 @@ impl CloneTable {
             let Some(pid) = status.pid().map(Pid::as_raw) else {
                 break;
             };
-            if !is_warm(pid) {
+            if !is_warm(pid, &status) {
                 self.reaped(pools.as_deref_mut(), pid, status);
             } else if let Some(p) = pools.as_deref_mut() {
                 p.exited(pid);

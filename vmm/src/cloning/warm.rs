@@ -29,12 +29,12 @@ use api_types::vm::{VmState, WarmReport};
 use api_types::CloneCgroup;
 use clone::MicrovmState;
 use nix::sys::signal::{kill, Signal};
-use nix::sys::wait::waitpid;
+use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::Pid;
 
 use super::capture::capture;
 use super::cgroups::{placement_of, started_in, ClonePools};
-use super::child::{ServeClone, Start};
+use super::child::{ServeClone, Start, PRIME_TIMEOUT_EXIT};
 use super::fork::{fork_child, go_channel, pipe};
 use super::request::{give_back, Identity};
 use super::CloneError;
@@ -116,17 +116,37 @@ pub struct WarmPool {
     priming: bool,
     /// Warm clones made to be primed.
     primed: u64,
-    /// Primed warm clones that died before their launch since one was launched.
+    /// Primed warm clones whose prime failed (not by running out of time) since one
+    /// was launched.
     prime_failures: u32,
     /// [`PRIME_FAILURES`] did in a row: no more are primed.
     prime_failed: bool,
+    /// Primed warm clones whose prime ran out of time since one was launched or
+    /// priming was paused.
+    prime_timeouts: u32,
+    /// Priming paused until then: [`PRIME_FAILURES`] primes in a row ran out of time.
+    prime_paused_until: Option<Instant>,
+    /// How long the last pause was (zero: none since a primed clone was launched).
+    prime_pause: Duration,
 }
 
 /// Primed warm clones that may end before their launch in a row before priming is
-/// turned off. More than one: a prime that ran out of time on a host busy for a moment
-/// (seen on a 2-CPU PVM host under load) says nothing of the runtime, and a template
-/// without priming stays that way.
+/// turned off. More than one: a runtime that fails its prime once may have been unlucky.
 pub const PRIME_FAILURES: u32 = 3;
+
+/// The first pause of priming after [`PRIME_FAILURES`] primes in a row ran out of time,
+/// and the longest (each pause in a row doubles the last). Running out of time says the
+/// host is busy (seen on a 2-CPU PVM host under load), not that the runtime is wrong:
+/// priming is tried again after the pause, where a failed prime turns it off for good.
+pub const PRIME_PAUSE_FIRST: Duration = Duration::from_secs(10);
+/// See [`PRIME_PAUSE_FIRST`].
+pub const PRIME_PAUSE_MAX: Duration = Duration::from_secs(600);
+
+/// Whether a warm clone that exited with `status` ended because its prime ran out of
+/// time.
+fn prime_timed_out(status: &WaitStatus) -> bool {
+    matches!(status, WaitStatus::Exited(_, code) if *code == PRIME_TIMEOUT_EXIT)
+}
 
 impl WarmPool {
     /// A pool that keeps `target` warm clones while the VM is paused.
@@ -143,7 +163,7 @@ impl WarmPool {
             ready: self.clones.iter().filter(|c| c.ready_now()).count(),
             launched: self.launched,
             discarded: self.discarded,
-            priming: self.priming && !self.prime_failed,
+            priming: self.priming && self.may_prime(Instant::now()),
             primed: self.primed,
         }
     }
@@ -158,21 +178,42 @@ impl WarmPool {
         self.last_request = Some(Instant::now());
     }
 
-    /// Whether `pid` was a warm clone (it died: forget it). [`PRIME_FAILURES`] primed
-    /// ones in a row that died before their launch turn priming off for good (their
-    /// primes failed, most likely: their stderr says why), so that the pool does not
-    /// fork one failing prime after another.
-    pub(super) fn reaped(&mut self, pid: i32) -> bool {
+    /// Whether `pid`, which exited with `status`, was a warm clone (it died: forget it).
+    /// [`PRIME_FAILURES`] primed ones in a row whose primes failed turn priming off for
+    /// good (their stderr says why), so that the pool does not fork one failing prime
+    /// after another; as many that ran out of time pause it ([`PRIME_PAUSE_FIRST`]).
+    pub(super) fn reaped(&mut self, pid: i32, status: &WaitStatus) -> bool {
         let Some(i) = self.clones.iter().position(|c| c.pid == pid) else {
             return false;
         };
         if self.clones.remove(i).is_some_and(|c| c.primed) {
-            self.prime_ended(pid);
+            self.prime_ended(pid, prime_timed_out(status), Instant::now());
         }
         true
     }
 
-    fn prime_ended(&mut self, pid: i32) {
+    /// Whether a warm clone made at `now` is primed (when its runtime takes primes).
+    fn may_prime(&self, now: Instant) -> bool {
+        !self.prime_failed && self.prime_paused_until.is_none_or(|until| now >= until)
+    }
+
+    /// A primed warm clone (`pid`) ended before its launch, `timed_out` or not.
+    fn prime_ended(&mut self, pid: i32, timed_out: bool, now: Instant) {
+        if timed_out {
+            self.prime_timeouts += 1;
+            if self.prime_timeouts < PRIME_FAILURES {
+                return;
+            }
+            self.prime_timeouts = 0;
+            self.prime_pause = (self.prime_pause * 2).clamp(PRIME_PAUSE_FIRST, PRIME_PAUSE_MAX);
+            self.prime_paused_until = Some(now + self.prime_pause);
+            tracing::warn!(
+                "{PRIME_FAILURES} primes in a row (the last pid {pid}) ran out of time: the \
+                 host is busy; warm clones are not primed for the next {} s",
+                self.prime_pause.as_secs()
+            );
+            return;
+        }
         self.prime_failures += 1;
         if self.prime_failed {
             return;
@@ -220,16 +261,19 @@ impl WarmPool {
                 Launchable::Yes => {
                     if c.primed {
                         self.prime_failures = 0;
+                        self.prime_timeouts = 0;
+                        self.prime_pause = Duration::ZERO;
                     }
                     break Some(c);
                 }
                 Launchable::Priming => priming.push_back(c),
                 Launchable::Ended => {
-                    let _ = waitpid(Pid::from_raw(c.pid), None);
+                    let status = waitpid(Pid::from_raw(c.pid), None);
                     if let Some(p) = pools.as_deref_mut() {
                         p.exited(c.pid);
                     }
-                    self.prime_ended(c.pid);
+                    let timed_out = status.as_ref().is_ok_and(prime_timed_out);
+                    self.prime_ended(c.pid, timed_out, Instant::now());
                 }
             }
         };
@@ -286,7 +330,7 @@ impl WarmPool {
         serve: ServeClone,
         prime: Option<u8>,
     ) {
-        let prime = prime.filter(|_| !self.prime_failed);
+        let prime = prime.filter(|_| self.may_prime(Instant::now()));
         self.priming = prime.is_some();
         if let Err(e) = self.try_add(vm, pools, serve, prime) {
             tracing::warn!(

@@ -40,7 +40,8 @@
  *             TSC cycles before waiting again (a runtime slow to come back)
  *   prime=N   with invoke=1, declare prime requests in a wait header before each
  *             wait; 1: answer a prime request at once (no handler); 2: write the
- *             serial port first (a prime that leaves the serving path, for tests)
+ *             serial port first (a prime that leaves the serving path, for tests);
+ *             3: never answer it (a prime that runs out of time, for tests)
  *   hostile_virtio=N  after the checks, the BSP drives every virtio-mmio device
  *             badly for N rounds (needs 64 MiB of memory; see hostile_virtio below),
  *             then prints "tiny: hostile virtio done" and beats on
@@ -436,7 +437,11 @@ inv_show:
     xorl %eax, %eax
     jmp  inv_reply
 inv_prime:
-    cmpq $2, opt_prime(%rip)
+    cmpq $3, opt_prime(%rip)        /* prime=3: spin until the prime's time is up */
+    jne  6f
+8:  pause
+    jmp  8b
+6:  cmpq $2, opt_prime(%rip)
     jne  7f
     movb $'!', %al                  /* prime=2: a port the prime may not use */
     movw $COM1, %dx

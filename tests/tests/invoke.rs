@@ -695,6 +695,57 @@ fn primed_warm_clones_serve_their_request_and_a_failed_prime_turns_priming_off()
     drop(vm);
 }
 
+#[test]
+fn primes_that_run_out_of_time_pause_priming_which_comes_back_after_the_pause() {
+    // prime=3: the runtime never answers its prime, as a prime on a host too busy to run
+    // it in time. Three such in a row pause priming (not for good: the runtime is not at
+    // fault) for 10 s; the template serves on with warm clones that are not primed.
+    // After the pause the next warm clone is primed again, runs out of time again, and
+    // the next pause is twice as long.
+    if !kvm_available("invoke_prime_timeout") {
+        return;
+    }
+    let _serial = one_at_a_time();
+    let scratch = Scratch::new("invoke-prime-slow");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=3",
+        &["--warm-clones", "2"],
+    );
+    let paused = "ran out of time: the host is busy; warm clones are not primed for the next";
+    wait_until("priming to be paused and two warm clones", || {
+        let warm = &vm.describe()["warm_clones"];
+        warm["priming"] == false && warm["ready"] == 2
+    });
+    let log = vm.stderr_text();
+    assert!(log.contains(&format!("{paused} 10 s")), "{log}");
+    assert!(!log.contains("no longer primed"), "{log}");
+    let started = Instant::now();
+    let r = invoke(&vm.sock, b"while paused");
+    assert_eq!(r.header("x-forkvm-primed"), Some("false"));
+    echoed(&r, b"while paused");
+    // Past the pause, each invocation's refill is primed again, until three more ran out
+    // of time.
+    std::thread::sleep(Duration::from_secs(10).saturating_sub(started.elapsed()));
+    let mut served = 0;
+    while !vm.stderr_text().contains(&format!("{paused} 20 s")) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "priming did not come back: {}",
+            vm.stderr_text()
+        );
+        let r = invoke(&vm.sock, b"after the pause");
+        echoed(&r, b"after the pause");
+        served += 1;
+        std::thread::sleep(Duration::from_millis(700));
+    }
+    assert!(served >= 1);
+    let warm = &vm.describe()["warm_clones"];
+    assert_eq!(warm["priming"], false, "{warm}");
+    assert!(warm["primed"].as_u64().unwrap() >= 6, "{warm}");
+    drop(vm);
+}
+
 /// `GET /vm` on socket `sock`.
 fn describe_at(sock: &Path) -> Value {
     let (code, body) = tests::api_request(sock, "GET", "/vm", None);

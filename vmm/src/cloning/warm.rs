@@ -487,3 +487,61 @@ impl Spares {
         vm.devices().make_spare_overlays();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn primes_that_run_out_of_time_pause_priming_and_failed_ones_end_it() {
+        let mut pool = WarmPool::new(4);
+        let t0 = Instant::now();
+        assert!(pool.may_prime(t0));
+        // Two primes out of time: still priming.
+        pool.prime_ended(1, true, t0);
+        pool.prime_ended(2, true, t0);
+        assert!(pool.may_prime(t0));
+        // The third pauses it.
+        pool.prime_ended(3, true, t0);
+        let ms = Duration::from_millis(1);
+        assert!(!pool.may_prime(t0 + PRIME_PAUSE_FIRST - ms));
+        assert!(pool.may_prime(t0 + PRIME_PAUSE_FIRST));
+        // Three more after that pause: twice as long.
+        let t1 = t0 + PRIME_PAUSE_FIRST;
+        for pid in 4..7 {
+            pool.prime_ended(pid, true, t1);
+        }
+        assert!(!pool.may_prime(t1 + 2 * PRIME_PAUSE_FIRST - ms));
+        assert!(pool.may_prime(t1 + 2 * PRIME_PAUSE_FIRST));
+        // Never longer than the most.
+        let mut t = t1 + 2 * PRIME_PAUSE_FIRST;
+        for _ in 0..20 {
+            for pid in 0..3 {
+                pool.prime_ended(pid, true, t);
+            }
+            t += PRIME_PAUSE_MAX;
+        }
+        assert_eq!(pool.prime_pause, PRIME_PAUSE_MAX);
+        assert!(pool.may_prime(t));
+        // Primes that failed otherwise turn it off for good.
+        for pid in 0..3 {
+            pool.prime_ended(pid, false, t);
+        }
+        assert!(!pool.may_prime(t + Duration::from_secs(86_400)));
+    }
+
+    #[test]
+    fn a_prime_that_ran_out_of_time_is_told_by_its_exit_status() {
+        let pid = Pid::from_raw(1);
+        assert!(prime_timed_out(&WaitStatus::Exited(
+            pid,
+            PRIME_TIMEOUT_EXIT
+        )));
+        assert!(!prime_timed_out(&WaitStatus::Exited(pid, 1)));
+        assert!(!prime_timed_out(&WaitStatus::Signaled(
+            pid,
+            Signal::SIGKILL,
+            false
+        )));
+    }
+}

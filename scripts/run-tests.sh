@@ -2,12 +2,24 @@
 # Runs the whole test suite and ends with one summary line over every test binary:
 # "forkvm: P passed, F failed, S skipped" (skipped = cargo's ignored). Every test binary
 # runs even after one failed (--no-fail-fast), so a failed run shows every failure.
+# Each test binary's start and each test's end is shown with the seconds since the run
+# began ("[ 812s] test x ... ok"), so a slow test can be found in a CI log.
 # Exits non-zero if anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log"
+stamp() {
+    local line
+    while IFS= read -r line; do
+        case "$line" in
+        "test "* | "     Running "*) printf '[%4ds] %s\n' "$SECONDS" "$line" ;;
+        *) printf '%s\n' "$line" ;;
+        esac
+    done
+}
+SECONDS=0
+cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log" | stamp
 status=${PIPESTATUS[0]}
 awk '/^test result:/ {
         for (i = 1; i <= NF; i++) {

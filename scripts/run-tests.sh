@@ -2,8 +2,9 @@
 # Runs the whole test suite and ends with one summary line over every test binary:
 # "forkvm: P passed, F failed, S skipped" (skipped = cargo's ignored). Every test binary
 # runs even after one failed (--no-fail-fast), so a failed run shows every failure.
-# Each test binary's start and each test's end is shown with the seconds since the run
-# began ("[ 812s] test x ... ok"), so a slow test can be found in a CI log.
+# Each test binary's start and each test's end is followed by the seconds since the run
+# began ("    (at 812 s)"; cargo's own lines are left as they are), so a slow test can be
+# found in a CI log.
 # Exits non-zero if anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,9 +13,9 @@ trap 'rm -f "$log"' EXIT
 stamp() {
     local line
     while IFS= read -r line; do
+        printf '%s\n' "$line"
         case "$line" in
-        "test "* | "     Running "*) printf '[%4ds] %s\n' "$SECONDS" "$line" ;;
-        *) printf '%s\n' "$line" ;;
+        "test "*" ... "* | "     Running "*) printf '    (at %d s)\n' "$SECONDS" ;;
         esac
     done
 }

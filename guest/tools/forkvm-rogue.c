@@ -125,8 +125,8 @@ static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
 static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 
-/* An address no device may touch: past the mailbox's end (straddling it), above
- * 1 TiB, or so close to 2^64 that address + length wraps. */
+/* An address a device cannot use whole: straddling the mailbox's end, above 1 TiB (no
+ * memory there), or so close to 2^64 that address + length wraps. */
 static uint64_t outside(void)
 {
     switch (next_rand() % 3) {

@@ -31,6 +31,9 @@ const EVENT: usize = 2;
 const TX_BUF_ALLOC: u32 = 256 << 10;
 /// The longest `CONNECT <port>\n` line read from a host.
 const MAX_CONNECT_LINE: usize = 32;
+/// The largest payload of a guest packet: Linux's driver sends at most 64 KiB a packet
+/// (`VIRTIO_VSOCK_MAX_PKT_BUF_SIZE`). A longer one resets its connection.
+pub(super) const MAX_PAYLOAD: u32 = 64 << 10;
 /// First port this side uses for host-initiated connections.
 pub(super) const FIRST_LOCAL_PORT: u32 = 1 << 30;
 const TOKEN_LISTENER: u64 = FIRST_HANDLER_TOKEN;
@@ -286,6 +289,15 @@ impl Muxer {
             let head = chain.head_index();
             match chain.reader(&self.mem) {
                 Ok(mut reader) => match reader.read_obj::<Header>() {
+                    Ok(hdr) if hdr.len > MAX_PAYLOAD => {
+                        // Otherwise the device would copy what the chain covers, up to
+                        // 4 GiB of guest memory, into a buffer of its own.
+                        tracing::debug!(
+                            "virtio-vsock: refused a packet of {} bytes (at most {MAX_PAYLOAD})",
+                            { hdr.len }
+                        );
+                        self.reset(ctx, (hdr.dst_port, hdr.src_port));
+                    }
                     Ok(hdr) => {
                         let len = (hdr.len as usize).min(reader.available_bytes());
                         let mut data = vec![0u8; len];

@@ -12,6 +12,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::epoll::{Epoll, EpollEvent};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::muxer::MAX_PAYLOAD;
 use super::packet::*;
 use super::*;
 use crate::virtio::worker::WorkerContext;
@@ -208,6 +209,53 @@ fn host_connects_exchanges_data_and_closes() {
     // Data for a connection that is gone is refused.
     r.send(OP_RW, (1234, local), 0, b"late");
     assert_eq!({ r.next_rx().hdr.op }, OP_RST);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_guest_packet_longer_than_64_kib_resets_its_connection_and_nothing_of_it_is_sent() {
+    // The fuzzer found packets of up to 4 GiB copied whole into the device's memory
+    // (`virtio_vsock`, slow inputs): one chain's descriptors may cover that much.
+    let m = mem();
+    let path = temp_path("big");
+    let mut r = rig(&m, &path, false);
+    r.post_rx(8);
+    let mut host = UnixStream::connect(&path).unwrap();
+    host.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    host.write_all(b"CONNECT 1234\n").unwrap();
+    let local = r.next_rx().hdr.src_port;
+    r.send(OP_RESPONSE, (1234, local), 0, &[]);
+    let mut reader = BufReader::new(host.try_clone().unwrap());
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    // 64 KiB goes through.
+    let most = vec![7u8; MAX_PAYLOAD as usize];
+    r.send(OP_RW, (1234, local), 0, &most);
+    let mut got = vec![0u8; most.len()];
+    reader.read_exact(&mut got).unwrap();
+    assert_eq!(got, most);
+    // One byte more: the connection is reset, the host gets none of it.
+    r.send(
+        OP_RW,
+        (1234, local),
+        0,
+        &vec![8u8; MAX_PAYLOAD as usize + 1],
+    );
+    // (After a credit update for the 64 KiB the host took.)
+    let op = loop {
+        let op = r.next_rx().hdr.op;
+        if op != OP_CREDIT_UPDATE {
+            break op;
+        }
+    };
+    assert_eq!(op, OP_RST);
+    let mut rest = Vec::new();
+    reader.read_to_end(&mut rest).unwrap();
+    assert!(
+        rest.is_empty(),
+        "{} bytes of the long packet sent",
+        rest.len()
+    );
     let _ = std::fs::remove_file(&path);
 }
 

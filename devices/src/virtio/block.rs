@@ -423,13 +423,16 @@ impl Worker {
                 if !self.in_range(hdr.sector, data_len) {
                     return VIRTIO_BLK_S_IOERR;
                 }
-                let mut buf = vec![0u8; data_len];
-                let off = hdr.sector * SECTOR_SIZE;
-                let read = match &self.overlay {
-                    Some(o) => lock(o).read_at(&self.file, &mut buf, off),
-                    None => self.file.read_exact_at(&mut buf, off),
-                };
-                ok(read.and_then(|()| writer.write_all(&buf)))
+                let mut buf = vec![0u8; data_len.min(DATA_CHUNK)];
+                let start = hdr.sector * SECTOR_SIZE;
+                ok(in_chunks(start, data_len, |off, len| {
+                    let chunk = &mut buf[..len];
+                    match &self.overlay {
+                        Some(o) => lock(o).read_at(&self.file, chunk, off),
+                        None => self.file.read_exact_at(chunk, off),
+                    }?;
+                    writer.write_all(chunk)
+                }))
             }
             VIRTIO_BLK_T_OUT => {
                 // Read-only device: writes fail.
@@ -440,10 +443,12 @@ impl Worker {
                 if !self.in_range(hdr.sector, len) {
                     return VIRTIO_BLK_S_IOERR;
                 }
-                let mut buf = vec![0u8; len];
-                let written = reader
-                    .read_exact(&mut buf)
-                    .and_then(|()| lock(o).write_at(&self.file, &buf, hdr.sector * SECTOR_SIZE));
+                let mut buf = vec![0u8; len.min(DATA_CHUNK)];
+                let written = in_chunks(hdr.sector * SECTOR_SIZE, len, |off, n| {
+                    let chunk = &mut buf[..n];
+                    reader.read_exact(chunk)?;
+                    lock(o).write_at(&self.file, chunk, off)
+                });
                 if let Err(e) = &written {
                     let n = self.write_failures.get() + 1;
                     self.write_failures.set(n);
@@ -472,6 +477,27 @@ impl Worker {
             _ => VIRTIO_BLK_S_UNSUPP,
         }
     }
+}
+
+/// The most of a request's data the device holds at once: a read or write goes through
+/// in pieces of this size. Whole, a guest could have the VMM allocate as much as the
+/// disk (its chain's descriptors may cover up to 4 GiB each).
+const DATA_CHUNK: usize = 1 << 20;
+
+/// Calls `step(offset, len)` for each [`DATA_CHUNK`] of `len` bytes from disk offset
+/// `start` on, until one fails.
+fn in_chunks(
+    start: u64,
+    len: usize,
+    mut step: impl FnMut(u64, usize) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(DATA_CHUNK);
+        step(start + done as u64, n)?;
+        done += n;
+    }
+    Ok(())
 }
 
 fn lock(o: &Mutex<Overlay>) -> std::sync::MutexGuard<'_, Overlay> {
@@ -704,6 +730,92 @@ mod tests {
             VIRTIO_BLK_S_OK
         );
         assert_eq!(std::fs::read(&r._disk.0).unwrap(), image, "image untouched");
+    }
+
+    #[test]
+    fn requests_longer_than_a_chunk_go_through_in_pieces_whole() {
+        // 1.5 MiB over two descriptors: more than DATA_CHUNK, so two pieces each way.
+        let mut r = rig(4096);
+        let image = std::fs::read(&r._disk.0).unwrap();
+        let o = Overlay::create(&std::env::temp_dir(), 4096 * SECTOR_SIZE).unwrap();
+        r.overlay = Some(Arc::new(Mutex::new(o)));
+        const SECOND: u64 = 0x31_0000;
+        let (first_len, second_len) = (1usize << 20, 1usize << 19);
+        let data: Vec<u8> = (0..first_len + second_len)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        r.mem
+            .write_slice(&data[..first_len], GuestAddress(DATA))
+            .unwrap();
+        r.mem
+            .write_slice(&data[first_len..], GuestAddress(SECOND))
+            .unwrap();
+        let chain = |flags: u16| {
+            [
+                desc(HDR, 16, NEXT, 1),
+                desc(DATA, first_len as u32, NEXT | flags, 2),
+                desc(SECOND, second_len as u32, NEXT | flags, 3),
+                desc(STATUS, 1, WRITE, 0),
+            ]
+        };
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_OUT, 100), &chain(0)).0,
+            VIRTIO_BLK_S_OK
+        );
+        r.mem
+            .write_slice(&vec![0u8; first_len], GuestAddress(DATA))
+            .unwrap();
+        r.mem
+            .write_slice(&vec![0u8; second_len], GuestAddress(SECOND))
+            .unwrap();
+        let (status, used) = run(&r, hdr(VIRTIO_BLK_T_IN, 100), &chain(WRITE));
+        assert_eq!((status, used as usize), (VIRTIO_BLK_S_OK, data.len() + 1));
+        let mut got = vec![0u8; data.len()];
+        r.mem
+            .read_slice(&mut got[..first_len], GuestAddress(DATA))
+            .unwrap();
+        r.mem
+            .read_slice(&mut got[first_len..], GuestAddress(SECOND))
+            .unwrap();
+        assert!(got == data, "the data read back differs");
+        // Around it, the image's sectors.
+        let around = [
+            desc(HDR, 16, NEXT, 1),
+            desc(DATA, 1024, NEXT | WRITE, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        assert_eq!(
+            run(&r, hdr(VIRTIO_BLK_T_IN, 99), &around).0,
+            VIRTIO_BLK_S_OK
+        );
+        let mut edge = vec![0u8; 1024];
+        r.mem.read_slice(&mut edge, GuestAddress(DATA)).unwrap();
+        assert_eq!(edge[..512], [99u8; 512]);
+        assert_eq!(edge[512..], data[..512]);
+        assert_eq!(std::fs::read(&r._disk.0).unwrap(), image, "image untouched");
+    }
+
+    #[test]
+    fn in_chunks_covers_the_range_once_in_order_and_stops_at_a_failure() {
+        let mut seen = Vec::new();
+        in_chunks(10, 2 * DATA_CHUNK + 3, |off, len| {
+            seen.push((off, len));
+            Ok(())
+        })
+        .unwrap();
+        let c = DATA_CHUNK as u64;
+        assert_eq!(
+            seen,
+            [(10, DATA_CHUNK), (10 + c, DATA_CHUNK), (10 + 2 * c, 3)]
+        );
+        assert!(in_chunks(0, 0, |_, _| panic!("no chunk of nothing")).is_ok());
+        let mut calls = 0;
+        let r = in_chunks(0, 3 * DATA_CHUNK, |_, _| {
+            calls += 1;
+            Err(std::io::Error::other("disk gone"))
+        });
+        assert!(r.is_err());
+        assert_eq!(calls, 1);
     }
 
     #[test]

@@ -31,8 +31,9 @@ const EVENT: usize = 2;
 const TX_BUF_ALLOC: u32 = 256 << 10;
 /// The longest `CONNECT <port>\n` line read from a host.
 const MAX_CONNECT_LINE: usize = 32;
-/// The largest payload of a guest packet: Linux's driver sends at most 64 KiB a packet
-/// (`VIRTIO_VSOCK_MAX_PKT_BUF_SIZE`). A longer one resets its connection.
+/// The largest payload of a packet either way: Linux's driver sends at most 64 KiB a
+/// packet (`VIRTIO_VSOCK_MAX_PKT_BUF_SIZE`). A longer one from the guest resets its
+/// connection; the device sends none longer, whatever room and credit the guest gives.
 pub(super) const MAX_PAYLOAD: u32 = 64 << 10;
 /// First port this side uses for host-initiated connections.
 pub(super) const FIRST_LOCAL_PORT: u32 = 1 << 30;
@@ -79,6 +80,9 @@ struct Conn {
     readable: bool,
     /// The guest will send no more: shut the stream's write side once `to_host` is out.
     guest_done_sending: bool,
+    /// The events the worker's epoll watches the stream for (what [`Conn::interest`]
+    /// was when last registered).
+    watching: EventSet,
 }
 
 impl Conn {
@@ -95,6 +99,7 @@ impl Conn {
             peer_fwd_cnt: 0,
             readable: false,
             guest_done_sending: false,
+            watching: EventSet::empty(),
         };
         if let Some(h) = hdr {
             c.peer_credit_from(h);
@@ -247,17 +252,27 @@ impl Muxer {
         });
     }
 
-    fn watch(&self, ctx: &WorkerContext<'_>, key: Key) {
-        if let Some(c) = self.conns.get(&key) {
-            if let Err(e) = ctx.modify(c.stream.as_raw_fd(), c.token, c.interest()) {
-                tracing::warn!("virtio-vsock: epoll: {e}");
+    /// Registers the events `key`'s stream is to be watched for, when they changed. Only
+    /// then: modifying an edge-triggered registration re-arms it, and a stream with data
+    /// the guest has no room or credit for would be reported again at once, the worker
+    /// spinning until the guest takes it.
+    fn watch(&mut self, ctx: &WorkerContext<'_>, key: Key) {
+        if let Some(c) = self.conns.get_mut(&key) {
+            let interest = c.interest();
+            if interest == c.watching {
+                return;
+            }
+            match ctx.modify(c.stream.as_raw_fd(), c.token, interest) {
+                Ok(()) => c.watching = interest,
+                Err(e) => tracing::warn!("virtio-vsock: epoll: {e}"),
             }
         }
     }
 
-    fn add_conn(&mut self, ctx: &WorkerContext<'_>, key: Key, conn: Conn) {
-        if let Err(e) = ctx.add(conn.stream.as_raw_fd(), conn.token, conn.interest()) {
-            tracing::warn!("virtio-vsock: epoll: {e}");
+    fn add_conn(&mut self, ctx: &WorkerContext<'_>, key: Key, mut conn: Conn) {
+        match ctx.add(conn.stream.as_raw_fd(), conn.token, conn.interest()) {
+            Ok(()) => conn.watching = conn.interest(),
+            Err(e) => tracing::warn!("virtio-vsock: epoll: {e}"),
         }
         self.tokens.insert(conn.token, key);
         self.conns.insert(key, conn);
@@ -529,7 +544,11 @@ impl Muxer {
             .collect();
         for key in keys {
             let conn = self.conns.get_mut(&key)?;
-            let want = room.min(conn.peer_credit() as usize);
+            // The guest's buffer and credit may both be gigabytes: a packet is
+            // at most what Linux's driver sends.
+            let want = room
+                .min(conn.peer_credit() as usize)
+                .min(MAX_PAYLOAD as usize);
             let mut buf = vec![0u8; want];
             match conn.stream.read(&mut buf) {
                 Ok(0) => {

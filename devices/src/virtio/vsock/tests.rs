@@ -37,6 +37,8 @@ struct Rig<'a> {
     rx_posted: u16,
     rx_seen: u16,
     tx_sent: u16,
+    /// The buffer space the guest's packets declare.
+    buf_alloc: u32,
     _dev: Vsock,
 }
 
@@ -66,6 +68,7 @@ fn rig_with(mem: &GuestMemoryMmap, mut dev: Vsock) -> Rig<'_> {
         rx_posted: 0,
         rx_seen: 0,
         tx_sent: 0,
+        buf_alloc: 64 << 10,
         _dev: dev,
     };
     let d = SplitDescriptor::new(EVENT_BUF, 4, WRITE, 0);
@@ -90,13 +93,17 @@ impl Rig<'_> {
         self.handler.queue_event(RX, &ctx);
     }
 
-    /// Runs the worker's loop until nothing happens for 50 ms.
+    /// Runs the worker's loop until nothing happens for 50 ms; panics if it keeps being
+    /// woken (a worker that spins).
     fn pump(&mut self) {
         let mut events = [EpollEvent::default(); 8];
+        let mut wakeups = 0;
         while let Ok(n) = self.epoll.wait(50, &mut events) {
             if n == 0 {
                 break;
             }
+            wakeups += 1;
+            assert!(wakeups < 10_000, "the worker does not go idle");
             let ctx = WorkerContext::new(&self.epoll);
             for ev in &events[..n] {
                 self.handler.handler_event(ev.data(), ev.event_set(), &ctx);
@@ -142,7 +149,7 @@ impl Rig<'_> {
             type_: TYPE_STREAM,
             op,
             flags,
-            buf_alloc: 64 << 10,
+            buf_alloc: self.buf_alloc,
             fwd_cnt: 0,
         };
         self.mem.write_obj(hdr, GuestAddress(addr)).unwrap();
@@ -256,6 +263,48 @@ fn a_guest_packet_longer_than_64_kib_resets_its_connection_and_nothing_of_it_is_
         "{} bytes of the long packet sent",
         rest.len()
     );
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn the_device_sends_at_most_64_kib_a_packet_whatever_room_and_credit_the_guest_gives() {
+    // Also: while the host has data the guest has no room for, the worker sleeps (it
+    // re-armed the stream's edge-triggered registration on each event, and so spun).
+    let m = mem();
+    let path = temp_path("big-rx");
+    let mut r = rig(&m, &path, false);
+    r.post_rx(1);
+    let mut host = UnixStream::connect(&path).unwrap();
+    host.write_all(b"CONNECT 1234\n").unwrap();
+    let local = r.next_rx().hdr.src_port;
+    // 16 MiB of credit, and one buffer of 1 MiB.
+    r.buf_alloc = 16 << 20;
+    r.send(OP_RESPONSE, (1234, local), 0, &[]);
+    let mut line = String::new();
+    BufReader::new(host.try_clone().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    const BIG_RX: u64 = 0x50_0000;
+    let d = SplitDescriptor::new(BIG_RX, 44 + (1 << 20), WRITE, 0);
+    r.rx.add_desc_chains(&[RawDescriptor::from(d)], r.rx_posted)
+        .unwrap();
+    r.rx_posted += 1;
+    // As much as the socket takes at once (more than 64 KiB), without blocking.
+    host.set_nonblocking(true).unwrap();
+    let sent = host.write(&vec![5u8; 96 << 10]).unwrap();
+    assert!(sent > MAX_PAYLOAD as usize, "{sent}");
+    let ctx = WorkerContext::new(&r.epoll);
+    r.handler.queue_event(RX, &ctx);
+    r.pump();
+    let used =
+        r.rx.used()
+            .ring()
+            .ref_at(r.rx_seen as usize)
+            .unwrap()
+            .load();
+    let hdr: Header = m.read_obj(GuestAddress(BIG_RX)).unwrap();
+    assert_eq!(({ hdr.op }, hdr.len), (OP_RW, MAX_PAYLOAD));
+    assert_eq!(used.len(), 44 + MAX_PAYLOAD);
     let _ = std::fs::remove_file(&path);
 }
 

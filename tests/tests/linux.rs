@@ -1487,46 +1487,43 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     let beats = |n: &Vm| n.console_text().matches("tiny: beat ").count();
     let neighbour_beats = beats(&neighbour);
 
-    // The disk: then a write and a read through Linux's driver again.
-    let script = format!(
-        "{} && for i in $(seq 50); do [ -b /dev/vda ] && break; sleep 0.1; done && \
-         forkvm-diskcheck write /dev/vda 8 1 after && forkvm-diskcheck check /dev/vda 8 1 after",
-        rogue(&blk)
-    );
-    let (code, out, err) = vmm_exec(&vm.sock, &["--", &script], b"");
-    assert_eq!(code, Some(0), "{out}{err}");
+    // `forkvm-rogue` on the device at `base`, then `then` (through Linux's driver again,
+    // once `node` is back): its output and figures. Any failure fails the command.
+    let rogue_then = |base: &str, node: &str, then: &str| {
+        let script = format!(
+            "{} && for i in $(seq 50); do [ -e {node} ] && break; sleep 0.1; done && {then}",
+            rogue(base)
+        );
+        let (code, out, err) = vmm_exec(&vm.sock, &["--", &script], b"");
+        assert_eq!(code, Some(0), "{out}{err}");
+        let figures = rogue_figures(&out);
+        (out, figures)
+    };
+    // The disk: then a write and a read.
+    let check =
+        "forkvm-diskcheck write /dev/vda 8 1 after && forkvm-diskcheck check /dev/vda 8 1 after";
+    let (out, disk) = rogue_then(&blk, "/dev/vda", check);
     assert!(
         out.ends_with("bound to its driver again\nok\nok\n"),
         "{out}"
     );
-    let disk = rogue_figures(&out);
-    // The entropy device: then 64 bytes of /dev/hwrng through Linux's driver.
-    let script = format!(
-        "{} && cat /sys/class/misc/hw_random/rng_current && head -c 64 /dev/hwrng | od -An -v -tx1",
-        rogue(&rng)
-    );
-    let (code, out, err) = vmm_exec(&vm.sock, &["--", &script], b"");
-    assert_eq!(code, Some(0), "{out}{err}");
+    // The entropy device: then 64 bytes of /dev/hwrng.
+    let read =
+        "cat /sys/class/misc/hw_random/rng_current && head -c 64 /dev/hwrng | od -An -v -tx1";
+    let (out, entropy) = rogue_then(&rng, "/dev/hwrng", read);
     assert!(out.contains("\nvirtio_rng."), "{out}");
     let random: String = (out.lines().skip_while(|l| !l.starts_with("virtio_rng.")))
         .skip(1)
         .collect();
     assert_eq!(random.split_whitespace().count(), 64, "{out}");
     assert!(random.split_whitespace().any(|b| b != "00"), "{out}");
-    let entropy = rogue_figures(&out);
-    // The network card: then the host peer reached through Linux's driver (its eth0 is
-    // made anew, without an address).
-    let script = format!(
-        "{} && for i in $(seq 50); do [ -e /sys/class/net/eth0 ] && break; sleep 0.1; done && {reach}",
-        rogue(&net)
-    );
-    let (code, out, err) = vmm_exec(&vm.sock, &["--", &script], b"");
-    assert_eq!(code, Some(0), "{out}{err}");
+    // The network card: then the host peer reached (its eth0 is made anew, without an
+    // address).
+    let (out, card) = rogue_then(&net, "/sys/class/net/eth0", reach);
     assert!(
         out.ends_with("bound to its driver again\nreached\n"),
         "{out}"
     );
-    let card = rogue_figures(&out);
     // vsock carries the agent itself: the rogue runs in the background and writes to the
     // console; then a command goes through Linux's driver again.
     let script = format!(

@@ -66,6 +66,11 @@ pub struct Usage {
     pub memory_peak: u64,
     /// OOM kills in the cgroup.
     pub oom_kills: u64,
+    /// Time the CPU quota held the clone's threads back (`cpu.stat`: `throttled_usec` on
+    /// v2, `throttled_time` on v1), microseconds; 0 without a quota. A clone that ran
+    /// slowly with this near 0 was not slowed by its quota.
+    #[serde(default)]
+    pub cpu_throttled_us: u64,
 }
 
 /// Which cgroup interface.

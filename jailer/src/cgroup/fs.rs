@@ -361,7 +361,10 @@ impl CgroupFs {
                 ("cgroup.procs", ""),
                 ("cgroup.kill", ""),
                 ("cpu.max", "max 100000\n"),
-                ("cpu.stat", "usage_usec 0\n"),
+                (
+                    "cpu.stat",
+                    "usage_usec 0\nnr_throttled 0\nthrottled_usec 0\n",
+                ),
                 ("memory.max", "max\n"),
                 ("memory.current", "0\n"),
                 ("memory.peak", "0\n"),
@@ -373,6 +376,10 @@ impl CgroupFs {
                 ("tasks", ""),
                 ("cpu.cfs_period_us", "100000\n"),
                 ("cpu.cfs_quota_us", "-1\n"),
+                (
+                    "cpu.stat",
+                    "nr_periods 0\nnr_throttled 0\nthrottled_time 0\n",
+                ),
             ],
             (CgroupVersion::V1, "cpuacct") => &[
                 ("cgroup.procs", ""),
@@ -575,12 +582,14 @@ impl CgroupFs {
                     cpu_us: self.read_key("", name, "cpu.stat", "usage_usec"),
                     memory_peak: peak,
                     oom_kills: self.read_key("", name, "memory.events", "oom_kill"),
+                    cpu_throttled_us: self.read_key("", name, "cpu.stat", "throttled_usec"),
                 }
             }
             CgroupVersion::V1 => Usage {
                 cpu_us: self.read_u64("cpuacct", name, "cpuacct.usage")? / 1000,
                 memory_peak: self.read_u64("memory", name, "memory.max_usage_in_bytes")?,
                 oom_kills: self.read_key("memory", name, "memory.oom_control", "oom_kill "),
+                cpu_throttled_us: self.read_key("cpu", name, "cpu.stat", "throttled_time ") / 1000,
             },
         })
     }

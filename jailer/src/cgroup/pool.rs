@@ -384,6 +384,7 @@ fn since(base: &Usage, now: &Usage) -> Usage {
         cpu_us: now.cpu_us.saturating_sub(base.cpu_us),
         memory_peak: now.memory_peak,
         oom_kills: now.oom_kills.saturating_sub(base.oom_kills),
+        cpu_throttled_us: now.cpu_throttled_us.saturating_sub(base.cpu_throttled_us),
     }
 }
 
@@ -552,6 +553,12 @@ mod tests {
         .unwrap();
         std::fs::write(dir.join("memory.max_usage_in_bytes"), "1048576").unwrap();
         std::fs::write(dir.join("memory.limit_in_bytes"), "1").unwrap();
+        let cpu_stat = root.0.join("cpu/forkvm").join(&lease.name).join("cpu.stat");
+        let throttled = |ns: u64| {
+            let text = format!("nr_periods 9\nnr_throttled 3\nthrottled_time {ns}\n");
+            std::fs::write(&cpu_stat, text).unwrap();
+        };
+        throttled(3_000_000);
         let name = lease.name.clone();
         // Released with a process left: it is killed, usage read, limits reset.
         let usage = pool.release(lease).unwrap();
@@ -560,14 +567,24 @@ mod tests {
             Usage {
                 cpu_us: 7000,
                 memory_peak: 1 << 20,
-                oom_kills: 0
+                oom_kills: 0,
+                cpu_throttled_us: 3000,
             }
         );
         assert!(pool.fs().procs(&name).unwrap().is_empty());
         assert_eq!(pool.fs().limits(&name).unwrap(), class());
-        assert_eq!(pool.fs().usage(&name).unwrap(), Usage::default());
+        // v1 cannot reset the throttled time: the next lease gets the difference.
+        let left = Usage {
+            cpu_throttled_us: 3000,
+            ..Usage::default()
+        };
+        assert_eq!(pool.fs().usage(&name).unwrap(), left);
         assert_eq!(pool.stats().idle, 1);
-        // The same cgroup is reused.
+        // The same cgroup is reused, and reports only what it used since.
+        let lease = pool.acquire().unwrap();
+        assert_eq!(lease.name, name);
+        throttled(3_500_000);
+        assert_eq!(pool.release(lease).unwrap().cpu_throttled_us, 500);
         assert_eq!(pool.acquire().unwrap().name, name);
         assert!(matches!(
             pool.release(Lease {

@@ -46,7 +46,16 @@ one after the other in one run: unlimited, then --limit (--limited-only: the lim
 `bytes=SIZE[/MS]`, SIZE bytes every MS milliseconds, 1000 by default, and SIZE is also
 the bucket: `bytes=8K/4000` is 2 KiB/s with 4 s of tokens).
 
-usage: benches/nfs.py [--counts 1,2,4,8] [--kib 4096] [--limit bytes=128K] [--limited-only] [--rwsize N]
+With --capture, tcpdump records the NFS traffic on the server's bridge during the NFS
+phases, and every clone whose transfer moved nothing for 2 s or more between 1% and 99%
+of its bytes is listed with what crossed the bridge around that stall: how many frames
+each side sent during it, who sent the last one before it, and the frames themselves
+(the bridge sees a clone's frames past its tx limiter and the server's before its rx
+limiter, so a stall with the server's frames waiting is the clone's limiter or VMM, one
+with a call unanswered the server, one with the last reply answered the clone).
+
+usage: benches/nfs.py [--counts 1,2,4,8] [--kib 4096] [--limit bytes=128K] [--limited-only]
+                      [--rwsize N] [--capture]
 """
 import argparse
 import json
@@ -283,7 +292,8 @@ class TapSampler:
         tap's samples: `before`, from w0 until its transfer had moved 1% of what it moved
         over the phase; `ramp`, to 10%; `steady`, to 90%; `tail`, to 99%; `after`, from
         there to w1 (each to the sample, 0.25 s or more apart); `gap`, the longest time
-        between 1% and 99% in which nothing moved. With the limiter counters at the
+        between 1% and 99% in which nothing moved, and `gap_at` when it began (the last
+        sample that saw bytes move before it). With the limiter counters at the
         samples nearest w0 and w1: `throttled` (s frames waited), `unused` and `late`
         (bytes) over the window. A dict, or None."""
         found = self.points(tap, rx)
@@ -295,10 +305,12 @@ class TapSampler:
         res = {k: b - a for k, a, b in zip(("before", "ramp", "steady", "tail", "after"),
                                            edges, edges[1:])}
         moving = [p for p in pts if marks[0] <= p[1] <= marks[3]]
-        res["moved"], res["gap"], since = pts[-1][2] - pts[0][2], 0.0, marks[0]
+        res["moved"], res["gap"], res["gap_at"], since = pts[-1][2] - pts[0][2], 0.0, 0.0, \
+            marks[0]
         for (_, ta, ba), (_, tb, bb) in zip(moving, moving[1:]):
             since = since if bb == ba else tb
-            res["gap"] = max(res["gap"], tb - since)
+            if tb - since > res["gap"]:
+                res["gap"], res["gap_at"] = tb - since, since
         near = lambda w: min(pts, key=lambda p: abs(p[1] - w))[0]  # noqa: E731
         a, b = self.limits[near(w0)].get(sock), self.limits[near(w1)].get(sock)
         if a and b:
@@ -383,7 +395,61 @@ def asleep(clones, secs=15):
     return 1 - (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1), top_cpu(p0, p1, t1 - t0)
 
 
-def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
+# A transfer that moved nothing for this long (s) is a stall worth explaining.
+STALL = 2.0
+
+
+class Capture:
+    """tcpdump of the NFS traffic on the server's bridge in namespace `ns`, into a file
+    of directory `where`, from creation to stop(). The bridge sees a clone's frames past
+    its tx limiter and the server's before its rx limiter."""
+
+    def __init__(self, ns, where):
+        fd, self.path = tempfile.mkstemp(dir=where, suffix=".pcap")
+        os.close(fd)
+        self.p = subprocess.Popen(["ip", "netns", "exec", ns, "tcpdump", "-i", "br0", "-n",
+                                   "-s", "256", "-U", "-w", self.path, "tcp", "port", "2049"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # tcpdump says it listens once its filter is in place.
+        line = self.p.stderr.readline()
+        if "listening" not in line:
+            sys.exit(f"tcpdump did not start: {line}{self.p.stderr.read()}")
+
+    def stop(self):
+        self.p.terminate()
+        self.p.wait(timeout=30)
+
+
+def stall_frames(pcap, addr, t0, t1):
+    """What crossed the bridge between clone `addr` and the server around its stall
+    [t0, t1] (the host's clock, to a tap sample, 0.25 s): a line counting each side's
+    frames during the stall and naming the last sender before it, then the frames from
+    1 s before to 1 s after (times from t0)."""
+    out = subprocess.run(["tcpdump", "-r", pcap, "-n", "-tt", "host", addr],
+                         capture_output=True, text=True).stdout
+    frames = []
+    for line in out.splitlines():
+        t, _, rest = line.partition(" ")
+        try:
+            frames.append((float(t), rest))
+        except ValueError:
+            continue
+    # The tap sample that last saw bytes move can be up to a sample after them.
+    t0 -= 0.25
+    before = [f for f in frames if f[0] < t0]
+    during = [f for f in frames if t0 <= f[0] < t1]
+    after = [f for f in frames if t1 <= f[0] < t1 + 1]
+    sent = lambda fs, src: sum(r.startswith(f"IP {src}.") for _, r in fs)  # noqa: E731
+    last = ("the clone" if before[-1][1].startswith(f"IP {addr}.") else "the server") \
+        if before else "nobody"
+    lines = [f"during the stall the clone sent {sent(during, addr)} frames and the server "
+             f"{sent(during, SERVER)}; the last frame before it was from {last}"]
+    shown = [f for f in before if f[0] >= t0 - 1][-6:] + during[:6] + during[6:][-3:] + after[:4]
+    lines += [f"{t - t0:+7.2f} s  {r[:150]}" for t, r in shown]
+    return lines
+
+
+def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep="", capture=None):
     """Runs cmd_of(i), which moves `nbytes`, in every clone at once, each starting at the
     same wall-clock second (the clones' clocks are the host's), after `prep` (shell,
     outside the timed window). Returns a dict: `rates`,
@@ -392,9 +458,13 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
     limiter let through); with `taps` (the clones' taps in namespace `ns`) `drops`, the
     frames the taps dropped for want of room, and `retrans`, the server's TCP
     retransmissions; `cpu`, the share of the host's CPU time that was busy meanwhile
-    (from the second the clones start at to the last one's end)."""
+    (from the second the clones start at to the last one's end). With `capture` (a
+    directory) and `taps`, the NFS traffic on the bridge is recorded and `stalls` lists,
+    for each clone whose transfer stalled for STALL s or more, what crossed the bridge
+    around its stall (stall_frames)."""
     start = int(time.time()) + lead(len(clones))
     net0 = net_counts(ns) if taps else None
+    pcap = Capture(ns, capture) if capture and taps else None
     done = in_every(clones, start, lambda i: timed(cmd_of(i), counter), prep)
     time.sleep(max(0.0, start - time.time()))
     cpu0 = host_cpu()
@@ -406,6 +476,8 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
     finally:
         if sampler:
             sampler.stop()
+        if pcap:
+            pcap.stop()
         net1 = net_counts(ns) if taps else None
     cpu1 = host_cpu()
     res = {"rates": [], "link": [] if counter else None,
@@ -431,12 +503,18 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep=""):
             res[key] = [x[i] if x else None for x in st]
         res["window"] = [sampler.window(t, rx, sk, *w) if w else None
                          for t, sk, w in zip(taps, socks, windows)]
+        if pcap:
+            res["stalls"] = [
+                (i, w["gap"], stall_frames(pcap.path, c["net"]["ipv4"].split("/")[0],
+                                           w["gap_at"], w["gap_at"] + w["gap"]))
+                for i, (c, w) in enumerate(zip(clones, res["window"]))
+                if w and w["gap"] >= STALL]
         res["drops"] = sum(net1[t] - net0[t] for t in taps)
         res["retrans"] = net1["tcp-retrans"] - net0["tcp-retrans"]
     return res
 
 
-def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS):
+def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS, capture=None):
     """The rows of one configuration; appends (label, count, host CPU busy) with the
     clones asleep to `idles`."""
     tap = f"fkb{os.getpid() % 10000000}"
@@ -493,9 +571,9 @@ def measure(work, ns, label, limit, counts, kib, with_disk, idles, opts=OPTS):
             count, nbytes = kib // 64, kib << 10
             tag = f"{name}-{n}"
             w = phase(clones, nbytes, lambda i: f"dd if=/dev/zero of=/mnt/nfs/{tag}-{i} "
-                      f"bs=64k count={count} conv=fsync", ns, taps, "tx_bytes")
+                      f"bs=64k count={count} conv=fsync", ns, taps, "tx_bytes", capture=capture)
             r = phase(clones, nbytes, lambda i: f"dd if=/mnt/nfs/{tag}-{i} of=/dev/null bs=64k",
-                      ns, taps, "rx_bytes", DROP)
+                      ns, taps, "rx_bytes", DROP, capture)
             # What the clones cost the host while they do nothing (their kernels' timers,
             # the server, the VMMs): the floor under the phases' CPU figures.
             idle, top = asleep(clones)
@@ -547,7 +625,13 @@ def main():
     ap.add_argument("--limited-only", action="store_true",
                     help="run the limited configuration only (a second limit after a "
                          "whole run showed the fair shares)")
+    ap.add_argument("--capture", action="store_true",
+                    help="record the NFS traffic on the server's bridge (tcpdump) and, for "
+                         f"every clone whose transfer stalled {STALL:.0f} s or more, show "
+                         "which side sent last and what each sent during the stall")
     a = ap.parse_args()
+    if a.capture and not shutil.which("tcpdump"):
+        sys.exit("--capture needs tcpdump (apt-get install tcpdump)")
     if os.geteuid() != 0:
         sys.exit("benches/nfs.py needs root (taps, namespaces, the NFS server)")
     for f in (VMM, os.path.join(GUEST, "vmlinux"), "/usr/bin/ganesha.nfsd"):
@@ -573,9 +657,12 @@ def main():
         subprocess.run(["mkfs.ext4", "-q", "-F", disk], check=True)
         server = start_server(ns, work, os.path.join(work, "export"))
         opts = OPTS + (f",rsize={a.rwsize},wsize={a.rwsize}" if a.rwsize else "")
+        capture = work if a.capture else None
         if not a.limited_only:
-            rows += measure(work, ns, "unlimited", None, counts, a.kib, True, idles, opts)
-        rows += measure(work, ns, a.limit, a.limit, counts, a.kib, False, idles, opts)
+            rows += measure(work, ns, "unlimited", None, counts, a.kib, True, idles, opts,
+                            capture)
+        rows += measure(work, ns, a.limit, a.limit, counts, a.kib, False, idles, opts,
+                        capture)
     finally:
         if server:
             stop_server(server)
@@ -630,6 +717,10 @@ def main():
                 if x < 0.9 * rate:
                     explain_window(f"{n} clones, {what}, clone {i}", x, parse_limit(a.limit),
                                    (res.get("window") or [None] * n)[i])
+    for label, n, what, res in rows:
+        for i, gap, lines in res.get("stalls") or []:
+            print(f"  {label}, {n} clones, {what}, clone {i}: stalled {gap:.1f} s; "
+                  + "\n      ".join(lines))
     for n in counts:
         fair = [sum(res["rates"]) / n for label, c, what, res in rows
                 if label == "unlimited" and c == n and what.startswith("NFS")]

@@ -652,6 +652,22 @@ pub fn invoke_figure(sock: &Path, what: &str) -> u64 {
         .unwrap_or_else(|| panic!("{what}: {body}"))
 }
 
+/// The counters of the network card's `direction` (`rx` or `tx`) rate limiter of the VM
+/// at `sock` (`GET /vm`); None when its card has no limit.
+pub fn net_limiter(sock: &Path, direction: &str) -> Option<serde_json::Value> {
+    let (code, body) = api_request(sock, "GET", "/vm", None);
+    assert_eq!(code, 200, "GET /vm: {body}");
+    let vm: serde_json::Value =
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let devices = vm["devices"].as_array().expect("devices");
+    let net = devices.iter().find(|d| d["type"] == "virtio-net");
+    let limiters = net.unwrap_or_else(|| panic!("no network card: {body}"))["rate_limiters"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    limiters.into_iter().find(|l| l["name"] == direction)
+}
+
 /// Sends raw bytes and returns (status, body).
 pub fn raw_request(sock: &Path, bytes: &[u8]) -> (u16, String) {
     let s = UnixStream::connect(sock)

@@ -880,22 +880,7 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
 
 /// The tx rate limiter's counters of the network card of the VM at `sock` (`GET /vm`).
 fn tx_limiter(sock: &str) -> Value {
-    let (code, body) = tests::api_request(Path::new(sock), "GET", "/vm", None);
-    assert_eq!(code, 200, "{body}");
-    let vm: Value = serde_json::from_str(&body).unwrap();
-    let net = vm["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["type"] == "virtio-net");
-    let limiters = net.expect("a network card")["rate_limiters"]
-        .as_array()
-        .unwrap();
-    limiters
-        .iter()
-        .find(|l| l["name"] == "tx")
-        .expect("a tx limiter")
-        .clone()
+    tests::net_limiter(Path::new(sock), "tx").expect("a tx limiter")
 }
 
 #[test]

@@ -16,6 +16,10 @@ use vmm::api::client;
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 const CLONES: usize = 8;
 const SERVER: &str = "10.79.0.1";
+/// The limited clone's rate: a bucket of this many bytes, refilled each second.
+const LIMIT_BUCKET: u64 = 8192;
+/// What the limited clone writes: 16 buckets, so the limit shows.
+const LIMITED_WRITE: u64 = 128 * 1024;
 
 /// The mount options docs/shared-storage.md recommends for clones, without the
 /// hard/soft choice.
@@ -255,7 +259,59 @@ fn linux_clones_share_an_nfs_export_each_as_itself_and_survive_a_server_restart(
     // After the restart the soft mount works again too.
     assert_eq!(run(&sock(&clones[2]), "cat /mnt/soft/clone-4"), "clone-4\n");
 
-    for c in &clones[..CLONES - 1] {
+    // A clone's NFS traffic passes its own card's limiter: one made with a limit writes
+    // through the mount no faster than it allows, and the clones made without one have
+    // no limiter at all.
+    assert!(tests::net_limiter(&sock(&clones[0]), "tx").is_none());
+    let body = serde_json::json!({
+        "count": 1, "console": "null",
+        "addresses": [{"ipv4": "10.79.0.30/24"}],
+        "rate_limits": {"net": format!("bytes={LIMIT_BUCKET}/1000")},
+    });
+    let (code, answer) = vm.api("POST", "/clones", Some(&body.to_string()));
+    assert_eq!(code, 201, "{answer}");
+    let limited = serde_json::from_str::<Value>(&answer).unwrap()["clones"][0].clone();
+    let own = limited["net"]["tap"].as_str().unwrap();
+    tests::wait_link(own);
+    attach(own);
+    assert_eq!(run(&sock(&limited), "cat /mnt/nfs/clone-1"), "clone-1\n");
+    let counter = |l: &Value, k: &str| l[k].as_u64().unwrap();
+    let before = tests::net_limiter(&sock(&limited), "tx").expect("a tx limiter");
+    let t0 = Instant::now();
+    run(
+        &sock(&limited),
+        &format!(
+            "dd if=/dev/zero of=/mnt/nfs/limited bs=16k count={} conv=fsync 2>/dev/null",
+            LIMITED_WRITE / 16384
+        ),
+    );
+    let secs = t0.elapsed().as_secs_f64();
+    let after = tests::net_limiter(&sock(&limited), "tx").expect("a tx limiter");
+    let passed = counter(&after, "passed_bytes") - counter(&before, "passed_bytes");
+    let held = counter(&after, "throttled") - counter(&before, "throttled");
+    eprintln!(
+        "linux_nfs: the limited clone wrote {LIMITED_WRITE} B in {secs:.1} s; its tx limiter \
+         passed {passed} B ({:.0} B/s) and held {held} frames back",
+        passed as f64 / secs
+    );
+    assert_eq!(
+        std::fs::metadata(export.join("limited")).unwrap().len(),
+        LIMITED_WRITE
+    );
+    assert!(
+        passed >= LIMITED_WRITE,
+        "the write bypassed the limiter: {passed} B"
+    );
+    // A token bucket passes at most its rate over the span plus what it held at the start.
+    let ceiling = LIMIT_BUCKET as f64 * (secs + 1.0);
+    assert!(
+        passed as f64 <= ceiling,
+        "{passed} B passed in {secs:.1} s, above {LIMIT_BUCKET} B/s and a full bucket"
+    );
+    assert!(held > 0, "the limiter never held a frame back");
+    assert!(tests::net_limiter(&sock(&clones[0]), "tx").is_none());
+
+    for c in clones[..CLONES - 1].iter().chain([&limited]) {
         vm.api(
             "DELETE",
             &format!("/clones/{}", c["id"].as_str().unwrap()),

@@ -50,9 +50,10 @@ With --capture, tcpdump records the NFS traffic on the server's bridge during th
 phases, and every clone whose transfer moved nothing for 2 s or more between 1% and 99%
 of its bytes is listed with what crossed the bridge around that stall: how many frames
 each side sent during it, who sent the last one before it, and the frames themselves
-(the bridge sees a clone's frames past its tx limiter and the server's before its rx
-limiter, so a stall with the server's frames waiting is the clone's limiter or VMM, one
-with a call unanswered the server, one with the last reply answered the clone).
+and each side's bytes in flight when it began (the bridge sees a clone's frames past its
+tx limiter and the server's before its rx limiter: a stall with the server's bytes in
+flight waits on the clone's side, its limiter, VMM or guest; one with the clone's bytes
+in flight on the server; one with neither on whoever owes the next request).
 
 usage: benches/nfs.py [--counts 1,2,4,8] [--kib 4096] [--limit bytes=128K] [--limited-only]
                       [--rwsize N] [--capture]
@@ -423,8 +424,11 @@ class Capture:
 def stall_frames(pcap, addr, t0, t1):
     """What crossed the bridge between clone `addr` and the server around its stall
     [t0, t1] (the host's clock, to a tap sample, 0.25 s): a line counting each side's
-    frames during the stall and naming the last sender before it, then the frames from
-    1 s before to 1 s after (times from t0)."""
+    frames during the stall, naming the last sender before it and each side's bytes in
+    flight when it began, then the frames from 1 s before to 1 s after (times from t0).
+    The server's bytes in flight wait in the clone's tap or guest, so a read stall with
+    some is the clone's side (its limiter, VMM or guest); a stall with neither side's is
+    whoever owes the next request or reply."""
     out = subprocess.run(["tcpdump", "-r", pcap, "-n", "-tt", "host", addr],
                          capture_output=True, text=True).stdout
     frames = []
@@ -442,8 +446,20 @@ def stall_frames(pcap, addr, t0, t1):
     sent = lambda fs, src: sum(r.startswith(f"IP {src}.") for _, r in fs)  # noqa: E731
     last = ("the clone" if before[-1][1].startswith(f"IP {addr}.") else "the server") \
         if before else "nobody"
+
+    def in_flight(src, dst):
+        """Bytes `src` had sent on the bridge before the stall and `dst` had not yet
+        acknowledged (tcpdump's sequence numbers, relative per connection)."""
+        end = max((int(m.group(1)) for _, r in before if r.startswith(f"IP {src}.")
+                   for m in [re.search(r"seq \d+:(\d+)", r)] if m), default=0)
+        acked = max((int(m.group(1)) for _, r in before if r.startswith(f"IP {dst}.")
+                     for m in [re.search(r"ack (\d+)", r)] if m), default=0)
+        return max(end - acked, 0)
+
     lines = [f"during the stall the clone sent {sent(during, addr)} frames and the server "
-             f"{sent(during, SERVER)}; the last frame before it was from {last}"]
+             f"{sent(during, SERVER)}; the last frame before it was from {last}; in flight "
+             f"when it began (sent on the bridge, not acknowledged): the clone's "
+             f"{in_flight(addr, SERVER)} B, the server's {in_flight(SERVER, addr)} B"]
     shown = [f for f in before if f[0] >= t0 - 1][-6:] + during[:6] + during[6:][-3:] + after[:4]
     lines += [f"{t - t0:+7.2f} s  {r[:150]}" for t, r in shown]
     return lines

@@ -652,6 +652,15 @@ pub fn invoke_figure(sock: &Path, what: &str) -> u64 {
         .unwrap_or_else(|| panic!("{what}: {body}"))
 }
 
+/// Process `pid`'s resident memory (KiB, `VmRSS` of /proc/PID/status) and open
+/// descriptors: what a leak test compares before and after.
+pub fn rss_and_fds(pid: u32) -> (u64, usize) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = text.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let rss = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (rss, count_dir(format!("/proc/{pid}/fd")))
+}
+
 /// The counters of the network card's `direction` (`rx` or `tx`) rate limiter of the VM
 /// at `sock` (`GET /vm`); None when its card has no limit.
 pub fn net_limiter(sock: &Path, direction: &str) -> Option<serde_json::Value> {

@@ -9,32 +9,18 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::Value;
-use tests::{count_dir, kvm_available, Scratch, Vm};
+use tests::{kvm_available, Scratch, Vm};
 
 const BOOT: Duration = Duration::from_secs(60);
 
-fn status_kib(pid: u32, key: &str) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = text.lines().find(|l| l.starts_with(key)).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-/// The VMM's RSS (KiB) and open descriptors.
-fn counts(pid: u32) -> (u64, usize) {
-    (
-        status_kib(pid, "VmRSS:"),
-        count_dir(format!("/proc/{pid}/fd")),
-    )
-}
-
 /// Checks the guest goes on (its timer, serial port and heartbeat: three more beats)
-/// and the VM is running; then the VMM's [`counts`].
+/// and the VM is running; then the VMM's RSS and descriptors.
 fn beats_on_then_counts(vm: &mut Vm) -> (u64, usize) {
     let now = beats(vm);
     vm.wait_console(&format!("tiny: beat {}\n", now + 3), BOOT);
     let v = vm.describe();
     assert_eq!(v["state"], "running", "{v}");
-    counts(vm.child.id())
+    tests::rss_and_fds(vm.child.id())
 }
 
 fn beats(vm: &Vm) -> usize {
@@ -55,7 +41,7 @@ fn a_guest_writing_garbage_to_every_port_from_every_vcpu_leaves_the_vmm_serving_
     neighbour.wait_console("tiny: beat 1\n", BOOT);
     let mut vm = start(&s1, "ticks=1 beat=10 hostile=200");
     vm.wait_console("tiny: cpu 0 timer ok", BOOT);
-    let (rss, fds) = counts(vm.child.id());
+    let (rss, fds) = tests::rss_and_fds(vm.child.id());
     let neighbour_beats = beats(&neighbour);
     let long = Duration::from_secs(600);
     vm.wait_console("tiny: cpu 0 hostile done", long);
@@ -191,7 +177,7 @@ fn a_guest_driving_every_virtio_device_badly_leaves_the_vmm_serving_and_bounded(
     );
     vm.wait_console("tiny: hostile virtio start", BOOT);
     let started = std::time::Instant::now();
-    let (rss, fds) = counts(vm.child.id());
+    let (rss, fds) = tests::rss_and_fds(vm.child.id());
     let neighbour_beats = beats(&neighbour);
     loop {
         let text = vm.console_text();

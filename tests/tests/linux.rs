@@ -1460,12 +1460,7 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
         .as_secs();
     let rogue = |base: &str| format!("forkvm-rogue --rounds 25 --seed {seed} --rebind {base}");
     let pid = vm.child.id();
-    let counts = || {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        let rss = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        let rss: u64 = rss.split_whitespace().nth(1).unwrap().parse().unwrap();
-        (rss, tests::count_dir(format!("/proc/{pid}/fd")))
-    };
+    let counts = || tests::rss_and_fds(pid);
     let (code, _, err) = vmm_exec(&vm.sock, &["--", "umount /mnt/disk"], b"");
     assert_eq!(code, Some(0), "{err}");
     let (rss, fds) = counts();

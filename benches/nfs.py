@@ -414,6 +414,8 @@ class Capture:
         # tcpdump says it listens once its filter is in place.
         line = self.p.stderr.readline()
         if "listening" not in line:
+            self.p.kill()
+            self.p.wait()
             sys.exit(f"tcpdump did not start: {line}{self.p.stderr.read()}")
 
     def stop(self):
@@ -480,14 +482,17 @@ def phase(clones, nbytes, cmd_of, ns=None, taps=None, counter=None, prep="", cap
     around its stall (stall_frames)."""
     start = int(time.time()) + lead(len(clones))
     net0 = net_counts(ns) if taps else None
-    pcap = Capture(ns, capture) if capture and taps else None
     done = in_every(clones, start, lambda i: timed(cmd_of(i), counter), prep)
     time.sleep(max(0.0, start - time.time()))
     cpu0 = host_cpu()
     rx = counter == "tx_bytes"
     socks = [c["api_sock"] for c in clones]
     sampler = TapSampler(ns, socks, "tx" if rx else "rx") if taps else None
+    pcap = None
     try:
+        # Started as the clones start (their dd's first bytes come a second or more
+        # later), inside the try so that it is stopped whatever happens.
+        pcap = Capture(ns, capture) if capture and taps else None
         outs = done()
     finally:
         if sampler:

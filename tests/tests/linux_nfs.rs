@@ -276,8 +276,9 @@ fn linux_clones_share_an_nfs_export_each_as_itself_and_survive_a_server_restart(
     attach(own);
     assert_eq!(run(&sock(&limited), "cat /mnt/nfs/clone-1"), "clone-1\n");
     let counter = |l: &Value, k: &str| l[k].as_u64().unwrap();
-    let before = tests::net_limiter(&sock(&limited), "tx").expect("a tx limiter");
+    // The span runs from before the first reading of the counters to after the second.
     let t0 = Instant::now();
+    let before = tests::net_limiter(&sock(&limited), "tx").expect("a tx limiter");
     run(
         &sock(&limited),
         &format!(
@@ -285,8 +286,8 @@ fn linux_clones_share_an_nfs_export_each_as_itself_and_survive_a_server_restart(
             LIMITED_WRITE / 16384
         ),
     );
-    let secs = t0.elapsed().as_secs_f64();
     let after = tests::net_limiter(&sock(&limited), "tx").expect("a tx limiter");
+    let secs = t0.elapsed().as_secs_f64();
     let passed = counter(&after, "passed_bytes") - counter(&before, "passed_bytes");
     let held = counter(&after, "throttled") - counter(&before, "throttled");
     eprintln!(

@@ -181,8 +181,9 @@ pub struct VirtioDeviceInfo {
     /// Its type and settings.
     #[serde(flatten)]
     pub kind: VirtioKind,
-    /// Its rate limiters' counters since its worker started (a clone's: since its
-    /// launch), when it has a limit. Only virtio-net reports them so far (`rx`, `tx`).
+    /// Its rate limiters' counters since the device was made (a clone's: since its
+    /// launch), when it has a limit: `rx` and `tx` for virtio-net, `requests` for
+    /// virtio-blk and virtio-rng.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rate_limiters: Vec<LimiterReport>,
 }
@@ -190,7 +191,8 @@ pub struct VirtioDeviceInfo {
 /// A rate limiter's counters, in `GET /vm`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct LimiterReport {
-    /// Which one: `rx` (host to guest) or `tx` (guest to host) for a network card.
+    /// Which one: `rx` (host to guest) or `tx` (guest to host) for a network card;
+    /// `requests` for a disk or an entropy device (its one queue).
     pub name: String,
     /// Bytes it let through.
     pub passed_bytes: u64,
@@ -202,6 +204,7 @@ pub struct LimiterReport {
     /// Tokens (bytes) its bandwidth bucket could not hold because it was full and no
     /// request waited: rate the device had nothing to use for (an idle card loses them
     /// all the time; a sender too slow to keep up loses them while it catches up).
+    /// 0 for a limit of requests only (`ops=`), as `late_bytes`.
     pub unused_bytes: u64,
     /// Tokens lost while a request waited: the worker came late to its timer (a host
     /// short of CPU), and the bucket filled meanwhile. Over any span, what passed plus

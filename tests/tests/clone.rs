@@ -504,6 +504,13 @@ fn a_vm_with_virtio_devices_clones_and_both_keep_running() {
         clone["devices"][0]["rate_limit"]["ops"]["size"], 100,
         "{status}"
     );
+    // Each limited device reports its limiter's counters: nothing passed yet (the tiny
+    // guest drives no virtio).
+    for d in 0..2 {
+        let limiters = &clone["devices"][d]["rate_limiters"];
+        assert_eq!(limiters[0]["name"], "requests", "{status}");
+        assert_eq!(limiters[0]["passed_bytes"], 0, "{status}");
+    }
     let (_, status) = vm.api("GET", "/vm", None);
     let parent: Value = serde_json::from_str(&status).unwrap();
     assert_eq!(parent["devices"], devices, "the template's limits stay");

@@ -18,7 +18,7 @@ use vm_memory::{ByteValued, GuestMemoryMmap};
 use super::worker::QueueHandler;
 use super::{ActivateError, VirtioDevice, VirtioDeviceState, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::persist::Persist;
-use crate::rate_limiter::{RateLimit, RateLimiter};
+use crate::rate_limiter::{LimiterReport, LimiterStats, RateLimit, RateLimiter};
 
 /// virtio device id of a block device.
 pub const TYPE_BLOCK: u32 = virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
@@ -151,6 +151,8 @@ pub struct Block {
     id: [u8; ID_BYTES],
     queue_sizes: [u16; 1],
     limit: Option<RateLimit>,
+    /// Its limiter's counters (each worker's limiter counts into them).
+    stats: Arc<LimiterStats>,
 }
 
 impl Block {
@@ -188,6 +190,7 @@ impl Block {
             id: idb,
             queue_sizes: [QUEUE_SIZE],
             limit: None,
+            stats: Arc::default(),
             overlay: None,
         })
     }
@@ -261,6 +264,10 @@ impl VirtioDevice for Block {
         tracing::debug!("virtio-blk: guest wrote read-only config at {offset:#x}");
     }
 
+    fn limiter_reports(&self) -> Vec<LimiterReport> {
+        super::request_limiter_report(self.limit.as_ref(), &self.stats)
+    }
+
     fn activate(
         &mut self,
         mem: GuestMemoryMmap,
@@ -269,7 +276,7 @@ impl VirtioDevice for Block {
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         let queue = super::single_queue(queues, "virtio-blk")?;
-        let limiter = super::new_limiter(self.limit.as_ref(), "virtio-blk")?;
+        let limiter = super::new_limiter(self.limit.as_ref(), "virtio-blk", &self.stats)?;
         Ok(Box::new(super::Limited(Worker {
             file: self.file.clone(),
             overlay: self.overlay.clone(),

@@ -604,6 +604,42 @@ mod tests {
     }
 
     #[test]
+    fn a_limited_entropy_device_reports_what_its_limiter_passed_and_held() {
+        let m = mem();
+        let unlimited = MmioTransport::new(m.clone(), Box::new(Rng::new(None)), interrupt());
+        assert!(unlimited.unwrap().limiter_reports().is_empty());
+        let vq = MockSplitQueue::new(&m, 16);
+        // 64 bytes a second: two 32-byte requests at once, the third held.
+        let limit = "bytes=64/1000".parse().unwrap();
+        let mut t =
+            MmioTransport::new(m.clone(), Box::new(Rng::new(Some(limit))), interrupt()).unwrap();
+        let idle = t.limiter_reports();
+        assert_eq!(idle.len(), 1, "{idle:?}");
+        assert_eq!(
+            (idle[0].name.as_str(), idle[0].passed_bytes),
+            ("requests", 0)
+        );
+        bring_up(&mut t, &vq);
+        for slot in 0..3 {
+            request(&vq, slot);
+        }
+        w(&mut t, NOTIFY_REG_OFFSET, 0);
+        wait_used(&vq, 2);
+        let start = std::time::Instant::now();
+        while t.limiter_reports()[0].throttled == 0 {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(5),
+                "never held"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(t.limiter_reports()[0].passed_bytes, 64);
+        // The held request goes once the bucket has refilled.
+        wait_used(&vq, 3);
+        assert_eq!(t.limiter_reports()[0].passed_bytes, 96);
+    }
+
+    #[test]
     fn a_paused_device_restores_into_a_new_transport_and_serves_on() {
         let m = mem();
         let vq = MockSplitQueue::new(&m, 16);

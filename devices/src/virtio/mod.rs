@@ -125,11 +125,23 @@ pub(crate) fn single_queue(mut queues: Vec<Queue>, device: &str) -> Result<Queue
 pub(crate) fn new_limiter(
     limit: Option<&crate::rate_limiter::RateLimit>,
     device: &'static str,
+    stats: &std::sync::Arc<crate::rate_limiter::LimiterStats>,
 ) -> Result<Option<crate::rate_limiter::RateLimiter>, WorkerError> {
     limit
-        .map(crate::rate_limiter::RateLimiter::new)
+        .map(|l| crate::rate_limiter::RateLimiter::with_stats(l, stats.clone()))
         .transpose()
         .map_err(|e| WorkerError::Spawn(device, e))
+}
+
+/// The report of a single-queue device's limiter (`requests`), when it has a limit.
+pub(crate) fn request_limiter_report(
+    limit: Option<&crate::rate_limiter::RateLimit>,
+    stats: &crate::rate_limiter::LimiterStats,
+) -> Vec<crate::rate_limiter::LimiterReport> {
+    limit
+        .map(|_| stats.report("requests"))
+        .into_iter()
+        .collect()
 }
 
 /// A single-queue worker whose requests an optional rate limiter holds back
@@ -313,8 +325,8 @@ pub trait VirtioDevice: Send {
     fn open_host(&mut self) -> Result<(), ActivateError> {
         Ok(())
     }
-    /// Its rate limiters' counters, named (`rx`, `tx`), when it has a limit and reports
-    /// them.
+    /// Its rate limiters' counters, named (`rx` and `tx` for the network card,
+    /// `requests` for the disk's and the entropy device's queue), when it has a limit.
     fn limiter_reports(&self) -> Vec<crate::rate_limiter::LimiterReport> {
         Vec::new()
     }

@@ -11,7 +11,7 @@ use vm_memory::GuestMemoryMmap;
 use super::worker::QueueHandler;
 use super::{ActivateError, VirtioDevice, VirtioDeviceState, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::persist::Persist;
-use crate::rate_limiter::{RateLimit, RateLimiter};
+use crate::rate_limiter::{LimiterReport, LimiterStats, RateLimit, RateLimiter};
 use crate::util::host_random;
 
 /// virtio device id of an entropy source.
@@ -23,6 +23,8 @@ const MAX_REQUEST: usize = 64 << 10;
 /// The entropy device.
 pub struct Rng {
     limit: Option<RateLimit>,
+    /// Its limiter's counters (each worker's limiter counts into them).
+    stats: Arc<LimiterStats>,
     queue_sizes: [u16; 1],
 }
 
@@ -31,6 +33,7 @@ impl Rng {
     pub fn new(limit: Option<RateLimit>) -> Self {
         Self {
             limit,
+            stats: Arc::default(),
             queue_sizes: [QUEUE_SIZE],
         }
     }
@@ -86,6 +89,10 @@ impl VirtioDevice for Rng {
         tracing::debug!("virtio-rng: guest wrote config at {offset:#x}; it has none");
     }
 
+    fn limiter_reports(&self) -> Vec<LimiterReport> {
+        super::request_limiter_report(self.limit.as_ref(), &self.stats)
+    }
+
     fn activate(
         &mut self,
         mem: GuestMemoryMmap,
@@ -94,7 +101,7 @@ impl VirtioDevice for Rng {
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<Box<dyn QueueHandler>, ActivateError> {
         let queue = super::single_queue(queues, "virtio-rng")?;
-        let limiter = super::new_limiter(self.limit.as_ref(), "virtio-rng")?;
+        let limiter = super::new_limiter(self.limit.as_ref(), "virtio-rng", &self.stats)?;
         Ok(Box::new(super::Limited(RngWorker {
             mem,
             queue,

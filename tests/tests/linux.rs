@@ -202,7 +202,11 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
             &path("initramfs.cpio"),
             "--rootfs",
             &path("rootfs.ext4"),
-            "--rng",
+            // Limits far above what the guest asks for, so their counters can be read.
+            "--rootfs-rate-limit",
+            "bytes=256M",
+            "--rng-rate-limit",
+            "bytes=1M",
             "--mem-mib",
             "256",
             "--warm-clones",
@@ -234,6 +238,16 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
         );
     };
     disk_sum(&parent);
+    // The disk's and the entropy device's limiters counted what the template read
+    // (a disk read before the clone point, then the file and 64 bytes of /dev/hwrng).
+    let v = vm.describe();
+    let passed = |kind: &str| {
+        let devices = v["devices"].as_array().unwrap();
+        let d = devices.iter().find(|d| d["type"] == kind).unwrap();
+        d["rate_limiters"][0]["passed_bytes"].as_u64().unwrap_or(0)
+    };
+    assert!(passed("virtio-rng") >= 64, "{v}");
+    assert!(passed("virtio-blk") > 0, "{v}");
     assert_eq!(value_after(&parent, "clone-result="), Some("0"), "{parent}");
     assert_eq!(value_after(&parent, "tool-status="), Some("0"), "{parent}");
     let parent_time = value_after(&parent, "time=")

@@ -609,8 +609,9 @@ mod tests {
         let unlimited = MmioTransport::new(m.clone(), Box::new(Rng::new(None)), interrupt());
         assert!(unlimited.unwrap().limiter_reports().is_empty());
         let vq = MockSplitQueue::new(&m, 16);
-        // 64 bytes a second: two 32-byte requests at once, the third held.
-        let limit = "bytes=64/1000".parse().unwrap();
+        // 64 bytes every 4 s: two 32-byte requests at once, the third held for 2 s
+        // (long enough that the counters are read while it waits).
+        let limit = "bytes=64/4000".parse().unwrap();
         let mut t =
             MmioTransport::new(m.clone(), Box::new(Rng::new(Some(limit))), interrupt()).unwrap();
         let idle = t.limiter_reports();

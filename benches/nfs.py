@@ -49,8 +49,8 @@ the bucket: `bytes=8K/4000` is 2 KiB/s with 4 s of tokens).
 With --capture, tcpdump records the NFS traffic on the server's bridge during the NFS
 phases, and every clone whose transfer moved nothing for 2 s or more between 1% and 99%
 of its bytes is listed with what crossed the bridge around that stall: how many frames
-each side sent during it, who sent the last one before it, and the frames themselves
-and each side's bytes in flight when it began (the bridge sees a clone's frames past its
+each side sent during it, who sent the last one before it, each side's bytes in flight
+when it began, and the frames themselves (the bridge sees a clone's frames past its
 tx limiter and the server's before its rx limiter: a stall with the server's bytes in
 flight waits on the clone's side, its limiter, VMM or guest; one with the clone's bytes
 in flight on the server; one with neither on whoever owes the next request).

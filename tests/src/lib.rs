@@ -661,20 +661,27 @@ pub fn rss_and_fds(pid: u32) -> (u64, usize) {
     (rss, count_dir(format!("/proc/{pid}/fd")))
 }
 
-/// The counters of the network card's `direction` (`rx` or `tx`) rate limiter of the VM
-/// at `sock` (`GET /vm`); None when its card has no limit.
-pub fn net_limiter(sock: &Path, direction: &str) -> Option<serde_json::Value> {
+/// The counters of the rate limiter `name` of the VM at `sock`'s first device of type
+/// `kind` (`GET /vm`: `rx` or `tx` of `virtio-net`, `requests` of `virtio-blk` or
+/// `virtio-rng`); None when that device has no limit.
+pub fn device_limiter(sock: &Path, kind: &str, name: &str) -> Option<serde_json::Value> {
     let (code, body) = api_request(sock, "GET", "/vm", None);
     assert_eq!(code, 200, "GET /vm: {body}");
     let vm: serde_json::Value =
         serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
     let devices = vm["devices"].as_array().expect("devices");
-    let net = devices.iter().find(|d| d["type"] == "virtio-net");
-    let limiters = net.unwrap_or_else(|| panic!("no network card: {body}"))["rate_limiters"]
+    let device = devices.iter().find(|d| d["type"] == kind);
+    let limiters = device.unwrap_or_else(|| panic!("no {kind}: {body}"))["rate_limiters"]
         .as_array()
         .cloned()
         .unwrap_or_default();
-    limiters.into_iter().find(|l| l["name"] == direction)
+    limiters.into_iter().find(|l| l["name"] == name)
+}
+
+/// The counters of the network card's `direction` (`rx` or `tx`) rate limiter of the VM
+/// at `sock`; None when its card has no limit.
+pub fn net_limiter(sock: &Path, direction: &str) -> Option<serde_json::Value> {
+    device_limiter(sock, "virtio-net", direction)
 }
 
 /// Sends raw bytes and returns (status, body).

@@ -240,14 +240,13 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
     disk_sum(&parent);
     // The disk's and the entropy device's limiters counted what the template read
     // (a disk read before the clone point, then the file and 64 bytes of /dev/hwrng).
-    let v = vm.describe();
     let passed = |kind: &str| {
-        let devices = v["devices"].as_array().unwrap();
-        let d = devices.iter().find(|d| d["type"] == kind).unwrap();
-        d["rate_limiters"][0]["passed_bytes"].as_u64().unwrap_or(0)
+        let limiter = tests::device_limiter(&vm.sock, kind, "requests");
+        let limiter = limiter.unwrap_or_else(|| panic!("{kind} has no limiter"));
+        limiter["passed_bytes"].as_u64().unwrap()
     };
-    assert!(passed("virtio-rng") >= 64, "{v}");
-    assert!(passed("virtio-blk") > 0, "{v}");
+    assert!(passed("virtio-rng") >= 64, "{}", vm.describe());
+    assert!(passed("virtio-blk") > 0, "{}", vm.describe());
     assert_eq!(value_after(&parent, "clone-result="), Some("0"), "{parent}");
     assert_eq!(value_after(&parent, "tool-status="), Some("0"), "{parent}");
     let parent_time = value_after(&parent, "time=")

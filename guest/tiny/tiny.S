@@ -24,6 +24,7 @@
  *             (255 if its pattern was bad): its VMM exits with that status
  *   tickless=1  after the checks, the BSP masks its timer and halts for good
  *             (prints "tiny: tickless"); for benchmarks with many idle clones
+ *   ud=1      after the checks, the BSP executes ud2 (tests of the exception report)
  *   probespin=1  after the checks, the BSP writes the probe port in a tight loop
  *             with interrupts off (clone benchmarks time a clone's first write)
  *   busy=1    every CPU spins instead of halting and prints "tiny: cpu N beat K"
@@ -134,6 +135,12 @@ long_entry:
     jnz  ap_wait_idt
     call build_idt
     call parse_cmdline
+    /* Mask both legacy PICs (OCW1): the guest takes its interrupts from the LAPIC, and
+       an unprogrammed PIC would deliver a device's IRQ N as exception vector N (a
+       Firecracker restore raises IRQ 5 for its VMGenID device). */
+    movb $0xff, %al
+    outb %al, $0xa1
+    outb %al, $0x21
     movl $1, idt_ready(%rip)
     jmp  cpu_common
 ap_wait_idt:
@@ -238,6 +245,9 @@ bsp_main:
 1:  cmpq $0, opt_hostile_virtio(%rip)
     je   1f
     call hostile_virtio
+1:  cmpq $0, opt_ud(%rip)
+    je   1f
+    ud2                             /* ud=1: an invalid opcode, vector 6 */
 1:  cmpq $0, opt_dirty(%rip)
     jne  dirty_loop
     cmpq $0, opt_busy(%rip)
@@ -607,7 +617,10 @@ clonetest:
 build_idt:
     leaq idt(%rip), %rdi
     xorl %ecx, %ecx
-1:  leaq isr_unexpected(%rip), %rax
+1:  movl %ecx, %eax                 /* unexpected_stubs + 16 * vector */
+    shll $4, %eax
+    leaq unexpected_stubs(%rip), %r8
+    addq %r8, %rax
     cmpl $TIMER_VECTOR, %ecx
     jne  2f
     leaq isr_timer(%rip), %rax
@@ -645,9 +658,27 @@ isr_timer:
 isr_spurious:
     iretq
 
+/* One 16-byte stub per vector, which passes its vector to isr_unexpected. */
+    .balign 16
+unexpected_stubs:
+    .set vector, 0
+    .rept 256
+    .balign 16
+    movl $vector, %edi
+    jmp  isr_unexpected
+    .set vector, vector + 1
+    .endr
+
+/* isr_unexpected: edi = vector. Prints "tiny: unexpected exception N" without the
+   serial lock (the CPU may hold it), reports 0xdead and halts this CPU. */
 isr_unexpected:
+    pushq %rdi
     leaq msg_unexpected(%rip), %rdi
     call puts
+    popq %rdi
+    call putdec
+    movb $'\n', %dil
+    call putc
     movl $PROBE_PORT, %edx
     movl $0xdead, %eax
     outl %eax, %dx
@@ -783,6 +814,9 @@ parse_cmdline:
     leaq key_probespin(%rip), %rdi
     leaq opt_probespin(%rip), %rdx
     call cmdline_opt
+    leaq key_ud(%rip), %rdi
+    leaq opt_ud(%rip), %rdx
+    call cmdline_opt
     leaq key_dirty(%rip), %rdi
     leaq opt_dirty(%rip), %rdx
     call cmdline_opt
@@ -864,7 +898,7 @@ msg_tickless:   .asciz "tiny: tickless\n"
 msg_clone_failed: .asciz "tiny: clone failed\n"
 msg_inherit:    .asciz "tiny: inherited pattern, clone "
 msg_own:        .asciz "tiny: own pattern, clone "
-msg_unexpected: .asciz "tiny: unexpected exception\n"
+msg_unexpected: .asciz "tiny: unexpected exception "
 key_ticks:      .asciz "ticks="
 key_beat:       .asciz "beat="
 key_exit:       .asciz "exit="
@@ -874,6 +908,7 @@ key_clonetest:  .asciz "clonetest="
 key_done:       .asciz "done="
 key_tickless:   .asciz "tickless="
 key_probespin:  .asciz "probespin="
+key_ud:         .asciz "ud="
 key_dirty:      .asciz "dirty="
 msg_dirty:      .asciz "tiny: dirty pass "
 key_invoke:     .asciz "invoke="
@@ -916,6 +951,7 @@ opt_clonetest: .quad 0
 opt_done:    .quad 0
 opt_tickless: .quad 0
 opt_probespin: .quad 0
+opt_ud:        .quad 0
 opt_dirty:   .quad 0
 opt_invoke:  .quad 0
 opt_rewait:  .quad 0

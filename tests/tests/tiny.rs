@@ -134,6 +134,22 @@ fn memory_pattern_written_and_verified_by_the_guest() {
 }
 
 #[test]
+fn an_exception_in_the_guest_is_reported_with_its_vector() {
+    if !kvm_available("exception_report") {
+        return;
+    }
+    let scratch = Scratch::new("ud");
+    let mut vm = tiny_vm(&scratch, "32", "1", "ticks=1 beat=1 ud=1");
+    vm.wait_console("tiny: unexpected exception 6\n", BOOT);
+    // The CPU halted there: no heartbeat follows, and the probe saw 0xdead.
+    let (_, body) = vm.api("GET", "/vm", None);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["probe"]["last"], 0xdead, "{v}");
+    assert_eq!(beats(&vm.console_text()), 0);
+    vm.shutdown(BOOT);
+}
+
+#[test]
 fn api_rejects_bad_requests_and_keeps_running() {
     if !kvm_available("api_bad_requests") {
         return;

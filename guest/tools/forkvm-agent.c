@@ -9,9 +9,10 @@
  *                           guest's command must not start while the agent starts).
  *
  * In a new clone (the identity block's generation changed since the agent last looked),
- * the agent runs `forkvm-clone --adopt` before serving the connection: reseed the RNG,
- * sync the clock, take the clone's network identity. --no-adopt leaves that to the
- * host.
+ * the agent adopts the clone's identity in its own process before serving the
+ * connection, as `forkvm-clone --adopt` would (forkvm-adopt.h): reseed the RNG, drain
+ * /dev/hwrng, sync the clock, take the clone's network identity. --no-adopt leaves that
+ * to the host.
  *
  * Protocol, per connection (what `vmm exec` speaks):
  *   host:  "<cmdlen> <stdinlen>\n", then cmdlen bytes of command, stdinlen bytes of input
@@ -22,7 +23,7 @@
  * The connections a clone inherits from its parent are reset at the clone point; the
  * listening socket keeps working, so every clone answers on its own vsock socket.
  */
-#include "forkvm-ports.h"
+#include "forkvm-adopt.h"
 
 #include <signal.h>
 #include <sys/socket.h>
@@ -148,27 +149,14 @@ static void serve(int conn)
         write_full(conn, out, outlen);
 }
 
-/* Runs `forkvm-clone --adopt` and waits for it; its output goes to the agent's. */
-static void adopt(void)
+/* Takes the new clone's identity in this process (forkvm-adopt.h: what `forkvm-clone
+ * --adopt` does, without a process of its own); what it set goes to the agent's
+ * output. */
+static void adopt_here(int ports)
 {
-    /* Handlers are reaped automatically (SIGCHLD ignored); this child's status is
-     * wanted, so reaping is manual until it is done. */
-    signal(SIGCHLD, SIG_DFL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        execl("/usr/bin/forkvm-clone", "forkvm-clone", "--adopt", (char *)NULL);
-        _exit(255);
-    }
-    int st = 0;
-    while (pid > 0 && waitpid(pid, &st, 0) < 0 && errno == EINTR)
-        ;
-    signal(SIGCHLD, SIG_IGN);
-    /* Handlers that ended meanwhile. */
-    while (waitpid(-1, NULL, WNOHANG) > 0)
-        ;
-    if (pid < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
-        fprintf(stderr, "forkvm-agent: forkvm-clone --adopt failed (status %d)\n",
-                pid < 0 ? -1 : st);
+    int rc = adopt(ports, stdout);
+    if (rc != 0)
+        fprintf(stderr, "forkvm-agent: adopting the clone's identity failed (status %d)\n", rc);
 }
 
 int main(int argc, char **argv)
@@ -222,7 +210,7 @@ int main(int argc, char **argv)
         if (ports >= 0) {
             uint64_t now = ports_generation(ports);
             if (now != generation) {
-                adopt();
+                adopt_here(ports);
                 generation = now;
             }
         }

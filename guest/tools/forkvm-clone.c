@@ -50,17 +50,10 @@
  * CPU allows it, otherwise /dev/port (byte-wide: clone numbers above 254 then read
  * modulo 256). Needs root (CAP_SYS_RAWIO).
  */
-#include "forkvm-ports.h"
-#include "forkvm.h" /* forkvm_net_apply (libforkvm) */
+#include "forkvm-adopt.h" /* reseed, clock, network: what a clone adopts */
 
-#include <linux/random.h>
 #include <sched.h>
-#include <sys/ioctl.h>
 #include <sys/random.h>
-#include <sys/timex.h>
-#include <time.h>
-
-#define RESEED_BYTES 64
 
 static int port_access(void)
 {
@@ -95,219 +88,12 @@ static uint32_t in32(int mode, uint16_t port)
     return b == 0xff ? 0xffffffffu : b;
 }
 
-/* Reseeds the kernel CRNG with host entropy; returns 0 or -1 (reason on stderr). */
-static int reseed(int mode)
-{
-    struct {
-        int entropy_count;
-        int buf_size;
-        uint32_t buf[RESEED_BYTES / 4];
-    } pool;
-    for (int i = 0; i < RESEED_BYTES / 4; i++) {
-        uint32_t v = 0;
-        if (mode == 0) {
-            v = inl(ENTROPY_PORT);
-        } else {
-            for (int b = 0; b < 4; b++)
-                v = (v << 8) | (in32(mode, ENTROPY_PORT) & 0xff);
-        }
-        pool.buf[i] = v;
-    }
-    pool.entropy_count = RESEED_BYTES * 8;
-    pool.buf_size = RESEED_BYTES;
-    int fd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
-    if (fd < 0 || ioctl(fd, RNDADDENTROPY, &pool) != 0 || ioctl(fd, RNDRESEEDCRNG) != 0) {
-        perror("forkvm-clone: reseeding the kernel RNG");
-        if (fd >= 0)
-            close(fd);
-        return -1;
-    }
-    close(fd);
-    return 0;
-}
-
-/* The host's CLOCK_REALTIME in ns: the first read latches it, the second reads the rest. */
-static int64_t host_clock(int mode)
-{
-    uint8_t b[8];
-    if (ports_read(mode, CLOCK_PORT, b, 8) != 0) {
-        perror("forkvm-clone: /dev/port read");
-        exit(2);
-    }
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = v << 8 | b[i];
-    return (int64_t)v;
-}
-
-static int64_t realtime_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-/*
- * Host wall clock minus the guest's, in ns; *window is the reading's uncertainty (half
- * the guest time around the port read; the best of a few tries).
- */
-#define CLOCK_TRIES 8
-static int64_t clock_offset(int mode, int64_t *window)
-{
-    int64_t best = 0;
-    *window = INT64_MAX;
-    for (int i = 0; i < CLOCK_TRIES; i++) {
-        int64_t before = realtime_ns();
-        int64_t host = host_clock(mode);
-        int64_t after = realtime_ns();
-        if (host == 0 || host == -1) {
-            fprintf(stderr, "forkvm-clone: the VMM has no host clock port\n");
-            exit(2);
-        }
-        if ((after - before) / 2 < *window) {
-            *window = (after - before) / 2;
-            best = host - (before + (after - before) / 2);
-        }
-    }
-    return best;
-}
-
 static void print_seconds(int64_t ns, int64_t window)
 {
     int64_t a = ns < 0 ? -ns : ns;
     printf("%c%lld.%06lld %lld.%06lld\n", ns < 0 ? '-' : '+', (long long)(a / 1000000000),
            (long long)(a % 1000000000 / 1000), (long long)(window / 1000000000),
            (long long)(window % 1000000000 / 1000));
-}
-
-/* Shifts the guest's wall clock onto the host's; returns the shift in ns, or exits. */
-static int64_t sync_clock(int mode, int64_t *window)
-{
-    int64_t off = clock_offset(mode, window);
-    struct timex tx = {0};
-    tx.modes = ADJ_SETOFFSET | ADJ_NANO;
-    tx.time.tv_sec = off / 1000000000;
-    tx.time.tv_usec = off % 1000000000;
-    if (tx.time.tv_usec < 0) {
-        tx.time.tv_sec -= 1;
-        tx.time.tv_usec += 1000000000;
-    }
-    if (adjtimex(&tx) < 0) {
-        perror("forkvm-clone: setting the clock");
-        exit(3);
-    }
-    return off;
-}
-
-/*
- * Bytes /dev/hwrng may hold from before the clone point, identical in every clone: the
- * hwrng core's leftover buffer (up to 64 bytes) and the virtio-rng driver's prefetched
- * request (64 bytes in Linux 6.1). Reading this much makes every later read come from
- * the clone's own device.
- */
-#define HWRNG_DRAIN 128
-
-/* Discards what /dev/hwrng buffered before the clone; 0 also when there is no hwrng. */
-static int drain_hwrng(void)
-{
-    int fd = open("/dev/hwrng", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return errno == ENOENT || errno == ENODEV || errno == ENXIO ? 0 : -1;
-    char buf[HWRNG_DRAIN];
-    size_t got = 0;
-    while (got < sizeof(buf)) {
-        ssize_t n = read(fd, buf + got, sizeof(buf) - got);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0) {
-            int e = n < 0 ? errno : 0;
-            close(fd);
-            /* ENODEV: no hardware RNG registered behind /dev/hwrng. */
-            if (e == ENODEV && got == 0)
-                return 0;
-            errno = e ? e : EIO;
-            perror("forkvm-clone: draining /dev/hwrng");
-            return -1;
-        }
-        got += (size_t)n;
-    }
-    close(fd);
-    return 0;
-}
-
-static void print_mac(const uint8_t *m)
-{
-    printf("%02x:%02x:%02x:%02x:%02x:%02x", m[0], m[1], m[2], m[3], m[4], m[5]);
-}
-
-/*
- * Applies the identity block's network identity (docs/clone-network.md, libforkvm's
- * forkvm_net_apply) and prints what it set. Returns 0 (also with no card) or -1.
- */
-static int apply_net(int mode)
-{
-    uint8_t blk[IDENTITY_BLOCK_LEN];
-    if (ports_read(mode, IDENTITY_BLOCK, blk, sizeof(blk)) != 0) {
-        perror("forkvm-clone: reading the identity block");
-        return -1;
-    }
-    struct forkvm_net net;
-    char why[256];
-    int rc = forkvm_net_apply(blk, &net, why, sizeof why);
-    static const uint8_t zero[6];
-    if (rc == 0 && memcmp(net.mac, zero, 6) == 0) {
-        printf("no network card\n");
-        return 0;
-    }
-    if (net.ifname[0]) {
-        printf("%s ", net.ifname);
-        print_mac(net.mac);
-        if (net.prefix)
-            printf(" %u.%u.%u.%u/%u", net.addr[0], net.addr[1], net.addr[2], net.addr[3],
-                   net.prefix);
-        if (net.prefix && memcmp(net.gateway, zero, 4) != 0)
-            printf(" via %u.%u.%u.%u", net.gateway[0], net.gateway[1], net.gateway[2],
-                   net.gateway[3]);
-        printf("\n");
-    }
-    if (rc != 0) {
-        fprintf(stderr, "forkvm-clone: %s\n", why);
-        return -1;
-    }
-    if (net.aborted > 0)
-        printf("aborted %d TCP connections from %u.%u.%u.%u\n", net.aborted, net.old_addr[0],
-               net.old_addr[1], net.old_addr[2], net.old_addr[3]);
-    return 0;
-}
-
-/* apply_net with what it prints sent to /dev/null (errors still go to stderr). */
-static int apply_net_quietly(int mode)
-{
-    fflush(stdout);
-    int saved = dup(1), null = open("/dev/null", O_WRONLY | O_CLOEXEC);
-    if (saved >= 0 && null >= 0)
-        dup2(null, 1);
-    int rc = apply_net(mode);
-    fflush(stdout);
-    if (saved >= 0 && null >= 0)
-        dup2(saved, 1);
-    if (saved >= 0)
-        close(saved);
-    if (null >= 0)
-        close(null);
-    return rc;
-}
-
-/* What a clone does after the clone point; 0, or the exit status of the first failure
- * (3: reseeding, 4: the network identity). */
-static int adopt(int mode, int print_net)
-{
-    if (reseed(mode) != 0 || drain_hwrng() != 0)
-        return 3;
-    int64_t window;
-    sync_clock(mode, &window);
-    int rc = print_net ? apply_net(mode) : apply_net_quietly(mode);
-    return rc == 0 ? 0 : 4;
 }
 
 /* One tick: `len` bytes of one getrandom() (the first 16 printed), with this VM's clone
@@ -356,16 +142,19 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--reseed") == 0)
         return reseed(mode) != 0 || drain_hwrng() != 0 ? 3 : 0;
     if (argc > 1 && strcmp(argv[1], "--net") == 0)
-        return apply_net(mode) == 0 ? 0 : 4;
+        return apply_net(mode, stdout) == 0 ? 0 : 4;
     if (argc > 1 && strcmp(argv[1], "--adopt") == 0)
-        return adopt(mode, 1);
+        return adopt(mode, stdout);
     if (argc > 1 && strcmp(argv[1], "--id") == 0) {
         printf("%u\n", in32(mode, IDENTITY_PORT));
         return 0;
     }
     if (argc > 1 && (strcmp(argv[1], "--clock") == 0 || strcmp(argv[1], "--sync-clock") == 0)) {
-        int64_t window;
-        int64_t off = argv[1][2] == 'c' ? clock_offset(mode, &window) : sync_clock(mode, &window);
+        int64_t off, window;
+        int rc = argv[1][2] == 'c' ? clock_offset(mode, &off, &window)
+                                   : sync_clock(mode, &off, &window);
+        if (rc != 0)
+            return rc == -1 ? 2 : 3;
         print_seconds(off, window);
         return 0;
     }
@@ -440,13 +229,14 @@ int main(int argc, char **argv)
         tick(mode, buf, tick_bytes);
     if (r != 0 && do_reseed) {
         /* Quietly: the caller reads the clone number from stdout. */
-        int rc = adopt(mode, 0);
+        int rc = adopt(mode, NULL);
         if (rc != 0)
             return rc;
     } else if (r != 0) {
-        int64_t window;
-        sync_clock(mode, &window);
-        if (apply_net_quietly(mode) != 0)
+        int64_t off, window;
+        if (sync_clock(mode, &off, &window) != 0)
+            return 3;
+        if (apply_net(mode, NULL) != 0)
             return 4;
     }
     if (ticks >= 0)

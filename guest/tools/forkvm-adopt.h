@@ -20,15 +20,6 @@
 
 #define RESEED_BYTES 64
 
-/* One byte of the entropy port through /dev/port; 0 or -1. */
-static inline int entropy_byte(uint8_t *b)
-{
-    if (pread(devport, b, 1, ENTROPY_PORT) == 1)
-        return 0;
-    perror("forkvm: /dev/port read");
-    return -1;
-}
-
 /* Reseeds the kernel CRNG with host entropy; returns 0 or -1 (reason on stderr). */
 static inline int reseed(int mode)
 {
@@ -44,8 +35,10 @@ static inline int reseed(int mode)
         } else {
             for (int b = 0; b < 4; b++) {
                 uint8_t byte;
-                if (entropy_byte(&byte) != 0)
+                if (ports_read(mode, ENTROPY_PORT, &byte, 1) != 0) {
+                    perror("forkvm: /dev/port read");
                     return -1;
+                }
                 v = (v << 8) | byte;
             }
         }

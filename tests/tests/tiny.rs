@@ -142,8 +142,7 @@ fn an_exception_in_the_guest_is_reported_with_its_vector() {
     let mut vm = tiny_vm(&scratch, "32", "1", "ticks=1 beat=1 ud=1");
     vm.wait_console("tiny: unexpected exception 6\n", BOOT);
     // The CPU halted there: no heartbeat follows, and the probe saw 0xdead.
-    let (_, body) = vm.api("GET", "/vm", None);
-    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let v = vm.describe();
     assert_eq!(v["probe"]["last"], 0xdead, "{v}");
     assert_eq!(beats(&vm.console_text()), 0);
     vm.shutdown(BOOT);

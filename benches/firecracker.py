@@ -61,9 +61,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from clone import pct, vsock_exec  # noqa: E402
+from clone import vsock_exec  # noqa: E402
 from invoke import LINUX  # noqa: E402
-from snapshot import drop_cache, first_line, take_snapshot, wait_for  # noqa: E402
+from snapshot import drop_cache, first_line, stats, take_snapshot, wait_for  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUEST = os.path.join(ROOT, "target/guest")
@@ -210,7 +210,6 @@ class Firecracker:
         cfg = os.path.join(self.work, f"{tag}.json")
         with open(cfg, "w") as f:
             json.dump(config, f)
-        self.n += 1
         sock = os.path.join(self.work, f"fc-{tag}.sock")
         p = subprocess.Popen([self.binary, "--api-sock", sock, "--no-seccomp", "--level",
                               "Error", "--config-file", cfg],
@@ -219,7 +218,9 @@ class Firecracker:
         try:
             ready(p)
             request(sock, "PATCH", "/vm", {"state": "Paused"})
-            state, mem = (os.path.join(self.work, f"{tag}.{x}") for x in ("state", "mem"))
+            snap = os.path.join(self.work, f"fc-snap-{tag}")
+            os.makedirs(snap, exist_ok=True)
+            state, mem = (os.path.join(snap, x) for x in ("state", "mem"))
             request(sock, "PUT", "/snapshot/create",
                     {"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": mem})
             return state, mem
@@ -263,9 +264,8 @@ def print_rows(title, res, base_key):
     print("|---|---|---|---|---|")
     base = statistics.median(res[base_key])
     for how, xs in res.items():
-        med = statistics.median(xs)
-        print(f"| {how} | {min(xs)*1e3:.2f} | {med*1e3:.2f} | {pct(xs, 0.99)*1e3:.2f} "
-              f"| {med/base:.2f}x |")
+        lo, med, p99 = stats(xs)
+        print(f"| {how} | {lo*1e3:.2f} | {med*1e3:.2f} | {p99*1e3:.2f} | {med/base:.2f}x |")
     print()
 
 
@@ -297,8 +297,7 @@ def tiny(fc, work, runs):
     for _ in range(runs):
         res["Firecracker restore, warm cache"].append(fc_restore())
         res["forkvm restore, warm cache"].append(first_line(forkvm_cmd, needle)[0])
-        for f in (state, mem):
-            drop_cache_file(f)
+        drop_cache(os.path.dirname(state))
         res["Firecracker restore, cold cache"].append(fc_restore())
         drop_cache(snap)
         res["forkvm restore, cold cache"].append(first_line(forkvm_cmd, needle)[0])
@@ -306,15 +305,7 @@ def tiny(fc, work, runs):
                f"1 vCPU, {runs} interleaved runs each (ms):", res,
                "Firecracker restore, warm cache")
     shutil.rmtree(snap, ignore_errors=True)
-    remove(state, mem)
-
-
-def drop_cache_file(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    shutil.rmtree(os.path.dirname(state), ignore_errors=True)
 
 
 def linux(fc, work, runs):
@@ -416,7 +407,7 @@ def linux(fc, work, runs):
                    f"page cache warm, {runs} runs each in a shuffled order (ms):", res,
                    "Firecracker restore: VM running")
         shutil.rmtree(snap, ignore_errors=True)
-        remove(state, mem)
+        shutil.rmtree(os.path.dirname(state), ignore_errors=True)
     finally:
         stop(template)
 

@@ -16,12 +16,6 @@ use tests::{children_of, fds_of, guest_file, kvm_and_root_available, kvm_availab
 
 const BOOT: Duration = Duration::from_secs(60);
 
-/// One fault test at a time: they count processes and descriptors.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// A tmpfs with room for `inodes` inodes mounted on `dir` (made if missing), unmounted
 /// on drop.
 struct Tmpfs(PathBuf);
@@ -105,7 +99,6 @@ fn clones_refused_for_a_full_socket_or_overlay_directory_leave_nothing_and_the_t
     if !kvm_and_root_available("faults_full_directories") {
         return;
     }
-    let _one = one_at_a_time();
     let scratch = Scratch::new("faults-full");
     // The control socket's directory and the overlay directory, each its own small
     // file system (the template's socket, console and log take 3 inodes, the root 1).
@@ -183,7 +176,6 @@ fn a_template_out_of_file_descriptors_refuses_clearly_and_recovers() {
     if !kvm_available("faults_emfile") {
         return;
     }
-    let _one = one_at_a_time();
     let scratch = Scratch::new("faults-emfile");
     let tiny = guest_file("tiny.elf").display().to_string();
     let args = [
@@ -295,7 +287,6 @@ fn a_template_sigkilled_at_any_moment_of_a_clone_request_takes_every_clone_with_
     if !kvm_available("faults_sigkill_template") {
         return;
     }
-    let _one = one_at_a_time();
     // Delays after sending a request for 8 clones of a paused template that keeps 2 warm
     // clones: they land before the pause, while the state is captured, between the
     // forks and the clones' ready, and while warm clones are launched and refilled.
@@ -307,14 +298,17 @@ fn a_template_sigkilled_at_any_moment_of_a_clone_request_takes_every_clone_with_
         let mut vm = tests::tiny_vm_with(&scratch, "64", "1", "ticks=1 beat=10", &warm);
         let needle = scratch.path("").display().to_string();
         vm.wait_console("tiny: beat 1\n", BOOT);
+        vm.wait_api(BOOT);
         if paused {
             assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
         }
-        let sock = vm.sock.clone();
+        // Connected before the thread starts, so even at delay 0 the SIGKILL comes after
+        // the template accepted the connection (a connect racing the kill could be
+        // refused, which says nothing about the template).
+        let mut c = UnixStream::connect(&vm.sock).unwrap();
         // The answer's status, or 0 when the connection broke first.
         let request = std::thread::spawn(move || {
             let body = r#"{"count":8}"#;
-            let mut c = UnixStream::connect(&sock).unwrap();
             let head = format!(
                 "POST /clones HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
                 body.len()
@@ -371,7 +365,6 @@ fn a_clone_killed_while_it_starts_is_reported_and_leaves_nothing() {
     if !kvm_available("faults_clone_killed_starting") {
         return;
     }
-    let _one = one_at_a_time();
     let scratch = Scratch::new("faults-starting");
     let mut vm = tests::tiny_vm(&scratch, "64", "1", "ticks=1 beat=10");
     vm.wait_console("tiny: beat 1\n", BOOT);

@@ -131,6 +131,15 @@ install -m 0755 "$repo/guest/init/init" "$root/sbin/init"
 echo "forkvm guest $(cat "$repo/guest/init/VERSION")" > "$root/etc/forkvm-release"
 mkfifo -m 0600 "$root/etc/forkvm-idle"   # init waits on it while it serves the agent
 
+# Reproducible images: the same inputs give the same bytes (the tests' snapshot cache
+# names a booted guest by the hash of its images, tests/src/cache.rs), so every file
+# gets one fixed time, and the file systems a fixed UUID, hash seed and creation time.
+epoch=1700000000
+fs_uuid=6f726b76-6d00-4000-8000-000000000001
+export E2FSPROGS_FAKE_TIME=$epoch
+settle() { find "$1" -exec touch -h -d "@$epoch" {} +; }
+settle "$root"
+
 # Both compressed and plain: on a PVM host the guest kernel's gunzip runs in the
 # instruction emulator and the plain archive unpacks about 2x faster (docs/benchmarks.md).
 (cd "$root" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet --reproducible) \
@@ -141,8 +150,11 @@ mv "$out/initramfs.cpio.gz.tmp" "$out/initramfs.cpio.gz"
 
 # A read-only data disk with the same userland and a marker file tests can read.
 echo "forkvm rootfs disk" > "$root/etc/forkvm-disk"
+settle "$root"
 rm -f "$out/rootfs.ext4.tmp"
-mke2fs -q -t ext4 -O ^has_journal -L forkvm-root -d "$root" "$out/rootfs.ext4.tmp" 16M
+mke2fs -q -t ext4 -O ^has_journal -L forkvm-root -U "$fs_uuid" -E "hash_seed=$fs_uuid" \
+    -d "$root" "$out/rootfs.ext4.tmp" 16M
+"$repo/buildroot/ext4-settle.sh" "$out/rootfs.ext4.tmp" "$epoch"
 mv "$out/rootfs.ext4.tmp" "$out/rootfs.ext4"
 
 # The Python guest's root: Debian's Python 3 and numpy with this userland

@@ -67,15 +67,20 @@ else
         /usr/lib/python3.11 /usr/lib/python3/dist-packages >/dev/null ||
         die "byte-compiling failed"
     chroot "$work/root" /usr/bin/python3 -c 'import numpy' || die "numpy does not import"
+    rm -rf "$tree"   # not a directory: a leftover
     mv "$work/root" "$tree"
     rm -rf "$work"
-    # Keep the cache bounded: the two most recent trees.
+    # Keep the cache bounded: the two most recent trees (this one counted as new: the
+    # directory moved in kept the time its package gave it).
+    touch "$tree"
     ls -1dt "$cache"/*/ 2>/dev/null | grep -v '/build\.' | tail -n +3 | xargs -r rm -rf
 fi
 touch "$tree"
 
 root=$(mktemp -d "$(dirname "$out")/python-root.XXXXXX")
-trap 'rm -rf "$root"' EXIT
+trap 'rm -rf "$root" "$marker"' EXIT
+marker=$(mktemp)
+touch -d '1 second ago' "$marker"
 cp -a "$tree/." "$root/"
 # The forkvm userland over it: busybox and its applets where Debian has no file,
 # init, the forkvm tools, libforkvm.
@@ -87,10 +92,21 @@ done
 for d in proc sys dev tmp run mnt/disk root; do mkdir -p "$root/$d"; done
 dist="$root/usr/lib/python3/dist-packages"
 install -m 0644 "$repo"/guest/python/*.py "$dist/"
-chroot "$root" /usr/bin/python3 -m compileall -q /usr/lib/python3/dist-packages >/dev/null
 echo "forkvm python disk" > "$root/etc/forkvm-disk"
+# Reproducible: the same inputs give the same bytes (build-guest.sh). The package tree's
+# files keep the times its packages gave them, which its byte code records; what this
+# script added or changed (directories, forkvm's files) gets one fixed time, the new
+# byte code too.
+epoch=1700000000
+fs_uuid=6f726b76-6d00-4000-8000-000000000002
+export E2FSPROGS_FAKE_TIME=$epoch
+find "$root" -newer "$marker" -exec touch -h -d "@$epoch" {} +
+chroot "$root" /usr/bin/python3 -m compileall -q /usr/lib/python3/dist-packages >/dev/null
+find "$root" -newer "$marker" -exec touch -h -d "@$epoch" {} +
 size=$(( $(du -sm "$root" | cut -f1) * 5 / 4 + 16 ))
 rm -f "$out.tmp"
-mke2fs -q -t ext4 -O ^has_journal -L forkvm-python -d "$root" "$out.tmp" "${size}M"
+mke2fs -q -t ext4 -O ^has_journal -L forkvm-python -U "$fs_uuid" -E "hash_seed=$fs_uuid" \
+    -d "$root" "$out.tmp" "${size}M"
+"$repo/buildroot/ext4-settle.sh" "$out.tmp" "$epoch"
 mv "$out.tmp" "$out"
 log "done: $out (${size} MiB)"

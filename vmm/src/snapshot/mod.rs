@@ -127,6 +127,11 @@ pub struct SavedDisk {
     pub path: PathBuf,
     /// Where its overlay was made (writable disks): a restore's default.
     pub cow_dir: Option<PathBuf>,
+    /// Every VM with the disk keeps its overlay when it ends (`--disk ...,keep`): so
+    /// does a restored one and its clones. Absent in snapshots made before it was saved
+    /// (none kept then).
+    #[serde(default)]
+    pub keep: bool,
     /// Its limit.
     pub rate_limit: Option<RateLimit>,
 }

@@ -146,7 +146,7 @@ pub fn restored_config(
                 .cow_dir
                 .as_ref()
                 .map(|c| opts.cow_dir.clone().unwrap_or(c.clone())),
-            keep: false,
+            keep: d.keep && d.cow_dir.is_some(),
             rate_limit: d.rate_limit,
         })
         .collect();
@@ -436,9 +436,13 @@ impl Restoring {
         let mut ns = [0u8; 8];
         let entered_ns = std::io::Read::read_exact(&mut File::from(entry_read), &mut ns)
             .map_or(0, |()| u64::from_le_bytes(ns));
+        let crng = match devices.crng.registration.layout() {
+            Some(_) => "guest kernel's CRNG registered",
+            None => "no guest CRNG registered",
+        };
         tracing::info!(
-            "restored {} ({} MiB, {} vCPUs) in {} us; vCPU 0 entered the guest at {} ns \
-             (CLOCK_MONOTONIC)",
+            "restored {} ({} MiB, {} vCPUs, {crng}) in {} us; vCPU 0 entered the guest at {} \
+             ns (CLOCK_MONOTONIC)",
             dir.display(),
             config.mem_mib,
             config.vcpus,

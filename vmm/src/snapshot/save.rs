@@ -69,6 +69,7 @@ fn saved_config(config: &VmConfig) -> SavedConfig {
             .map(|d| SavedDisk {
                 path: d.path.clone(),
                 cow_dir: d.cow_dir.clone(),
+                keep: d.keep,
                 rate_limit: d.rate_limit,
             })
             .collect(),

@@ -21,6 +21,13 @@ if ! command -v cargo >/dev/null; then
     echo "install-deps: cargo not found: install Rust 1.85 or newer with rustup" >&2
     exit 1
 fi
+# cargo-nextest (crates.io), the test runner of `make test` (scripts/run-tests.sh),
+# built once into cargo's bin directory; a different version is replaced.
+nextest_version=0.9.133
+if ! cargo nextest --version 2>/dev/null | grep -q "cargo-nextest $nextest_version"; then
+    echo "install-deps: installing cargo-nextest $nextest_version (a few minutes)" >&2
+    cargo install --locked --quiet cargo-nextest --version "$nextest_version"
+fi
 # schemathesis (PyPI), for the API test against docs/api/openapi.yaml, in a virtual
 # environment outside the repository, keyed by its version.
 st_version=4.32.5

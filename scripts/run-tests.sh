@@ -1,33 +1,31 @@
 #!/usr/bin/env bash
 # Runs the whole test suite and ends with one summary line over every test binary:
-# "forkvm: P passed, F failed, S skipped" (skipped = cargo's ignored). Every test binary
-# runs even after one failed (--no-fail-fast), so a failed run shows every failure.
-# Each test binary's start and each test's end is followed by the seconds since the run
-# began ("    (at 812 s)"; cargo's own lines are left as they are), so a slow test can be
-# found in a CI log.
-# Exits non-zero if anything failed.
+# "forkvm: P passed, F failed, S skipped" (skipped = ignored tests).
+#
+# cargo-nextest schedules every test of every binary on the host's cores
+# (.config/nextest.toml: what must not overlap, in test groups); it does not run doc
+# tests, which `cargo test --doc` runs after it. Every test runs even after one failed,
+# so a failed run shows every failure. Each test's time goes into
+# target/nextest/default/junit.xml; scripts/slowest-tests.py lists the slowest.
+# Arguments go to `cargo nextest run` (a filter, say). Exits non-zero if anything failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-stamp() {
-    local line
-    while IFS= read -r line; do
-        printf '%s\n' "$line"
-        case "$line" in
-        "test "*" ... "* | "     Running "*) printf '    (at %d s)\n' "$SECONDS" ;;
-        esac
-    done
-}
+if ! cargo nextest --version >/dev/null 2>&1; then
+    echo "run-tests: cargo-nextest is missing: ./scripts/install-deps.sh installs it" >&2
+    exit 1
+fi
+junit=target/nextest/default/junit.xml
+rm -f "$junit"
+doclog=$(mktemp)
+trap 'rm -f "$doclog"' EXIT
 SECONDS=0
-cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log" | stamp
-status=${PIPESTATUS[0]}
-awk '/^test result:/ {
-        for (i = 1; i <= NF; i++) {
-            if ($(i+1) ~ /^passed/) p += $i
-            if ($(i+1) ~ /^failed/) f += $i
-            if ($(i+1) ~ /^ignored/) g += $i
-        }
-     }
-     END { printf "forkvm: %d passed, %d failed, %d skipped\n", p, f, g }' "$log"
-exit "$status"
+cargo nextest run --workspace --no-fail-fast "$@"
+status=$?
+doc_status=0
+if [ $# -eq 0 ]; then
+    cargo test --workspace --doc 2>&1 | tee "$doclog"
+    doc_status=${PIPESTATUS[0]}
+fi
+python3 scripts/slowest-tests.py --summary "$junit" "$doclog"
+echo "run-tests: ${SECONDS} s"
+[ "$status" -eq 0 ] && [ "$doc_status" -eq 0 ]

@@ -1,37 +1,55 @@
 //! Booted test guests kept as snapshots (docs/snapshots.md), cached outside the
 //! repository as the guest kernel build is: `$FORKVM_CACHE_DIR/snapshots` (default
-//! `/var/cache/forkvm/snapshots`), one directory per guest, named by a hash of
-//! everything the saved guest depends on: the snapshot format version, the `vmm run`
-//! arguments, the contents of the files the guest boots from (kernel, initramfs, root
-//! image), the sources of the device models and of the saved state's types (a change
-//! there may change what a state means), and the host CPU model. Paths are part of it
-//! (a snapshot names its disk images by path): each checkout has entries of its own.
+//! `/var/cache/forkvm/snapshots`), one directory per guest, named by a SHA-256 of
+//! everything the saved guest depends on:
+//! - the snapshot format version and the VMM's version;
+//! - the `vmm run` arguments as written, with the host-side paths a boot gets fresh left
+//!   as placeholders ([`VSOCK`], [`TAP`], [`COW`]): a restore gives its own;
+//! - the guest's files by content: [`image`] copies a guest image into the cache under a
+//!   name that holds the hash of its bytes, and the arguments name that copy, so the key
+//!   does not depend on where the checkout is (a clean clone in another directory finds
+//!   the same entries) and a rebuilt image with other bytes gets entries of its own;
+//! - the sources of the device models, of the saved state's types and of the snapshot
+//!   code (a change there may change what a state means), by their paths in the
+//!   repository;
+//! - the host CPU model.
 //!
 //! A test asks for a guest in a given state ([`CachedBoot`]); the first run boots it,
 //! waits for that state and writes the snapshot; every run, the first included,
 //! restores it, so the tests exercise the restore path each time and skip the Linux
 //! boot (17-60 s here) from the second run on. A cached snapshot that no longer
 //! restores (refused, or the VMM dies before its control socket is up) is removed and
-//! made again, loudly.
+//! made again, loudly. Test processes that want the same entry at once (the test
+//! runner runs each test in a process of its own) take a lock on it: one boots, the
+//! others wait and restore what it saved.
 
-use std::hash::{Hash, Hasher};
+use std::io::Read;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
+use sha2::{Digest, Sha256};
+
 use crate::{repo_root, Scratch, Vm};
+
+/// In [`CachedBoot::run_args`]: the vsock device's host socket, a path of the boot's own
+/// (a restore gives its own with `--vsock`).
+pub const VSOCK: &str = "{vsock}";
+/// In [`CachedBoot::run_args`]: the card's tap, one the boot's VMM creates under a name
+/// of its own (a restore gives its own with `--tap`).
+pub const TAP: &str = "{tap}";
+/// In [`CachedBoot::run_args`] (inside `--rootfs-cow` or `--disk ...,cow=`): the
+/// directory of the boot's overlays (a restore gives its own with `--cow-dir`).
+pub const COW: &str = "{cow}";
 
 /// A guest booted with `run_args` (without `--console` and `--api-sock`) and brought to
 /// the state to keep by `ready`, which must leave it paused.
 pub struct CachedBoot<'a> {
     /// A name for the cache entry (`linux-c-template`, ...).
     pub name: &'a str,
-    /// The `vmm run` arguments.
+    /// The `vmm run` arguments: guest files through [`image`], host-side paths as
+    /// [`VSOCK`], [`TAP`] and [`COW`].
     pub run_args: &'a [&'a str],
-    /// Files whose contents the guest depends on beyond the arguments' text.
-    pub inputs: &'a [PathBuf],
-    /// The guest has a vsock device (its host socket, a path of each run's own, is not
-    /// part of the key: the boot gets one in its scratch directory, a restore its own).
-    pub vsock: bool,
     /// Waits for the booted guest's state to keep and leaves it paused.
     pub ready: &'a dyn Fn(&mut Vm),
 }
@@ -45,13 +63,51 @@ pub fn cache_dir() -> PathBuf {
 /// Entries unused for this long are removed when another is made.
 const MAX_AGE: Duration = Duration::from_secs(14 * 24 * 3600);
 
-fn hash_file(h: &mut impl Hasher, path: &Path) {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    path.hash(h);
-    bytes.hash(h);
+/// The SHA-256 of a file's bytes, in hex.
+fn file_digest(path: &Path) -> String {
+    let mut f = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    hex(&h.finalize())
 }
 
-fn hash_sources(h: &mut impl Hasher, dir: &Path) {
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `path`, a guest file, as a copy in the cache named by the hash of its bytes
+/// (`images/<hash>-<name>`), made the first time: the path to give a [`CachedBoot`]'s
+/// arguments. A copy, not a link: `make guest` rewrites some images in place.
+pub fn image(path: &Path) -> String {
+    let name = path.file_name().expect("a file").to_string_lossy();
+    let dir = cache_dir().join("images");
+    let copy = dir.join(format!("{}-{name}", &file_digest(path)[..16]));
+    if !copy.exists() {
+        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+        std::fs::copy(path, &tmp).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        std::fs::rename(&tmp, &copy).unwrap();
+    }
+    // Recently used: kept by the pruning.
+    let _ = std::fs::File::open(&copy).and_then(|f| f.set_modified(SystemTime::now()));
+    copy.display().to_string()
+}
+
+/// [`image`] of a file in `target/guest/`.
+pub fn guest_image(name: &str) -> String {
+    image(&crate::guest_file(name))
+}
+
+fn hash_sources(h: &mut Sha256, root: &Path, dir: &Path) {
     let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
@@ -59,9 +115,12 @@ fn hash_sources(h: &mut impl Hasher, dir: &Path) {
     entries.sort();
     for p in entries {
         if p.is_dir() {
-            hash_sources(h, &p);
+            hash_sources(h, root, &p);
         } else if p.extension().is_some_and(|e| e == "rs") {
-            hash_file(h, &p);
+            let rel = p.strip_prefix(root).expect("under the repository");
+            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            h.update(format!("{}\0{}\0", rel.display(), bytes.len()));
+            h.update(&bytes);
         }
     }
 }
@@ -72,15 +131,16 @@ fn cpu_model() -> String {
     model.unwrap_or("unknown").to_string()
 }
 
-/// The cache entry of `boot`.
-fn entry(boot: &CachedBoot<'_>) -> PathBuf {
-    // SipHash with fixed keys: the same inputs give the same name from run to run.
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    clone::state_file::FORMAT_VERSION.hash(&mut h);
-    boot.run_args.hash(&mut h);
-    boot.vsock.hash(&mut h);
-    for f in boot.inputs {
-        hash_file(&mut h, f);
+/// The cache entry of `boot`: the directory its snapshot is (or would be) in.
+pub fn entry(boot: &CachedBoot<'_>) -> PathBuf {
+    let mut h = Sha256::new();
+    h.update(format!(
+        "format {}\0vmm {}\0",
+        clone::state_file::FORMAT_VERSION,
+        env!("CARGO_PKG_VERSION")
+    ));
+    for a in boot.run_args {
+        h.update(format!("{}\0{a}\0", a.len()));
     }
     let root = repo_root();
     for dir in [
@@ -89,38 +149,76 @@ fn entry(boot: &CachedBoot<'_>) -> PathBuf {
         "vmm/src/device_manager",
         "vmm/src/snapshot",
     ] {
-        hash_sources(&mut h, &root.join(dir));
+        hash_sources(&mut h, &root, &root.join(dir));
     }
-    cpu_model().hash(&mut h);
-    cache_dir().join(format!("{}-{:016x}", boot.name, h.finish()))
+    h.update(cpu_model());
+    let digest = hex(&h.finalize());
+    cache_dir().join(format!("{}-{}", boot.name, &digest[..16]))
 }
 
-/// Removes cache entries unused for [`MAX_AGE`] (each restore touches its entry).
+/// Removes cache entries and image copies unused for [`MAX_AGE`] (each use touches
+/// them).
 fn prune(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let old = (e.metadata().and_then(|m| m.modified()).ok())
-            .and_then(|t| SystemTime::now().duration_since(t).ok())
-            .is_some_and(|age| age > MAX_AGE);
-        if old {
-            let _ = std::fs::remove_dir_all(e.path());
+    for dir in [dir.to_path_buf(), dir.join("images")] {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_name() == "images" {
+                continue;
+            }
+            let old = (e.metadata().and_then(|m| m.modified()).ok())
+                .and_then(|t| SystemTime::now().duration_since(t).ok())
+                .is_some_and(|age| age > MAX_AGE);
+            if old {
+                let p = e.path();
+                let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+            }
         }
     }
 }
 
+/// An exclusive lock on `<entry>.lock`, held until dropped (closing the file releases
+/// it): one process makes an entry while the others wait for it.
+struct EntryLock(#[allow(dead_code)] std::fs::File);
+
+impl EntryLock {
+    fn take(dir: &Path) -> Self {
+        let parent = dir.parent().expect("an entry has a parent");
+        std::fs::create_dir_all(parent).unwrap();
+        let path = dir.with_extension("lock");
+        let f = std::fs::File::create(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+        assert_eq!(rc, 0, "flock {}", path.display());
+        Self(f)
+    }
+}
+
+/// A tap name of this process's own for a boot (`fkc<pid>`, at most 15 bytes).
+fn boot_tap() -> String {
+    format!("fkc{}", std::process::id())
+}
+
 /// Boots `boot`'s guest, brings it to its state and writes the snapshot to `dir`.
 fn make(boot: &CachedBoot<'_>, dir: &Path, timeout: Duration) {
-    let parent = dir.parent().expect("an entry has a parent");
-    std::fs::create_dir_all(parent).unwrap();
-    prune(parent);
+    prune(dir.parent().expect("an entry has a parent"));
     let scratch = Scratch::new(&format!("cache-{}", boot.name));
     let vsock = scratch.path("boot.vsock").display().to_string();
-    let mut args = boot.run_args.to_vec();
-    if boot.vsock {
-        args.extend(["--vsock", &vsock]);
-    }
+    let cow = scratch.path("cow");
+    std::fs::create_dir_all(&cow).unwrap();
+    let cow = cow.display().to_string();
+    let tap = boot_tap();
+    let args: Vec<String> = boot
+        .run_args
+        .iter()
+        .map(|a| {
+            a.replace(VSOCK, &vsock)
+                .replace(TAP, &tap)
+                .replace(COW, &cow)
+        })
+        .collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut vm = Vm::start(&scratch, &args);
     (boot.ready)(&mut vm);
     assert_eq!(
@@ -130,8 +228,7 @@ fn make(boot: &CachedBoot<'_>, dir: &Path, timeout: Duration) {
         boot.name
     );
     let (code, answer) = vm.snapshot(dir);
-    // 409: another test made it meanwhile.
-    assert!(code == 201 || code == 409, "{}: {code} {answer}", boot.name);
+    assert_eq!(code, 201, "{}: {answer}", boot.name);
     eprintln!(
         "cache: {} booted and saved as {} ({answer})",
         boot.name,
@@ -142,8 +239,9 @@ fn make(boot: &CachedBoot<'_>, dir: &Path, timeout: Duration) {
 
 /// A VM in `boot`'s state: restored from the cached snapshot, made first if there is
 /// none (or the one there does not restore). `restore_args` are `vmm restore`'s host
-/// options beyond `--dir`, `--console` and `--api-sock`. Returns the VM, its control
-/// socket up.
+/// options beyond `--dir`, `--console` and `--api-sock` (`--vsock`, `--tap`,
+/// `--cow-dir` for what the boot had as [`VSOCK`], [`TAP`], [`COW`]). Returns the VM,
+/// its control socket up.
 pub fn restored(
     scratch: &Scratch,
     boot: &CachedBoot<'_>,
@@ -153,7 +251,11 @@ pub fn restored(
     let dir = entry(boot);
     for attempt in 0..2 {
         if !dir.join("state").exists() {
-            make(boot, &dir, timeout);
+            let _lock = EntryLock::take(&dir);
+            // Another process may have made it while this one waited.
+            if !dir.join("state").exists() {
+                make(boot, &dir, timeout);
+            }
         }
         let mut vm = Vm::restore(scratch, &dir, restore_args);
         if vm.try_wait_api(timeout) {
@@ -167,41 +269,82 @@ pub fn restored(
             dir.display(),
             vm.stderr_text()
         );
+        let _lock = EntryLock::take(&dir);
         let _ = std::fs::remove_dir_all(&dir);
     }
     panic!("{} does not restore even when just made", dir.display());
 }
 
-/// The Linux guest (the initramfs, 256 MiB) once init serves forkvm's agent on vsock
-/// port 1024 (nothing else in it is starting up then), restored with its host socket at
-/// `vsock`: booted and saved the first time.
+/// A Linux guest kept in the cache: the initramfs, 256 MiB, once init serves forkvm's
+/// agent on vsock port 1024 (nothing else in it is starting up then), paused.
+#[derive(Default)]
+pub struct LinuxAgent<'a> {
+    /// The cache entry's name.
+    pub name: &'a str,
+    /// More of the kernel command line (`forkvm.crng=off`, ...).
+    pub cmdline: &'a str,
+    /// Further `vmm run` options (devices; host-side paths as [`TAP`], [`COW`]).
+    pub devices: &'a [&'a str],
+    /// Further `vmm restore` options (`--tap`, `--cow-dir`, `--warm-clones`, ...).
+    pub restore: &'a [&'a str],
+}
+
+impl LinuxAgent<'_> {
+    /// The guest restored with its vsock device's host socket at `vsock`: booted and
+    /// saved the first time.
+    pub fn restore(&self, scratch: &Scratch, vsock: &Path, timeout: Duration) -> Vm {
+        let (kernel, initrd) = (guest_image("vmlinux"), guest_image("initramfs.cpio"));
+        let cmdline = format!(
+            "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 {}",
+            self.cmdline
+        );
+        let mut args = vec![
+            "--kernel",
+            &kernel,
+            "--initrd",
+            &initrd,
+            "--mem-mib",
+            "256",
+            "--cmdline",
+            cmdline.trim_end(),
+            "--vsock",
+            VSOCK,
+        ];
+        args.extend_from_slice(self.devices);
+        let serving = |vm: &mut Vm| {
+            vm.wait_console_line("forkvm-init: serving on vsock port 1024", timeout);
+            assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+        };
+        let boot = CachedBoot {
+            name: self.name,
+            run_args: &args,
+            ready: &serving,
+        };
+        let mut all = vec!["--vsock", vsock.to_str().expect("UTF-8 path")];
+        all.extend_from_slice(self.restore);
+        restored(scratch, &boot, &all, timeout)
+    }
+}
+
+/// [`LinuxAgent`] `name` with `devices`, restored with `restore`.
+pub fn linux_agent_with(
+    scratch: &Scratch,
+    name: &str,
+    devices: &[&str],
+    vsock: &Path,
+    restore: &[&str],
+    timeout: Duration,
+) -> Vm {
+    let guest = LinuxAgent {
+        name,
+        devices,
+        restore,
+        ..Default::default()
+    };
+    guest.restore(scratch, vsock, timeout)
+}
+
+/// [`LinuxAgent`] with no more devices than vsock.
 pub fn linux_agent(scratch: &Scratch, vsock: &Path, timeout: Duration) -> Vm {
-    let (kernel, initrd) = (
-        crate::guest_file("vmlinux"),
-        crate::guest_file("initramfs.cpio"),
-    );
-    let (k, i) = (kernel.display().to_string(), initrd.display().to_string());
-    let args = [
-        "--kernel",
-        &k,
-        "--initrd",
-        &i,
-        "--mem-mib",
-        "256",
-        "--cmdline",
-        "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
-    ];
-    let serving = |vm: &mut Vm| {
-        vm.wait_console_line("forkvm-init: serving on vsock port 1024", timeout);
-        assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
-    };
-    let boot = CachedBoot {
-        name: "linux-agent",
-        run_args: &args,
-        inputs: &[kernel.clone(), initrd.clone()],
-        vsock: true,
-        ready: &serving,
-    };
-    let restore = ["--vsock", vsock.to_str().expect("UTF-8 path")];
-    restored(scratch, &boot, &restore, timeout)
+    linux_agent_with(scratch, "linux-agent", &[], vsock, &[], timeout)
 }

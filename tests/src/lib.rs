@@ -723,6 +723,21 @@ pub fn vmm_exec(
     result
 }
 
+/// Runs `script` in the guest behind `sock` as init runs `forkvm.run="..."` at boot, for a
+/// guest restored from a cached snapshot (`cache`) instead of booted with it: through the
+/// guest agent (`vmm exec`), detached from the agent (its own session), its output on the
+/// guest's console. Returns once the guest shell has started it. A clone the script makes
+/// inherits it, and writes to its own console.
+pub fn run_on_console(sock: &Path, script: &str) {
+    let start = "cat > /run/console.sh || exit 1; setsid sh /run/console.sh </dev/null >/dev/console 2>&1 &";
+    let (code, out, err) = vmm_exec(sock, &["--stdin", "--", start], script.as_bytes());
+    assert_eq!(
+        code,
+        Some(0),
+        "starting a script on the console: {out}{err}"
+    );
+}
+
 /// `vmm exec ARGS` with `input` on its stdin: (exit code, stdout, stderr).
 fn vmm_exec_once(
     sock: &std::path::Path,

@@ -14,14 +14,6 @@ use tests::{guest_file, jailer_bin, kvm_and_root_available, wait_until, Scratch,
 const BOOT: Duration = Duration::from_secs(30);
 const V1: [&str; 4] = ["cpu", "cpuacct", "memory", "pids"];
 
-/// The tests here each load the 2-core machine (spinning or copying guests, CPU
-/// shares measured): one at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// A cgroup parent unique to this test run; `jailer cleanup` removes whatever is left
 /// under it when the test ends (a failing test's VMM is killed without cleaning up).
 struct Parent(String);
@@ -181,7 +173,6 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
         return;
     }
     let scratch = Scratch::new("cg-v1");
-    let _serial = one_at_a_time();
     let parent = Parent::new("v1");
     let (mut vm, base) = v1_template(
         &scratch,
@@ -345,7 +336,6 @@ fn the_forker_leaves_a_cgroup_before_the_pool_empties_it() {
         return;
     }
     let scratch = Scratch::new("cg-forker");
-    let _serial = one_at_a_time();
     let parent = Parent::new("forker");
     let (mut vm, base) = v1_template(
         &scratch,
@@ -413,7 +403,6 @@ fn a_clone_over_its_memory_limit_is_oom_killed_and_reported() {
         return;
     }
     let scratch = Scratch::new("cg-mem");
-    let _serial = one_at_a_time();
     let parent = Parent::new("mem");
     // The guest rewrites 96 MiB every beat: a clone copies all of it on its first pass.
     let mut vm = template(
@@ -475,7 +464,6 @@ fn a_half_cpu_quota_is_enforced() {
         return;
     }
     let scratch = Scratch::new("cg-cpu");
-    let _serial = one_at_a_time();
     let parent = Parent::new("cpu");
     let mut vm = template(
         &scratch,
@@ -561,7 +549,6 @@ struct V2Template {
     vm: Vm,
     parent: Parent,
     unified: &'static str,
-    _serial: std::sync::MutexGuard<'static, ()>,
     _scratch: Scratch,
 }
 
@@ -572,7 +559,6 @@ fn v2_template(test: &str, tag: &str, classes: &[&str]) -> Option<V2Template> {
     }
     let unified = unified_mount(test)?;
     let scratch = Scratch::new(&format!("cg-{tag}"));
-    let serial = one_at_a_time();
     let parent = Parent::new(tag);
     // This host's v2 mount has no controllers: classes without limits still place.
     let mut args: Vec<&str> = classes.iter().flat_map(|c| ["--cgroup-class", c]).collect();
@@ -591,7 +577,6 @@ fn v2_template(test: &str, tag: &str, classes: &[&str]) -> Option<V2Template> {
         vm,
         parent,
         unified,
-        _serial: serial,
         _scratch: scratch,
     })
 }
@@ -733,7 +718,6 @@ fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
         return;
     }
     let scratch = Scratch::new("cg-invoke");
-    let _serial = one_at_a_time();
     let parent = Parent::new("invoke");
     let mut vm = template(
         &scratch,

@@ -12,15 +12,6 @@ use tests::{
 
 const BOOT: Duration = Duration::from_secs(30);
 
-/// Tests that load the 2-core machine heavily (many spinning vCPUs, emulated memory
-/// loops, a thousand processes) take this lock, so at most one of them runs at a time
-/// and the lighter tests beside them are not starved past their timeouts.
-static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn heavy() -> std::sync::MutexGuard<'static, ()> {
-    HEAVY.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 fn post_clones(sock: &Path, count: u64) -> Vec<Value> {
     let (code, body) = api_request(
         sock,
@@ -88,7 +79,6 @@ fn busy_4_vcpu_guest_clones_keep_every_vcpu_timer_and_serial_running() {
     if !kvm_available("busy_4_vcpu_clones") {
         return;
     }
-    let _heavy = heavy();
     let scratch = Scratch::new("clone-busy");
     let mut vm = tiny_vm(&scratch, "64", "4", "ticks=2 beat=20 busy=1");
     let needles: Vec<String> = (0..4).map(|c| format!("tiny: cpu {c} beat 2\n")).collect();
@@ -531,7 +521,6 @@ fn two_hundred_clone_and_stop_cycles_leak_nothing() {
     if !kvm_available("clone_cycles_leak") {
         return;
     }
-    let _heavy = heavy();
     let scratch = Scratch::new("clone-leak");
     let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 beat=50");
     vm.wait_console("tiny: beat 1\n", BOOT);
@@ -587,7 +576,6 @@ fn guest_requested_clones_get_fork_like_results_and_isolated_memory() {
     if !kvm_available("guest_clone_isolation") {
         return;
     }
-    let _heavy = heavy();
     let scratch = Scratch::new("clone-guest");
     // The guest fills 2 MiB with a pattern, asks for 3 clones through the clone port,
     // and every side checks the inherited pattern, writes its own, waits two beats (so
@@ -692,7 +680,6 @@ fn a_thousand_clones_from_one_template() {
     if !kvm_available("thousand_clones") {
         return;
     }
-    let _heavy = heavy();
     let scratch = Scratch::new("clone-1000");
     let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 tickless=1");
     vm.wait_console("tiny: tickless\n", BOOT);

@@ -19,14 +19,6 @@ use vmm::api::http::Response;
 const BOOT: Duration = Duration::from_secs(30);
 const TRAILER: usize = 48;
 
-/// The tests here start templates that fork many clones: one at a time, so that the
-/// 2-core host is not overloaded past the timeouts.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// A tiny-guest template with `extra` arguments, paused where its handler waits.
 fn template(scratch: &Scratch, extra: &[&str]) -> Vm {
     template_with(scratch, "ticks=1 invoke=1", extra)
@@ -124,7 +116,6 @@ fn a_thousand_invocations_each_in_a_fresh_clone_echo_byte_for_byte_and_leak_noth
     if !kvm_available("invoke_thousand") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-1000");
     let vm = template(&scratch, &["--warm-clones", "4", "--mailbox-mib", "1"]);
     let pid = vm.child.id();
@@ -187,7 +178,6 @@ fn eight_callers_at_once_each_get_their_own_clone() {
     if !kvm_available("invoke_concurrent") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-8");
     let vm = template(&scratch, &["--warm-clones", "8"]);
     let sock = vm.sock.clone();
@@ -218,7 +208,6 @@ fn every_failure_has_its_status_and_leaves_the_template_untouched() {
     if !kvm_available("invoke_errors") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-errors");
     let vm = template(&scratch, &["--warm-clones", "2", "--mailbox-mib", "1"]);
     let quick = InvokeOptions {
@@ -316,7 +305,6 @@ fn a_vm_without_a_waiting_runtime_or_a_mailbox_refuses() {
     if !kvm_available("invoke_refused") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-refused");
     let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 beat=50");
     vm.wait_console("tiny: beat 1\n", BOOT);
@@ -359,7 +347,6 @@ fn a_keep_alive_clone_serves_further_requests_in_place_until_one_ends_it() {
     if !kvm_available("invoke_keep_alive") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-keep");
     let vm = template(&scratch, &["--warm-clones", "1"]);
     let keep = InvokeOptions {
@@ -416,7 +403,6 @@ fn a_vm_that_is_no_template_serves_one_invocation_in_place_and_ends() {
     if !kvm_available("invoke_in_place") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-inplace");
     let mut vm = tiny_vm(&scratch, "64", "1", "ticks=1 invoke=1");
     vm.wait_console("tiny: invoke ready\n", BOOT);
@@ -439,7 +425,6 @@ fn requests_that_come_while_the_runtime_is_on_its_way_back_are_held_for_it() {
     if !kvm_available("invoke_held") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-held");
     // After "no request" the handler spins 3e9 TSC cycles (a second or so) before it
     // waits again; no refresh, so that only the test resumes it.
@@ -494,7 +479,6 @@ fn a_template_holds_at_most_its_limit_and_refuses_more_with_503() {
     if !kvm_available("invoke_held_full") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-held-full");
     // 3e10 TSC cycles (7 s or more) to come back: longer than the callers' timeout.
     let cmdline = "ticks=1 invoke=1 rewait=30000";
@@ -536,7 +520,6 @@ fn an_idle_runtime_is_refreshed_and_serves_throughout() {
     if !kvm_available("invoke_refresh") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-refresh");
     let vm = template(
         &scratch,
@@ -592,7 +575,6 @@ fn a_busy_keep_alive_runtime_is_refreshed_when_its_timer_was_deferred_too_long()
     if !kvm_available("invoke_busy_refresh") {
         return;
     }
-    let _serial = one_at_a_time();
     // Every delivery moves the guest's due timer interrupt on (--tick-defer-ms): a
     // keep-alive clone asked every 100 ms would never give its kernel its time; it is
     // refreshed once that went on for a second (idle refresh itself is off, the
@@ -628,7 +610,6 @@ fn primed_warm_clones_serve_their_request_and_a_failed_prime_turns_priming_off()
     if !kvm_available("invoke_primed") {
         return;
     }
-    let _serial = one_at_a_time();
     // prime=1: the runtime declares prime requests and answers them without its
     // handler. Every warm clone is primed; each request is still its clone's first
     // (sequence 1), with its own entropy.
@@ -705,7 +686,6 @@ fn primes_that_run_out_of_time_pause_priming_which_comes_back_after_the_pause() 
     if !kvm_available("invoke_prime_timeout") {
         return;
     }
-    let _serial = one_at_a_time();
     let scratch = Scratch::new("invoke-prime-slow");
     let vm = template_with(
         &scratch,
@@ -787,7 +767,6 @@ fn a_derived_template_serves_fresh_clones_of_what_it_loaded_and_goes_with_its_pa
     if !kvm_available("invoke_derive") {
         return;
     }
-    let _serial = one_at_a_time();
     // load=1: the runtime declares load requests and keeps a load's first 8 bytes;
     // "show" answers with them.
     let scratch = Scratch::new("invoke-derive");

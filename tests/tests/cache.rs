@@ -69,7 +69,11 @@ fn a_cached_guest_is_booted_once_restored_after_and_booted_again_when_its_inputs
     };
     let entry_a = cache::entry(&boot_a);
     let mut cleanup = Cleanup(vec![entry_a.clone(), PathBuf::from(&image_a)]);
-    assert!(!entry_a.exists(), "{} exists before the test", entry_a.display());
+    assert!(
+        !entry_a.exists(),
+        "{} exists before the test",
+        entry_a.display()
+    );
 
     // The first use boots and saves it; the guest runs on from the snapshot.
     let restored_once = |boot: &CachedBoot<'_>, entry: &Path| {
@@ -121,7 +125,11 @@ fn a_cached_guest_is_booted_once_restored_after_and_booted_again_when_its_inputs
         run_args: &args_c,
         ready: &ready,
     };
-    assert_ne!(cache::entry(&boot_c), entry_b, "other arguments, same entry");
+    assert_ne!(
+        cache::entry(&boot_c),
+        entry_b,
+        "other arguments, same entry"
+    );
 
     // An entry that no longer restores (its state file cut short) is made again.
     let state = entry_b.join("state");
@@ -134,7 +142,11 @@ fn a_cached_guest_is_booted_once_restored_after_and_booted_again_when_its_inputs
         .unwrap();
     let broken = identity(&entry_b);
     restored_once(&boot_b, &entry_b);
-    assert_ne!(identity(&entry_b), broken, "the broken entry was not made again");
+    assert_ne!(
+        identity(&entry_b),
+        broken,
+        "the broken entry was not made again"
+    );
     assert_eq!(
         std::fs::metadata(&state).unwrap().len(),
         len,

@@ -1,6 +1,11 @@
-//! Boots the real Linux 6.1 guest (slow on a PVM host: about a minute, nearly all of it
-//! kernel code in the host's instruction emulator). Each test is one boot that checks
-//! several things, to keep CI time down.
+//! The real Linux 6.1 guest. Two tests boot it, because booting is what they test (PVH
+//! with an initramfs, 2 vCPUs and a data disk; the bzImage with its root on virtio-blk):
+//! slow on a PVM host (20-100 s, nearly all of it kernel code in the host's instruction
+//! emulator). Every other test starts from a cached snapshot of the booted guest with
+//! the devices it needs and its agent serving (`tests::cache`), and runs its guest
+//! script through the agent as the boot used to run it from the command line
+//! (`tests::run_on_console`). What must not run beside what is in
+//! `.config/nextest.toml`.
 
 use std::path::Path;
 use std::time::Duration;
@@ -13,46 +18,6 @@ use tests::{guest_file, kvm_available, vmm_exec, Scratch, Vm};
 /// which decompresses itself (LZ4) in the host's instruction emulator, about 100 s).
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 
-/// Host CPUs the tests share: a test takes [`ONE`] for a guest whose work is mostly
-/// one vCPU's at a time (a boot, even of two vCPUs, then a few clones), [`ALL`] when
-/// it measures rates (the rate limit with 8 clones sending) or keeps several guests
-/// busy for minutes (the disk test's template and clones writing at once). Two one-guest tests side by side take about as long
-/// as one alone on this 2-CPU host (a bzImage boot and the full-overlay test: 111 s
-/// together, against 226 s one after the other).
-struct Share {
-    free: std::sync::Mutex<u32>,
-    freed: std::sync::Condvar,
-}
-
-const ALL: u32 = 2;
-const ONE: u32 = 1;
-
-static SHARE: Share = Share {
-    free: std::sync::Mutex::new(ALL),
-    freed: std::sync::Condvar::new(),
-};
-
-/// `n` of the host's [`ALL`] CPU shares, held until the guard drops (also when the test
-/// panics).
-struct Held(u32);
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        let mut free = SHARE.free.lock().unwrap_or_else(|p| p.into_inner());
-        *free += self.0;
-        SHARE.freed.notify_all();
-    }
-}
-
-fn cpus(n: u32) -> Held {
-    let mut free = SHARE.free.lock().unwrap_or_else(|p| p.into_inner());
-    while *free < n {
-        free = SHARE.freed.wait(free).unwrap_or_else(|p| p.into_inner());
-    }
-    *free -= n;
-    Held(n)
-}
-
 fn path(name: &str) -> String {
     guest_file(name).display().to_string()
 }
@@ -62,7 +27,6 @@ fn linux_smp_pvh_boot_runs_userspace_command_and_reads_the_disk() {
     if !kvm_available("linux_smp_pvh_boot") {
         return;
     }
-    let _cpus = cpus(ONE);
     let scratch = Scratch::new("linux-pvh");
     let cmd = r#"console=ttyS0 reboot=k panic=-1 forkvm.run="echo hello-from-$(echo userspace); echo nproc=$(nproc); cat /mnt/disk/etc/forkvm-disk""#;
     let mut vm = Vm::start(
@@ -105,7 +69,6 @@ fn linux_bzimage_boot_protocol_with_root_on_virtio_blk() {
     if !kvm_available("linux_bzimage_boot") {
         return;
     }
-    let _cpus = cpus(ONE);
     let scratch = Scratch::new("linux-bz");
     let mut vm = Vm::start(
         &scratch,
@@ -183,38 +146,37 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
     if !kvm_available("linux_clones") {
         return;
     }
-    let _cpus = cpus(ONE);
     let scratch = Scratch::new("linux-clones");
     let test_start = host_now();
     // The template (with a root disk and virtio-rng) clones itself from userspace; every
     // side prints its fork-like result, 16 bytes of /dev/urandom, 64 bytes of
     // /dev/hwrng, a checksum of a file it reads from the disk for the first time after
     // the clone point (through the restored virtio-blk queue) and of the same file in
-    // its initramfs, and the time. The parent then waits to be shut down.
-    let script = r#"r=$(forkvm-clone 3); echo tool-status=$?; echo clone-result=$r; echo rand=$(od -An -tx1 -N16 /dev/urandom); echo hwrng=$(od -An -tx1 -N64 /dev/hwrng); echo disk=$(md5sum < /mnt/disk/usr/bin/forkvm-cowbench); echo ram=$(md5sum < /usr/bin/forkvm-cowbench); echo time=$(date +%s); echo finished; [ $r = 0 ] && while :; do echo tick=$(date +%s) clock=$(forkvm-clone --clock); sleep 1; done"#;
-    let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
-    let mut vm = Vm::start(
+    // its initramfs, and the time. The clones then power off; the parent ticks until
+    // it is shut down.
+    let script = r#"r=$(forkvm-clone 3); echo tool-status=$?; echo clone-result=$r; echo rand=$(od -An -tx1 -N16 /dev/urandom); echo hwrng=$(od -An -tx1 -N64 /dev/hwrng); echo disk=$(md5sum < /mnt/disk/usr/bin/forkvm-cowbench); echo ram=$(md5sum < /usr/bin/forkvm-cowbench); echo time=$(date +%s); echo finished; if [ $r = 0 ]; then while :; do echo tick=$(date +%s) clock=$(forkvm-clone --clock); sleep 1; done; else reboot -f; fi"#;
+    // Restored from the cached agent guest with those devices, the script run as a boot
+    // would run it from the command line.
+    let rootfs = tests::cache::guest_image("rootfs.ext4");
+    let devices = [
+        "--rootfs",
+        &rootfs,
+        // Limits far above what the guest asks for, so their counters can be read.
+        "--rootfs-rate-limit",
+        "bytes=256M",
+        "--rng-rate-limit",
+        "bytes=1M",
+    ];
+    let vsock = scratch.path("vm.vsock");
+    let mut vm = tests::cache::linux_agent_with(
         &scratch,
-        &[
-            "--kernel",
-            &path("vmlinux"),
-            "--initrd",
-            &path("initramfs.cpio"),
-            "--rootfs",
-            &path("rootfs.ext4"),
-            // Limits far above what the guest asks for, so their counters can be read.
-            "--rootfs-rate-limit",
-            "bytes=256M",
-            "--rng-rate-limit",
-            "bytes=1M",
-            "--mem-mib",
-            "256",
-            "--warm-clones",
-            "2",
-            "--cmdline",
-            &cmdline,
-        ],
+        "linux-agent-disk-rng",
+        &devices,
+        &vsock,
+        &["--warm-clones", "2"],
+        LINUX_BOOT,
     );
+    tests::run_on_console(&vm.sock, script);
     let parent = vm.wait_console("finished\n", LINUX_BOOT);
     // One `od` per sample, no pipeline: on this host two processes starting at once
     // can crash one (docs/guest-kernel.md, "Known host problems"). Its bytes come
@@ -266,7 +228,7 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
         let (_, body) = vm.api("GET", "/clones", None);
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         let list = v["clones"].as_array().unwrap().clone();
-        // Clones power off after the script: init's `reboot -f`, exit status 0.
+        // Clones power off after the script (`reboot -f`), exit status 0.
         if list.len() == 3 && list.iter().all(|c| c["status"]["state"] == "exited") {
             break list;
         }
@@ -450,7 +412,6 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
     if !kvm_available("linux_vsock") {
         return;
     }
-    let _cpus = cpus(ONE);
     let scratch = Scratch::new("linux-vsock");
     let vsock = scratch.path("vm.vsock");
     // The guest once init serves the agent, booted once and kept as a cached snapshot
@@ -570,7 +531,6 @@ fn linux_clones_get_their_own_tap_and_reach_their_own_host_peer_only() {
     if !tests::kvm_and_root_available("linux_clones_net") {
         return;
     }
-    let _cpus = cpus(ONE);
     let scratch = Scratch::new("linux-net");
     let pid = std::process::id();
     let tap = format!("fkt{}", pid % 100_000_000);
@@ -583,26 +543,21 @@ fn linux_clones_get_their_own_tap_and_reach_their_own_host_peer_only() {
     let script = format!(
         "ip link set eth0 up; ip addr add 10.77.0.2/24 dev eth0; {ping}; echo net-up; \
          r=$(forkvm-clone 2); {ping}; echo net-ok-$r; \
-         [ $r = 0 ] && ip link set eth0 down && echo parent-quiet && sleep 1000000"
+         if [ $r = 0 ]; then ip link set eth0 down; echo parent-quiet; sleep 1000000; \
+         else reboot -f; fi"
     );
-    let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
-    let mut vm = Vm::start(
+    let vsock = scratch.path("vm.vsock");
+    let mut vm = tests::cache::linux_agent_with(
         &scratch,
-        &[
-            "--kernel",
-            &path("vmlinux"),
-            "--initrd",
-            &path("initramfs.cpio"),
-            "--mem-mib",
-            "256",
-            "--tap",
-            &tap,
-            "--cmdline",
-            &cmdline,
-        ],
+        "linux-agent-tap",
+        &["--tap", tests::cache::TAP],
+        &vsock,
+        &["--tap", &tap],
+        LINUX_BOOT,
     );
     tests::wait_link(&tap);
     ns[0].take(&tap, "10.77.0.1/24");
+    tests::run_on_console(&vm.sock, &script);
     vm.wait_console("net-up", LINUX_BOOT);
     let (_, body) = vm.api("GET", "/vm", None);
     assert!(body.contains(&format!("\"tap\":\"{tap}\"")), "{body}");
@@ -683,7 +638,6 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     if !tests::kvm_and_root_available("linux_clones_net_identity") {
         return;
     }
-    let _cpus = cpus(ONE);
     let scratch = Scratch::new("linux-netid");
     let pid = std::process::id();
     let tap = format!("fki{}", pid % 100_000_000);
@@ -694,33 +648,26 @@ fn linux_clones_take_their_own_mac_and_address_on_a_shared_bridge() {
     let script = "forkvm-clone --net; \
                   until ping -c1 -W1 10.78.0.1 >/dev/null 2>&1; do sleep 1; done; \
                   echo net-up";
-    let cmdline =
-        format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run=\"{script}\"");
-    let mut vm = Vm::start(
+    let devices = [
+        "--tap",
+        tests::cache::TAP,
+        "--ipv4",
+        "10.78.0.2/24",
+        "--gateway",
+        "10.78.0.1",
+    ];
+    let mut vm = tests::cache::linux_agent_with(
         &scratch,
-        &[
-            "--kernel",
-            &path("vmlinux"),
-            "--initrd",
-            &path("initramfs.cpio"),
-            "--mem-mib",
-            "256",
-            "--tap",
-            &tap,
-            "--ipv4",
-            "10.78.0.2/24",
-            "--gateway",
-            "10.78.0.1",
-            "--vsock",
-            vsock.to_str().unwrap(),
-            "--cmdline",
-            &cmdline,
-        ],
+        "linux-agent-tap-ipv4",
+        &devices,
+        &vsock,
+        &["--tap", &tap],
+        LINUX_BOOT,
     );
     tests::wait_link(&tap);
     attach(&tap);
-    let console = vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
-    assert!(console.contains("net-up\n"), "{console}");
+    tests::run_on_console(&vm.sock, script);
+    let console = vm.wait_console_line("net-up", LINUX_BOOT);
     assert!(
         console.contains("eth0 06:00:ac:10:00:02 10.78.0.2/24 via 10.78.0.1\n"),
         "the template did not take its address: {console}"
@@ -920,7 +867,6 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
     if !tests::kvm_and_root_available("linux_net_rate") {
         return;
     }
-    let _cpus = cpus(ALL);
     let scratch = Scratch::new("linux-net-rate");
     let pid = std::process::id();
     let tap = format!("fkr{}", pid % 100_000_000);
@@ -930,24 +876,21 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
                   while :; do if ping -c1 -W1 10.77.0.1 >/dev/null 2>&1; then \
                   dd if=/dev/zero bs=1k count=1000000 2>/dev/null | nc 10.77.0.1 5000; fi; \
                   sleep 1; done";
-    let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
-    let mut vm = Vm::start(
+    let vsock = scratch.path("vm.vsock");
+    let mut vm = tests::cache::linux_agent_with(
         &scratch,
+        "linux-agent-tap-limited",
         &[
-            "--kernel",
-            &path("vmlinux"),
-            "--initrd",
-            &path("initramfs.cpio"),
-            "--mem-mib",
-            "256",
             "--tap",
-            &tap,
+            tests::cache::TAP,
             "--net-rate-limit",
             "bytes=8K/4000",
-            "--cmdline",
-            &cmdline,
         ],
+        &vsock,
+        &["--tap", &tap],
+        LINUX_BOOT,
     );
+    tests::run_on_console(&vm.sock, script);
     vm.wait_console("net-configured", LINUX_BOOT);
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
     let ns: Vec<tests::Netns> = (0..8)
@@ -1098,7 +1041,6 @@ fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched(
     if !kvm_available("linux_clones_cow_disk") {
         return;
     }
-    let _cpus = cpus(ALL);
     let scratch = Scratch::new("linux-cow");
     let image = scratch.path("base.img");
     let size = 72u64 << 20;
@@ -1116,6 +1058,13 @@ fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched(
     let mut pattern: Vec<u8> = b"base\n".iter().copied().cycle().take(1 << 20).collect();
     pattern.resize(4 << 20, 0);
     std::fs::write(&base, &pattern).unwrap();
+    // The images as the snapshot cache's copies (named by their bytes, so every run
+    // finds the same cached guest), which must stay as they are too.
+    let (image, second, base) = (
+        tests::cache::image(&image),
+        tests::cache::image(&second),
+        tests::cache::image(&base),
+    );
     let cow = scratch.path("overlays");
     std::fs::create_dir(&cow).unwrap();
     let script = "forkvm-diskcheck write /dev/vda 64 1 template; \
@@ -1127,30 +1076,27 @@ fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched(
                   echo second-$r=$(forkvm-diskcheck check /dev/vdb 0 1 second-$r); \
                   echo base-$r=$(forkvm-diskcheck check /dev/vdc 0 1 base); \
                   forkvm-diskcheck write /dev/vdc 0 1 x 2>/dev/null; echo rw-$r=$?; \
-                  echo done-$r; [ $r != 1 ] && sleep 1000000";
-    let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
-    let mut vm = Vm::start(
+                  echo done-$r; if [ $r = 1 ]; then reboot -f; else sleep 1000000; fi";
+    let cow_arg = format!("{},cow={},keep", second, tests::cache::COW);
+    let devices = [
+        "--rootfs",
+        &image,
+        "--rootfs-cow",
+        tests::cache::COW,
+        "--disk",
+        &cow_arg,
+        "--disk",
+        &base,
+    ];
+    let vsock = scratch.path("vm.vsock");
+    let mut vm = tests::cache::linux_agent_with(
         &scratch,
-        &[
-            "--kernel",
-            &path("vmlinux"),
-            "--initrd",
-            &path("initramfs.cpio"),
-            "--rootfs",
-            &image.display().to_string(),
-            "--rootfs-cow",
-            &cow.display().to_string(),
-            "--disk",
-            &format!("{},cow={},keep", second.display(), cow.display()),
-            "--disk",
-            &base.display().to_string(),
-            "--mem-mib",
-            "256",
-            "--cmdline",
-            &cmdline,
-        ],
+        "linux-agent-disks",
+        &devices,
+        &vsock,
+        &["--cow-dir", cow.to_str().unwrap()],
+        LINUX_BOOT,
     );
-    vm.wait_api(Duration::from_secs(30));
     let (_, body) = vm.api("GET", "/vm", None);
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     let disks: Vec<_> = v["devices"]
@@ -1168,12 +1114,13 @@ fn linux_clones_write_their_own_copy_of_each_disk_and_the_images_stay_untouched(
     assert_eq!(
         disks,
         [
-            (image.display().to_string(), false),
-            (second.display().to_string(), false),
-            (base.display().to_string(), true)
+            (image.clone(), false),
+            (second.clone(), false),
+            (base.clone(), true)
         ],
         "{body}"
     );
+    tests::run_on_console(&vm.sock, script);
     let parent = vm.wait_console("done-0", LINUX_BOOT);
     let check = |console: &str, k: &str| {
         for (what, why) in [
@@ -1334,36 +1281,28 @@ fn linux_a_full_overlay_file_system_fails_writes_and_clones_cleanly() {
     if !tests::kvm_and_root_available("linux_full_overlay") {
         return;
     }
-    let _cpus = cpus(ONE);
     let scratch = Scratch::new("linux-full");
     let image = scratch.path("disk.img");
     std::fs::File::create(&image)
         .unwrap()
         .set_len(16 << 20)
         .unwrap();
+    let image = tests::cache::image(&image);
     let cow = Tmpfs::mount(scratch.path("cow"), "2m");
     let script = "forkvm-diskcheck write /dev/vda 0 8 big; echo big=$?; \
                   forkvm-diskcheck write /dev/vda 0 1 small; echo small=$?; \
                   echo check=$(forkvm-diskcheck check /dev/vda 0 1 small); \
                   echo clone=$(forkvm-clone 1); echo done; sleep 1000000";
-    let cmdline = format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.run=\"{script}\"");
-    let mut vm = Vm::start(
+    let vsock = scratch.path("vm.vsock");
+    let mut vm = tests::cache::linux_agent_with(
         &scratch,
-        &[
-            "--kernel",
-            &path("vmlinux"),
-            "--initrd",
-            &path("initramfs.cpio"),
-            "--rootfs",
-            &image.display().to_string(),
-            "--rootfs-cow",
-            &cow.0.display().to_string(),
-            "--mem-mib",
-            "256",
-            "--cmdline",
-            &cmdline,
-        ],
+        "linux-agent-cow-disk",
+        &["--rootfs", &image, "--rootfs-cow", tests::cache::COW],
+        &vsock,
+        &["--cow-dir", cow.0.to_str().unwrap()],
+        LINUX_BOOT,
     );
+    tests::run_on_console(&vm.sock, script);
     let console = vm.wait_console("\ndone", LINUX_BOOT);
     assert!(
         value_after(&console, "big=").is_some_and(|v| v != "0"),
@@ -1422,40 +1361,34 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     if !tests::kvm_and_root_available("linux_rogue_driver") {
         return;
     }
-    let _cpus = cpus(ONE);
     let scratch = Scratch::new("linux-rogue");
     let neighbour_scratch = Scratch::new("linux-rogue-neighbour");
     let mut neighbour = tests::tiny_vm(&neighbour_scratch, "64", "1", "ticks=1 beat=10");
-    let image = scratch.path("disk.ext4");
-    std::fs::copy(path("rootfs.ext4"), &image).unwrap();
+    let image = tests::cache::guest_image("rootfs.ext4");
     let vsock = scratch.path("vm.vsock");
-    let disk = format!("{},cow={}", image.display(), scratch.path("").display());
+    let disk = format!("{image},cow={}", tests::cache::COW);
     let tap = format!("fkg{}", std::process::id() % 100_000_000);
-    let mut vm = Vm::start(
+    let devices = [
+        "--disk",
+        &disk,
+        "--rng",
+        "--tap",
+        tests::cache::TAP,
+        "--mailbox-mib",
+        "1",
+        "--vcpus",
+        "2",
+    ];
+    let cow = scratch.path("").display().to_string();
+    let restore = ["--tap", &tap, "--cow-dir", &cow];
+    let mut vm = tests::cache::linux_agent_with(
         &scratch,
-        &[
-            "--kernel",
-            &path("vmlinux"),
-            "--initrd",
-            &path("initramfs.cpio"),
-            "--disk",
-            &disk,
-            "--rng",
-            "--tap",
-            &tap,
-            "--vsock",
-            &vsock.display().to_string(),
-            "--mailbox-mib",
-            "1",
-            "--mem-mib",
-            "256",
-            "--vcpus",
-            "2",
-            "--cmdline",
-            "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
-        ],
+        "linux-agent-rogue",
+        &devices,
+        &vsock,
+        &restore,
+        LINUX_BOOT,
     );
-    vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
     let base = |kind: &str| -> String {
         let info = vm.describe();
         let devices = info["devices"].as_array().unwrap();

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use api_types::InvokeOptions;
 use serde_json::Value;
+use tests::cache::guest_image;
 use tests::{guest_file, invoke_figure, kvm_available, wait_until, Scratch, Vm};
 use vmm::api::client;
 use vmm::api::http::Response;
@@ -19,28 +20,9 @@ use vmm::api::http::Response;
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 const CLONES: usize = 20;
 
-/// A Linux guest running `run`, from the initramfs, or from `root` (an image in
-/// target/guest) as its read-only root disk.
-fn linux_vm(
-    scratch: &Scratch,
-    root: Option<&str>,
-    cmdline_extra: &str,
-    run: &str,
-    extra: &[&str],
-) -> Vm {
-    let (args, _) = linux_args(root, cmdline_extra, run, extra);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    Vm::start(scratch, &args)
-}
-
 /// `vmm run` arguments for the Linux guest running `run` (on `root`, or the initramfs),
-/// and the files it boots from.
-fn linux_args(
-    root: Option<&str>,
-    cmdline_extra: &str,
-    run: &str,
-    extra: &[&str],
-) -> (Vec<String>, Vec<std::path::PathBuf>) {
+/// its files copied into the snapshot cache (`tests::cache::image`).
+fn linux_args(root: Option<&str>, cmdline_extra: &str, run: &str, extra: &[&str]) -> Vec<String> {
     let boot = match root {
         Some(_) => "root=/dev/vda ro rootfstype=ext4",
         None => "",
@@ -48,23 +30,22 @@ fn linux_args(
     let cmdline = format!(
         "console=ttyS0 reboot=k panic=-1 quiet {boot} {cmdline_extra} forkvm.run=\"{run}\""
     );
-    let kernel = guest_file("vmlinux");
     let (disk_flag, disk) = match root {
-        Some(image) => ("--rootfs", guest_file(image)),
-        None => ("--initrd", guest_file("initramfs.cpio")),
+        Some(image) => ("--rootfs", guest_image(image)),
+        None => ("--initrd", guest_image("initramfs.cpio")),
     };
     let mut args: Vec<String> = vec![
         "--kernel".into(),
-        kernel.display().to_string(),
+        guest_image("vmlinux"),
         disk_flag.into(),
-        disk.display().to_string(),
+        disk,
         "--mem-mib".into(),
         "256".into(),
         "--cmdline".into(),
         cmdline,
     ];
     args.extend(extra.iter().map(|a| a.to_string()));
-    (args, vec![kernel, disk])
+    args
 }
 
 /// A template running the runtime `run`, once it printed `ready` and paused where the
@@ -80,7 +61,7 @@ fn ready_template(
 ) -> Vm {
     let mut args = vec!["--template"];
     args.extend_from_slice(extra);
-    let (args, inputs) = linux_args(root, "", run, &args);
+    let args = linux_args(root, "", run, &args);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     // Ready once paused where its runtime waits. Not by the console: the runtime's
     // `ready` line may still be in the guest kernel's serial buffer when the template
@@ -103,8 +84,6 @@ fn ready_template(
     let boot = tests::cache::CachedBoot {
         name: "linux-template",
         run_args: &args,
-        inputs: &inputs,
-        vsock: false,
         ready: &wait,
     };
     let vm = tests::cache::restored(scratch, &boot, &["--warm-clones", "2"], LINUX_BOOT);
@@ -503,17 +482,25 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
     let scratch = Scratch::new("linux-crng");
     let control = Scratch::new("linux-crng-off");
     let probe = format!("forkvm-clone --no-reseed {PROBE} {CLONES}");
-    let mut vm = linux_vm(&scratch, None, "", &probe, &["--warm-clones", "4"]);
+    // Both restored from cached snapshots of the booted agent guest, the probes run
+    // through the agent (tests::run_on_console).
+    let guest = tests::cache::LinuxAgent {
+        name: "linux-agent",
+        restore: &["--warm-clones", "4"],
+        ..Default::default()
+    };
+    let mut vm = guest.restore(&scratch, &scratch.path("vm.vsock"), LINUX_BOOT);
+    tests::run_on_console(&vm.sock, &probe);
     // The control: the same guest with the kernel's registration switched off (its
     // clones read right after the clone point; it reads once a second, so as not to
     // take the CPU the other VM's clones need).
-    let mut off = linux_vm(
-        &control,
-        None,
-        "forkvm.crng=off",
-        "forkvm-clone --no-reseed --ticks 1000 4",
-        &[],
-    );
+    let control_guest = tests::cache::LinuxAgent {
+        name: "linux-agent-crng-off",
+        cmdline: "forkvm.crng=off",
+        ..Default::default()
+    };
+    let mut off = control_guest.restore(&control, &control.path("vm.vsock"), LINUX_BOOT);
+    tests::run_on_console(&off.sock, "forkvm-clone --no-reseed --ticks 1000 4");
 
     // Guest-requested clones: each one's first read starts and ends in the clone.
     vm.wait_console("tick id=0 ", LINUX_BOOT);
@@ -602,8 +589,9 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
             ticks.len()
         );
     }
-    assert!(!off.stderr_text().contains("registered its CRNG"));
-    assert!(vm.stderr_text().contains("registered its CRNG"));
+    // The saved guests as their boots left them: one kernel registered, one did not.
+    assert!(off.stderr_text().contains("no guest CRNG registered"));
+    assert!(vm.stderr_text().contains("guest kernel's CRNG registered"));
     off.shutdown(Duration::from_secs(60));
 }
 

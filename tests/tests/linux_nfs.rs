@@ -122,19 +122,31 @@ fn linux_clones_share_an_nfs_export_each_as_itself_and_survive_a_server_restart(
          mkdir -p /mnt/nfs /mnt/soft && \
          mount -t nfs -o {opts},hard {src} /mnt/nfs && \
          mount -t nfs -o {opts},soft,timeo=20,retrans=1 {src} /mnt/soft && \
-         echo template > /mnt/nfs/template && sync && echo nfs-up"
+         echo template > /mnt/nfs/template && sync && echo nfs-up; echo script-done"
     );
-    let cmdline =
-        format!("console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run=\"{script}\"");
+    // Restored from the cached agent guest on the bridge's network, the script run
+    // through the agent as a boot would run it from the command line.
     let vsock = scratch.path("vm.vsock");
-    let args = template_args(&tap, &cmdline, &["--vsock", vsock.to_str().unwrap()]);
-    let mut vm = Vm::start(
+    let devices = [
+        "--tap",
+        tests::cache::TAP,
+        "--ipv4",
+        "10.79.0.2/24",
+        "--gateway",
+        SERVER,
+    ];
+    let mut vm = tests::cache::linux_agent_with(
         &scratch,
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        "linux-agent-nfs-net",
+        &devices,
+        &vsock,
+        &["--tap", &tap],
+        LINUX_BOOT,
     );
     tests::wait_link(&tap);
     attach(&tap);
-    let console = vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
+    tests::run_on_console(&vm.sock, &script);
+    let console = vm.wait_console_line("script-done", LINUX_BOOT);
     assert!(
         console.contains("nfs-up\n"),
         "the template did not mount: {console}"

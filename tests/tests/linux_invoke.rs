@@ -490,16 +490,17 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
         ..Default::default()
     };
     let mut vm = guest.restore(&scratch, &scratch.path("vm.vsock"), LINUX_BOOT);
-    tests::run_on_console(&vm.sock, &probe);
     // The control: the same guest with the kernel's registration switched off (its
     // clones read right after the clone point; it reads once a second, so as not to
-    // take the CPU the other VM's clones need).
+    // take the CPU the other VM's clones need). Restored (booted, the first time)
+    // before either probe runs: 20 clones reading random bytes starve a boot.
     let control_guest = tests::cache::LinuxAgent {
         name: "linux-agent-crng-off",
         cmdline: "forkvm.crng=off",
         ..Default::default()
     };
     let mut off = control_guest.restore(&control, &control.path("vm.vsock"), LINUX_BOOT);
+    tests::run_on_console(&vm.sock, &probe);
     tests::run_on_console(&off.sock, "forkvm-clone --no-reseed --ticks 1000 4");
 
     // Guest-requested clones: each one's first read starts and ends in the clone.

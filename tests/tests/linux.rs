@@ -1,5 +1,6 @@
 //! The real Linux 6.1 guest. Two tests boot it, because booting is what they test (PVH
-//! with an initramfs, 2 vCPUs and a data disk; the bzImage with its root on virtio-blk):
+//! with an initramfs, 2 vCPUs and a data disk; the bzImage with its root on virtio-blk),
+//! and the rogue-driver test, whose 2-vCPU guest does not survive a late restore yet:
 //! slow on a PVM host (20-100 s, nearly all of it kernel code in the host's instruction
 //! emulator). Every other test starts from a cached snapshot of the booted guest with
 //! the devices it needs and its agent serving (`tests::cache`), and runs its guest
@@ -1364,31 +1365,38 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     let scratch = Scratch::new("linux-rogue");
     let neighbour_scratch = Scratch::new("linux-rogue-neighbour");
     let mut neighbour = tests::tiny_vm(&neighbour_scratch, "64", "1", "ticks=1 beat=10");
+    // Booted, not restored from the cache: a cached snapshot of this 2-vCPU guest
+    // restored tens of minutes after it was saved stalls (RCU) and oopses at once on
+    // the AMD PVM host (docs/snapshots.md, "Not yet").
     let image = tests::cache::guest_image("rootfs.ext4");
     let vsock = scratch.path("vm.vsock");
-    let disk = format!("{image},cow={}", tests::cache::COW);
+    let disk = format!("{image},cow={}", scratch.path("").display());
     let tap = format!("fkg{}", std::process::id() % 100_000_000);
-    let devices = [
-        "--disk",
-        &disk,
-        "--rng",
-        "--tap",
-        tests::cache::TAP,
-        "--mailbox-mib",
-        "1",
-        "--vcpus",
-        "2",
-    ];
-    let cow = scratch.path("").display().to_string();
-    let restore = ["--tap", &tap, "--cow-dir", &cow];
-    let mut vm = tests::cache::linux_agent_with(
+    let mut vm = Vm::start(
         &scratch,
-        "linux-agent-rogue",
-        &devices,
-        &vsock,
-        &restore,
-        LINUX_BOOT,
+        &[
+            "--kernel",
+            &path("vmlinux"),
+            "--initrd",
+            &path("initramfs.cpio"),
+            "--disk",
+            &disk,
+            "--rng",
+            "--tap",
+            &tap,
+            "--vsock",
+            &vsock.display().to_string(),
+            "--mailbox-mib",
+            "1",
+            "--mem-mib",
+            "256",
+            "--vcpus",
+            "2",
+            "--cmdline",
+            "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024",
+        ],
     );
+    vm.wait_console_line("forkvm-init: serving on vsock port 1024", LINUX_BOOT);
     let base = |kind: &str| -> String {
         let info = vm.describe();
         let devices = info["devices"].as_array().unwrap();

@@ -578,6 +578,23 @@ pub fn fds_of(pid: u32, expected: usize) -> usize {
     }
 }
 
+/// `pid`'s descriptor count at rest: once two reads 300 ms apart agree (at most 5 s).
+/// The baseline of a leak check: a count read at once can hold a descriptor the VMM is
+/// about to close (a connection, a clone's teardown), more so beside other tests' load,
+/// and make every later count look one short.
+pub fn fds_at_rest(pid: u32) -> usize {
+    let start = Instant::now();
+    let mut last = count_dir(format!("/proc/{pid}/fd"));
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = count_dir(format!("/proc/{pid}/fd"));
+        if now == last || start.elapsed() > Duration::from_secs(5) {
+            return now;
+        }
+        last = now;
+    }
+}
+
 /// What `pid`'s descriptors point at (`3 -> socket:[123]`, ...), for a failure message.
 pub fn fd_targets(pid: u32) -> String {
     let mut fds: Vec<(u32, String)> = std::fs::read_dir(format!("/proc/{pid}/fd"))

@@ -536,7 +536,7 @@ fn two_hundred_clone_and_stop_cycles_leak_nothing() {
         .0,
         200
     );
-    let fds = fds_of(pid, 0);
+    let fds = tests::fds_at_rest(pid);
     let threads = count_dir(format!("/proc/{pid}/task"));
     for _ in 0..200 {
         let c = post_clones(&vm.sock, 1).remove(0);

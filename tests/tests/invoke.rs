@@ -127,7 +127,7 @@ fn a_thousand_invocations_each_in_a_fresh_clone_echo_byte_for_byte_and_leak_noth
             && leftovers(&scratch).is_empty()
     });
     assert_eq!(vm.describe()["warm_clones"]["priming"], false);
-    let fds = fds_of(pid, 0);
+    let fds = tests::fds_at_rest(pid);
     let threads = count_dir(format!("/proc/{pid}/task"));
     let mut clones = HashSet::new();
     let mut entropy = HashSet::new();

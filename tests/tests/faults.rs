@@ -66,6 +66,15 @@ impl Drop for Tmpfs {
     }
 }
 
+/// Waits (at most 5 s) until `pid` has no child left: its failed or deleted clones
+/// ended and were reaped.
+fn children_reaped(pid: u32) {
+    let start = Instant::now();
+    while !children_of(pid).is_empty() && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn post_clones(vm: &Vm, count: u32) -> (u16, Value) {
     let (code, body) = vm.api("POST", "/clones", Some(&format!(r#"{{"count":{count}}}"#)));
     let v = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
@@ -130,10 +139,7 @@ fn clones_refused_for_a_full_socket_or_overlay_directory_leave_nothing_and_the_t
     // The count at rest: once the deleted clone is reaped and the count holds still
     // (read at once, a descriptor of the clone's teardown could still be open beside
     // the other tests' load, making every later count look one short).
-    let start = Instant::now();
-    while !children_of(pid).is_empty() && start.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    children_reaped(pid);
     let fds = tests::fds_at_rest(pid);
     let before = socks.entries();
 
@@ -146,10 +152,7 @@ fn clones_refused_for_a_full_socket_or_overlay_directory_leave_nothing_and_the_t
         eprintln!("faults: a full {what}: {code} {msg}");
         // Nothing half-made: no clone process (each failed one ends on its own and is
         // reaped on SIGCHLD), socket, console or descriptor.
-        let start = Instant::now();
-        while !children_of(pid).is_empty() && start.elapsed() < Duration::from_secs(5) {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        children_reaped(pid);
         assert!(children_of(pid).is_empty(), "{:?}", children_of(pid));
         assert_eq!(socks.entries(), before, "{what}");
         assert_eq!(fds_of(pid, fds), fds, "{what}: fds");

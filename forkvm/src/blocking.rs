@@ -1,11 +1,12 @@
 //! The same calls for callers without a tokio runtime: each blocks on a runtime of the
 //! handle's own (one thread).
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::{Error, InvokeOptions, Reply, TemplateSpec, VmInfo};
+use crate::{Error, InvokeOptions, Reply, SnapshotInfo, TemplateSpec, VmInfo};
 
 /// A [`crate::Template`] with blocking calls.
 #[derive(Debug)]
@@ -18,11 +19,25 @@ pub struct Template {
 impl Template {
     /// [`crate::Template::start`], blocking.
     pub fn start(spec: TemplateSpec) -> Result<Self, Error> {
+        Self::on_own_runtime(|| crate::Template::start(spec))
+    }
+
+    /// [`crate::Template::restore`], blocking.
+    pub fn restore(dir: impl Into<PathBuf>, spec: TemplateSpec) -> Result<Self, Error> {
+        let dir = dir.into();
+        Self::on_own_runtime(|| crate::Template::restore(dir, spec))
+    }
+
+    /// A template `start` makes, on a runtime of its own.
+    fn on_own_runtime<F>(start: impl FnOnce() -> F) -> Result<Self, Error>
+    where
+        F: std::future::Future<Output = Result<crate::Template, Error>>,
+    {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(Error::Files)?;
-        let inner = runtime.block_on(crate::Template::start(spec))?;
+        let inner = runtime.block_on(start())?;
         Ok(Self {
             inner: Some(inner),
             runtime: Arc::new(runtime),
@@ -61,8 +76,13 @@ impl Template {
         self.runtime.block_on(self.inner().status())
     }
 
+    /// [`crate::Template::snapshot`], blocking.
+    pub fn snapshot(&self, dir: impl AsRef<Path>) -> Result<SnapshotInfo, Error> {
+        self.runtime.block_on(self.inner().snapshot(dir))
+    }
+
     /// The template's control socket.
-    pub fn socket(&self) -> &std::path::Path {
+    pub fn socket(&self) -> &Path {
         self.inner().socket()
     }
 

@@ -3,12 +3,15 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use api_types::{CloneList, InvokeOptions, Outcome, VmInfo};
+use api_types::{CloneList, InvokeOptions, Outcome, SnapshotInfo, VmInfo};
 use bytes::Bytes;
 
 use crate::http::{exchange, Answer};
 use crate::owner::Owner;
 use crate::Error;
+
+/// How long the VMM may take to write a snapshot (its control socket's own limit).
+const SNAPSHOT_LIMIT: Duration = Duration::from_secs(600);
 
 /// What a handler replied, and what it cost.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -100,6 +103,19 @@ impl Endpoint {
     ) -> Result<CloneList, Error> {
         let body = serde_json::to_vec(request).map_err(|e| Error::Protocol(e.to_string()))?;
         self.json("POST", "/clones", body.into()).await
+    }
+
+    /// `PUT /snapshot` to `dir`, within 600 s (the VMM's own limit for it).
+    pub async fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotInfo, Error> {
+        let request = api_types::CreateSnapshot {
+            dir: dir.display().to_string(),
+        };
+        let body = serde_json::to_vec(&request).map_err(|e| Error::Protocol(e.to_string()))?;
+        let a = (self.call("PUT", "/snapshot", body.into(), SNAPSHOT_LIMIT)).await?;
+        match a.status {
+            201 => serde_json::from_slice(&a.body).map_err(|e| Error::Protocol(e.to_string())),
+            _ => Err(refusal(&a)),
+        }
     }
 
     /// `POST /invocations`: its time limit is the invocation's timeout and the call

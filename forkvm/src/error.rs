@@ -97,6 +97,9 @@ pub enum Error {
     /// A template the zygote cache was about to use was evicted meanwhile (try again).
     #[error("the template was evicted from the zygote cache meanwhile")]
     Evicted,
+    /// What was asked is not implemented (yet): the text says what.
+    #[error("not supported yet: {0}")]
+    Unsupported(&'static str),
     /// Files for the template (its directory) could not be made.
     #[error("cannot make the template's directory: {0}")]
     Files(std::io::Error),
@@ -106,7 +109,7 @@ impl Error {
     /// Whose failure this is.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::Refused { .. } => ErrorKind::Caller,
+            Error::Refused { .. } | Error::Unsupported(_) => ErrorKind::Caller,
             Error::Invocation { .. } => ErrorKind::Guest,
             _ => ErrorKind::Host,
         }

@@ -58,7 +58,7 @@ mod vm_clone;
 mod zygote;
 
 pub use api_types::{CloneInfo, CloneList, CreateClones};
-pub use api_types::{InvokeOptions, Outcome, VmInfo};
+pub use api_types::{InvokeOptions, Outcome, SnapshotInfo, VmInfo};
 pub use endpoint::Reply;
 pub use error::{Error, ErrorKind};
 pub use jail::JailSpec;

@@ -7,7 +7,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use api_types::{InvokeOptions, VmInfo, VmState};
+use api_types::{InvokeOptions, SnapshotInfo, VmInfo, VmState};
 use bytes::Bytes;
 use tokio::process::Command;
 
@@ -86,6 +86,15 @@ pub enum Ready {
     Running,
 }
 
+/// What a template is waited for until it is ready.
+#[derive(Clone, Copy)]
+enum Until<'a> {
+    /// As its spec says.
+    Ready(&'a Ready),
+    /// Its VM paused (a plain template restored `--paused`).
+    Paused,
+}
+
 fn default_vmm() -> PathBuf {
     crate::program::beside_exe("vmm", "FORKVM_VMM")
 }
@@ -135,6 +144,35 @@ impl Template {
     /// console in the jail), removed with the template. Those of library processes that
     /// were killed are removed here first, as are their jails.
     pub async fn start(spec: TemplateSpec) -> Result<Self, Error> {
+        Self::launch(spec, None).await
+    }
+
+    /// Starts the VMM from a snapshot of a template ([`Template::snapshot`], `vmm
+    /// snapshot`) instead of booting its guest (`vmm restore --dir`): a Python template
+    /// serves in tens of milliseconds instead of a boot's minute. `spec` says how to run
+    /// it, as for [`Template::start`]: `vmm`, `warm_clones`, `ready`, the timeouts, and
+    /// `args`, which are `vmm restore` options here (`--cgroup-class`, `--seccomp`,
+    /// `--max-clones`, `--tap`, `--cow-dir`; docs/snapshots.md). The guest is the
+    /// snapshot's: `kernel`, `initrd`, `rootfs`, `cmdline` and `mem_mib` are not used.
+    ///
+    /// A snapshot of a template whose runtime waited ([`Ready::Runtime`]) is ready once
+    /// its runtime waits again, at once; with [`Ready::Console`], once the restored VM
+    /// is paused (`vmm restore --paused`: its console does not show the text again);
+    /// with [`Ready::Running`], once it runs. A snapshot the VMM refuses (another
+    /// format, a truncated file, a disk image whose size changed, a host without the
+    /// guest's CPU features) is [`Error::Exited`] with the VMM's reason in
+    /// [`Template::log`]'s words. Not yet in a jail ([`Error::Unsupported`]).
+    pub async fn restore(dir: impl Into<PathBuf>, spec: TemplateSpec) -> Result<Self, Error> {
+        if spec.jail.is_some() {
+            return Err(Error::Unsupported(
+                "restoring a template in a jail (the snapshot and its disks would have to be handed into the jail)",
+            ));
+        }
+        Self::launch(spec, Some(dir.into())).await
+    }
+
+    /// Starts the VMM: `vmm run` with `spec`'s guest, or `vmm restore` of `snapshot`.
+    async fn launch(spec: TemplateSpec, snapshot: Option<PathBuf>) -> Result<Self, Error> {
         sweep_dirs();
         let dir = tempfile::Builder::new()
             .prefix(&format!("{DIR_PREFIX}{}-", std::process::id()))
@@ -145,15 +183,16 @@ impl Template {
             Jail::new(j, &spec.vmm)
         });
         // Files the VMM opens, each with its option and its path in a jail, where the
-        // jailer hands it in read-only.
-        let opened: Vec<(&str, &Path, &str)> = [
+        // jailer hands it in read-only (none for a restore: the snapshot names them).
+        let guest = [
             ("--kernel", Some(&spec.kernel), "/kernel"),
             ("--initrd", spec.initrd.as_ref(), "/initrd"),
             ("--rootfs", spec.rootfs.as_ref(), "/rootfs"),
-        ]
-        .into_iter()
-        .filter_map(|(flag, host, in_jail)| Some((flag, host?.as_path(), in_jail)))
-        .collect();
+        ];
+        let opened: Vec<(&str, &Path, &str)> = (guest.into_iter())
+            .filter(|_| snapshot.is_none())
+            .filter_map(|(flag, host, in_jail)| Some((flag, host?.as_path(), in_jail)))
+            .collect();
         let (mut cmd, sock, console) = match &jail {
             Some(jail) => {
                 let files: Vec<_> = opened.iter().map(|&(_, h, j)| (h, j)).collect();
@@ -169,22 +208,32 @@ impl Template {
                 dir.path().join("console"),
             ),
         };
-        cmd.arg("run");
-        for (flag, host, in_jail) in opened {
-            let path: &OsStr = match jail {
-                Some(_) => in_jail.as_ref(),
-                None => host.as_ref(),
-            };
-            cmd.arg(flag).arg(path);
+        match &snapshot {
+            None => {
+                cmd.arg("run");
+                for (flag, host, in_jail) in opened {
+                    let path: &OsStr = match jail {
+                        Some(_) => in_jail.as_ref(),
+                        None => host.as_ref(),
+                    };
+                    cmd.arg(flag).arg(path);
+                }
+                if let Some(c) = &spec.cmdline {
+                    cmd.arg("--cmdline").arg(c);
+                }
+                cmd.arg("--mem-mib").arg(spec.mem_mib.to_string());
+                if spec.ready == Ready::Runtime {
+                    cmd.arg("--template");
+                }
+            }
+            Some(snapshot) => {
+                cmd.arg("restore").arg("--dir").arg(snapshot);
+                if let Ready::Console(_) = spec.ready {
+                    cmd.arg("--paused");
+                }
+            }
         }
-        if let Some(c) = &spec.cmdline {
-            cmd.arg("--cmdline").arg(c);
-        }
-        cmd.arg("--mem-mib").arg(spec.mem_mib.to_string());
         cmd.arg("--warm-clones").arg(spec.warm_clones.to_string());
-        if spec.ready == Ready::Runtime {
-            cmd.arg("--template");
-        }
         cmd.arg("--api-sock").arg(&sock);
         cmd.arg("--console").arg(&console);
         cmd.args(&spec.args);
@@ -218,12 +267,29 @@ impl Template {
                 call_timeout: spec.call_timeout,
             },
         };
-        t.until_ready(&spec.ready, spec.start_timeout, "the template's start")
-            .await?;
-        if let Ready::Console(_) = spec.ready {
-            t.ep.pause().await?;
+        let (until, what) = match (&snapshot, &spec.ready) {
+            (None, r) => (Until::Ready(r), "the template's start"),
+            (Some(_), Ready::Console(_)) => (Until::Paused, "the template's restore"),
+            (Some(_), r) => (Until::Ready(r), "the template's restore"),
+        };
+        t.until_ready(until, spec.start_timeout, what).await?;
+        if snapshot.is_none() {
+            if let Ready::Console(_) = spec.ready {
+                t.ep.pause().await?;
+            }
         }
         Ok(t)
+    }
+
+    /// Writes a snapshot of the template to `dir` (`PUT /snapshot`; the directory must
+    /// not exist, its parent must): [`Template::restore`] starts a template from it
+    /// later, in this process or another, without booting its guest. The template must
+    /// be paused (a template whose runtime waits is; a running plain template is
+    /// refused, 409) and stays as it was. Its files hold the guest's memory: keep them
+    /// as secret as the guest (docs/snapshots.md). Waits up to 600 s (a large guest's
+    /// memory is written to disk). The path is the VMM's (in a jail, a jail path).
+    pub async fn snapshot(&self, dir: impl AsRef<Path>) -> Result<SnapshotInfo, Error> {
+        self.ep.snapshot(dir.as_ref()).await
     }
 
     /// Derives a template from this one: a fresh clone runs `load` through the
@@ -262,7 +328,7 @@ impl Template {
             owner: Arc::new(owner),
         };
         t.until_ready(
-            &Ready::Runtime,
+            Until::Ready(&Ready::Runtime),
             self.ep.call_timeout,
             "the derived template's pause",
         )
@@ -273,27 +339,30 @@ impl Template {
     /// Waits up to `limit` until the template is `ready`.
     async fn until_ready(
         &self,
-        ready: &Ready,
+        until: Until<'_>,
         limit: Duration,
         what: &'static str,
     ) -> Result<(), Error> {
-        match tokio::time::timeout(limit, self.wait_ready(ready)).await {
+        match tokio::time::timeout(limit, self.wait_ready(until)).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout { what, after: limit }),
         }
     }
 
-    async fn wait_ready(&self, ready: &Ready) -> Result<(), Error> {
+    async fn wait_ready(&self, until: Until<'_>) -> Result<(), Error> {
         loop {
             if self.owner.ended() {
                 return Err(self.exited());
             }
             // Until the socket is up, connecting fails: poll.
             if let Ok(info) = self.status().await {
-                let done = match ready {
-                    Ready::Runtime => info.invoke.waiting && info.state == VmState::Paused,
-                    Ready::Running => info.state == VmState::Running,
-                    Ready::Console(text) => {
+                let done = match until {
+                    Until::Paused => info.state == VmState::Paused,
+                    Until::Ready(Ready::Runtime) => {
+                        info.invoke.waiting && info.state == VmState::Paused
+                    }
+                    Until::Ready(Ready::Running) => info.state == VmState::Running,
+                    Until::Ready(Ready::Console(text)) => {
                         let console = std::fs::read(self.owner.console()).unwrap_or_default();
                         let text = text.as_bytes();
                         console.windows(text.len().max(1)).any(|w| w == text)
@@ -307,9 +376,22 @@ impl Template {
         }
     }
 
+    /// How the VMM ended: its exit status and, for a VMM this library started, its
+    /// log's last three lines (why a restore or a boot failed), and its console's tail.
     fn exited(&self) -> Error {
+        let mut status = self.owner.exit_status();
+        if let Kind::Spawned { .. } = self.owner.kind {
+            let log = self.log();
+            let lines: Vec<&str> = (log.lines().map(str::trim))
+                .filter(|l| !l.is_empty())
+                .collect();
+            if !lines.is_empty() {
+                let tail = &lines[lines.len().saturating_sub(3)..];
+                status = format!("{status}; its log ends with: {}", tail.join(" / "));
+            }
+        }
         Error::Exited {
-            status: self.owner.exit_status(),
+            status,
             console: self.console_tail(),
         }
     }

@@ -642,3 +642,92 @@ async fn until_async<F: std::future::Future<Output = bool>>(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_saved_as_a_snapshot_restores_without_booting_and_serves_as_it_did() {
+    if !kvm_available("library_snapshot") {
+        return;
+    }
+    let scratch = tests::Scratch::new("library-snapshot");
+    let t = Template::start(tiny_spec("ticks=1 invoke=1 load=1"))
+        .await
+        .unwrap();
+    let (derived, _) = t
+        .derive(&b"loaded!\0"[..], &InvokeOptions::default())
+        .await
+        .unwrap();
+    // Saved: the template and a derived one, each paused where its runtime waits.
+    let base_dir = scratch.path("base");
+    let info = t.snapshot(&base_dir).await.unwrap();
+    assert_eq!(info.dir, base_dir.display().to_string());
+    // 64 MiB of guest memory and the 1 MiB mailbox.
+    assert_eq!(info.memory_bytes, 65 << 20);
+    let derived_dir = scratch.path("derived");
+    derived.snapshot(&derived_dir).await.unwrap();
+    // The directory exists now: refused, the caller's error.
+    let e = t.snapshot(&base_dir).await.unwrap_err();
+    assert!(matches!(e, Error::Refused { status: 409, .. }), "{e}");
+    drop(derived);
+    t.shutdown().await.unwrap();
+
+    // Restored: it serves invocations, with its warm clones, and derives on.
+    // The guest is the snapshot's; `args` are `vmm restore`'s.
+    let mut spec = tiny_spec("ignored: the snapshot's guest runs");
+    spec.kernel = "/nonexistent/kernel".into();
+    spec.args.clear();
+    let r = Template::restore(&base_dir, spec.clone()).await.unwrap();
+    let reply = r
+        .invoke(&b"restored"[..], &InvokeOptions::default())
+        .await
+        .unwrap();
+    assert!(reply.body.starts_with(b"restored"), "{reply:?}");
+    until_async("2 warm clones", || async {
+        r.status().await.unwrap().warm_clones.ready == 2
+    })
+    .await;
+    let (d, _) = r
+        .derive(&b"again!!\0"[..], &InvokeOptions::default())
+        .await
+        .unwrap();
+    let shown = d.invoke(&b"show"[..], &InvokeOptions::default()).await;
+    assert_eq!(&shown.unwrap().body[..], b"again!!\0");
+    drop(d);
+    // The derived template's snapshot holds what it loaded.
+    let rd = Template::restore(&derived_dir, spec.clone()).await.unwrap();
+    let shown = rd.invoke(&b"show"[..], &InvokeOptions::default()).await;
+    assert_eq!(&shown.unwrap().body[..], b"loaded!\0");
+    rd.shutdown().await.unwrap();
+    r.shutdown().await.unwrap();
+
+    // A plain template, ready on its console: restored paused.
+    let mut plain = tiny_spec("beat=20");
+    plain.ready = forkvm::Ready::Console("tiny: beat 2\n".into());
+    let p = Template::start(plain.clone()).await.unwrap();
+    let plain_dir = scratch.path("plain");
+    p.snapshot(&plain_dir).await.unwrap();
+    p.shutdown().await.unwrap();
+    plain.args.clear();
+    let p = Template::restore(&plain_dir, plain).await.unwrap();
+    let info = p.status().await.unwrap();
+    assert_eq!(info.state, api_types::vm::VmState::Paused, "{info:?}");
+    p.shutdown().await.unwrap();
+
+    // A running VM cannot be saved; a snapshot that is not one fails with the VMM's
+    // reason; a jail is not supported yet.
+    let mut running = tiny_spec("beat=20");
+    running.ready = forkvm::Ready::Running;
+    let run = Template::start(running).await.unwrap();
+    let e = run.snapshot(scratch.path("running")).await.unwrap_err();
+    assert!(matches!(e, Error::Refused { status: 409, .. }), "{e}");
+    run.shutdown().await.unwrap();
+    assert!(!scratch.path("running").exists());
+    let missing = scratch.path("missing");
+    let e = Template::restore(&missing, spec.clone()).await.unwrap_err();
+    assert!(matches!(e, Error::Exited { .. }), "{e}");
+    assert!(e.to_string().contains("its log ends with: "), "{e}");
+    assert!(e.to_string().contains("missing"), "{e}");
+    spec.jail = Some(forkvm::JailSpec::new(1000, 1000));
+    let e = Template::restore(&base_dir, spec).await.unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    assert_eq!(e.kind(), ErrorKind::Caller);
+}

@@ -129,6 +129,7 @@ impl Vmm {
             // A template of its own from now on: it pauses when its runtime waits again,
             // and keeps as many warm clones as the VM it was cloned from.
             tracing::info!("derived: a template once the runtime waits again");
+            self.vm.become_template();
             self.clones.become_template(self.vm.config());
         }
         if !f.keep_alive {

@@ -189,6 +189,13 @@ impl Microvm {
         &self.config
     }
 
+    /// This VM (a clone) is a template from now on (a derived one): its configuration
+    /// says so, as a template started with `--template` does, so that its snapshot
+    /// restores as a template.
+    pub fn become_template(&mut self) {
+        self.config.template = true;
+    }
+
     /// The KVM VM.
     pub fn vm_fd(&self) -> &VmFd {
         &self.vm

@@ -4,11 +4,12 @@
 //! the tutorial names; nothing left behind.
 
 use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tests::{guest_file, kvm_available, workspace_bin};
+use tests::{cache, kvm_available, workspace_bin, Scratch};
 
 /// A Linux boot and Python's start on this PVM host take a minute or two; more on a
 /// busy one.
@@ -18,6 +19,8 @@ struct Gateway {
     child: Child,
     url: String,
     agent: ureq::Agent,
+    /// Its standard error (its log).
+    log: PathBuf,
 }
 
 impl Drop for Gateway {
@@ -36,8 +39,11 @@ struct Answer {
 }
 
 impl Gateway {
-    /// Starts the gateway on a free loopback port and waits until it serves.
-    fn start(extra: &[&str]) -> Gateway {
+    /// Starts the gateway on a free loopback port, its base template kept as a snapshot
+    /// in the test cache ([`base_snapshots`]), and waits until it serves.
+    fn start(scratch: &Scratch, name: &str, extra: &[&str]) -> Gateway {
+        let (kernel, rootfs, snapshots) = base_snapshots();
+        let log = scratch.path(&format!("{name}.log"));
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
@@ -45,12 +51,12 @@ impl Gateway {
         let listen = format!("127.0.0.1:{port}");
         let mut child = Command::new(workspace_bin("forkvm-gateway"))
             .args(["--listen", &listen, "--warm-clones", "1"])
-            .arg("--kernel")
-            .arg(guest_file("vmlinux"))
-            .arg("--rootfs")
-            .arg(guest_file("python.ext4"))
+            .args(["--kernel", &kernel, "--rootfs", &rootfs])
+            .arg("--base-snapshot")
+            .arg(&snapshots)
             .args(extra)
             .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("forkvm-gateway");
         let out = BufReader::new(child.stdout.take().unwrap());
@@ -60,7 +66,10 @@ impl Gateway {
                 let _ = tx.send(line);
             }
         });
-        let line = rx.recv_timeout(START).expect("the gateway to serve");
+        let line = rx.recv_timeout(START).unwrap_or_else(|_| {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            panic!("the gateway did not serve; its log:\n{log}")
+        });
         assert_eq!(line, format!("forkvm-gateway: serving on http://{listen}"));
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
@@ -70,7 +79,12 @@ impl Gateway {
             child,
             url: format!("http://{listen}"),
             agent: config.into(),
+            log,
         }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     fn send(&self, method: &str, path: &str, body: &str) -> Answer {
@@ -107,6 +121,42 @@ impl Gateway {
     }
 }
 
+/// The guest files (copies in the test cache, so the gateway's memo of their hashes
+/// holds from run to run) and the gateway's `--base-snapshot` directory, in the test
+/// cache under a name that changes with the sources of what a snapshot holds
+/// (`tests::cache::entry`): the first run boots the base template and saves it, the
+/// others restore it.
+fn base_snapshots() -> (String, String, PathBuf) {
+    let kernel = cache::guest_image("vmlinux");
+    let rootfs = cache::guest_image("python.ext4");
+    let key = cache::CachedBoot {
+        name: "gateway-base",
+        run_args: &[&kernel, &rootfs],
+        ready: &|_| {},
+    };
+    let dir = cache::entry(&key);
+    (kernel, rootfs, dir)
+}
+
+/// Signals the gateway with SIGTERM and waits up to 30 s for it to exit: it stops every
+/// VMM it started and exits 0.
+fn stop(gw: &mut Gateway) {
+    // SAFETY: signals the gateway this test started, still running.
+    unsafe { libc::kill(gw.child.id() as i32, libc::SIGTERM) };
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = gw.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the gateway did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+}
+
 fn json(a: &Answer) -> Value {
     serde_json::from_str(&a.body).unwrap_or_else(|e| panic!("{e}: {}", a.body))
 }
@@ -140,7 +190,8 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     if !kvm_available("gateway") {
         return;
     }
-    let mut gw = Gateway::start(&[]);
+    let scratch = Scratch::new("gateway");
+    let mut gw = Gateway::start(&scratch, "first", &[]);
     // Deploy: its template is derived from the base (nothing imported yet).
     let a = gw.deploy(
         "hello",
@@ -271,19 +322,26 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
         vmms.len() > 6,
         "the base, its zygote, the functions' templates and their warm clones: {vmms:?}"
     );
-    // SAFETY: signals the gateway this test started, still running.
-    unsafe { libc::kill(gw.child.id() as i32, libc::SIGTERM) };
-    let started = Instant::now();
-    let status = loop {
-        if let Some(s) = gw.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the gateway did not stop"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert!(status.success(), "{status}");
+    stop(&mut gw);
     assert!(vmms.iter().all(|&p| gone(p)), "VMMs left: {vmms:?}");
+
+    // Started again: its base template is restored from the snapshot (saved by the
+    // first start of these sources), not booted, and serves deployments.
+    let first = gw.log();
+    assert!(
+        first.contains("base template restored from") || first.contains("base template saved in"),
+        "{first}"
+    );
+    let mut gw = Gateway::start(&scratch, "again", &[]);
+    let log = gw.log();
+    assert!(log.contains("base template restored from"), "{log}");
+    assert!(!log.contains("booting the base template"), "{log}");
+    let a = gw.deploy(
+        "hello",
+        serde_json::json!({"source": HELLO, "packages": ["json"]}),
+    );
+    assert_eq!(a.status, 201, "{}", a.body);
+    let a = gw.invoke("hello", r#"{"name": "again"}"#);
+    assert_eq!(json(&a), serde_json::json!({"hello": "again"}));
+    stop(&mut gw);
 }

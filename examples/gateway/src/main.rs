@@ -13,6 +13,7 @@
 //! When the base template's VMM dies, the gateway starts another and derives the
 //! functions' templates again as they are invoked.
 
+mod base;
 mod gateway;
 mod metrics;
 
@@ -24,7 +25,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, put};
 use axum::Router;
 use clap::Parser;
-use forkvm::{CachePolicy, JailSpec, Template, TemplateSpec, ZygoteCache};
+use forkvm::{CachePolicy, JailSpec, TemplateSpec, ZygoteCache};
 
 use gateway::Gateway;
 
@@ -73,6 +74,13 @@ struct Args {
     /// How long the base template may take to boot and wait, in seconds.
     #[arg(long, default_value_t = 600)]
     start_timeout_s: u64,
+    /// Keep the base template as a snapshot in DIR: a start (and a restart after the
+    /// base template died) restores it from there in milliseconds when the kernel, the
+    /// root image, the memory and the `--vmm-arg`s are those it was saved with, and
+    /// otherwise boots it and saves it there (replacing the snapshot of other inputs).
+    /// Not with --jail yet.
+    #[arg(long, value_name = "DIR", conflicts_with = "jail")]
+    base_snapshot: Option<PathBuf>,
     /// A further `vmm run` option for the base template (repeatable; `--vmm-arg=--no-prime`).
     #[arg(long = "vmm-arg", allow_hyphen_values = true)]
     vmm_args: Vec<String>,
@@ -103,6 +111,10 @@ fn parse_ids(s: &str) -> Result<(u32, u32), String> {
 enum GatewayError {
     #[error("the base template did not start: {0}")]
     Base(#[from] forkvm::Error),
+    #[error(transparent)]
+    SnapshotDir(#[from] base::SnapshotDirError),
+    #[error("a task of the gateway failed: {0}")]
+    Task(String),
     #[error("cannot serve on {addr}: {source}")]
     Listen {
         addr: String,
@@ -112,22 +124,25 @@ enum GatewayError {
     Serve(std::io::Error),
 }
 
-/// Starts the base template and its cache.
-async fn start_cache(args: &Args) -> Result<ZygoteCache, forkvm::Error> {
+/// Starts the base template (restored from `--base-snapshot` when it can be) and its
+/// cache.
+async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     let mut spec = TemplateSpec::new(&args.kernel);
     if let Some(v) = &args.vmm {
         spec.vmm.clone_from(v);
     }
     spec.rootfs = Some(args.rootfs.clone());
-    spec.cmdline = Some(format!(
+    let cmdline = format!(
         "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 forkvm.run=\"{ZYGOTE}\""
-    ));
+    );
+    spec.cmdline = Some(cmdline.clone());
     spec.mem_mib = args.mem_mib;
     spec.warm_clones = args.warm_clones;
     spec.start_timeout = Duration::from_secs(args.start_timeout_s);
-    for c in &args.classes {
-        spec.args.extend(["--cgroup-class".to_string(), c.clone()]);
-    }
+    let classes: Vec<String> = (args.classes.iter())
+        .flat_map(|c| ["--cgroup-class".to_string(), c.clone()])
+        .collect();
+    spec.args.extend(classes.iter().cloned());
     spec.args.extend(args.vmm_args.iter().cloned());
     if let Some((uid, gid)) = args.jail {
         let mut jail = JailSpec::new(uid, gid);
@@ -137,15 +152,21 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, forkvm::Error> {
         }
         spec.jail = Some(jail);
     }
-    tracing::info!("starting the base template ({})", args.kernel.display());
-    let base = Template::start(spec).await?;
-    tracing::info!("base template ready (pid {})", base.pid());
+    let inputs = base::Inputs {
+        kernel: args.kernel.clone(),
+        rootfs: args.rootfs.clone(),
+        cmdline,
+        mem_mib: args.mem_mib,
+        vmm_args: args.vmm_args.clone(),
+    };
+    let snapshots = args.base_snapshot.as_deref().map(|d| (d, &inputs));
+    let base = base::start(spec, snapshots, classes).await?;
     let policy = CachePolicy {
         create_after: args.create_after,
         memory_budget_kib: args.memory_budget_mib * 1024,
         load_timeout_ms: args.load_timeout_s * 1000,
     };
-    ZygoteCache::new(base, policy).await
+    Ok(ZygoteCache::new(base, policy).await?)
 }
 
 /// Starts another base template whenever the current one's VMM dies.

@@ -1,0 +1,324 @@
+//! The base template, booted or restored from a snapshot of it (`--base-snapshot DIR`).
+//!
+//! A booted base template takes a Linux boot and Python's start (a minute or two on a
+//! slow host); one restored from a snapshot serves in tens of milliseconds. With a
+//! snapshot directory, the gateway restores the base template from the snapshot made
+//! of the same inputs, or boots it and saves one there for the next start (and for the
+//! supervisor's restarts). A snapshot is named by a SHA-256 over its inputs: the bytes
+//! of the kernel and the root image, the guest's command line, its memory, and the
+//! further `vmm run` options. Hashing an image is remembered in `DIR/inputs.json` by
+//! its path, size, inode and modification time, so a restart with the same files does
+//! not read them again.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use forkvm::{Template, TemplateSpec};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// What a saved base template depends on, besides the `vmm` that restores it (a
+/// snapshot of another format is refused by the restore, and booted again).
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    /// The guest kernel.
+    pub kernel: PathBuf,
+    /// The root image.
+    pub rootfs: PathBuf,
+    /// The guest's command line.
+    pub cmdline: String,
+    /// Guest memory in MiB.
+    pub mem_mib: u32,
+    /// Further `vmm run` options (they shape the saved VM).
+    pub vmm_args: Vec<String>,
+}
+
+/// Why the snapshot directory could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotDirError {
+    /// The directory could not be made.
+    #[error("cannot make the snapshot directory {dir}: {source}")]
+    Dir {
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// An input file could not be read to hash it.
+    #[error("cannot read {path} to name its snapshot: {source}")]
+    Input {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// A file's hash as `inputs.json` remembers it, with what identifies that version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Hashed {
+    len: u64,
+    inode: u64,
+    mtime_ns: i128,
+    sha256: String,
+}
+
+/// The memo of input hashes, `DIR/inputs.json`.
+const MEMO: &str = "inputs.json";
+
+/// The SHA-256 of `path`'s bytes, from `memo` when the file is the version it hashed.
+fn file_hash(path: &Path, memo: &mut BTreeMap<PathBuf, Hashed>) -> std::io::Result<String> {
+    let path = path.canonicalize()?;
+    let meta = std::fs::metadata(&path)?;
+    let version = |sha256: String| Hashed {
+        len: meta.len(),
+        inode: meta.ino(),
+        mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        sha256,
+    };
+    if let Some(h) = memo.get(&path) {
+        if *h == version(h.sha256.clone()) {
+            return Ok(h.sha256.clone());
+        }
+    }
+    let mut file = std::fs::File::open(&path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match file.read(&mut buf)? {
+            0 => break,
+            n => hasher.update(&buf[..n]),
+        }
+    }
+    let sha256 = hex(&hasher.finalize());
+    memo.insert(path, version(sha256.clone()));
+    Ok(sha256)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The name of the snapshot of `inputs` in `dir`: 16 hex digits of a SHA-256 over
+/// them. Makes `dir` (owner-only: snapshots hold guest memory) when it is missing.
+fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|source| SnapshotDirError::Dir {
+            dir: dir.to_path_buf(),
+            source,
+        })?;
+    let memo_path = dir.join(MEMO);
+    let mut memo: BTreeMap<PathBuf, Hashed> = std::fs::read(&memo_path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let mut h = Sha256::new();
+    for path in [&inputs.kernel, &inputs.rootfs] {
+        let sha = file_hash(path, &mut memo).map_err(|source| SnapshotDirError::Input {
+            path: path.clone(),
+            source,
+        })?;
+        h.update(sha.as_bytes());
+        h.update(b"\0");
+    }
+    h.update(inputs.cmdline.as_bytes());
+    h.update(b"\0");
+    h.update(inputs.mem_mib.to_le_bytes());
+    for a in &inputs.vmm_args {
+        h.update(a.as_bytes());
+        h.update(b"\0");
+    }
+    // The memo is a cache: one that cannot be written is hashed again next time.
+    let tmp = dir.join(format!(".{MEMO}.{}", std::process::id()));
+    let written = serde_json::to_vec_pretty(&memo)
+        .map_err(std::io::Error::other)
+        .and_then(|b| std::fs::write(&tmp, b))
+        .and_then(|()| std::fs::rename(&tmp, &memo_path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        tracing::warn!(
+            "cannot remember the inputs' hashes in {}: {e}",
+            memo_path.display()
+        );
+    }
+    Ok(hex(&h.finalize())[..16].to_string())
+}
+
+/// Whether `name` is one of this module's snapshot names (16 hex digits).
+fn is_snapshot_name(name: &str) -> bool {
+    name.len() == 16 && name.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Starts the base template: restored from `dir`'s snapshot of `inputs` when there is
+/// one and it restores (with `spec`'s warm clones and `restore_args`, `vmm restore`
+/// options), else booted with `spec` and saved there, the snapshots of other inputs
+/// removed. Without `dir`, booted. A snapshot that does not restore is removed and the
+/// template booted; one that cannot be saved leaves the booted template serving.
+pub async fn start(
+    spec: TemplateSpec,
+    snapshots: Option<(&Path, &Inputs)>,
+    restore_args: Vec<String>,
+) -> Result<Template, crate::GatewayError> {
+    let Some((dir, inputs)) = snapshots else {
+        return Ok(boot(spec).await?);
+    };
+    let (dir_owned, inputs_owned) = (dir.to_path_buf(), inputs.clone());
+    let name = tokio::task::spawn_blocking(move || snapshot_name(&dir_owned, &inputs_owned))
+        .await
+        .map_err(|e| crate::GatewayError::Task(e.to_string()))??;
+    let snapshot = dir.join(&name);
+    if snapshot.exists() {
+        let started = Instant::now();
+        let restore_spec = TemplateSpec {
+            args: restore_args,
+            ..spec.clone()
+        };
+        match Template::restore(&snapshot, restore_spec).await {
+            Ok(t) => {
+                tracing::info!(
+                    "base template restored from {} in {} ms (pid {})",
+                    snapshot.display(),
+                    started.elapsed().as_millis(),
+                    t.pid()
+                );
+                return Ok(t);
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "cannot restore the base template from {}: {e}; booting it and saving it again",
+                    snapshot.display()
+                );
+                if let Err(e) = std::fs::remove_dir_all(&snapshot) {
+                    tracing::warn!("cannot remove {}: {e}", snapshot.display());
+                }
+            }
+        }
+    }
+    let t = boot(spec).await?;
+    match t.snapshot(&snapshot).await {
+        Ok(info) => {
+            tracing::info!(
+                "base template saved in {} ({} MiB of memory written, {} ms)",
+                info.dir,
+                info.memory_written_bytes >> 20,
+                info.took_ms
+            );
+            remove_others(dir, &name);
+        }
+        Err(e) => tracing::warn!(
+            "cannot save the base template in {}: {e}; the next start boots again",
+            snapshot.display()
+        ),
+    }
+    Ok(t)
+}
+
+async fn boot(spec: TemplateSpec) -> Result<Template, forkvm::Error> {
+    tracing::info!("booting the base template ({})", spec.kernel.display());
+    let t = Template::start(spec).await?;
+    tracing::info!("base template ready (pid {})", t.pid());
+    Ok(t)
+}
+
+/// Removes the snapshots in `dir` other than `keep` (of other inputs: stale).
+fn remove_others(dir: &Path, keep: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if is_snapshot_name(&name) && name != keep {
+            match std::fs::remove_dir_all(e.path()) {
+                Ok(()) => tracing::info!("removed the stale snapshot {}", e.path().display()),
+                Err(err) => tracing::warn!("cannot remove {}: {err}", e.path().display()),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs(dir: &Path) -> Inputs {
+        let kernel = dir.join("kernel");
+        let rootfs = dir.join("rootfs");
+        std::fs::write(&kernel, b"kernel bytes").unwrap();
+        std::fs::write(&rootfs, b"rootfs bytes").unwrap();
+        Inputs {
+            kernel,
+            rootfs,
+            cmdline: "console=ttyS0".into(),
+            mem_mib: 256,
+            vmm_args: vec![],
+        }
+    }
+
+    #[test]
+    fn a_snapshot_is_named_by_its_inputs_bytes_and_options() {
+        let files = tempfile::tempdir().unwrap();
+        let dir = files.path().join("snapshots");
+        let i = inputs(files.path());
+        let name = snapshot_name(&dir, &i).unwrap();
+        assert!(is_snapshot_name(&name), "{name}");
+        // The directory is owner-only, and the hashes are remembered.
+        let mode = std::fs::metadata(&dir).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        let memo: BTreeMap<PathBuf, Hashed> =
+            serde_json::from_slice(&std::fs::read(dir.join(MEMO)).unwrap()).unwrap();
+        assert_eq!(memo.len(), 2);
+        assert_eq!(snapshot_name(&dir, &i).unwrap(), name);
+        // Each input names another snapshot: the options, and the bytes of a file
+        // rewritten in place (its size and inode unchanged).
+        let other = Inputs {
+            mem_mib: 512,
+            ..i.clone()
+        };
+        assert_ne!(snapshot_name(&dir, &other).unwrap(), name);
+        let other = Inputs {
+            vmm_args: vec!["--no-prime".into()],
+            ..i.clone()
+        };
+        assert_ne!(snapshot_name(&dir, &other).unwrap(), name);
+        std::fs::write(&i.rootfs, b"rootfs BYTES").unwrap();
+        let later = std::time::SystemTime::now() + std::time::Duration::from_secs(1);
+        let f = std::fs::File::options()
+            .write(true)
+            .open(&i.rootfs)
+            .unwrap();
+        f.set_modified(later).unwrap();
+        assert_ne!(snapshot_name(&dir, &i).unwrap(), name);
+        // A memo that is not JSON is hashed again, not trusted.
+        std::fs::write(dir.join(MEMO), b"garbage").unwrap();
+        std::fs::write(&i.rootfs, b"rootfs bytes").unwrap();
+        assert_eq!(snapshot_name(&dir, &i).unwrap(), name);
+        // A missing input is an error naming it.
+        let gone = Inputs {
+            kernel: files.path().join("nope"),
+            ..i
+        };
+        let e = snapshot_name(&dir, &gone).unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn only_snapshots_of_other_inputs_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["0123456789abcdef", "fedcba9876543210", "keep-me", MEMO] {
+            std::fs::create_dir(dir.path().join(name)).unwrap();
+        }
+        remove_others(dir.path(), "0123456789abcdef");
+        let mut left: Vec<String> = (std::fs::read_dir(dir.path()).unwrap())
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["0123456789abcdef", MEMO, "keep-me"]);
+    }
+}

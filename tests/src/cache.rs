@@ -237,6 +237,20 @@ fn make(boot: &CachedBoot<'_>, dir: &Path, timeout: Duration) {
     vm.shutdown(timeout);
 }
 
+/// The directory of `boot`'s cached snapshot, made first if there is none (for a test
+/// that restores it otherwise than [`restored`] does: through the library, say).
+pub fn saved(boot: &CachedBoot<'_>, timeout: Duration) -> PathBuf {
+    let dir = entry(boot);
+    if !dir.join("state").exists() {
+        let _lock = EntryLock::take(&dir);
+        // Another process may have made it while this one waited.
+        if !dir.join("state").exists() {
+            make(boot, &dir, timeout);
+        }
+    }
+    dir
+}
+
 /// A VM in `boot`'s state: restored from the cached snapshot, made first if there is
 /// none (or the one there does not restore). `restore_args` are `vmm restore`'s host
 /// options beyond `--dir`, `--console` and `--api-sock` (`--vsock`, `--tap`,
@@ -250,13 +264,7 @@ pub fn restored(
 ) -> Vm {
     let dir = entry(boot);
     for attempt in 0..2 {
-        if !dir.join("state").exists() {
-            let _lock = EntryLock::take(&dir);
-            // Another process may have made it while this one waited.
-            if !dir.join("state").exists() {
-                make(boot, &dir, timeout);
-            }
-        }
+        saved(boot, timeout);
         let mut vm = Vm::restore(scratch, &dir, restore_args);
         if vm.try_wait_api(timeout) {
             // Recently used: kept by the pruning.

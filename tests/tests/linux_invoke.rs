@@ -12,7 +12,7 @@ use std::time::Duration;
 use api_types::InvokeOptions;
 use serde_json::Value;
 use tests::cache::guest_image;
-use tests::{guest_file, invoke_figure, kvm_available, wait_until, Scratch, Vm};
+use tests::{invoke_figure, kvm_available, wait_until, Scratch, Vm};
 use vmm::api::client;
 use vmm::api::http::Response;
 
@@ -63,24 +63,7 @@ fn ready_template(
     args.extend_from_slice(extra);
     let args = linux_args(root, "", run, &args);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    // Ready once paused where its runtime waits. Not by the console: the runtime's
-    // `ready` line may still be in the guest kernel's serial buffer when the template
-    // pauses (the CI once saw "forkvm.serve: re" and nothing more).
-    let wait = |vm: &mut Vm| {
-        vm.wait_api(LINUX_BOOT);
-        let start = std::time::Instant::now();
-        while !vm.waits_as_template() {
-            let gone = matches!(vm.child.try_wait(), Ok(Some(_)));
-            assert!(
-                !gone && start.elapsed() < LINUX_BOOT,
-                "the template did not pause where its runtime waits (it prints {ready:?} \
-                 then)\n--- console:\n{}\n--- log:\n{}",
-                vm.console_text(),
-                vm.stderr_text()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    };
+    let wait = |vm: &mut Vm| pause_where_runtime_waits(vm, ready);
     let boot = tests::cache::CachedBoot {
         name: "linux-template",
         run_args: &args,
@@ -91,6 +74,26 @@ fn ready_template(
         vm.waits_as_template()
     });
     vm
+}
+
+/// Waits until a booting template `vm` is paused where its runtime waits (it prints
+/// `ready` then). Not by the console: the runtime's `ready` line may still be in the
+/// guest kernel's serial buffer when the template pauses (the CI once saw
+/// "forkvm.serve: re" and nothing more).
+fn pause_where_runtime_waits(vm: &mut Vm, ready: &str) {
+    vm.wait_api(LINUX_BOOT);
+    let start = std::time::Instant::now();
+    while !vm.waits_as_template() {
+        let gone = matches!(vm.child.try_wait(), Ok(Some(_)));
+        assert!(
+            !gone && start.elapsed() < LINUX_BOOT,
+            "the template did not pause where its runtime waits (it prints {ready:?} \
+             then)\n--- console:\n{}\n--- log:\n{}",
+            vm.console_text(),
+            vm.stderr_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Waits until `vm`'s two warm clones are ready and checks they are primed (both
@@ -601,22 +604,31 @@ async fn linux_library_clones_run_commands_through_their_guest_agent() {
     if !kvm_available("linux_library_exec") {
         return;
     }
-    // A template started by the library with the C runtime waiting and the guest agent
-    // on vsock port 1024; a clone made on request runs commands through its own agent.
+    // A template of the C runtime waiting and the guest agent on vsock port 1024,
+    // restored by the library from a cached snapshot (booted and saved the first
+    // time); a clone made on request runs commands through its own agent.
     let scratch = Scratch::new("linux-library-exec");
-    let mut spec = forkvm::TemplateSpec::new(guest_file("vmlinux"));
-    spec.vmm = tests::vmm_bin();
-    spec.initrd = Some(guest_file("initramfs.cpio"));
-    spec.cmdline = Some(
-        "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024 forkvm.run=\"forkvm-fn info\""
-            .into(),
+    let args = linux_args(
+        None,
+        "forkvm.agent=1024",
+        "forkvm-fn info",
+        &["--template", "--vsock", tests::cache::VSOCK],
     );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let boot = tests::cache::CachedBoot {
+        name: "linux-library-exec",
+        run_args: &args,
+        ready: &|vm| pause_where_runtime_waits(vm, "forkvm-fn"),
+    };
+    let dir = tokio::task::block_in_place(|| tests::cache::saved(&boot, LINUX_BOOT));
+    let mut spec = forkvm::TemplateSpec::new("unused: the snapshot's guest runs");
+    spec.vmm = tests::vmm_bin();
     spec.warm_clones = 1;
     let vsock = scratch.path("vm.vsock");
     spec.args = vec!["--vsock".into(), vsock.display().to_string()];
     spec.start_timeout = LINUX_BOOT;
     spec.call_timeout = Duration::from_secs(60);
-    let t = forkvm::Template::start(spec).await.unwrap();
+    let t = forkvm::Template::restore(&dir, spec).await.unwrap();
     let mut clones = t.clones(&Default::default()).await.unwrap();
     let c = clones.pop().unwrap();
     let out = c

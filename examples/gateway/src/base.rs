@@ -150,6 +150,40 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
     Ok(hex(&h.finalize())[..16].to_string())
 }
 
+/// The host-side options `vmm restore` takes as `vmm run` does (each with a value).
+const RESTORE_OPTIONS: &[&str] = &[
+    "--cgroup-class",
+    "--cgroup-version",
+    "--cgroup-parent",
+    "--cgroup-pool-size",
+    "--cgroup-pool-max",
+    "--cgroup-wait-ms",
+    "--max-clones",
+    "--max-tree-clones",
+    "--seccomp",
+    "--tap",
+    "--vsock",
+];
+
+/// The options of `run_args` (`vmm run` options) that a restore takes too, in order:
+/// each of [`RESTORE_OPTIONS`], as `--flag VALUE` or `--flag=VALUE`. The others shape the
+/// saved VM (and are part of its snapshot's name).
+pub fn restore_args(run_args: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = run_args.iter();
+    while let Some(a) = args.next() {
+        let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+        if !RESTORE_OPTIONS.contains(&flag) {
+            continue;
+        }
+        out.push(a.clone());
+        if flag == a.as_str() {
+            out.extend(args.next().cloned());
+        }
+    }
+    out
+}
+
 /// Whether `name` is one of this module's snapshot names (16 hex digits).
 fn is_snapshot_name(name: &str) -> bool {
     name.len() == 16 && name.bytes().all(|b| b.is_ascii_hexdigit())
@@ -306,6 +340,32 @@ mod tests {
         };
         let e = snapshot_name(&dir, &gone).unwrap_err();
         assert!(e.to_string().contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn a_restore_gets_the_host_side_options_of_the_boot() {
+        let run: Vec<String> = [
+            "--cgroup-class",
+            "small:cpu=1",
+            "--no-prime",
+            "--seccomp=log",
+            "--vcpus",
+            "2",
+            "--max-clones",
+            "9",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(
+            restore_args(&run),
+            [
+                "--cgroup-class",
+                "small:cpu=1",
+                "--seccomp=log",
+                "--max-clones",
+                "9"
+            ]
+        );
     }
 
     #[test]

@@ -139,11 +139,11 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     spec.mem_mib = args.mem_mib;
     spec.warm_clones = args.warm_clones;
     spec.start_timeout = Duration::from_secs(args.start_timeout_s);
-    let classes: Vec<String> = (args.classes.iter())
-        .flat_map(|c| ["--cgroup-class".to_string(), c.clone()])
-        .collect();
-    spec.args.extend(classes.iter().cloned());
+    for c in &args.classes {
+        spec.args.extend(["--cgroup-class".to_string(), c.clone()]);
+    }
     spec.args.extend(args.vmm_args.iter().cloned());
+    let restore_args = base::restore_args(&spec.args);
     if let Some((uid, gid)) = args.jail {
         let mut jail = JailSpec::new(uid, gid);
         jail.chroot_base.clone_from(&args.chroot_base);
@@ -160,7 +160,7 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
         vmm_args: args.vmm_args.clone(),
     };
     let snapshots = args.base_snapshot.as_deref().map(|d| (d, &inputs));
-    let base = base::start(spec, snapshots, classes).await?;
+    let base = base::start(spec, snapshots, restore_args).await?;
     let policy = CachePolicy {
         create_after: args.create_after,
         memory_budget_kib: args.memory_budget_mib * 1024,

@@ -97,8 +97,15 @@ pub fn image(path: &Path) -> String {
         std::fs::copy(path, &tmp).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         std::fs::rename(&tmp, &copy).unwrap();
     }
-    // Recently used: kept by the pruning.
-    let _ = std::fs::File::open(&copy).and_then(|f| f.set_modified(SystemTime::now()));
+    // Recently used: kept by the pruning. Touched at most daily, so that a program
+    // that remembers the file's hash by its modification time (the gateway's
+    // `--base-snapshot`) does not hash it again at every use.
+    let stale = (std::fs::metadata(&copy).and_then(|m| m.modified()).ok())
+        .and_then(|t| SystemTime::now().duration_since(t).ok())
+        .is_none_or(|age| age > Duration::from_secs(24 * 3600));
+    if stale {
+        let _ = std::fs::File::open(&copy).and_then(|f| f.set_modified(SystemTime::now()));
+    }
     copy.display().to_string()
 }
 

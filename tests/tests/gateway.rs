@@ -39,10 +39,11 @@ struct Answer {
 }
 
 impl Gateway {
-    /// Starts the gateway on a free loopback port, its base template kept as a snapshot
-    /// in the test cache ([`base_snapshots`]), and waits until it serves.
-    fn start(scratch: &Scratch, name: &str, extra: &[&str]) -> Gateway {
-        let (kernel, rootfs, snapshots) = base_snapshots();
+    /// Starts the gateway on a free loopback port with `guest`'s kernel and root image,
+    /// its base template kept as a snapshot in the test cache ([`base_snapshots`]), and
+    /// waits until it serves.
+    fn start(scratch: &Scratch, guest: &(String, String, PathBuf), name: &str) -> Gateway {
+        let (kernel, rootfs, snapshots) = guest;
         let log = scratch.path(&format!("{name}.log"));
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -51,10 +52,9 @@ impl Gateway {
         let listen = format!("127.0.0.1:{port}");
         let mut child = Command::new(workspace_bin("forkvm-gateway"))
             .args(["--listen", &listen, "--warm-clones", "1"])
-            .args(["--kernel", &kernel, "--rootfs", &rootfs])
+            .args(["--kernel", kernel, "--rootfs", rootfs])
             .arg("--base-snapshot")
-            .arg(&snapshots)
-            .args(extra)
+            .arg(snapshots)
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -135,6 +135,8 @@ fn base_snapshots() -> (String, String, PathBuf) {
         ready: &|_| {},
     };
     let dir = cache::entry(&key);
+    // Recently used: kept by the cache's pruning.
+    let _ = std::fs::File::open(&dir).and_then(|f| f.set_modified(std::time::SystemTime::now()));
     (kernel, rootfs, dir)
 }
 
@@ -191,7 +193,8 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
         return;
     }
     let scratch = Scratch::new("gateway");
-    let mut gw = Gateway::start(&scratch, "first", &[]);
+    let guest = base_snapshots();
+    let mut gw = Gateway::start(&scratch, &guest, "first");
     // Deploy: its template is derived from the base (nothing imported yet).
     let a = gw.deploy(
         "hello",
@@ -332,7 +335,7 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
         first.contains("base template restored from") || first.contains("base template saved in"),
         "{first}"
     );
-    let mut gw = Gateway::start(&scratch, "again", &[]);
+    let mut gw = Gateway::start(&scratch, &guest, "again");
     let log = gw.log();
     assert!(log.contains("base template restored from"), "{log}");
     assert!(!log.contains("booting the base template"), "{log}");

@@ -118,6 +118,7 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();
+    let remembered = memo.clone();
     let mut h = Sha256::new();
     for path in [&inputs.kernel, &inputs.rootfs] {
         let sha = file_hash(path, &mut memo).map_err(|source| SnapshotDirError::Input {
@@ -134,9 +135,18 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
         h.update(a.as_bytes());
         h.update(b"\0");
     }
-    // The memo is a cache: one that cannot be written is hashed again next time.
+    if memo != remembered {
+        remember(dir, &memo);
+    }
+    Ok(hex(&h.finalize())[..16].to_string())
+}
+
+/// Writes `memo` to `dir`'s [`MEMO`] (through a temporary file and a rename). The memo
+/// is a cache: one that cannot be written is hashed again next time.
+fn remember(dir: &Path, memo: &BTreeMap<PathBuf, Hashed>) {
+    let memo_path = dir.join(MEMO);
     let tmp = dir.join(format!(".{MEMO}.{}", std::process::id()));
-    let written = serde_json::to_vec_pretty(&memo)
+    let written = serde_json::to_vec_pretty(memo)
         .map_err(std::io::Error::other)
         .and_then(|b| std::fs::write(&tmp, b))
         .and_then(|()| std::fs::rename(&tmp, &memo_path));
@@ -147,7 +157,6 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
             memo_path.display()
         );
     }
-    Ok(hex(&h.finalize())[..16].to_string())
 }
 
 /// The host-side options `vmm restore` takes as `vmm run` does (each with a value).
@@ -308,7 +317,10 @@ mod tests {
         let memo: BTreeMap<PathBuf, Hashed> =
             serde_json::from_slice(&std::fs::read(dir.join(MEMO)).unwrap()).unwrap();
         assert_eq!(memo.len(), 2);
+        // Named again from the memo, which is not written again.
+        let written = std::fs::metadata(dir.join(MEMO)).unwrap().ino();
         assert_eq!(snapshot_name(&dir, &i).unwrap(), name);
+        assert_eq!(std::fs::metadata(dir.join(MEMO)).unwrap().ino(), written);
         // Each input names another snapshot: the options, and the bytes of a file
         // rewritten in place (its size and inode unchanged).
         let other = Inputs {

@@ -1351,6 +1351,20 @@ fn rogue_figures(out: &str) -> (u64, u64) {
     )
 }
 
+/// `out` without the "Segmentation fault" lines of tries that crashed at start-up: a
+/// `ping` the PVM host problem (docs/guest-kernel.md, "Known host problems") crashed makes
+/// the shell say so and the loop try again; what counts is that a later try reached.
+fn without_crashed_tries(out: &str) -> String {
+    let crashed = out.lines().filter(|l| *l == "Segmentation fault").count();
+    if crashed > 0 {
+        eprintln!("warning: {crashed} guest command(s) crashed at start-up (host problem)");
+    }
+    (out.lines())
+        .filter(|l| *l != "Segmentation fault")
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
 #[test]
 fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_and_the_devices_working_again(
 ) {
@@ -1413,7 +1427,11 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     let reach = "ip link set eth0 up && ip addr add 10.78.0.2/24 dev eth0 && \
                  for i in 1 2 3; do ping -c1 -W5 10.78.0.1 >/dev/null && echo reached && break; done";
     let (code, out, err) = vmm_exec(&vm.sock, &["--", reach], b"");
-    assert_eq!((code, out.as_str()), (Some(0), "reached\n"), "{err}");
+    assert_eq!(
+        (code, without_crashed_tries(&out)),
+        (Some(0), "reached\n".into()),
+        "{out}{err}"
+    );
     // The seed changes with each run (and is printed): each run tries other sequences.
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1462,7 +1480,7 @@ fn linux_a_root_process_driving_each_virtio_device_badly_leaves_the_vmm_serving_
     // address).
     let (out, card) = rogue_then(&net, "/sys/class/net/eth0", reach);
     assert!(
-        out.ends_with("bound to its driver again\nreached\n"),
+        without_crashed_tries(&out).ends_with("bound to its driver again\nreached\n"),
         "{out}"
     );
     // vsock carries the agent itself: the rogue runs in the background and writes to the

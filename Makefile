@@ -49,7 +49,9 @@ fuzz-ci:
 
 # A short standard set (a few minutes); each bench has more (benches/*.py --help).
 bench: deps guest release
+	./scripts/install-deps.sh bench
 	python3 benches/boot.py
 	python3 benches/clone.py latency --runs 50 --mem 128
 	python3 benches/clone.py fanout --counts 100 --dirs /dev/shm
 	python3 benches/invoke.py latency --runs 50 --rounds 2
+	python3 benches/functions.py --runs 100 --plot docs/functions.png

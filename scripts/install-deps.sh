@@ -7,6 +7,10 @@ pkgs=(linux-source-6.1 busybox-static bc bison flex libelf-dev libssl-dev cpio e
       nfs-ganesha nfs-ganesha-vfs rpcbind)
 # (nfs-ganesha and rpcbind: the user-space NFS server of the shared-storage tests, which
 # start their own instances in namespaces; tests/src/nfs.rs.)
+# `install-deps.sh bench` (make bench) adds the benchmarks' host baselines and plots.
+if [ "${1:-}" = bench ]; then
+    pkgs+=(python3-numpy python3-matplotlib)
+fi
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

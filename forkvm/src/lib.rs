@@ -62,7 +62,7 @@ pub use api_types::{InvokeOptions, Outcome, SnapshotInfo, VmInfo};
 pub use endpoint::Reply;
 pub use error::{Error, ErrorKind};
 pub use jail::JailSpec;
-pub use load::Load;
+pub use load::{Event, Load};
 pub use template::{Ready, Template, TemplateSpec};
 pub use vm_clone::{ExecOutput, VmClone};
 pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache};

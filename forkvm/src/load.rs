@@ -1,10 +1,97 @@
 //! What the Python runtime's loader takes (a load request, docs/invoke.md): packages to
-//! import, and a handler's source.
+//! import, a handler's source, and events to warm the handler up with.
 
 use std::collections::BTreeSet;
+use std::fmt;
 
+use base64::Engine as _;
 use bytes::Bytes;
-use serde::Serialize;
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::ser::{SerializeMap, Serializer};
+use serde::{Deserialize, Serialize};
+
+/// One warm-up event: what a handler is called with in the template, before it pauses,
+/// so that what a request touches (the interpreter's heap and caches, the guest's page
+/// tables) is already in the memory every clone starts from. In JSON a UTF-8 string, or
+/// `{"base64": "..."}` for any bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// Text, sent UTF-8.
+    Text(String),
+    /// Bytes, sent as base64.
+    Bytes(Vec<u8>),
+}
+
+impl Event {
+    /// The bytes the handler gets.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Event::Text(t) => t.as_bytes(),
+            Event::Bytes(b) => b,
+        }
+    }
+}
+
+impl From<&str> for Event {
+    fn from(text: &str) -> Self {
+        Event::Text(text.into())
+    }
+}
+
+impl From<Vec<u8>> for Event {
+    fn from(bytes: Vec<u8>) -> Self {
+        Event::Bytes(bytes)
+    }
+}
+
+impl Serialize for Event {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Event::Text(t) => s.serialize_str(t),
+            Event::Bytes(b) => {
+                let mut map = s.serialize_map(Some(1))?;
+                map.serialize_entry(
+                    "base64",
+                    &base64::engine::general_purpose::STANDARD.encode(b),
+                )?;
+                map.end()
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Event {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct EventVisitor;
+        impl<'de> Visitor<'de> for EventVisitor {
+            type Value = Event;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(r#"a string or {"base64": "..."}"#)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Event, E> {
+                Ok(Event::Text(v.into()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Event, A::Error> {
+                let mut bytes = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    if key != "base64" || bytes.is_some() {
+                        return Err(de::Error::custom(format!(
+                            r#"an event is a string or {{"base64": "..."}}, not a map with {key:?}"#
+                        )));
+                    }
+                    let text: String = map.next_value()?;
+                    let b = (base64::engine::general_purpose::STANDARD.decode(&text))
+                        .map_err(|e| de::Error::custom(format!("bad base64: {e}")))?;
+                    bytes = Some(b);
+                }
+                bytes
+                    .map(Event::Bytes)
+                    .ok_or_else(|| de::Error::missing_field("base64"))
+            }
+        }
+        d.deserialize_any(EventVisitor)
+    }
+}
 
 /// A load request for forkvm's Python runtime (`forkvm.serve`): imports `imports`,
 /// then runs `source` (if any) as the module `forkvm_function` and serves its
@@ -20,6 +107,10 @@ pub struct Load {
     /// source), or `MODULE:FUNCTION`. None with no source: the handler stays as it was.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub handler: Option<String>,
+    /// Events the handler is called with once each, in order, before the template
+    /// pauses (what they leave behind is in every clone; a failing one fails the load).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warmup: Vec<Event>,
 }
 
 impl Load {
@@ -63,5 +154,42 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&l.payload()).unwrap();
         assert_eq!(v["source"], "def handler(e):\n    return e\n");
         assert!(v.get("handler").is_none());
+        assert!(v.get("warmup").is_none());
+        let l = Load {
+            warmup: vec!["{}".into(), vec![0, 0xff].into()],
+            ..l
+        };
+        let v: serde_json::Value = serde_json::from_slice(&l.payload()).unwrap();
+        assert_eq!(v["warmup"], serde_json::json!(["{}", {"base64": "AP8="}]));
+    }
+
+    #[test]
+    fn events_read_back_as_written_and_bad_ones_say_why() {
+        let events: Vec<Event> =
+            serde_json::from_str(r#"["héllo", {"base64": "AP8="}, ""]"#).unwrap();
+        assert_eq!(
+            events,
+            [
+                Event::from("héllo"),
+                Event::from(vec![0, 0xff]),
+                Event::from("")
+            ]
+        );
+        assert_eq!(events[1].as_bytes(), [0, 0xff]);
+        let back: Vec<Event> =
+            serde_json::from_slice(&serde_json::to_vec(&events).unwrap()).unwrap();
+        assert_eq!(back, events);
+        for (bad, says) in [
+            (r#"[{"base64": "!!"}]"#, "bad base64"),
+            (r#"[{"b64": "AA=="}]"#, "not a map with \"b64\""),
+            (r#"[{"base64": "AA==", "x": 1}]"#, "not a map with \"x\""),
+            (r#"[{}]"#, "missing field `base64`"),
+            (r#"[3]"#, r#"a string or {"base64": "..."}"#),
+        ] {
+            let e = serde_json::from_str::<Vec<Event>>(bad)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
     }
 }

@@ -23,9 +23,12 @@ handler is called: libforkvm's ``forkvm_wait`` applies it (docs/shared-storage.m
 A **load request** (a template derived from this one, docs/invoke.md) carries a JSON
 object: ``imports``, module names to import; ``source``, Python source run as the
 module ``forkvm_function``; ``handler``, the name in it (or ``MODULE:FUNCTION``) that
-serves from then on. Each is optional. The reply is a JSON object: the modules that
-were newly imported and the handler now served. A failure is a 500 with its traceback,
-and the clone is then no template.
+serves from then on; ``warmup``, events (a string, sent UTF-8, or ``{"base64": ...}``)
+the handler is called with once each before the template pauses, so that what a
+request touches is already in the memory every clone starts from. Each is optional.
+The reply is a JSON object: the modules that were newly imported, the handler now
+served and the warm-up events run. A failure is a 500 with its traceback, and the
+clone is then no template.
 """
 
 import ctypes
@@ -101,9 +104,10 @@ def load(spec, handler):
     spec = json.loads(spec or b"{}")
     if not isinstance(spec, dict):
         raise ValueError("a load request is a JSON object")
-    unknown = set(spec) - {"imports", "source", "handler"}
+    unknown = set(spec) - {"imports", "source", "handler", "warmup"}
     if unknown:
         raise ValueError("unknown keys in the load request: %s" % ", ".join(sorted(unknown)))
+    events = [_warmup_event(i, e) for i, e in enumerate(_list(spec, "warmup"))]
     before = set(sys.modules)
     for name in spec.get("imports") or []:
         importlib.import_module(name)
@@ -121,8 +125,48 @@ def load(spec, handler):
         handler = getattr(module, attr)
         if not callable(handler):
             raise TypeError("%s is not callable" % name)
-    reply = {"imported": sorted(set(sys.modules) - before), "handler": name}
+    if events and handler is _no_handler:
+        raise ValueError("warm-up events need a handler to call")
+    for i, event in enumerate(events):
+        try:
+            _reply_bytes(handler(event))
+        except Exception as e:
+            raise RuntimeError("warm-up event %d failed: %s" % (i, e)) from e
+    reply = {"imported": sorted(set(sys.modules) - before), "handler": name,
+             "warmed": len(events)}
     return handler, json.dumps(reply).encode()
+
+
+def _list(spec, key):
+    value = spec.get(key) or []
+    if not isinstance(value, list):
+        raise ValueError("%s is a list" % key)
+    return value
+
+
+def _warmup_event(i, e):
+    """Warm-up event ``i`` as bytes: a string (UTF-8) or ``{"base64": "..."}``."""
+    if isinstance(e, str):
+        return e.encode("utf-8")
+    if isinstance(e, dict) and set(e) == {"base64"} and isinstance(e["base64"], str):
+        import base64
+        import binascii
+
+        try:
+            return base64.b64decode(e["base64"], validate=True)
+        except binascii.Error as err:
+            raise ValueError("warm-up event %d: bad base64: %s" % (i, err)) from None
+    raise ValueError('warm-up event %d is neither a string nor {"base64": "..."}' % i)
+
+
+def _reply_bytes(out):
+    """A handler's result as the bytes of its reply (``str`` is sent UTF-8)."""
+    if isinstance(out, str):
+        return out.encode()
+    if isinstance(out, int):
+        # bytes(5) would be five zero bytes, not what a handler returning 5 meant.
+        raise TypeError("a handler returns bytes or str, not int")
+    return bytes(out)
 
 
 def serve(handler=None):
@@ -160,9 +204,7 @@ def serve(handler=None):
                 handler, out = load(event, handler)
             else:
                 out = handler(event) if req.kind != KIND_PRIME else b""
-            if isinstance(out, str):
-                out = out.encode()
-            out = bytes(out)
+            out = _reply_bytes(out)
         except Exception:
             _fail(lib, traceback.format_exc())
             continue

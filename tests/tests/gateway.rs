@@ -346,5 +346,72 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     assert_eq!(a.status, 201, "{}", a.body);
     let a = gw.invoke("hello", r#"{"name": "again"}"#);
     assert_eq!(json(&a), serde_json::json!({"hello": "again"}));
+
+    // Warm-up events: the handler ran on them in the function's template, before it
+    // paused, so every clone starts from what they left (its `seen`), and each request
+    // still runs in a clone of its own with its own randomness.
+    let warm = serde_json::json!({
+        "source": WARMED,
+        "packages": ["json"],
+        "warmup": ["w1", {"base64": "dzI="}],
+    });
+    let a = gw.deploy("warm", warm);
+    assert_eq!(a.status, 201, "{}", a.body);
+    let replies: Vec<Answer> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..4)
+            .map(|i| {
+                let gw = &gw;
+                s.spawn(move || gw.invoke("warm", &format!("r{i}")))
+            })
+            .collect();
+        calls.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    let mut distinct = std::collections::HashSet::new();
+    for (i, a) in replies.iter().enumerate() {
+        assert_eq!(a.status, 200, "{}", a.body);
+        let v = json(a);
+        assert_eq!(
+            v["seen"],
+            serde_json::json!(["w1", "w2", format!("r{i}")]),
+            "{v}"
+        );
+        for key in ["urandom", "uuid", "random"] {
+            assert!(distinct.insert(v[key].to_string()), "{key} repeated: {v}");
+        }
+        let id = a.headers["x-forkvm-clone-id"].to_str().unwrap().to_string();
+        assert!(distinct.insert(id), "a clone served twice");
+    }
+    // A warm-up event that raises fails the deployment, naming the event.
+    let a = gw.deploy(
+        "warm-fails",
+        serde_json::json!({"source": WARMED, "warmup": ["w1", "fail"]}),
+    );
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert!(
+        a.body.contains("warm-up event 1 failed: refused") && a.body.contains("ValueError"),
+        "{}",
+        a.body
+    );
+    let a = gw.deploy(
+        "warm-bad",
+        serde_json::json!({"source": WARMED, "warmup": [{"base64": "%%"}]}),
+    );
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert!(a.body.contains("bad base64"), "{}", a.body);
     stop(&mut gw);
 }
+
+/// A handler that answers with every event it has seen (warm-up events included) and
+/// fresh randomness of each kind.
+const WARMED: &str = r#"
+import json, os, random, uuid
+
+seen = []
+
+def handler(event):
+    seen.append(event.decode())
+    if event == b"fail":
+        raise ValueError("refused")
+    return json.dumps({"seen": seen, "urandom": os.urandom(16).hex(),
+                       "uuid": str(uuid.uuid4()), "random": random.random()})
+"#;

@@ -263,7 +263,7 @@ fn function_load(imports: &[&str], source: &str) -> forkvm::Load {
     forkvm::Load {
         imports: packages(imports),
         source: Some(source.into()),
-        handler: None,
+        ..Default::default()
     }
 }
 

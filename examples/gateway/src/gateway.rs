@@ -10,7 +10,7 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use forkvm::{Error, ErrorKind, InvokeOptions, Load, Outcome, Template, Tier, ZygoteCache};
+use forkvm::{Error, ErrorKind, Event, InvokeOptions, Load, Outcome, Template, Tier, ZygoteCache};
 use serde::{Deserialize, Serialize};
 
 use crate::metrics::{ErrorLabels, InvocationLabels, Metrics, TierLabels};
@@ -47,6 +47,11 @@ pub struct FunctionSpec {
     /// Modules it imports (its zygote is chosen by them).
     #[serde(default)]
     pub packages: BTreeSet<String>,
+    /// Events its handler is called with in its template before the template pauses
+    /// (strings, or `{"base64": "..."}`): what a request touches is then already in
+    /// every clone's memory. Their side effects are in every clone too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warmup: Vec<Event>,
     /// Its limits.
     #[serde(default)]
     pub limits: Limits,
@@ -203,6 +208,7 @@ fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failu
         imports: spec.packages.clone(),
         source: Some(spec.source.clone()),
         handler: spec.handler.clone(),
+        warmup: spec.warmup.clone(),
     };
     Ok(Function {
         spec,
@@ -454,6 +460,19 @@ mod tests {
         let f = function_of(&["small".into()], spec.clone()).unwrap();
         assert_eq!(f.options.timeout_ms, Some(500));
         assert_eq!(f.load.handler, None);
+        assert!(f.load.warmup.is_empty());
+        let warm: FunctionSpec = serde_json::from_str(
+            r#"{"source": "x", "warmup": ["{\"n\": 1}", {"base64": "AAE="}]}"#,
+        )
+        .unwrap();
+        let f = function_of(&[], warm).unwrap();
+        assert_eq!(
+            f.load.warmup,
+            [Event::from(r#"{"n": 1}"#), Event::from(vec![0, 1])]
+        );
+        let bad: Result<FunctionSpec, _> =
+            serde_json::from_str(r#"{"source": "x", "warmup": [{"base64": "%"}]}"#);
+        assert!(bad.unwrap_err().to_string().contains("bad base64"));
         let mut other = spec.clone();
         other.limits.class = Some("big".into());
         assert!(function_of(&["small".into()], other).is_err());

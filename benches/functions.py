@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""Real functions in a fresh clone (issue 42), in the style of FunctionBench and SeBS:
+small Python handlers that do work, each request in a fresh clone of the function's
+template through forkvm-gateway, side by side in one run with the same source in a host
+Python zygote that forks per request (the SOCK mechanism, /usr/bin/python3, no VM).
+
+Each function is deployed twice: without a warm-up, and with one warm-up event (the
+request's own event: the handler runs on it in the template before it pauses). Requests
+to the two deployments and to the host zygote are interleaved, --runs of each. Rows: the
+client's request-to-reply time (min / median / p99), its ratio to the host zygote's
+median, and the template VMM's split from the answer's headers: clone (x-forkvm-clone-us),
+handler (x-forkvm-handler-us), total (x-forkvm-total-us).
+
+usage: benches/functions.py [--runs N] [--only a,b] [--json OUT] [--plot PNG]
+
+--json writes every sample; --plot draws the medians and p99s (matplotlib,
+python3-matplotlib), read from the run or from --from-json.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+from clone import pct
+from faas import HOST_PYTHON, Gateway, head
+
+
+def _doc():
+    """A JSON document of about 100 KiB: records of mixed types."""
+    rows = [{"id": i, "name": f"user-{i:05d}", "score": (i * 7919) % 1000 / 7.0,
+             "tags": ["a", "bb", "ccc"][: i % 4], "active": i % 3 == 0}
+            for i in range(1150)]
+    return json.dumps({"rows": rows}).encode()
+
+
+# name: (source, event, packages). Each handler takes the event (bytes) and returns
+# bytes or str.
+FUNCTIONS = {
+    "constant": ("def handler(event):\n    return b'ok'\n", b"", ()),
+    "float": ("""
+import math
+
+def handler(event):
+    n = int(event)
+    s = 0.0
+    for i in range(1, n):
+        x = i * 0.001
+        s += math.sin(x) * math.sqrt(x) / (1.0 + x * x)
+    return repr(s)
+""", b"20000", ()),
+    "cipher": ("""
+def xtea(block, key, rounds=32):
+    v0, v1 = block
+    s, delta, mask = 0, 0x9E3779B9, 0xFFFFFFFF
+    for _ in range(rounds):
+        v0 = (v0 + ((((v1 << 4) ^ (v1 >> 5)) + v1) ^ (s + key[s & 3]))) & mask
+        s = (s + delta) & mask
+        v1 = (v1 + ((((v0 << 4) ^ (v0 >> 5)) + v0) ^ (s + key[(s >> 11) & 3]))) & mask
+    return v0, v1
+
+def handler(event):
+    key = (1, 2, 3, 4)
+    out = bytearray()
+    for i in range(0, len(event) - 7, 8):
+        a, b = xtea((int.from_bytes(event[i:i + 4], "little"),
+                     int.from_bytes(event[i + 4:i + 8], "little")), key)
+        out += a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    return bytes(out)
+""", bytes(i % 251 for i in range(2048)), ()),
+    "json": ("""
+import json
+
+def handler(event):
+    doc = json.loads(event)
+    doc["rows"].sort(key=lambda r: (-r["score"], r["name"]))
+    return json.dumps(doc, sort_keys=True)
+""", _doc(), ("json",)),
+    "sha256": ("""
+import hashlib
+
+def handler(event):
+    h = event
+    for _ in range(2000):
+        h = hashlib.sha256(h).digest()
+    return h.hex()
+""", b"seed", ("hashlib",)),
+    "random": ("""
+import os, uuid
+
+def handler(event):
+    return os.urandom(32).hex() + " " + " ".join(str(uuid.uuid4()) for _ in range(8))
+""", b"", ("uuid",)),
+    "tmpfile": ("""
+import os
+
+def handler(event):
+    path = "/tmp/forkvm-bench-%d" % os.getpid()
+    data = event * 64
+    with open(path, "wb") as f:
+        f.write(data)
+    with open(path, "rb") as f:
+        back = f.read()
+    os.unlink(path)
+    return str(len(back) if back == data else -1)
+""", bytes(range(256)) * 4, ()),
+    "payload": ("def handler(event):\n    return event[::-1]\n",
+                bytes(i % 253 for i in range(1 << 20)), ()),
+    "alloc": ("""
+def handler(event):
+    buf = bytearray(32 << 20)
+    for i in range(0, len(buf), 4096):
+        buf[i] = i & 0xFF
+    return str(sum(buf[::4096]))
+""", b"", ()),
+    "numpy": ("""
+import numpy
+
+def handler(event):
+    a = numpy.arange(128 * 128, dtype=numpy.float64).reshape(128, 128) / 1000.0
+    return repr(round(float((a @ a.T).trace()), 3))
+""", b"", ("numpy",)),
+    "template": ("""
+import string
+
+ROW = string.Template("<tr><td>$id</td><td>$name</td><td>$score</td></tr>")
+
+def handler(event):
+    rows = [ROW.substitute(id=i, name="user-%d" % i, score=i * 3 % 100) for i in range(2000)]
+    return "<table>" + "".join(rows) + "</table>"
+""", b"", ("string",)),
+    "lazy-import": ("""
+def handler(event):
+    import statistics
+    return repr(statistics.median([3, 1, 4, 1, 5, 9, 2, 6]))
+""", b"", ()),
+}
+
+
+HOST_RUNNER = r'''
+import importlib, os, socket, struct, sys, types
+path, packages, source = sys.argv[1], sys.argv[2], sys.stdin.read()
+for p in filter(None, packages.split(",")):
+    importlib.import_module(p)
+module = types.ModuleType("forkvm_function")
+sys.modules["forkvm_function"] = module
+exec(compile(source, "<forkvm_function>", "exec"), module.__dict__)
+handler = module.handler
+
+def recv_exact(conn, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+srv = socket.socket(socket.AF_UNIX)
+srv.bind(path); srv.listen(64)
+print("ready", flush=True)
+while True:
+    conn, _ = srv.accept()
+    pid = os.fork()
+    if pid == 0:
+        srv.close()
+        (n,) = struct.unpack("<I", recv_exact(conn, 4))
+        out = handler(recv_exact(conn, n))
+        if isinstance(out, str):
+            out = out.encode()
+        conn.sendall(struct.pack("<I", len(out)) + out)
+        os._exit(0)
+    conn.close()
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+'''
+
+
+class HostFunction:
+    """The function's source loaded in a host Python process (its packages imported,
+    its module run) that forks a child per request to call the handler."""
+
+    def __init__(self, tmp, name, source, packages):
+        self.path = os.path.join(tmp, name + ".sock")
+        self.p = subprocess.Popen([HOST_PYTHON, "-c", HOST_RUNNER, self.path,
+                                   ",".join(packages)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE)
+        self.p.stdin.write(source.encode())
+        self.p.stdin.close()
+        if self.p.stdout.readline() != b"ready\n":
+            sys.exit(f"the host zygote of {name} did not start (python3-numpy installed?)")
+
+    def call(self, event):
+        """(seconds, reply)."""
+        t0 = time.perf_counter()
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(self.path)
+            s.sendall(struct.pack("<I", len(event)) + event)
+            head = b""
+            while len(head) < 4:
+                chunk = s.recv(4 - len(head))
+                if not chunk:
+                    sys.exit("the host zygote's child died")
+                head += chunk
+            (n,) = struct.unpack("<I", head)
+            out = bytearray()
+            while len(out) < n:
+                chunk = s.recv(n - len(out))
+                if not chunk:
+                    sys.exit("the host zygote's child died")
+                out += chunk
+        return time.perf_counter() - t0, bytes(out)
+
+    def stop(self):
+        self.p.kill()
+        self.p.wait()
+
+
+def deploy(gw, name, source, packages, warmup):
+    spec = {"source": source, "packages": list(packages)}
+    if warmup is not None:
+        spec["warmup"] = [{"base64": __import__("base64").b64encode(warmup).decode()}]
+    status, _, data, _ = gw.request("PUT", f"/functions/{name}", json.dumps(spec).encode())
+    if status not in (200, 201):
+        sys.exit(f"deploy {name}: {status} {data[:400]!r}")
+
+
+def invoke(gw, name, event):
+    """(client ms, clone ms, handler ms, total ms, reply)."""
+    status, h, data, t = gw.request("POST", f"/functions/{name}", event)
+    if status != 200:
+        sys.exit(f"invoke {name}: {status} {data[:400]!r}")
+    us = [int(h.get(f"x-forkvm-{k}-us", 0)) / 1e3 for k in ("clone", "handler", "total")]
+    return (t * 1e3, *us, data)
+
+
+def run(a):
+    names = a.only.split(",") if a.only else list(FUNCTIONS)
+    unknown = [n for n in names if n not in FUNCTIONS]
+    if unknown:
+        sys.exit(f"no such function: {unknown}; there are {list(FUNCTIONS)}")
+    gw = Gateway(["--load-timeout-s", "1800"], warm=a.warm)
+    results = {}
+    tmp = tempfile.mkdtemp(prefix="forkvm-functions-")
+    try:
+        for name in names:
+            source, event, packages = FUNCTIONS[name]
+            deploy(gw, name, source, packages, None)
+            deploy(gw, name + "-warm", source, packages, event)
+            host = HostFunction(tmp, name, source, packages)
+            try:
+                # The host's reply is the reference for both deployments' (a function
+                # with randomness in its reply is only checked for its length).
+                _, want = host.call(event)
+                series = {"cold": [], "warm": [], "host": []}
+                for _ in range(a.runs):
+                    for mode, fname in (("cold", name), ("warm", name + "-warm")):
+                        *times, reply = invoke(gw, fname, event)
+                        same = reply == want if name != "random" else len(reply) == len(want)
+                        if not same:
+                            sys.exit(f"{fname} answered {reply[:200]!r}, the host {want[:200]!r}")
+                        series[mode].append(times)
+                    series["host"].append([host.call(event)[0] * 1e3, 0, 0, 0])
+            finally:
+                host.stop()
+            results[name] = series
+            report(name, series)
+    finally:
+        gw.stop()
+    return results
+
+
+def report(name, series):
+    client = {m: [s[0] for s in xs] for m, xs in series.items()}
+    base = statistics.median(client["host"])
+    print(f"\n{name}: {len(client['host'])} requests of each, interleaved (ms)\n")
+    head("path", "min", "median", "p99", "vs host", "clone p50", "handler p50", "total p50")
+    for mode, label in (("cold", "fresh clone, no warm-up"),
+                        ("warm", "fresh clone, one warm-up event"),
+                        ("host", "host Python zygote, fork per request")):
+        xs = client[mode]
+        line = (f"| {label} | {min(xs):.2f} | {statistics.median(xs):.2f} | "
+                f"{pct(xs, 0.99):.2f} | {statistics.median(xs) / base:.1f}x |")
+        if mode == "host":
+            line += " - | - | - |"
+        else:
+            split = [statistics.median(s[k] for s in series[mode]) for k in (1, 2, 3)]
+            line += "".join(f" {v:.2f} |" for v in split)
+        print(line, flush=True)
+
+
+def summary(results):
+    print("\nall functions, client side (ms)\n")
+    head("function", "no warm-up p50", "p99", "warm-up p50", "p99", "host p50", "p99",
+         "warm-up / host")
+    for name, series in results.items():
+        c = {m: [s[0] for s in xs] for m, xs in series.items()}
+        med = {m: statistics.median(xs) for m, xs in c.items()}
+        print(f"| {name} | {med['cold']:.2f} | {pct(c['cold'], 0.99):.2f} | "
+              f"{med['warm']:.2f} | {pct(c['warm'], 0.99):.2f} | {med['host']:.2f} | "
+              f"{pct(c['host'], 0.99):.2f} | {med['warm'] / med['host']:.1f}x |")
+
+
+def plot(results, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    modes = (("cold", "fresh clone, no warm-up"), ("warm", "fresh clone, warm-up"),
+             ("host", "host zygote, fork"))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.27
+    for i, (mode, label) in enumerate(modes):
+        xs = [j + (i - 1) * width for j in range(len(names))]
+        med = [statistics.median(s[0] for s in results[n][mode]) for n in names]
+        p99 = [pct([s[0] for s in results[n][mode]], 0.99) for n in names]
+        ax.bar(xs, med, width, label=label)
+        ax.scatter(xs, p99, marker="_", color="black", zorder=3)
+    ax.set_yscale("log")
+    ax.set_ylabel("request to reply, ms (bar: median, dash: p99)")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.legend()
+    ax.set_title("Real Python functions: a fresh clone per request vs a host zygote's fork")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"\nplot: {png}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=100, help="requests of each kind per function")
+    ap.add_argument("--only", default="", help="comma-separated function names")
+    ap.add_argument("--warm", type=int, default=2, help="the gateway's --warm-clones")
+    ap.add_argument("--json", help="write every sample to this file")
+    ap.add_argument("--from-json", help="report and plot a run saved with --json")
+    ap.add_argument("--plot", help="draw the figures to this PNG (matplotlib)")
+    a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            results = json.load(f)
+        for name, series in results.items():
+            report(name, series)
+    else:
+        results = run(a)
+    summary(results)
+    if a.json and not a.from_json:
+        with open(a.json, "w") as f:
+            json.dump(results, f)
+    if a.plot:
+        plot(results, a.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,8 @@ client's request-to-reply time (min / median / p99), its ratio to the host zygot
 median, and the template VMM's split from the answer's headers: clone (x-forkvm-clone-us),
 handler (x-forkvm-handler-us), total (x-forkvm-total-us).
 
-usage: benches/functions.py [--runs N] [--only a,b] [--json OUT] [--plot PNG]
+usage: benches/functions.py [--runs N] [--only a,b] [--warm N] [--bin-dir DIR]
+                            [--base-snapshot DIR] [--json OUT] [--plot PNG]
 
 --json writes every sample; --plot draws the medians and p99s (matplotlib,
 python3-matplotlib), read from the run or from --from-json.
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 
+import faas
 from clone import pct
 from faas import HOST_PYTHON, Gateway, head
 
@@ -226,7 +228,7 @@ class HostFunction:
 
 
 def deploy(gw, name, source, packages, warmup):
-    spec = {"source": source, "packages": list(packages)}
+    spec = {"source": source, "packages": list(packages), "limits": {"timeout_ms": 300_000}}
     if warmup is not None:
         spec["warmup"] = [{"base64": __import__("base64").b64encode(warmup).decode()}]
     status, _, data, _ = gw.request("PUT", f"/functions/{name}", json.dumps(spec).encode())
@@ -248,7 +250,12 @@ def run(a):
     unknown = [n for n in names if n not in FUNCTIONS]
     if unknown:
         sys.exit(f"no such function: {unknown}; there are {list(FUNCTIONS)}")
-    gw = Gateway(["--load-timeout-s", "1800"], warm=a.warm)
+    if a.bin_dir:
+        faas.GATEWAY = os.path.join(a.bin_dir, "forkvm-gateway")
+    extra = ["--load-timeout-s", "1800"]
+    if a.base_snapshot:
+        extra += ["--base-snapshot", a.base_snapshot]
+    gw = Gateway(extra, warm=a.warm)
     results = {}
     tmp = tempfile.mkdtemp(prefix="forkvm-functions-")
     try:
@@ -343,6 +350,11 @@ def main():
     ap.add_argument("--runs", type=int, default=100, help="requests of each kind per function")
     ap.add_argument("--only", default="", help="comma-separated function names")
     ap.add_argument("--warm", type=int, default=2, help="the gateway's --warm-clones")
+    ap.add_argument("--bin-dir", help="where forkvm-gateway and vmm are (default "
+                    "target/release)")
+    ap.add_argument("--base-snapshot", help="the gateway's --base-snapshot: its base "
+                    "template restored from there instead of booted (saved there the first "
+                    "time)")
     ap.add_argument("--json", help="write every sample to this file")
     ap.add_argument("--from-json", help="report and plot a run saved with --json")
     ap.add_argument("--plot", help="draw the figures to this PNG (matplotlib)")

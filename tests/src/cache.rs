@@ -155,6 +155,9 @@ pub fn entry(boot: &CachedBoot<'_>) -> PathBuf {
         "clone/src",
         "vmm/src/device_manager",
         "vmm/src/snapshot",
+        // What a booted guest was shown (CPUID, MSRs) decides how its kernel patched
+        // itself at boot (docs/guest-kernel.md): a change there needs new snapshots.
+        "vmm/src/arch",
     ] {
         hash_sources(&mut h, &root, &root.join(dir));
     }

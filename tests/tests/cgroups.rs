@@ -459,18 +459,22 @@ fn a_clone_over_its_memory_limit_is_oom_killed_and_reported() {
 }
 
 #[test]
-fn a_half_cpu_quota_is_enforced() {
+fn a_quarter_cpu_quota_is_enforced() {
     if !kvm_and_root_available("cgroups_cpu_quota") {
         return;
     }
     let scratch = Scratch::new("cg-cpu");
     let parent = Parent::new("cpu");
+    // A quarter of a CPU, not a half: on a 2-core host that other work keeps busy
+    // (a CPU hog, other tests) a spinning clone gets about half a CPU anyway, so a half
+    // quota was never reached and nothing told it from the unlimited clone (a hog run
+    // failed so). A quarter binds until more than eight things spin on the two cores.
     let mut vm = template(
         &scratch,
         "busy=1 beat=100",
         &[
             "--cgroup-class",
-            "half:cpu=0.5",
+            "quarter:cpu=0.25",
             "--cgroup-class",
             "whole",
             "--cgroup-parent",
@@ -481,7 +485,7 @@ fn a_half_cpu_quota_is_enforced() {
     vm.wait_api(BOOT);
     // Paused, the template spins no more: the two clones have the machine's two CPUs.
     assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
-    let half = fork(&vm, r#"{"resource_class":"half"}"#).remove(0);
+    let quarter = fork(&vm, r#"{"resource_class":"quarter"}"#).remove(0);
     let whole = fork(&vm, r#"{"resource_class":"whole"}"#).remove(0);
     let usage = |c: &Value, key: &str| {
         clone_by_id(&vm, c["id"].as_str().unwrap())["cgroup"]["usage"][key]
@@ -491,35 +495,49 @@ fn a_half_cpu_quota_is_enforced() {
     let used = |c: &Value| usage(c, "cpu_us");
     let throttled = |c: &Value| usage(c, "cpu_throttled_us");
     std::thread::sleep(Duration::from_millis(500));
-    // The quota holds in every window, and acts in one at least while the half clone
+    // The quota holds in every window, and acts in one at least while the limited clone
     // runs: the kernel holds it back (its throttled time grows), or the unlimited clone
     // gets clearly more. The second needs a free CPU, which a shared host does not
-    // promise; the first needs the half clone to reach its quota in some period, which
-    // a host busy enough may not let it. Up to 5 windows of 2 s.
+    // promise; the first needs the limited clone to reach its quota in some period,
+    // which a host busy enough may not let it. Up to 5 windows of 2 s.
     let mut windows = Vec::new();
     for _ in 0..5 {
-        let (h0, w0, ht0, t0) = (used(&half), used(&whole), throttled(&half), Instant::now());
+        let (q0, w0, qt0, t0) = (
+            used(&quarter),
+            used(&whole),
+            throttled(&quarter),
+            Instant::now(),
+        );
         std::thread::sleep(Duration::from_secs(2));
-        let (h1, w1, ht1, wall) = (used(&half), used(&whole), throttled(&half), t0.elapsed());
+        let (q1, w1, qt1, wall) = (
+            used(&quarter),
+            used(&whole),
+            throttled(&quarter),
+            t0.elapsed(),
+        );
         let wall_us = wall.as_micros() as f64;
-        let half_share = (h1 - h0) as f64 / wall_us;
+        let quarter_share = (q1 - q0) as f64 / wall_us;
         let whole_share = (w1 - w0) as f64 / wall_us;
-        let held_back = (ht1 - ht0) as f64 / wall_us;
+        let held_back = (qt1 - qt0) as f64 / wall_us;
         eprintln!(
-            "CPU share over {wall:?}: half {half_share:.2} (held back {held_back:.2}), \
+            "CPU share over {wall:?}: quarter {quarter_share:.2} (held back {held_back:.2}), \
              whole {whole_share:.2}"
         );
-        assert!(half_share <= 0.6, "quota 0.5 not enforced: {half_share:.2}");
-        windows.push((half_share, held_back, whole_share));
-        if half_share > 0.2 && (held_back > 0.0 || whole_share > half_share * 1.3) {
+        assert!(
+            quarter_share <= 0.35,
+            "quota 0.25 not enforced: {quarter_share:.2}"
+        );
+        windows.push((quarter_share, held_back, whole_share));
+        if quarter_share > 0.1 && (held_back > 0.0 || whole_share > quarter_share * 1.3) {
             break;
         }
     }
-    let &(half_share, held_back, whole_share) = windows.last().unwrap();
+    let &(quarter_share, held_back, whole_share) = windows.last().unwrap();
     assert!(
-        half_share > 0.2 && (held_back > 0.0 || whole_share > half_share * 1.3),
-        "the half clone should run, and be held back by its quota or get clearly less than \
-         the unlimited one, in one window at least (half, held back, whole): {windows:.2?}"
+        quarter_share > 0.1 && (held_back > 0.0 || whole_share > quarter_share * 1.3),
+        "the limited clone should run, and be held back by its quota or get clearly less \
+         than the unlimited one, in one window at least (quarter, held back, whole): \
+         {windows:.2?}"
     );
     assert_eq!(
         throttled(&whole),

@@ -43,7 +43,11 @@ const fn f(leaf: u32, subleaf: u32, reg: Reg, bit: u8, name: &'static str) -> Fe
 
 /// Features a guest must not use on a PVM host: its instruction emulator stops the VM on
 /// them (CMPXCHG16B, which SLUB uses when `cx16` is present; POPCNT; XRSTOR; ...), or
-/// they touch state it does not virtualise (docs/guest-kernel.md).
+/// they touch state it does not virtualise (docs/guest-kernel.md). And two it had better
+/// not: with `erms` and `fsrm` Linux clears and copies pages with byte-wise `rep stosb`
+/// and `rep movsb`, which the emulator runs 4,096 iterations a page; without them it
+/// uses `rep stosq` and `rep movsq` (512), and a guest page fault or a 4 KiB copy to or
+/// from user memory costs about a third (measured in docs/invoke.md).
 pub const PVM_HIDDEN_FEATURES: &[FeatureBit] = &[
     f(1, 0, Reg::Ecx, 13, "cx16"),
     f(1, 0, Reg::Ecx, 17, "pcid"),
@@ -53,6 +57,7 @@ pub const PVM_HIDDEN_FEATURES: &[FeatureBit] = &[
     f(1, 0, Reg::Ecx, 30, "rdrand"),
     f(7, 0, Reg::Ebx, 0, "fsgsbase"),
     f(7, 0, Reg::Ebx, 7, "smep"),
+    f(7, 0, Reg::Ebx, 9, "erms"),
     f(7, 0, Reg::Ebx, 10, "invpcid"),
     f(7, 0, Reg::Ebx, 18, "rdseed"),
     f(7, 0, Reg::Ebx, 20, "smap"),
@@ -61,6 +66,7 @@ pub const PVM_HIDDEN_FEATURES: &[FeatureBit] = &[
     f(7, 0, Reg::Ecx, 2, "umip"),
     f(7, 0, Reg::Ecx, 3, "pku"),
     f(7, 0, Reg::Ecx, 22, "rdpid"),
+    f(7, 0, Reg::Edx, 4, "fsrm"),
 ];
 
 /// KVM's paravirtual feature leaf.

@@ -5,10 +5,11 @@
 //! snapshot directory, the gateway restores the base template from the snapshot made
 //! of the same inputs, or boots it and saves one there for the next start (and for the
 //! supervisor's restarts). A snapshot is named by a SHA-256 over its inputs: the bytes
-//! of the kernel and the root image, the guest's command line, its memory, and the
-//! further `vmm run` options. Hashing an image is remembered in `DIR/inputs.json` by
-//! its path, size, inode and modification time, so a restart with the same files does
-//! not read them again.
+//! of the kernel, the root image and the `vmm` program (what a guest was shown, CPUID
+//! among it, decided how its kernel set itself up at boot, so a new `vmm` boots and
+//! saves anew), the guest's command line, its memory, and the further `vmm run`
+//! options. Hashing a file is remembered in `DIR/inputs.json` by its path, size, inode
+//! and modification time, so a restart with the same files does not read them again.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -20,14 +21,15 @@ use forkvm::{Template, TemplateSpec};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// What a saved base template depends on, besides the `vmm` that restores it (a
-/// snapshot of another format is refused by the restore, and booted again).
+/// What a saved base template depends on.
 #[derive(Debug, Clone)]
 pub struct Inputs {
     /// The guest kernel.
     pub kernel: PathBuf,
     /// The root image.
     pub rootfs: PathBuf,
+    /// The `vmm` program that boots it (a bare name is looked up in `PATH`).
+    pub vmm: PathBuf,
     /// The guest's command line.
     pub cmdline: String,
     /// Guest memory in MiB.
@@ -120,7 +122,8 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
         .unwrap_or_default();
     let remembered = memo.clone();
     let mut h = Sha256::new();
-    for path in [&inputs.kernel, &inputs.rootfs] {
+    let vmm = program_path(&inputs.vmm);
+    for path in [&inputs.kernel, &inputs.rootfs, &vmm] {
         let sha = file_hash(path, &mut memo).map_err(|source| SnapshotDirError::Input {
             path: path.clone(),
             source,
@@ -139,6 +142,20 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
         remember(dir, &memo);
     }
     Ok(hex(&h.finalize())[..16].to_string())
+}
+
+/// `program` as a path: itself when it names a directory, else the first match in
+/// `PATH` (itself again when there is none: hashing it then fails, naming it).
+fn program_path(program: &Path) -> PathBuf {
+    if program.components().count() > 1 {
+        return program.to_path_buf();
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| program.to_path_buf())
 }
 
 /// Writes `memo` to `dir`'s [`MEMO`] (through a temporary file and a rename). The memo
@@ -295,9 +312,12 @@ mod tests {
         let rootfs = dir.join("rootfs");
         std::fs::write(&kernel, b"kernel bytes").unwrap();
         std::fs::write(&rootfs, b"rootfs bytes").unwrap();
+        let vmm = dir.join("vmm");
+        std::fs::write(&vmm, b"vmm bytes").unwrap();
         Inputs {
             kernel,
             rootfs,
+            vmm,
             cmdline: "console=ttyS0".into(),
             mem_mib: 256,
             vmm_args: vec![],
@@ -316,7 +336,7 @@ mod tests {
         assert_eq!(mode, 0o700);
         let memo: BTreeMap<PathBuf, Hashed> =
             serde_json::from_slice(&std::fs::read(dir.join(MEMO)).unwrap()).unwrap();
-        assert_eq!(memo.len(), 2);
+        assert_eq!(memo.len(), 3);
         // Named again from the memo, which is not written again.
         let written = std::fs::metadata(dir.join(MEMO)).unwrap().ino();
         assert_eq!(snapshot_name(&dir, &i).unwrap(), name);
@@ -332,6 +352,11 @@ mod tests {
             vmm_args: vec!["--no-prime".into()],
             ..i.clone()
         };
+        assert_ne!(snapshot_name(&dir, &other).unwrap(), name);
+        // Another vmm program: another snapshot (what it shows a guest may differ).
+        let vmm = files.path().join("vmm2");
+        std::fs::write(&vmm, b"vmm BYTES").unwrap();
+        let other = Inputs { vmm, ..i.clone() };
         assert_ne!(snapshot_name(&dir, &other).unwrap(), name);
         std::fs::write(&i.rootfs, b"rootfs BYTES").unwrap();
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(1);
@@ -352,6 +377,15 @@ mod tests {
         };
         let e = snapshot_name(&dir, &gone).unwrap_err();
         assert!(e.to_string().contains("nope"), "{e}");
+    }
+
+    #[test]
+    fn a_bare_program_name_is_found_in_path() {
+        let sh = program_path(Path::new("sh"));
+        assert!(sh.is_absolute() && sh.is_file(), "{}", sh.display());
+        assert_eq!(program_path(Path::new("./vmm")), Path::new("./vmm"));
+        let none = Path::new("forkvm-no-such-program");
+        assert_eq!(program_path(none), none);
     }
 
     #[test]

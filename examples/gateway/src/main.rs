@@ -155,6 +155,7 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     let inputs = base::Inputs {
         kernel: args.kernel.clone(),
         rootfs: args.rootfs.clone(),
+        vmm: spec.vmm.clone(),
         cmdline,
         mem_mib: args.mem_mib,
         vmm_args: args.vmm_args.clone(),

@@ -8,7 +8,11 @@ or, from the command line (the image's init runs this with ``forkvm.run=``):
     python3 -m forkvm MODULE:FUNCTION
     python3 -m forkvm              # a zygote: no handler until one is loaded
 
-``serve`` imports nothing more and maps the mailbox (libforkvm, through ctypes), then
+``serve`` grows the C heap by ``FORKVM_HEAP_MIB`` MiB (default 32; 0: none), touches
+it and keeps it (no trimming, no allocation mapped on its own), so that a request's
+allocations in a clone take no guest page fault; ``python3 -m forkvm`` also runs Python
+on that heap (``PYTHONMALLOC=malloc``, unless set). It imports nothing more and maps the
+mailbox (libforkvm, through ctypes), then
 waits on the invoke port: in a template the VM pauses there, and each invocation wakes
 a fresh clone with the request already in its memory. The handler gets the payload as
 ``bytes`` and returns ``bytes`` or ``str`` (sent UTF-8). Before each call, Python's
@@ -169,6 +173,47 @@ def _reply_bytes(out):
     return bytes(out)
 
 
+# glibc's mallopt parameters.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def _heap_mib():
+    """The pre-faulted heap's size, ``FORKVM_HEAP_MIB`` (default 32; 0: none)."""
+    import os
+
+    text = os.environ.get("FORKVM_HEAP_MIB", "32")
+    try:
+        mib = int(text)
+    except ValueError:
+        mib = -1
+    if not 0 <= mib <= 65536:
+        raise ValueError("FORKVM_HEAP_MIB is a number of MiB from 0 to 65536, not %r" % text)
+    return mib
+
+
+def _prefault_heap(mib):
+    """Grows the C heap by ``mib`` MiB, touches every page of it and keeps it: trimming
+    off, and no allocation served by a mapping of its own. In the template, so that in
+    a clone the memory a request allocates is already mapped and written: no guest page
+    fault on its way (each one is kernel work, emulated on a PVM host)."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt(_M_MMAP_MAX, 0)
+    libc.mallopt(_M_TRIM_THRESHOLD, 0x7FFFFFFF)
+    if mib == 0:
+        return
+    n = mib << 20
+    p = libc.malloc(n)
+    if not p:
+        raise MemoryError("forkvm: cannot grow the heap by %d MiB (FORKVM_HEAP_MIB)" % mib)
+    ctypes.memset(p, 1, n)
+    libc.free(p)
+
+
 def serve(handler=None):
     """Serve ``handler(event: bytes) -> bytes | str`` forever (None: a zygote, which
     serves once a load request gave it a handler)."""
@@ -187,6 +232,7 @@ def serve(handler=None):
     # Touch the serving path once in the template (not the handler): a clone then
     # finds it in memory, with no guest page fault on the way to the handler.
     random.seed(bytes(32))
+    _prefault_heap(_heap_mib())
     ctypes.string_at(lib.forkvm_reply_buffer(None), 0)
     print("forkvm.serve: ready (%d bytes fit the mailbox)" % capacity, file=sys.stderr, flush=True)
     # A template's warm clones run this loop once before their request (a prime request:
@@ -216,6 +262,15 @@ def serve(handler=None):
 
 
 def main(argv):
+    import os
+
+    # Python's own allocator takes its arenas straight from mmap and gives empty ones
+    # back, so a clone would fault them in anew: run on the C heap, which serve()
+    # pre-faults. Set before the interpreter starts, hence the exec (a PYTHONMALLOC the
+    # caller chose is kept).
+    if "PYTHONMALLOC" not in os.environ:
+        os.environ["PYTHONMALLOC"] = "malloc"
+        os.execv(sys.executable, [sys.executable, "-m", "forkvm"] + argv[1:])
     if len(argv) == 1:
         serve(None)
         return 0

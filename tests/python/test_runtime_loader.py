@@ -79,5 +79,24 @@ class Loader(unittest.TestCase):
         self.assertIn("unknown keys in the load request: warm", str(e.exception))
 
 
+class Heap(unittest.TestCase):
+    def test_the_heap_size_comes_from_the_environment_and_bad_ones_say_why(self):
+        old = os.environ.pop("FORKVM_HEAP_MIB", None)
+        try:
+            self.assertEqual(forkvm._heap_mib(), 32)
+            for text, mib in [("0", 0), ("128", 128)]:
+                os.environ["FORKVM_HEAP_MIB"] = text
+                self.assertEqual(forkvm._heap_mib(), mib)
+            for bad in ["", "x", "-1", "65537"]:
+                os.environ["FORKVM_HEAP_MIB"] = bad
+                with self.assertRaises(ValueError) as e:
+                    forkvm._heap_mib()
+                self.assertIn("FORKVM_HEAP_MIB is a number of MiB", str(e.exception))
+        finally:
+            os.environ.pop("FORKVM_HEAP_MIB", None)
+            if old is not None:
+                os.environ["FORKVM_HEAP_MIB"] = old
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -20,6 +20,7 @@ python3-matplotlib), read from the run or from --from-json.
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import struct
@@ -283,6 +284,7 @@ def run(a):
             report(name, series)
     finally:
         gw.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     return results
 
 

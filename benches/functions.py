@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Real functions in a fresh clone (issue 42), in the style of FunctionBench and SeBS:
+"""Real functions in a fresh clone, in the style of FunctionBench and SeBS:
 small Python handlers that do work, each request in a fresh clone of the function's
 template through forkvm-gateway, side by side in one run with the same source in a host
 Python zygote that forks per request (the SOCK mechanism, /usr/bin/python3, no VM).

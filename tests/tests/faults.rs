@@ -1,4 +1,4 @@
-//! Faults injected into a running template (issue 23): a full socket or overlay
+//! Faults injected into a running template: a full socket or overlay
 //! directory, too few file descriptors, and a SIGKILL at any moment of a clone request.
 //! For each: what the caller sees, that the template keeps serving, and that nothing is
 //! left behind. Tiny guest, so each boot takes a second or two.

@@ -1,4 +1,4 @@
-//! A malicious guest (issue 23): the tiny guest's `hostile=N` mode has every vCPU write
+//! A malicious guest: the tiny guest's `hostile=N` mode has every vCPU write
 //! random values to random ports of forkvm's range and read them back (the clone port,
 //! the CRNG registration, the probe, identity, clock and entropy ports, the invoke
 //! reply and mailbox ports, and unused ones), at any offset. The VMM stays up and

@@ -1,4 +1,4 @@
-//! The `forkvm` library (issue 22's embedding layer) against the tiny guest: a template
+//! The `forkvm` library (the embedding layer) against the tiny guest: a template
 //! it starts and owns, invocations in fresh clones (many at once), errors typed by
 //! whose they are, and nothing left behind once the handle is gone.
 

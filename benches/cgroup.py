@@ -6,7 +6,7 @@ ops: per-operation cost at concurrency 1, 2, 4, 8 on this host's v1 hierarchy an
   migrate a process into it, remove it; take one from a pool and give it back; on v2,
   fork + migrate against clone3(CLONE_INTO_CGROUP). Back-to-back operations: the
   kernel's cgroup lock stays in its fast state, so a lone migration after an idle
-  period can cost more (see docs/benchmarks.md).
+  period can cost more (see docs/benchmarks/isolation.md).
 clone: clone latency (request reaching the VMM to the clone's vCPU 0 in the guest) of a
   running 128 MiB tiny template without cgroups, with pooled cgroups, and with a fresh
   cgroup per clone (--cgroup-pool-size 0: created at the request, removed at exit), on

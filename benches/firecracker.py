@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """forkvm beside Firecracker: from nothing running to a guest that answers, for a snapshot
-restore in each VMM and for a forkvm clone, side by side in one run (docs/benchmarks.md).
+restore in each VMM and for a forkvm clone, side by side in one run (docs/benchmarks/snapshots.md).
 
 Firecracker is not part of forkvm, and this script neither fetches nor builds it: pass a
 `firecracker` binary built from its source (--firecracker BIN). The same guest images,

@@ -29,14 +29,29 @@ object: ``imports``, module names to import; ``source``, Python source run as th
 module ``forkvm_function``; ``handler``, the name in it (or ``MODULE:FUNCTION``) that
 serves from then on; ``warmup``, events (a string, sent UTF-8, or ``{"base64": ...}``)
 the handler is called with once each before the template pauses, so that what a
-request touches is already in the memory every clone starts from. Each is optional.
+request touches is already in the memory every clone starts from; ``env``, variables
+set in ``os.environ`` before anything else runs (strings; the function's configuration
+and secrets); ``logs``, true to capture what each invocation prints. Each is optional.
 The reply is a JSON object: the modules that were newly imported, the handler now
 served and the warm-up events run. A failure is a 500 with its traceback, and the
 clone is then no template.
+
+**With logs** (``"logs": true``), what the handler writes to ``sys.stdout`` and
+``sys.stderr`` (``print``, and ``logging``, whose handlers write there) during an
+invocation is kept, its last ``LOG_LIMIT`` characters, and every invocation is answered
+with an **envelope** (the VMM's 200) that the caller unpacks: ``ENVELOPE_MAGIC``, a
+4-byte little-endian length, that many bytes of a JSON header ``{"status": "ok" |
+"error" | "timeout", "body": N, "logs": M, "logs_dropped": D}``, then N bytes of body
+(the reply, or for an error the traceback) and M bytes of logs (UTF-8). An invocation
+still running shortly before its time limit (``timeout_ms`` less a tenth, at least
+50 ms) is interrupted (SIGALRM, raised between Python instructions, so not inside a
+long C call) and answered with ``"timeout"`` and its logs; one that does not return
+even then meets the VMM's own time limit (504, no logs).
 """
 
 import ctypes
 import importlib
+import io
 import random
 import sys
 import traceback
@@ -84,6 +99,165 @@ def _library():
 _lib = None
 
 
+# An envelope's first bytes (with logs, above).
+ENVELOPE_MAGIC = b"FKVMENV1"
+# Characters of one invocation's output kept with logs: its last ones.
+LOG_LIMIT = 64 << 10
+# A function's options from its load request: whether invocations are answered with
+# their logs in an envelope.
+_options = {"logs": False}
+# The running invocation's log, when it has one.
+_current_log = None
+
+
+class _Log:
+    """One invocation's output: its last ``LOG_LIMIT`` characters, and how many more
+    were dropped before them."""
+
+    def __init__(self):
+        self.parts = []
+        self.size = 0
+        self.dropped = 0
+
+    def write(self, text):
+        self.parts.append(text)
+        self.size += len(text)
+        while self.size > LOG_LIMIT:
+            over = self.size - LOG_LIMIT
+            first = self.parts[0]
+            if len(first) <= over:
+                self.parts.pop(0)
+                cut = len(first)
+            else:
+                self.parts[0] = first[over:]
+                cut = over
+            self.size -= cut
+            self.dropped += cut
+
+    def text(self):
+        return "".join(self.parts)
+
+
+class _Stream(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` of a function with logs: text written while an
+    invocation runs goes to its log, and to the original stream otherwise (the
+    template's own output, before it pauses)."""
+
+    def __init__(self, original):
+        super().__init__()
+        self.original = original
+
+    def write(self, text):
+        if not isinstance(text, str):
+            raise TypeError("write() argument must be str, not %s" % type(text).__name__)
+        log = _current_log
+        if log is None:
+            return self.original.write(text)
+        log.write(text)
+        return len(text)
+
+    def flush(self):
+        if _current_log is None:
+            self.original.flush()
+
+    def writable(self):
+        return True
+
+    @property
+    def encoding(self):
+        return getattr(self.original, "encoding", "utf-8")
+
+
+class _Timeout(BaseException):
+    """Raised in the handler shortly before its invocation's time limit (with logs).
+    Not an ``Exception``, so that a handler's ``except Exception`` does not take it."""
+
+
+def _on_alarm(signum, frame):
+    raise _Timeout()
+
+
+def _capture_logs():
+    """Turns logs on for this runtime: standard output and error become ``_Stream``s
+    (before the function's source runs, so a ``logging`` handler it makes writes to
+    them) and SIGALRM interrupts a handler near its time limit."""
+    import signal
+
+    if not isinstance(sys.stdout, _Stream):
+        sys.stdout = _Stream(sys.stdout)
+    if not isinstance(sys.stderr, _Stream):
+        sys.stderr = _Stream(sys.stderr)
+    signal.signal(signal.SIGALRM, _on_alarm)
+    _options["logs"] = True
+
+
+def _soft_limit_s(timeout_ms):
+    """When a handler with logs is interrupted: a tenth (at least 50 ms) before
+    ``timeout_ms``; None when there is no limit or no room for it."""
+    if timeout_ms <= 0:
+        return None
+    at = timeout_ms - max(50, timeout_ms // 10)
+    return at / 1000.0 if at > 0 else None
+
+
+def envelope(status, body, log, capacity):
+    """An invocation's answer with its logs (the module's docstring), in at most
+    ``capacity`` bytes: the logs' first characters are dropped to fit, and a body that
+    does not fit even alone becomes an error that says so."""
+    import json
+
+    def pack(status, body, logs, dropped):
+        head = json.dumps({"status": status, "body": len(body), "logs": len(logs),
+                           "logs_dropped": dropped}).encode()
+        return ENVELOPE_MAGIC + len(head).to_bytes(4, "little") + head + body + logs
+
+    text = log.text()
+    dropped = log.dropped
+    out = pack(status, body, text.encode("utf-8", "replace"), dropped)
+    if len(out) <= capacity:
+        return out
+    if len(pack(status, body, b"", dropped + len(text))) > capacity - 64:
+        status, body = "error", (
+            "forkvm: a reply of %d bytes does not fit the mailbox (%d bytes fit)"
+            % (len(body), capacity)).encode()
+    while len(out) > capacity and text:
+        cut = max(len(out) - capacity, len(text) // 8, 1)
+        text = text[cut:]
+        dropped += cut
+        out = pack(status, body, text.encode("utf-8", "replace"), dropped)
+    return out
+
+
+def call_with_logs(handler, event, timeout_ms, capacity):
+    """Calls ``handler(event)`` with its output captured and a soft time limit; returns
+    the envelope of its reply, its traceback, or its timeout, with its logs, in at
+    most ``capacity`` bytes."""
+    import signal
+
+    global _current_log
+    log = _Log()
+    limit = _soft_limit_s(timeout_ms)
+    _current_log = log
+    try:
+        if limit is not None:
+            signal.setitimer(signal.ITIMER_REAL, limit)
+        try:
+            out = _reply_bytes(handler(event))
+        finally:
+            if limit is not None:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        return envelope("ok", out, log, capacity)
+    except _Timeout:
+        text = "forkvm: the handler was still running %d ms into its %d ms limit\n" % (
+            limit * 1000, timeout_ms)
+        return envelope("timeout", text.encode(), log, capacity)
+    except Exception:
+        tb = traceback.format_exc().encode("utf-8", "replace")
+        return envelope("error", tb, log, capacity)
+    finally:
+        _current_log = None
+
+
 def clone_seq():
     """This VM's clone sequence number (0: not a clone)."""
     return _lib.forkvm_clone_seq() if _lib else 0
@@ -108,10 +282,19 @@ def load(spec, handler):
     spec = json.loads(spec or b"{}")
     if not isinstance(spec, dict):
         raise ValueError("a load request is a JSON object")
-    unknown = set(spec) - {"imports", "source", "handler", "warmup"}
+    unknown = set(spec) - {"imports", "source", "handler", "warmup", "env", "logs"}
     if unknown:
         raise ValueError("unknown keys in the load request: %s" % ", ".join(sorted(unknown)))
     events = [_warmup_event(i, e) for i, e in enumerate(_list(spec, "warmup"))]
+    env = _env(spec.get("env"))
+    logs = spec.get("logs", False)
+    if not isinstance(logs, bool):
+        raise ValueError("logs is true or false")
+    import os
+
+    os.environ.update(env)
+    if logs:
+        _capture_logs()
     before = set(sys.modules)
     for name in spec.get("imports") or []:
         importlib.import_module(name)
@@ -139,6 +322,20 @@ def load(spec, handler):
     reply = {"imported": sorted(set(sys.modules) - before), "handler": name,
              "warmed": len(events)}
     return handler, json.dumps(reply).encode()
+
+
+def _env(env):
+    """A load request's ``env``: an object of strings, names without ``=`` or NUL."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise ValueError("env is an object of strings")
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name:
+            raise ValueError("env: %r is no variable name" % name)
+        if not isinstance(value, str) or "\0" in value:
+            raise ValueError("env: %s is not a string without NUL" % name)
+    return env
 
 
 def _list(spec, key):
@@ -248,8 +445,12 @@ def serve(handler=None):
         try:
             if req.kind == KIND_LOAD:
                 handler, out = load(event, handler)
+            elif req.kind == KIND_PRIME:
+                out = b""
+            elif _options["logs"]:
+                out = call_with_logs(handler, event, req.timeout_ms, capacity)
             else:
-                out = handler(event) if req.kind != KIND_PRIME else b""
+                out = handler(event)
             out = _reply_bytes(out)
         except Exception:
             _fail(lib, traceback.format_exc())

@@ -98,5 +98,148 @@ class Heap(unittest.TestCase):
                 os.environ["FORKVM_HEAP_MIB"] = old
 
 
+LOGGING_SOURCE = """
+import logging, os, sys, time
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+log = logging.getLogger("fn")
+GREETING = os.environ.get("GREETING", "none")
+
+def handler(event):
+    print("got", event)
+    log.warning("careful")
+    if event == b"boom":
+        raise ValueError("no boom here")
+    if event == b"loop":
+        print("looping")
+        while True:
+            pass
+    if event == b"chatty":
+        for i in range(8000):
+            print("line %05d" % i)
+    if event == b"big":
+        return b"x" * 5000
+    print("done", file=sys.stderr)
+    return GREETING + " " + os.environ.get("TOKEN", "")
+"""
+
+
+def unpack(answer):
+    """An envelope as (header, body, logs)."""
+    magic = forkvm.ENVELOPE_MAGIC
+    assert answer.startswith(magic), answer[:40]
+    n = int.from_bytes(answer[len(magic):len(magic) + 4], "little")
+    rest = answer[len(magic) + 4:]
+    head = json.loads(rest[:n])
+    body = rest[n:n + head["body"]]
+    logs = rest[n + head["body"]:]
+    assert len(logs) == head["logs"], (len(logs), head)
+    return head, body, logs.decode()
+
+
+class EnvAndLogs(unittest.TestCase):
+    def setUp(self):
+        self.streams = (sys.stdout, sys.stderr)
+        self.env = dict(os.environ)
+
+    def tearDown(self):
+        sys.stdout, sys.stderr = self.streams
+        forkvm._options["logs"] = False
+        os.environ.clear()
+        os.environ.update(self.env)
+        import logging
+        import signal
+
+        for h in list(logging.root.handlers):
+            logging.root.removeHandler(h)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+    def load(self, **extra):
+        spec = {"source": LOGGING_SOURCE, "logs": True,
+                "env": {"GREETING": "hi", "TOKEN": "s3cret"}}
+        spec.update(extra)
+        handler, _ = load(spec)
+        return handler
+
+    def call(self, handler, event, timeout_ms=30000, capacity=1 << 22):
+        return unpack(forkvm.call_with_logs(handler, event, timeout_ms, capacity))
+
+    def test_env_reaches_the_source_and_the_handler(self):
+        handler = self.load()
+        self.assertEqual(sys.modules["forkvm_function"].GREETING, "hi")
+        head, body, _ = self.call(handler, b"x")
+        self.assertEqual((head["status"], body), ("ok", b"hi s3cret"))
+
+    def test_bad_env_and_logs_are_refused(self):
+        for env, says in [([], "env is an object"), ({"A=B": "x"}, "no variable name"),
+                          ({"": "x"}, "no variable name"), ({"A": 1}, "A is not a string"),
+                          ({"A": "x\0y"}, "A is not a string")]:
+            with self.assertRaises(ValueError, msg=env) as e:
+                load({"source": SOURCE, "env": env})
+            self.assertIn(says, str(e.exception))
+        with self.assertRaises(ValueError) as e:
+            load({"source": SOURCE, "logs": "yes"})
+        self.assertIn("logs is true or false", str(e.exception))
+
+    def test_an_ok_invocation_answers_with_what_it_printed_and_logged_in_order(self):
+        handler = self.load()
+        head, body, logs = self.call(handler, b"x")
+        self.assertEqual(head["status"], "ok")
+        self.assertEqual(logs, "got b'x'\nWARNING careful\ndone\n")
+        self.assertEqual(head["logs_dropped"], 0)
+        # The next invocation's log starts empty.
+        _, _, logs = self.call(handler, b"y")
+        self.assertTrue(logs.startswith("got b'y'\n"), logs)
+
+    def test_a_raising_invocation_answers_with_its_traceback_and_its_logs(self):
+        handler = self.load()
+        head, body, logs = self.call(handler, b"boom")
+        self.assertEqual(head["status"], "error")
+        self.assertIn(b"ValueError: no boom here", body)
+        self.assertEqual(logs, "got b'boom'\nWARNING careful\n")
+
+    def test_an_invocation_near_its_time_limit_is_interrupted_with_its_logs(self):
+        import time
+
+        handler = self.load()
+        t0 = time.monotonic()
+        head, body, logs = self.call(handler, b"loop", timeout_ms=400)
+        took = time.monotonic() - t0
+        self.assertEqual(head["status"], "timeout")
+        self.assertIn(b"still running 350 ms into its 400 ms limit", body)
+        self.assertIn("looping\n", logs)
+        self.assertLess(took, 0.4)
+        # The alarm was disarmed: a later invocation runs to its end.
+        self.assertEqual(self.call(handler, b"x", timeout_ms=400)[0]["status"], "ok")
+
+    def test_logs_are_bounded_to_their_last_characters(self):
+        handler = self.load()
+        head, _, logs = self.call(handler, b"chatty")
+        self.assertEqual(len(logs), forkvm.LOG_LIMIT)
+        self.assertTrue(logs.endswith("line 07999\ndone\n"), logs[-40:])
+        printed = len("got b'chatty'\n") + len("WARNING careful\n") + 11 * 8000 + len("done\n")
+        self.assertEqual(head["logs_dropped"], printed - forkvm.LOG_LIMIT)
+
+    def test_an_envelope_fits_the_mailbox_logs_cut_first(self):
+        handler = self.load()
+        answer = forkvm.call_with_logs(handler, b"chatty", 30000, 4096)
+        self.assertLessEqual(len(answer), 4096)
+        head, body, logs = unpack(answer)
+        self.assertEqual(head["status"], "ok")
+        self.assertTrue(logs.endswith("done\n"))
+        self.assertGreater(head["logs_dropped"], 50000)
+        head, body, _ = unpack(forkvm.call_with_logs(handler, b"big", 30000, 4096))
+        self.assertEqual(head["status"], "error")
+        self.assertIn(b"a reply of 5000 bytes does not fit the mailbox", body)
+
+    def test_output_outside_an_invocation_goes_to_the_original_stream(self):
+        import io
+
+        self.load()
+        original = io.StringIO()
+        sys.stdout.original = original
+        print("template talking")
+        self.assertEqual(original.getvalue(), "template talking\n")
+
+
 if __name__ == "__main__":
     unittest.main()

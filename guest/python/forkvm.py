@@ -447,6 +447,8 @@ def serve(handler=None):
                 handler, out = load(event, handler)
             elif req.kind == KIND_PRIME:
                 out = b""
+                if _options["logs"]:
+                    envelope("ok", out, _Log(), capacity)  # its path, touched
             elif _options["logs"]:
                 out = call_with_logs(handler, event, req.timeout_ms, capacity)
             else:

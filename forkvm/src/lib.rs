@@ -46,6 +46,7 @@
 
 pub mod blocking;
 mod endpoint;
+mod envelope;
 mod error;
 mod http;
 mod jail;
@@ -60,6 +61,7 @@ mod zygote;
 pub use api_types::{CloneInfo, CloneList, CreateClones};
 pub use api_types::{InvokeOptions, Outcome, SnapshotInfo, VmInfo};
 pub use endpoint::Reply;
+pub use envelope::{Envelope, EnvelopeError, EnvelopeStatus, ENVELOPE_MAGIC};
 pub use error::{Error, ErrorKind};
 pub use jail::JailSpec;
 pub use load::{Event, Load};

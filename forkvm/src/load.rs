@@ -1,7 +1,8 @@
 //! What the Python runtime's loader takes (a load request, docs/invoke.md): packages to
-//! import, a handler's source, and events to warm the handler up with.
+//! import, a handler's source, events to warm the handler up with, environment
+//! variables, and whether invocations answer with their logs.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use base64::Engine as _;
@@ -111,6 +112,15 @@ pub struct Load {
     /// pauses (what they leave behind is in every clone; a failing one fails the load).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub warmup: Vec<Event>,
+    /// Variables set in the guest's `os.environ` before anything else of the load runs
+    /// (the function's configuration and secrets). They are in the derived template's
+    /// memory, so in every clone of it.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Whether each invocation's output (`print`, `logging`) is kept and answered with
+    /// it, in an envelope ([`crate::Envelope`]) the caller unpacks.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub logs: bool,
 }
 
 impl Load {
@@ -155,6 +165,15 @@ mod tests {
         assert_eq!(v["source"], "def handler(e):\n    return e\n");
         assert!(v.get("handler").is_none());
         assert!(v.get("warmup").is_none());
+        assert!(v.get("env").is_none() && v.get("logs").is_none());
+        let l = Load {
+            env: BTreeMap::from([("A".into(), "b".into())]),
+            logs: true,
+            ..l
+        };
+        let v: serde_json::Value = serde_json::from_slice(&l.payload()).unwrap();
+        assert_eq!(v["env"], serde_json::json!({"A": "b"}));
+        assert_eq!(v["logs"], true);
         let l = Load {
             warmup: vec!["{}".into(), vec![0, 0xff].into()],
             ..l

@@ -187,6 +187,12 @@ fn gone(pid: u32) -> bool {
 
 const HELLO: &str = "import json\n\ndef handler(event):\n    name = json.loads(event or b'{}').get('name', 'world')\n    return json.dumps({'hello': name})\n";
 
+/// Prints, logs and uses its environment and a secret: ends as the event says.
+const TALK: &str = "import logging, os\n\ndef handler(event):\n    token = os.environ['TOKEN']\n    print('printing', event.decode())\n    logging.warning('token is %s', token)\n    if event == b'raise':\n        print('about to raise')\n        raise ValueError('bad token ' + token)\n    if event == b'loop':\n        print('looping')\n        while True:\n            pass\n    return '%s %d' % (os.environ['GREETING'], len(token))\n";
+
+/// TALK's secret.
+const TOKEN: &str = "tok-5ecret-77";
+
 #[test]
 fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     if !kvm_available("gateway") {
@@ -271,6 +277,70 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     );
     assert_eq!(gw.invoke("nope", "").status, 404);
 
+    // What a function prints is kept per invocation, its secrets taken out: an ok, a
+    // raising and a timed-out invocation; env and secrets reach the handler, and a
+    // secret's value is in no answer, listing, log or metric.
+    let talk = serde_json::json!({
+        "source": TALK,
+        "env": {"GREETING": "hello"},
+        "secrets": {"TOKEN": TOKEN},
+        "limits": {"timeout_ms": 4000},
+    });
+    let a = gw.deploy("talk", talk);
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(json(&a)["secrets"], serde_json::json!(["TOKEN"]));
+    let a = gw.invoke("talk", "ok");
+    assert_eq!((a.status, a.body.as_str()), (200, "hello 13"), "{}", a.body);
+    let a = gw.send("POST", "/functions/talk?logs=true", "ok");
+    assert_eq!(a.status, 200, "{}", a.body);
+    let v = json(&a);
+    assert_eq!(v["reply"], "hello 13");
+    assert_eq!(
+        v["logs"],
+        "printing ok\nWARNING:root:token is [secret TOKEN]\n"
+    );
+    assert_eq!(
+        v["invocation"],
+        a.headers["x-forkvm-clone-id"].to_str().unwrap()
+    );
+    let a = gw.invoke("talk", "raise");
+    assert_eq!(a.status, 500, "{}", a.body);
+    assert!(
+        a.body.contains("ValueError: bad token [secret TOKEN]"),
+        "{}",
+        a.body
+    );
+    let a = gw.invoke("talk", "loop");
+    assert_eq!(a.status, 504, "{}", a.body);
+    let a = gw.send("GET", "/functions/talk/logs", "");
+    assert_eq!(a.status, 200, "{}", a.body);
+    let entries = json(&a);
+    let outcomes: Vec<&str> = (entries.as_array().unwrap().iter())
+        .map(|e| e["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        outcomes,
+        ["timeout", "handler_error", "ok", "ok"],
+        "{}",
+        a.body
+    );
+    assert!(entries[0]["logs"].as_str().unwrap().ends_with("looping\n"));
+    assert!(entries[1]["logs"]
+        .as_str()
+        .unwrap()
+        .contains("about to raise\n"));
+    let a = gw.send("GET", "/functions/talk/logs?limit=1", "");
+    assert_eq!(json(&a).as_array().unwrap().len(), 1);
+    assert_eq!(gw.send("GET", "/functions/nope/logs", "").status, 404);
+    assert_eq!(
+        gw.send("POST", "/functions/talk?verbose=1", "ok").status,
+        400
+    );
+    for path in ["/functions", "/functions/talk/logs", "/metrics"] {
+        let body = gw.send("GET", path, "").body;
+        assert!(!body.contains(TOKEN), "{path}: {body}");
+    }
+
     // A zygote made ahead of deployments.
     let a = gw.send("PUT", "/zygotes", r#"{"packages": ["base64"]}"#);
     assert_eq!(a.status, 200, "{}", a.body);
@@ -287,7 +357,13 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     let names: Vec<&str> = (listed.as_array().unwrap().iter())
         .map(|f| f["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["b64", "div", "hello", "shout", "shout2", "slow"]);
+    assert_eq!(
+        names,
+        ["b64", "div", "hello", "shout", "shout2", "slow", "talk"]
+    );
+    let talk = &listed[6];
+    assert_eq!(talk["env"], serde_json::json!({"GREETING": "hello"}));
+    assert_eq!(talk["invocations"], 4);
     let ok = gw.metric(r#"forkvm_invocations_total{function="hello",outcome="ok"}"#);
     assert_eq!(ok, 9.0);
     assert_eq!(
@@ -298,15 +374,19 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
         gw.metric(r#"forkvm_invocations_total{function="slow",outcome="timeout"}"#),
         1.0
     );
-    // hello 9, b64, shout2, div and slow 1 each; 11 answered ok; the guest's errors:
-    // div, slow and the deployment that did not load.
+    assert_eq!(
+        gw.metric(r#"forkvm_invocations_total{function="talk",outcome="ok"}"#),
+        2.0
+    );
+    // hello 9, talk 4, b64, shout2, div and slow 1 each; 13 answered ok; the guest's
+    // errors: div, slow, talk's two and the deployment that did not load.
     assert_eq!(
         gw.metric(r#"forkvm_cache_hits_total{tier="function"}"#),
-        13.0
+        17.0
     );
-    assert_eq!(gw.metric("forkvm_invocation_duration_seconds_count"), 11.0);
-    assert_eq!(gw.metric("forkvm_clones_total"), 13.0);
-    assert_eq!(gw.metric(r#"forkvm_errors_total{kind="guest"}"#), 3.0);
+    assert_eq!(gw.metric("forkvm_invocation_duration_seconds_count"), 13.0);
+    assert_eq!(gw.metric("forkvm_clones_total"), 17.0);
+    assert_eq!(gw.metric(r#"forkvm_errors_total{kind="guest"}"#), 5.0);
     assert!(gw.metric("forkvm_template_memory_bytes") > 0.0);
     assert_eq!(gw.send("DELETE", "/functions/hello", "").status, 204);
     assert_eq!(gw.invoke("hello", "").status, 404);

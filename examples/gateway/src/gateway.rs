@@ -6,13 +6,15 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use forkvm::{Error, ErrorKind, Event, InvokeOptions, Load, Outcome, Template, Tier, ZygoteCache};
+use forkvm::{Envelope, EnvelopeStatus, Error, ErrorKind, Event, InvokeOptions, Load, Outcome};
+use forkvm::{Reply, Template, Tier, ZygoteCache};
 use serde::{Deserialize, Serialize};
 
+use crate::logs::{now_ms, redact, LogEntry, LogStore};
 use crate::metrics::{ErrorLabels, InvocationLabels, Metrics, TierLabels};
 
 /// A function's limits: the clone's resource class and rate limits, and its timeout.
@@ -55,6 +57,15 @@ pub struct FunctionSpec {
     /// Its limits.
     #[serde(default)]
     pub limits: Limits,
+    /// Environment variables its handler sees in `os.environ` (shown by `GET
+    /// /functions`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Environment variables too, whose values are never shown: `GET /functions` lists
+    /// their names only, and logs and error answers have each value replaced by
+    /// `[secret NAME]`.
+    #[serde(default, skip_serializing)]
+    pub secrets: BTreeMap<String, String>,
 }
 
 /// A deployed function.
@@ -74,8 +85,27 @@ pub struct FunctionInfo {
     pub packages: BTreeSet<String>,
     /// Its limits.
     pub limits: Limits,
+    /// Its environment variables.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Its secrets' names (never their values).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
     /// Invocations so far.
     pub invocations: u64,
+}
+
+impl FunctionInfo {
+    fn of(name: &str, spec: &FunctionSpec, invocations: u64) -> Self {
+        FunctionInfo {
+            name: name.to_string(),
+            packages: spec.packages.clone(),
+            limits: spec.limits.clone(),
+            env: spec.env.clone(),
+            secrets: spec.secrets.keys().cloned().collect(),
+            invocations,
+        }
+    }
 }
 
 /// The gateway's state, shared by every request.
@@ -85,6 +115,8 @@ pub struct Gateway {
     classes: Vec<String>,
     /// Its metrics.
     pub metrics: Metrics,
+    /// What its functions printed.
+    logs: LogStore,
 }
 
 /// An error answer: status and text (JSON `{"error": ...}`).
@@ -124,6 +156,7 @@ impl Gateway {
             functions: Mutex::new(BTreeMap::new()),
             classes,
             metrics: Metrics::new(),
+            logs: LogStore::default(),
         }
     }
 
@@ -191,6 +224,7 @@ fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failu
         }
     }
     check_packages(&spec.packages)?;
+    check_env(&spec.env, &spec.secrets)?;
     let rate = |what: &str, v: &Option<String>| {
         v.as_deref()
             .map(|s| s.parse().map_err(|e| bad(format!("{what}: {e}"))))
@@ -204,17 +238,58 @@ fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failu
         ..Default::default()
     };
     options.check().map_err(|e| bad(e.to_string()))?;
+    let mut env = spec.env.clone();
+    env.extend(spec.secrets.clone());
     let load = Load {
         imports: spec.packages.clone(),
         source: Some(spec.source.clone()),
         handler: spec.handler.clone(),
         warmup: spec.warmup.clone(),
+        env,
+        logs: true,
     };
     Ok(Function {
         spec,
         load,
         options,
     })
+}
+
+/// The most bytes of names and values `env` and `secrets` may hold together.
+const ENV_BYTES: usize = 64 << 10;
+
+/// `env` and `secrets`: names of `[A-Za-z_][A-Za-z0-9_]*` (at most 128), none in both,
+/// values without NUL, at most [`ENV_BYTES`] in all.
+fn check_env(
+    env: &BTreeMap<String, String>,
+    secrets: &BTreeMap<String, String>,
+) -> Result<(), Failure> {
+    let mut bytes = 0;
+    for (what, map) in [("env", env), ("secrets", secrets)] {
+        for (name, value) in map {
+            let ok = (1..=128).contains(&name.len())
+                && name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !ok {
+                return Err(bad(format!(
+                    "{what}: {name:?} is no variable name (letters, digits and '_', not first a digit)"
+                )));
+            }
+            if value.contains('\0') {
+                return Err(bad(format!("{what}: {name}'s value holds a NUL")));
+            }
+            bytes += name.len() + value.len();
+        }
+    }
+    if let Some(name) = env.keys().find(|n| secrets.contains_key(*n)) {
+        return Err(bad(format!("{name} is in both env and secrets")));
+    }
+    if bytes > ENV_BYTES {
+        return Err(bad(format!(
+            "env and secrets hold {bytes} bytes; at most {ENV_BYTES}"
+        )));
+    }
+    Ok(())
 }
 
 /// Each of `packages` is a module name (`a.b_c`).
@@ -293,23 +368,24 @@ pub async fn deploy(
         true => StatusCode::OK,
         false => StatusCode::CREATED,
     };
-    let info = serde_json::json!({
-        "name": name,
-        "packages": f.spec.packages,
-        "tier": tier.as_str(),
-        "deploy_ms": started.elapsed().as_millis() as u64,
-    });
+    let mut info = serde_json::to_value(FunctionInfo::of(&name, &f.spec, 0))
+        .unwrap_or_else(|_| serde_json::json!({}));
+    info["tier"] = tier.as_str().into();
+    info["deploy_ms"] = (started.elapsed().as_millis() as u64).into();
     Ok((status, Json(info)).into_response())
 }
 
 /// `POST /functions/{name}`: the request body is the event; the answer is the
-/// handler's reply, from a fresh clone of the function's template.
+/// handler's reply, from a fresh clone of the function's template (`?logs=true`: a JSON
+/// object with the reply and what the invocation printed, [`with_logs`]).
 pub async fn invoke(
     State(g): State<Arc<Gateway>>,
     Path(name): Path<String>,
+    RawQuery(query): RawQuery,
     body: Bytes,
 ) -> Result<Response, Failure> {
     let started = Instant::now();
+    let want_logs = logs_asked(query.as_deref())?;
     let f = g.functions().get(&name).map(|(f, _)| f.clone());
     let f = f.ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no function {name:?}")))?;
     let result = match g.template(&name, &f).await {
@@ -326,62 +402,194 @@ pub async fn invoke(
         }
         Err(e) => Err(e),
     };
-    let outcome = match &result {
-        Ok(_) => "ok",
-        Err(e) => outcome_of(e),
-    };
-    let labels = InvocationLabels {
-        function: name.clone(),
-        outcome: outcome.into(),
-    };
-    g.metrics.invocations.get_or_create(&labels).inc();
     if let Some((_, n)) = g.functions().get_mut(&name) {
         *n += 1;
     }
-    match result {
-        Ok((reply, tier)) => {
-            g.metrics.latency.observe(started.elapsed().as_secs_f64());
-            let mut headers = HeaderMap::new();
-            let octets = HeaderValue::from_static("application/octet-stream");
-            headers.insert(header::CONTENT_TYPE, octets);
-            let text = |s: &str| HeaderValue::from_str(s).ok();
-            for (k, v) in [
-                ("x-forkvm-tier", text(tier.as_str())),
-                ("x-forkvm-clone-id", text(&reply.clone_id)),
-                ("x-forkvm-clone-us", text(&reply.clone_us.to_string())),
-                ("x-forkvm-handler-us", text(&reply.handler_us.to_string())),
-                ("x-forkvm-total-us", text(&reply.total_us.to_string())),
-                (
-                    "x-forkvm-primed",
-                    text(if reply.primed { "true" } else { "false" }),
-                ),
-                (
-                    "x-forkvm-stretched-us",
-                    text(&reply.stretched_us.to_string()),
-                ),
-            ] {
-                if let Some(v) = v {
-                    headers.insert(k, v);
-                }
-            }
-            Ok((StatusCode::OK, headers, reply.body).into_response())
-        }
+    let secrets = &f.spec.secrets;
+    let count = |outcome: &str| {
+        let labels = InvocationLabels {
+            function: name.clone(),
+            outcome: outcome.into(),
+        };
+        g.metrics.invocations.get_or_create(&labels).inc();
+    };
+    let (reply, tier) = match result {
+        Ok(r) => r,
         Err(e) => {
+            count(outcome_of(&e));
             g.count_error(&e);
-            Err(failure_of(&e))
+            let Failure(status, text) = failure_of(&e);
+            let text = redact(&text, secrets);
+            if let Error::Invocation { outcome, .. } = &e {
+                // What the VMM says (with the console's tail): the runtime could not
+                // answer with its logs.
+                g.logs.push(&name, entry(outcome.as_str(), &text));
+            }
+            return Err(Failure(status, text));
+        }
+    };
+    let headers = reply_headers(&reply, tier);
+    // Every function is loaded with logs; a plain answer is passed on as it is.
+    let Ok(env) = Envelope::parse(&reply.body) else {
+        count("ok");
+        g.metrics.latency.observe(started.elapsed().as_secs_f64());
+        return Ok((StatusCode::OK, headers, reply.body).into_response());
+    };
+    let (status, outcome) = match env.status {
+        EnvelopeStatus::Ok => (StatusCode::OK, Outcome::Ok),
+        EnvelopeStatus::Timeout => (StatusCode::GATEWAY_TIMEOUT, Outcome::Timeout),
+        _ => (StatusCode::INTERNAL_SERVER_ERROR, Outcome::HandlerError),
+    };
+    count(outcome.as_str());
+    let logs = redact(&env.logs, secrets);
+    g.logs.push(
+        &name,
+        LogEntry {
+            invocation: reply.clone_id.clone(),
+            at_ms: now_ms(),
+            outcome: outcome.as_str().into(),
+            logs: logs.clone(),
+            logs_dropped: env.logs_dropped,
+        },
+    );
+    if status == StatusCode::OK {
+        g.metrics.latency.observe(started.elapsed().as_secs_f64());
+    } else {
+        let kind = ErrorLabels {
+            kind: "guest".into(),
+        };
+        g.metrics.errors.get_or_create(&kind).inc();
+    }
+    let error = (status != StatusCode::OK).then(|| {
+        let text = String::from_utf8_lossy(&env.body);
+        match env.status {
+            EnvelopeStatus::Error => format!("the handler failed: {}", redact(&text, secrets)),
+            _ => redact(&text, secrets),
+        }
+    });
+    if want_logs {
+        let body = with_logs(&reply.clone_id, &env, error, logs);
+        return Ok((status, headers, Json(body)).into_response());
+    }
+    match error {
+        Some(text) => Err(Failure(status, text)),
+        None => Ok((StatusCode::OK, headers, env.body).into_response()),
+    }
+}
+
+/// Whether `?logs=true` was asked for (`logs=false`, or no `logs`, is not); other
+/// parameters are refused.
+fn logs_asked(query: Option<&str>) -> Result<bool, Failure> {
+    let mut logs = false;
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        logs = match pair {
+            "logs=true" | "logs=1" => true,
+            "logs=false" | "logs=0" => false,
+            _ => return Err(bad(format!("unknown query {pair:?}: only logs=true|false"))),
+        };
+    }
+    Ok(logs)
+}
+
+/// A log entry for an invocation the VMM failed (`text`: its error, redacted; the
+/// clone's id is not in the VMM's error answer).
+fn entry(outcome: &str, text: &str) -> LogEntry {
+    LogEntry {
+        invocation: String::new(),
+        at_ms: now_ms(),
+        outcome: outcome.into(),
+        logs: text.to_string(),
+        logs_dropped: 0,
+    }
+}
+
+/// The `x-forkvm-*` headers of an answer from `reply`'s clone.
+fn reply_headers(reply: &Reply, tier: Tier) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    let octets = HeaderValue::from_static("application/octet-stream");
+    headers.insert(header::CONTENT_TYPE, octets);
+    let text = |s: &str| HeaderValue::from_str(s).ok();
+    for (k, v) in [
+        ("x-forkvm-tier", text(tier.as_str())),
+        ("x-forkvm-clone-id", text(&reply.clone_id)),
+        ("x-forkvm-clone-us", text(&reply.clone_us.to_string())),
+        ("x-forkvm-handler-us", text(&reply.handler_us.to_string())),
+        ("x-forkvm-total-us", text(&reply.total_us.to_string())),
+        (
+            "x-forkvm-primed",
+            text(if reply.primed { "true" } else { "false" }),
+        ),
+        (
+            "x-forkvm-stretched-us",
+            text(&reply.stretched_us.to_string()),
+        ),
+    ] {
+        if let Some(v) = v {
+            headers.insert(k, v);
         }
     }
+    headers
+}
+
+/// `?logs=true`'s answer: `invocation` (the clone's id), `reply` (UTF-8 text, or
+/// `reply_base64`) or `error`, `logs` and `logs_dropped`.
+pub fn with_logs(
+    invocation: &str,
+    env: &Envelope,
+    error: Option<String>,
+    logs: String,
+) -> serde_json::Value {
+    use base64::Engine as _;
+
+    let mut v = serde_json::json!({
+        "invocation": invocation,
+        "logs": logs,
+        "logs_dropped": env.logs_dropped,
+    });
+    match (error, std::str::from_utf8(&env.body)) {
+        (Some(e), _) => v["error"] = e.into(),
+        (None, Ok(text)) => v["reply"] = text.into(),
+        (None, Err(_)) => {
+            v["reply_base64"] = base64::engine::general_purpose::STANDARD
+                .encode(&env.body)
+                .into()
+        }
+    }
+    v
+}
+
+/// `GET /functions/{name}/logs?limit=N`: what its latest invocations printed, newest
+/// first (the last 100 are kept; `limit` defaults to all of them).
+pub async fn logs(
+    State(g): State<Arc<Gateway>>,
+    Path(name): Path<String>,
+    RawQuery(query): RawQuery,
+) -> Result<Json<Vec<LogEntry>>, Failure> {
+    if !g.functions().contains_key(&name) {
+        return Err(Failure(
+            StatusCode::NOT_FOUND,
+            format!("no function {name:?}"),
+        ));
+    }
+    let mut limit = usize::MAX;
+    for pair in query
+        .as_deref()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        limit = pair
+            .strip_prefix("limit=")
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| bad(format!("unknown query {pair:?}: only limit=N")))?;
+    }
+    Ok(Json(g.logs.newest(&name, limit)))
 }
 
 /// `GET /functions`: every deployed function.
 pub async fn list(State(g): State<Arc<Gateway>>) -> Json<Vec<FunctionInfo>> {
     let infos = (g.functions().iter())
-        .map(|(name, (f, n))| FunctionInfo {
-            name: name.clone(),
-            packages: f.spec.packages.clone(),
-            limits: f.spec.limits.clone(),
-            invocations: *n,
-        })
+        .map(|(name, (f, n))| FunctionInfo::of(name, &f.spec, *n))
         .collect();
     Json(infos)
 }
@@ -393,6 +601,7 @@ pub async fn delete(
 ) -> Result<StatusCode, Failure> {
     let gone = g.functions().remove(&name);
     gone.ok_or_else(|| Failure(StatusCode::NOT_FOUND, format!("no function {name:?}")))?;
+    g.logs.forget(&name);
     g.cache().remove_function(&name);
     Ok(StatusCode::NO_CONTENT)
 }
@@ -488,5 +697,101 @@ mod tests {
         for bad in ["", "1a", "a..b", "a-b", "a b"] {
             assert!(check_packages(&[bad.to_string()].into()).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn env_and_secrets_reach_the_load_and_secret_values_are_never_shown() {
+        let spec: FunctionSpec = serde_json::from_str(
+            r#"{"source": "x", "env": {"GREETING": "hi"}, "secrets": {"TOKEN": "s3cret"}}"#,
+        )
+        .unwrap();
+        let f = function_of(&[], spec.clone()).unwrap();
+        assert!(f.load.logs, "every function answers with its logs");
+        let env: Vec<_> = f
+            .load
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert_eq!(env, [("GREETING", "hi"), ("TOKEN", "s3cret")]);
+        let info = serde_json::to_string(&FunctionInfo::of("f", &spec, 3)).unwrap();
+        assert!(info.contains(r#""env":{"GREETING":"hi"}"#), "{info}");
+        assert!(info.contains(r#""secrets":["TOKEN"]"#), "{info}");
+        assert!(!info.contains("s3cret"), "{info}");
+        let spec_json = serde_json::to_string(&spec).unwrap();
+        assert!(!spec_json.contains("s3cret"), "{spec_json}");
+        for (bad, says) in [
+            (r#"{"env": {"1A": "x"}}"#, "no variable name"),
+            (r#"{"env": {"A-B": "x"}}"#, "no variable name"),
+            (r#"{"secrets": {"": "x"}}"#, "no variable name"),
+            (r#"{"env": {"A": "x\u0000"}}"#, "holds a NUL"),
+            (
+                r#"{"env": {"A": "x"}, "secrets": {"A": "y"}}"#,
+                "in both env and secrets",
+            ),
+        ] {
+            let mut v: serde_json::Value = serde_json::from_str(bad).unwrap();
+            v["source"] = "x".into();
+            let spec: FunctionSpec = serde_json::from_value(v).unwrap();
+            let Err(Failure(status, text)) = function_of(&[], spec) else {
+                panic!("{bad} accepted");
+            };
+            assert_eq!(status, StatusCode::BAD_REQUEST);
+            assert!(text.contains(says), "{bad}: {text}");
+        }
+        let mut big = FunctionSpec {
+            env: BTreeMap::from([("A".into(), "x".repeat(ENV_BYTES))]),
+            ..spec
+        };
+        assert!(function_of(&[], big.clone()).is_err());
+        big.env.clear();
+        assert!(function_of(&[], big).is_ok());
+    }
+
+    #[test]
+    fn the_logs_query_is_read_and_unknown_parameters_refused() {
+        assert!(!logs_asked(None).unwrap());
+        assert!(logs_asked(Some("logs=true")).unwrap());
+        assert!(!logs_asked(Some("logs=true&logs=false")).unwrap());
+        assert!(logs_asked(Some("logs=1&")).unwrap());
+        for bad in ["logs=yes", "x=1", "logs"] {
+            assert!(logs_asked(Some(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_answer_with_logs_says_reply_or_error_and_the_logs() {
+        let env = |status, body: &'static [u8]| Envelope {
+            status,
+            body: Bytes::from_static(body),
+            logs: String::new(),
+            logs_dropped: 2,
+        };
+        let v = with_logs(
+            "1.2",
+            &env(EnvelopeStatus::Ok, b"done"),
+            None,
+            "hi\n".into(),
+        );
+        assert_eq!(
+            v,
+            serde_json::json!({"invocation": "1.2", "reply": "done", "logs": "hi\n", "logs_dropped": 2})
+        );
+        let v = with_logs(
+            "1.3",
+            &env(EnvelopeStatus::Ok, b"\xff\x00"),
+            None,
+            String::new(),
+        );
+        assert_eq!(v["reply_base64"], "/wA=");
+        assert!(v.get("reply").is_none());
+        let v = with_logs(
+            "1.4",
+            &env(EnvelopeStatus::Error, b"Traceback"),
+            Some("the handler failed: Traceback".into()),
+            String::new(),
+        );
+        assert_eq!(v["error"], "the handler failed: Traceback");
+        assert!(v.get("reply").is_none());
     }
 }

@@ -15,6 +15,7 @@
 
 mod base;
 mod gateway;
+mod logs;
 mod metrics;
 
 use std::path::PathBuf;
@@ -228,6 +229,7 @@ async fn run(args: Args) -> Result<(), GatewayError> {
                 .post(gateway::invoke)
                 .delete(gateway::delete),
         )
+        .route("/functions/{name}/logs", get(gateway::logs))
         .route("/zygotes", get(gateway::zygotes).put(gateway::prepare))
         .route("/metrics", get(gateway::metrics))
         // Events up to the default mailbox (4 MiB less its header).

@@ -1,12 +1,19 @@
-# forkvm: `make demo` builds everything and boots guests; `make test` runs every test.
-.PHONY: all deps guest build release demo test lint bench fuzz fuzz-ci clean-guest-cache
+# forkvm: `make demo` builds everything and boots guests; `make test` runs every test;
+# `make install` installs the programs and guest images under PREFIX.
+.PHONY: all deps test-deps guest build release demo test lint bench fuzz fuzz-ci \
+	clean-guest-cache install install-files uninstall
 
 CARGO ?= cargo
 
 all: build guest
 
+# What building and running need (Debian packages; Rust from rustup).
 deps:
 	./scripts/install-deps.sh
+
+# That, and what the tests need (QEMU, nfs-ganesha, cargo-nextest, schemathesis, ...).
+test-deps:
+	./scripts/install-deps.sh test
 
 guest: deps
 	./buildroot/build-guest.sh
@@ -20,8 +27,32 @@ release:
 demo: deps guest release
 	./scripts/demo.sh
 
-test: deps guest build
+test: test-deps guest build
 	./scripts/run-tests.sh
+
+# PREFIX/bin: vmm, jailer, forkvm-gateway; PREFIX/share/forkvm: the guest images (the
+# gateway finds its kernel and root image there by default); PREFIX/lib/systemd/system:
+# forkvm-gateway.service. DESTDIR stages the whole tree elsewhere (packaging).
+PREFIX ?= /usr/local
+DESTDIR ?=
+GUEST_FILES = vmlinux bzImage initramfs.cpio.gz rootfs.ext4 python.ext4
+install: release guest install-files
+
+install-files:
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/forkvm \
+		$(DESTDIR)$(PREFIX)/lib/systemd/system
+	install -m 0755 target/release/vmm target/release/jailer target/release/forkvm-gateway \
+		$(DESTDIR)$(PREFIX)/bin/
+	cd target/guest && install -m 0644 $(GUEST_FILES) $(DESTDIR)$(PREFIX)/share/forkvm/
+	sed 's|@PREFIX@|$(PREFIX)|g' scripts/forkvm-gateway.service.in \
+		> $(DESTDIR)$(PREFIX)/lib/systemd/system/forkvm-gateway.service
+	@echo "installed under $(DESTDIR)$(PREFIX): bin/{vmm,jailer,forkvm-gateway}, share/forkvm, lib/systemd/system/forkvm-gateway.service"
+
+uninstall:
+	rm -f $(addprefix $(DESTDIR)$(PREFIX)/bin/,vmm jailer forkvm-gateway)
+	rm -f $(addprefix $(DESTDIR)$(PREFIX)/share/forkvm/,$(GUEST_FILES))
+	-rmdir $(DESTDIR)$(PREFIX)/share/forkvm
+	rm -f $(DESTDIR)$(PREFIX)/lib/systemd/system/forkvm-gateway.service
 
 lint:
 	$(CARGO) fmt --check

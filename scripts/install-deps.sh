@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
 # Installs what forkvm needs on Debian 12, only when something is missing.
 # Needs root for apt-get (CI runs as root). Rust comes from rustup (1.85 or newer).
+#   install-deps.sh         building and running forkvm: the guest kernel's and images'
+#                           build tools (make deps, make demo, make install)
+#   install-deps.sh test    that, and what the tests need (make test-deps, make test)
+#   install-deps.sh bench   that, and the benchmarks' host baselines and plots (make bench)
 set -euo pipefail
+mode=${1:-run}
+case "$mode" in
+    run | test | bench) ;;
+    *) echo "usage: install-deps.sh [test|bench]" >&2; exit 2 ;;
+esac
 pkgs=(linux-source-6.1 busybox-static bc bison flex libelf-dev libssl-dev cpio e2fsprogs
-      gcc make binutils patch xz-utils lz4 qemu-system-x86 hyperfine python3 python3-venv iproute2
-      nfs-ganesha nfs-ganesha-vfs rpcbind)
-# (nfs-ganesha and rpcbind: the user-space NFS server of the shared-storage tests, which
-# start their own instances in namespaces; tests/src/nfs.rs.)
-# `install-deps.sh bench` (make bench) adds the benchmarks' host baselines and plots.
-if [ "${1:-}" = bench ]; then
+      gcc make binutils patch xz-utils lz4 python3 iproute2)
+if [ "$mode" = test ]; then
+    # QEMU and hyperfine: the tests' side-by-side references; python3-venv: schemathesis
+    # below; nfs-ganesha and rpcbind: the user-space NFS server of the shared-storage
+    # tests, which start their own instances in namespaces (tests/src/nfs.rs).
+    pkgs+=(qemu-system-x86 hyperfine python3-venv nfs-ganesha nfs-ganesha-vfs rpcbind)
+fi
+if [ "$mode" = bench ]; then
     pkgs+=(python3-numpy python3-matplotlib)
 fi
 missing=()
@@ -24,6 +35,9 @@ fi
 if ! command -v cargo >/dev/null; then
     echo "install-deps: cargo not found: install Rust 1.85 or newer with rustup" >&2
     exit 1
+fi
+if [ "$mode" != test ]; then
+    exit 0
 fi
 # cargo-nextest (crates.io), the test runner of `make test` (scripts/run-tests.sh),
 # built once into cargo's bin directory; a different version is replaced.

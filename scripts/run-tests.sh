@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! cargo nextest --version >/dev/null 2>&1; then
-    echo "run-tests: cargo-nextest is missing: ./scripts/install-deps.sh installs it" >&2
+    echo "run-tests: cargo-nextest is missing: ./scripts/install-deps.sh test installs it" >&2
     exit 1
 fi
 junit=target/nextest/default/junit.xml

@@ -119,7 +119,7 @@ fn every_answer_of_a_live_vmm_is_in_the_spec_and_decodes_into_the_types() {
 }
 
 /// Where schemathesis is: `$FORKVM_SCHEMATHESIS`, else the virtual environment
-/// `scripts/install-deps.sh` makes.
+/// `scripts/install-deps.sh test` makes.
 fn schemathesis() -> Option<std::path::PathBuf> {
     let path = std::env::var_os("FORKVM_SCHEMATHESIS")
         .map(Into::into)
@@ -177,7 +177,7 @@ fn schemathesis_finds_nothing_against_a_live_vmm() {
         return;
     }
     let Some(st) = schemathesis() else {
-        let missing = "schemathesis is not installed (scripts/install-deps.sh)";
+        let missing = "schemathesis is not installed (scripts/install-deps.sh test)";
         tests::require("schemathesis", false, missing);
         return;
     };

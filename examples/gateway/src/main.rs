@@ -18,7 +18,7 @@ mod gateway;
 mod logs;
 mod metrics;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,12 +42,13 @@ struct Args {
     /// Address to serve HTTP on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
-    /// The guest kernel.
-    #[arg(long, default_value = "target/guest/vmlinux")]
-    kernel: PathBuf,
-    /// The Python root image (read-only).
-    #[arg(long, default_value = "target/guest/python.ext4")]
-    rootfs: PathBuf,
+    /// The guest kernel (default: `vmlinux` in `../share/forkvm` beside this program
+    /// when installed there, else in `target/guest`).
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// The Python root image, read-only (default: `python.ext4`, found as the kernel).
+    #[arg(long)]
+    rootfs: Option<PathBuf>,
     /// The `vmm` program (default: `$FORKVM_VMM`, else beside this program, else PATH).
     #[arg(long)]
     vmm: Option<PathBuf>,
@@ -125,14 +126,24 @@ enum GatewayError {
     Serve(std::io::Error),
 }
 
+/// Guest file `name` when no path was given: in `../share/forkvm` beside the program
+/// `exe` when it is there (`make install`), else in `target/guest` (a build tree).
+fn guest_file(exe: Option<&Path>, name: &str) -> PathBuf {
+    let installed = exe.and_then(|e| Some(e.parent()?.parent()?.join("share/forkvm").join(name)));
+    (installed.filter(|p| p.is_file())).unwrap_or_else(|| Path::new("target/guest").join(name))
+}
+
 /// Starts the base template (restored from `--base-snapshot` when it can be) and its
 /// cache.
 async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
-    let mut spec = TemplateSpec::new(&args.kernel);
+    let exe = std::env::current_exe().ok();
+    let kernel = (args.kernel.clone()).unwrap_or_else(|| guest_file(exe.as_deref(), "vmlinux"));
+    let rootfs = (args.rootfs.clone()).unwrap_or_else(|| guest_file(exe.as_deref(), "python.ext4"));
+    let mut spec = TemplateSpec::new(&kernel);
     if let Some(v) = &args.vmm {
         spec.vmm.clone_from(v);
     }
-    spec.rootfs = Some(args.rootfs.clone());
+    spec.rootfs = Some(rootfs.clone());
     let cmdline = format!(
         "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 forkvm.run=\"{ZYGOTE}\""
     );
@@ -154,8 +165,8 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
         spec.jail = Some(jail);
     }
     let inputs = base::Inputs {
-        kernel: args.kernel.clone(),
-        rootfs: args.rootfs.clone(),
+        kernel,
+        rootfs,
         vmm: spec.vmm.clone(),
         cmdline,
         mem_mib: args.mem_mib,
@@ -272,5 +283,29 @@ fn main() -> std::process::ExitCode {
             eprintln!("forkvm-gateway: {e}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guest_files_are_found_where_make_install_puts_them_else_in_the_build_tree() {
+        let dir = std::env::temp_dir().join(format!("forkvm-gw-guest-{}", std::process::id()));
+        let share = dir.join("share/forkvm");
+        std::fs::create_dir_all(&share).unwrap();
+        std::fs::write(share.join("vmlinux"), b"k").unwrap();
+        let exe = dir.join("bin/forkvm-gateway");
+        assert_eq!(guest_file(Some(&exe), "vmlinux"), share.join("vmlinux"));
+        assert_eq!(
+            guest_file(Some(&exe), "python.ext4"),
+            Path::new("target/guest/python.ext4")
+        );
+        assert_eq!(
+            guest_file(None, "vmlinux"),
+            Path::new("target/guest/vmlinux")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -35,6 +35,14 @@ pub struct Reply {
     pub stretched_us: u64,
 }
 
+impl Reply {
+    /// The body unpacked, for a function loaded with logs ([`crate::Load::logs`]): how the
+    /// handler ended, its reply or traceback, and what it printed.
+    pub fn envelope(&self) -> Result<crate::Envelope, crate::EnvelopeError> {
+        crate::Envelope::parse(&self.body)
+    }
+}
+
 /// A VMM's control socket, with the time each call may take.
 #[derive(Debug, Clone)]
 pub(crate) struct Endpoint {

@@ -430,7 +430,7 @@ pub async fn invoke(
     };
     let headers = reply_headers(&reply, tier);
     // Every function is loaded with logs; a plain answer is passed on as it is.
-    let Ok(env) = Envelope::parse(&reply.body) else {
+    let Ok(env) = reply.envelope() else {
         count("ok");
         g.metrics.latency.observe(started.elapsed().as_secs_f64());
         return Ok((StatusCode::OK, headers, reply.body).into_response());

@@ -32,16 +32,18 @@ test: test-deps guest build
 
 # PREFIX/bin: vmm, jailer, forkvm-gateway; PREFIX/share/forkvm: the guest images (the
 # gateway finds its kernel and root image there by default); PREFIX/lib/systemd/system:
-# forkvm-gateway.service. DESTDIR stages the whole tree elsewhere (packaging).
+# forkvm-gateway.service. DESTDIR stages the whole tree elsewhere (packaging); BIN_DIR is
+# where the programs are taken from (the tests install their debug build).
 PREFIX ?= /usr/local
 DESTDIR ?=
+BIN_DIR ?= target/release
 GUEST_FILES = vmlinux bzImage initramfs.cpio.gz rootfs.ext4 python.ext4
 install: release guest install-files
 
 install-files:
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/forkvm \
 		$(DESTDIR)$(PREFIX)/lib/systemd/system
-	install -m 0755 target/release/vmm target/release/jailer target/release/forkvm-gateway \
+	install -m 0755 $(BIN_DIR)/vmm $(BIN_DIR)/jailer $(BIN_DIR)/forkvm-gateway \
 		$(DESTDIR)$(PREFIX)/bin/
 	cd target/guest && install -m 0644 $(GUEST_FILES) $(DESTDIR)$(PREFIX)/share/forkvm/
 	sed 's|@PREFIX@|$(PREFIX)|g' scripts/forkvm-gateway.service.in \

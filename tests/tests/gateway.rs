@@ -1,7 +1,8 @@
 //! The FaaS gateway example (`examples/gateway`, docs/faas.md) used as its tutorial
 //! says, with a real HTTP client: start it, deploy Python functions, invoke them (many
 //! at once, each in its own clone), read the metrics, delete, stop; every error answer
-//! the tutorial names; nothing left behind.
+//! the tutorial names; nothing left behind. Started again from a tree `make
+//! install-files` made, it serves docs/getting-started.md's function as the page says.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -44,15 +45,28 @@ impl Gateway {
     /// waits until it serves.
     fn start(scratch: &Scratch, guest: &(String, String, PathBuf), name: &str) -> Gateway {
         let (kernel, rootfs, snapshots) = guest;
+        let program = workspace_bin("forkvm-gateway");
+        let images = ["--kernel", kernel, "--rootfs", rootfs];
+        Gateway::start_program(scratch, &program, &images, snapshots, name)
+    }
+
+    /// Starts `program` with `args` as [`Gateway::start`] does.
+    fn start_program(
+        scratch: &Scratch,
+        program: &std::path::Path,
+        args: &[&str],
+        snapshots: &std::path::Path,
+        name: &str,
+    ) -> Gateway {
         let log = scratch.path(&format!("{name}.log"));
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .unwrap();
         let listen = format!("127.0.0.1:{port}");
-        let mut child = Command::new(workspace_bin("forkvm-gateway"))
+        let mut child = Command::new(program)
             .args(["--listen", &listen, "--warm-clones", "1"])
-            .args(["--kernel", kernel, "--rootfs", rootfs])
+            .args(args)
             .arg("--base-snapshot")
             .arg(snapshots)
             .stdout(Stdio::piped())
@@ -183,6 +197,74 @@ fn children_of(pid: u32) -> Vec<u32> {
 fn gone(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map_or(true, |s| s.contains(") Z ") || s.contains(") X "))
+}
+
+/// `make install-files` of this build into `scratch`; returns the prefix.
+fn install(scratch: &Scratch) -> PathBuf {
+    let destdir = scratch.path("installed");
+    let bin_dir = workspace_bin("vmm").parent().unwrap().to_path_buf();
+    let out = Command::new("make")
+        .arg("-C")
+        .arg(tests::repo_root())
+        .arg("install-files")
+        .arg(format!("DESTDIR={}", destdir.display()))
+        .arg("PREFIX=/usr/local")
+        .arg(format!("BIN_DIR={}", bin_dir.display()))
+        .output()
+        .expect("make");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "make install-files: {text}");
+    let prefix = destdir.join("usr/local");
+    for f in [
+        "bin/vmm",
+        "bin/jailer",
+        "bin/forkvm-gateway",
+        "share/forkvm/vmlinux",
+        "share/forkvm/python.ext4",
+        "lib/systemd/system/forkvm-gateway.service",
+    ] {
+        assert!(prefix.join(f).is_file(), "{f} not installed");
+    }
+    prefix
+}
+
+/// docs/getting-started.md's steps 3 to 5 against `gw`, with the page's own function
+/// (its `hello.json`) and requests: deploy, invoke, read the logs; its secret in none
+/// of the answers. Deletes the function after.
+fn getting_started(gw: &Gateway) {
+    let page = std::fs::read_to_string(tests::repo_root().join("docs/getting-started.md"))
+        .expect("docs/getting-started.md");
+    let start = page
+        .find("cat > hello.json <<'EOF'\n")
+        .expect("the page's hello.json");
+    let rest = &page[start..];
+    let body = &rest[rest.find('\n').unwrap() + 1..rest.find("\nEOF\n").unwrap()];
+    let spec: Value = serde_json::from_str(body).expect("the page's hello.json parses");
+    let token = spec["secrets"]["API_TOKEN"].as_str().unwrap().to_string();
+    let a = gw.deploy("hello", spec);
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(json(&a)["secrets"], serde_json::json!(["API_TOKEN"]));
+    let a = gw.invoke("hello", r#"{"name": "Ada"}"#);
+    assert_eq!((a.status, a.body.as_str()), (200, r#"{"hello": "Ada"}"#));
+    let a = gw.send("POST", "/functions/hello?logs=true", r#"{"name": "Grace"}"#);
+    assert_eq!(a.status, 200, "{}", a.body);
+    let v = json(&a);
+    assert_eq!(v["reply"], r#"{"hello": "Grace"}"#);
+    let logs = format!(
+        "greeting Grace\nWARNING:root:token has {} characters\n",
+        token.len()
+    );
+    assert_eq!(v["logs"], logs);
+    let a = gw.send("GET", "/functions/hello/logs", "");
+    let entries = json(&a);
+    assert_eq!(entries.as_array().unwrap().len(), 2, "{}", a.body);
+    assert_eq!(entries[0]["invocation"], v["invocation"]);
+    assert_eq!(entries[0]["logs"], logs);
+    for path in ["/functions", "/functions/hello/logs", "/metrics"] {
+        let body = gw.send("GET", path, "").body;
+        assert!(!body.contains(&token), "{path}: {body}");
+    }
+    assert_eq!(gw.send("DELETE", "/functions/hello", "").status, 204);
 }
 
 const HELLO: &str = "import json\n\ndef handler(event):\n    name = json.loads(event or b'{}').get('name', 'world')\n    return json.dumps({'hello': name})\n";
@@ -408,17 +490,23 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     stop(&mut gw);
     assert!(vmms.iter().all(|&p| gone(p)), "VMMs left: {vmms:?}");
 
-    // Started again: its base template is restored from the snapshot (saved by the
-    // first start of these sources), not booted, and serves deployments.
+    // Started again, installed: `make install-files` (as `make install`, from this
+    // build) into a scratch tree, the gateway started from there with no --kernel or
+    // --rootfs: it finds vmm beside itself and the guest images in share/forkvm, and
+    // its base template is restored from the snapshot (saved by the first start of these
+    // sources; the installed files are the same bytes), not booted.
     let first = gw.log();
     assert!(
         first.contains("base template restored from") || first.contains("base template saved in"),
         "{first}"
     );
-    let mut gw = Gateway::start(&scratch, &guest, "again");
+    let prefix = install(&scratch);
+    let program = prefix.join("bin/forkvm-gateway");
+    let mut gw = Gateway::start_program(&scratch, &program, &[], &guest.2, "again");
     let log = gw.log();
     assert!(log.contains("base template restored from"), "{log}");
     assert!(!log.contains("booting the base template"), "{log}");
+    getting_started(&gw);
     let a = gw.deploy(
         "hello",
         serde_json::json!({"source": HELLO, "packages": ["json"]}),

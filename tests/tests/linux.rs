@@ -19,6 +19,10 @@ use tests::{guest_file, kvm_available, vmm_exec, Scratch, Vm};
 /// which decompresses itself (LZ4) in the host's instruction emulator, about 100 s).
 const LINUX_BOOT: Duration = Duration::from_secs(400);
 
+/// What the guest kernel prints when a process crashes the way the PVM host's start-up
+/// problem makes it (docs/host.md: its FS base lost, a load through address 0).
+const HOST_CRASH: &str = "segfault at 0 ip ";
+
 fn path(name: &str) -> String {
     guest_file(name).display().to_string()
 }
@@ -28,30 +32,43 @@ fn linux_smp_pvh_boot_runs_userspace_command_and_reads_the_disk() {
     if !kvm_available("linux_smp_pvh_boot") {
         return;
     }
-    let scratch = Scratch::new("linux-pvh");
     let cmd = r#"console=ttyS0 reboot=k panic=-1 forkvm.run="echo hello-from-$(echo userspace); echo nproc=$(nproc); cat /mnt/disk/etc/forkvm-disk""#;
-    let mut vm = Vm::start(
-        &scratch,
-        &[
-            "--kernel",
-            &path("vmlinux"),
-            // The uncompressed archive: unpacking runs in the host's instruction
-            // emulator here, and gunzip would double that (docs/benchmarks.md).
-            "--initrd",
-            &path("initramfs.cpio"),
-            "--rootfs",
-            &path("rootfs.ext4"),
-            "--mem-mib",
-            "256",
-            "--vcpus",
-            "2",
-            "--cmdline",
-            cmd,
-        ],
-    );
-    let status = vm.wait_exit(LINUX_BOOT);
-    let console = vm.console_text();
-    let log = vm.stderr_text();
+    let (kernel, initrd, rootfs) = (path("vmlinux"), path("initramfs.cpio"), path("rootfs.ext4"));
+    let args = [
+        "--kernel",
+        &kernel,
+        // The uncompressed archive: unpacking runs in the host's instruction
+        // emulator here, and gunzip would double that (docs/benchmarks.md).
+        "--initrd",
+        &initrd,
+        "--rootfs",
+        &rootfs,
+        "--mem-mib",
+        "256",
+        "--vcpus",
+        "2",
+        "--cmdline",
+        cmd,
+    ];
+    // The test's command starts several processes on a 2-vCPU guest: on the AMD PVM
+    // host one of them can crash at start-up for the host's reasons (docs/host.md;
+    // two of three hog runs saw it here). A boot whose command failed that way is
+    // done once more, saying so; one that fails otherwise fails the test.
+    let mut tries = 0;
+    let (status, console, log) = loop {
+        tries += 1;
+        let scratch = Scratch::new("linux-pvh");
+        let mut vm = Vm::start(&scratch, &args);
+        let status = vm.wait_exit(LINUX_BOOT);
+        let console = vm.console_text();
+        let log = vm.stderr_text();
+        let ok = console.contains("forkvm-init: exit status 0");
+        if !ok && tries < 2 && console.contains(HOST_CRASH) {
+            eprintln!("warning: a guest process crashed at start-up (host problem); booting again");
+            continue;
+        }
+        break (status, console, log);
+    };
     assert!(status.success(), "exit {status}\n{console}\n{log}");
     assert!(log.contains("via Pvh"), "{log}");
     // The shell expanded $(...): the line came from userspace, not the kernel echoing

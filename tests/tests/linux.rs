@@ -52,7 +52,7 @@ fn linux_smp_pvh_boot_runs_userspace_command_and_reads_the_disk() {
     ];
     // The test's command starts several processes on a 2-vCPU guest: on the AMD PVM
     // host one of them can crash at start-up for the host's reasons (docs/host.md;
-    // two of three hog runs saw it here). A boot whose command failed that way is
+    // 2 of the 4 hog runs of 2026-11-28 saw it). A boot whose command failed that way is
     // done once more, saying so; one that fails otherwise fails the test.
     let mut tries = 0;
     let (status, console, log) = loop {

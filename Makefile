@@ -38,7 +38,8 @@ PREFIX ?= /usr/local
 DESTDIR ?=
 BIN_DIR ?= target/release
 GUEST_FILES = vmlinux bzImage initramfs.cpio.gz rootfs.ext4 python.ext4
-install: release guest install-files
+install: release guest
+	$(MAKE) install-files
 
 install-files:
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/forkvm \

@@ -177,7 +177,12 @@ impl Gateway {
     }
 
     fn count_error(&self, e: &Error) {
-        let kind = match e.kind() {
+        self.count_error_kind(e.kind());
+    }
+
+    /// Counts a failure whose fault is `kind`'s (`forkvm_errors_total`).
+    fn count_error_kind(&self, kind: ErrorKind) {
+        let kind = match kind {
             ErrorKind::Caller => "caller",
             ErrorKind::Guest => "guest",
             ErrorKind::Host => "host",
@@ -455,10 +460,9 @@ pub async fn invoke(
     if status == StatusCode::OK {
         g.metrics.latency.observe(started.elapsed().as_secs_f64());
     } else {
-        let kind = ErrorLabels {
-            kind: "guest".into(),
-        };
-        g.metrics.errors.get_or_create(&kind).inc();
+        // The handler raised or ran out of time: the guest's failure, as the VMM's own
+        // answers for these are counted.
+        g.count_error_kind(ErrorKind::Guest);
     }
     let error = (status != StatusCode::OK).then(|| {
         let text = String::from_utf8_lossy(&env.body);

@@ -305,31 +305,30 @@ struct Worker {
     write_failures: std::cell::Cell<u64>,
 }
 
-/// The queue work over a fuzzer's memory and queue (`super::fuzzing`).
+/// The queue work once over a fuzzer's memory and queue (the fuzzing module's rig), a
+/// disk of `sectors`; hands the queue back.
 #[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz_process(
     file: Arc<File>,
     overlay: Option<Arc<Mutex<Overlay>>>,
-    rig: super::fuzzing::Rig,
-) -> super::fuzzing::Rig {
-    let sectors = super::fuzzing::DISK_SECTORS;
+    sectors: u64,
+    mem: &GuestMemoryMmap,
+    queue: Queue,
+    interrupt: &Arc<VirtioInterrupt>,
+) -> Queue {
     let mut w = Worker {
         file,
         overlay,
         sectors,
         id: [b'f'; ID_BYTES],
-        mem: rig.mem,
-        queue: rig.queue,
-        interrupt: rig.interrupt,
+        mem: mem.clone(),
+        queue,
+        interrupt: interrupt.clone(),
         limiter: None,
         write_failures: std::cell::Cell::new(0),
     };
     w.process_queue();
-    super::fuzzing::Rig {
-        mem: w.mem,
-        queue: w.queue,
-        interrupt: w.interrupt,
-    }
+    w.queue
 }
 
 impl super::LimitedQueue for Worker {

@@ -140,6 +140,15 @@ impl Rig {
     pub fn used_idx(&self) -> u16 {
         self.mem.read_obj(GuestAddress(USED_RING + 2)).unwrap_or(0)
     }
+
+    /// Hands the queue to a device's queue work and takes it back.
+    fn process(
+        self,
+        work: impl FnOnce(&GuestMemoryMmap, Queue, &Arc<VirtioInterrupt>) -> Queue,
+    ) -> Self {
+        let queue = work(&self.mem, self.queue, &self.interrupt);
+        Rig { queue, ..self }
+    }
 }
 
 /// Sectors of the fuzzed disk.
@@ -172,12 +181,14 @@ fn overlay() -> Option<Arc<Mutex<Overlay>>> {
 pub fn blk(rig: Rig, writable: bool) -> Rig {
     let Some(file) = disk() else { return rig };
     let overlay = if writable { overlay() } else { None };
-    super::block::fuzz_process(file, overlay, rig)
+    rig.process(|mem, queue, interrupt| {
+        super::block::fuzz_process(file, overlay, DISK_SECTORS, mem, queue, interrupt)
+    })
 }
 
 /// Runs virtio-rng's queue work once over `rig`.
 pub fn rng(rig: Rig) -> Rig {
-    super::rng::fuzz_process(rig)
+    rig.process(super::rng::fuzz_process)
 }
 
 /// A well-formed queue at [`HELPER`]: [`HELPER_BUFFERS`] device-writable 512-byte

@@ -484,7 +484,7 @@ impl NetWorker {
     }
 }
 
-/// The worker over a fuzzer's memory and queues (`super::fuzzing`), its tap a datagram
+/// The worker over a fuzzer's memory and queues (the fuzzing module's rig), its tap a datagram
 /// socket.
 #[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz_worker(

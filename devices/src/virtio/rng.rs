@@ -162,21 +162,22 @@ impl RngWorker {
     }
 }
 
-/// The queue work over a fuzzer's memory and queue (`super::fuzzing`).
+/// The queue work once over a fuzzer's memory and queue (the fuzzing module's rig);
+/// hands the queue back.
 #[cfg(feature = "fuzzing")]
-pub(crate) fn fuzz_process(rig: super::fuzzing::Rig) -> super::fuzzing::Rig {
+pub(crate) fn fuzz_process(
+    mem: &GuestMemoryMmap,
+    queue: Queue,
+    interrupt: &Arc<VirtioInterrupt>,
+) -> Queue {
     let mut w = RngWorker {
-        mem: rig.mem,
-        queue: rig.queue,
-        interrupt: rig.interrupt,
+        mem: mem.clone(),
+        queue,
+        interrupt: interrupt.clone(),
         limiter: None,
     };
     w.process_queue();
-    super::fuzzing::Rig {
-        mem: w.mem,
-        queue: w.queue,
-        interrupt: w.interrupt,
-    }
+    w.queue
 }
 
 impl super::LimitedQueue for RngWorker {

@@ -233,7 +233,7 @@ impl VirtioDevice for Vsock {
     }
 }
 
-/// The worker over a fuzzer's memory and queues (`super::fuzzing`): guest CID 3, host
+/// The worker over a fuzzer's memory and queues (the fuzzing module's rig): guest CID 3, host
 /// side on `listener` at `path`.
 #[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz_worker(

@@ -9,6 +9,7 @@ pub mod cloning;
 pub mod config;
 pub mod controller;
 pub mod device_manager;
+mod errno;
 pub mod gate;
 pub mod invoke;
 pub mod logging;

@@ -11,6 +11,11 @@
 //! 7. load kernel and initrd, write command line, boot information and MP table
 //! 8. create and configure vCPUs
 //! 9. start vCPU threads
+//!
+//! A VM that comes from captured state instead (a clone, a restored snapshot) is
+//! rebuilt by [`rebuild`].
+
+pub mod rebuild;
 
 use std::sync::Arc;
 

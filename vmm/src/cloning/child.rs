@@ -7,7 +7,7 @@
 //! Then, in order:
 //!
 //! 1. it moves itself into its cgroup, if it was not born inside (`cgroups.rs`);
-//! 2. [`prepare`]: a new VM on the inherited memory (memory slots first, then TSS,
+//! 2. `builder::rebuild::prepare`: a new VM on the inherited memory (memory slots first, then TSS,
 //!    irqchip, PIT), its vCPUs restored from the captured state;
 //! 3. [`launch`]: its configuration (sockets, console, tap, limits from its
 //!    [`Identity`]), its devices restored from their state, the VM-wide state, its vCPU
@@ -29,25 +29,23 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-use kvm_ioctls::VmFd;
-use vm_memory::GuestMemoryMmap;
+use std::time::Instant;
 
 use clone::MicrovmState;
 
 use super::cgroups::{place_self, Placement};
+use super::prime::PrimeFailed;
 use super::request::Identity;
 use super::Cloner;
+use crate::builder::rebuild::{prepare, start_rebuilt, Prepared, RebuildError, StartFrom};
 use crate::config::{keep_overlays, ConsoleSink, VmConfig};
-use crate::device_manager::{DeviceError, DeviceManager, VirtioRestore};
+use crate::errno::errno_of;
 use crate::invoke::{Connection, InvokeError, Invoker};
 use crate::logging::{raw_eprintln, StageTimer};
 use crate::microvm::{Microvm, RunOutcome, VmParts};
 use crate::signals::block_shutdown_signals;
 use crate::vstate::kvm::KvmContext;
-use crate::vstate::vcpu::{monotonic_ns, start_vcpus, FirstEntry, StartedVcpus, Vcpu, VcpuError};
-use crate::vstate::vm::{create_vm, VmError};
+use crate::vstate::vcpu::{monotonic_ns, PrimeError, VcpuError};
 
 /// How a child starts.
 pub(crate) enum Start {
@@ -143,40 +141,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The longest reason a failed clone reports (the record fits in one atomic pipe write).
 const MAX_REASON: usize = 400;
 
-/// The host error number behind `e`: the first `std::io::Error` or `nix` errno in its
-/// chain of sources (0 if none).
-pub(crate) fn errno_of(mut e: &(dyn std::error::Error + 'static)) -> i32 {
-    loop {
-        if let Some(io) = e.downcast_ref::<std::io::Error>() {
-            if let Some(n) = io.raw_os_error() {
-                return n;
-            }
-        }
-        if let Some(n) = e.downcast_ref::<nix::errno::Errno>() {
-            return *n as i32;
-        }
-        match e.source() {
-            Some(next) => e = next,
-            None => return 0,
-        }
-    }
-}
-
 /// Errors rebuilding a VM in a clone.
 #[derive(Debug, thiserror::Error)]
 pub enum ChildError {
-    /// Creating the VM failed.
+    /// Rebuilding the VM failed.
     #[error(transparent)]
-    Vm(#[from] VmError),
-    /// Creating the devices failed.
-    #[error(transparent)]
-    Devices(#[from] DeviceError),
-    /// Restoring or starting a vCPU failed.
+    Rebuild(#[from] RebuildError),
+    /// Re-timing a warm clone's vCPU failed.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
-    /// Restoring VM state failed.
-    #[error(transparent)]
-    VmState(#[from] clone::vm::VmStateError),
     /// Serving the clone failed.
     #[error("{0}")]
     Serve(ServeError),
@@ -195,12 +168,9 @@ pub enum ChildError {
     /// The invocation's request could not be delivered.
     #[error("cannot deliver the invocation: {0}")]
     Invoke(#[from] InvokeError),
-    /// The guest kernel's RNG could not be reseeded (the clone does not run).
-    #[error("cannot reseed the guest kernel's RNG: {0}")]
-    Crng(#[from] devices::crng::CrngError),
     /// A warm clone's prime failed (the warm clone ends).
     #[error("prime failed: {0}")]
-    Prime(#[from] crate::vstate::vcpu::PrimeError),
+    Prime(#[from] PrimeFailed),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -292,9 +262,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
             };
             fail(errno, &e.to_string());
             match e {
-                ChildError::Prime(crate::vstate::vcpu::PrimeError::Timeout(_)) => {
-                    PRIME_TIMEOUT_EXIT
-                }
+                ChildError::Prime(PrimeFailed::Run(PrimeError::Timeout(_))) => PRIME_TIMEOUT_EXIT,
                 _ => 1,
             }
         }
@@ -323,42 +291,6 @@ pub(crate) const FAIL_MARK: u64 = u64::MAX - 1;
 /// What a clone's control thread writes to the ready pipe once its devices' host sides
 /// and its control socket are up (no CLOCK_MONOTONIC time vCPU 0 writes is this).
 pub(crate) const READY_MARK: u64 = u64::MAX;
-
-/// A VM rebuilt from captured state, its vCPUs restored but not started.
-pub(crate) struct Prepared {
-    pub(crate) vm: VmFd,
-    pub(crate) vcpus: Vec<Vcpu>,
-    /// MSRs the host refused to restore (vCPU 0's).
-    pub(crate) skipped_msrs: Vec<u32>,
-}
-
-/// Creates the VM on `mem` (a clone's inherited memory, or a snapshot's) and restores
-/// every vCPU from `state`.
-pub(crate) fn prepare(
-    kvm: &KvmContext,
-    state: &MicrovmState,
-    mem: &GuestMemoryMmap,
-    mailbox: devices::mailbox::MailboxWindow,
-) -> Result<Prepared, ChildError> {
-    let vm = create_vm(kvm, mem)?;
-    let mut vcpus = Vec::with_capacity(state.vcpus.len());
-    let mut skipped_msrs = Vec::new();
-    for s in &state.vcpus {
-        let (v, skipped) = Vcpu::from_state(&vm, s, mailbox)?;
-        if !skipped.is_empty() {
-            tracing::debug!("restore: host refused MSRs {skipped:#x?}");
-            if vcpus.is_empty() {
-                skipped_msrs = skipped;
-            }
-        }
-        vcpus.push(v);
-    }
-    Ok(Prepared {
-        vm,
-        vcpus,
-        skipped_msrs,
-    })
-}
 
 /// What a warm clone receives: its identity, and an invocation's payload and connection.
 type Go = (Identity, Option<(Vec<u8>, OwnedFd)>);
@@ -477,7 +409,7 @@ fn prepare_warm(
     }
     let (base, prepared) = match prime {
         Some(vcpu) => {
-            let (state, prepared) = super::prime::prime(kvm, plan, vcpu)?;
+            let (state, prepared) = super::prime::prime(kvm, plan.template, plan.state, vcpu)?;
             // Tells the parent it may launch this clone (`warm::WarmClone::launchable`).
             let flags = nix::sys::socket::MsgFlags::MSG_NOSIGNAL;
             nix::sys::socket::send(go, &[1], flags)
@@ -537,87 +469,25 @@ fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildErr
     Ok(config)
 }
 
-/// What a clone and a VM restored from a snapshot do once their VM and vCPUs exist
-/// ([`prepare`]): devices from their saved states (`restore`), the guest kernel's RNG
-/// reseeded before any of its code runs (every vCPU is stopped: none is mid-key, the
-/// pause that captured `state` saw to it), the VM-wide state, the vCPU threads (vCPU 0
-/// writes the time it first enters the guest to `ready`). Returns once vCPU 0 is in the
-/// guest (or 20 ms have passed) and the devices' host sides are open.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn start_rebuilt(
-    prepared: &mut Prepared,
-    mem: &GuestMemoryMmap,
-    config: &VmConfig,
-    seq: u32,
-    state: &MicrovmState,
-    restore: &VirtioRestore<'_>,
-    ready: File,
-    marks: &mut StageTimer,
-) -> Result<(DeviceManager, StartedVcpus), ChildError> {
-    let vm = &prepared.vm;
-    let mut devices = DeviceManager::new(vm, config, mem, seq, Some(&state.devices))?;
-    devices.add_virtio_devices(vm, mem, config, Some(restore))?;
-    marks.done("devices");
-    if let Some(layout) = devices.crng.registration.layout() {
-        layout.reseed(mem)?;
-        marks.done("crng reseed");
-    }
-    clone::vm::restore_vm(vm, &state.vm)?;
-    marks.done("vm state");
-    let (entered, vcpu0_entered) = std::sync::mpsc::sync_channel(1);
-    let first_entry = FirstEntry {
-        pipe: ready,
-        entered,
-    };
-    let vcpus = start_vcpus(
-        std::mem::take(&mut prepared.vcpus),
-        &devices.pio,
-        &devices.mmio,
-        Some(first_entry),
-        &devices.crng,
-    )?;
-    marks.done("started");
-    // The rest waits until vCPU 0 is in the guest: this thread's work (sockets, device
-    // workers) took the CPU the new vCPU thread needed (0.5 ms later into the guest with
-    // every device, on 2 CPUs shared with the parent).
-    let _ = vcpu0_entered.recv_timeout(Duration::from_millis(20));
-    marks.done("vcpu 0 entered");
-    // The devices' host sides (tap, vsock socket) come up once the guest runs: they are
-    // off the latency path, and there when the parent answers.
-    devices.open_host_endpoints()?;
-    marks.done("host endpoints");
-    Ok((devices, vcpus))
-}
-
 /// [`start_rebuilt`] for the clone with `config`, on its template's memory and disks.
-#[allow(clippy::too_many_arguments)]
 fn launch(
     plan: &ChildPlan<'_>,
-    kvm: KvmContext,
-    mut prepared: Prepared,
-    state: &MicrovmState,
-    config: VmConfig,
-    seq: u32,
+    (kvm, mut prepared): (KvmContext, Prepared),
+    (state, config, seq): (&MicrovmState, VmConfig, u32),
     ready: File,
     marks: &mut StageTimer,
 ) -> Result<VmParts, ChildError> {
     let template = plan.template;
     let mem = template.memory();
-    let restore = VirtioRestore {
-        states: &state.devices,
+    let from = StartFrom {
+        mem,
+        config: &config,
+        seq,
+        state,
         disk_fds: template.devices().disk_fds(),
         overlays: plan.overlays,
     };
-    let (devices, vcpus) = start_rebuilt(
-        &mut prepared,
-        mem,
-        &config,
-        seq,
-        state,
-        &restore,
-        ready,
-        marks,
-    )?;
+    let (devices, vcpus) = start_rebuilt(&mut prepared, &from, ready, marks)?;
     Ok(VmParts {
         config,
         vm: prepared.vm,
@@ -698,7 +568,13 @@ fn run_clone(
         }
         _ => None,
     };
-    let parts = launch(plan, kvm, prepared, &state, config, seq, ready, &mut marks)?;
+    let parts = launch(
+        plan,
+        (kvm, prepared),
+        (&state, config, seq),
+        ready,
+        &mut marks,
+    )?;
     tracing::info!(
         "clone {} (pid {}) running {} us after launch",
         identity.id,

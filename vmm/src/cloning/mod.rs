@@ -8,8 +8,8 @@
 //! 4. `fork.rs`: one child per clone, through the fork gate, into its cgroup
 //!    (`cgroups.rs`, and on cgroup v1 `forker.rs`); the parent resumes and waits on each
 //!    child's ready pipe.
-//! 5. `child.rs`: in the child, a new VM on the inherited memory, restored, launched,
-//!    and handed to the controller's event loop.
+//! 5. `child.rs`: in the child, a new VM on the inherited memory, rebuilt by
+//!    `builder::rebuild`, and handed to the controller's event loop.
 //! 6. `warm.rs`: for a paused template, stages 4 and 5 done ahead of requests.
 //! 7. `prime.rs`: a ready template's warm clones run its runtime's serving path once.
 //!
@@ -46,7 +46,6 @@ use clone::MicrovmState;
 use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use cgroups::{CgroupSetupError, ClonePools};
-pub(crate) use child::{errno_of, prepare as prepare_restored, start_rebuilt};
 pub use child::{ChildError, ReadyMark, RebuiltClone, ServeClone, ServeError};
 pub use request::{CloneError, CLONE_FAILED};
 pub use table::CloneTable;

@@ -23,30 +23,49 @@ use std::time::Duration;
 use clone::MicrovmState;
 use devices::mailbox::{read_reply, ReplyStatus};
 
-use super::child::{prepare, ChildError, ChildPlan, Prepared};
+use crate::builder::rebuild::{prepare, Prepared, RebuildError};
 use crate::invoke::{write_prime, InvokeError};
+use crate::microvm::Microvm;
 use crate::vstate::kvm::KvmContext;
 use crate::vstate::vcpu::{monotonic_ns, PrimeError};
 
 /// How long a prime may take.
 pub const PRIME_LIMIT: Duration = Duration::from_millis(500);
 
-/// Primes a warm clone on vCPU `vcpu`, where the template's runtime waits. Returns the
-/// state the clone is to be launched from (the template's, with that vCPU's as the
-/// prime left it) and its VM, prepared and primed.
+/// Why a prime failed (the warm clone ends).
+#[derive(Debug, thiserror::Error)]
+pub enum PrimeFailed {
+    /// The VM could not be rebuilt for it.
+    #[error(transparent)]
+    Rebuild(#[from] RebuildError),
+    /// The VM-wide state could not be restored.
+    #[error(transparent)]
+    VmState(#[from] clone::vm::VmStateError),
+    /// The prime request could not be written.
+    #[error(transparent)]
+    Invoke(#[from] InvokeError),
+    /// The runtime's vCPU did not answer and wait again.
+    #[error(transparent)]
+    Run(#[from] PrimeError),
+}
+
+/// Primes a warm clone of `template`, captured as `template_state`, on vCPU `vcpu`,
+/// where the template's runtime waits. Returns the state the clone is to be launched
+/// from (the template's, with that vCPU's as the prime left it) and its VM, prepared
+/// and primed.
 pub(super) fn prime(
     kvm: &KvmContext,
-    plan: &ChildPlan<'_>,
+    template: &Microvm,
+    template_state: &MicrovmState,
     vcpu: u8,
-) -> Result<(MicrovmState, Prepared), ChildError> {
-    let template = plan.template;
+) -> Result<(MicrovmState, Prepared), PrimeFailed> {
     let config = template.config();
     let mem = template.memory();
-    let index = (plan.state.vcpus.iter().position(|v| v.id == vcpu))
+    let index = (template_state.vcpus.iter().position(|v| v.id == vcpu))
         .ok_or_else(|| PrimeError::Left(format!("no vCPU {vcpu} in the template")))?;
     // The clocks moved on to now, a timer interrupt due deferred as for a request, the
     // runtime's read returning the prime request's length (0).
-    let mut now = plan.state.clone();
+    let mut now = template_state.clone();
     now.advance_clocks(monotonic_ns().saturating_sub(now.captured_at_ns));
     if config.tick_defer_ns() > 0 {
         for v in &mut now.vcpus {
@@ -81,13 +100,13 @@ pub(super) fn prime(
     // from the template's capture, as in any warm clone (the guest's clocks stay
     // monotonic: the launch is later than the prime).
     let template_tsc =
-        (plan.state.vcpus[index].msrs.iter()).find(|m| m.index == clone::msrs::MSR_IA32_TSC);
+        (template_state.vcpus[index].msrs.iter()).find(|m| m.index == clone::msrs::MSR_IA32_TSC);
     for m in &mut primed.msrs {
         if let (clone::msrs::MSR_IA32_TSC, Some(t)) = (m.index, template_tsc) {
             m.data = t.data;
         }
     }
-    let mut state = plan.state.clone();
+    let mut state = template_state.clone();
     state.vcpus[index] = primed;
     Ok((state, prepared))
 }

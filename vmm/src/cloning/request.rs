@@ -93,7 +93,7 @@ impl CloneError {
     pub fn host_short(&self) -> bool {
         let errno = match self {
             CloneError::Os(e) => e.raw_os_error().unwrap_or(0),
-            CloneError::Overlay(e) => super::child::errno_of(e),
+            CloneError::Overlay(e) => crate::errno::errno_of(e),
             CloneError::NoneStarted { errno, .. } => *errno,
             _ => 0,
         };

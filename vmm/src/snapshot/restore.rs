@@ -1,7 +1,7 @@
 //! Rebuilding a VM from a snapshot directory in this process: the state file read and
 //! checked, the host checked against the guest's CPU, memory mapped from the memory
-//! file, then the clone path's steps (`cloning::prepare`: a VM on that memory and its
-//! vCPUs restored; devices restored, the guest kernel's RNG reseeded, the VM-wide state,
+//! file, then the steps every rebuilt VM takes (`builder::rebuild`: a VM on that memory and
+//! its vCPUs restored; devices restored, the guest kernel's RNG reseeded, the VM-wide state,
 //! the vCPU threads started, the devices' host sides opened).
 //!
 //! Every check that can fail on a bad snapshot comes before anything is created: a
@@ -24,10 +24,10 @@ use super::{overlay_file, SavedConfig, SnapshotFile, MEMORY_FILE, STATE_FILE};
 use crate::arch::x86_64::cpu_compat::{missing_features, missing_msrs};
 use crate::arch::x86_64::layout::ram_ranges;
 use crate::builder::capture_spec;
-use crate::cloning::{prepare_restored, start_rebuilt};
+use crate::builder::rebuild::{prepare, start_rebuilt, RebuildError, StartFrom};
 use crate::config::{CgroupConfig, ConsoleSink, DiskConfig, NetConfig, RngConfig, VmConfig};
 use crate::config::{ConfigError, VsockConfig};
-use crate::device_manager::{DeviceError, VirtioRestore};
+use crate::device_manager::DeviceError;
 use crate::logging::StageTimer;
 use crate::microvm::VmParts;
 use crate::vstate::kvm::{HostKind, KvmContext, KvmError};
@@ -105,7 +105,7 @@ pub enum RestoreError {
     Kvm(#[from] KvmError),
     /// The VM or its vCPUs could not be rebuilt.
     #[error(transparent)]
-    Rebuild(#[from] crate::cloning::ChildError),
+    Rebuild(#[from] RebuildError),
     /// The devices could not be restored.
     #[error(transparent)]
     Devices(#[from] DeviceError),
@@ -396,7 +396,7 @@ impl Restoring {
 
         marks.done("disks");
         let state = &file.state;
-        let mut prepared = prepare_restored(&kvm, state, &mem, config.mailbox())?;
+        let mut prepared = prepare(&kvm, state, &mem, config.mailbox())?;
         marks.done("vm and vcpus");
         check_cpuid(&file, &kvm, &prepared.vcpus)?;
         marks.done("cpuid check");
@@ -405,22 +405,16 @@ impl Restoring {
         // writes when it first enters the guest (CLOCK_MONOTONIC ns), logged below: what
         // a caller measures a restore by.
         let (entry_read, entry_write) = nix::unistd::pipe().map_err(RestoreError::Pipe)?;
-        let restore = VirtioRestore {
-            states: &state.devices,
+        let from = StartFrom {
+            mem: &mem,
+            config: &config,
+            seq: 0,
+            state,
             disk_fds: &disk_fds,
             overlays: &overlays,
         };
         let ready = File::from(entry_write);
-        let (devices, vcpus) = start_rebuilt(
-            &mut prepared,
-            &mem,
-            &config,
-            0,
-            state,
-            &restore,
-            ready,
-            &mut marks,
-        )?;
+        let (devices, vcpus) = start_rebuilt(&mut prepared, &from, ready, &mut marks)?;
         let capture_spec = capture_spec(&kvm, &prepared.vm)?;
         let kvm_run_size = kvm.kvm.get_vcpu_mmap_size().map_err(KvmError::MmapSize)?;
         let host = HostReport {

@@ -46,7 +46,7 @@ pub enum SaveError {
 impl SaveError {
     /// Whether the host is out of room (space, quota) rather than failing.
     pub fn host_short(&self) -> bool {
-        let errno = crate::cloning::errno_of(self);
+        let errno = crate::errno::errno_of(self);
         errno == libc::ENOSPC || errno == libc::EDQUOT
     }
 }

@@ -22,13 +22,14 @@
 //! ahead of time from a paused template: it prepares, then blocks on its `go` pipe until
 //! a request gives it an identity, re-times its clocks and launches. Its vCPU 0 writes
 //! the time it first enters the guest into the `ready` pipe, which gives the latency;
-//! the controller writes [`READY_MARK`] once the control socket is up.
+//! the controller marks it ready once the control socket is up (both on the ready pipe,
+//! `wire.rs`).
 
 use std::borrow::Cow;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+
 use std::time::Instant;
 
 use clone::MicrovmState;
@@ -36,9 +37,10 @@ use clone::MicrovmState;
 use super::cgroups::{place_self, Placement};
 use super::prime::PrimeFailed;
 use super::request::Identity;
+use super::wire::{report_primed, wait_for_go, Go, LaunchError, ReadyMark};
 use super::Cloner;
 use crate::builder::rebuild::{prepare, start_rebuilt, Prepared, RebuildError, StartFrom};
-use crate::config::{keep_overlays, ConsoleSink, VmConfig};
+use crate::config::{keep_overlays, ConsoleSink, NoSuchDevice, VmConfig};
 use crate::errno::errno_of;
 use crate::invoke::{Connection, InvokeError, Invoker};
 use crate::logging::{raw_eprintln, StageTimer};
@@ -53,7 +55,7 @@ pub(crate) enum Start {
     Now(Box<Identity>),
     /// Prepare, then wait for an identity on this channel (a warm clone).
     Warm {
-        /// The child's end of the go channel (`fork::go_channel`).
+        /// The child's end of the go channel (`wire::go_channel`).
         go: RawFd,
         /// The cgroup it moves itself into at once (the first class's).
         cgroup: Option<Placement>,
@@ -103,44 +105,6 @@ pub type ServeClone = fn(RebuiltClone) -> Result<RunOutcome, ServeError>;
 /// Why serving a clone failed.
 pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The clone's end of its ready pipe, held until its control socket is up; until then
-/// a failure of the clone is reported through it too (a failure record).
-pub struct ReadyMark(Arc<Mutex<Option<File>>>);
-
-impl ReadyMark {
-    /// Tells the parent the clone's control socket and host endpoints are up (the
-    /// parent answers once vCPU 0's time and this mark are in and the pipe is closed).
-    pub fn send(self) -> std::io::Result<()> {
-        use std::io::Write;
-        match lock(&self.0).take() {
-            Some(mut f) => f.write_all(&READY_MARK.to_le_bytes()),
-            None => Ok(()),
-        }
-    }
-
-    /// Tells the parent why the clone failed, if it was not ready yet: `FAIL_MARK`, the
-    /// host error number behind it (0 if none) and the reason, in one write.
-    fn fail(&self, errno: i32, reason: &str) {
-        use std::io::Write;
-        if let Some(mut f) = lock(&self.0).take() {
-            let text = &reason.as_bytes()[..reason.len().min(MAX_REASON)];
-            let mut record = Vec::with_capacity(24 + text.len());
-            record.extend_from_slice(&FAIL_MARK.to_le_bytes());
-            record.extend_from_slice(&(errno.max(0) as u64).to_le_bytes());
-            record.extend_from_slice(&(text.len() as u64).to_le_bytes());
-            record.extend_from_slice(text);
-            let _ = f.write_all(&record);
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The longest reason a failed clone reports (the record fits in one atomic pipe write).
-const MAX_REASON: usize = 400;
-
 /// Errors rebuilding a VM in a clone.
 #[derive(Debug, thiserror::Error)]
 pub enum ChildError {
@@ -161,7 +125,13 @@ pub enum ChildError {
     ReadyPipe(std::io::Error),
     /// The parent's launch message could not be read.
     #[error("bad launch message from the parent: {0}")]
-    Go(String),
+    Launch(#[from] LaunchError),
+    /// The go channel failed.
+    #[error("cannot report the prime to the parent: {0}")]
+    ReportPrime(nix::Error),
+    /// The identity's rate limits do not fit the template's devices.
+    #[error("cannot apply the clone's rate limits: {0}")]
+    RateLimits(#[from] NoSuchDevice),
     /// The clone could not move itself into its cgroup (it does not run unconfined).
     #[error("cannot enter its cgroup: {0}")]
     Cgroup(std::io::Error),
@@ -230,16 +200,13 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     // (after it wrote its timestamp) and the mark's (after the control socket is up, or
     // the clone failed and said why); a pipe that ends without the mark is a clone that
     // failed.
-    let mark = ready
-        .try_clone()
-        .ok()
-        .map(|m| ReadyMark(Arc::new(Mutex::new(Some(m)))));
+    let mark = ready.try_clone().ok().map(ReadyMark::new);
     let mut name = String::from("(warm)");
     // A panic must end the clone here: unwinding further would run the destructors of
     // the parent's objects this process inherited (its control socket's, which removes
     // the parent's socket file, among them).
     let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &mark {
-        Some(m) => run_clone(&plan, ready, ReadyMark(m.0.clone()), &mut name),
+        Some(m) => run_clone(&plan, ready, m.share(), &mut name),
         None => Err(ChildError::ReadyPipe(std::io::Error::last_os_error())),
     }));
     let fail = |errno: i32, why: &str| {
@@ -283,74 +250,6 @@ const PANIC_EXIT: i32 = 101;
 /// A warm clone's exit status when its prime ran out of time (`EX_TEMPFAIL`): the
 /// template pauses priming for a while rather than turning it off (`warm.rs`).
 pub(super) const PRIME_TIMEOUT_EXIT: i32 = 75;
-
-/// What a clone that failed before it was ready writes to its ready pipe, followed by
-/// the error number and the reason's length (u64 each) and the reason.
-pub(crate) const FAIL_MARK: u64 = u64::MAX - 1;
-
-/// What a clone's control thread writes to the ready pipe once its devices' host sides
-/// and its control socket are up (no CLOCK_MONOTONIC time vCPU 0 writes is this).
-pub(crate) const READY_MARK: u64 = u64::MAX;
-
-/// What a warm clone receives: its identity, and an invocation's payload and connection.
-type Go = (Identity, Option<(Vec<u8>, OwnedFd)>);
-
-/// Reads the launch message from the go channel (`warm::send_go`): the identity's
-/// length (4 bytes), the identity (JSON) with an invocation's connection attached, then
-/// the invocation's payload to the end. None when the parent closed the channel without
-/// launching (the warm clone is discarded).
-fn wait_for_go(go: RawFd) -> Result<Option<Go>, ChildError> {
-    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-    use std::io::Read;
-    let bad = |e: &dyn std::fmt::Display| ChildError::Go(e.to_string());
-    // SAFETY: the go channel's end, kept open by close_all_but, owned from here on.
-    let mut f = unsafe { std::os::unix::net::UnixStream::from_raw_fd(go) };
-    let mut first = vec![0u8; 64 * 1024];
-    let mut space = nix::cmsg_space!([RawFd; 1]);
-    let (got, conn) = loop {
-        let mut iov = [std::io::IoSliceMut::new(&mut first)];
-        let msg = match recvmsg::<()>(go, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
-            Err(nix::errno::Errno::EINTR) => continue,
-            r => r.map_err(|e| bad(&e))?,
-        };
-        let mut conn = None;
-        for c in msg.cmsgs().map_err(|e| bad(&e))? {
-            if let ControlMessageOwned::ScmRights(fds) = c {
-                for fd in fds {
-                    // SAFETY: a descriptor just received, owned by nobody else.
-                    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-                    conn.get_or_insert(owned);
-                }
-            }
-        }
-        break (msg.bytes, conn);
-    };
-    if got == 0 {
-        return Ok(None);
-    }
-    let mut buf = first;
-    buf.truncate(got);
-    f.read_to_end(&mut buf).map_err(|e| bad(&e))?;
-    if buf.len() < 4 {
-        return Err(ChildError::Go("launch message cut short".into()));
-    }
-    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-    let json = buf
-        .get(4..4 + len)
-        .ok_or_else(|| bad(&"identity cut short"))?;
-    let identity: Identity = serde_json::from_slice(json).map_err(|e| bad(&e))?;
-    let payload = buf.split_off(4 + len);
-    let carried = match (identity.delivery.is_some(), conn) {
-        (true, Some(conn)) => Some((payload, conn)),
-        (true, None) => {
-            return Err(ChildError::Go(
-                "an invocation without its connection".into(),
-            ))
-        }
-        (false, _) => None,
-    };
-    Ok(Some((identity, carried)))
-}
 
 /// `state` with the guest's clocks moved on to now, as if it had kept running since the
 /// capture. In a clone made for invocation `id` a timer interrupt already due is moved
@@ -411,9 +310,7 @@ fn prepare_warm(
         Some(vcpu) => {
             let (state, prepared) = super::prime::prime(kvm, plan.template, plan.state, vcpu)?;
             // Tells the parent it may launch this clone (`warm::WarmClone::launchable`).
-            let flags = nix::sys::socket::MsgFlags::MSG_NOSIGNAL;
-            nix::sys::socket::send(go, &[1], flags)
-                .map_err(|e| ChildError::Go(format!("cannot report the prime: {e}")))?;
+            report_primed(go).map_err(ChildError::ReportPrime)?;
             (Cow::Owned(state), prepared)
         }
         None => {
@@ -459,9 +356,7 @@ fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildErr
     if let (Some(v), Some(path)) = (config.vsock.as_mut(), &id.vsock) {
         v.uds_path = path.clone();
     }
-    config
-        .apply_rate_limits(&id.rate_limits)
-        .map_err(|e| ChildError::Go(e.to_string()))?;
+    config.apply_rate_limits(&id.rate_limits)?;
     // Its own tap and MAC (the tap is created here; it goes when the clone exits).
     let pid = std::process::id() as i32;
     config.disks = keep_overlays(&config.disks, id.keep_overlays);

@@ -13,6 +13,9 @@
 //! 6. `warm.rs`: for a paused template, stages 4 and 5 done ahead of requests.
 //! 7. `prime.rs`: a ready template's warm clones run its runtime's serving path once.
 //!
+//! `wire.rs` holds both ends of the two channels between a template and its clones
+//! (the ready pipe, a warm clone's go channel).
+//!
 //! `table.rs` keeps every clone's record until it is reaped or stopped; `tree.rs` bounds
 //! the live clones of the whole tree (`--max-tree-clones`) in slots all its VMs share.
 //! [`Cloner::make_clones`] below reads the whole path top to bottom. A paused VM's state
@@ -32,6 +35,7 @@ mod request;
 mod table;
 mod tree;
 mod warm;
+mod wire;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -46,11 +50,12 @@ use clone::MicrovmState;
 use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use cgroups::{CgroupSetupError, ClonePools};
-pub use child::{ChildError, ReadyMark, RebuiltClone, ServeClone, ServeError};
+pub use child::{ChildError, RebuiltClone, ServeClone, ServeError};
 pub use request::{CloneError, CLONE_FAILED};
 pub use table::CloneTable;
 pub use tree::{init as init_tree, report as tree_report, TreeFull};
 pub use warm::{WarmPool, REFILL_DELAY};
+pub use wire::{LaunchError, ReadyMark};
 
 /// The clone side of one VM: the clones it made, its warm clones, its cgroup pools.
 pub struct Cloner {
@@ -207,7 +212,7 @@ impl Cloner {
         let mut devices_parked = was_running;
         let mut failed = None;
         for (info, ready) in made.iter_mut() {
-            match fork::wait_ready(ready, fork::READY_TIMEOUT) {
+            match wire::wait_ready(ready, fork::READY_TIMEOUT) {
                 Ok(t) => {
                     info.latency_us = Some(t.saturating_sub(received_ns) / 1000);
                     info.status = CloneStatus::Running;

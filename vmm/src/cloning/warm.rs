@@ -19,7 +19,6 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
@@ -35,8 +34,9 @@ use nix::unistd::Pid;
 use super::capture::capture;
 use super::cgroups::{placement_of, started_in, ClonePools};
 use super::child::{ServeClone, Start, PRIME_TIMEOUT_EXIT};
-use super::fork::{fork_child, go_channel, pipe};
+use super::fork::{fork_child, pipe};
 use super::request::{give_back, Identity};
+use super::wire::{go_channel, prime_report, send_go, PrimeReport};
 use super::CloneError;
 use crate::config::MAX_WARM_CLONES;
 use crate::microvm::Microvm;
@@ -81,19 +81,16 @@ impl WarmClone {
     }
 
     fn launchable(&mut self) -> Launchable {
-        use nix::sys::socket::{recv, MsgFlags};
         if !self.primed || self.prime_done {
             return Launchable::Yes;
         }
-        let mut byte = [0u8; 1];
-        match recv(self.go.as_raw_fd(), &mut byte, MsgFlags::MSG_DONTWAIT) {
-            Ok(1) => {
+        match prime_report(&self.go) {
+            PrimeReport::Done => {
                 self.prime_done = true;
                 Launchable::Yes
             }
-            Err(nix::errno::Errno::EAGAIN) => Launchable::Priming,
-            // End of stream, or an error: it is gone.
-            _ => Launchable::Ended,
+            PrimeReport::Pending => Launchable::Priming,
+            PrimeReport::Ended => Launchable::Ended,
         }
     }
 }
@@ -411,35 +408,6 @@ impl WarmPool {
             }
         }
     }
-}
-
-/// Sends a warm clone its launch message: the identity (JSON, after its length as 4
-/// bytes) with an invocation's connection attached, then the invocation's payload. The
-/// clone reads to the end, which closing the channel marks. The identity fits the
-/// socket's buffer; a payload larger than it is written as the clone reads it (it waits
-/// for this message), within the channel's send timeout.
-fn send_go(go: &std::os::unix::net::UnixStream, identity: &Identity) -> std::io::Result<()> {
-    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
-    let json = serde_json::to_vec(identity).map_err(std::io::Error::other)?;
-    let len = (json.len() as u32).to_le_bytes();
-    let conn = identity
-        .carried
-        .as_ref()
-        .map(|c| c.conn.stream().as_raw_fd());
-    let fds: Vec<i32> = conn.into_iter().collect();
-    let cmsgs: Vec<ControlMessage<'_>> = match fds.is_empty() {
-        true => Vec::new(),
-        false => vec![ControlMessage::ScmRights(&fds)],
-    };
-    let iov = [std::io::IoSlice::new(&len), std::io::IoSlice::new(&json)];
-    let sent = sendmsg::<()>(go.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
-    let mut w = go;
-    let whole: Vec<u8> = len.iter().chain(json.iter()).copied().collect();
-    w.write_all(&whole[sent..])?;
-    if let Some(c) = &identity.carried {
-        w.write_all(&c.payload)?;
-    }
-    Ok(())
 }
 
 impl Drop for WarmPool {

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 pub struct CreateSnapshot {
     /// The snapshot's directory, an absolute path: it must not exist, its parent must
     /// (it is written beside it and renamed into place once complete).
+    #[schemars(regex(pattern = r"^/.*[^/]/*$"))]
     pub dir: String,
 }
 

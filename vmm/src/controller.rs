@@ -94,8 +94,10 @@ impl Vmm {
     fn invoke(&mut self, inv: Invocation) -> VmmResponse {
         match (self.invoker).route(&self.vm, &inv)? {
             Route::Clone(vcpu) => {
-                let delivery = self.invoker.hand_to_clone(&inv, vcpu);
-                let info = self.clones.invoke(&mut self.vm, inv, delivery)?;
+                let received_ns = inv.received_ns;
+                let (req, handover) = self.invoker.hand_to_clone(inv, vcpu);
+                let info =
+                    (self.clones).clone_handing_over(&mut self.vm, &req, received_ns, handover)?;
                 self.invoker.handed_to_clone();
                 if info.status == CloneStatus::Failed {
                     return Err(InvokeError::CloneFailed(info.id).into());
@@ -239,7 +241,7 @@ impl Vmm {
     /// Answers (502) the callers of invocation clones that ended without answering.
     fn answer_orphans(&mut self) {
         for (conn, id, how) in self.clones.take_orphans() {
-            crate::api::invoke::answer_orphan(conn, &id, &how);
+            crate::api::invoke::answer_orphan(conn.into(), &id, &how);
         }
     }
 
@@ -438,8 +440,9 @@ pub fn serve_clone(clone: RebuiltClone) -> Result<RunOutcome, ServeError> {
     clone.ready.send()?;
     clone.vm.devices().start_restored_virtio()?;
     let mut vmm = Vmm::new(clone.vm, clone.cloner);
-    if let Some(invoker) = clone.invoker {
-        vmm.invoker = invoker;
+    // What `invoke::take_handover` made of an invocation clone's handover.
+    if let Some(invoker) = clone.taken.and_then(|t| t.downcast::<Invoker>().ok()) {
+        vmm.invoker = *invoker;
     }
     let outcome = vmm.run(Some(actions), Some(&clone.signals))?;
     drop(api);

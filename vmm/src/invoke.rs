@@ -6,7 +6,8 @@
 //! - in a **template** (`--template`) the VM pauses itself there, and each invocation
 //!   runs in a clone of it: the clone's VMM writes the request into its own copy of the
 //!   mailbox and sets the parked read's result before its vCPUs run
-//!   ([`Invoker::in_clone`]), and answers the caller itself;
+//!   ([`Invoker::in_clone`], through cloning's `take` hook: `handover.rs`), and answers
+//!   the caller itself; a ready template's warm clones are primed first (`prime.rs`);
 //! - in any other VM (a keep-alive clone, a VM that is no template) the request is
 //!   delivered in place ([`Invoker::deliver`]), one at a time.
 //!
@@ -50,7 +51,11 @@ use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use crate::vstate::vcpu::{monotonic_ns, VcpuError};
 
+mod handover;
+mod prime;
 mod stretch;
+pub use handover::take as take_handover;
+pub use prime::{prime as prime_clone, PrimeFailed, PRIME_LIMIT};
 pub use stretch::initial_ns as initial_defer_ns;
 use stretch::Stretch;
 
@@ -67,6 +72,17 @@ impl Connection {
     /// The stream.
     pub fn stream(&self) -> &UnixStream {
         &self.0
+    }
+
+    /// The stream, shared (what a template hands the clone that answers on it).
+    pub fn shared(&self) -> Arc<UnixStream> {
+        self.0.clone()
+    }
+}
+
+impl From<Arc<UnixStream>> for Connection {
+    fn from(stream: Arc<UnixStream>) -> Self {
+        Self(stream)
     }
 }
 
@@ -494,9 +510,14 @@ impl Invoker {
         self.held.pop_front().map(|(inv, _)| inv)
     }
 
-    /// What a clone made for `inv` is told (the runtime waits on `vcpu`).
-    pub fn hand_to_clone(&self, inv: &Invocation, vcpu: u8) -> Delivery {
-        Delivery::of(inv, vcpu)
+    /// The clone request and handover that run `inv` in a clone of this template,
+    /// whose runtime waits on `vcpu` (`handover.rs`).
+    pub fn hand_to_clone(
+        &self,
+        inv: Invocation,
+        vcpu: u8,
+    ) -> (api_types::CreateClones, crate::cloning::Handover) {
+        handover::handover(inv, vcpu, self.tick_defer_ns)
     }
 
     /// Counts an invocation a clone was made for (not one refused before that, say for

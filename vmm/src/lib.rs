@@ -96,6 +96,14 @@ fn serve(
     Ok(Vmm::new(vm, clones).run(actions, Some(signals))?)
 }
 
+/// What runs in every clone: the controller's event loop, and the invocation layer's
+/// handover and prime (cloning knows neither).
+const CLONE_HOOKS: cloning::CloneHooks = cloning::CloneHooks {
+    serve: controller::serve_clone,
+    take: invoke::take_handover,
+    prime: invoke::prime_clone,
+};
+
 /// The clone side of a VM with `config`, its cgroup pools made: before the VM, so that
 /// no guest code runs if they cannot be.
 fn pools(config: &VmConfig) -> Result<Cloner, VmmError> {
@@ -104,7 +112,7 @@ fn pools(config: &VmConfig) -> Result<Cloner, VmmError> {
             .map_err(|e| BuildError::Config(config::ConfigError::Cgroups(e)))?;
     }
     cloning::init_tree(config.max_tree_clones).map_err(VmmError::Tree)?;
-    Ok(Cloner::new(config, controller::serve_clone)?)
+    Ok(Cloner::new(config, CLONE_HOOKS)?)
 }
 
 /// Restores the VM of a snapshot (`snapshot`), serves its control socket, and returns

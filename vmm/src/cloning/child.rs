@@ -13,7 +13,9 @@
 //!    [`Identity`]), its devices restored from their state, the VM-wide state, its vCPU
 //!    threads started; once vCPU 0 is in the guest, the devices' host sides (tap, vsock
 //!    socket) are opened;
-//! 4. the rebuilt VM goes to the `serve` hook the controller gave the [`Cloner`]: the
+//! 4. the rebuilt VM goes to the `serve` hook the controller gave the [`Cloner`]
+//!    ([`CloneHooks`]; a handover, if the clone has one, was taken up by the `take`
+//!    hook before its vCPUs ran): the
 //!    controller opens its control socket, marks it ready ([`ReadyMark`]), starts its
 //!    device workers and runs its event loop. (The event loop is the controller's, a
 //!    layer above this one: the hook keeps this module from depending on it.)
@@ -25,6 +27,7 @@
 //! the controller marks it ready once the control socket is up (both on the ready pipe,
 //! `wire.rs`).
 
+use std::any::Any;
 use std::borrow::Cow;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -35,19 +38,17 @@ use std::time::Instant;
 use clone::MicrovmState;
 
 use super::cgroups::{place_self, Placement};
-use super::prime::PrimeFailed;
 use super::request::Identity;
 use super::wire::{report_primed, wait_for_go, Go, LaunchError, ReadyMark};
 use super::Cloner;
 use crate::builder::rebuild::{prepare, start_rebuilt, Prepared, RebuildError, StartFrom};
 use crate::config::{keep_overlays, ConsoleSink, NoSuchDevice, VmConfig};
 use crate::errno::errno_of;
-use crate::invoke::{Connection, InvokeError, Invoker};
 use crate::logging::{raw_eprintln, StageTimer};
 use crate::microvm::{Microvm, RunOutcome, VmParts};
 use crate::signals::block_shutdown_signals;
 use crate::vstate::kvm::KvmContext;
-use crate::vstate::vcpu::{monotonic_ns, PrimeError, VcpuError};
+use crate::vstate::vcpu::{monotonic_ns, VcpuError};
 
 /// How a child starts.
 pub(crate) enum Start {
@@ -59,7 +60,7 @@ pub(crate) enum Start {
         go: RawFd,
         /// The cgroup it moves itself into at once (the first class's).
         cgroup: Option<Placement>,
-        /// The vCPU to prime it on (`prime.rs`), if it is primed.
+        /// The vCPU to prime it on (the hooks' `prime`), if it is primed.
         prime: Option<u8>,
     },
 }
@@ -74,8 +75,8 @@ pub(crate) struct ChildPlan<'a> {
     /// The parent's VM: the child takes its configuration, memory, /dev/kvm, open disk
     /// images and host report (and never drops it).
     pub template: &'a Microvm,
-    /// What serves the rebuilt VM.
-    pub serve: ServeClone,
+    /// What the layers above do in the child.
+    pub hooks: CloneHooks,
     /// The parent's vCPUs' kvm_run mappings, unmapped in the child.
     pub run_bases: &'a [usize],
     /// The copies of the parent's disk overlays made for this child, in disk order.
@@ -95,15 +96,62 @@ pub struct RebuiltClone {
     pub signals: nix::sys::signalfd::SignalFd,
     /// Tells the parent the clone is up, once its control socket is.
     pub ready: ReadyMark,
-    /// The invocation it serves, its request in the mailbox (a template's clone).
-    pub invoker: Option<Invoker>,
+    /// What the hooks' `take` made of the clone's handover, if it had one.
+    pub taken: Option<Box<dyn Any>>,
+}
+
+/// What the layers above cloning do in a clone, given to the [`Cloner`] as plain
+/// functions so that cloning names none of them: the controller's event loop, and the
+/// invocation layer's handover and prime.
+#[derive(Clone, Copy)]
+pub struct CloneHooks {
+    /// Serves the rebuilt clone until it stops.
+    pub serve: ServeClone,
+    /// Takes up a clone's handover before its vCPUs run (`super::Handover`: the
+    /// invocation layer writes the request into the clone's mailbox); what it returns
+    /// reaches `serve` as [`RebuiltClone::taken`].
+    pub take: TakeHandover,
+    /// Runs a warm clone's vCPU once before the clone waits for its launch (a prime:
+    /// the runtime's serving path, docs/invoke.md); returns the state the clone is to
+    /// be launched from and its VM, prepared.
+    pub prime: PrimeClone,
 }
 
 /// Serves a rebuilt clone until it stops (the controller's event loop).
 pub type ServeClone = fn(RebuiltClone) -> Result<RunOutcome, ServeError>;
 
-/// Why serving a clone failed.
+/// Takes up a handover in the clone, before its vCPUs run.
+pub type TakeHandover =
+    fn(HandedOver, &VmConfig, &vm_memory::GuestMemoryMmap) -> Result<Box<dyn Any>, ServeError>;
+
+/// Primes a warm clone of `template`, captured as the state given, on the vCPU given.
+pub type PrimeClone =
+    fn(&KvmContext, &Microvm, &MicrovmState, u8) -> Result<(MicrovmState, Prepared), PrimeFailure>;
+
+/// Why serving a clone, or a hook, failed.
 pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A handover as the clone receives it.
+pub struct HandedOver<'a> {
+    /// What the clone is told (`Handover::note`).
+    pub note: &'a serde_json::Value,
+    /// The payload.
+    pub payload: &'a [u8],
+    /// The stream, the clone's own from now on.
+    pub stream: std::os::unix::net::UnixStream,
+    /// Whether the clone is a primed warm clone.
+    pub primed: bool,
+}
+
+/// Why a warm clone's prime failed (the warm clone ends).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct PrimeFailure {
+    /// It ran out of time (the template pauses priming instead of turning it off).
+    pub timed_out: bool,
+    /// Why.
+    pub error: ServeError,
+}
 
 /// Errors rebuilding a VM in a clone.
 #[derive(Debug, thiserror::Error)]
@@ -135,12 +183,12 @@ pub enum ChildError {
     /// The clone could not move itself into its cgroup (it does not run unconfined).
     #[error("cannot enter its cgroup: {0}")]
     Cgroup(std::io::Error),
-    /// The invocation's request could not be delivered.
-    #[error("cannot deliver the invocation: {0}")]
-    Invoke(#[from] InvokeError),
     /// A warm clone's prime failed (the warm clone ends).
     #[error("prime failed: {0}")]
-    Prime(#[from] PrimeFailed),
+    Prime(#[from] PrimeFailure),
+    /// The clone's handover could not be taken up.
+    #[error("cannot take up the clone's handover: {0}")]
+    Take(ServeError),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -189,7 +237,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
         Start::Warm { go, .. } => keep.push(*go),
         Start::Now(id) => {
             keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied()));
-            keep.extend(id.carried.iter().map(|c| c.conn.stream().as_raw_fd()));
+            keep.extend(id.carried.iter().map(|c| c.stream.as_raw_fd()));
         }
     }
     close_all_but(&keep);
@@ -229,7 +277,9 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
             };
             fail(errno, &e.to_string());
             match e {
-                ChildError::Prime(PrimeFailed::Run(PrimeError::Timeout(_))) => PRIME_TIMEOUT_EXIT,
+                ChildError::Prime(PrimeFailure {
+                    timed_out: true, ..
+                }) => PRIME_TIMEOUT_EXIT,
                 _ => 1,
             }
         }
@@ -252,15 +302,14 @@ const PANIC_EXIT: i32 = 101;
 pub(super) const PRIME_TIMEOUT_EXIT: i32 = 75;
 
 /// `state` with the guest's clocks moved on to now, as if it had kept running since the
-/// capture. In a clone made for invocation `id` a timer interrupt already due is moved
-/// `--tick-defer-ms` on (`clone::timer`): the handler runs before the kernel catches up.
-fn advanced(state: &MicrovmState, template: &VmConfig, id: &Identity) -> MicrovmState {
+/// capture, and a timer interrupt already due moved on as `id` says (`clone::timer`: an
+/// invocation's handler runs before the kernel catches up).
+fn advanced(state: &MicrovmState, id: &Identity) -> MicrovmState {
     let mut state = state.clone();
     state.advance_clocks(monotonic_ns().saturating_sub(state.captured_at_ns));
-    if id.delivery.is_some() && template.tick_defer_ns() > 0 {
-        let ns = crate::invoke::initial_defer_ns(template.tick_defer_ns());
+    if id.defer_timer_ns > 0 {
         for v in &mut state.vcpus {
-            v.defer_timer(ns);
+            v.defer_timer(id.defer_timer_ns);
         }
     }
     state
@@ -279,7 +328,7 @@ fn prepare_now(
         place_self(p).map_err(ChildError::Cgroup)?;
         marks.done("placed");
     }
-    let mut state = advanced(plan.state, plan.template.config(), id);
+    let mut state = advanced(plan.state, id);
     if let Some((vcpu, value)) = id.guest_result {
         if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
             v.regs.rax = value;
@@ -308,7 +357,7 @@ fn prepare_warm(
     }
     let (base, prepared) = match prime {
         Some(vcpu) => {
-            let (state, prepared) = super::prime::prime(kvm, plan.template, plan.state, vcpu)?;
+            let (state, prepared) = (plan.hooks.prime)(kvm, plan.template, plan.state, vcpu)?;
             // Tells the parent it may launch this clone (`warm::WarmClone::launchable`).
             report_primed(go).map_err(ChildError::ReportPrime)?;
             (Cow::Owned(state), prepared)
@@ -335,7 +384,7 @@ fn prepare_warm(
         place_self(p).map_err(ChildError::Cgroup)?;
         marks.done("placed");
     }
-    let state = advanced(&base, plan.template.config(), &id);
+    let state = advanced(&base, &id);
     for (v, s) in prepared.vcpus.iter().zip(&state.vcpus) {
         let rax = id
             .guest_result
@@ -350,7 +399,7 @@ fn prepare_warm(
 fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildError> {
     let mut config = template.clone();
     config.api_sock = Some(id.api_sock.clone());
-    // A clone serves its invocations in place.
+    // A clone is no template of its own (`--template` is not inherited).
     config.template = false;
     config.console = ConsoleSink::File(id.console.clone());
     if let (Some(v), Some(path)) = (config.vsock.as_mut(), &id.vsock) {
@@ -411,10 +460,10 @@ fn run_clone(
         Start::Now(id) => {
             let (state, prepared) = prepare_now(&kvm, plan, id, &mut marks)?;
             let carried = (id.carried.as_ref()).map(|c| {
-                // SAFETY: the connection's descriptor, inherited and kept open by
+                // SAFETY: the stream's descriptor, inherited and kept open by
                 // close_all_but; its owner in this process (the parent's) is never
                 // dropped, so this is its only owner here.
-                let fd = unsafe { OwnedFd::from_raw_fd(c.conn.stream().as_raw_fd()) };
+                let fd = unsafe { OwnedFd::from_raw_fd(c.stream.as_raw_fd()) };
                 (Cow::Borrowed(c.payload.as_slice()), fd)
             });
             (state, prepared, (Identity::clone(id), carried))
@@ -433,10 +482,11 @@ fn run_clone(
     name.clone_from(&identity.id);
     crate::logging::set_tag(&format!("clone {}", identity.id));
     // Before any of them exists: a parent killed with SIGKILL cannot remove them. Its
-    // sockets, and the console of an invocation's clone: what the parent removes when
-    // it reaps a clone (other clones' consoles are kept for reading).
-    let invocation = carried.is_some() && identity.console != Path::new("/dev/null");
-    let console = invocation.then_some(&identity.console);
+    // sockets, and the console of a clone handed something (an invocation's): what the
+    // parent removes when it reaps such a clone (other clones' consoles are kept for
+    // reading).
+    let transient = carried.is_some() && identity.console != Path::new("/dev/null");
+    let console = transient.then_some(&identity.console);
     let files = [Some(&identity.api_sock), console, identity.vsock.as_ref()];
     crate::signals::remove_at_parent_death(files.into_iter().flatten().map(PathBuf::as_path));
     let launched = Instant::now();
@@ -446,20 +496,19 @@ fn run_clone(
     let seq = (identity.id.rsplit('.').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
-    // An invocation's request goes into the clone's copy of the mailbox before its
-    // vCPUs run (the runtime's port read already has the length, `guest_result`).
-    let invoker = match (&identity.delivery, carried) {
-        (Some(d), Some((payload, conn))) => {
-            let conn = Connection::new(std::os::unix::net::UnixStream::from(conn));
+    // The handover is taken up before the vCPUs run (an invocation's request goes
+    // into the clone's copy of the mailbox; its port read already has the length,
+    // `guest_result`).
+    let taken = match (&identity.note, carried) {
+        (Some(note), Some((payload, stream))) => {
+            let handed = HandedOver {
+                note,
+                payload: &payload,
+                stream: stream.into(),
+                primed: matches!(plan.start, Start::Warm { prime: Some(_), .. }),
+            };
             let mem = plan.template.memory();
-            let primed = matches!(plan.start, Start::Warm { prime: Some(_), .. });
-            Some(Invoker::in_clone(
-                &config,
-                mem,
-                d,
-                (&payload, conn),
-                primed,
-            )?)
+            Some((plan.hooks.take)(handed, &config, mem).map_err(ChildError::Take)?)
         }
         _ => None,
     };
@@ -479,11 +528,11 @@ fn run_clone(
     tracing::debug!("clone {} stages: {}", identity.id, marks.report());
     let rebuilt = RebuiltClone {
         vm: Microvm::new(parts),
-        cloner: Cloner::for_clone(identity.id, plan.serve),
+        cloner: Cloner::for_clone(identity.id, plan.hooks),
         api_sock: identity.api_sock,
         signals,
         ready: mark,
-        invoker,
+        taken,
     };
-    (plan.serve)(rebuilt).map_err(ChildError::Serve)
+    (plan.hooks.serve)(rebuilt).map_err(ChildError::Serve)
 }

@@ -20,7 +20,7 @@ use api_types::CloneInfo;
 use clone::MicrovmState;
 
 use super::cgroups::{self, ClonePools, Taken};
-use super::child::{child_main, ChildPlan, ServeClone, Start};
+use super::child::{child_main, ChildPlan, CloneHooks, Start};
 use super::request::{give_back, starting_info, NewClone};
 use super::CloneError;
 use crate::microvm::Microvm;
@@ -36,7 +36,7 @@ pub(super) const READY_TIMEOUT: Duration = Duration::from_secs(10);
 pub(super) fn fork_child(
     vm: &Microvm,
     pools: Option<&ClonePools>,
-    serve: ServeClone,
+    hooks: CloneHooks,
     state: &MicrovmState,
     ready: &OwnedFd,
     start: Start,
@@ -55,7 +55,7 @@ pub(super) fn fork_child(
         start,
         state,
         template: vm,
-        serve,
+        hooks,
         run_bases: &run_bases,
         overlays: &overlays,
     };
@@ -110,7 +110,7 @@ pub(super) fn fork_child(
 pub(super) fn fork_all(
     vm: &Microvm,
     mut pools: Option<&mut ClonePools>,
-    serve: ServeClone,
+    hooks: CloneHooks,
     state: &MicrovmState,
     clones: Vec<NewClone>,
 ) -> Result<Vec<Made>, Partial> {
@@ -126,7 +126,7 @@ pub(super) fn fork_all(
                 let forked = fork_child(
                     vm,
                     pools.as_deref(),
-                    serve,
+                    hooks,
                     state,
                     &write_end,
                     start,

@@ -10,8 +10,8 @@
 //!    child's ready pipe.
 //! 5. `child.rs`: in the child, a new VM on the inherited memory, rebuilt by
 //!    `builder::rebuild`, and handed to the controller's event loop.
-//! 6. `warm.rs`: for a paused template, stages 4 and 5 done ahead of requests.
-//! 7. `prime.rs`: a ready template's warm clones run its runtime's serving path once.
+//! 6. `warm.rs`: for a paused template, stages 4 and 5 done ahead of requests (and,
+//!    when the template's runtime takes them, a prime run by each warm clone).
 //!
 //! `wire.rs` holds both ends of the two channels between a template and its clones
 //! (the ready pipe, a warm clone's go channel).
@@ -21,15 +21,17 @@
 //! [`Cloner::make_clones`] below reads the whole path top to bottom. A paused VM's state
 //! cannot change, so it is captured once per pause and reused by every request.
 //!
-//! This module works on a [`Microvm`] (below it) and knows nothing of HTTP: the
-//! controller (above it) calls it with typed requests.
+//! This module works on a [`Microvm`] (below it) and knows nothing of HTTP or of
+//! invocations: the controller (above it) calls it with typed requests, and what the
+//! layers above do in a clone comes as [`CloneHooks`] (plain functions: the event
+//! loop, taking up a [`Handover`], a warm clone's prime), what they hand a clone as an
+//! opaque [`Handover`].
 
 mod capture;
 pub mod cgroups;
 mod child;
 mod fork;
 mod forker;
-mod prime;
 mod quiesce;
 mod request;
 mod table;
@@ -38,6 +40,7 @@ mod warm;
 mod wire;
 
 use std::fs::File;
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -50,8 +53,11 @@ use clone::MicrovmState;
 use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use cgroups::{CgroupSetupError, ClonePools};
-pub use child::{ChildError, RebuiltClone, ServeClone, ServeError};
-pub use request::{CloneError, CLONE_FAILED};
+pub use child::{
+    ChildError, CloneHooks, HandedOver, PrimeClone, PrimeFailure, RebuiltClone, ServeClone,
+    ServeError, TakeHandover,
+};
+pub use request::{CloneError, Handover, CLONE_FAILED};
 pub use table::CloneTable;
 pub use tree::{init as init_tree, report as tree_report, TreeFull};
 pub use warm::{WarmPool, REFILL_DELAY};
@@ -66,37 +72,38 @@ pub struct Cloner {
     cgroups: Option<ClonePools>,
     /// This VM's clone id: "" for an original, "2", "2.1", ... for clones.
     clone_id: String,
-    /// What serves a clone once its VM is rebuilt (the controller's event loop).
-    serve: ServeClone,
+    /// What the layers above do in its clones (the controller's event loop, the
+    /// invocation layer's handover and prime).
+    hooks: CloneHooks,
     /// The guest's refused clone requests (a guest may send them in a loop).
     guest_refusals: devices::util::LogThrottle,
 }
 
 impl Cloner {
     /// The clone side of an original VM with `config` (its cgroup pools are made
-    /// here). `serve` runs each clone's event loop.
-    pub fn new(config: &VmConfig, serve: ServeClone) -> Result<Self, CgroupSetupError> {
+    /// here). `hooks` run in each clone.
+    pub fn new(config: &VmConfig, hooks: CloneHooks) -> Result<Self, CgroupSetupError> {
         Ok(Self {
             table: CloneTable::default(),
             warm: WarmPool::new(config.warm_clones),
             spares: Default::default(),
             cgroups: config.cgroups.as_ref().map(ClonePools::new).transpose()?,
             clone_id: String::new(),
-            serve,
+            hooks,
             guest_refusals: Default::default(),
         })
     }
 
     /// The clone side of clone `id`: no pools (its clones stay in its cgroup), no warm
     /// clones.
-    fn for_clone(id: String, serve: ServeClone) -> Self {
+    fn for_clone(id: String, hooks: CloneHooks) -> Self {
         Self {
             table: CloneTable::default(),
             warm: WarmPool::default(),
             spares: Default::default(),
             cgroups: None,
             clone_id: id,
-            serve,
+            hooks,
             guest_refusals: Default::default(),
         }
     }
@@ -251,39 +258,34 @@ impl Cloner {
         Ok(infos)
     }
 
-    /// Runs invocation `inv` in a clone of this paused template (`delivery`: what the
-    /// clone is told): a warm clone when one is ready, else one forked now. The clone
-    /// answers the caller; this returns once it runs.
-    pub fn invoke(
+    /// Makes one clone of this paused template per `req` (its count is 1) and hands it
+    /// `handover` (a warm clone when one is ready, else one forked now). The clone
+    /// takes the handover up itself; this returns once it runs. The template keeps the
+    /// handover's stream until the clone is reaped ([`Cloner::take_orphans`]).
+    pub fn clone_handing_over(
         &mut self,
         vm: &mut Microvm,
-        inv: crate::invoke::Invocation,
-        delivery: crate::invoke::Delivery,
+        req: &CreateClones,
+        received_ns: u64,
+        handover: Handover,
     ) -> Result<CloneInfo, CloneError> {
-        let req = CreateClones {
-            count: 1,
-            resource_class: inv.options.resource_class.clone(),
-            rate_limits: inv.options.rate_limits(),
-            taps: inv.options.tap.iter().cloned().collect(),
-            addresses: inv.options.addresses().into_iter().collect(),
-            ..CreateClones::default()
-        };
         let carried = Arc::new(request::Carried {
-            payload: inv.payload,
-            conn: inv.conn,
+            payload: handover.payload,
+            stream: handover.stream,
         });
         let prepare = |identity: &mut request::Identity| {
-            identity.guest_result = Some((delivery.vcpu, u64::from(delivery.length)));
-            identity.delivery = Some(delivery.clone());
+            identity.guest_result = Some(handover.guest_result);
+            identity.note = Some(handover.note.clone());
+            identity.defer_timer_ns = handover.defer_timer_ns;
             identity.carried = Some(carried.clone());
         };
-        let conn = carried.conn.clone();
-        let made = self.make_clones_with(vm, &req, inv.received_ns, None, prepare)?;
+        let stream = carried.stream.clone();
+        let made = self.make_clones_with(vm, req, received_ns, None, prepare)?;
         let info = made
             .into_iter()
             .next()
             .ok_or(CloneError::Request(CreateClonesError::Count(0)))?;
-        self.table.forget_when_reaped(info.pid, conn);
+        self.table.forget_when_reaped(info.pid, stream);
         Ok(info)
     }
 
@@ -352,7 +354,7 @@ impl Cloner {
         let t_capture = t0.elapsed();
         // 4. Fork.
         let result = match captured {
-            Ok(state) => fork::fork_all(vm, self.cgroups.as_mut(), self.serve, &state, clones)
+            Ok(state) => fork::fork_all(vm, self.cgroups.as_mut(), self.hooks, &state, clones)
                 .map_err(|p| self.abandon(p.made, p.error)),
             Err(e) => {
                 request::give_back(self.cgroups.as_ref(), clones.into_iter().map(|(_, t)| t));
@@ -418,7 +420,7 @@ impl Cloner {
                 Ok(c) => c,
                 Err(error) => return Err(self.abandon(launched(made), error)),
             };
-            match fork::fork_all(vm, self.cgroups.as_mut(), self.serve, state, clones) {
+            match fork::fork_all(vm, self.cgroups.as_mut(), self.hooks, state, clones) {
                 Ok(more) => made.extend(more),
                 Err(p) => return Err(self.abandon(launched(made).chain(p.made), p.error)),
             }
@@ -460,11 +462,11 @@ impl Cloner {
     }
 
     /// Does the work [`Cloner::due_in`] says is due. A warm clone made now is primed
-    /// on the vCPU `prime` gives, if any (`prime.rs`); asked only when one is made.
+    /// on the vCPU `prime` gives, if any (the hooks' `prime`); asked only when one is made.
     pub fn do_due_work(&mut self, vm: &mut Microvm, prime: impl FnOnce(&Microvm) -> Option<u8>) {
         if self.warm.due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
-            self.warm.add(vm, self.cgroups.as_mut(), self.serve, prime);
+            self.warm.add(vm, self.cgroups.as_mut(), self.hooks, prime);
         }
         let made = self.table.made();
         if self
@@ -487,10 +489,10 @@ impl Cloner {
         });
     }
 
-    /// The connections of invocation clones that ended since last asked, each with the
-    /// clone's id and how it ended: the controller answers those the clone did not
+    /// The streams of clones made with a handover that ended since last asked, each
+    /// with the clone's id and how it ended: the controller answers those the clone did not
     /// (a clone shuts its connection down once it answered).
-    pub fn take_orphans(&mut self) -> Vec<(crate::invoke::Connection, String, String)> {
+    pub fn take_orphans(&mut self) -> Vec<(Arc<UnixStream>, String, String)> {
         self.table.take_orphans()
     }
 

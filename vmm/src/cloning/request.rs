@@ -5,7 +5,9 @@
 //! Next: a running VM is quiesced (`quiesce.rs`); a paused one reuses its captured
 //! state and warm clones (`warm.rs`).
 
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use api_types::clones::CreateClonesError;
 use api_types::{CloneCgroup, CloneConsole, CloneInfo, CloneNet, CloneStatus, CreateClones};
@@ -128,22 +130,47 @@ pub(crate) struct Identity {
     pub guest_result: Option<(u8, u64)>,
     /// The cgroup it moves itself into before running guest code.
     pub cgroup: Option<Placement>,
-    /// The invocation it serves (a clone of a template): what it is told about it.
+    /// What a layer above tells the clone it hands something over to ([`Handover`]).
     #[serde(default)]
-    pub delivery: Option<crate::invoke::Delivery>,
-    /// The invocation's payload and connection: inherited by a clone forked now, sent
-    /// after the identity to a warm clone.
+    pub note: Option<serde_json::Value>,
+    /// A timer interrupt already due in its vCPUs' state is moved this far on (0: none).
+    #[serde(default)]
+    pub defer_timer_ns: u64,
+    /// The handover's payload and stream: inherited by a clone forked now, sent after
+    /// the identity to a warm clone.
     #[serde(skip)]
-    pub carried: Option<std::sync::Arc<Carried>>,
+    pub carried: Option<Arc<Carried>>,
 }
 
-/// An invocation's payload and the caller's connection, on their way to a clone.
+/// A handover's payload and stream, on their way to a clone.
 #[derive(Debug)]
 pub(crate) struct Carried {
     /// The payload.
     pub payload: Vec<u8>,
-    /// The caller's connection.
-    pub conn: crate::invoke::Connection,
+    /// The stream.
+    pub stream: Arc<UnixStream>,
+}
+
+/// What a layer above hands one clone (the invocation layer: a request, its payload and
+/// the caller's connection), opaque to cloning: the clone is told `note` (in its
+/// identity, as JSON), its parked vCPU's port read returns `guest_result`, a timer
+/// interrupt already due is deferred by `defer_timer_ns`, and `payload` and `stream`
+/// travel after its identity. In the child, the hooks' `take`
+/// (`child::CloneHooks`) takes them up before its vCPUs run. The template keeps the
+/// stream until the clone is reaped: one that ended without a word leaves it to the
+/// template ([`super::Cloner::take_orphans`]).
+#[derive(Debug)]
+pub struct Handover {
+    /// What the clone is told.
+    pub note: serde_json::Value,
+    /// The parked vCPU, and what its port read returns in the clone.
+    pub guest_result: (u8, u64),
+    /// How far a timer interrupt already due is moved on, in ns (0: not at all).
+    pub defer_timer_ns: u64,
+    /// Bytes for the clone.
+    pub payload: Vec<u8>,
+    /// A stream for the clone (whose other end the caller holds).
+    pub stream: Arc<UnixStream>,
 }
 
 /// A clone about to be made: its identity and its cgroup (with cgroup pools).
@@ -230,7 +257,8 @@ pub(super) fn identities(
             keep_overlays: req.keep_overlays,
             guest_result: requester.map(|v| (v, u64::from(seq))),
             cgroup: None,
-            delivery: None,
+            note: None,
+            defer_timer_ns: 0,
             carried: None,
         });
     }

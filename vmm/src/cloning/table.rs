@@ -3,6 +3,8 @@
 //! back to its pool when it is reaped, with its usage kept in its record.
 
 use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use api_types::{CloneInfo, CloneStatus};
@@ -11,7 +13,6 @@ use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 use super::cgroups::ClonePools;
-use crate::invoke::Connection;
 
 /// How long a clone has to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(3);
@@ -26,13 +27,14 @@ pub struct CloneTable {
     /// Clones made so far (their ids count from it).
     made: u32,
     clones: Vec<CloneInfo>,
-    /// Clones whose record goes when they end (invocation clones: a template makes one
-    /// per request), with their console file; with the caller's connection, which the
-    /// clone shuts down once it answered.
-    transient: HashMap<i32, Connection>,
-    /// Connections of invocation clones that ended, with how they ended: answered by the
+    /// Clones whose record goes when they end (clones made with a handover: a template
+    /// makes one per invocation), with their console file; with the handover's stream
+    /// (an invocation's caller's connection, which the clone shuts down once it
+    /// answered).
+    transient: HashMap<i32, Arc<UnixStream>>,
+    /// Streams of such clones that ended, with how they ended: answered by the
     /// controller, if the clone had not (`Cloner::take_orphans`).
-    orphans: Vec<(Connection, String, String)>,
+    orphans: Vec<(Arc<UnixStream>, String, String)>,
 }
 
 impl CloneTable {
@@ -61,14 +63,14 @@ impl CloneTable {
         }
     }
 
-    /// Forgets invocation clone `pid` once it ends (its record and console file), and
-    /// hands `conn` on then, in case it died without answering.
-    pub(super) fn forget_when_reaped(&mut self, pid: i32, conn: Connection) {
+    /// Forgets clone `pid`, made with a handover, once it ends (its record and console
+    /// file), and hands `conn` on then, in case it died without answering.
+    pub(super) fn forget_when_reaped(&mut self, pid: i32, conn: Arc<UnixStream>) {
         self.transient.insert(pid, conn);
     }
 
-    /// The connections of invocation clones that ended: (connection, clone id, how).
-    pub(super) fn take_orphans(&mut self) -> Vec<(Connection, String, String)> {
+    /// The streams of clones made with a handover that ended: (stream, clone id, how).
+    pub(super) fn take_orphans(&mut self) -> Vec<(Arc<UnixStream>, String, String)> {
         std::mem::take(&mut self.orphans)
     }
 

@@ -33,7 +33,7 @@ use nix::unistd::Pid;
 
 use super::capture::capture;
 use super::cgroups::{placement_of, started_in, ClonePools};
-use super::child::{ServeClone, Start, PRIME_TIMEOUT_EXIT};
+use super::child::{CloneHooks, Start, PRIME_TIMEOUT_EXIT};
 use super::fork::{fork_child, pipe};
 use super::request::{give_back, Identity};
 use super::wire::{go_channel, prime_report, send_go, PrimeReport};
@@ -55,7 +55,7 @@ struct WarmClone {
     ready: File,
     /// The cgroup (of the first class) it already sits in, with cgroup pools.
     cgroup: Option<CloneCgroup>,
-    /// Whether it primes itself (`prime.rs`).
+    /// Whether it primes itself (the hooks' `prime`).
     primed: bool,
     /// Whether it said its prime is done (a byte on its go channel).
     prime_done: bool,
@@ -324,12 +324,12 @@ impl WarmPool {
         &mut self,
         vm: &mut Microvm,
         pools: Option<&mut ClonePools>,
-        serve: ServeClone,
+        hooks: CloneHooks,
         prime: Option<u8>,
     ) {
         let prime = prime.filter(|_| self.may_prime(Instant::now()));
         self.priming = prime.is_some();
-        if let Err(e) = self.try_add(vm, pools, serve, prime) {
+        if let Err(e) = self.try_add(vm, pools, hooks, prime) {
             tracing::warn!(
                 "cannot make a warm clone: {e}; keeping {}",
                 self.clones.len()
@@ -342,7 +342,7 @@ impl WarmPool {
         &mut self,
         vm: &mut Microvm,
         pools: Option<&mut ClonePools>,
-        serve: ServeClone,
+        hooks: CloneHooks,
         prime: Option<u8>,
     ) -> Result<(), CloneError> {
         let state = self.epoch_state(vm)?;
@@ -363,7 +363,7 @@ impl WarmPool {
         let forked = fork_child(
             vm,
             pools.as_deref(),
-            serve,
+            hooks,
             &state,
             &ready_write,
             start,

@@ -9,8 +9,8 @@
 //!   pipe is closed.
 //! - **The go channel** (a socket pair, for a warm clone): the clone reports a finished
 //!   prime with one byte ([`report_primed`], [`prime_report`]); the parent sends the
-//!   launch message ([`send_go`]: the identity, an invocation's connection attached,
-//!   its payload) and the clone reads it ([`wait_for_go`]); a channel closed without
+//!   launch message ([`send_go`]: the identity, a handover's stream attached, its
+//!   payload) and the clone reads it ([`wait_for_go`]); a channel closed without
 //!   a message discards the warm clone.
 
 use std::fs::File;
@@ -185,7 +185,7 @@ fn parse_ready(got: &[u8]) -> Result<u64, NotReady> {
 // The go channel.
 
 /// A warm clone's go channel, both ends close-on-exec: (the child's end, the parent's).
-/// A socket, so that an invocation's connection can travel with the launch message;
+/// A socket, so that a handover's stream can travel with the launch message;
 /// the parent's end gives up on a write after two seconds (a stuck child).
 pub(super) fn go_channel() -> std::io::Result<(OwnedFd, std::os::unix::net::UnixStream)> {
     use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
@@ -201,7 +201,7 @@ pub(super) fn go_channel() -> std::io::Result<(OwnedFd, std::os::unix::net::Unix
 }
 
 /// Sends a warm clone its launch message: the identity (JSON, after its length as 4
-/// bytes) with an invocation's connection attached, then the invocation's payload. The
+/// bytes) with a handover's stream attached, then the handover's payload. The
 /// clone reads to the end, which closing the channel marks. The identity fits the
 /// socket's buffer; a payload larger than it is written as the clone reads it (it waits
 /// for this message), within the channel's send timeout.
@@ -212,10 +212,7 @@ pub(super) fn send_go(
     use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
     let json = serde_json::to_vec(identity).map_err(std::io::Error::other)?;
     let len = (json.len() as u32).to_le_bytes();
-    let conn = identity
-        .carried
-        .as_ref()
-        .map(|c| c.conn.stream().as_raw_fd());
+    let conn = identity.carried.as_ref().map(|c| c.stream.as_raw_fd());
     let fds: Vec<i32> = conn.into_iter().collect();
     let cmsgs: Vec<ControlMessage<'_>> = match fds.is_empty() {
         true => Vec::new(),
@@ -232,12 +229,12 @@ pub(super) fn send_go(
     Ok(())
 }
 
-/// What a warm clone receives: its identity, and an invocation's payload and connection.
+/// What a warm clone receives: its identity, and a handover's payload and stream.
 pub(super) type Go = (Identity, Option<(Vec<u8>, OwnedFd)>);
 
 /// Reads the launch message from the go channel (`warm::send_go`): the identity's
-/// length (4 bytes), the identity (JSON) with an invocation's connection attached, then
-/// the invocation's payload to the end. None when the parent closed the channel without
+/// length (4 bytes), the identity (JSON) with a handover's stream attached, then the
+/// handover's payload to the end. None when the parent closed the channel without
 /// launching (the warm clone is discarded).
 pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
@@ -280,9 +277,9 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
         .ok_or_else(|| bad(&"identity cut short"))?;
     let identity: Identity = serde_json::from_slice(json).map_err(|e| bad(&e))?;
     let payload = buf.split_off(4 + len);
-    let carried = match (identity.delivery.is_some(), conn) {
+    let carried = match (identity.note.is_some(), conn) {
         (true, Some(conn)) => Some((payload, conn)),
-        (true, None) => return Err(LaunchError("an invocation without its connection".into())),
+        (true, None) => return Err(LaunchError("a handover without its stream".into())),
         (false, _) => None,
     };
     Ok(Some((identity, carried)))

@@ -1,5 +1,6 @@
-//! Stage 7, primed warm clones: a warm clone of a ready template runs its runtime's
-//! serving path once, before its request comes (docs/invoke.md, "Primed warm clones").
+//! Primed warm clones: a warm clone of a ready template runs its runtime's serving path
+//! once, before its request comes (docs/invoke.md, "Primed warm clones"). Cloning runs
+//! it through its `prime` hook ([`prime`]).
 //!
 //! A clone's VM is new: KVM knows none of its guest's mappings (its shadow page tables,
 //! or EPT on hardware), and none of the guest memory the clone writes has been copied
@@ -14,7 +15,7 @@
 //! in the mailbox, `devices::mailbox::runtime_features`) is primed. The clone has no
 //! devices and no identity yet: the runtime's vCPU may only answer and wait again;
 //! anything else (another port, MMIO, a halt), or [`PRIME_LIMIT`] passing, ends the
-//! warm clone, and its template primes no more (`warm.rs`). Its guest kernel's RNG is
+//! warm clone, and its template primes no more (`cloning/warm.rs`). Its guest kernel's RNG is
 //! reseeded at launch as in any clone, after the prime; a prime that stopped inside
 //! the kernel's CRNG key code fails too.
 
@@ -23,8 +24,9 @@ use std::time::Duration;
 use clone::MicrovmState;
 use devices::mailbox::{read_reply, ReplyStatus};
 
+use super::{write_prime, InvokeError};
 use crate::builder::rebuild::{prepare, Prepared, RebuildError};
-use crate::invoke::{write_prime, InvokeError};
+use crate::cloning::PrimeFailure;
 use crate::microvm::Microvm;
 use crate::vstate::kvm::KvmContext;
 use crate::vstate::vcpu::{monotonic_ns, PrimeError};
@@ -50,10 +52,22 @@ pub enum PrimeFailed {
 }
 
 /// Primes a warm clone of `template`, captured as `template_state`, on vCPU `vcpu`,
-/// where the template's runtime waits. Returns the state the clone is to be launched
-/// from (the template's, with that vCPU's as the prime left it) and its VM, prepared
-/// and primed.
-pub(super) fn prime(
+/// where the template's runtime waits (cloning's `prime` hook). Returns the state the
+/// clone is to be launched from (the template's, with that vCPU's as the prime left it)
+/// and its VM, prepared and primed.
+pub fn prime(
+    kvm: &KvmContext,
+    template: &Microvm,
+    template_state: &MicrovmState,
+    vcpu: u8,
+) -> Result<(MicrovmState, Prepared), PrimeFailure> {
+    primed(kvm, template, template_state, vcpu).map_err(|e| PrimeFailure {
+        timed_out: matches!(e, PrimeFailed::Run(PrimeError::Timeout(_))),
+        error: Box::new(e),
+    })
+}
+
+fn primed(
     kvm: &KvmContext,
     template: &Microvm,
     template_state: &MicrovmState,

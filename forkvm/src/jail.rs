@@ -104,9 +104,9 @@ impl Jail {
 
     /// The jailer's command line up to `--`: the jail of the VMM `vmm`, `files` handed
     /// in as `(host path, jail path)`, the spec's options.
-    pub fn command(&self, vmm: &Path, files: &[(&Path, &str)]) -> tokio::process::Command {
+    pub fn command(&self, vmm: &Path, files: &[(&Path, &str)]) -> std::process::Command {
         let spec = &self.spec;
-        let mut cmd = tokio::process::Command::new(&spec.jailer);
+        let mut cmd = std::process::Command::new(&spec.jailer);
         cmd.arg("--id").arg(self.id()).arg("--exec-file").arg(vmm);
         cmd.arg("--uid").arg(spec.uid.to_string());
         cmd.arg("--gid").arg(spec.gid.to_string());

@@ -54,6 +54,7 @@ mod leftovers;
 mod load;
 mod owner;
 mod program;
+mod spawner;
 mod template;
 mod vm_clone;
 mod zygote;

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use std::process::Child;
 use tokio::io::unix::AsyncFd;
-use tokio::process::Child;
 
 use crate::jail::{Jail, CONSOLE};
 use crate::Error;
@@ -66,15 +66,20 @@ impl Owner {
     /// Owns `child`, started by this library, with its directory (and its jail, when
     /// `child` is a jailer).
     pub fn spawned(
-        child: Child,
+        mut child: Child,
         dir: tempfile::TempDir,
         jail: Option<Jail>,
     ) -> Result<Self, Error> {
-        let pid = child.id().ok_or_else(|| Error::Exited {
-            status: "reaped already".into(),
-            console: String::new(),
-        })?;
-        let pidfd = pidfd_open(pid).map_err(Error::Process)?;
+        let pid = child.id();
+        let pidfd = match pidfd_open(pid) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // Not owned: it would outlive this call.
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Error::Process(e));
+            }
+        };
         if let Some(j) = &jail {
             j.started(pid);
         }

@@ -2,14 +2,14 @@
 //! from such a template.
 
 use std::ffi::OsStr;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use api_types::{InvokeOptions, SnapshotInfo, VmInfo, VmState};
 use bytes::Bytes;
-use tokio::process::Command;
 
 use crate::endpoint::{Endpoint, Reply};
 use crate::jail::{Jail, JailSpec, CONSOLE, SOCKET};
@@ -124,8 +124,9 @@ fn sweep_dirs() {
 /// derived from another ([`Template::derive`]) is a clone of that template's VMM, and
 /// keeps its parent alive as long as it lives (a clone dies with its parent VMM). A
 /// template's VMM stops when its last handle is dropped (its clones die with it) and its
-/// files are removed; the VMM also dies if the thread that started the root template
-/// ends (`PR_SET_PDEATHSIG`), so a scheduler that is killed leaves no VMM behind.
+/// files are removed; the VMM also dies if the scheduler's process ends
+/// (`PR_SET_PDEATHSIG`, from a thread the library owns: not whichever tokio thread
+/// started the template), so a scheduler that is killed leaves no VMM behind.
 ///
 /// A template serves one tenant: its clones share its memory pages, and so can observe
 /// its memory timing (page-sharing side channels). Derive per tenant, never across.
@@ -243,7 +244,6 @@ impl Template {
         };
         cmd.stdin(Stdio::null()).stdout(Stdio::null());
         cmd.stderr(std::fs::File::create(dir.path().join("stderr")).map_err(Error::Files)?);
-        cmd.kill_on_drop(true);
         // SAFETY: prctl is async-signal-safe and touches nothing of the parent's.
         unsafe {
             cmd.pre_exec(|| {
@@ -257,8 +257,10 @@ impl Template {
             Some(j) => j.jailer().to_path_buf(),
             None => spec.vmm.clone(),
         };
-        let child = cmd
-            .spawn()
+        // From the library's own thread: PR_SET_PDEATHSIG fires when the thread that
+        // forked the VMM ends (`spawner.rs`).
+        let child = crate::spawner::spawn(cmd)
+            .await
             .map_err(|source| Error::Spawn { program, source })?;
         let t = Self {
             owner: Arc::new(Owner::spawned(child, dir, jail)?),

@@ -9,6 +9,10 @@
 //! [`blocking`] wraps it for callers without a runtime. The library has no KVM
 //! dependency: it speaks the VMM's control API (`api-types`) on its Unix socket.
 //!
+//! Dropping the last handle of a template (or a clone) stops its VMM without blocking
+//! the caller: SIGTERM at once, the rest on a thread of the library's;
+//! [`wait_stopped`] waits for those stops, for a process about to exit.
+//!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -66,6 +70,7 @@ pub use envelope::{Envelope, EnvelopeError, EnvelopeStatus, ENVELOPE_MAGIC};
 pub use error::{Error, ErrorKind};
 pub use jail::JailSpec;
 pub use load::{Event, Load};
+pub use owner::wait_stopped;
 pub use template::{Ready, Template, TemplateSpec};
 pub use vm_clone::{ExecOutput, VmClone};
 pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache};

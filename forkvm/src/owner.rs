@@ -9,10 +9,15 @@
 //! back), up to 2 s, then SIGKILL. A jailed template's process is its jailer, which
 //! forwards the signal to the VMM; a jail whose jailer had to be killed is cleaned up
 //! here.
+//!
+//! A drop does not block: it sends SIGTERM and hands the rest (the wait, SIGKILL, the
+//! reaping, the jail's and the directory's removal, then the parent's handle) to a
+//! thread of its own, so that no tokio worker waits seconds in a destructor.
+//! [`wait_stopped`] waits for every such stop, for a process about to exit.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use std::process::Child;
@@ -37,6 +42,8 @@ pub(crate) struct Owner {
 /// Whose process it is.
 #[derive(Debug)]
 pub(crate) enum Kind {
+    /// Handed to a stopping thread (in a drop).
+    Gone,
     /// This library's child, with its directory (socket, console, log).
     Spawned {
         child: Mutex<Child>,
@@ -141,6 +148,7 @@ impl Owner {
             Kind::Spawned { .. } if self.jail.is_some() => self.host_path(CONSOLE.as_ref()),
             Kind::Spawned { dir, .. } => dir.path().join("console"),
             Kind::Derived { console, .. } => console.clone(),
+            Kind::Gone => PathBuf::new(),
         }
     }
 
@@ -150,25 +158,13 @@ impl Owner {
         match &self.kind {
             Kind::Spawned { dir, .. } => dir.path().join("stderr"),
             Kind::Derived { parent, .. } => parent.log_file(),
+            Kind::Gone => PathBuf::new(),
         }
     }
 
     /// Whether the process has ended (its pidfd is readable).
     pub fn ended(&self) -> bool {
-        self.wait_for(Duration::ZERO)
-    }
-
-    /// Waits up to `limit` for the process to end, blocking; whether it did.
-    fn wait_for(&self, limit: Duration) -> bool {
-        let mut pfd = libc::pollfd {
-            fd: self.pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = i32::try_from(limit.as_millis()).unwrap_or(i32::MAX);
-        // SAFETY: one valid pollfd, for the duration of the call.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-        n > 0
+        wait_pidfd(&self.pidfd, Duration::ZERO)
     }
 
     /// Waits until the process has ended.
@@ -194,41 +190,163 @@ impl Owner {
                 }
             }
             Kind::Derived { id, .. } => format!("clone {id} of its parent template ended"),
+            Kind::Gone => "stopped".into(),
         }
     }
 
     /// Sends `signal` to the process (through its pidfd: never another process).
     pub fn signal(&self, signal: i32) {
-        // SAFETY: pidfd_send_signal on a pidfd this owner holds; no siginfo.
-        unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.pidfd.as_raw_fd(),
-                signal,
-                std::ptr::null::<libc::siginfo_t>(),
-                0,
-            )
-        };
+        send_signal(&self.pidfd, signal);
     }
 }
 
+/// Stops handed to threads and not finished yet, and the signal that one finished.
+static STOPPING: (Mutex<usize>, Condvar) = (Mutex::new(0), Condvar::new());
+
+/// Waits, blocking, until every template and clone dropped so far has stopped: its VMM
+/// ended and reaped, its files and jail removed. Returns whether they all had within
+/// `limit`. A process that drops templates and then exits calls it first (a VMM not
+/// waited for still ends with the process, `PR_SET_PDEATHSIG`; its files are then
+/// removed by the next process that starts a template).
+pub fn wait_stopped(limit: Duration) -> bool {
+    let (count, done) = &STOPPING;
+    let count = count.lock().unwrap_or_else(|p| p.into_inner());
+    let (count, _) = done
+        .wait_timeout_while(count, limit, |n| *n > 0)
+        .unwrap_or_else(|p| p.into_inner());
+    *count == 0
+}
+
+/// What a dropped owner's stop needs, off the dropping thread.
+struct Stop {
+    /// The process (a second descriptor of the owner's pidfd).
+    pidfd: OwnedFd,
+    kind: Kind,
+    jail: Option<Arc<Jail>>,
+}
+
+impl Stop {
+    /// [`finish`], then the rest dropped (the directory, the parent's handle).
+    fn finish(self) {
+        finish(&self.pidfd, &self.kind, self.jail.as_ref());
+    }
+}
+
+/// Waits up to [`STOP_GRACE`] for the process behind `pidfd`, SIGKILLs it past that,
+/// reaps a child, cleans its jail.
+fn finish(pidfd: &OwnedFd, kind: &Kind, jail: Option<&Arc<Jail>>) {
+    if !wait_pidfd(pidfd, STOP_GRACE) {
+        send_signal(pidfd, libc::SIGKILL);
+        wait_pidfd(pidfd, STOP_GRACE);
+    }
+    if let Kind::Spawned { child, .. } = kind {
+        let mut child = child.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = child.wait();
+        if let Some(j) = jail {
+            j.clean_up();
+        }
+    }
+}
+
+/// Waits up to `limit` for the process behind `pidfd` to end, blocking; whether it did.
+fn wait_pidfd(pidfd: &OwnedFd, limit: Duration) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = i32::try_from(limit.as_millis()).unwrap_or(i32::MAX);
+    // SAFETY: one valid pollfd, for the duration of the call.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    n > 0
+}
+
+/// Sends `signal` to the process behind `pidfd` (never another process).
+fn send_signal(pidfd: &OwnedFd, signal: i32) {
+    // SAFETY: pidfd_send_signal on an open pidfd; no siginfo.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+}
+
+/// Counts a stop as finished.
+fn stop_done() {
+    let (count, done) = &STOPPING;
+    let mut n = count.lock().unwrap_or_else(|p| p.into_inner());
+    *n = n.saturating_sub(1);
+    done.notify_all();
+}
+
 impl Drop for Owner {
-    /// Stops the VMM if it still runs: SIGTERM, up to 2 s, then SIGKILL; a child is
-    /// reaped. Blocks the calling thread that long at most.
+    /// Stops the VMM if it still runs, without blocking: SIGTERM now; a thread of its
+    /// own waits up to 2 s for it, then SIGKILLs it, reaps a child, cleans its jail and
+    /// removes its directory, and drops a derived one's parent handle last (all of it
+    /// here, blocking, if no thread or descriptor can be had). [`wait_stopped`] waits
+    /// for those threads.
     fn drop(&mut self) {
         if !self.ended() {
             self.signal(libc::SIGTERM);
-            if !self.wait_for(STOP_GRACE) {
-                self.signal(libc::SIGKILL);
-                self.wait_for(STOP_GRACE);
-            }
         }
-        if let Kind::Spawned { child, .. } = &self.kind {
-            let mut child = child.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = child.try_wait();
-            if let Some(j) = &self.jail {
-                j.clean_up();
+        let kind = std::mem::replace(&mut self.kind, Kind::Gone);
+        let jail = self.jail.take();
+        let pidfd = match self.pidfd.try_clone() {
+            Ok(fd) => fd,
+            Err(_) => {
+                // Out of descriptors: stop on this thread, with the owner's own.
+                return finish(&self.pidfd, &kind, jail.as_ref());
             }
+        };
+        *STOPPING.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let stop = Arc::new(Mutex::new(Some(Stop { pidfd, kind, jail })));
+        let theirs = stop.clone();
+        let spawned = std::thread::Builder::new()
+            .name("forkvm-stop".into())
+            .spawn(move || {
+                let taken = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
+                taken.into_iter().for_each(Stop::finish);
+                stop_done();
+            });
+        if spawned.is_err() {
+            let taken = stop.lock().unwrap_or_else(|p| p.into_inner()).take();
+            taken.into_iter().for_each(Stop::finish);
+            stop_done();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_drop_does_not_wait_for_a_process_that_ignores_sigterm() {
+        // A process that ignores SIGTERM: the stop waits the grace, then kills it.
+        let child = std::process::Command::new("sh")
+            .args(["-c", "trap '' TERM; while :; do sleep 1; done"])
+            .spawn()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_path_buf();
+        let owner = Owner::spawned(child, dir, None).unwrap();
+        let pid = owner.pid();
+        // Let the shell set its trap.
+        std::thread::sleep(Duration::from_millis(200));
+        drop(owner);
+        // Back at once: the process still runs (a blocking drop would have killed it).
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        assert!(
+            !stat.is_empty() && !stat.contains(") Z "),
+            "the drop waited for the process: {stat:?}"
+        );
+        // The stop finishes on its own thread: killed past the grace, reaped, files gone.
+        assert!(wait_stopped(Duration::from_secs(10)));
+        assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
+        assert!(!path.exists());
     }
 }

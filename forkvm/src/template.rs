@@ -438,7 +438,7 @@ impl Template {
     pub fn clone_id(&self) -> Option<&str> {
         match &self.owner.kind {
             Kind::Derived { id, .. } => Some(id),
-            Kind::Spawned { .. } => None,
+            Kind::Spawned { .. } | Kind::Gone => None,
         }
     }
 

@@ -128,8 +128,14 @@ async fn a_template_serves_invocations_in_parallel_clones_and_types_its_errors()
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    // Dropped: the VMM is stopped, its clones and its directory gone.
+    // Dropped: the VMM is stopped, its clones and its directory gone, once the stop
+    // the drop started (without blocking) is done.
     drop(Arc::into_inner(t).expect("the only handle"));
+    assert!(
+        tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(10)))
+            .await
+            .unwrap()
+    );
     assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists() || zombie(pid));
     assert!(!dir.exists(), "{} left behind", dir.display());
 }
@@ -577,6 +583,11 @@ async fn a_jailed_template_invokes_derives_and_clones_and_leaves_nothing() {
         gone(jailer) && gone(derived_pid)
     })
     .await;
+    assert!(
+        tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(10)))
+            .await
+            .unwrap()
+    );
     assert!(!root.parent().unwrap().exists(), "jail {id} left behind");
     for c in ["cpu", "memory", "pids"] {
         let dir = PathBuf::from(format!("/sys/fs/cgroup/{c}/forkvm-{id}"));

@@ -253,8 +253,13 @@ async fn run(args: Args) -> Result<(), GatewayError> {
         .await;
     supervisor.abort();
     let _ = supervisor.await;
-    // The last handles of every template: each VMM is stopped (clones with it).
+    // The last handles of every template: each VMM is stopped (clones with it), on the
+    // library's threads; waited for before the process ends.
     drop(g);
+    let stopped = tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(10)));
+    if !matches!(stopped.await, Ok(true)) {
+        tracing::warn!("some templates had not stopped after 10 s");
+    }
     served.map_err(GatewayError::Serve)
 }
 

@@ -7,6 +7,7 @@ use api_types::Outcome;
 
 /// Whose failure an [`Error`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// The caller's: a request the VMM refused as given (bad options, a payload too
     /// large, a VM that takes no invocation now). Retrying the same request fails again.
@@ -21,6 +22,7 @@ pub enum ErrorKind {
 
 /// Errors of the library's calls.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The VMM refused the request (4xx).
     #[error("the VMM refused the request ({status}): {message}")]
@@ -81,9 +83,9 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
-    /// HTTP on the control socket failed.
+    /// HTTP on the control socket failed (the connection, the framing).
     #[error("HTTP on the control socket: {0}")]
-    Http(#[from] hyper::Error),
+    Http(#[source] HttpError),
     /// The VMM's answer could not be read.
     #[error("unexpected answer from the VMM: {0}")]
     Protocol(String),
@@ -113,5 +115,28 @@ impl Error {
             Error::Invocation { .. } => ErrorKind::Guest,
             _ => ErrorKind::Host,
         }
+    }
+}
+
+/// An HTTP-level failure on a VMM's control socket. Its source is the HTTP client's own
+/// error (which crate that is, is not part of this library's interface).
+#[derive(Debug)]
+pub struct HttpError(Box<dyn std::error::Error + Send + Sync>);
+
+impl HttpError {
+    pub(crate) fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(Box::new(e))
+    }
+}
+
+impl std::fmt::Display for HttpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for HttpError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
     }
 }

@@ -46,7 +46,9 @@ pub(crate) async fn exchange(
         source,
     };
     let stream = UnixStream::connect(sock).await.map_err(socket)?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(http)?;
     let driver = tokio::spawn(conn);
     let request = Request::builder()
         .method(method)
@@ -56,12 +58,17 @@ pub(crate) async fn exchange(
         .body(Full::new(body))
         .map_err(|e| Error::Protocol(e.to_string()))?;
     let result = async {
-        let response = sender.send_request(request).await?;
+        let response = sender.send_request(request).await.map_err(http)?;
         let status = response.status().as_u16();
         let headers = (response.headers().iter())
             .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
             .collect();
-        let body = response.into_body().collect().await?.to_bytes();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(http)?
+            .to_bytes();
         Ok::<_, Error>(Answer {
             status,
             headers,
@@ -71,4 +78,9 @@ pub(crate) async fn exchange(
     .await;
     driver.abort();
     result
+}
+
+/// The library's error for an HTTP client error.
+fn http(e: hyper::Error) -> Error {
+    Error::Http(crate::error::HttpError::new(e))
 }

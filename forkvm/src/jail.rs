@@ -18,6 +18,7 @@ use crate::Error;
 /// How to jail a template's VMM ([`crate::TemplateSpec::jail`]). The library must run
 /// as root to start the jailer.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct JailSpec {
     /// The `jailer` program (default: `$FORKVM_JAILER`, else `jailer` beside the
     /// current executable if there is one, else `jailer` from `PATH`).

@@ -67,7 +67,7 @@ pub use api_types::{CloneInfo, CloneList, CreateClones};
 pub use api_types::{InvokeOptions, Outcome, SnapshotInfo, VmInfo};
 pub use endpoint::Reply;
 pub use envelope::{Envelope, EnvelopeError, EnvelopeStatus, ENVELOPE_MAGIC};
-pub use error::{Error, ErrorKind};
+pub use error::{Error, ErrorKind, HttpError};
 pub use jail::JailSpec;
 pub use load::{Event, Load};
 pub use owner::wait_stopped;

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 /// tables) is already in the memory every clone starts from. In JSON a UTF-8 string, or
 /// `{"base64": "..."}` for any bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Event {
     /// Text, sent UTF-8.
     Text(String),
@@ -98,6 +99,7 @@ impl<'de> Deserialize<'de> for Event {
 /// then runs `source` (if any) as the module `forkvm_function` and serves its
 /// `handler` from then on. Its JSON is [`Load::payload`].
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Load {
     /// Modules to import (the zygote's package set).
     pub imports: BTreeSet<String>,

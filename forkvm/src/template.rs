@@ -18,6 +18,7 @@ use crate::Error;
 
 /// How to start a template: the guest and the `vmm run` options.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct TemplateSpec {
     /// The `vmm` program (default: `$FORKVM_VMM`, else `vmm` beside the current
     /// executable if there is one, else `vmm` from `PATH`).
@@ -74,6 +75,7 @@ impl TemplateSpec {
 
 /// When a started template is ready ([`TemplateSpec::ready`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Ready {
     /// Its runtime waits for requests on the invoke port, the VM paused there (`vmm run
     /// --template`): it serves [`Template::invoke`] and [`Template::derive`].

@@ -36,6 +36,7 @@ pub type Packages = BTreeSet<String>;
 
 /// The cache's policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CachePolicy {
     /// How many requests for a package set without a zygote of exactly that set make
     /// one (default 2: the second).
@@ -59,6 +60,7 @@ impl Default for CachePolicy {
 
 /// Where a request was served from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Tier {
     /// The function's template was cached.
     Function,

@@ -266,11 +266,10 @@ fn packages(names: &[&str]) -> forkvm::Packages {
 }
 
 fn function_load(imports: &[&str], source: &str) -> forkvm::Load {
-    forkvm::Load {
-        imports: packages(imports),
-        source: Some(source.into()),
-        ..Default::default()
-    }
+    let mut load = forkvm::Load::default();
+    load.imports = packages(imports);
+    load.source = Some(source.into());
+    load
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -285,10 +284,8 @@ async fn the_zygote_cache_picks_subsets_makes_zygotes_when_asked_twice_and_evict
     spec.warm_clones = 1;
     let base = Template::start(spec).await.unwrap();
     let base_pid = base.pid();
-    let policy = CachePolicy {
-        create_after: 2,
-        ..Default::default()
-    };
+    let mut policy = CachePolicy::default();
+    policy.create_after = 2;
     let cache = ZygoteCache::new(base, policy).await.unwrap();
     let a = function_load(&["a"], "one");
     let (f1, tier) = cache.function("f1", &a).await.unwrap();

@@ -235,10 +235,8 @@ pub async fn start(
     let snapshot = dir.join(&name);
     if snapshot.exists() {
         let started = Instant::now();
-        let restore_spec = TemplateSpec {
-            args: restore_args,
-            ..spec.clone()
-        };
+        let mut restore_spec = spec.clone();
+        restore_spec.args = restore_args;
         match Template::restore(&snapshot, restore_spec).await {
             Ok(t) => {
                 tracing::info!(

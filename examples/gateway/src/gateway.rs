@@ -186,6 +186,7 @@ impl Gateway {
             ErrorKind::Caller => "caller",
             ErrorKind::Guest => "guest",
             ErrorKind::Host => "host",
+            _ => "other",
         };
         let labels = ErrorLabels { kind: kind.into() };
         self.metrics.errors.get_or_create(&labels).inc();
@@ -245,14 +246,13 @@ fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failu
     options.check().map_err(|e| bad(e.to_string()))?;
     let mut env = spec.env.clone();
     env.extend(spec.secrets.clone());
-    let load = Load {
-        imports: spec.packages.clone(),
-        source: Some(spec.source.clone()),
-        handler: spec.handler.clone(),
-        warmup: spec.warmup.clone(),
-        env,
-        logs: true,
-    };
+    let mut load = Load::default();
+    load.imports = spec.packages.clone();
+    load.source = Some(spec.source.clone());
+    load.handler = spec.handler.clone();
+    load.warmup = spec.warmup.clone();
+    load.env = env;
+    load.logs = true;
     Ok(Function {
         spec,
         load,

@@ -174,11 +174,10 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     };
     let snapshots = args.base_snapshot.as_deref().map(|d| (d, &inputs));
     let base = base::start(spec, snapshots, restore_args).await?;
-    let policy = CachePolicy {
-        create_after: args.create_after,
-        memory_budget_kib: args.memory_budget_mib * 1024,
-        load_timeout_ms: args.load_timeout_s * 1000,
-    };
+    let mut policy = CachePolicy::default();
+    policy.create_after = args.create_after;
+    policy.memory_budget_kib = args.memory_budget_mib * 1024;
+    policy.load_timeout_ms = args.load_timeout_s * 1000;
     Ok(ZygoteCache::new(base, policy).await?)
 }
 

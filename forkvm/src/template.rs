@@ -122,6 +122,9 @@ fn sweep_dirs() {
 /// (or, started with another [`Ready`], a plain template: paused where its console
 /// showed a text, or running).
 ///
+/// A `Template` is a cheap handle (an `Arc` inside): clone it to share the template
+/// between tasks; the VMM stops when the last handle goes.
+///
 /// A template this library started ([`Template::start`]) is its child process; one
 /// derived from another ([`Template::derive`]) is a clone of that template's VMM, and
 /// keeps its parent alive as long as it lives (a clone dies with its parent VMM). A
@@ -132,7 +135,7 @@ fn sweep_dirs() {
 ///
 /// A template serves one tenant: its clones share its memory pages, and so can observe
 /// its memory timing (page-sharing side channels). Derive per tenant, never across.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Template {
     owner: Arc<Owner>,
     ep: Endpoint,
@@ -146,6 +149,7 @@ impl Template {
     /// `forkvm-template-<pid>-*` in the temporary directory (jailed: the socket and
     /// console in the jail), removed with the template. Those of library processes that
     /// were killed are removed here first, as are their jails.
+    #[tracing::instrument(level = "debug", name = "template.start", skip_all, fields(kernel = %spec.kernel.display()))]
     pub async fn start(spec: TemplateSpec) -> Result<Self, Error> {
         Self::launch(spec, None).await
     }
@@ -165,6 +169,7 @@ impl Template {
     /// format, a truncated file, a disk image whose size changed, a host without the
     /// guest's CPU features) is [`Error::Exited`] with the VMM's reason in
     /// [`Template::log`]'s words. Not yet in a jail ([`Error::Unsupported`]).
+    #[tracing::instrument(level = "debug", name = "template.restore", skip_all)]
     pub async fn restore(dir: impl Into<PathBuf>, spec: TemplateSpec) -> Result<Self, Error> {
         if spec.jail.is_some() {
             return Err(Error::Unsupported(
@@ -292,6 +297,7 @@ impl Template {
     /// refused, 409) and stays as it was. Its files hold the guest's memory: keep them
     /// as secret as the guest (docs/snapshots.md). Waits up to 600 s (a large guest's
     /// memory is written to disk). The path is the VMM's (in a jail, a jail path).
+    #[tracing::instrument(level = "debug", name = "template.snapshot", skip_all, fields(pid = self.pid()))]
     pub async fn snapshot(&self, dir: impl AsRef<Path>) -> Result<SnapshotInfo, Error> {
         self.ep.snapshot(dir.as_ref()).await
     }
@@ -306,6 +312,7 @@ impl Template {
     /// A runtime that loads nothing is refused ([`Error::Refused`], 409); a load that
     /// fails is [`Error::Invocation`] and leaves no clone. The derived template keeps
     /// this one's VMM alive while it lives; stopping this one stops it too.
+    #[tracing::instrument(level = "debug", name = "template.derive", skip_all, fields(pid = self.pid()))]
     pub async fn derive(
         &self,
         load: impl Into<Bytes>,
@@ -479,6 +486,7 @@ impl Template {
     /// Runs `payload` through the handler in a fresh clone (`POST /invocations`).
     /// Dropping the future closes the connection: the clone still ends on its own
     /// once its handler replies or its timeout passes.
+    #[tracing::instrument(level = "debug", name = "template.invoke", skip_all, fields(pid = self.pid()))]
     pub async fn invoke(
         &self,
         payload: impl Into<Bytes>,
@@ -491,6 +499,7 @@ impl Template {
     /// from it, are stopped first) and waits for it to exit; kills it past the call
     /// timeout. Handles of templates derived from it then answer [`Error::Exited`] or
     /// [`Error::Socket`].
+    #[tracing::instrument(level = "debug", name = "template.shutdown", skip_all, fields(pid = self.pid()))]
     pub async fn shutdown(self) -> Result<(), Error> {
         self.ep.shut_down(&self.owner).await
     }

@@ -39,7 +39,8 @@ pub struct ExecOutput {
 impl Template {
     /// Makes `request.count` clones of this template (`POST /clones`: its resource
     /// class, rate limits, addresses, taps), each a running [`VmClone`].
-    pub async fn clones(&self, request: &CreateClones) -> Result<Vec<VmClone>, Error> {
+    #[tracing::instrument(level = "debug", name = "template.create_clones", skip_all, fields(pid = self.pid(), count = request.count))]
+    pub async fn create_clones(&self, request: &CreateClones) -> Result<Vec<VmClone>, Error> {
         let list = self.ep().create_clones(request).await?;
         let mut made = Vec::with_capacity(list.clones.len());
         let mut failed = None;
@@ -113,6 +114,7 @@ impl VmClone {
 
     /// Runs `payload` through its runtime's handler, in place (409 while another
     /// runs). Without `options.keep_alive` the clone ends after answering.
+    #[tracing::instrument(level = "debug", name = "clone.invoke", skip_all, fields(id = self.id()))]
     pub async fn invoke(
         &self,
         payload: impl Into<Bytes>,
@@ -124,6 +126,7 @@ impl VmClone {
     /// Runs `command` (a shell command line) in the guest through its agent
     /// (`forkvm-agent` on vsock port `port`: the template needs `--vsock` and the agent,
     /// docs/guest-abi.md), with `stdin` as its input, within the call timeout.
+    #[tracing::instrument(level = "debug", name = "clone.exec", skip_all, fields(id = self.id(), port = port))]
     pub async fn exec(&self, port: u32, command: &str, stdin: &[u8]) -> Result<ExecOutput, Error> {
         let vsock = (self.status().await?.devices.into_iter())
             .find_map(|d| match d.kind {
@@ -144,6 +147,7 @@ impl VmClone {
     }
 
     /// Stops the clone (`PUT /actions` shutdown on its socket) and waits for it to end.
+    #[tracing::instrument(level = "debug", name = "clone.delete", skip_all, fields(id = self.id()))]
     pub async fn delete(self) -> Result<(), Error> {
         self.ep.shut_down(&self.owner).await
     }

@@ -257,6 +257,7 @@ impl ZygoteCache {
 
     /// A zygote of exactly `packages`, made now (from the best zygote for them) unless
     /// it is cached: a scheduler warms the cache for package sets it expects.
+    #[tracing::instrument(level = "debug", name = "zygotes.prepare", skip_all)]
     pub async fn prepare(&self, packages: &Packages) -> Result<Arc<Template>, Error> {
         let (key, tier) = {
             let s = self.lock();
@@ -279,6 +280,7 @@ impl ZygoteCache {
 
     /// The best zygote for `packages` and its tier, making a zygote of exactly
     /// `packages` when they have been asked for often enough.
+    #[tracing::instrument(level = "debug", name = "zygotes.zygote", skip_all)]
     pub async fn zygote(&self, packages: &Packages) -> Result<(Arc<Template>, Tier), Error> {
         let (key, tier, create) = {
             let mut s = self.lock();
@@ -321,6 +323,7 @@ impl ZygoteCache {
     /// Function `name`'s template: cached ([`Tier::Function`]), or derived from the best
     /// zygote for `load.imports` with `load` (the function's source and handler); the
     /// tier says which. A `load` other than the cached one's replaces it.
+    #[tracing::instrument(level = "debug", name = "zygotes.function", skip_all, fields(function = name))]
     pub async fn function(&self, name: &str, load: &Load) -> Result<(Arc<Template>, Tier), Error> {
         let key = Key::Function(name.to_string());
         let cached = {

@@ -414,7 +414,7 @@ async fn clones_made_on_request_serve_in_place_and_go_with_their_handles() {
         count: 2,
         ..Default::default()
     };
-    let mut clones = t.clones(&request).await.unwrap();
+    let mut clones = t.create_clones(&request).await.unwrap();
     assert_eq!(clones.len(), 2);
     assert_ne!(clones[0].id(), clones[1].id());
     let keep = InvokeOptions {
@@ -442,7 +442,12 @@ async fn clones_made_on_request_serve_in_place_and_go_with_their_handles() {
     let pid = other.pid();
     drop(other);
     until("a dropped clone to be stopped", || gone(pid)).await;
-    let again = t.clones(&Default::default()).await.unwrap().pop().unwrap();
+    let again = t
+        .create_clones(&Default::default())
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let pid = again.pid();
     again.delete().await.unwrap();
     until("a deleted clone to be stopped", || gone(pid)).await;
@@ -451,7 +456,7 @@ async fn clones_made_on_request_serve_in_place_and_go_with_their_handles() {
         resource_class: Some("nope".into()),
         ..Default::default()
     };
-    let e = t.clones(&bad).await.unwrap_err();
+    let e = t.create_clones(&bad).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Caller, "{e}");
     t.shutdown().await.unwrap();
 }
@@ -560,7 +565,12 @@ async fn a_jailed_template_invokes_derives_and_clones_and_leaves_nothing() {
         assert!(c.api_sock.starts_with(&root), "{c:?}");
         assert!(c.cgroup.is_some(), "{c:?}");
     }
-    let c = t.clones(&Default::default()).await.unwrap().pop().unwrap();
+    let c = t
+        .create_clones(&Default::default())
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let keep = InvokeOptions {
         keep_alive: true,
         ..Default::default()
@@ -609,7 +619,12 @@ async fn a_plain_template_is_ready_on_its_console_or_running_and_clones_on_reque
     })
     .await;
     // Its clones run on from the pause, beating on their own consoles.
-    let c = t.clones(&Default::default()).await.unwrap().pop().unwrap();
+    let c = t
+        .create_clones(&Default::default())
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     until("the clone's beat", || {
         c.console_tail().contains("tiny: beat")
     })

@@ -635,7 +635,7 @@ async fn linux_library_clones_run_commands_through_their_guest_agent() {
     spec.start_timeout = LINUX_BOOT;
     spec.call_timeout = Duration::from_secs(60);
     let t = forkvm::Template::restore(&dir, spec).await.unwrap();
-    let mut clones = t.clones(&Default::default()).await.unwrap();
+    let mut clones = t.create_clones(&Default::default()).await.unwrap();
     let c = clones.pop().unwrap();
     let out = c
         .exec(

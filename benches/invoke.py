@@ -27,7 +27,13 @@ runtimes: the Linux runtimes, side by side in one run with 256 MiB templates boo
   with forkvm's defaults (idle refresh, timer deferral: benches/idle.py). --exec-runs 0
   and --boots 0 leave out the agent and cold-boot rows (and their VMs).
 
+ab: two builds side by side (--baseline VMM, another build's binary, against this one),
+  in interleaved rounds: request to reply of the tiny echo in a fresh warm clone
+  (--warm-clones 8) and in a clone forked per request, a 256 MiB template per build
+  and mode, and the VMM's x-forkvm-clone-us for the warm clone.
+
 usage: benches/invoke.py latency [--runs N] [--rounds R] [--mem MIB] [--payload BYTES]
+       benches/invoke.py ab --baseline VMM [--runs N] [--rounds R] [--mem MIB]
        benches/invoke.py throughput [--seconds S] [--clients 1,2,4,8] [--mem MIB]
        benches/invoke.py runtimes [--runs N] [--rounds R] [--exec-runs N] [--boots N]
                                   [--seconds S] [--clients 1,2,4,8]
@@ -87,10 +93,10 @@ def invoke(sock, payload, query="", expect=None):
     return elapsed, headers
 
 
-def start_template(tmp, name, mem, warm):
+def start_template(tmp, name, mem, warm, vmm=None):
     sock = os.path.join(tmp, name + ".sock")
     console = sock + ".console"
-    cmd = [VMM, "run", "--kernel", TINY, "--ap-boot", "direct", "--mem-mib", str(mem),
+    cmd = [vmm or VMM, "run", "--kernel", TINY, "--ap-boot", "direct", "--mem-mib", str(mem),
            "--cmdline", "ticks=1 invoke=1", "--console", console, "--api-sock", sock,
            "--template", "--warm-clones", str(warm), "--prefault"]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -483,6 +489,44 @@ def runtimes(a):
         f"{k} {primed[k]} of {len(s[k])}" for k in latency_vms))
 
 
+def ab(a):
+    payload = bytes(i % 251 for i in range(64))
+    builds = {"baseline": os.path.abspath(a.baseline), "this build": VMM}
+    got = {(b, k): [] for b in builds for k in ("warm", "warm_clone_us", "fork")}
+    print(f"A/B of two builds, interleaved rounds ({a.rounds}); tiny echo, 64-byte payload, "
+          f"{a.mem} MiB templates, {a.runs} requests per row and round (ms; ratio of "
+          "medians to the baseline):\n")
+    print(f"baseline: {builds['baseline']}\n")
+    with tempfile.TemporaryDirectory(prefix="forkvm-invoke-", dir="/dev/shm") as tmp:
+        vms = {}
+        try:
+            for b, path in builds.items():
+                tag = b.replace(" ", "-")
+                vms[(b, "warm")] = start_template(tmp, tag + "-warm", a.mem, 8, path)
+                vms[(b, "fork")] = start_template(tmp, tag + "-fork", a.mem, 0, path)
+            for _ in range(a.rounds):
+                for b in builds:
+                    warm_sock = vms[(b, "warm")][1]
+                    for _ in range(a.runs):
+                        wait_warm(warm_sock, 8)
+                        t, h = invoke(warm_sock, payload)
+                        got[(b, "warm")].append(t * 1e3)
+                        got[(b, "warm_clone_us")].append(int(h["x-forkvm-clone-us"]) / 1e3)
+                    for _ in range(a.runs):
+                        got[(b, "fork")].append(invoke(vms[(b, "fork")][1], payload)[0] * 1e3)
+        finally:
+            for p, sock in vms.values():
+                stop(p, sock)
+    print("| measure | build | min | median | p99 | vs baseline |")
+    print("|---|---|---|---|---|---|")
+    for k, label in [("warm", "fresh warm clone, request to reply"),
+                     ("warm_clone_us", "fresh warm clone, x-forkvm-clone-us"),
+                     ("fork", "clone forked per request, request to reply")]:
+        base = statistics.median(got[("baseline", k)])
+        for b in builds:
+            print(row(f"{label} | {b}", got[(b, k)], base))
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -502,10 +546,15 @@ def main():
     rt.add_argument("--boots", type=int, default=3)
     rt.add_argument("--seconds", type=float, default=5)
     rt.add_argument("--clients", default="1,2,4,8")
+    abp = sub.add_parser("ab")
+    abp.add_argument("--baseline", required=True, help="the other build's vmm binary")
+    abp.add_argument("--runs", type=int, default=50)
+    abp.add_argument("--rounds", type=int, default=4)
+    abp.add_argument("--mem", type=int, default=256)
     a = ap.parse_args()
     if not os.path.exists(VMM):
         sys.exit(f"{VMM} is missing: cargo build --release")
-    {"latency": latency, "throughput": throughput, "runtimes": runtimes}[a.cmd](a)
+    {"latency": latency, "throughput": throughput, "runtimes": runtimes, "ab": ab}[a.cmd](a)
 
 
 if __name__ == "__main__":

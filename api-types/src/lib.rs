@@ -20,6 +20,7 @@
 //! Every error answer carries an [`ErrorBody`].
 #![deny(missing_docs)]
 
+pub mod agent;
 pub mod cgroup;
 pub mod clones;
 pub mod invoke;

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use api_types::agent;
 use api_types::vm::VirtioKind;
 use api_types::{CloneStatus, CreateClones, InvokeOptions, VmInfo};
 use bytes::Bytes;
@@ -27,14 +28,7 @@ pub struct VmClone {
 }
 
 /// What a command run in a clone through its guest agent did ([`VmClone::exec`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExecOutput {
-    /// Its exit status (128+N when killed by signal N; 255 when the agent could not
-    /// run it).
-    pub status: i32,
-    /// Its standard output and error, interleaved as written.
-    pub output: Vec<u8>,
-}
+pub use api_types::agent::ExecOutput;
 
 impl Template {
     /// Makes `request.count` clones of this template (`POST /clones`: its resource
@@ -153,12 +147,7 @@ impl VmClone {
     }
 }
 
-/// The most output [`VmClone::exec`] takes.
-const MAX_OUTPUT: u64 = 64 << 20;
-
-/// The agent's protocol (docs/guest-abi.md): `CONNECT <port>\n` to the vsock device,
-/// `<cmdlen> <stdinlen>\n`, the command and the input; the agent answers
-/// `<status> <outlen>\n` and the output.
+/// The agent's protocol (`api_types::agent`, docs/guest-abi.md), over tokio.
 async fn agent_exchange(
     vsock: &Path,
     port: u32,
@@ -173,7 +162,7 @@ async fn agent_exchange(
     let (read, mut write) = stream.into_split();
     let mut read = BufReader::new(read);
     write
-        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .write_all(agent::connect_line(port).as_bytes())
         .await
         .map_err(io)?;
     let mut line = String::new();
@@ -182,29 +171,16 @@ async fn agent_exchange(
             "nothing in the guest accepted on vsock port {port} (is forkvm-agent running?)"
         )));
     }
-    if !line.starts_with("OK ") {
-        return Err(Error::Agent(format!("unexpected answer: {line:?}")));
-    }
-    let head = format!("{} {}\n", command.len(), stdin.len());
+    let bad = |e: agent::AgentProtocolError| Error::Agent(e.to_string());
+    agent::accepted(&line).map_err(bad)?;
+    let head = agent::request_head(command, stdin);
     for part in [head.as_bytes(), command.as_bytes(), stdin] {
         write.write_all(part).await.map_err(io)?;
     }
     line.clear();
     read.read_line(&mut line).await.map_err(io)?;
-    let mut fields = line.split_whitespace().map(str::parse::<u64>);
-    let (Some(Ok(status)), Some(Ok(len)), None) = (fields.next(), fields.next(), fields.next())
-    else {
-        return Err(Error::Agent(format!("unexpected answer: {line:?}")));
-    };
-    if len > MAX_OUTPUT {
-        return Err(Error::Agent(format!(
-            "an output of {len} bytes (most taken: {MAX_OUTPUT})"
-        )));
-    }
+    let (status, len) = agent::parse_answer_head(&line).map_err(bad)?;
     let mut output = vec![0u8; len as usize];
     read.read_exact(&mut output).await.map_err(io)?;
-    Ok(ExecOutput {
-        status: status as i32,
-        output,
-    })
+    Ok(ExecOutput { status, output })
 }

@@ -1,26 +1,19 @@
 //! `vmm exec`: run a command in the guest through its vsock device and `forkvm-agent`.
 //!
 //! The VM's vsock socket is found with `GET /vm`; the exchange is the agent's protocol
-//! (docs/guest-abi.md): `CONNECT <port>\n` to the device, then `<cmdlen> <stdinlen>\n`,
-//! the command and the input; the agent answers `<status> <outlen>\n` and the output.
+//! (`api_types::agent`, docs/guest-abi.md).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use api_types::agent::{self, AgentProtocolError};
 use api_types::vm::VirtioKind;
 
 use super::client::{self, ClientError};
 
-/// What the command did.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExecOutput {
-    /// Exit status (128+N when killed by signal N; 255 when the agent could not run it).
-    pub status: i32,
-    /// stdout and stderr, interleaved as written.
-    pub output: Vec<u8>,
-}
+pub use api_types::agent::ExecOutput;
 
 /// Errors running a command in the guest.
 #[derive(Debug, thiserror::Error)]
@@ -45,9 +38,9 @@ pub enum ExecError {
     /// The exchange broke off or timed out.
     #[error("vsock exchange failed: {0}")]
     Io(#[from] std::io::Error),
-    /// The agent's answer was not in its protocol.
-    #[error("unexpected answer from the guest agent: {0:?}")]
-    Protocol(String),
+    /// The answer was not in the agent's protocol.
+    #[error(transparent)]
+    Protocol(#[from] AgentProtocolError),
 }
 
 /// The host path of the VM's vsock socket, from `GET /vm`.
@@ -89,29 +82,20 @@ pub fn exec_at(
     })?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    s.write_all(format!("CONNECT {port}\n").as_bytes())?;
+    s.write_all(agent::connect_line(port).as_bytes())?;
     let mut r = BufReader::new(s.try_clone()?);
     let mut line = String::new();
     if r.read_line(&mut line)? == 0 {
         return Err(ExecError::Refused(port));
     }
-    if !line.starts_with("OK ") {
-        return Err(ExecError::Protocol(line));
-    }
-    s.write_all(format!("{} {}\n", command.len(), stdin.len()).as_bytes())?;
+    agent::accepted(&line)?;
+    s.write_all(agent::request_head(command, stdin).as_bytes())?;
     s.write_all(command.as_bytes())?;
     s.write_all(stdin)?;
     line.clear();
     r.read_line(&mut line)?;
-    let mut fields = line.split_whitespace().map(str::parse::<u64>);
-    let (Some(Ok(status)), Some(Ok(len)), None) = (fields.next(), fields.next(), fields.next())
-    else {
-        return Err(ExecError::Protocol(line));
-    };
+    let (status, len) = agent::parse_answer_head(&line)?;
     let mut output = vec![0u8; len as usize];
     r.read_exact(&mut output)?;
-    Ok(ExecOutput {
-        status: status as i32,
-        output,
-    })
+    Ok(ExecOutput { status, output })
 }

@@ -153,10 +153,8 @@ struct State {
 /// spec.args = vec!["--ap-boot".into(), "direct".into()];
 /// let cache = ZygoteCache::new(Template::start(spec).await?, CachePolicy::default()).await?;
 ///
-/// let load = Load {
-///     source: Some("def handler(event):\n    return event\n".into()),
-///     ..Load::imports(["json"])
-/// };
+/// let mut load = Load::imports(["json"]);
+/// load.source = Some("def handler(event):\n    return event\n".into());
 /// let (f, tier) = cache.function("echo", &load).await?;
 /// assert_eq!(tier, Tier::Base); // derived from the base: nothing imported before
 /// let (again, tier) = cache.function("echo", &load).await?;

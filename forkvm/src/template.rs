@@ -82,7 +82,7 @@ pub enum Ready {
     Runtime,
     /// A plain template: its console shows this text (an agent's "serving" line, say);
     /// the library then pauses the VM, so that its warm clones are made, and it serves
-    /// [`Template::clones`]. Invocations are refused (no runtime waits).
+    /// [`Template::create_clones`]. Invocations are refused (no runtime waits).
     Console(String),
     /// Its VMM answers and the VM runs: clones are made of the running VM.
     Running,

@@ -14,7 +14,7 @@ use crate::endpoint::{Endpoint, Reply};
 use crate::owner::Owner;
 use crate::{Error, Template};
 
-/// A clone of a [`Template`] ([`Template::clones`]): its own VM, running from where the
+/// A clone of a [`Template`] ([`Template::create_clones`]): its own VM, running from where the
 /// template was paused (its runtime reads "no request" and waits again). It serves
 /// invocations in place, one at a time; one without `keep_alive` is its last (the VM
 /// ends after answering). It is stopped when its handle is dropped (SIGTERM through its

@@ -74,17 +74,14 @@ impl WarmClone {
     /// Whether it could be launched now (a primed one: its prime is done), without
     /// taking its report off its channel.
     fn ready_now(&self) -> bool {
-        use nix::sys::socket::{recv, MsgFlags};
-        let mut byte = [0u8; 1];
-        let peek = MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_PEEK;
-        !self.primed || self.prime_done || recv(self.go.as_raw_fd(), &mut byte, peek) == Ok(1)
+        !self.primed || self.prime_done || matches!(prime_report(&self.go, true), PrimeReport::Done)
     }
 
     fn launchable(&mut self) -> Launchable {
         if !self.primed || self.prime_done {
             return Launchable::Yes;
         }
-        match prime_report(&self.go) {
+        match prime_report(&self.go, false) {
             PrimeReport::Done => {
                 self.prime_done = true;
                 Launchable::Yes

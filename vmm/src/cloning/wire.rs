@@ -300,11 +300,16 @@ pub(super) enum PrimeReport {
     Ended,
 }
 
-/// Reads a warm clone's prime report from the parent's end of its go channel.
-pub(super) fn prime_report(go: &UnixStream) -> PrimeReport {
+/// Reads a warm clone's prime report from the parent's end of its go channel (with
+/// `peek`, leaves it there).
+pub(super) fn prime_report(go: &UnixStream, peek: bool) -> PrimeReport {
     use nix::sys::socket::{recv, MsgFlags};
     let mut byte = [0u8; 1];
-    match recv(go.as_raw_fd(), &mut byte, MsgFlags::MSG_DONTWAIT) {
+    let flags = match peek {
+        true => MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_PEEK,
+        false => MsgFlags::MSG_DONTWAIT,
+    };
+    match recv(go.as_raw_fd(), &mut byte, flags) {
         Ok(1) => PrimeReport::Done,
         Err(nix::errno::Errno::EAGAIN) => PrimeReport::Pending,
         _ => PrimeReport::Ended,

@@ -6,6 +6,7 @@
 use std::any::Any;
 
 use api_types::CreateClones;
+use serde::Deserialize;
 use vm_memory::GuestMemoryMmap;
 
 use super::{initial_defer_ns, Connection, Delivery, Invocation, Invoker};
@@ -43,7 +44,7 @@ pub fn take(
     config: &VmConfig,
     mem: &GuestMemoryMmap,
 ) -> Result<Box<dyn Any>, ServeError> {
-    let delivery: Delivery = serde_json::from_value(handed.note.clone())
+    let delivery = Delivery::deserialize(handed.note)
         .map_err(|e| format!("not an invocation's delivery: {e}"))?;
     let conn = Connection::new(handed.stream);
     let invoker = Invoker::in_clone(

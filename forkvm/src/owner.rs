@@ -275,8 +275,10 @@ fn send_signal(pidfd: &OwnedFd, signal: i32) {
     };
 }
 
-/// Counts a stop as finished.
-fn stop_done() {
+/// Runs the stop in `slot` unless another thread took it, and counts it as finished.
+fn run_stop(slot: &Mutex<Option<Stop>>) {
+    let taken = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+    taken.into_iter().for_each(Stop::finish);
     let (count, done) = &STOPPING;
     let mut n = count.lock().unwrap_or_else(|p| p.into_inner());
     *n = n.saturating_sub(1);
@@ -307,15 +309,9 @@ impl Drop for Owner {
         let theirs = stop.clone();
         let spawned = std::thread::Builder::new()
             .name("forkvm-stop".into())
-            .spawn(move || {
-                let taken = theirs.lock().unwrap_or_else(|p| p.into_inner()).take();
-                taken.into_iter().for_each(Stop::finish);
-                stop_done();
-            });
+            .spawn(move || run_stop(&theirs));
         if spawned.is_err() {
-            let taken = stop.lock().unwrap_or_else(|p| p.into_inner()).take();
-            taken.into_iter().for_each(Stop::finish);
-            stop_done();
+            run_stop(&stop);
         }
     }
 }

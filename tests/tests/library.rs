@@ -131,11 +131,7 @@ async fn a_template_serves_invocations_in_parallel_clones_and_types_its_errors()
     // Dropped: the VMM is stopped, its clones and its directory gone, once the stop
     // the drop started (without blocking) is done.
     drop(Arc::into_inner(t).expect("the only handle"));
-    assert!(
-        tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(10)))
-            .await
-            .unwrap()
-    );
+    assert!(stops_finished().await);
     assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists() || zombie(pid));
     assert!(!dir.exists(), "{} left behind", dir.display());
 }
@@ -171,6 +167,13 @@ fn a_template_that_cannot_start_says_why_and_the_blocking_facade_works() {
     assert!(r.body.starts_with(b"blocking"));
     assert_eq!(t.status().unwrap().warm_clones.target, 2);
     t.shutdown().unwrap();
+}
+
+/// Whether every stop a drop started (without blocking) finished within 10 s.
+async fn stops_finished() -> bool {
+    tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(10)))
+        .await
+        .unwrap()
 }
 
 fn gone(pid: u32) -> bool {
@@ -590,11 +593,7 @@ async fn a_jailed_template_invokes_derives_and_clones_and_leaves_nothing() {
         gone(jailer) && gone(derived_pid)
     })
     .await;
-    assert!(
-        tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(10)))
-            .await
-            .unwrap()
-    );
+    assert!(stops_finished().await);
     assert!(!root.parent().unwrap().exists(), "jail {id} left behind");
     for c in ["cpu", "memory", "pids"] {
         let dir = PathBuf::from(format!("/sys/fs/cgroup/{c}/forkvm-{id}"));

@@ -94,7 +94,7 @@ pub fn host_quirks(host: HostKind, enabled: bool) -> (&'static [FeatureBit], Str
 }
 
 /// What stages 6 to 8 produce.
-struct Prepared {
+struct PreparedGuest {
     devices: DeviceManager,
     cmdline: String,
     vcpus: Vec<Vcpu>,
@@ -144,7 +144,7 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
     // 6-8. Devices, boot image, vCPUs.
     let prepared = prepare_guest(&config, &kvm, &vm, &mem, hidden, &quirk_switches)?;
     timer.done("devices, boot image, vcpus");
-    let Prepared {
+    let PreparedGuest {
         devices,
         cmdline,
         vcpus,
@@ -215,7 +215,7 @@ fn prepare_guest(
     mem: &GuestMemoryMmap,
     hidden: &[FeatureBit],
     quirk_switches: &str,
-) -> Result<Prepared, BuildError> {
+) -> Result<PreparedGuest, BuildError> {
     let mem_bytes = config.mem_mib << 20;
 
     // 6. Devices.
@@ -276,7 +276,7 @@ fn prepare_guest(
     if config.ap_boot == ApBoot::Direct && kernel.entry.protocol == BootProtocol::Linux64 {
         tracing::warn!("--ap-boot direct with a Linux boot-protocol kernel: every vCPU enters the kernel as the boot CPU");
     }
-    Ok(Prepared {
+    Ok(PreparedGuest {
         devices,
         cmdline,
         vcpus,

@@ -7,18 +7,18 @@
 //! Then, in order:
 //!
 //! 1. it moves itself into its cgroup, if it was not born inside (`cgroups.rs`);
-//! 2. `builder::rebuild::prepare`: a new VM on the inherited memory (memory slots first, then TSS,
-//!    irqchip, PIT), its vCPUs restored from the captured state;
+//! 2. `builder::rebuild::prepare`: a new VM on the inherited memory (memory slots
+//!    first, then TSS, irqchip, PIT), its vCPUs restored from the captured state;
 //! 3. [`launch`]: its configuration (sockets, console, tap, limits from its
 //!    [`Identity`]), its devices restored from their state, the VM-wide state, its vCPU
 //!    threads started; once vCPU 0 is in the guest, the devices' host sides (tap, vsock
 //!    socket) are opened;
 //! 4. the rebuilt VM goes to the `serve` hook the controller gave the [`Cloner`]
 //!    ([`CloneHooks`]; a handover, if the clone has one, was taken up by the `take`
-//!    hook before its vCPUs ran): the
-//!    controller opens its control socket, marks it ready ([`ReadyMark`]), starts its
-//!    device workers and runs its event loop. (The event loop is the controller's, a
-//!    layer above this one: the hook keeps this module from depending on it.)
+//!    hook before its vCPUs ran): the controller opens its control socket, marks it
+//!    ready ([`ReadyMark`]), starts its device workers and runs its event loop. (The
+//!    event loop is the controller's, a layer above this one: the hook keeps this
+//!    module from depending on it.)
 //!
 //! A clone made on request does all of it at once. A warm clone (`warm.rs`) is forked
 //! ahead of time from a paused template: it prepares, then blocks on its `go` pipe until
@@ -32,7 +32,6 @@ use std::borrow::Cow;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-
 use std::time::Instant;
 
 use clone::MicrovmState;

@@ -325,6 +325,9 @@ mod tests {
         // A process that ignores SIGTERM: the stop waits the grace, then kills it.
         let child = std::process::Command::new("sh")
             .args(["-c", "trap '' TERM; while :; do sleep 1; done"])
+            // Its `sleep` outlives it by up to a second: not on the test's output.
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
         let dir = tempfile::tempdir().unwrap();

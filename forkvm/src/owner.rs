@@ -289,20 +289,20 @@ impl Drop for Owner {
     /// Stops the VMM if it still runs, without blocking: SIGTERM now; a thread of its
     /// own waits up to 2 s for it, then SIGKILLs it, reaps a child, cleans its jail and
     /// removes its directory, and drops a derived one's parent handle last (all of it
-    /// here, blocking, if no thread or descriptor can be had). [`wait_stopped`] waits
-    /// for those threads.
+    /// here when the VMM has ended already, and, blocking, if no thread or descriptor
+    /// can be had). [`wait_stopped`] waits for those threads.
     fn drop(&mut self) {
-        if !self.ended() {
+        let running = !self.ended();
+        if running {
             self.signal(libc::SIGTERM);
         }
         let kind = std::mem::replace(&mut self.kind, Kind::Gone);
         let jail = self.jail.take();
         let pidfd = match self.pidfd.try_clone() {
-            Ok(fd) => fd,
-            Err(_) => {
-                // Out of descriptors: stop on this thread, with the owner's own.
-                return finish(&self.pidfd, &kind, jail.as_ref());
-            }
+            Ok(fd) if running => fd,
+            // Ended already (after `shutdown`, say): nothing to wait for, so the rest
+            // is done here, as the caller expects. Out of descriptors: the same, blocking.
+            _ => return finish(&self.pidfd, &kind, jail.as_ref()),
         };
         *STOPPING.0.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         let stop = Arc::new(Mutex::new(Some(Stop { pidfd, kind, jail })));

@@ -163,6 +163,8 @@ struct State {
 /// # drop((f, again));
 /// # Ok::<_, forkvm::Error>(())
 /// # })?;
+/// // Dropped templates stop on the library's threads: wait for them before exiting.
+/// forkvm::wait_stopped(std::time::Duration::from_secs(10));
 /// # Ok(())
 /// # }
 /// ```

@@ -56,8 +56,8 @@ mod prime;
 mod stretch;
 pub use handover::take as take_handover;
 pub use prime::{prime as prime_clone, PrimeFailed, PRIME_LIMIT};
-pub use stretch::initial_ns as initial_defer_ns;
 use stretch::Stretch;
+pub use stretch::{initial_ns as initial_defer_ns, ROOM as DEFER_ROOM};
 
 /// The caller's connection: answered by whichever VMM runs the handler.
 #[derive(Debug, Clone)]

@@ -34,13 +34,6 @@ mod prime;
 pub use error::VcpuError;
 pub use prime::PrimeError;
 
-/// The run-queue wait a thread's `schedstat` file (`/proc/.../schedstat`) reports, in
-/// ns: its second field.
-pub fn run_queue_wait_ns(schedstat: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(schedstat).ok()?;
-    text.split_whitespace().nth(1)?.parse().ok()
-}
-
 /// Why a vCPU stopped running guest code for good.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VcpuExitReason {
@@ -678,14 +671,9 @@ impl VcpuHandle {
         Ok(())
     }
 
-    /// How long the vCPU's thread has waited for a host CPU while runnable, in ns, since
-    /// it started; None before it runs, or where the kernel does not count it.
-    pub fn run_queue_wait_ns(&self) -> Option<u64> {
-        let tid = self.tid.load(Ordering::Relaxed);
-        if tid == 0 {
-            return None;
-        }
-        run_queue_wait_ns(&format!("/proc/self/task/{tid}/schedstat"))
+    /// The vCPU thread's id; None before it starts.
+    pub fn thread_id(&self) -> Option<i32> {
+        Some(self.tid.load(Ordering::Relaxed)).filter(|&tid| tid != 0)
     }
 
     /// Host address of this vCPU's kvm_run mapping (a forked child unmaps it).

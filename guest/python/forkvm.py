@@ -47,13 +47,25 @@ still running shortly before its time limit (``timeout_ms`` less a tenth, at lea
 50 ms) is interrupted (SIGALRM, raised between Python instructions, so not inside a
 long C call) and answered with ``"timeout"`` and its logs; one that does not return
 even then meets the VMM's own time limit (504, no logs).
+
+The soft limit's timer costs an invocation no system call when it can: the runtime
+arms ``ITIMER_REAL`` before it waits (``ALARM_AHEAD``), so a template pauses with an
+expiry about to come, and a clone of it, whose clock has moved on, has it overdue. Its
+SIGALRM then comes with the clone's first timer interrupt, which the VMM defers past
+the handler's first milliseconds (``--tick-defer-ms``): a short handler ends before it,
+and a longer one gets it and re-arms the timer for the rest of its time. The timer is
+never disarmed: an expiry between invocations does nothing, and one during an
+invocation before its limit re-arms. An invocation arms it itself only when no expiry
+is due before its limit.
 """
 
 import ctypes
 import importlib
 import io
 import random
+import signal
 import sys
+import time
 import traceback
 import types
 
@@ -173,16 +185,41 @@ class _Timeout(BaseException):
     Not an ``Exception``, so that a handler's ``except Exception`` does not take it."""
 
 
+# How far ahead the runtime arms the soft limit's timer before it waits: past the
+# moment a template pauses there, so that its clones find the expiry overdue.
+ALARM_AHEAD = 0.05
+# The soft limit's timer: when its expiry is due (``time.monotonic()``), None when it
+# is not armed; and the running invocation's soft limit, None between invocations.
+_alarm = {"due": None, "limit": None}
+
+
+def _arm(seconds):
+    """Arms the soft limit's timer ``seconds`` from now (a system call)."""
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    _alarm["due"] = time.monotonic() + seconds
+
+
 def _on_alarm(signum, frame):
-    raise _Timeout()
+    _alarm["due"] = None
+    limit = _alarm["limit"]
+    if limit is None:
+        return
+    left = limit - time.monotonic()
+    if left <= 0:
+        raise _Timeout()
+    _arm(left)
+
+
+def _arm_ahead():
+    """Before a wait, with logs: arms the timer ``ALARM_AHEAD`` on unless it is armed."""
+    if _options["logs"] and _alarm["due"] is None:
+        _arm(ALARM_AHEAD)
 
 
 def _capture_logs():
     """Turns logs on for this runtime: standard output and error become ``_Stream``s
     (before the function's source runs, so a ``logging`` handler it makes writes to
     them) and SIGALRM interrupts a handler near its time limit."""
-    import signal
-
     if not isinstance(sys.stdout, _Stream):
         sys.stdout = _Stream(sys.stdout)
     if not isinstance(sys.stderr, _Stream):
@@ -232,20 +269,22 @@ def call_with_logs(handler, event, timeout_ms, capacity):
     """Calls ``handler(event)`` with its output captured and a soft time limit; returns
     the envelope of its reply, its traceback, or its timeout, with its logs, in at
     most ``capacity`` bytes."""
-    import signal
-
     global _current_log
     log = _Log()
     limit = _soft_limit_s(timeout_ms)
     _current_log = log
     try:
         if limit is not None:
-            signal.setitimer(signal.ITIMER_REAL, limit)
+            at = time.monotonic() + limit
+            _alarm["limit"] = at
+            # An expiry due by the limit (the one armed ahead, overdue in a clone)
+            # comes soon enough: the alarm re-arms for the rest.
+            if _alarm["due"] is None or _alarm["due"] > at:
+                _arm(limit)
         try:
             out = _reply_bytes(handler(event))
         finally:
-            if limit is not None:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            _alarm["limit"] = None
         return envelope("ok", out, log, capacity)
     except _Timeout:
         text = "forkvm: the handler was still running %d ms into its %d ms limit\n" % (
@@ -436,6 +475,7 @@ def serve(handler=None):
     # all of it but the handler), so the request finds its path in the clone's page tables.
     lib.forkvm_enable(FEATURE_PRIME | FEATURE_LOAD)
     while True:
+        _arm_ahead()
         err = lib.forkvm_wait(ctypes.byref(req))
         if err != 0:
             _fail(lib, "forkvm: " + lib.forkvm_strerror(err).decode())

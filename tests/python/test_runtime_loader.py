@@ -151,6 +151,10 @@ class EnvAndLogs(unittest.TestCase):
 
         for h in list(logging.root.handlers):
             logging.root.removeHandler(h)
+        # The runtime never disarms the soft limit's timer: this process does.
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGALRM])
+        forkvm._alarm.update(due=None, limit=None)
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
     def load(self, **extra):
@@ -208,8 +212,75 @@ class EnvAndLogs(unittest.TestCase):
         self.assertIn(b"still running 350 ms into its 400 ms limit", body)
         self.assertIn("looping\n", logs)
         self.assertLess(took, 0.4)
-        # The alarm was disarmed: a later invocation runs to its end.
+        # The alarm is spent: a later invocation runs to its end.
         self.assertEqual(self.call(handler, b"x", timeout_ms=400)[0]["status"], "ok")
+
+    def arms(self):
+        """Counts the runtime's calls of setitimer until the test ends."""
+        import signal
+
+        calls = []
+        real = signal.setitimer
+
+        def counted(which, seconds, interval=0.0):
+            calls.append(seconds)
+            return real(which, seconds, interval)
+
+        signal.setitimer = counted
+        self.addCleanup(setattr, signal, "setitimer", real)
+        return calls
+
+    def test_an_invocation_arms_no_timer_when_an_expiry_is_due_before_its_limit(self):
+        import time
+
+        handler = self.load()
+        calls = self.arms()
+        # The first arms the timer for its soft limit, and leaves it armed.
+        self.assertEqual(self.call(handler, b"x")[0]["status"], "ok")
+        self.assertEqual(calls, [27.0])
+        # Then none does while that expiry comes first.
+        self.assertEqual(self.call(handler, b"y")[0]["status"], "ok")
+        self.assertEqual(calls, [27.0])
+        # One with a nearer limit arms its own.
+        self.assertEqual(self.call(handler, b"x", timeout_ms=400)[0]["status"], "ok")
+        self.assertEqual(calls, [27.0, 0.35])
+        # None does in a clone whose template armed the timer ahead: the expiry is
+        # overdue there (due in the past).
+        forkvm._alarm["due"] = time.monotonic() - 5
+        self.assertEqual(self.call(handler, b"z", timeout_ms=400)[0]["status"], "ok")
+        self.assertEqual(calls, [27.0, 0.35])
+
+    def test_an_overdue_expiry_taken_during_an_invocation_rearms_for_the_rest(self):
+        import signal
+        import time
+
+        forkvm._capture_logs()
+        calls = self.arms()
+        # A clone's: the expiry armed ahead falls due while the signal cannot come (in
+        # a clone: its timer interrupt deferred), then comes inside the handler.
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+        forkvm._arm_ahead()
+        time.sleep(forkvm.ALARM_AHEAD * 2)
+        self.assertEqual(len(calls), 1)
+
+        def handler(event):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGALRM])
+            print("spinning")
+            while True:
+                pass
+
+        t0 = time.monotonic()
+        head, body, logs = self.call(handler, b"", timeout_ms=400)
+        took = time.monotonic() - t0
+        self.assertEqual(head["status"], "timeout", body)
+        self.assertEqual(logs, "spinning\n")
+        self.assertTrue(0.34 < took < 0.4, took)
+        # The invocation armed nothing itself; the overdue expiry re-armed for the rest.
+        self.assertEqual(len(calls), 2)
+        self.assertTrue(0.3 < calls[1] <= 0.35, calls)
+        # Before the next wait, it is armed ahead again.
+        forkvm._arm_ahead()
+        self.assertEqual(calls[2:], [forkvm.ALARM_AHEAD])
 
     def test_logs_are_bounded_to_their_last_characters(self):
         handler = self.load()

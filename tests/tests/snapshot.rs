@@ -265,6 +265,15 @@ fn a_bad_snapshot_is_refused_with_a_clear_error_and_nothing_started() {
             "disk0.blocks",
         ),
         (
+            "a disk image changed since",
+            |d| {
+                edit_state(d, |v| {
+                    v["config"]["disks"][0]["image"]["mtime_ns"] = 7.into()
+                })
+            },
+            "changed since the snapshot was made",
+        ),
+        (
             "memory of another size",
             |d| edit_state(d, |v| v["config"]["mem_mib"] = 128.into()),
             "are not those of a 128 MiB VM",
@@ -342,6 +351,25 @@ fn a_bad_snapshot_is_refused_with_a_clear_error_and_nothing_started() {
     let mut r = Vm::restore(&s, &snap, &[]);
     r.wait_console("tiny: beat ", BOOT);
     r.shutdown(Duration::from_secs(10));
+    // Not once its disk image is written anew, even with its size unchanged.
+    let image = scratch.path("disk.img");
+    std::thread::sleep(Duration::from_millis(20));
+    std::fs::write(&image, vec![8u8; 1 << 20]).unwrap();
+    let sock = scratch.path("rewritten.sock");
+    let (status, _, err) = run_vmm(
+        &[
+            "restore",
+            "--dir",
+            snap.to_str().unwrap(),
+            "--api-sock",
+            sock.to_str().unwrap(),
+            "--console",
+            "null",
+        ],
+        Duration::from_secs(60),
+    );
+    assert!(!status.success(), "restored on a rewritten image ({err})");
+    assert!(err.contains("disk.img changed since the snapshot"), "{err}");
 }
 
 #[test]

@@ -123,8 +123,13 @@ pub struct SavedConfig {
 /// A disk in a snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SavedDisk {
-    /// The image (opened again, read-only, at restore; it must be unchanged in size).
+    /// The image (opened again, read-only, at restore; it must be unchanged).
     pub path: PathBuf,
+    /// The image's size and modification time when the snapshot was made: a restore
+    /// refuses an image that differs (the guest's page cache holds its blocks as they
+    /// were). Absent in snapshots made before it was saved (not checked then).
+    #[serde(default)]
+    pub image: Option<ImageVersion>,
     /// Where its overlay was made (writable disks): a restore's default.
     pub cow_dir: Option<PathBuf>,
     /// Every VM with the disk keeps its overlay when it ends (`--disk ...,keep`): so
@@ -134,6 +139,26 @@ pub struct SavedDisk {
     pub keep: bool,
     /// Its limit.
     pub rate_limit: Option<RateLimit>,
+}
+
+/// What identifies a version of a disk image: its size and modification time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageVersion {
+    /// Its size in bytes.
+    pub len: u64,
+    /// Its modification time, in ns since the epoch.
+    pub mtime_ns: i128,
+}
+
+impl ImageVersion {
+    /// The version of the file `meta` describes.
+    pub fn of(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Self {
+            len: meta.len(),
+            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        }
+    }
 }
 
 /// The entropy device in a snapshot.

@@ -20,7 +20,7 @@ use devices::virtio::block::overlay::{OverlayError, OverlaySnapshot};
 use jailer::seccomp::SeccompMode;
 use kvm_bindings::CpuId;
 
-use super::{overlay_file, SavedConfig, SnapshotFile, MEMORY_FILE, STATE_FILE};
+use super::{overlay_file, ImageVersion, SavedConfig, SnapshotFile, MEMORY_FILE, STATE_FILE};
 use crate::arch::x86_64::cpu_compat::{missing_features, missing_msrs};
 use crate::arch::x86_64::layout::ram_ranges;
 use crate::builder::capture_spec;
@@ -99,6 +99,21 @@ pub enum RestoreError {
         path: String,
         /// Why.
         source: std::io::Error,
+    },
+    /// A disk image is not the version the snapshot was made with.
+    #[error(
+        "disk image {path} changed since the snapshot was made ({} bytes, modified at \
+         {} ns then; {} bytes, modified at {} ns now): its guest holds the image's blocks \
+         as they were, so it is not restored",
+        saved.len, saved.mtime_ns, now.len, now.mtime_ns
+    )]
+    DiskChanged {
+        /// The image.
+        path: String,
+        /// Its version when the snapshot was made.
+        saved: ImageVersion,
+        /// Its version now.
+        now: ImageVersion,
     },
     /// KVM failed.
     #[error(transparent)]
@@ -289,6 +304,24 @@ fn check(
             "the host lacks {}",
             missing.join(", ")
         )));
+    }
+    // Each disk image is the version the guest saw.
+    for d in &file.config.disks {
+        let Some(saved) = d.image else {
+            continue;
+        };
+        let meta = std::fs::metadata(&d.path).map_err(|source| RestoreError::Disk {
+            path: d.path.display().to_string(),
+            source,
+        })?;
+        let now = ImageVersion::of(&meta);
+        if now != saved {
+            return Err(RestoreError::DiskChanged {
+                path: d.path.display().to_string(),
+                saved,
+                now,
+            });
+        }
     }
     // A writable disk has its overlay in the snapshot.
     for (i, d) in config.disks.iter().enumerate() {

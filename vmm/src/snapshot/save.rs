@@ -9,7 +9,8 @@ use api_types::SnapshotInfo;
 use clone::MicrovmState;
 
 use super::{
-    overlay_file, SavedConfig, SavedDisk, SavedNet, SavedRng, SnapshotFile, MEMORY_FILE, STATE_FILE,
+    overlay_file, ImageVersion, SavedConfig, SavedDisk, SavedNet, SavedRng, SnapshotFile,
+    MEMORY_FILE, STATE_FILE,
 };
 use crate::config::VmConfig;
 use crate::microvm::Microvm;
@@ -68,6 +69,9 @@ fn saved_config(config: &VmConfig) -> SavedConfig {
         disks: (config.disks.iter())
             .map(|d| SavedDisk {
                 path: d.path.clone(),
+                image: std::fs::metadata(&d.path)
+                    .ok()
+                    .map(|m| ImageVersion::of(&m)),
                 cow_dir: d.cow_dir.clone(),
                 keep: d.keep,
                 rate_limit: d.rate_limit,

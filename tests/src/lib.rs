@@ -418,9 +418,10 @@ impl Vm {
                 return s;
             }
             if start.elapsed() > timeout {
+                let threads = Self::threads_of(self.child.id());
                 self.kill();
                 panic!(
-                    "VMM did not exit within {timeout:?}\n--- console:\n{}\n--- log:\n{}",
+                    "VMM did not exit within {timeout:?}\n--- its threads and its children's:\n{threads}\n--- console:\n{}\n--- log:\n{}",
                     self.console_text(),
                     self.stderr_text()
                 );
@@ -472,6 +473,42 @@ impl Vm {
         assert_eq!(code, 204, "shutdown refused: {body}");
         let status = self.wait_exit(timeout);
         assert!(status.success(), "exit {status}\n{}", self.stderr_text());
+    }
+
+    /// Every thread of process `pid` and of its children: name, state, what it waits in,
+    /// and its kernel stack (what a VMM that does not exit is stuck on).
+    fn threads_of(pid: u32) -> String {
+        let children = (std::fs::read_dir("/proc").into_iter().flatten().flatten())
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|p| {
+                let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+                let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
+                after.split_whitespace().nth(1) == Some(&pid.to_string())
+            });
+        let mut out = String::new();
+        for p in std::iter::once(pid).chain(children) {
+            let tasks = std::fs::read_dir(format!("/proc/{p}/task"))
+                .into_iter()
+                .flatten();
+            for task in tasks.flatten() {
+                let dir = task.path();
+                let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+                let stat = read("stat");
+                let state = stat
+                    .rsplit_once(')')
+                    .map_or("?", |(_, a)| a.trim())
+                    .get(..1);
+                out += &format!(
+                    "{} {} {} in {}\n{}",
+                    dir.display(),
+                    read("comm").trim(),
+                    state.unwrap_or("?"),
+                    read("wchan"),
+                    read("stack")
+                );
+            }
+        }
+        out
     }
 
     /// One API request: returns (status, body). If the control socket does not take

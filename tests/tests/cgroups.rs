@@ -691,12 +691,17 @@ fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
         cgroup_of(other["pid"].as_i64().unwrap(), ""),
         format!("/{}", other["cgroup"]["path"].as_str().unwrap())
     );
-    // Resuming discards the warm clone left: its cgroup returns.
+    // Resuming discards the warm clone left: its cgroup returns once it is reaped (it
+    // is killed and not waited for).
     assert_eq!(
         vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#)).0,
         204
     );
-    assert_eq!(pool_stats(vm, "plain")["in_use"], 3);
+    wait_until(
+        "the discarded warm clone's cgroup back",
+        Duration::from_secs(30),
+        || pool_stats(vm, "plain")["in_use"] == 3,
+    );
 
     // A class with a limit this v2 mount cannot enforce is refused at start.
     let offered =

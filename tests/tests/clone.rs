@@ -379,7 +379,10 @@ fn warm_clones_of_a_paused_template_launch_refill_and_are_discarded_on_resume() 
     let report = warm_report(&mut vm);
     assert_eq!(report["ready"], 0, "{report}");
     assert_eq!(report["discarded"], 3, "{report}");
-    assert_eq!(children_of(parent_pid).len(), 7);
+    // Killed, not waited for: gone once reaped.
+    tests::wait_until("the discarded warm clones reaped", BOOT, || {
+        children_of(parent_pid).len() == 7
+    });
     vm.wait_console(&format!("tiny: beat {}\n", before + 2), BOOT);
     vm.shutdown(BOOT);
     for c in &clones {

@@ -143,7 +143,7 @@ fn a_paused_vm_saved_to_a_directory_restores_where_it_stopped_twice_and_as_a_tem
         .collect();
     for (s, r) in restored {
         let mut r = r;
-        let first = r.wait_console("tiny: beat ", BOOT);
+        let first = r.wait_console_line("tiny: beat ", BOOT);
         assert!(
             first.starts_with(&format!("tiny: beat {}\n", at + 1)),
             "snapshot at beat {at}, restored console:\n{first}"

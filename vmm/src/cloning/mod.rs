@@ -443,7 +443,7 @@ impl Cloner {
     /// The VM changed while paused (it resumed, or its serial port got input): the
     /// warm clones hold what it was, so they are discarded.
     pub fn discard_warm_clones(&mut self) {
-        self.warm.discard(self.cgroups.as_mut());
+        self.warm.discard();
     }
 
     /// Time until the event loop has work here (zero: now): a warm clone to fork,
@@ -512,7 +512,8 @@ impl Cloner {
     /// removes this VMM's cgroups.
     pub fn shut_down(&mut self) {
         self.discard_warm_clones();
-        self.table.stop_all(self.cgroups.as_mut());
+        let killed: Vec<i32> = self.warm.dying().collect();
+        self.table.stop_all(self.cgroups.as_mut(), &killed);
         drop(self.cgroups.take());
     }
 }

@@ -17,6 +17,9 @@ use super::cgroups::ClonePools;
 /// How long a clone has to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// How long a VMM that shuts down waits for its killed clones to be gone.
+const EXIT_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// How many records of clones that ended a VM keeps (the oldest go first): a template
 /// that runs for weeks does not hold every clone it ever made.
 pub const ENDED_KEPT: usize = 1024;
@@ -154,19 +157,22 @@ impl CloneTable {
     }
 
     /// Stops every live clone (the parent is shutting down): SIGTERM to all at once,
-    /// SIGKILL to those still running [`STOP_TIMEOUT`] later, then reaps them all. So a
-    /// thousand clones stop in about the time the slowest takes, not their sum.
-    pub(super) fn stop_all(&mut self, mut pools: Option<&mut ClonePools>) {
-        let pids: Vec<Pid> = self.live().map(|c| Pid::from_raw(c.pid)).collect();
-        if pids.is_empty() {
+    /// SIGKILL to those still running [`STOP_TIMEOUT`] later, then reaps them and the
+    /// children already `killed` (warm clones), waiting at most [`EXIT_TIMEOUT`] for the
+    /// host to tear their VMs down. So a thousand clones stop in about the time the
+    /// slowest takes, not their sum; those still exiting then are left to the init
+    /// process (they die with this one: `PR_SET_PDEATHSIG`).
+    pub(super) fn stop_all(&mut self, mut pools: Option<&mut ClonePools>, killed: &[i32]) {
+        let live: Vec<Pid> = self.live().map(|c| Pid::from_raw(c.pid)).collect();
+        if live.is_empty() && killed.is_empty() {
             return;
         }
-        tracing::info!("stopping {} clones", pids.len());
-        for &pid in &pids {
+        tracing::info!("stopping {} clones", live.len());
+        for &pid in &live {
             let _ = kill(pid, Signal::SIGTERM);
         }
         let start = Instant::now();
-        let mut running = pids.clone();
+        let mut running = live.clone();
         while !running.is_empty() && start.elapsed() < STOP_TIMEOUT {
             running.retain(|&pid| still_running(pid));
             if !running.is_empty() {
@@ -183,10 +189,38 @@ impl CloneTable {
         for &pid in &running {
             let _ = kill(pid, Signal::SIGKILL);
         }
-        for pid in pids {
-            if let Ok(status) = waitpid(pid, None) {
-                self.reaped(pools.as_deref_mut(), pid.as_raw(), status);
+        let mut left: Vec<Pid> = (live.into_iter())
+            .chain(killed.iter().map(|&p| Pid::from_raw(p)))
+            .collect();
+        let reaping = Instant::now();
+        loop {
+            left.retain(|&pid| match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => true,
+                Ok(status) => {
+                    if self
+                        .reaped(pools.as_deref_mut(), pid.as_raw(), status)
+                        .is_none()
+                    {
+                        if let Some(p) = pools.as_deref_mut() {
+                            p.exited(pid.as_raw());
+                        }
+                    }
+                    false
+                }
+                Err(_) => false,
+            });
+            if left.is_empty() || reaping.elapsed() >= EXIT_TIMEOUT {
+                break;
             }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if !left.is_empty() {
+            tracing::warn!(
+                "{} clones still exiting {} s after they were killed (the host is slow to \
+                 tear their VMs down): left to the init process to reap",
+                left.len(),
+                EXIT_TIMEOUT.as_secs()
+            );
         }
         tracing::info!("every clone stopped in {} ms", start.elapsed().as_millis());
     }

@@ -28,7 +28,7 @@ use api_types::vm::{VmState, WarmReport};
 use api_types::CloneCgroup;
 use clone::MicrovmState;
 use nix::sys::signal::{kill, Signal};
-use nix::sys::wait::{waitpid, WaitStatus};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 use super::capture::capture;
@@ -122,6 +122,12 @@ pub struct WarmPool {
     prime_paused_until: Option<Instant>,
     /// How long the last pause was (zero: none since a primed clone was launched).
     prime_pause: Duration,
+    /// Warm clones killed or ended and not reaped yet, and whether each counts as a
+    /// primed one that ended before its launch. Never waited for here: the host kernel
+    /// can take seconds to tear a VM down when it is busy (an SRCU grace period in KVM's
+    /// VM teardown), and the event loop's reaping takes them when they are gone (their
+    /// cgroups go back to the pool then).
+    dying: Vec<(i32, bool)>,
 }
 
 /// Primed warm clones that may end before their launch in a row before priming is
@@ -177,6 +183,12 @@ impl WarmPool {
     /// good (their stderr says why), so that the pool does not fork one failing prime
     /// after another; as many that ran out of time pause it ([`PRIME_PAUSE_FIRST`]).
     pub(super) fn reaped(&mut self, pid: i32, status: &WaitStatus) -> bool {
+        if let Some(i) = self.dying.iter().position(|&(p, _)| p == pid) {
+            if self.dying.swap_remove(i).1 {
+                self.prime_ended(pid, prime_timed_out(status), Instant::now());
+            }
+            return true;
+        }
         let Some(i) = self.clones.iter().position(|c| c.pid == pid) else {
             return false;
         };
@@ -227,19 +239,37 @@ impl WarmPool {
         self.prime_failed = true;
     }
 
-    /// Kills and reaps every warm clone and forgets the captured state. Returns the
-    /// pids it reaped (their cgroups go back to their pools).
-    fn discard_all(&mut self) -> Vec<i32> {
+    /// Kills every warm clone, without waiting for it (it is reaped when it is gone),
+    /// and forgets the captured state.
+    fn discard_all(&mut self) {
         self.epoch = None;
-        let mut pids = Vec::with_capacity(self.clones.len());
         for c in self.clones.drain(..) {
-            let pid = Pid::from_raw(c.pid);
-            let _ = kill(pid, Signal::SIGKILL);
-            let _ = waitpid(pid, None);
+            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
             self.discarded += 1;
-            pids.push(c.pid);
+            self.dying.push((c.pid, false));
         }
-        pids
+    }
+
+    /// The warm clones killed or ended and not reaped yet.
+    pub(super) fn dying(&self) -> impl Iterator<Item = i32> + '_ {
+        self.dying.iter().map(|&(pid, _)| pid)
+    }
+
+    /// Reaps `pid`, a warm clone that ended, if it is gone; else leaves it to the event
+    /// loop's reaping. `primed`: it counts as a primed one that ended before its launch.
+    fn reap_or_leave(&mut self, pid: i32, primed: bool, pools: Option<&mut ClonePools>) {
+        match waitpid(Pid::from_raw(pid), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => self.dying.push((pid, primed)),
+            status => {
+                if let Some(p) = pools {
+                    p.exited(pid);
+                }
+                if primed {
+                    let timed_out = status.as_ref().is_ok_and(prime_timed_out);
+                    self.prime_ended(pid, timed_out, Instant::now());
+                }
+            }
+        }
     }
 
     /// Takes the first warm clone that can be launched, if any: a primed one once it
@@ -261,14 +291,7 @@ impl WarmPool {
                     break Some(c);
                 }
                 Launchable::Priming => priming.push_back(c),
-                Launchable::Ended => {
-                    let status = waitpid(Pid::from_raw(c.pid), None);
-                    if let Some(p) = pools.as_deref_mut() {
-                        p.exited(c.pid);
-                    }
-                    let timed_out = status.as_ref().is_ok_and(prime_timed_out);
-                    self.prime_ended(c.pid, timed_out, Instant::now());
-                }
+                Launchable::Ended => self.reap_or_leave(c.pid, true, pools.as_deref_mut()),
             }
         };
         while let Some(c) = priming.pop_back() {
@@ -278,14 +301,10 @@ impl WarmPool {
         found
     }
 
-    /// Discards every warm clone (the template changed) and returns their cgroups.
-    pub(super) fn discard(&mut self, pools: Option<&mut ClonePools>) {
-        let pids = self.discard_all();
-        if let Some(p) = pools {
-            for pid in pids {
-                p.exited(pid);
-            }
-        }
+    /// Discards every warm clone (the template changed); their cgroups go back when
+    /// they are reaped.
+    pub(super) fn discard(&mut self) {
+        self.discard_all();
     }
 
     /// Whether the event loop should add a warm clone to `vm`'s pool now.
@@ -398,11 +417,9 @@ impl WarmPool {
             if send_go(&c.go, identity).is_ok() {
                 return Some((c.pid, c.ready, c.cgroup));
             }
-            // The warm clone died: reap it and try the next.
-            let _ = waitpid(Pid::from_raw(c.pid), None);
-            if let Some(p) = pools.as_deref_mut() {
-                p.exited(c.pid);
-            }
+            // The warm clone died: reap it (or leave it to be) and try the next.
+            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
+            self.reap_or_leave(c.pid, false, pools.as_deref_mut());
         }
     }
 }

@@ -1,45 +1,42 @@
-//! A request's timer deferral, counted in the time its vCPU could run.
+//! A request's timer deferral, counted in the time its vCPU runs.
 //!
-//! On delivery a timer interrupt due soon is deferred (`clone::timer`), so that a
-//! handler shorter than `--tick-defer-ms` N runs before the guest kernel catches up. A
-//! fixed deadline N ms on is wall-clock time, but what it stands for is the vCPU's own
-//! time: on a host whose CPUs are oversubscribed the vCPU waits for a CPU, the deadline
-//! passes while it waits, and the clone pays the catch-up after all (on a
-//! software-virtualised host tens of milliseconds of emulated kernel work per clone,
-//! which lengthens every other clone's wait: throughput fell from 64 to 26 invocations
-//! per second between 1 and 8 clients).
+//! On delivery a due timer interrupt is deferred (`clone::timer`), so that a handler runs
+//! before the guest kernel catches up on the time that passed (on a software-virtualised
+//! host tens of milliseconds of emulated kernel work per clone, more when the host is
+//! busy). What the deferral stands for is the handler's own time, N ms of it
+//! (`--tick-defer-ms`): not wall-clock time, which passes while the vCPU waits for a host
+//! CPU (the deadline would pass while it waits, and the clone pay the catch-up after all:
+//! throughput fell from 64 to 26 invocations per second between 1 and 8 clients), and not
+//! time the vCPU idles, when the guest waits for a timer of its own (a handler's sleep),
+//! which a deferral would only hold back.
 //!
 //! So where the VMM can read a thread's scheduling counters
 //! (`/proc/self/task/TID/schedstat` and `stat`), the deferral at delivery reaches
-//! [`ROOM`] further, and the VMM brings the deadline back once the vCPU has had its N ms.
-//! From N ms after the delivery it checks, each time the vCPU could have had them: the
-//! vCPU's wait for a CPU since the delivery (W, at most [`ROOM`]) is what the kernel
-//! counted (`run_delay`, which grows only when a wait ends) plus a wait still going on
-//! (the thread runnable and not run since the previous check, or not started yet); while
-//! delivery + N + W lies ahead, it checks again then, the deadline left where it is;
-//! once it has passed, the deadline is set to now. Time the vCPU idled (a handler's
-//! sleep, in the guest's HLT) is no wait: such a handler gets its interrupt N ms after
-//! delivery as before, plus however late the check runs. Once the deadline itself has
-//! passed (the interrupt may have been taken), it is left alone. A request whose clone
-//! ends sooner never pays for any of it.
+//! [`ROOM`] further than N, and the VMM's main thread checks the vCPU every [`CHECK`]: it
+//! ends the deferral (sets the deadline to now) once the vCPU's thread has run N ms since
+//! the delivery, or once it idles (asleep, and not put on a CPU since the previous
+//! check). Time it waits for a CPU counts for nothing. Once the deadline set at delivery
+//! has passed (the interrupt may have been taken), it is left alone. A request whose
+//! clone ends sooner never pays for any of it.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::microvm::Microvm;
 
-/// How much further than `--tick-defer-ms` a deferral reaches while the vCPU waits
-/// for a host CPU.
+/// How much further than `--tick-defer-ms` a deferral reaches, in wall-clock time, while
+/// the vCPU waits for a host CPU.
 pub const ROOM: Duration = Duration::from_millis(250);
+
+/// How often the VMM looks at a vCPU whose interrupt it defers.
+pub const CHECK: Duration = Duration::from_millis(2);
 
 /// A thread's scheduling counters, as its `/proc` files report them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Sched {
-    /// Time it ran on a CPU, in ns (`schedstat`'s first field).
+    /// Time it ran on a CPU, in ns (`schedstat`'s first field; brought up to date for a
+    /// running thread at the scheduler's ticks).
     ran_ns: u64,
-    /// Time it waited for a CPU while runnable, in ns, counted when each wait ends
-    /// (`schedstat`'s second field).
-    waited_ns: u64,
     /// How many times it was put on a CPU (`schedstat`'s third field).
     slices: u64,
     /// Whether it is runnable (running, or waiting for a CPU: `stat`'s state `R`).
@@ -56,7 +53,7 @@ impl Sched {
 
     fn parse(schedstat: &str, stat: &str) -> Option<Self> {
         let mut fields = schedstat.split_whitespace().map(|f| f.parse::<u64>().ok());
-        let (ran_ns, waited_ns, slices) = (fields.next()??, fields.next()??, fields.next()??);
+        let (ran_ns, _waited_ns, slices) = (fields.next()??, fields.next()??, fields.next()??);
         // The state follows the command name, which may hold spaces and parentheses.
         let state = stat
             .get(stat.rfind(')')? + 1..)?
@@ -64,7 +61,6 @@ impl Sched {
             .next()?;
         Some(Self {
             ran_ns,
-            waited_ns,
             slices,
             runnable: state == "R",
         })
@@ -76,23 +72,19 @@ impl Sched {
         Self::read(&format!("/proc/self/task/{tid}"))
     }
 
-    /// Whether a thread whose counters were `before` (None: not started) and are `self`
-    /// now (None: not started yet) waited for a CPU all the time in between: it is
-    /// runnable and was not put on a CPU. A thread running all along whose run time
-    /// the kernel did not bring up to date in between reads the same; with checks N
-    /// ms apart and the scheduler's tick shorter, that is rare, and costs the handler
-    /// nothing.
-    fn waited_throughout(before: Option<Self>, now: Option<Self>) -> bool {
+    /// Whether a thread whose counters were `before` and are `now` idled in between: it
+    /// sleeps (a vCPU in the guest's HLT, waiting for an interrupt) and was not put on a
+    /// CPU since. Not known before it started.
+    fn idled(before: Option<Self>, now: Option<Self>) -> bool {
         match (before, now) {
-            (_, None) => true,
-            (None, Some(n)) => n.runnable && n.slices == 0,
-            (Some(b), Some(n)) => n.runnable && (b.ran_ns, b.slices) == (n.ran_ns, n.slices),
+            (Some(b), Some(n)) => !n.runnable && (b.ran_ns, b.slices) == (n.ran_ns, n.slices),
+            _ => false,
         }
     }
 }
 
 /// Whether this host reports threads' scheduling counters.
-fn waits_readable() -> bool {
+fn counters_readable() -> bool {
     static READABLE: OnceLock<bool> = OnceLock::new();
     *READABLE.get_or_init(|| Sched::read("/proc/thread-self").is_some())
 }
@@ -100,7 +92,7 @@ fn waits_readable() -> bool {
 /// How far a due timer interrupt is deferred at a delivery, in ns, with `--tick-defer-ms`
 /// of `tick_defer_ns` (0: none).
 pub fn initial_ns(tick_defer_ns: u64) -> u64 {
-    match tick_defer_ns > 0 && waits_readable() {
+    match tick_defer_ns > 0 && counters_readable() {
         true => tick_defer_ns.saturating_add(ROOM.as_nanos() as u64),
         false => tick_defer_ns,
     }
@@ -112,14 +104,12 @@ pub(super) struct Stretch {
     vcpu: u8,
     delivered: Instant,
     defer: Duration,
-    /// The vCPU thread's counted wait when the watch began (ns).
-    wait0: u64,
+    /// The vCPU thread's run time when the watch began (ns).
+    ran0: u64,
     /// The deadline set at delivery: delivery + N + [`ROOM`].
     deadline: Instant,
     /// When the counters were read last, and what they were.
     last: (Instant, Option<Sched>),
-    /// A wait going on since before the last check, not yet in the counted wait.
-    ongoing: Duration,
     /// How far beyond `delivered + defer` the interrupt was deferred.
     stretched: Duration,
     /// The next check.
@@ -128,9 +118,9 @@ pub(super) struct Stretch {
 
 impl Stretch {
     /// Watches the deferral of a request delivered to `vcpu` at `delivered`, deferred
-    /// by [`initial_ns`]; None when waits cannot be read (the deferral is then `defer`
-    /// alone). `fresh`: the vCPU's thread started after the delivery (a clone's), so
-    /// all its wait counts.
+    /// by [`initial_ns`]; None when the counters cannot be read (the deferral is then
+    /// `defer` of wall-clock time). `fresh`: the vCPU's thread started after the
+    /// delivery (a clone's), so all its run time counts.
     pub fn watch(
         vm: &Microvm,
         vcpu: u8,
@@ -138,24 +128,23 @@ impl Stretch {
         defer: Duration,
         fresh: bool,
     ) -> Option<Self> {
-        if !waits_readable() {
+        if !counters_readable() {
             return None;
         }
         let now = Sched::of_vcpu(vm, vcpu);
-        let (wait0, last) = match fresh {
+        let (ran0, last) = match fresh {
             true => (0, None),
-            false => (now?.waited_ns, now),
+            false => (now?.ran_ns, now),
         };
         Some(Self {
             vcpu,
             delivered,
             defer,
-            wait0,
+            ran0,
             deadline: delivered + defer + ROOM,
             last: (delivered, last),
-            ongoing: Duration::ZERO,
             stretched: Duration::ZERO,
-            next: Some(delivered + defer),
+            next: Some(delivered + CHECK.min(defer)),
         })
     }
 
@@ -164,31 +153,25 @@ impl Stretch {
         self.next
     }
 
-    /// How far the interrupt was deferred beyond `--tick-defer-ms`, in microseconds.
+    /// How far the interrupt was deferred beyond `--tick-defer-ms` after delivery, in
+    /// microseconds.
     pub fn stretched_us(&self) -> u64 {
         u64::try_from(self.stretched.as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// If a check is due: reads the vCPU's wait for a CPU and either checks again
-    /// later or sets every vCPU's deferred deadline to now ([`decide`]).
+    /// If a check is due: reads the vCPU's counters and either checks again later or
+    /// sets every vCPU's deferred deadline to now ([`decide`]).
     pub fn check(&mut self, vm: &Microvm, now: Instant) {
         if self.next.is_none_or(|n| now < n) {
             return;
         }
         let counters = Sched::of_vcpu(vm, self.vcpu);
-        self.ongoing = match Sched::waited_throughout(self.last.1, counters) {
-            true => self.ongoing + now.saturating_duration_since(self.last.0),
-            false => Duration::ZERO,
-        };
+        let idle = Sched::idled(self.last.1, counters);
         self.last = (now, counters);
-        let counted = counters.map_or(0, |c| c.waited_ns.saturating_sub(self.wait0));
-        let waited = Duration::from_nanos(counted) + self.ongoing;
+        let ran = Duration::from_nanos(counters.map_or(0, |c| c.ran_ns.saturating_sub(self.ran0)));
         let due = self.delivered + self.defer;
-        match decide(due, self.deadline, waited, now) {
-            Decision::Later(at) => {
-                self.stretched = at - due;
-                self.next = Some(at);
-            }
+        match decide(ran, idle, self.defer, self.deadline, now) {
+            Decision::Later(after) => self.next = Some(now + after),
             Decision::Now => {
                 self.stretched = now.saturating_duration_since(due);
                 self.next = None;
@@ -214,24 +197,24 @@ const SLACK: Duration = Duration::from_millis(5);
 /// What a check does.
 #[derive(Debug, PartialEq, Eq)]
 enum Decision {
-    /// Checks again at this instant; the deadline stays.
-    Later(Instant),
-    /// The vCPU has had its N ms: the interrupt is due now.
+    /// Checks again after this long; the deadline stays.
+    Later(Duration),
+    /// The vCPU has had its N ms, or idles: the interrupt is due now.
     Now,
     /// The deadline set at delivery has passed: the interrupt may have been taken.
     Passed,
 }
 
-/// What a check at `now` does: the interrupt is due at `due` (delivery + N) moved on by
-/// the vCPU's wait for a CPU (`waited`, at most [`ROOM`]); `set` is the deadline set at
-/// delivery.
-fn decide(due: Instant, set: Instant, waited: Duration, now: Instant) -> Decision {
-    let at = due + waited.min(ROOM);
-    match (set > now, at > now) {
-        (false, _) => Decision::Passed,
-        (true, true) if at < set => Decision::Later(at),
-        (true, true) => Decision::Passed,
-        (true, false) => Decision::Now,
+/// What a check at `now` does, the vCPU having run for `ran` since the delivery and
+/// `idle` since the previous check, its interrupt deferred by `defer` of its run time;
+/// `set` is the deadline set at delivery.
+fn decide(ran: Duration, idle: bool, defer: Duration, set: Instant, now: Instant) -> Decision {
+    if set <= now {
+        Decision::Passed
+    } else if idle || ran >= defer {
+        Decision::Now
+    } else {
+        Decision::Later(CHECK.min(defer - ran))
     }
 }
 
@@ -242,76 +225,55 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     #[test]
-    fn a_vcpu_that_waited_for_a_cpu_gets_its_deferral_in_running_time() {
-        let t0 = Instant::now();
-        let due = t0 + 10 * MS;
-        let set = due + ROOM;
-        // Never kept from running: the interrupt is due now, N after delivery (a
-        // sleeping handler is woken as without the room).
-        assert_eq!(decide(due, set, Duration::ZERO, due), Decision::Now);
+    fn the_deferral_lasts_the_vcpus_run_time_or_until_it_idles() {
+        let now = Instant::now();
+        let set = now + ROOM;
+        let defer = 10 * MS;
+        // Running, short of N: checked again, at most CHECK on.
         assert_eq!(
-            decide(due, set, Duration::ZERO, due + 2 * MS),
-            Decision::Now
+            decide(3 * MS, false, defer, set, now),
+            Decision::Later(CHECK)
         );
-        // Kept waiting for 7 ms: checked again 7 ms on, then due.
-        assert_eq!(decide(due, set, 7 * MS, due), Decision::Later(due + 7 * MS));
-        assert_eq!(decide(due, set, 7 * MS, due + 7 * MS), Decision::Now);
-        // At most the room: the deadline set at delivery stands.
-        assert_eq!(decide(due, set, 10 * ROOM, due), Decision::Passed);
-        // A deadline set that has passed is left to the guest.
+        assert_eq!(decide(9 * MS, false, defer, set, now), Decision::Later(MS));
+        // Kept waiting for a CPU (no run time): still deferred.
         assert_eq!(
-            decide(due, due + 3 * MS, 7 * MS, due + 3 * MS),
-            Decision::Passed
+            decide(Duration::ZERO, false, defer, set, now),
+            Decision::Later(CHECK)
         );
-        assert_eq!(
-            decide(due, due + 3 * MS, 7 * MS, due + 4 * MS),
-            Decision::Passed
-        );
+        // It had its N ms, or it idles (a sleeping handler): due now.
+        assert_eq!(decide(defer, false, defer, set, now), Decision::Now);
+        assert_eq!(decide(MS, true, defer, set, now), Decision::Now);
+        // The deadline set at delivery has passed: left to the guest.
+        assert_eq!(decide(MS, false, defer, now, now), Decision::Passed);
+        assert_eq!(decide(MS, true, defer, now - MS, now), Decision::Passed);
     }
 
     fn sched(ran_ns: u64, slices: u64, runnable: bool) -> Option<Sched> {
         Some(Sched {
             ran_ns,
-            waited_ns: 0,
             slices,
             runnable,
         })
     }
 
     #[test]
-    fn a_wait_in_progress_is_a_runnable_thread_not_put_on_a_cpu() {
-        // Not started yet, or started and never run: waiting.
-        assert!(Sched::waited_throughout(None, None));
-        assert!(Sched::waited_throughout(None, sched(0, 0, true)));
-        assert!(!Sched::waited_throughout(None, sched(5, 1, true)));
-        // Runnable, the same run time and slices: still waiting.
-        assert!(Sched::waited_throughout(
-            sched(5, 3, true),
-            sched(5, 3, true)
-        ));
-        // It ran in between, or it sleeps (a parked thread, HLT): no wait.
-        assert!(!Sched::waited_throughout(
-            sched(5, 3, true),
-            sched(9, 3, true)
-        ));
-        assert!(!Sched::waited_throughout(
-            sched(5, 3, true),
-            sched(5, 4, true)
-        ));
-        assert!(!Sched::waited_throughout(
-            sched(5, 3, false),
-            sched(5, 3, false)
-        ));
+    fn idling_is_sleeping_without_being_put_on_a_cpu() {
+        // Asleep, and not run since: idle (a vCPU in HLT).
+        assert!(Sched::idled(sched(5, 3, false), sched(5, 3, false)));
+        // It ran in between, or it is runnable (running, or waiting for a CPU): not.
+        assert!(!Sched::idled(sched(5, 3, true), sched(9, 3, false)));
+        assert!(!Sched::idled(sched(5, 3, false), sched(5, 4, false)));
+        assert!(!Sched::idled(sched(5, 3, true), sched(5, 3, true)));
+        // Not known before the thread started.
+        assert!(!Sched::idled(None, sched(0, 0, false)));
+        assert!(!Sched::idled(sched(5, 3, false), None));
     }
 
     #[test]
     fn the_counters_come_from_schedstat_and_the_state_after_the_command_name() {
         let stat = "4242 (vcpu 0 (x)) R 1 2 3";
         let s = Sched::parse("1500 700 12\n", stat).unwrap();
-        assert_eq!(
-            (s.ran_ns, s.waited_ns, s.slices, s.runnable),
-            (1500, 700, 12, true)
-        );
+        assert_eq!((s.ran_ns, s.slices, s.runnable), (1500, 12, true));
         let s = Sched::parse("1500 700 12\n", "4242 (fc_vcpu) S 1").unwrap();
         assert!(!s.runnable);
         assert!(Sched::parse("1500 700\n", stat).is_none());

@@ -57,6 +57,20 @@ impl std::str::FromStr for ResourceClass {
     }
 }
 
+impl std::fmt::Display for ResourceClass {
+    /// The limits as [`FromStr`](std::str::FromStr) reads them back
+    /// (`cpu=0.5,memory=64M,pids=100`; empty for the unlimited class).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let limits = [
+            self.cpu_quota.map(|q| format!("cpu={q}")),
+            (self.memory_limit).map(|b| format!("memory={}", crate::options::format_size(b))),
+            self.pids_max.map(|n| format!("pids={n}")),
+        ];
+        let limits: Vec<String> = limits.into_iter().flatten().collect();
+        f.write_str(&limits.join(","))
+    }
+}
+
 /// What one clone used while it held a cgroup.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct Usage {
@@ -164,6 +178,21 @@ pub struct CloneCgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resource_class_is_written_as_it_is_read() {
+        for text in [
+            "cpu=0.5,memory=64M,pids=64",
+            "memory=4100K",
+            "pids=3",
+            "cpu=2",
+            "",
+        ] {
+            let c: ResourceClass = text.parse().unwrap();
+            assert_eq!(c.to_string(), text);
+            assert_eq!(c.to_string().parse::<ResourceClass>().unwrap(), c);
+        }
+    }
 
     #[test]
     fn resource_classes_parse_and_say_what_is_wrong() {

@@ -13,6 +13,7 @@ use bytes::Bytes;
 
 use crate::endpoint::{Endpoint, Reply};
 use crate::jail::{Jail, JailSpec, CONSOLE, SOCKET};
+use crate::options::VmmOptions;
 use crate::owner::{Kind, Owner};
 use crate::Error;
 
@@ -35,8 +36,11 @@ pub struct TemplateSpec {
     pub mem_mib: u32,
     /// Warm clones kept ready.
     pub warm_clones: u32,
-    /// Further `vmm run` options (`--vcpus 2`, `--cgroup-class ...`). In a jail, files
-    /// they name are jail paths (hand them in with [`JailSpec::args`]' `--file`).
+    /// The VMM's options, typed.
+    pub options: VmmOptions,
+    /// Further `vmm run` options (`vmm restore` options for [`Template::restore`]), after
+    /// those of `options`: what has no field there (`--disk ...`, `--tap ...`). In a jail,
+    /// files they name are jail paths (hand them in with [`JailSpec::args`]' `--file`).
     pub args: Vec<String>,
     /// Run the VMM in forkvm's jailer (unprivileged, chrooted, its own namespaces and
     /// cgroups; seccomp as `args` say, `--seccomp kill` by default). None: the VMM runs
@@ -64,6 +68,7 @@ impl TemplateSpec {
             cmdline: None,
             mem_mib: 256,
             warm_clones: 4,
+            options: VmmOptions::default(),
             args: Vec::new(),
             jail: None,
             ready: Ready::Runtime,
@@ -233,12 +238,14 @@ impl Template {
                 if spec.ready == Ready::Runtime {
                     cmd.arg("--template");
                 }
+                cmd.args(spec.options.run_args());
             }
             Some(snapshot) => {
                 cmd.arg("restore").arg("--dir").arg(snapshot);
                 if let Ready::Console(_) = spec.ready {
                     cmd.arg("--paused");
                 }
+                cmd.args(spec.options.restore_args());
             }
         }
         cmd.arg("--warm-clones").arg(spec.warm_clones.to_string());

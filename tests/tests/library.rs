@@ -16,9 +16,8 @@ fn tiny_spec(cmdline: &str) -> TemplateSpec {
     spec.cmdline = Some(cmdline.into());
     spec.mem_mib = 64;
     spec.warm_clones = 2;
-    spec.args = ["--ap-boot", "direct", "--mailbox-mib", "1"]
-        .map(String::from)
-        .to_vec();
+    spec.options.mailbox_mib = Some(1);
+    spec.args = ["--ap-boot", "direct"].map(String::from).to_vec();
     spec.start_timeout = Duration::from_secs(30);
     spec
 }
@@ -513,8 +512,8 @@ async fn a_jailed_template_invokes_derives_and_clones_and_leaves_nothing() {
     std::fs::create_dir_all(&stale_dir).unwrap();
 
     let mut spec = tiny_spec("ticks=1 invoke=1 load=1");
-    spec.args
-        .extend(["--cgroup-class", "small:memory=64M,pids=64"].map(String::from));
+    let small = "memory=64M,pids=64".parse().unwrap();
+    spec.options.cgroup_classes = vec![("small".into(), small)];
     let mut jail = forkvm::JailSpec::new(UID, UID + 1);
     jail.jailer = tests::jailer_bin();
     jail.chroot_base = base.clone();

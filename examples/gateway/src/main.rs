@@ -26,7 +26,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, put};
 use axum::Router;
 use clap::Parser;
-use forkvm::{CachePolicy, JailSpec, TemplateSpec, ZygoteCache};
+use forkvm::{CachePolicy, JailSpec, ResourceClass, TemplateSpec, ZygoteCache};
 
 use gateway::Gateway;
 
@@ -60,8 +60,8 @@ struct Args {
     warm_clones: u32,
     /// A resource class functions may name (`NAME:cpu=C,memory=M,pids=N`, as `vmm run
     /// --cgroup-class`); repeatable. Without, clones are not placed in cgroups.
-    #[arg(long = "class")]
-    classes: Vec<String>,
+    #[arg(long = "class", value_parser = parse_class)]
+    classes: Vec<(String, ResourceClass)>,
     /// The memory the cached templates may hold (their own: copy-on-write sharing not
     /// counted), in MiB; least recently used templates beyond it are stopped.
     #[arg(long, default_value_t = 4096)]
@@ -135,6 +135,15 @@ fn guest_file(exe: Option<&Path>, name: &str) -> PathBuf {
 
 /// Starts the base template (restored from `--base-snapshot` when it can be) and its
 /// cache.
+/// `--class NAME:LIMITS`: the class's name and limits (the VMM checks the name).
+fn parse_class(s: &str) -> Result<(String, ResourceClass), String> {
+    let (name, limits) = s.split_once(':').unwrap_or((s, ""));
+    if name.is_empty() {
+        return Err("a class is NAME:cpu=C,memory=M,pids=N".into());
+    }
+    Ok((name.to_string(), limits.parse()?))
+}
+
 async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     let exe = std::env::current_exe().ok();
     let kernel = (args.kernel.clone()).unwrap_or_else(|| guest_file(exe.as_deref(), "vmlinux"));
@@ -151,9 +160,7 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     spec.mem_mib = args.mem_mib;
     spec.warm_clones = args.warm_clones;
     spec.start_timeout = Duration::from_secs(args.start_timeout_s);
-    for c in &args.classes {
-        spec.args.extend(["--cgroup-class".to_string(), c.clone()]);
-    }
+    spec.options.cgroup_classes.clone_from(&args.classes);
     spec.args.extend(args.vmm_args.iter().cloned());
     let restore_args = base::restore_args(&spec.args);
     if let Some((uid, gid)) = args.jail {
@@ -226,9 +233,7 @@ async fn run(args: Args) -> Result<(), GatewayError> {
             source,
         })?;
     let cache = start_cache(&args).await?;
-    let classes = (args.classes.iter())
-        .map(|c| c.split(':').next().unwrap_or_default().to_string())
-        .collect();
+    let classes = args.classes.iter().map(|(name, _)| name.clone()).collect();
     let g = Arc::new(Gateway::new(cache, classes));
     let supervisor = tokio::spawn(supervise(g.clone(), args.clone()));
     let app = Router::new()

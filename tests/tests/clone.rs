@@ -197,6 +197,35 @@ fn clone_of_a_clone_list_and_delete() {
     }
     assert_eq!(vm.api("DELETE", "/clones/1", None).0, 404);
     assert_eq!(vm.api("DELETE", "/clones/7", None).0, 404);
+
+    // A clone that does not stop (stopped itself: SIGTERM waits) does not hold up its
+    // parent: its deletion is answered once SIGKILL ended it, seconds later, and the
+    // parent serves meanwhile.
+    let stuck = post_clones(&vm.sock, 1).remove(0);
+    let pid = stuck["pid"].as_i64().unwrap();
+    // SAFETY: signals the clone this test made, which still runs.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGSTOP) }, 0);
+    let sock = vm.sock.clone();
+    let path = format!("/clones/{}", stuck["id"].as_str().unwrap());
+    let deletion = std::thread::spawn(move || api_request(&sock, "DELETE", &path, None));
+    std::thread::sleep(Duration::from_millis(200));
+    for _ in 0..5 {
+        assert_eq!(vm.api("GET", "/vm", None).0, 200);
+        assert_eq!(vm.api("GET", "/clones", None).0, 200);
+    }
+    assert!(
+        !deletion.is_finished(),
+        "the stopped clone was deleted at once"
+    );
+    let (code, body) = deletion.join().unwrap();
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["status"],
+        serde_json::json!({"state": "killed", "code": 9}),
+        "{body}"
+    );
+    assert!(!alive(pid));
     vm.shutdown(BOOT);
 }
 

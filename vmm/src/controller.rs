@@ -22,7 +22,7 @@ use crate::config::ConsoleSink;
 use crate::config::VmConfig;
 use crate::invoke::{Finished, Invocation, InvokeError, Invoker, Route};
 use crate::microvm::{Input, Microvm, RunOutcome};
-use crate::rpc::{ActionReceiver, VmmAction, VmmActionError, VmmData, VmmResponse};
+use crate::rpc::{ActionReceiver, Replier, VmmAction, VmmActionError, VmmData, VmmResponse};
 
 /// The request bodies the control socket of a VM with `config` takes: invocations up to
 /// what its mailbox holds (without one, as other requests: it refuses them with 409).
@@ -52,6 +52,8 @@ pub struct Vmm {
     vm: Microvm,
     clones: Cloner,
     invoker: Invoker,
+    /// Deletions waiting for their clone to be gone: its pid, and where the answer goes.
+    stops: Vec<(i32, Replier)>,
 }
 
 const TOKEN_RESET: u64 = 1;
@@ -74,6 +76,33 @@ impl Vmm {
             vm,
             clones,
             invoker,
+            stops: Vec::new(),
+        }
+    }
+
+    /// Takes one action from the API: answered at once, but for a clone's deletion,
+    /// answered with the clone's final record once it is gone (the event loop does not
+    /// wait for a clone's exit, which can take seconds on a busy host).
+    fn take_action(&mut self, action: VmmAction, replier: Replier) {
+        match action {
+            VmmAction::DeleteClone(id) => match self.clones.begin_stop_clone(&id) {
+                Some(pid) => self.stops.push((pid, replier)),
+                None => replier.send(Err(VmmActionError::NoSuchClone(id))),
+            },
+            action => replier.send(self.handle(action)),
+        }
+    }
+
+    /// Answers the deletions whose clones were reaped.
+    fn answer_stopped(&mut self) {
+        for (pid, info) in self.clones.take_stopped() {
+            let (done, waiting) = std::mem::take(&mut self.stops)
+                .into_iter()
+                .partition(|(p, _)| *p == pid);
+            self.stops = waiting;
+            for (_, replier) in done {
+                replier.send(Ok(VmmData::Clone(Box::new(info.clone()))));
+            }
         }
     }
 
@@ -166,7 +195,7 @@ impl Vmm {
     }
 
     /// Takes one action. `Shutdown` is answered here; the loop then stops.
-    pub fn handle(&mut self, action: VmmAction) -> VmmResponse {
+    fn handle(&mut self, action: VmmAction) -> VmmResponse {
         match action {
             VmmAction::DescribeVm => Ok(VmmData::Vm(Box::new(self.describe()))),
             VmmAction::SetState(target) => {
@@ -194,10 +223,8 @@ impl Vmm {
             VmmAction::ListClones => Ok(VmmData::Clones(CloneList {
                 clones: self.clones.list_clones(),
             })),
-            VmmAction::DeleteClone(id) => match self.clones.stop_clone(&id) {
-                Some(info) => Ok(VmmData::Clone(Box::new(info))),
-                None => Err(VmmActionError::NoSuchClone(id)),
-            },
+            // Answered once the clone is gone (`Vmm::take_action`).
+            VmmAction::DeleteClone(id) => Err(VmmActionError::NoSuchClone(id)),
         }
     }
 
@@ -365,7 +392,7 @@ impl Vmm {
                         let _ = actions.evt().read();
                         while let Some((action, replier)) = actions.try_recv() {
                             let stop = action == VmmAction::Shutdown;
-                            replier.send(self.handle(action));
+                            self.take_action(action, replier);
                             if stop {
                                 break 'run RunOutcome::ApiShutdown;
                             }
@@ -389,6 +416,7 @@ impl Vmm {
                         while let Some(sig) = signals.and_then(read_signal) {
                             if sig == libc::SIGCHLD {
                                 self.clones.reap();
+                                self.answer_stopped();
                                 continue;
                             }
                             tracing::info!("signal {sig}: shutting down");
@@ -411,6 +439,10 @@ impl Vmm {
         self.vm.stop();
         self.clones.shut_down();
         self.answer_orphans();
+        // Deletions of clones that were reaped get their records; any other is answered
+        // "shutting down" as its replier drops.
+        self.answer_stopped();
+        self.stops.clear();
         Ok(outcome)
     }
 }

@@ -455,6 +455,7 @@ impl Cloner {
             self.warm.due_in(vm),
             self.cgroups.as_ref().and_then(ClonePools::upkeep_due_in),
             spares,
+            self.table.kill_due_in(),
         ]
         .into_iter()
         .flatten()
@@ -464,6 +465,7 @@ impl Cloner {
     /// Does the work [`Cloner::due_in`] says is due. A warm clone made now is primed
     /// on the vCPU `prime` gives, if any (the hooks' `prime`); asked only when one is made.
     pub fn do_due_work(&mut self, vm: &mut Microvm, prime: impl FnOnce(&Microvm) -> Option<u8>) {
+        self.table.kill_overdue();
         if self.warm.due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
             self.warm.add(vm, self.cgroups.as_mut(), self.hooks, prime);
@@ -502,9 +504,17 @@ impl Cloner {
         self.table.with_usage(self.cgroups.as_ref())
     }
 
-    /// Stops clone `id` and reaps it; None if no live clone has that id.
-    pub fn stop_clone(&mut self, id: &str) -> Option<CloneInfo> {
-        self.table.stop(self.cgroups.as_mut(), id)
+    /// Tells clone `id` to stop (SIGTERM, SIGKILL a while later) without waiting for
+    /// it; its final record comes from [`Cloner::take_stopped`] once it is reaped.
+    /// Returns its pid; None if no live clone has that id.
+    pub fn begin_stop_clone(&mut self, id: &str) -> Option<i32> {
+        self.table.begin_stop(id)
+    }
+
+    /// The final records of clones told to stop that were reaped since last asked,
+    /// with their pids.
+    pub fn take_stopped(&mut self) -> Vec<(i32, CloneInfo)> {
+        self.table.take_stopped()
     }
 
     /// The VM stopped: discards the warm clones, stops every clone (each removes its

@@ -38,6 +38,12 @@ pub struct CloneTable {
     /// Streams of such clones that ended, with how they ended: answered by the
     /// controller, if the clone had not (`Cloner::take_orphans`).
     orphans: Vec<(Arc<UnixStream>, String, String)>,
+    /// Clones told to stop (SIGTERM) and not reaped yet, with when they get SIGKILL
+    /// (None: sent).
+    stopping: Vec<(i32, Option<Instant>)>,
+    /// The final records of clones told to stop that were reaped since last asked
+    /// (`Cloner::take_stopped`).
+    stopped: Vec<(i32, CloneInfo)>,
 }
 
 impl CloneTable {
@@ -85,6 +91,23 @@ impl CloneTable {
     /// Records the exit of `pid` as `status` says, with its cgroup's usage (its cgroup
     /// goes back to the pool); returns the clone's final record.
     fn reaped(
+        &mut self,
+        pools: Option<&mut ClonePools>,
+        pid: i32,
+        status: WaitStatus,
+    ) -> Option<CloneInfo> {
+        let record = self.record_end(pools, pid, status);
+        if let Some(i) = self.stopping.iter().position(|&(p, _)| p == pid) {
+            self.stopping.swap_remove(i);
+            if let Some(r) = &record {
+                self.stopped.push((pid, r.clone()));
+            }
+        }
+        record
+    }
+
+    /// [`CloneTable::reaped`]'s bookkeeping of the clone's end.
+    fn record_end(
         &mut self,
         pools: Option<&mut ClonePools>,
         pid: i32,
@@ -148,12 +171,45 @@ impl CloneTable {
         }
     }
 
-    /// Stops the live clone `id` and reaps it; None if no live clone has that id.
-    pub(super) fn stop(&mut self, pools: Option<&mut ClonePools>, id: &str) -> Option<CloneInfo> {
+    /// Tells the live clone `id` to stop (SIGTERM; SIGKILL [`STOP_TIMEOUT`] later if it
+    /// is still there) without waiting for it: its final record comes from
+    /// [`CloneTable::take_stopped`] once it is reaped. Returns its pid; None if no live
+    /// clone has that id.
+    pub(super) fn begin_stop(&mut self, id: &str) -> Option<i32> {
         let pid = self.live().find(|c| c.id == id)?.pid;
-        // The final record (a transient one is gone from the table once reaped).
-        (self.stop_and_reap(pools, pid))
-            .or_else(|| self.clones.iter().find(|c| c.id == id).cloned())
+        if !self.stopping.iter().any(|&(p, _)| p == pid) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+            self.stopping
+                .push((pid, Some(Instant::now() + STOP_TIMEOUT)));
+        }
+        Some(pid)
+    }
+
+    /// Time until a clone told to stop is due its SIGKILL (zero: now).
+    pub(super) fn kill_due_in(&self) -> Option<Duration> {
+        let at = self.stopping.iter().filter_map(|&(_, at)| at).min()?;
+        Some(at.saturating_duration_since(Instant::now()))
+    }
+
+    /// Sends SIGKILL to the clones told to stop whose time is up.
+    pub(super) fn kill_overdue(&mut self) {
+        let now = Instant::now();
+        for (pid, at) in &mut self.stopping {
+            if at.is_some_and(|t| t <= now) {
+                tracing::warn!(
+                    "clone (pid {pid}) still running {} s after SIGTERM: SIGKILL",
+                    STOP_TIMEOUT.as_secs()
+                );
+                let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+                *at = None;
+            }
+        }
+    }
+
+    /// The final records of clones told to stop that were reaped since last asked,
+    /// with their pids.
+    pub(super) fn take_stopped(&mut self) -> Vec<(i32, CloneInfo)> {
+        std::mem::take(&mut self.stopped)
     }
 
     /// Stops every live clone (the parent is shutting down): SIGTERM to all at once,
@@ -263,13 +319,6 @@ impl CloneTable {
             remove_console(&c);
         }
     }
-
-    /// SIGTERM, then SIGKILL after a grace period; reaps.
-    fn stop_and_reap(&mut self, pools: Option<&mut ClonePools>, pid: i32) -> Option<CloneInfo> {
-        stop_pid(pid, STOP_TIMEOUT);
-        let status = waitpid(Pid::from_raw(pid), None).ok()?;
-        self.reaped(pools, pid, status)
-    }
 }
 
 /// Removes a clone's console file (not a discarded console's `/dev/null`).
@@ -277,20 +326,6 @@ fn remove_console(c: &CloneInfo) {
     if c.console != std::path::Path::new("/dev/null") {
         let _ = std::fs::remove_file(&c.console);
     }
-}
-
-/// SIGTERM, wait up to `grace` for the process to exit, then SIGKILL. Does not reap.
-fn stop_pid(pid: i32, grace: Duration) {
-    let pid = Pid::from_raw(pid);
-    let _ = kill(pid, Signal::SIGTERM);
-    let start = Instant::now();
-    while start.elapsed() < grace {
-        if !still_running(pid) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let _ = kill(pid, Signal::SIGKILL);
 }
 
 /// Whether the child `pid` has not exited yet (it is left for the caller to reap).

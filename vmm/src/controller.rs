@@ -2,8 +2,8 @@
 //! ([`crate::rpc`]) and host events (guest power-off, vCPU exits, signals, host input,
 //! timers for work done ahead of clone requests).
 //!
-//! [`Vmm::handle`] answers an action with typed data or a typed error; nothing here
-//! knows HTTP. [`serve_clone`] is what a clone runs once its VM is rebuilt: the same
+//! Each action is answered with typed data or a typed error (a clone's deletion once
+//! the clone is gone); nothing here knows HTTP. [`serve_clone`] is what a clone runs once its VM is rebuilt: the same
 //! loop, on its own control socket.
 
 use std::os::fd::{AsRawFd, RawFd};

@@ -132,9 +132,11 @@ impl Stretch {
             return None;
         }
         let now = Sched::of_vcpu(vm, vcpu);
+        // Unreadable now (it should not be): counted from 0, so the first check that
+        // reads the thread's run time ends the deferral rather than leaving it long.
         let (ran0, last) = match fresh {
             true => (0, None),
-            false => (now?.ran_ns, now),
+            false => (now.map_or(0, |c| c.ran_ns), now),
         };
         Some(Self {
             vcpu,

@@ -646,7 +646,10 @@ async fn linux_library_clones_run_commands_through_their_guest_agent() {
     let vsock = scratch.path("vm.vsock");
     spec.args = vec!["--vsock".into(), vsock.display().to_string()];
     spec.start_timeout = LINUX_BOOT;
-    spec.call_timeout = Duration::from_secs(60);
+    // A fresh clone's first command forks and execs in the guest (emulated kernel work
+    // on a PVM host): a few seconds, but more than 60 once with two test suites and a
+    // busy loop on the 2 cores.
+    spec.call_timeout = Duration::from_secs(180);
     let t = forkvm::Template::restore(&dir, spec).await.unwrap();
     let mut clones = t.create_clones(&Default::default()).await.unwrap();
     let c = clones.pop().unwrap();

@@ -14,12 +14,9 @@ usage: benches/runtime_ab.py --baseline-rootfs IMAGE [--runs N] [--snapshot-dir 
 """
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 
 import faas
 from clone import pct
@@ -34,22 +31,9 @@ FUNCTIONS = {
 }
 
 
-class Gateway(faas.Gateway):
+def gateway(rootfs, snapshots):
     """A gateway on the root image `rootfs`, its base snapshot kept in `snapshots`."""
-
-    def __init__(self, rootfs, snapshots, warm=2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        cmd = [faas.GATEWAY, "--listen", f"127.0.0.1:{self.port}", "--warm-clones", str(warm),
-               "--kernel", os.path.join(faas.GUEST, "vmlinux"), "--rootfs", rootfs,
-               "--base-snapshot", snapshots]
-        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                  env={**os.environ, "RUST_LOG": "warn"})
-        line = self.p.stdout.readline().decode()
-        if "serving on" not in line:
-            sys.exit(f"the gateway on {rootfs} did not start: {line!r}")
-        self.local = threading.local()
+    return faas.Gateway(["--base-snapshot", snapshots], rootfs=rootfs)
 
 
 def main():
@@ -65,8 +49,8 @@ def main():
             sys.exit(f"{path} missing")
     with tempfile.TemporaryDirectory(prefix="forkvm-bench-") as tmp:
         snaps = a.snapshot_dir or tmp
-        base = Gateway(os.path.abspath(a.baseline_rootfs), os.path.join(snaps, "baseline"))
-        new = Gateway(current, os.path.join(snaps, "current"))
+        base = gateway(os.path.abspath(a.baseline_rootfs), os.path.join(snaps, "baseline"))
+        new = gateway(current, os.path.join(snaps, "current"))
         try:
             for gw in (base, new):
                 for name, source in FUNCTIONS.items():

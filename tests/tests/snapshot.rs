@@ -186,6 +186,24 @@ fn a_paused_vm_saved_to_a_directory_restores_where_it_stopped_twice_and_as_a_tem
     t.shutdown(Duration::from_secs(10));
 }
 
+/// `vmm restore` of `snap` on control socket `sock`, its console discarded, until it
+/// ends (at most a minute): whether it succeeded, and its log.
+fn restore_once(snap: &Path, sock: &Path) -> (bool, String) {
+    let (status, _, err) = run_vmm(
+        &[
+            "restore",
+            "--dir",
+            snap.to_str().unwrap(),
+            "--api-sock",
+            sock.to_str().unwrap(),
+            "--console",
+            "null",
+        ],
+        Duration::from_secs(60),
+    );
+    (status.success(), err)
+}
+
 #[test]
 fn a_bad_snapshot_is_refused_with_a_clear_error_and_nothing_started() {
     if !kvm_available("snapshot_bad_files") {
@@ -323,19 +341,8 @@ fn a_bad_snapshot_is_refused_with_a_clear_error_and_nothing_started() {
         copy_snapshot(&snap, &copy);
         damage(&copy);
         let sock = scratch.path(&format!("bad{i}.sock"));
-        let (status, _, err) = run_vmm(
-            &[
-                "restore",
-                "--dir",
-                copy.to_str().unwrap(),
-                "--api-sock",
-                sock.to_str().unwrap(),
-                "--console",
-                "null",
-            ],
-            Duration::from_secs(60),
-        );
-        assert!(!status.success(), "{what}: restored ({err})");
+        let (restored, err) = restore_once(&copy, &sock);
+        assert!(!restored, "{what}: restored ({err})");
         assert!(err.contains(expected), "{what}: {err}");
         assert!(!err.contains("panicked"), "{what}: {err}");
         // Nothing left: no socket, no vsock socket, no overlay in the cow directory
@@ -355,20 +362,8 @@ fn a_bad_snapshot_is_refused_with_a_clear_error_and_nothing_started() {
     let image = scratch.path("disk.img");
     std::thread::sleep(Duration::from_millis(20));
     std::fs::write(&image, vec![8u8; 1 << 20]).unwrap();
-    let sock = scratch.path("rewritten.sock");
-    let (status, _, err) = run_vmm(
-        &[
-            "restore",
-            "--dir",
-            snap.to_str().unwrap(),
-            "--api-sock",
-            sock.to_str().unwrap(),
-            "--console",
-            "null",
-        ],
-        Duration::from_secs(60),
-    );
-    assert!(!status.success(), "restored on a rewritten image ({err})");
+    let (restored, err) = restore_once(&snap, &scratch.path("rewritten.sock"));
+    assert!(!restored, "restored on a rewritten image ({err})");
     assert!(err.contains("disk.img changed since the snapshot"), "{err}");
 }
 

@@ -239,9 +239,10 @@ impl WarmPool {
         self.prime_failed = true;
     }
 
-    /// Kills every warm clone, without waiting for it (it is reaped when it is gone),
-    /// and forgets the captured state.
-    fn discard_all(&mut self) {
+    /// Discards every warm clone (the template changed): each is killed and not waited
+    /// for (it is reaped when it is gone, its cgroup going back then); the captured
+    /// state is forgotten.
+    pub(super) fn discard(&mut self) {
         self.epoch = None;
         for c in self.clones.drain(..) {
             let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
@@ -299,12 +300,6 @@ impl WarmPool {
         }
         self.launched += u64::from(found.is_some());
         found
-    }
-
-    /// Discards every warm clone (the template changed); their cgroups go back when
-    /// they are reaped.
-    pub(super) fn discard(&mut self) {
-        self.discard_all();
     }
 
     /// Whether the event loop should add a warm clone to `vm`'s pool now.
@@ -426,7 +421,7 @@ impl WarmPool {
 
 impl Drop for WarmPool {
     fn drop(&mut self) {
-        self.discard_all();
+        self.discard();
     }
 }
 

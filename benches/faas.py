@@ -5,7 +5,8 @@ with the SOCK mechanism on this host (a host Python zygote forking per request, 
 noop: a no-op Python handler (SOCK's figures 14-15): request to reply from the client's
   side (one keep-alive HTTP connection) through the gateway, each request in a fresh
   clone of the function's template, interleaved with the host zygote's fork per request;
-  then invocations/s with 1, 2, 4 and 8 clients for both.
+  then invocations/s with 1, 2, 4, ... up to 4x the cores of clients (processes) for
+  both, with host CPU per invocation (--plot PNG draws them).
 imports: a handler that imports a package (SOCK's figure 17), for each of --packages,
   from the request to the first reply of a new function:
   - cold: a new VM boots, starts Python, imports the package and answers (vmm run of the
@@ -24,7 +25,7 @@ The host baselines use /usr/bin/python3 (Debian's, the guest's version) and need
 python3-numpy for numpy (apt-get install python3-numpy).
 
 usage: benches/faas.py [--only noop,imports,mix] [--runs N] [--seconds S]
-                       [--clients 1,2,4,8] [--packages json,numpy] [--import-runs N]
+                       [--clients auto|1,2,4,8] [--plot PNG] [--packages json,numpy] [--import-runs N]
                        [--cold-runs N] [--functions N] [--requests N] [--clients-mix N]
                        [--budget-mib M]
 """
@@ -40,6 +41,7 @@ import tempfile
 import threading
 import time
 
+import load
 from clone import pct
 from invoke import exchange, read_all, row, wait_vm
 
@@ -77,10 +79,12 @@ class Gateway:
         """This thread's keep-alive connection (TCP_NODELAY: each request is sent in one
         write, so no client-side delay is measured)."""
         c = getattr(self.local, "conn", None)
-        if c is None:
+        # A client process forked from the one that opened it makes its own.
+        if c is None or self.local.pid != os.getpid():
             c = socket.create_connection(("127.0.0.1", self.port), timeout=1800)
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.local.conn = c
+            self.local.pid = os.getpid()
             self.local.buf = b""
         return c
 
@@ -256,45 +260,35 @@ def noop(a, tmp):
         print(row("the same handler's derived template, POST /invocations on its socket "
                   "(no gateway)", dc, base))
         print(row("host Python zygote, fork per request (SOCK mechanism, no VM)", hz, base))
-        print(f"\nthroughput, {a.seconds} s per row\n")
-        head("clients", "gateway /s", "median ms", "p99 ms", "no gateway /s", "median ms",
-             "p99 ms", "host zygote /s", "median ms")
-        for c in [int(x) for x in a.clients.split(",")]:
-            g = rate(c, a.seconds, lambda: gw.invoke("noop")[0])
+        print(f"\nthroughput on {load.cores()} cores, {a.seconds} s per row and path, "
+              f"clients are processes (host CPU per call leaves theirs out)\n")
+        head("clients", "gateway /s", "median ms", "p99 ms", "CPU ms", "no gateway /s",
+             "median ms", "p99 ms", "CPU ms", "host zygote /s", "median ms", "p99 ms",
+             "CPU ms")
+        series = {"gateway: fresh clone per request": [],
+                  "POST /invocations, no gateway": [],
+                  "host Python zygote, fork per request (SOCK)": []}
+        for c in load.parse_clients(a.clients):
+            g = load.rate(c, a.seconds, lambda: gw.invoke("noop")[0])
             time.sleep(1)
-            d = rate(c, a.seconds, lambda: direct_call(direct))
+            d = load.rate(c, a.seconds, lambda: direct_call(direct))
             time.sleep(1)
-            h = rate(c, a.seconds, host.call)
-            print(f"| {c} | {g[0]:.0f} | {g[1]:.2f} | {g[2]:.2f} | {d[0]:.0f} | {d[1]:.2f} | "
-                  f"{d[2]:.2f} | {h[0]:.0f} | {h[1]:.2f} |", flush=True)
+            h = load.rate(c, a.seconds, host.call)
+            cells = []
+            for r, rows in zip((g, d, h), series.values()):
+                rows.append(r)
+                failed = f" ({r['failed']} failed)" if r["failed"] else ""
+                cells.append(f"{r['per_s']:.0f}{failed} | {r['median']:.2f} | "
+                             f"{r['p99']:.2f} | {r['cpu_ms']:.2f}")
+            print(f"| {c} | {' | '.join(cells)} |", flush=True)
             time.sleep(1)
+        if a.plot:
+            load.plot(a.plot, f"Python no-op, {load.cores()} cores", series)
         host.stop()
     finally:
         gw.stop()
         exchange(sock, "PUT", "/actions", b'{"action_type":"shutdown"}')
         vm.wait(timeout=60)
-
-
-def rate(clients, seconds, call):
-    """(calls/s, median ms, p99 ms) of `clients` threads calling `call` for `seconds`."""
-    times, lock = [], threading.Lock()
-    stop_at = time.perf_counter() + seconds
-
-    def client():
-        mine = []
-        while time.perf_counter() < stop_at:
-            mine.append(call() * 1e3)
-        with lock:
-            times.extend(mine)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return len(times) / wall, statistics.median(times), pct(times, 0.99)
 
 
 def cold_import(tmp, package, i):
@@ -448,7 +442,9 @@ def main():
     ap.add_argument("--only", default="noop,imports,mix")
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=5)
-    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--clients", default="auto",
+                    help="noop's client counts (auto: 1, 2, 4, ... 4x the cores)")
+    ap.add_argument("--plot", help="draw noop's invocations/s against clients to this PNG")
     ap.add_argument("--warm", type=int, default=2,
                     help="warm clones of each template in the noop experiment")
     ap.add_argument("--packages", default="json,numpy")

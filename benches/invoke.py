@@ -12,8 +12,12 @@ latency: side by side in interleaved rounds, request to reply from the client's 
     from the guest) followed by DELETE, as a reference;
   - the SOCK mechanism on this host: a Python zygote process that forks a child per
     request, which runs a no-op echo handler and answers over a Unix socket (no VM).
-throughput: invocations per second with 1, 2, 4 and 8 concurrent clients, each request
-  in a fresh warm clone, and host CPU time (all processes, /proc/stat) per invocation.
+throughput: invocations per second with 1, 2, 4, ... up to 4x the cores of concurrent
+  clients (processes), each request in a fresh clone of a template with --warm 8 warm
+  clones, with the latency and the host CPU per invocation (/proc/stat, the clients' own
+  left out); beside it, at the same client counts, the SOCK mechanism (a host Python
+  zygote forking per request) and, with --baseline VMM, another build. --plot PNG draws
+  invocations/s against clients.
 
 runtimes: the Linux runtimes, side by side in one run with 256 MiB templates booted at
   once: request to reply for the C runtime's echo (forkvm-fn echo) with the kernel RNG
@@ -34,7 +38,8 @@ ab: two builds side by side (--baseline VMM, another build's binary, against thi
 
 usage: benches/invoke.py latency [--runs N] [--rounds R] [--mem MIB] [--payload BYTES]
        benches/invoke.py ab --baseline VMM [--runs N] [--rounds R] [--mem MIB]
-       benches/invoke.py throughput [--seconds S] [--clients 1,2,4,8] [--mem MIB]
+       benches/invoke.py throughput [--seconds S] [--clients auto|1,2,4,8] [--mem MIB]
+                                    [--warm N] [--baseline VMM] [--plot PNG]
        benches/invoke.py runtimes [--runs N] [--rounds R] [--exec-runs N] [--boots N]
                                   [--seconds S] [--clients 1,2,4,8]
 """
@@ -49,6 +54,7 @@ import tempfile
 import threading
 import time
 
+import load
 from clone import pct, row as clone_row, vsock_exec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -237,37 +243,18 @@ def latency(a):
     print(row("arrival to reply taken", series["warm_total_us"]))
 
 
-def cpu_ticks():
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle
+def fmt(r):
+    """A rate() row's cells: calls/s, median and p99 ms, host CPU ms per call."""
+    failed = f" ({r['failed']} failed)" if r["failed"] else ""
+    return (f"{r['per_s']:.0f}{failed} | {r['median']:.2f} | {r['p99']:.2f} | "
+            f"{r['cpu_ms']:.2f}")
 
 
 def throughput_rows(sock, clients, seconds, payload=b"ping", expect=None, warm=8):
     """Prints one row per client count: invocations/s, latency, host CPU per invocation."""
-    hz = os.sysconf("SC_CLK_TCK")
     for c in clients:
-        times = []
-        lock = threading.Lock()
-        stop_at = time.perf_counter() + seconds
-
-        def client():
-            mine = []
-            while time.perf_counter() < stop_at:
-                mine.append(invoke(sock, payload, expect=expect)[0] * 1e3)
-            with lock:
-                times.extend(mine)
-
-        t0, cpu0 = time.perf_counter(), cpu_ticks()
-        threads = [threading.Thread(target=client) for _ in range(c)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall, cpu = time.perf_counter() - t0, (cpu_ticks() - cpu0) / hz
-        print(f"| {c} | {len(times) / wall:.0f} | {statistics.median(times):.2f} | "
-              f"{pct(times, 0.99):.2f} | {cpu * 1e3 / len(times):.2f} |", flush=True)
+        r = load.rate(c, seconds, lambda: invoke(sock, payload, expect=expect)[0])
+        print(f"| {c} | {fmt(r)} |", flush=True)
         wait_warm(sock, warm, timeout=60)
 
 
@@ -276,16 +263,57 @@ THROUGHPUT_HEAD = ("| clients | invocations/s | median ms | p99 ms | "
 
 
 def throughput(a):
-    clients = [int(c) for c in a.clients.split(",")]
-    print(f"\nThroughput, tiny guest echo, {a.mem} MiB template, --warm-clones 8, each "
-          f"request in a fresh clone, {a.seconds} s per row\n")
-    print(THROUGHPUT_HEAD)
+    clients = load.parse_clients(a.clients)
+    builds = [("forkvm", VMM)] + ([("baseline", a.baseline)] if a.baseline else [])
+    print(f"\nThroughput on {load.cores()} cores, tiny guest echo, {a.mem} MiB template, "
+          f"--warm-clones {a.warm}, each request in a fresh clone (a new connection per "
+          f"request), {a.seconds} s per row and system, systems interleaved per client "
+          f"count; beside it the SOCK mechanism (a host Python zygote forking per "
+          f"request, no VM). Clients are processes; host CPU per invocation leaves "
+          f"theirs out.\n")
+    cells = " | ".join(f"{n} /s | median ms | p99 ms | CPU ms" for n, _ in builds)
+    print(f"| clients | {cells} | SOCK /s | median ms | p99 ms | CPU ms |")
+    print("|---" * (1 + 4 * (len(builds) + 1)) + "|")
+    series = {n: [] for n, _ in builds}
+    series["SOCK"] = []
     with tempfile.TemporaryDirectory(prefix="forkvm-invoke-", dir="/dev/shm") as tmp:
-        p, sock = start_template(tmp, "tp", a.mem, 8)
+        vms = [(n, *start_template(tmp, n, a.mem, a.warm, vmm)) for n, vmm in builds]
+        zyg_p, zyg_path = start_zygote(tmp)
         try:
-            throughput_rows(sock, clients, a.seconds)
+            for c in clients:
+                out = []
+                for n, p, sock in vms:
+                    wait_warm(sock, a.warm, timeout=60)
+                    r = load.rate(c, a.seconds, lambda: invoke(sock, b"ping")[0], pid=p.pid)
+                    series[n].append(r)
+                    out.append(fmt(r))
+                r = load.rate(c, a.seconds, lambda: zygote_call(zyg_path, b"ping"))
+                series["SOCK"].append(r)
+                out.append(fmt(r))
+                print(f"| {c} | {' | '.join(out)} |", flush=True)
         finally:
-            stop(p, sock)
+            for _, p, sock in vms:
+                stop(p, sock)
+            zyg_p.kill()
+            zyg_p.wait()
+    print("\nWhere the host CPU per invocation goes (ms): the template VMM's own threads, "
+          "its clones (reaped children), and the rest (host kernel threads: deferred "
+          "teardown, RCU; other processes)\n")
+    print("| clients | " + " | ".join(f"{n}: template | clones | rest" for n, _ in builds) + " |")
+    print("|---" * (1 + 3 * len(builds)) + "|")
+    for i, c in enumerate(clients):
+        cells = []
+        for n, _ in builds:
+            r = series[n][i]
+            rest = r["cpu_ms"] - r["own_ms"] - r["children_ms"]
+            cells.append(f"{r['own_ms']:.2f} | {r['children_ms']:.2f} | {rest:.2f}")
+        print(f"| {c} | {' | '.join(cells)} |")
+    if a.plot:
+        labels = {"forkvm": "forkvm, fresh clone per request",
+                  "baseline": f"baseline ({a.baseline})",
+                  "SOCK": "host Python zygote, fork per request (SOCK)"}
+        load.plot(a.plot, f"tiny guest echo, {load.cores()} cores, {a.mem} MiB template",
+                  {labels[k]: v for k, v in series.items()})
 
 
 LINUX = "console=ttyS0 reboot=k panic=-1 quiet"
@@ -537,8 +565,12 @@ def main():
     lat.add_argument("--payload", type=int, default=64)
     tp = sub.add_parser("throughput")
     tp.add_argument("--seconds", type=float, default=5)
-    tp.add_argument("--clients", default="1,2,4,8")
+    tp.add_argument("--clients", default="auto",
+                    help="comma-separated client counts (auto: 1, 2, 4, ... 4x the cores)")
     tp.add_argument("--mem", type=int, default=256)
+    tp.add_argument("--warm", type=int, default=8, help="warm clones of the template")
+    tp.add_argument("--baseline", help="another build's vmm binary, run beside this one")
+    tp.add_argument("--plot", help="draw invocations/s against clients to this PNG")
     rt = sub.add_parser("runtimes")
     rt.add_argument("--runs", type=int, default=50)
     rt.add_argument("--rounds", type=int, default=4)

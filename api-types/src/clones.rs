@@ -184,6 +184,9 @@ impl CreateClones {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case", tag = "state", content = "code")]
 pub enum CloneStatus {
+    /// Made, its vCPU 0 not in the guest yet: a clone made for an invocation, whose
+    /// start its template does not wait for (it answers its caller itself).
+    Starting,
     /// Running (its vCPU 0 entered the guest).
     Running,
     /// Started but its vCPU 0 never reported entering the guest.
@@ -199,7 +202,10 @@ pub enum CloneStatus {
 impl CloneStatus {
     /// Not reaped yet (a clone that failed to report may still run).
     pub fn is_live(&self) -> bool {
-        matches!(self, CloneStatus::Running | CloneStatus::Failed)
+        matches!(
+            self,
+            CloneStatus::Starting | CloneStatus::Running | CloneStatus::Failed
+        )
     }
 }
 
@@ -315,5 +321,8 @@ mod tests {
         let s = serde_json::to_string(&CloneStatus::OomKilled).unwrap();
         assert_eq!(s, r#"{"state":"oom_killed"}"#);
         assert!(CloneStatus::Failed.is_live() && !CloneStatus::Killed(9).is_live());
+        assert!(CloneStatus::Starting.is_live());
+        let s = serde_json::to_string(&CloneStatus::Starting).unwrap();
+        assert_eq!(s, r#"{"state":"starting"}"#);
     }
 }

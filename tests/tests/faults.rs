@@ -181,6 +181,80 @@ fn clones_refused_for_a_full_socket_or_overlay_directory_leave_nothing_and_the_t
     assert_eq!(cow.entries(), Vec::<String>::new());
 }
 
+/// An invocation's clone is not waited for by its template (it answers its caller
+/// itself): one that cannot start must still get its caller an answer, with the reason.
+#[test]
+fn an_invocation_whose_clone_cannot_start_is_answered_with_the_reason_and_the_template_serves() {
+    if !kvm_and_root_available("faults_invocation_full_directory") {
+        return;
+    }
+    let scratch = Scratch::new("faults-invoke-full");
+    let socks = Tmpfs::mount(&scratch.path("socks"), 64);
+    let tiny = guest_file("tiny.elf").display().to_string();
+    for warm in ["0", "2"] {
+        let args = [
+            "--kernel",
+            &tiny,
+            "--mem-mib",
+            "64",
+            "--ap-boot",
+            "direct",
+            "--cmdline",
+            "ticks=1 invoke=1",
+            "--template",
+            "--warm-clones",
+            warm,
+        ];
+        let (sock, console) = (socks.0.join("api.sock"), socks.0.join("console"));
+        let mut vm = Vm::start_at(&scratch, &sock, &console, &args, |_| {});
+        vm.wait_console("tiny: invoke ready\n", BOOT);
+        vm.wait_api(BOOT);
+        let start = Instant::now();
+        while !vm.waits_as_template() {
+            assert!(start.elapsed() < BOOT, "the template did not pause");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let pid = vm.child.id();
+        let invoke = || {
+            let options = api_types::InvokeOptions::default();
+            vmm::api::client::invoke(&sock, &options, b"ping").expect("invoke")
+        };
+        // Its warm clones are its only children once the invocation clones are reaped.
+        let kept: usize = warm.parse().unwrap();
+        let settled = || {
+            let start = Instant::now();
+            while children_of(pid).len() > kept && start.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            children_of(pid).len() <= kept
+        };
+        let r = invoke();
+        assert_eq!(r.status, 200, "warm {warm}: {}", r.body);
+        assert!(settled(), "{:?}", children_of(pid));
+        let before = socks.entries();
+        let fillers = socks.fill();
+        for _ in 0..3 {
+            let r = invoke();
+            eprintln!(
+                "faults: warm {warm}, a full socket directory: {} {}",
+                r.status, r.body
+            );
+            assert_eq!(r.status, 503, "warm {warm}: {}", r.body);
+            assert!(r.body.contains("No space left on device"), "{}", r.body);
+        }
+        // Nothing left: no clone process, socket, console.
+        assert!(settled(), "{:?}", children_of(pid));
+        assert_eq!(socks.entries(), before, "warm {warm}");
+        for f in fillers {
+            std::fs::remove_file(f).unwrap();
+        }
+        let r = invoke();
+        assert_eq!(r.status, 200, "warm {warm}, with room again: {}", r.body);
+        vm.shutdown(BOOT);
+        let _ = std::fs::remove_file(&console);
+    }
+}
+
 #[test]
 fn a_template_out_of_file_descriptors_refuses_clearly_and_recovers() {
     if !kvm_available("faults_emfile") {

@@ -17,7 +17,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::api::http::BodyLimits;
 use crate::api::server::ApiServer;
-use crate::cloning::{Cloner, RebuiltClone, ServeError};
+use crate::cloning::{Cloner, OrphanEnd, RebuiltClone, ServeError};
 use crate::config::ConsoleSink;
 use crate::config::VmConfig;
 use crate::invoke::{Finished, Invocation, InvokeError, Invoker, Route};
@@ -61,6 +61,7 @@ const TOKEN_VCPU_EXIT: u64 = 2;
 const TOKEN_API: u64 = 3;
 const TOKEN_SIGNAL: u64 = 4;
 const TOKEN_STDIN: u64 = 5;
+const TOKEN_STARTS: u64 = 6;
 
 /// An epoll timeout for `d`, rounded up: rounded down, the loop would wake before the
 /// time and spin with timeout 0 until it.
@@ -267,8 +268,15 @@ impl Vmm {
 
     /// Answers (502) the callers of invocation clones that ended without answering.
     fn answer_orphans(&mut self) {
-        for (conn, id, how) in self.clones.take_orphans() {
-            crate::api::invoke::answer_orphan(conn.into(), &id, &how);
+        for o in self.clones.take_orphans() {
+            match o.end {
+                OrphanEnd::Ended(how) => {
+                    crate::api::invoke::answer_orphan(o.conn.into(), &o.id, &how)
+                }
+                // As a request whose clone failed to start is answered (503 when the
+                // host ran short of something).
+                OrphanEnd::NotStarted(e) => crate::api::invoke::refuse(&o.conn.into(), e),
+            }
         }
     }
 
@@ -331,6 +339,11 @@ impl Vmm {
         }
         if let Some(s) = signals {
             add(s.as_raw_fd(), TOKEN_SIGNAL)?;
+        }
+        // Without it, a template waits for each invocation clone's start.
+        match self.clones.starts_fd() {
+            Ok(fd) => add(fd, TOKEN_STARTS)?,
+            Err(e) => tracing::warn!("invocation clones' starts are waited for: {e}"),
         }
         // Host input reaches the guest's serial port when the console is the terminal
         // (or pipe) the VMM runs on. Lines arrive as the terminal delivers them; stdin
@@ -398,6 +411,7 @@ impl Vmm {
                             }
                         }
                     }
+                    TOKEN_STARTS => self.clones.check_starts(),
                     TOKEN_STDIN => {
                         if self.vm.forward_input(stdin_fd) == Input::Closed {
                             // End of input or an error: stop watching stdin.

@@ -13,6 +13,9 @@
 //! 6. `warm.rs`: for a paused template, stages 4 and 5 done ahead of requests (and,
 //!    when the template's runtime takes them, a prime run by each warm clone).
 //!
+//! An invocation's clone answers its caller itself: its template does not wait for it
+//! to start but watches its ready pipe from the event loop (`starting.rs`).
+//!
 //! `wire.rs` holds both ends of the two channels between a template and its clones
 //! (the ready pipe, a warm clone's go channel).
 //!
@@ -34,13 +37,13 @@ mod fork;
 mod forker;
 mod quiesce;
 mod request;
+mod starting;
 mod table;
 mod tree;
 mod warm;
 mod wire;
 
 use std::fs::File;
-use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,7 +61,7 @@ pub use child::{
     ServeError, TakeHandover,
 };
 pub use request::{CloneError, Handover, CLONE_FAILED};
-pub use table::CloneTable;
+pub use table::{CloneTable, Orphan, OrphanEnd};
 pub use tree::{init as init_tree, report as tree_report, TreeFull};
 pub use warm::{WarmPool, REFILL_DELAY};
 pub use wire::{LaunchError, ReadyMark};
@@ -66,6 +69,8 @@ pub use wire::{LaunchError, ReadyMark};
 /// The clone side of one VM: the clones it made, its warm clones, its cgroup pools.
 pub struct Cloner {
     table: CloneTable,
+    /// Invocation clones not reported ready yet.
+    starting: starting::Starting,
     warm: WarmPool,
     spares: warm::Spares,
     /// Pooled cgroups for clones (`--cgroup-class`); None in clones.
@@ -85,6 +90,7 @@ impl Cloner {
     pub fn new(config: &VmConfig, hooks: CloneHooks) -> Result<Self, CgroupSetupError> {
         Ok(Self {
             table: CloneTable::default(),
+            starting: Default::default(),
             warm: WarmPool::new(config.warm_clones),
             spares: Default::default(),
             cgroups: config.cgroups.as_ref().map(ClonePools::new).transpose()?,
@@ -99,6 +105,7 @@ impl Cloner {
     fn for_clone(id: String, hooks: CloneHooks) -> Self {
         Self {
             table: CloneTable::default(),
+            starting: Default::default(),
             warm: WarmPool::default(),
             spares: Default::default(),
             cgroups: None,
@@ -156,16 +163,19 @@ impl Cloner {
         received_ns: u64,
         requester: Option<u8>,
     ) -> Result<Vec<CloneInfo>, CloneError> {
-        self.make_clones_with(vm, req, received_ns, requester, |_| {})
+        self.make_clones_with(vm, req, received_ns, requester, true, |_| {})
     }
 
-    /// [`Cloner::make_clones`], with `prepare` adding to each clone's identity.
+    /// [`Cloner::make_clones`], with `prepare` adding to each clone's identity; with
+    /// `wait` false, the clones' starts are watched ([`Cloner::check_starts`]) instead
+    /// of waited for, and they are returned [`CloneStatus::Starting`].
     fn make_clones_with(
         &mut self,
         vm: &mut Microvm,
         req: &CreateClones,
         received_ns: u64,
         requester: Option<u8>,
+        wait: bool,
         prepare: impl FnMut(&mut request::Identity),
     ) -> Result<Vec<CloneInfo>, CloneError> {
         // 1. The request.
@@ -193,7 +203,7 @@ impl Cloner {
         let class = req.resource_class.as_deref();
         let was_running = vm.state() == VmState::Running;
         let t0 = Instant::now();
-        let mut made = if vm.state() == VmState::Paused
+        let made = if vm.state() == VmState::Paused
             && requester.is_none()
             && vm.pending_events().is_empty()
         {
@@ -218,8 +228,19 @@ impl Cloner {
         // large batch, though.
         let mut devices_parked = was_running;
         let mut failed = None;
-        for (info, ready) in made.iter_mut() {
-            match wire::wait_ready(ready, fork::READY_TIMEOUT) {
+        let mut infos = Vec::with_capacity(made.len());
+        for (mut info, mut ready) in made {
+            if !wait {
+                match self.starting.watch(info.pid, ready, received_ns) {
+                    Ok(()) => {
+                        info.status = CloneStatus::Starting;
+                        infos.push(info);
+                        continue;
+                    }
+                    Err(r) => ready = r,
+                }
+            }
+            match wire::wait_ready(&mut ready, fork::READY_TIMEOUT) {
                 Ok(t) => {
                     info.latency_us = Some(t.saturating_sub(received_ns) / 1000);
                     info.status = CloneStatus::Running;
@@ -234,6 +255,7 @@ impl Cloner {
             if std::mem::take(&mut devices_parked) {
                 vm.devices().resume_virtio();
             }
+            infos.push(info);
         }
         if devices_parked {
             vm.devices().resume_virtio();
@@ -242,7 +264,6 @@ impl Cloner {
         if let Some(p) = &self.cgroups {
             p.reseat();
         }
-        let infos: Vec<CloneInfo> = made.into_iter().map(|(i, _)| i).collect();
         self.warm.note_request();
         self.table.record(req.count as u32, &infos);
         // None started: the request failed, with the first clone's reason (the table
@@ -260,8 +281,10 @@ impl Cloner {
 
     /// Makes one clone of this paused template per `req` (its count is 1) and hands it
     /// `handover` (a warm clone when one is ready, else one forked now). The clone
-    /// takes the handover up itself; this returns once it runs. The template keeps the
-    /// handover's stream until the clone is reaped ([`Cloner::take_orphans`]).
+    /// takes the handover up itself; this returns once it is launched or forked, and
+    /// the event loop learns of its start ([`Cloner::check_starts`]): a clone that
+    /// fails to start is killed. The template keeps the handover's stream until the
+    /// clone is reaped ([`Cloner::take_orphans`]), to answer it if the clone did not.
     pub fn clone_handing_over(
         &mut self,
         vm: &mut Microvm,
@@ -280,13 +303,38 @@ impl Cloner {
             identity.carried = Some(carried.clone());
         };
         let stream = carried.stream.clone();
-        let made = self.make_clones_with(vm, req, received_ns, None, prepare)?;
+        let made = self.make_clones_with(vm, req, received_ns, None, false, prepare)?;
         let info = made
             .into_iter()
             .next()
             .ok_or(CloneError::Request(CreateClonesError::Count(0)))?;
         self.table.forget_when_reaped(info.pid, stream);
         Ok(info)
+    }
+
+    /// The descriptor the event loop watches for clones' starts
+    /// ([`Cloner::check_starts`]); until it is asked for, starts are waited for.
+    pub fn starts_fd(&mut self) -> std::io::Result<std::os::fd::RawFd> {
+        self.starting.fd()
+    }
+
+    /// Records the starts of invocation clones that ended (their vCPU 0 entered the
+    /// guest, or they failed or ran out of time to: those are killed, and their
+    /// callers answered once they are reaped).
+    pub fn check_starts(&mut self) {
+        for s in self.starting.take_ended() {
+            let failed = s.entered.as_ref().err().map(ToString::to_string);
+            if self.table.started(s.pid, s.entered, s.since_ns) {
+                if let Some(why) = failed {
+                    tracing::warn!("invocation clone (pid {}) failed: {why}", s.pid);
+                    // Not reaped yet (the table still had it starting): its pid is its own.
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(s.pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
+        }
     }
 
     /// A guest read the clone port on vCPU `vcpu` (which parked itself) asking for
@@ -436,7 +484,7 @@ impl Cloner {
         made: impl IntoIterator<Item = CloneInfo>,
         error: CloneError,
     ) -> CloneError {
-        self.table.abandon(self.cgroups.as_mut(), made);
+        self.table.abandon(made);
         error
     }
 
@@ -452,6 +500,7 @@ impl Cloner {
         let spares =
             (self.spares).due_in(vm, self.table.made(), !self.clone_id.is_empty(), &self.warm);
         [
+            self.starting.due_in(),
             self.warm.due_in(vm),
             self.cgroups.as_ref().and_then(ClonePools::upkeep_due_in),
             spares,
@@ -466,6 +515,7 @@ impl Cloner {
     /// on the vCPU `prime` gives, if any (the hooks' `prime`); asked only when one is made.
     pub fn do_due_work(&mut self, vm: &mut Microvm, prime: impl FnOnce(&Microvm) -> Option<u8>) {
         self.table.kill_overdue();
+        self.check_starts();
         if self.warm.due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
             self.warm.add(vm, self.cgroups.as_mut(), self.hooks, prime);
@@ -485,6 +535,9 @@ impl Cloner {
 
     /// Reaps every exited child (clone or warm clone) without blocking.
     pub fn reap(&mut self) {
+        // A clone that failed to start said why on its ready pipe: read before its
+        // record ends, so that its caller is told.
+        self.check_starts();
         let warm = &mut self.warm;
         self.table.reap(self.cgroups.as_mut(), |pid, status| {
             warm.reaped(pid, status)
@@ -494,7 +547,7 @@ impl Cloner {
     /// The streams of clones made with a handover that ended since last asked, each
     /// with the clone's id and how it ended: the controller answers those the clone did not
     /// (a clone shuts its connection down once it answered).
-    pub fn take_orphans(&mut self) -> Vec<(Arc<UnixStream>, String, String)> {
+    pub fn take_orphans(&mut self) -> Vec<Orphan> {
         self.table.take_orphans()
     }
 

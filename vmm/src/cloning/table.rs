@@ -13,6 +13,8 @@ use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 use super::cgroups::ClonePools;
+use super::wire::NotReady;
+use super::CloneError;
 
 /// How long a clone has to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(3);
@@ -23,6 +25,27 @@ const EXIT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How many records of clones that ended a VM keeps (the oldest go first): a template
 /// that runs for weeks does not hold every clone it ever made.
 pub const ENDED_KEPT: usize = 1024;
+
+/// How an invocation's clone that ended without answering ended.
+#[derive(Debug)]
+pub enum OrphanEnd {
+    /// It ended (how: "was killed by SIGKILL", "exited with status 1").
+    Ended(String),
+    /// It failed to start ([`CloneError::NoneStarted`]: its reason and host error).
+    NotStarted(CloneError),
+}
+
+/// An invocation's clone that ended: its caller's stream, to be answered if the clone
+/// had not answered it, its id and how it ended.
+#[derive(Debug)]
+pub struct Orphan {
+    /// The caller's connection.
+    pub conn: Arc<UnixStream>,
+    /// The clone's id.
+    pub id: String,
+    /// How it ended.
+    pub end: OrphanEnd,
+}
 
 /// Clones made by this VM.
 #[derive(Debug, Default)]
@@ -37,7 +60,9 @@ pub struct CloneTable {
     transient: HashMap<i32, Arc<UnixStream>>,
     /// Streams of such clones that ended, with how they ended: answered by the
     /// controller, if the clone had not (`Cloner::take_orphans`).
-    orphans: Vec<(Arc<UnixStream>, String, String)>,
+    orphans: Vec<Orphan>,
+    /// Why the clones of `transient` that failed to start did, until they are reaped.
+    not_started: HashMap<i32, NotReady>,
     /// Clones told to stop (SIGTERM) and not reaped yet, with when they get SIGKILL
     /// (None: sent).
     stopping: Vec<(i32, Option<Instant>)>,
@@ -72,6 +97,34 @@ impl CloneTable {
         }
     }
 
+    /// Records how the start of clone `pid` (made [`CloneStatus::Starting`]) ended:
+    /// the time its vCPU 0 entered the guest, or why it failed. Returns whether it was
+    /// still starting and not reaped (so that its pid is still its own).
+    pub(super) fn started(
+        &mut self,
+        pid: i32,
+        entered: Result<u64, NotReady>,
+        since_ns: u64,
+    ) -> bool {
+        let Some(c) =
+            (self.clones.iter_mut()).find(|c| c.pid == pid && c.status == CloneStatus::Starting)
+        else {
+            return false;
+        };
+        match entered {
+            Ok(t) => {
+                c.latency_us = Some(t.saturating_sub(since_ns) / 1000);
+                c.status = CloneStatus::Running;
+            }
+            Err(why) => {
+                c.status = CloneStatus::Failed;
+                c.error = Some(why.to_string());
+                self.not_started.insert(pid, why);
+            }
+        }
+        true
+    }
+
     /// Forgets clone `pid`, made with a handover, once it ends (its record and console
     /// file), and hands `conn` on then, in case it died without answering.
     pub(super) fn forget_when_reaped(&mut self, pid: i32, conn: Arc<UnixStream>) {
@@ -79,7 +132,7 @@ impl CloneTable {
     }
 
     /// The streams of clones made with a handover that ended: (stream, clone id, how).
-    pub(super) fn take_orphans(&mut self) -> Vec<(Arc<UnixStream>, String, String)> {
+    pub(super) fn take_orphans(&mut self) -> Vec<Orphan> {
         std::mem::take(&mut self.orphans)
     }
 
@@ -135,12 +188,21 @@ impl CloneTable {
             let _ = std::fs::remove_file(v);
         }
         if let Some(conn) = self.transient.remove(&pid) {
-            let how = match status {
-                WaitStatus::Signaled(_, sig, _) => format!("was killed by {sig}"),
-                WaitStatus::Exited(_, code) => format!("exited with status {code}"),
-                _ => "ended".into(),
+            let end = match (self.not_started.remove(&pid), status) {
+                (Some(why), _) => OrphanEnd::NotStarted(CloneError::NoneStarted {
+                    reason: why.to_string(),
+                    errno: why.errno,
+                }),
+                (None, WaitStatus::Signaled(_, sig, _)) => {
+                    OrphanEnd::Ended(format!("was killed by {sig}"))
+                }
+                (None, WaitStatus::Exited(_, code)) => {
+                    OrphanEnd::Ended(format!("exited with status {code}"))
+                }
+                (None, _) => OrphanEnd::Ended("ended".into()),
             };
-            self.orphans.push((conn, c.id.clone(), how));
+            let id = c.id.clone();
+            self.orphans.push(Orphan { conn, id, end });
             remove_console(c);
             return Some(self.clones.remove(at));
         }
@@ -295,13 +357,9 @@ impl CloneTable {
     }
 
     /// Ends the clones a failed request had made before it failed (its caller learns of
-    /// none): each is recorded with its id (not given again), killed, reaped, and its
-    /// console removed.
-    pub(super) fn abandon(
-        &mut self,
-        mut pools: Option<&mut ClonePools>,
-        made: impl IntoIterator<Item = CloneInfo>,
-    ) {
+    /// none): each is recorded with its id (not given again), killed, and its console
+    /// removed; it is reaped on SIGCHLD.
+    pub(super) fn abandon(&mut self, made: impl IntoIterator<Item = CloneInfo>) {
         let mut made: Vec<CloneInfo> = made.into_iter().collect();
         if made.is_empty() {
             return;
@@ -311,11 +369,10 @@ impl CloneTable {
             c.error = Some("stopped: another clone of its request failed".into());
         }
         self.record(made.len() as u32, &made);
+        // Not waited for: a killed VM's teardown in the host kernel can take seconds on
+        // a busy host. Each is reaped, and its record ended, on SIGCHLD.
         for c in made {
             let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
-            if let Ok(status) = waitpid(Pid::from_raw(c.pid), None) {
-                self.reaped(pools.as_deref_mut(), c.pid, status);
-            }
             remove_console(&c);
         }
     }
@@ -382,5 +439,64 @@ mod tests {
         assert!(t
             .reaped(None, 7, WaitStatus::Exited(Pid::from_raw(7), 4))
             .is_none());
+    }
+
+    #[test]
+    fn a_starting_clone_runs_or_fails_and_its_caller_learns_why_once_it_is_reaped() {
+        let mut t = CloneTable::default();
+        let (a, _a) = UnixStream::pair().unwrap();
+        let (b, _b) = UnixStream::pair().unwrap();
+        t.record(
+            2,
+            &[
+                info(5, CloneStatus::Starting),
+                info(6, CloneStatus::Starting),
+            ],
+        );
+        t.forget_when_reaped(5, Arc::new(a));
+        t.forget_when_reaped(6, Arc::new(b));
+        // Clone 5 entered the guest 2 ms after its request.
+        assert!(t.started(5, Ok(3_000_000), 1_000_000));
+        let why = NotReady {
+            reason: Some("cannot open its console: No space left on device".into()),
+            errno: libc::ENOSPC,
+        };
+        assert!(t.started(6, Err(why), 1_000_000));
+        let listed = t.list();
+        assert_eq!(listed[0].status, CloneStatus::Running);
+        assert_eq!(listed[0].latency_us, Some(2000));
+        assert_eq!(listed[1].status, CloneStatus::Failed);
+        assert!(listed[1]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("No space left"));
+        // Only a clone still starting is told (not one reported before, or reaped).
+        assert!(!t.started(5, Ok(4_000_000), 1_000_000));
+        t.reaped(
+            None,
+            6,
+            WaitStatus::Signaled(Pid::from_raw(6), Signal::SIGKILL, false),
+        );
+        t.reaped(
+            None,
+            5,
+            WaitStatus::Signaled(Pid::from_raw(5), Signal::SIGKILL, false),
+        );
+        let orphans = t.take_orphans();
+        assert_eq!(orphans.len(), 2);
+        match &orphans[0].end {
+            OrphanEnd::NotStarted(e) => {
+                assert!(e.host_short(), "{e}");
+                assert!(e.to_string().contains("No space left"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match &orphans[1].end {
+            OrphanEnd::Ended(how) => assert_eq!(how, "was killed by SIGKILL"),
+            other => panic!("{other:?}"),
+        }
+        assert!(t.list().is_empty(), "transient records go when reaped");
+        assert!(!t.started(6, Ok(1), 0));
     }
 }

@@ -309,10 +309,16 @@ impl WarmPool {
             && vm.pending_events().is_empty()
     }
 
-    /// Time until a warm clone is due (zero: now); None when none is wanted.
+    /// Time until a warm clone is due (zero: now); None when none is wanted. A pool
+    /// down to less than half its target is refilled at once: under a steady stream of
+    /// requests, closer together than [`REFILL_DELAY`], it would never be, and every
+    /// request would wait for a clone forked and rebuilt for it.
     pub(super) fn due_in(&self, vm: &Microvm) -> Option<Duration> {
         self.wants_clone(vm)
-            .then(|| REFILL_DELAY.saturating_sub(self.since_last_launch()))
+            .then(|| match self.clones.len() * 2 < self.target {
+                true => Duration::ZERO,
+                false => REFILL_DELAY.saturating_sub(self.since_last_launch()),
+            })
     }
 
     /// The paused VM's state, captured once per pause.

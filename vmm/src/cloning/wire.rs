@@ -163,7 +163,7 @@ fn split_failure(got: &[u8]) -> (Vec<u64>, Option<NotReady>) {
 }
 
 /// The vCPU's time from the ready pipe's contents, if they are the time and the mark.
-fn parse_ready(got: &[u8]) -> Result<u64, NotReady> {
+pub(super) fn parse_ready(got: &[u8]) -> Result<u64, NotReady> {
     let (words, failure) = split_failure(got);
     let ended = NotReady {
         reason: None,

@@ -180,6 +180,15 @@ fn eight_callers_at_once_each_get_their_own_clone() {
     }
     let scratch = Scratch::new("invoke-8");
     let vm = template(&scratch, &["--warm-clones", "8"]);
+    let pid = vm.child.id();
+    let settled = || {
+        vm.describe()["warm_clones"]["ready"] == 8
+            && children_of(pid).len() == 8
+            && leftovers(&scratch).is_empty()
+    };
+    echoed(&invoke(&vm.sock, b"warm up"), b"warm up");
+    wait_until("the warm pool to refill and the clone to go", settled);
+    let fds = tests::fds_at_rest(pid);
     let sock = vm.sock.clone();
     let callers: Vec<_> = (0..8u8)
         .map(|t| {
@@ -201,6 +210,59 @@ fn eight_callers_at_once_each_get_their_own_clone() {
         }
     }
     assert_eq!(clones.len(), 200);
+    // The template does not wait for its clones to start: each start it watched is
+    // over, and nothing is left of 200 clones made 8 at a time.
+    wait_until("the clones to be reaped and the pool refilled", settled);
+    assert_eq!(fds_of(pid, fds), fds, "fds leaked:\n{}", fd_targets(pid));
+    let (_, body) = vm.api("GET", "/clones", None);
+    let list: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(list["clones"].as_array().unwrap().len(), 0, "{body}");
+    assert_eq!(vm.describe()["invoke"]["started"], 201);
+}
+
+/// The template does not wait for an invocation clone to start: a clone that is slow
+/// to (stopped here, as a loaded host may leave it unscheduled) holds up no other
+/// request, and is listed as starting until it runs.
+#[test]
+fn a_clone_slow_to_start_holds_up_no_other_request() {
+    if !kvm_available("invoke_slow_start") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-slow-start");
+    let vm = template(&scratch, &["--warm-clones", "1"]);
+    let pid = vm.child.id();
+    wait_until("the warm clone", || {
+        vm.describe()["warm_clones"]["ready"] == 1 && children_of(pid).len() == 1
+    });
+    let stopped = children_of(pid)[0] as i32;
+    // SAFETY: kill has no memory preconditions; the pid is this test's warm clone.
+    assert_eq!(unsafe { libc::kill(stopped, libc::SIGSTOP) }, 0);
+    let slow = {
+        let sock = vm.sock.clone();
+        std::thread::spawn(move || invoke(&sock, b"slow"))
+    };
+    let clones = || -> Vec<Value> {
+        let (_, body) = vm.api("GET", "/clones", None);
+        let list: Value = serde_json::from_str(&body).unwrap();
+        list["clones"].as_array().unwrap().clone()
+    };
+    wait_until("the stopped clone to be launched", || {
+        clones().iter().any(|c| c["pid"] == stopped)
+    });
+    let listed = clones().into_iter().find(|c| c["pid"] == stopped).unwrap();
+    assert_eq!(listed["status"]["state"], "starting", "{listed}");
+    // Meanwhile other requests are served, each in its own clone.
+    for i in 0..5u8 {
+        let payload = [b'q', i];
+        echoed(&invoke(&vm.sock, &payload), &payload);
+    }
+    assert!(!slow.is_finished(), "the stopped clone answered");
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(stopped, libc::SIGCONT) }, 0);
+    echoed(&slow.join().unwrap(), b"slow");
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty() && clones().is_empty()
+    });
 }
 
 #[test]

@@ -16,8 +16,9 @@ throughput: invocations per second with 1, 2, 4, ... up to 4x the cores of concu
   clients (processes), each request in a fresh clone of a template with --warm 8 warm
   clones, with the latency and the host CPU per invocation (/proc/stat, the clients' own
   left out); beside it, at the same client counts, the SOCK mechanism (a host Python
-  zygote forking per request) and, with --baseline VMM, another build. --plot PNG draws
-  invocations/s against clients.
+  zygote forking per request, with the same handler) and, with --baseline VMM, another
+  build. --guest c or python: the C runtime's echo or a Python no-op in a 256 MiB Linux
+  template instead of the tiny guest. --plot PNG draws invocations/s against clients.
 
 runtimes: the Linux runtimes, side by side in one run with 256 MiB templates booted at
   once: request to reply for the C runtime's echo (forkvm-fn echo) with the kernel RNG
@@ -39,7 +40,8 @@ ab: two builds side by side (--baseline VMM, another build's binary, against thi
 usage: benches/invoke.py latency [--runs N] [--rounds R] [--mem MIB] [--payload BYTES]
        benches/invoke.py ab --baseline VMM [--runs N] [--rounds R] [--mem MIB]
        benches/invoke.py throughput [--seconds S] [--clients auto|1,2,4,8] [--mem MIB]
-                                    [--warm N] [--baseline VMM] [--plot PNG]
+                                    [--warm N] [--guest tiny|c|python] [--baseline VMM]
+                                    [--plot PNG]
        benches/invoke.py runtimes [--runs N] [--rounds R] [--exec-runs N] [--boots N]
                                   [--seconds S] [--clients 1,2,4,8]
 """
@@ -265,7 +267,9 @@ THROUGHPUT_HEAD = ("| clients | invocations/s | median ms | p99 ms | "
 def throughput(a):
     clients = load.parse_clients(a.clients)
     builds = [("forkvm", VMM)] + ([("baseline", a.baseline)] if a.baseline else [])
-    print(f"\nThroughput on {load.cores()} cores, tiny guest echo, {a.mem} MiB template, "
+    label, guest, expect, handler = GUESTS[a.guest]
+    print(f"\nThroughput on {load.cores()} cores, {label}, "
+          f"{a.mem if a.guest == 'tiny' else 256} MiB template, "
           f"--warm-clones {a.warm}, each request in a fresh clone (a new connection per "
           f"request), {a.seconds} s per row and system, systems interleaved per client "
           f"count; beside it the SOCK mechanism (a host Python zygote forking per "
@@ -277,17 +281,26 @@ def throughput(a):
     series = {n: [] for n, _ in builds}
     series["SOCK"] = []
     with tempfile.TemporaryDirectory(prefix="forkvm-invoke-", dir="/dev/shm") as tmp:
-        vms = [(n, *start_template(tmp, n, a.mem, a.warm, vmm)) for n, vmm in builds]
-        zyg_p, zyg_path = start_zygote(tmp)
+        if a.guest == "tiny":
+            vms = [(n, *start_template(tmp, n, a.mem, a.warm, vmm)) for n, vmm in builds]
+        else:
+            run, root = guest
+            warm = ["--template", "--warm-clones", str(a.warm)]
+            vms = [(n, *linux_vm(tmp, n, root, run, extra=warm, vmm=vmm)[:2])
+                   for n, vmm in builds]
+            for _, p, sock in vms:
+                wait_vm(p, sock, ready_template(a.warm))
+        zyg_p, zyg_path = start_zygote(tmp, handler)
         try:
             for c in clients:
                 out = []
                 for n, p, sock in vms:
                     wait_warm(sock, a.warm, timeout=60)
-                    r = load.rate(c, a.seconds, lambda: invoke(sock, b"ping")[0], pid=p.pid)
+                    r = load.rate(c, a.seconds, lambda: invoke(sock, b"ping", expect=expect)[0],
+                                  pid=p.pid)
                     series[n].append(r)
                     out.append(fmt(r))
-                r = load.rate(c, a.seconds, lambda: zygote_call(zyg_path, b"ping"))
+                r = load.rate(c, a.seconds, lambda: zygote_call(zyg_path, b"ping", expect))
                 series["SOCK"].append(r)
                 out.append(fmt(r))
                 print(f"| {c} | {' | '.join(out)} |", flush=True)
@@ -310,19 +323,28 @@ def throughput(a):
         print(f"| {c} | {' | '.join(cells)} |")
     if a.plot:
         labels = {"forkvm": "forkvm, fresh clone per request",
-                  "baseline": f"baseline ({a.baseline})",
+                  "baseline": f"baseline build ({os.path.basename(a.baseline)})",
                   "SOCK": "host Python zygote, fork per request (SOCK)"}
-        load.plot(a.plot, f"tiny guest echo, {load.cores()} cores, {a.mem} MiB template",
+        load.plot(a.plot, f"{label}: fresh clone per request, {load.cores()} cores",
                   {labels[k]: v for k, v in series.items()})
 
 
 LINUX = "console=ttyS0 reboot=k panic=-1 quiet"
 PY_NOOP = "forkvm_examples:noop"
+# throughput's --guest: (label, the Linux runtime and root image, reply expected, the
+# SOCK zygote's handler)
+GUESTS = {
+    "tiny": ("tiny guest echo", None, None, None),
+    "c": ("C runtime echo (Linux)", ("forkvm-fn echo", None), None, None),
+    "python": ("Python no-op (Linux)", (f"python3 -m forkvm {PY_NOOP}", "python.ext4"), b"",
+               PY_NOOP),
+}
 
 
-def linux_vm(tmp, name, root=None, run=None, cmdline="", extra=()):
+def linux_vm(tmp, name, root=None, run=None, cmdline="", extra=(), vmm=None):
     """Spawns a 256 MiB Linux VM (initramfs, or `root` image as a read-only root) whose
-    init runs `run`; returns (process, socket, spawn time)."""
+    init runs `run` (with `vmm`, default this build's); returns (process, socket, spawn
+    time)."""
     sock = os.path.join(tmp, name + ".sock")
     if root:
         disk, cmdline = ["--rootfs", os.path.join(GUEST, root)], \
@@ -330,7 +352,7 @@ def linux_vm(tmp, name, root=None, run=None, cmdline="", extra=()):
     else:
         disk = ["--initrd", os.path.join(GUEST, "initramfs.cpio")]
     cmdline = f"{LINUX} {cmdline}" + (f' forkvm.run="{run}"' if run else "")
-    cmd = [VMM, "run", "--kernel", os.path.join(GUEST, "vmlinux"), *disk, "--mem-mib", "256",
+    cmd = [vmm or VMM, "run", "--kernel", os.path.join(GUEST, "vmlinux"), *disk, "--mem-mib", "256",
            "--cmdline", cmdline, "--console", sock + ".console", "--api-sock", sock, *extra]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -569,6 +591,8 @@ def main():
                     help="comma-separated client counts (auto: 1, 2, 4, ... 4x the cores)")
     tp.add_argument("--mem", type=int, default=256)
     tp.add_argument("--warm", type=int, default=8, help="warm clones of the template")
+    tp.add_argument("--guest", choices=["tiny", "c", "python"], default="tiny",
+                    help="tiny guest echo, C runtime echo, or Python no-op (Linux, 256 MiB)")
     tp.add_argument("--baseline", help="another build's vmm binary, run beside this one")
     tp.add_argument("--plot", help="draw invocations/s against clients to this PNG")
     rt = sub.add_parser("runtimes")

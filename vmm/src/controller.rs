@@ -275,7 +275,13 @@ impl Vmm {
                 }
                 // As a request whose clone failed to start is answered (503 when the
                 // host ran short of something).
-                OrphanEnd::NotStarted(e) => crate::api::invoke::refuse(&o.conn.into(), e),
+                OrphanEnd::NotStarted(why) => {
+                    let e = crate::cloning::CloneError::NoneStarted {
+                        reason: why.reason,
+                        errno: why.errno,
+                    };
+                    crate::api::invoke::refuse(&o.conn.into(), e)
+                }
             }
         }
     }

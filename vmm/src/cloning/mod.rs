@@ -61,7 +61,7 @@ pub use child::{
     ServeError, TakeHandover,
 };
 pub use request::{CloneError, Handover, CLONE_FAILED};
-pub use table::{CloneTable, Orphan, OrphanEnd};
+pub use table::{CloneTable, Orphan, OrphanEnd, StartFailure};
 pub use tree::{init as init_tree, report as tree_report, TreeFull};
 pub use warm::{WarmPool, REFILL_DELAY};
 pub use wire::{LaunchError, ReadyMark};
@@ -323,8 +323,12 @@ impl Cloner {
     /// callers answered once they are reaped).
     pub fn check_starts(&mut self) {
         for s in self.starting.take_ended() {
-            let failed = s.entered.as_ref().err().map(ToString::to_string);
-            if self.table.started(s.pid, s.entered, s.since_ns) {
+            let entered = s.entered.map_err(|why| table::StartFailure {
+                reason: why.to_string(),
+                errno: why.errno,
+            });
+            let failed = entered.as_ref().err().map(|why| why.reason.clone());
+            if self.table.started(s.pid, entered, s.since_ns) {
                 if let Some(why) = failed {
                     tracing::warn!("invocation clone (pid {}) failed: {why}", s.pid);
                     // Not reaped yet (the table still had it starting): its pid is its own.

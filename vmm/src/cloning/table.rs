@@ -13,8 +13,6 @@ use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 use super::cgroups::ClonePools;
-use super::wire::NotReady;
-use super::CloneError;
 
 /// How long a clone has to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(3);
@@ -26,13 +24,22 @@ const EXIT_TIMEOUT: Duration = Duration::from_secs(3);
 /// that runs for weeks does not hold every clone it ever made.
 pub const ENDED_KEPT: usize = 1024;
 
+/// Why a clone failed to start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartFailure {
+    /// What it said, or what became of it.
+    pub reason: String,
+    /// The host error number behind it (0: none).
+    pub errno: i32,
+}
+
 /// How an invocation's clone that ended without answering ended.
 #[derive(Debug)]
 pub enum OrphanEnd {
     /// It ended (how: "was killed by SIGKILL", "exited with status 1").
     Ended(String),
-    /// It failed to start ([`CloneError::NoneStarted`]: its reason and host error).
-    NotStarted(CloneError),
+    /// It failed to start.
+    NotStarted(StartFailure),
 }
 
 /// An invocation's clone that ended: its caller's stream, to be answered if the clone
@@ -62,7 +69,7 @@ pub struct CloneTable {
     /// controller, if the clone had not (`Cloner::take_orphans`).
     orphans: Vec<Orphan>,
     /// Why the clones of `transient` that failed to start did, until they are reaped.
-    not_started: HashMap<i32, NotReady>,
+    not_started: HashMap<i32, StartFailure>,
     /// Clones told to stop (SIGTERM) and not reaped yet, with when they get SIGKILL
     /// (None: sent).
     stopping: Vec<(i32, Option<Instant>)>,
@@ -103,7 +110,7 @@ impl CloneTable {
     pub(super) fn started(
         &mut self,
         pid: i32,
-        entered: Result<u64, NotReady>,
+        entered: Result<u64, StartFailure>,
         since_ns: u64,
     ) -> bool {
         let Some(c) =
@@ -118,7 +125,7 @@ impl CloneTable {
             }
             Err(why) => {
                 c.status = CloneStatus::Failed;
-                c.error = Some(why.to_string());
+                c.error = Some(why.reason.clone());
                 self.not_started.insert(pid, why);
             }
         }
@@ -189,10 +196,7 @@ impl CloneTable {
         }
         if let Some(conn) = self.transient.remove(&pid) {
             let end = match (self.not_started.remove(&pid), status) {
-                (Some(why), _) => OrphanEnd::NotStarted(CloneError::NoneStarted {
-                    reason: why.to_string(),
-                    errno: why.errno,
-                }),
+                (Some(why), _) => OrphanEnd::NotStarted(why),
                 (None, WaitStatus::Signaled(_, sig, _)) => {
                     OrphanEnd::Ended(format!("was killed by {sig}"))
                 }
@@ -457,8 +461,8 @@ mod tests {
         t.forget_when_reaped(6, Arc::new(b));
         // Clone 5 entered the guest 2 ms after its request.
         assert!(t.started(5, Ok(3_000_000), 1_000_000));
-        let why = NotReady {
-            reason: Some("cannot open its console: No space left on device".into()),
+        let why = StartFailure {
+            reason: "cannot open its console: No space left on device".into(),
             errno: libc::ENOSPC,
         };
         assert!(t.started(6, Err(why), 1_000_000));
@@ -487,8 +491,8 @@ mod tests {
         assert_eq!(orphans.len(), 2);
         match &orphans[0].end {
             OrphanEnd::NotStarted(e) => {
-                assert!(e.host_short(), "{e}");
-                assert!(e.to_string().contains("No space left"), "{e}");
+                assert_eq!(e.errno, libc::ENOSPC);
+                assert!(e.reason.contains("No space left"), "{e:?}");
             }
             other => panic!("{other:?}"),
         }

@@ -437,7 +437,14 @@ impl Drop for WarmPool {
 pub(super) struct Spares {
     /// The clone count when they were last made (None: never).
     made_at: Option<u32>,
+    /// When to try again, after a spare could not be made.
+    retry_at: Option<Instant>,
 }
+
+/// How long after a spare overlay file could not be made (its directory full, say) it
+/// is tried again, until the next clone request: room comes back when a clone's
+/// overlay goes, which is not waited for.
+const SPARE_RETRY: Duration = Duration::from_millis(500);
 
 impl Spares {
     /// Time until they are to be made (zero: now), None when none is to be made. They
@@ -452,7 +459,10 @@ impl Spares {
         warm: &WarmPool,
     ) -> Option<Duration> {
         if self.made_at == Some(made) {
-            return None;
+            let retry = self
+                .retry_at
+                .filter(|_| vm.devices().wants_spare_overlays());
+            return retry.map(|t| t.saturating_duration_since(Instant::now()));
         }
         let since = match made {
             0 if !is_clone => Duration::MAX,
@@ -464,10 +474,11 @@ impl Spares {
             .then(|| REFILL_DELAY.saturating_sub(since))
     }
 
-    /// Makes them.
+    /// Makes them (those that cannot be made are tried again [`SPARE_RETRY`] later).
     pub(super) fn make(&mut self, vm: &Microvm, made: u32) {
         self.made_at = Some(made);
-        vm.devices().make_spare_overlays();
+        let made_all = vm.devices().make_spare_overlays();
+        self.retry_at = (!made_all).then(|| Instant::now() + SPARE_RETRY);
     }
 }
 

@@ -95,8 +95,10 @@ impl DeviceManager {
     /// Makes each writable disk's spare overlay file for the next clone (off the clone
     /// path; the file is made without holding the overlay, and an overlay its worker
     /// holds is skipped rather than waited for: its next clone makes its own file). A
-    /// failure is logged, with the same effect.
-    pub fn make_spare_overlays(&self) {
+    /// failure is logged, with the same effect, and the answer is false (try again
+    /// later: a full directory may have room once a clone's overlay is gone).
+    pub fn make_spare_overlays(&self) -> bool {
+        let mut made_all = true;
         for o in self.overlays.iter().flatten() {
             let Some((dir, size)) = o.try_lock().ok().and_then(|o| o.wants_spare()) else {
                 continue;
@@ -107,9 +109,13 @@ impl DeviceManager {
                         o.set_spare(f);
                     }
                 }
-                Err(e) => tracing::warn!("spare overlay file: {e}"),
+                Err(e) => {
+                    tracing::warn!("spare overlay file: {e}");
+                    made_all = false;
+                }
             }
         }
+        made_all
     }
 
     /// Descriptors of the open disk images (kept open across fork for clones).

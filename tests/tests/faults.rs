@@ -215,11 +215,7 @@ fn an_invocation_whose_clone_cannot_start_is_answered_with_the_reason_and_the_te
         let mut vm = Vm::start_at(&scratch, &sock, &console, &args, |_| {});
         vm.wait_console("tiny: invoke ready\n", BOOT);
         vm.wait_api(BOOT);
-        let start = Instant::now();
-        while !vm.waits_as_template() {
-            assert!(start.elapsed() < BOOT, "the template did not pause");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        tests::wait_until("the template to pause", BOOT, || vm.waits_as_template());
         let pid = vm.child.id();
         let invoke = || {
             let options = api_types::InvokeOptions::default();

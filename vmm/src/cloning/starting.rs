@@ -56,10 +56,11 @@ impl Starting {
     /// The descriptor that is readable while a watched pipe has something to read;
     /// made on the first call. Until it is asked for, nothing is watched.
     pub fn fd(&mut self) -> std::io::Result<RawFd> {
-        if self.epoll.is_none() {
-            self.epoll = Some(Epoll::new()?);
-        }
-        Ok(self.epoll.as_ref().map_or(-1, |e| e.as_raw_fd()))
+        let epoll = match &self.epoll {
+            Some(e) => e,
+            None => self.epoll.insert(Epoll::new()?),
+        };
+        Ok(epoll.as_raw_fd())
     }
 
     /// Watches the ready pipe `ready` of clone `pid`, requested at `since_ns`; gives it

@@ -74,9 +74,29 @@ pub fn objects<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<V
 }
 use serde::{Deserialize, Serialize};
 
-/// The body of every error answer: `{"error": "message"}`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+/// The body of every error answer: `{"error": "message"}`, and for an invocation that
+/// ended without a reply, what its handler printed until then when the runtime kept it
+/// (`logs`, `logs_dropped`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct ErrorBody {
     /// What went wrong, for a person to read.
     pub error: String,
+    /// An invocation that timed out or whose guest stopped: what the handler wrote to
+    /// its output until then (its last 64 KiB, UTF-8), from the runtime's live log in
+    /// the mailbox (docs/invoke.md, "The live log"). Absent when the runtime kept none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logs: Option<String>,
+    /// With `logs`: bytes of output dropped before them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logs_dropped: Option<u64>,
+}
+
+impl ErrorBody {
+    /// An error answer's body with `error` alone.
+    pub fn new(error: impl Into<String>) -> Self {
+        Self {
+            error: error.into(),
+            ..Self::default()
+        }
+    }
 }

@@ -52,6 +52,13 @@ pub const FLAG_KEEP_ALIVE: u32 = 1;
 pub const FLAG_ADOPT_NET: u32 = 2;
 /// Bytes of fresh host entropy in every request header.
 pub const ENTROPY_BYTES: usize = 32;
+/// "FKLG": a live log header, at [`MailboxWindow::live_log_offset`].
+pub const LIVE_LOG_MAGIC: u32 = u32::from_le_bytes(*b"FKLG");
+/// The live log region's size (header and text), at the mailbox's end.
+pub const LIVE_LOG_REGION: usize = 64 << 10;
+/// The live log header's size: magic (u32), text length (u32), the request's sequence
+/// (u64), bytes dropped before the text (u64).
+pub const LIVE_LOG_HEADER: usize = 24;
 
 /// Where the mailbox is in guest-physical memory and how large it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,6 +89,13 @@ impl MailboxWindow {
     /// The largest payload a request or reply may carry.
     pub fn capacity(&self) -> usize {
         (self.size as usize).saturating_sub(HEADER_BYTES)
+    }
+
+    /// Where a runtime may keep the running invocation's live log: the mailbox's last
+    /// [`LIVE_LOG_REGION`] bytes; None for a mailbox smaller than twice that.
+    pub fn live_log_offset(&self) -> Option<usize> {
+        let size = self.size as usize;
+        (size >= 2 * LIVE_LOG_REGION).then(|| size - LIVE_LOG_REGION)
     }
 
     fn at(&self, offset: usize) -> GuestAddress {
@@ -282,6 +296,43 @@ pub fn read_reply<M: GuestMemory>(
     Ok((header, payload))
 }
 
+/// What a runtime printed during an invocation that ended without a reply, from its
+/// live log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveLog {
+    /// The text's last bytes (UTF-8, lossily: the cut may split a character).
+    pub text: String,
+    /// Bytes dropped before them.
+    pub dropped: u64,
+}
+
+/// The live log the runtime kept for request `sequence` (the runtime writes it while the
+/// handler runs, when it captures the handler's output): None when there is none, it is
+/// another request's, or its header is not whole. Read while the runtime may still be
+/// writing, so its text is what was written by then.
+pub fn read_live_log<M: GuestMemory>(
+    mem: &M,
+    window: MailboxWindow,
+    sequence: u64,
+) -> Option<LiveLog> {
+    let offset = window.live_log_offset()?;
+    let mut h = [0u8; LIVE_LOG_HEADER];
+    mem.read_slice(&mut h, window.at(offset)).ok()?;
+    let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
+    if u32_at(0) != LIVE_LOG_MAGIC || u64_at(8) != sequence {
+        return None;
+    }
+    let length = (u32_at(4) as usize).min(LIVE_LOG_REGION - LIVE_LOG_HEADER);
+    let mut text = vec![0u8; length];
+    mem.read_slice(&mut text, window.at(offset + LIVE_LOG_HEADER))
+        .ok()?;
+    Some(LiveLog {
+        text: String::from_utf8_lossy(&text).into_owned(),
+        dropped: u64_at(16),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -407,6 +458,35 @@ mod tests {
         assert_eq!(
             read_reply(&m, MailboxWindow::default(), 0).unwrap_err(),
             ReplyError::NoMailbox
+        );
+    }
+
+    #[test]
+    fn a_live_log_is_read_only_for_its_own_request() {
+        let (m, w) = mem(256 << 10);
+        let at = GuestAddress(MAILBOX_START + (w.live_log_offset().unwrap()) as u64);
+        assert_eq!(w.live_log_offset(), Some((256 << 10) - LIVE_LOG_REGION));
+        assert_eq!(read_live_log(&m, w, 1), None, "none written");
+        let mut h = [0u8; LIVE_LOG_HEADER];
+        h[0..4].copy_from_slice(b"FKLG");
+        h[4..8].copy_from_slice(&5u32.to_le_bytes());
+        h[8..16].copy_from_slice(&3u64.to_le_bytes());
+        h[16..24].copy_from_slice(&7u64.to_le_bytes());
+        m.write_slice(&h, at).unwrap();
+        m.write_slice(b"hello, more", GuestAddress(at.0 + LIVE_LOG_HEADER as u64))
+            .unwrap();
+        let log = read_live_log(&m, w, 3).unwrap();
+        assert_eq!((log.text.as_str(), log.dropped), ("hello", 7));
+        assert_eq!(read_live_log(&m, w, 4), None, "another request's");
+        // A length past the region is cut to it.
+        h[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        m.write_slice(&h, at).unwrap();
+        let log = read_live_log(&m, w, 3).unwrap();
+        assert_eq!(log.text.len(), LIVE_LOG_REGION - LIVE_LOG_HEADER);
+        assert_eq!(
+            MailboxWindow::of_size(64 << 10).live_log_offset(),
+            None,
+            "too small"
         );
     }
 }

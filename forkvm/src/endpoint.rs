@@ -188,11 +188,19 @@ fn answer(a: Answer) -> Result<Reply, Error> {
             stretched_us: us(api_types::invoke::HEADER_STRETCHED_US),
             body: a.body,
         }),
-        Some(Ok(outcome)) => Err(Error::Invocation {
-            outcome,
-            status: a.status,
-            message: a.error_text(),
-        }),
+        Some(Ok(outcome)) => {
+            let body = a.error_body();
+            Err(Error::Invocation {
+                outcome,
+                status: a.status,
+                message: body.error,
+                clone_id: (a.header(api_types::invoke::HEADER_CLONE_ID))
+                    .unwrap_or("")
+                    .into(),
+                logs: body.logs,
+                logs_dropped: body.logs_dropped.unwrap_or(0),
+            })
+        }
         Some(Err(e)) => Err(Error::Protocol(e)),
         None => Err(refusal(&a)),
     }

@@ -41,6 +41,14 @@ pub enum Error {
         status: u16,
         /// The VMM's error text (the runtime's, and the clone's console tail).
         message: String,
+        /// The clone that ran it (`x-forkvm-clone-id`; empty when the VMM did not say).
+        clone_id: String,
+        /// For an invocation that timed out or whose guest stopped: what the handler
+        /// printed until then (its last 64 KiB), when the runtime kept a live log of
+        /// it (a Python function loaded with `Load::logs`).
+        logs: Option<String>,
+        /// With `logs`: bytes of output dropped before them.
+        logs_dropped: u64,
     },
     /// The VMM failed the request for want of host resources, or a host failure (5xx
     /// before any guest was involved).

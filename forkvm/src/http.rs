@@ -27,9 +27,14 @@ impl Answer {
 
     /// The error text of a JSON error body (or the body as text).
     pub fn error_text(&self) -> String {
-        serde_json::from_slice::<api_types::ErrorBody>(&self.body)
-            .map(|e| e.error)
-            .unwrap_or_else(|_| String::from_utf8_lossy(&self.body).into_owned())
+        self.error_body().error
+    }
+
+    /// The JSON error body (or one whose error is the body as text).
+    pub fn error_body(&self) -> api_types::ErrorBody {
+        serde_json::from_slice::<api_types::ErrorBody>(&self.body).unwrap_or_else(|_| {
+            api_types::ErrorBody::new(String::from_utf8_lossy(&self.body).into_owned())
+        })
     }
 }
 

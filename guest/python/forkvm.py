@@ -120,18 +120,62 @@ LOG_LIMIT = 64 << 10
 _options = {"logs": False}
 # The running invocation's log, when it has one.
 _current_log = None
+# The live log (docs/invoke.md, "Logs"): the running invocation's output so far, kept
+# at the mailbox's end as it is printed, so that the VMM can answer with it when the
+# invocation ends without a reply (past the VMM's own time limit, the guest stopped).
+# Its header: magic, text length (u32), the request's sequence (u64), bytes dropped
+# before the text (u64).
+LIVE_MAGIC = b"FKLG"
+LIVE_REGION = 64 << 10
+LIVE_HEADER = 24
+
+
+class _Live:
+    """The live log of request ``sequence`` in the ``LIVE_REGION`` bytes at address
+    ``base``: the header, then the output's last bytes."""
+
+    def __init__(self, base, sequence):
+        self.base = base
+        self.used = 0
+        self.dropped = 0
+        head = LIVE_MAGIC + bytes(4) + sequence.to_bytes(8, "little") + bytes(8)
+        ctypes.memmove(base, head, LIVE_HEADER)
+
+    def write(self, data):
+        room = LIVE_REGION - LIVE_HEADER
+        text = self.base + LIVE_HEADER
+        if len(data) >= room:
+            self.dropped += self.used + len(data) - room
+            data = data[len(data) - room:]
+            self.used = 0
+        elif self.used + len(data) > room:
+            keep = room - len(data)
+            ctypes.memmove(text, text + self.used - keep, keep)
+            self.dropped += self.used - keep
+            self.used = keep
+        ctypes.memmove(text + self.used, data, len(data))
+        self.used += len(data)
+        ctypes.c_uint64.from_address(self.base + 16).value = self.dropped
+        ctypes.c_uint32.from_address(self.base + 4).value = self.used
 
 
 class _Log:
     """One invocation's output: its last ``LOG_LIMIT`` characters, and how many more
-    were dropped before them."""
+    were dropped before them; with ``live_at`` (an address and the request's sequence),
+    also its live log there, begun at the first write."""
 
-    def __init__(self):
+    def __init__(self, live_at=None):
         self.parts = []
         self.size = 0
         self.dropped = 0
+        self.live_at = live_at
+        self.live = None
 
     def write(self, text):
+        if self.live_at is not None:
+            if self.live is None:
+                self.live = _Live(*self.live_at)
+            self.live.write(text.encode("utf-8", "replace"))
         self.parts.append(text)
         self.size += len(text)
         while self.size > LOG_LIMIT:
@@ -265,12 +309,13 @@ def envelope(status, body, log, capacity):
     return out
 
 
-def call_with_logs(handler, event, timeout_ms, capacity):
+def call_with_logs(handler, event, timeout_ms, capacity, live_at=None):
     """Calls ``handler(event)`` with its output captured and a soft time limit; returns
     the envelope of its reply, its traceback, or its timeout, with its logs, in at
-    most ``capacity`` bytes."""
+    most ``capacity`` bytes. With ``live_at`` (an address and the request's sequence),
+    the output is also kept there as it is printed (``_Live``)."""
     global _current_log
-    log = _Log()
+    log = _Log(live_at)
     limit = _soft_limit_s(timeout_ms)
     _current_log = log
     try:
@@ -464,6 +509,11 @@ def serve(handler=None):
     capacity = ctypes.c_size_t()
     lib.forkvm_reply_buffer(ctypes.byref(capacity))
     capacity = capacity.value
+    # The live log's place: the mailbox's last LIVE_REGION bytes, in a mailbox of at
+    # least twice that (the header's 64 bytes come before the reply buffer).
+    live_base = None
+    if capacity + 64 >= 2 * LIVE_REGION:
+        live_base = lib.forkvm_reply_buffer(None) + capacity - LIVE_REGION
     req = Request()
     # Touch the serving path once in the template (not the handler): a clone then
     # finds it in memory, with no guest page fault on the way to the handler.
@@ -490,7 +540,11 @@ def serve(handler=None):
                 if _options["logs"]:
                     envelope("ok", out, _Log(), capacity)  # its path, touched
             elif _options["logs"]:
-                out = call_with_logs(handler, event, req.timeout_ms, capacity)
+                # A live log, unless the request's payload reaches into its place.
+                live_at = None
+                if live_base is not None and req.len <= capacity - LIVE_REGION:
+                    live_at = (live_base, req.sequence)
+                out = call_with_logs(handler, event, req.timeout_ms, capacity, live_at)
             else:
                 out = handler(event)
             out = _reply_bytes(out)

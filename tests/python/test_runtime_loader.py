@@ -302,6 +302,50 @@ class EnvAndLogs(unittest.TestCase):
         self.assertEqual(head["status"], "error")
         self.assertIn(b"a reply of 5000 bytes does not fit the mailbox", body)
 
+    def live(self, handler, event, sequence=7):
+        """Calls ``handler`` with a live log in a region of its own; returns the
+        envelope's logs and the region's header and text."""
+        import ctypes
+
+        region = ctypes.create_string_buffer(forkvm.LIVE_REGION)
+        base = ctypes.addressof(region)
+        _, _, logs = unpack(forkvm.call_with_logs(handler, event, 30000, 1 << 22,
+                                                  (base, sequence)))
+        raw = region.raw
+        head = (raw[0:4], int.from_bytes(raw[4:8], "little"),
+                int.from_bytes(raw[8:16], "little"), int.from_bytes(raw[16:24], "little"))
+        text = raw[forkvm.LIVE_HEADER:forkvm.LIVE_HEADER + head[1]].decode()
+        return logs, head, text
+
+    def test_the_live_log_holds_what_was_printed_as_it_was_printed(self):
+        handler = self.load()
+        logs, head, text = self.live(handler, b"x")
+        self.assertEqual(head[0], b"FKLG")
+        self.assertEqual(head[2], 7, "the request's sequence")
+        self.assertEqual(head[3], 0, "nothing dropped")
+        self.assertEqual(text, logs)
+        self.assertEqual(text, "got b'x'\nWARNING careful\ndone\n")
+
+    def test_the_live_log_keeps_the_last_bytes_and_counts_the_rest(self):
+        handler = self.load()
+        logs, head, text = self.live(handler, b"chatty", sequence=9)
+        room = forkvm.LIVE_REGION - forkvm.LIVE_HEADER
+        printed = len("got b'chatty'\n") + len("WARNING careful\n") + 11 * 8000 + len("done\n")
+        self.assertEqual((head[1], head[2]), (room, 9))
+        self.assertEqual(head[3], printed - room)
+        self.assertTrue(text.endswith("line 07999\ndone\n"), text[-40:])
+        self.assertTrue(logs.endswith(text), "the envelope's logs end as the live log")
+
+    def test_no_live_log_is_begun_by_a_handler_that_prints_nothing(self):
+        import ctypes
+
+        handler, _ = load({"source": "def handler(e):\n    return e\n", "logs": True})
+        region = ctypes.create_string_buffer(forkvm.LIVE_REGION)
+        forkvm.call_with_logs(handler, b"quiet", 30000, 1 << 22,
+                              (ctypes.addressof(region), 3))
+        self.assertEqual(region.raw[:forkvm.LIVE_HEADER], bytes(forkvm.LIVE_HEADER),
+                         "the mailbox is not written (no copy-on-write in a clone)")
+
     def test_output_outside_an_invocation_goes_to_the_original_stream(self):
         import io
 

@@ -228,6 +228,34 @@ fn install(scratch: &Scratch) -> PathBuf {
     prefix
 }
 
+/// The installed systemd unit's command (its `ExecStart=`), the program under
+/// `prefix`: the program and the options other than `--listen` and `--base-snapshot`
+/// (and their values), which the test sets itself (a free port, the test cache).
+fn unit_command(prefix: &std::path::Path) -> (PathBuf, Vec<String>) {
+    let unit = prefix.join("lib/systemd/system/forkvm-gateway.service");
+    let text = std::fs::read_to_string(&unit).expect("the installed unit");
+    let line = (text.lines())
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("ExecStart= in the unit");
+    let mut words = line.split_whitespace();
+    let program = words.next().expect("a program");
+    assert_eq!(program, "/usr/local/bin/forkvm-gateway", "{line}");
+    let mut args = Vec::new();
+    let (mut listen, mut snapshot) = (false, false);
+    while let Some(w) = words.next() {
+        match w {
+            "--listen" => listen = words.next().is_some(),
+            "--base-snapshot" => snapshot = words.next().is_some(),
+            _ => args.push(w.to_string()),
+        }
+    }
+    assert!(
+        listen && snapshot,
+        "the unit serves on an address from a snapshot: {line}"
+    );
+    (prefix.join("bin/forkvm-gateway"), args)
+}
+
 /// docs/getting-started.md's steps 3 to 5 against `gw`, with the page's own function
 /// (its `hello.json`) and requests: deploy, invoke, read the logs; its secret in none
 /// of the answers. Deletes the function after.
@@ -270,7 +298,7 @@ fn getting_started(gw: &Gateway) {
 const HELLO: &str = "import json\n\ndef handler(event):\n    name = json.loads(event or b'{}').get('name', 'world')\n    return json.dumps({'hello': name})\n";
 
 /// Prints, logs and uses its environment and a secret: ends as the event says.
-const TALK: &str = "import logging, os\n\ndef handler(event):\n    token = os.environ['TOKEN']\n    print('printing', event.decode())\n    logging.warning('token is %s', token)\n    if event == b'raise':\n        print('about to raise')\n        raise ValueError('bad token ' + token)\n    if event == b'loop':\n        print('looping')\n        while True:\n            pass\n    return '%s %d' % (os.environ['GREETING'], len(token))\n";
+const TALK: &str = "import logging, os, signal, time\n\ndef handler(event):\n    token = os.environ['TOKEN']\n    print('printing', event.decode())\n    logging.warning('token is %s', token)\n    if event == b'raise':\n        print('about to raise')\n        raise ValueError('bad token ' + token)\n    if event == b'loop':\n        print('looping')\n        while True:\n            pass\n    if event == b'hang':\n        print('hanging with', token)\n        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])\n        time.sleep(60)\n    return '%s %d' % (os.environ['GREETING'], len(token))\n";
 
 /// TALK's secret.
 const TOKEN: &str = "tok-5ecret-77";
@@ -394,6 +422,25 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     );
     let a = gw.invoke("talk", "loop");
     assert_eq!(a.status, 504, "{}", a.body);
+    // One the runtime cannot interrupt (SIGALRM blocked) meets the VMM's own limit: its
+    // answer and its log entry still hold what it printed, from the runtime's live log
+    // in the mailbox, and the clone that ran it.
+    let a = gw.send("POST", "/functions/talk?logs=true", "hang");
+    assert_eq!(a.status, 504, "{}", a.body);
+    let v = json(&a);
+    let printed =
+        "printing hang\nWARNING:root:token is [secret TOKEN]\nhanging with [secret TOKEN]\n";
+    assert_eq!(v["logs"], printed, "{}", a.body);
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("did not reply in time"),
+        "{}",
+        a.body
+    );
+    let hung = v["invocation"].as_str().unwrap().to_string();
+    assert!(!hung.is_empty(), "{}", a.body);
     let a = gw.send("GET", "/functions/talk/logs", "");
     assert_eq!(a.status, 200, "{}", a.body);
     let entries = json(&a);
@@ -402,12 +449,14 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
         .collect();
     assert_eq!(
         outcomes,
-        ["timeout", "handler_error", "ok", "ok"],
+        ["timeout", "timeout", "handler_error", "ok", "ok"],
         "{}",
         a.body
     );
-    assert!(entries[0]["logs"].as_str().unwrap().ends_with("looping\n"));
-    assert!(entries[1]["logs"]
+    assert_eq!(entries[0]["logs"], printed, "{}", a.body);
+    assert_eq!(entries[0]["invocation"], hung.as_str(), "{}", a.body);
+    assert!(entries[1]["logs"].as_str().unwrap().ends_with("looping\n"));
+    assert!(entries[2]["logs"]
         .as_str()
         .unwrap()
         .contains("about to raise\n"));
@@ -445,7 +494,7 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     );
     let talk = &listed[6];
     assert_eq!(talk["env"], serde_json::json!({"GREETING": "hello"}));
-    assert_eq!(talk["invocations"], 4);
+    assert_eq!(talk["invocations"], 5);
     let ok = gw.metric(r#"forkvm_invocations_total{function="hello",outcome="ok"}"#);
     assert_eq!(ok, 9.0);
     assert_eq!(
@@ -460,15 +509,19 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
         gw.metric(r#"forkvm_invocations_total{function="talk",outcome="ok"}"#),
         2.0
     );
-    // hello 9, talk 4, b64, shout2, div and slow 1 each; 13 answered ok; the guest's
-    // errors: div, slow, talk's two and the deployment that did not load.
+    assert_eq!(
+        gw.metric(r#"forkvm_invocations_total{function="talk",outcome="timeout"}"#),
+        2.0
+    );
+    // hello 9, talk 5, b64, shout2, div and slow 1 each; 13 answered ok; the guest's
+    // errors: div, slow, talk's three and the deployment that did not load.
     assert_eq!(
         gw.metric(r#"forkvm_cache_hits_total{tier="function"}"#),
-        17.0
+        18.0
     );
     assert_eq!(gw.metric("forkvm_invocation_duration_seconds_count"), 13.0);
-    assert_eq!(gw.metric("forkvm_clones_total"), 17.0);
-    assert_eq!(gw.metric(r#"forkvm_errors_total{kind="guest"}"#), 5.0);
+    assert_eq!(gw.metric("forkvm_clones_total"), 18.0);
+    assert_eq!(gw.metric(r#"forkvm_errors_total{kind="guest"}"#), 6.0);
     assert!(gw.metric("forkvm_template_memory_bytes") > 0.0);
     assert_eq!(gw.send("DELETE", "/functions/hello", "").status, 204);
     assert_eq!(gw.invoke("hello", "").status, 404);
@@ -491,18 +544,21 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     assert!(vmms.iter().all(|&p| gone(p)), "VMMs left: {vmms:?}");
 
     // Started again, installed: `make install-files` (as `make install`, from this
-    // build) into a scratch tree, the gateway started from there with no --kernel or
-    // --rootfs: it finds vmm beside itself and the guest images in share/forkvm, and
-    // its base template is restored from the snapshot (saved by the first start of these
-    // sources; the installed files are the same bytes), not booted.
+    // build) into a scratch tree, the gateway started from there as the installed
+    // systemd unit starts it (its ExecStart: no --kernel or --rootfs; a free port and
+    // the test cache's snapshot for its address and directory). It finds vmm beside
+    // itself and the guest images in share/forkvm, and its base template is restored
+    // from the snapshot (saved by the first start of these sources; the installed files
+    // are the same bytes), not booted.
     let first = gw.log();
     assert!(
         first.contains("base template restored from") || first.contains("base template saved in"),
         "{first}"
     );
     let prefix = install(&scratch);
-    let program = prefix.join("bin/forkvm-gateway");
-    let mut gw = Gateway::start_program(&scratch, &program, &[], &guest.2, "again");
+    let (program, unit_args) = unit_command(&prefix);
+    let unit_args: Vec<&str> = unit_args.iter().map(String::as_str).collect();
+    let mut gw = Gateway::start_program(&scratch, &program, &unit_args, &guest.2, "again");
     let log = gw.log();
     assert!(log.contains("base template restored from"), "{log}");
     assert!(!log.contains("booting the base template"), "{log}");

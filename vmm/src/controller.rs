@@ -147,8 +147,10 @@ impl Vmm {
             (ConsoleSink::File(path), _) => crate::api::invoke::console_tail(path),
             _ => None,
         };
+        let logs = self.invoker.live_log(self.vm.memory(), &f);
         let socket = self.vm.config().api_sock.clone().unwrap_or_default();
-        if let Err(e) = crate::api::invoke::answer(&f, self.clones.clone_id(), &socket, console) {
+        let id = self.clones.clone_id();
+        if let Err(e) = crate::api::invoke::answer(&f, id, &socket, console, logs) {
             tracing::warn!("cannot answer the invocation's caller: {e}");
         }
         tracing::info!(

@@ -39,10 +39,11 @@ use std::time::{Duration, Instant};
 
 use api_types::invoke::{InvokeOptions, InvokeReport, Outcome};
 use api_types::vm::VmState;
+pub use devices::mailbox::LiveLog;
 use devices::mailbox::{
-    read_reply, runtime_features, write_request, MailboxWindow, ReplyError, ReplyStatus,
-    RequestHeader, ENTROPY_BYTES, FEATURE_LOAD, FEATURE_PRIME, FLAG_ADOPT_NET, FLAG_KEEP_ALIVE,
-    KIND_INVOKE, KIND_LOAD, KIND_PRIME,
+    read_live_log, read_reply, runtime_features, write_request, MailboxWindow, ReplyError,
+    ReplyStatus, RequestHeader, ENTROPY_BYTES, FEATURE_LOAD, FEATURE_PRIME, FLAG_ADOPT_NET,
+    FLAG_KEEP_ALIVE, KIND_INVOKE, KIND_LOAD, KIND_PRIME,
 };
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
@@ -214,6 +215,8 @@ struct InFlight {
     primed: bool,
     /// Its timer deferral, stretched by its vCPU's waits for a host CPU.
     stretch: Option<Stretch>,
+    /// Its sequence number in the request header.
+    sequence: u64,
 }
 
 /// Microseconds spent, for the answer's headers.
@@ -251,6 +254,8 @@ pub struct Finished {
     /// Whether the VM is now a template (a load request, answered ok): it pauses when
     /// its runtime waits again.
     pub derived: bool,
+    /// The request's sequence number (0: it was never delivered).
+    pub sequence: u64,
 }
 
 /// One VM's invocation side.
@@ -552,6 +557,7 @@ impl Invoker {
             derive: d.derive,
             primed: false,
             stretch: None,
+            sequence: self.started,
         });
         handle.resume()?;
         self.watch_deferral(vm, false);
@@ -607,6 +613,7 @@ impl Invoker {
             derive: d.derive,
             primed,
             stretch: None,
+            sequence: 1,
         });
         Ok(me)
     }
@@ -629,6 +636,7 @@ impl Invoker {
             vcpu: vcpu.unwrap_or(f.vcpu),
             primed: f.primed,
             derived: f.derive && outcome == Outcome::Ok,
+            sequence: f.sequence,
         })
     }
 
@@ -652,6 +660,17 @@ impl Invoker {
             self.template = true;
         }
         Some(f)
+    }
+
+    /// What the runtime printed during `f`, when it ended without a reply (its time
+    /// limit passed, the guest stopped) and the runtime kept a live log of it in the
+    /// mailbox (docs/invoke.md, "Logs").
+    pub fn live_log(&self, mem: &GuestMemoryMmap, f: &Finished) -> Option<LiveLog> {
+        let replied = matches!(f.outcome, Outcome::Ok | Outcome::HandlerError);
+        if replied || f.sequence == 0 {
+            return None;
+        }
+        read_live_log(mem, self.window, f.sequence)
     }
 
     /// Time until the invocation in flight or a held one times out, or the runtime is
@@ -726,6 +745,7 @@ fn unserved(inv: Invocation, outcome: Outcome, text: &str) -> Finished {
         vcpu: 0,
         primed: false,
         derived: false,
+        sequence: 0,
     }
 }
 

@@ -425,10 +425,35 @@ pub async fn invoke(
             g.count_error(&e);
             let Failure(status, text) = failure_of(&e);
             let text = redact(&text, secrets);
-            if let Error::Invocation { outcome, .. } = &e {
-                // What the VMM says (with the console's tail): the runtime could not
-                // answer with its logs.
-                g.logs.push(&name, entry(outcome.as_str(), &text));
+            if let Error::Invocation {
+                outcome,
+                clone_id,
+                logs,
+                logs_dropped,
+                ..
+            } = &e
+            {
+                // The VMM ended it (its time limit passed, the guest stopped): what the
+                // handler printed until then, from the runtime's live log, or else
+                // what the VMM says (with the console's tail).
+                let entry = LogEntry {
+                    invocation: clone_id.clone(),
+                    at_ms: now_ms(),
+                    outcome: outcome.as_str().into(),
+                    logs: (logs.as_deref()).map_or_else(|| text.clone(), |l| redact(l, secrets)),
+                    logs_dropped: *logs_dropped,
+                };
+                if want_logs {
+                    let body = serde_json::json!({
+                        "invocation": clone_id,
+                        "error": text,
+                        "logs": entry.logs,
+                        "logs_dropped": entry.logs_dropped,
+                    });
+                    g.logs.push(&name, entry);
+                    return Ok((status, Json(body)).into_response());
+                }
+                g.logs.push(&name, entry);
             }
             return Err(Failure(status, text));
         }
@@ -493,18 +518,6 @@ fn logs_asked(query: Option<&str>) -> Result<bool, Failure> {
         };
     }
     Ok(logs)
-}
-
-/// A log entry for an invocation the VMM failed (`text`: its error, redacted; the
-/// clone's id is not in the VMM's error answer).
-fn entry(outcome: &str, text: &str) -> LogEntry {
-    LogEntry {
-        invocation: String::new(),
-        at_ms: now_ms(),
-        outcome: outcome.into(),
-        logs: text.to_string(),
-        logs_dropped: 0,
-    }
 }
 
 /// The `x-forkvm-*` headers of an answer from `reply`'s clone.

@@ -15,7 +15,7 @@ use api_types::ErrorBody;
 
 use super::http::{self, write_response_with};
 use super::ApiReply;
-use crate::invoke::{Finished, Invocation};
+use crate::invoke::{Finished, Invocation, LiveLog};
 
 /// How long the VM that ran the handler may take to write the answer to the caller.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -57,12 +57,14 @@ pub fn console_tail(path: &Path) -> Option<String> {
 
 /// Answers the caller of the finished invocation `f`, run in the VM with clone id
 /// `clone_id` serving on `socket`; an error answer quotes `console` (the VM's console
-/// tail) when given.
+/// tail) when given, and carries `logs` (what the handler printed, for an invocation
+/// that ended without a reply) when given.
 pub fn answer(
     f: &Finished,
     clone_id: &str,
     socket: &Path,
     console: Option<String>,
+    logs: Option<LiveLog>,
 ) -> std::io::Result<()> {
     let t = f.timings;
     let headers = [
@@ -97,7 +99,12 @@ pub fn answer(
         error.push_str("\n--- console tail ---\n");
         error.push_str(&tail);
     }
-    let body = serde_json::to_vec(&ErrorBody { error }).unwrap_or_default();
+    let body = ErrorBody {
+        error,
+        logs_dropped: logs.as_ref().map(|l| l.dropped),
+        logs: logs.map(|l| l.text),
+    };
+    let body = serde_json::to_vec(&body).unwrap_or_default();
     let kind = Some("application/json");
     done(write_response_with(
         stream,
@@ -138,8 +145,9 @@ pub fn answer_orphan(conn: crate::invoke::Connection, clone_id: &str, how: &str)
         vcpu: 0,
         primed: false,
         derived: false,
+        sequence: 0,
     };
-    if answer(&f, clone_id, Path::new(""), None).is_ok() {
+    if answer(&f, clone_id, Path::new(""), None, None).is_ok() {
         tracing::warn!("clone {clone_id} {how} without answering its invocation: answered 502");
     }
 }
@@ -166,12 +174,29 @@ mod tests {
             vcpu: 0,
             primed: true,
             derived: false,
+            sequence: 1,
         };
         (f, theirs)
     }
 
     fn answered(f: Finished, them: UnixStream, console: Option<&str>) -> http::Response {
-        answer(&f, "4", Path::new("/tmp/s.4"), console.map(String::from)).unwrap();
+        answered_with(f, them, console, None)
+    }
+
+    fn answered_with(
+        f: Finished,
+        them: UnixStream,
+        console: Option<&str>,
+        logs: Option<LiveLog>,
+    ) -> http::Response {
+        answer(
+            &f,
+            "4",
+            Path::new("/tmp/s.4"),
+            console.map(String::from),
+            logs,
+        )
+        .unwrap();
         drop(f);
         http::read_response(them).unwrap()
     }
@@ -206,6 +231,23 @@ mod tests {
             "{}",
             e.error
         );
+        assert_eq!((e.logs, e.logs_dropped), (None, None), "no live log");
+        assert!(!r.body.contains("logs"), "{}", r.body);
+    }
+
+    #[test]
+    fn a_timeout_carries_the_handlers_live_log() {
+        let (f, them) = finished(Outcome::Timeout, b"the handler did not reply in time");
+        let log = LiveLog {
+            text: "step 1\nstep 2\n".into(),
+            dropped: 12,
+        };
+        let r = answered_with(f, them, None, Some(log));
+        assert_eq!(r.status, 504);
+        let e: ErrorBody = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(e.error, "the handler did not reply in time");
+        assert_eq!(e.logs.as_deref(), Some("step 1\nstep 2\n"));
+        assert_eq!(e.logs_dropped, Some(12));
     }
 
     #[test]

@@ -59,9 +59,7 @@ impl ApiReply {
 
     /// An error status with an [`ErrorBody`].
     pub fn error(status: u16, message: impl std::fmt::Display) -> Self {
-        let body = ErrorBody {
-            error: message.to_string(),
-        };
+        let body = ErrorBody::new(message.to_string());
         Self {
             status,
             body: serde_json::to_string(&body).ok(),

@@ -1,6 +1,9 @@
 //! virtio-blk: a disk image backed by a host file, served by the transport's worker
 //! thread. Read-only, or writable through a private copy-on-write [`overlay`] (the
-//! image itself is never written).
+//! image itself is never written). A **disk slot** is a disk with no medium (0
+//! sectors, every read an I/O error) into which a clone's VMM inserts an image as it
+//! makes the clone ([`Medium::Inserted`]); the guest learns of it from a
+//! configuration-change interrupt (`MmioTransport::notify_config_change`).
 
 pub mod overlay;
 
@@ -75,10 +78,21 @@ pub struct BlockState {
     pub writable: bool,
 }
 
+/// The medium a restored disk is made with.
+pub enum Medium {
+    /// The saved disk's own image, open (a clone's inherited descriptor): it must be
+    /// as large as the saved one.
+    Saved(File),
+    /// None: a disk slot left empty (the saved one must have been empty too).
+    Empty,
+    /// A new image for a disk slot, of any whole number of sectors, read-only.
+    Inserted(File),
+}
+
 /// What a disk is made with.
 pub struct BlockArgs {
-    /// The image, open (a clone's inherited descriptor).
-    pub file: File,
+    /// Its medium.
+    pub medium: Medium,
     /// The image's name in errors.
     pub shown: String,
     /// The writable disk's overlay (a clone's copy of its parent's).
@@ -108,14 +122,29 @@ impl Persist for Block {
         }
     }
 
-    /// The disk over `args.file`, which must be as large as the saved one, writable
-    /// (with an overlay) if it was.
+    /// The disk over `args.medium`: the saved image, which must be as large as the
+    /// saved one and writable (with an overlay) if it was; an empty slot, which must
+    /// have been empty; or a new read-only image inserted into a slot.
     fn restore(args: BlockArgs, state: &BlockState) -> Result<Self, BlockError> {
-        let block = Self::from_file(args.file, &args.shown, &state.id)?;
         let changed = |why: String| BlockError::Changed {
             path: args.shown.clone(),
             why,
         };
+        let file = match args.medium {
+            Medium::Saved(file) => file,
+            Medium::Empty if state.sectors == 0 && !state.writable => {
+                return Ok(Self::empty(&state.id).with_rate_limit(args.limit));
+            }
+            Medium::Empty => return Err(changed("the saved disk had a medium".into())),
+            Medium::Inserted(file) => {
+                if args.overlay.is_some() || state.writable {
+                    return Err(changed("an inserted medium is read-only".into()));
+                }
+                let block = Self::from_file(file, &args.shown, &state.id)?;
+                return Ok(block.with_rate_limit(args.limit));
+            }
+        };
+        let block = Self::from_file(file, &args.shown, &state.id)?;
         if block.sectors != state.sectors {
             return Err(changed(format!(
                 "{} sectors, the saved disk had {}",
@@ -143,9 +172,11 @@ struct RequestHeader {
 // SAFETY: plain old data with no padding (u32, u32, u64), valid for any bit pattern.
 unsafe impl ByteValued for RequestHeader {}
 
-/// A virtio-blk device: read-only, or writable through an overlay.
+/// A virtio-blk device: read-only, or writable through an overlay; or a disk slot
+/// with no medium.
 pub struct Block {
-    file: Arc<File>,
+    /// The medium (None: an empty slot, of 0 sectors).
+    file: Option<Arc<File>>,
     overlay: Option<Arc<Mutex<Overlay>>>,
     sectors: u64,
     id: [u8; ID_BYTES],
@@ -181,18 +212,26 @@ impl Block {
                 size,
             });
         }
+        let mut block = Self::empty(id);
+        block.file = Some(Arc::new(file));
+        block.sectors = size / SECTOR_SIZE;
+        Ok(block)
+    }
+
+    /// A disk slot with no medium: 0 sectors, read-only; `id` as in [`Block::open`].
+    pub fn empty(id: &str) -> Self {
         let mut idb = [0u8; ID_BYTES];
         let n = id.len().min(ID_BYTES);
         idb[..n].copy_from_slice(&id.as_bytes()[..n]);
-        Ok(Self {
-            file: Arc::new(file),
-            sectors: size / SECTOR_SIZE,
+        Self {
+            file: None,
+            sectors: 0,
             id: idb,
             queue_sizes: [QUEUE_SIZE],
             limit: None,
             stats: Arc::default(),
             overlay: None,
-        })
+        }
     }
 
     /// Makes the disk writable: writes go to `overlay`, never to the image.
@@ -223,9 +262,10 @@ impl Block {
         self.sectors
     }
 
-    /// The open image (a clone keeps this descriptor instead of opening the file again).
-    pub fn file(&self) -> &File {
-        &self.file
+    /// The open image (a clone keeps this descriptor instead of opening the file again);
+    /// None for an empty slot.
+    pub fn file(&self) -> Option<&File> {
+        self.file.as_deref()
     }
 }
 
@@ -292,7 +332,7 @@ impl VirtioDevice for Block {
 }
 
 struct Worker {
-    file: Arc<File>,
+    file: Option<Arc<File>>,
     overlay: Option<Arc<Mutex<Overlay>>>,
     sectors: u64,
     id: [u8; ID_BYTES],
@@ -309,7 +349,7 @@ struct Worker {
 /// disk of `sectors`; hands the queue back.
 #[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz_process(
-    file: Arc<File>,
+    file: Option<Arc<File>>,
     overlay: Option<Arc<Mutex<Overlay>>>,
     sectors: u64,
     mem: &GuestMemoryMmap,
@@ -401,6 +441,12 @@ impl Worker {
         (writer.bytes_written() + status_writer.bytes_written()) as u32
     }
 
+    /// The medium (an empty slot has none, and 0 sectors: no request in range reaches
+    /// here with data).
+    fn medium(&self) -> std::io::Result<&File> {
+        (self.file.as_deref()).ok_or_else(|| std::io::Error::other("no medium in the slot"))
+    }
+
     /// Whether `len` bytes at `sector` lie inside the disk.
     fn in_range(&self, sector: u64, len: usize) -> bool {
         sector
@@ -433,9 +479,10 @@ impl Worker {
                 let start = hdr.sector * SECTOR_SIZE;
                 ok(in_chunks(start, data_len, |off, len| {
                     let chunk = &mut buf[..len];
+                    let file = self.medium()?;
                     match &self.overlay {
-                        Some(o) => lock(o).read_at(&self.file, chunk, off),
-                        None => self.file.read_exact_at(chunk, off),
+                        Some(o) => lock(o).read_at(file, chunk, off),
+                        None => file.read_exact_at(chunk, off),
                     }?;
                     writer.write_all(chunk)
                 }))
@@ -453,7 +500,7 @@ impl Worker {
                 let written = in_chunks(hdr.sector * SECTOR_SIZE, len, |off, n| {
                     let chunk = &mut buf[..n];
                     reader.read_exact(chunk)?;
-                    lock(o).write_at(&self.file, chunk, off)
+                    lock(o).write_at(self.medium()?, chunk, off)
                 });
                 if let Err(e) = &written {
                     let n = self.write_failures.get() + 1;
@@ -541,7 +588,7 @@ mod tests {
     struct Rig {
         mem: GuestMemoryMmap,
         _disk: TempFile,
-        file: Arc<File>,
+        file: Option<Arc<File>>,
         irq: EventFd,
         overlay: Option<Arc<Mutex<Overlay>>>,
     }
@@ -579,7 +626,7 @@ mod tests {
         let mut w = Worker {
             file: rig.file.clone(),
             overlay: rig.overlay.clone(),
-            sectors: rig.file.metadata().unwrap().len() / SECTOR_SIZE,
+            sectors: (rig.file.as_ref()).map_or(0, |f| f.metadata().unwrap().len() / SECTOR_SIZE),
             id: *b"test-disk\0\0\0\0\0\0\0\0\0\0\0",
             mem: rig.mem.clone(),
             queue,
@@ -694,7 +741,11 @@ mod tests {
             VIRTIO_BLK_S_IOERR
         );
         let mut first = [0u8; 512];
-        r.file.read_exact_at(&mut first, 0).unwrap();
+        r.file
+            .as_ref()
+            .unwrap()
+            .read_exact_at(&mut first, 0)
+            .unwrap();
         assert!(first.iter().all(|b| *b == 0));
     }
 
@@ -879,6 +930,75 @@ mod tests {
         assert!(matches!(
             Block::open(std::path::Path::new("/nonexistent/disk"), "x"),
             Err(BlockError::Open { .. })
+        ));
+    }
+
+    #[test]
+    fn an_empty_slot_has_no_sectors_answers_its_id_and_fails_reads() {
+        let slot = Block::empty("forkvm-slot0");
+        assert_eq!((slot.sectors(), slot.file().is_none()), (0, true));
+        assert_ne!(slot.avail_features() & VIRTIO_BLK_F_RO, 0, "read-only");
+        let mut rig = rig(4);
+        rig.file = None;
+        // A read of sector 0: out of range.
+        let (status, _) = run(
+            &rig,
+            hdr(VIRTIO_BLK_T_IN, 0),
+            &[
+                desc(HDR, 16, NEXT, 1),
+                desc(DATA, 512, NEXT | WRITE, 2),
+                desc(STATUS, 1, WRITE, 0),
+            ],
+        );
+        assert_eq!(status, VIRTIO_BLK_S_IOERR);
+        let (status, _) = run(
+            &rig,
+            hdr(VIRTIO_BLK_T_GET_ID, 0),
+            &[
+                desc(HDR, 16, NEXT, 1),
+                desc(DATA, 20, NEXT | WRITE, 2),
+                desc(STATUS, 1, WRITE, 0),
+            ],
+        );
+        assert_eq!(status, VIRTIO_BLK_S_OK);
+    }
+
+    #[test]
+    fn a_slot_restores_empty_or_with_an_inserted_medium_of_its_own_size() {
+        let rig = rig(8);
+        let image = || rig.file.as_ref().unwrap().try_clone().unwrap();
+        let args = |medium| BlockArgs {
+            medium,
+            shown: "img".into(),
+            overlay: None,
+            limit: None,
+        };
+        let empty = Block::empty("forkvm-slot0").save();
+        assert_eq!((empty.sectors, empty.writable), (0, false));
+        let b = Block::restore(args(Medium::Empty), &empty).unwrap();
+        assert_eq!((b.sectors(), b.save().id.as_str()), (0, "forkvm-slot0"));
+        // An inserted medium: its own size, the slot's serial, read-only.
+        let b = Block::restore(args(Medium::Inserted(image())), &empty).unwrap();
+        assert_eq!((b.sectors(), b.save().id.as_str()), (8, "forkvm-slot0"));
+        assert_ne!(b.avail_features() & VIRTIO_BLK_F_RO, 0);
+        // The saved disk's own image must keep its size; an empty medium is no image.
+        let full = b.save();
+        assert!(Block::restore(args(Medium::Saved(image())), &full).is_ok());
+        assert!(matches!(
+            Block::restore(args(Medium::Saved(image())), &empty),
+            Err(BlockError::Changed { .. })
+        ));
+        assert!(matches!(
+            Block::restore(args(Medium::Empty), &full),
+            Err(BlockError::Changed { .. })
+        ));
+        let writable = BlockState {
+            writable: true,
+            ..empty
+        };
+        assert!(matches!(
+            Block::restore(args(Medium::Inserted(image())), &writable),
+            Err(BlockError::Changed { .. })
         ));
     }
 }

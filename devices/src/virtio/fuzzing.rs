@@ -182,7 +182,7 @@ pub fn blk(rig: Rig, writable: bool) -> Rig {
     let Some(file) = disk() else { return rig };
     let overlay = if writable { overlay() } else { None };
     rig.process(|mem, queue, interrupt| {
-        super::block::fuzz_process(file, overlay, DISK_SECTORS, mem, queue, interrupt)
+        super::block::fuzz_process(Some(file), overlay, DISK_SECTORS, mem, queue, interrupt)
     })
 }
 

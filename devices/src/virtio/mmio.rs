@@ -196,6 +196,13 @@ impl MmioTransport {
         })
     }
 
+    /// Tells the driver that the device's configuration changed: the configuration
+    /// generation moves on and the configuration-change interrupt is raised.
+    pub fn notify_config_change(&mut self) -> std::io::Result<()> {
+        self.config_generation = self.config_generation.wrapping_add(1);
+        self.interrupt.signal_config_change()
+    }
+
     /// Starts the worker of a device restored as running (no-op otherwise).
     pub fn start_restored(&mut self) -> Result<(), super::ActivateError> {
         if std::mem::take(&mut self.pending_start) {
@@ -732,5 +739,25 @@ mod tests {
             matches!(e, TransportRestoreError::Queue { index: 0, .. }),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_configuration_change_raises_its_interrupt_and_moves_the_generation_on() {
+        let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
+        let int = Arc::new(VirtioInterrupt::new(irq.try_clone().unwrap()));
+        let slot = Block::empty("forkvm-slot0");
+        let mut t = MmioTransport::new(mem(), Box::new(slot), int).unwrap();
+        let before = r(&mut t, CONFIG_GENERATION);
+        t.notify_config_change().unwrap();
+        assert_eq!(r(&mut t, CONFIG_GENERATION), before.wrapping_add(1));
+        assert_eq!(
+            r(&mut t, INTERRUPT_STATUS),
+            super::super::VIRTIO_MMIO_INT_CONFIG
+        );
+        assert_eq!(irq.read().unwrap(), 1, "the line was raised");
+        w(&mut t, INTERRUPT_ACK, super::super::VIRTIO_MMIO_INT_CONFIG);
+        assert_eq!(r(&mut t, INTERRUPT_STATUS), 0, "acknowledged");
+        // An empty slot's capacity: 0 sectors.
+        assert_eq!(r(&mut t, CONFIG_SPACE_OFFSET), 0);
     }
 }

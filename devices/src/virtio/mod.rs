@@ -102,6 +102,14 @@ impl VirtioInterrupt {
         self.irq.write(1)
     }
 
+    /// Tells the driver that the device's configuration changed (a disk slot's new
+    /// medium and capacity): it reads the configuration again.
+    pub fn signal_config_change(&self) -> std::io::Result<()> {
+        self.status
+            .fetch_or(VIRTIO_MMIO_INT_CONFIG, Ordering::AcqRel);
+        self.irq.write(1)
+    }
+
     /// The interrupt status register.
     pub fn status(&self) -> u32 {
         self.status.load(Ordering::Acquire)

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use api_types::vm::{VirtioDeviceInfo, VirtioKind};
 use devices::virtio::block::overlay::{Overlay, OverlayError, OverlaySnapshot};
-use devices::virtio::block::{Block, BlockArgs};
+use devices::virtio::block::{Block, BlockArgs, Medium};
 use devices::virtio::mmio::{TransportArgs, NOTIFY_REG_OFFSET};
 use devices::virtio::net::{open_tap, Net, NetArgs};
 use devices::virtio::rng::Rng;
@@ -254,7 +254,7 @@ impl DeviceManager {
                     (None, _) => None,
                 };
                 let args = BlockArgs {
-                    file,
+                    medium: Medium::Saved(file),
                     shown: disk.path.display().to_string(),
                     overlay,
                     limit: disk.rate_limit,
@@ -274,7 +274,10 @@ impl DeviceManager {
             }
         };
         self.overlays.push(block.overlay());
-        self.disk_fds.push(block.file().as_raw_fd());
+        // A configured disk always has its image (only a disk slot can be empty).
+        if let Some(f) = block.file() {
+            self.disk_fds.push(f.as_raw_fd());
+        }
         Ok(block)
     }
 

@@ -108,6 +108,75 @@ pub struct CreateClones {
     /// template's disks say).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep_overlays: Option<bool>,
+    /// Images inserted into the template's disk slots (`--disk-slots`), the same in
+    /// every clone of the request, read-only; at most one per slot. The template and its
+    /// other clones are untouched.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "crate::objects"
+    )]
+    #[schemars(length(max = MAX_DISK_SLOTS))]
+    pub media: Vec<InsertMedium>,
+}
+
+/// Most disk slots a VM has (`--disk-slots`).
+pub const MAX_DISK_SLOTS: usize = 8;
+
+/// An image for one disk slot of a clone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct InsertMedium {
+    /// The slot (0 for the first; the slots come after the VM's disks).
+    #[schemars(range(max = 7))]
+    pub slot: u8,
+    /// The image: a host file of whole 512-byte sectors, opened read-only by the
+    /// template's VMM.
+    pub path: std::path::PathBuf,
+}
+
+impl std::fmt::Display for InsertMedium {
+    /// `SLOT:PATH`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.slot, self.path.display())
+    }
+}
+
+impl std::str::FromStr for InsertMedium {
+    type Err = String;
+
+    /// `SLOT:PATH` (the slot's range is checked with the request).
+    fn from_str(text: &str) -> Result<Self, String> {
+        let (slot, path) = (text.split_once(':'))
+            .filter(|(_, p)| !p.is_empty())
+            .ok_or_else(|| format!("{text:?} is not SLOT:PATH"))?;
+        let slot = (slot.parse()).map_err(|_| format!("{slot:?} is no disk slot number"))?;
+        Ok(Self {
+            slot,
+            path: path.into(),
+        })
+    }
+}
+
+/// Media as one text, `SLOT:PATH[,SLOT:PATH...]` (a query string's form: a path may not
+/// contain a comma); empty: none.
+pub mod media_text {
+    use super::InsertMedium;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes the media's text.
+    pub fn serialize<S: Serializer>(media: &[InsertMedium], s: S) -> Result<S::Ok, S::Error> {
+        let text: Vec<String> = media.iter().map(ToString::to_string).collect();
+        s.collect_str(&text.join(","))
+    }
+
+    /// Reads the media's text.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<InsertMedium>, D::Error> {
+        let text = String::deserialize(d)?;
+        (text.split(',').filter(|p| !p.is_empty()))
+            .map(|p| p.parse().map_err(serde::de::Error::custom))
+            .collect()
+    }
 }
 
 impl Default for CreateClones {
@@ -120,6 +189,7 @@ impl Default for CreateClones {
             addresses: Vec::new(),
             taps: Vec::new(),
             keep_overlays: None,
+            media: Vec::new(),
         }
     }
 }
@@ -147,6 +217,12 @@ pub enum CreateClonesError {
     /// The same tap for two clones.
     #[error("tap {0:?} given twice")]
     TapTwice(String),
+    /// A slot past the most a VM has.
+    #[error("disk slot {0} does not exist: a VM has at most {MAX_DISK_SLOTS}")]
+    Slot(u8),
+    /// Two media for one slot.
+    #[error("disk slot {0} given twice")]
+    SlotTwice(u8),
 }
 
 impl CreateClones {
@@ -174,6 +250,14 @@ impl CreateClones {
             }
             if self.taps[..i].contains(tap) {
                 return Err(CreateClonesError::TapTwice(tap.clone()));
+            }
+        }
+        for (i, m) in self.media.iter().enumerate() {
+            if usize::from(m.slot) >= MAX_DISK_SLOTS {
+                return Err(CreateClonesError::Slot(m.slot));
+            }
+            if self.media[..i].iter().any(|o| o.slot == m.slot) {
+                return Err(CreateClonesError::SlotTwice(m.slot));
             }
         }
         Ok(())
@@ -309,9 +393,21 @@ mod tests {
             r#"{"count":0}"#,
             r#"{"count":1001}"#,
             r#"{"count":0,"taps":["t1"]}"#,
+            r#"{"media":[{"slot":8,"path":"/a.img"}]}"#,
+            r#"{"media":[{"slot":0,"path":"/a.img"},{"slot":0,"path":"/b.img"}]}"#,
+            r#"{"media":[{"slot":0}]}"#,
+            r#"{"media":[{"slot":0,"path":"/a.img","rw":true}]}"#,
+            r#"{"media":{"slot":0,"path":"/a.img"}}"#,
         ] {
             assert!(body(bad).is_err(), "{bad} accepted");
         }
+        let b =
+            body(r#"{"media":[{"slot":1,"path":"/a.img"},{"slot":0,"path":"/b.img"}]}"#).unwrap();
+        assert_eq!(
+            (b.media[0].slot, b.media[1].path.to_str()),
+            (1, Some("/b.img"))
+        );
+        assert_eq!(body(&serde_json::to_string(&b).unwrap()).unwrap(), b);
     }
 
     #[test]

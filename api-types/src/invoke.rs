@@ -106,6 +106,17 @@ pub struct InvokeOptions {
     /// The clone's default gateway (with `ipv4`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<Ipv4Addr>,
+    /// Images for the clone's disk slots, read-only (as `media` in `POST /clones`):
+    /// `SLOT:PATH`, comma-separated (a path may not contain a comma). A derived
+    /// template's clones inherit them.
+    #[serde(
+        default,
+        with = "crate::clones::media_text",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    #[schemars(with = "Option<String>")]
+    #[schemars(regex(pattern = r"^([0-9]+:[^,]+)(,[0-9]+:[^,]+)*$"))]
+    pub media: Vec<crate::InsertMedium>,
 }
 
 impl InvokeOptions {
@@ -140,6 +151,12 @@ impl InvokeOptions {
     /// which only a clone made for it can have.
     pub fn wants_own_net(&self) -> bool {
         self.tap.is_some() || self.ipv4.is_some()
+    }
+
+    /// Whether the request asks for what only a clone made for it can have: a network
+    /// identity of its own, or images in its disk slots.
+    pub fn wants_own_clone(&self) -> bool {
+        self.wants_own_net() || !self.media.is_empty()
     }
 
     /// Checks the values.

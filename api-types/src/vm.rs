@@ -230,6 +230,15 @@ pub enum VirtioKind {
         /// Its rate limit.
         rate_limit: Option<RateLimit>,
     },
+    /// A disk slot (`--disk-slots`): a disk with no medium, or, in a clone, the image
+    /// its request inserted.
+    #[serde(rename = "virtio-blk-slot")]
+    Slot {
+        /// The slot (0 for the first).
+        slot: u8,
+        /// The image in it (None: empty).
+        medium: Option<PathBuf>,
+    },
     /// The entropy device.
     #[serde(rename = "virtio-rng")]
     Rng {

@@ -332,6 +332,9 @@ pub struct VmConfig {
     pub initrd: Option<PathBuf>,
     /// Disks (virtio-blk), `/dev/vda` first.
     pub disks: Vec<DiskConfig>,
+    /// Disk slots after the disks: virtio-blk devices with no medium, into which a
+    /// clone request inserts images (0 to [`api_types::MAX_DISK_SLOTS`]).
+    pub disk_slots: u8,
     /// A virtio-rng entropy device, with its optional rate limit.
     pub rng: Option<RngConfig>,
     /// A virtio-vsock device.
@@ -389,6 +392,7 @@ impl VmConfig {
             kernel,
             initrd: None,
             disks: Vec::new(),
+            disk_slots: 0,
             rng: None,
             vsock: None,
             net: None,
@@ -450,6 +454,9 @@ pub enum ConfigError {
     /// Too many warm clones.
     #[error("{0} warm clones requested; at most {max} may be kept", max = MAX_WARM_CLONES)]
     WarmClones(usize),
+    /// `--disk-slots` out of range.
+    #[error("disk slots must be 0 to {max}, not {0}", max = api_types::MAX_DISK_SLOTS)]
+    DiskSlots(u8),
     /// Mailbox too large, or missing for a template.
     #[error("mailbox of {0} MiB: a VM's mailbox is 1 to {max} MiB (0: none, not for a template)", max = devices::mailbox::MAX_MAILBOX_BYTES >> 20)]
     Mailbox(u32),
@@ -561,6 +568,9 @@ impl VmConfig {
         }
         if self.warm_clones > MAX_WARM_CLONES {
             return Err(ConfigError::WarmClones(self.warm_clones));
+        }
+        if usize::from(self.disk_slots) > api_types::MAX_DISK_SLOTS {
+            return Err(ConfigError::DiskSlots(self.disk_slots));
         }
         if !(1..=MAX_LIVE_CLONES).contains(&self.max_clones) {
             return Err(ConfigError::MaxClones(self.max_clones));

@@ -163,8 +163,8 @@ pub enum InvokeError {
     /// A template is to be derived, and the runtime loads nothing.
     #[error("the runtime does not take load requests (its wait header does not declare it), so no template can be derived from it")]
     NoLoader,
-    /// A clone's own tap or address asked of a VM that serves in place.
-    #[error("tap and ipv4 are for a clone made for the invocation, and this VM is no template: it serves the request in place")]
+    /// A clone's own tap, address or disk slot images asked of a VM that serves in place.
+    #[error("tap, ipv4 and media are for a clone made for the invocation, and this VM is no template: it serves the request in place")]
     OwnNetInPlace,
     /// The payload does not fit the mailbox.
     #[error("a payload of {length} bytes does not fit the mailbox ({capacity} bytes)")]
@@ -471,7 +471,7 @@ impl Invoker {
         if !self.window.exists() {
             return Err(InvokeError::NoMailbox);
         }
-        if inv.options.wants_own_net() && !self.template {
+        if inv.options.wants_own_clone() && !self.template {
             return Err(InvokeError::OwnNetInPlace);
         }
         let loads = || runtime_features(vm.memory(), self.window) & FEATURE_LOAD != 0;

@@ -130,6 +130,10 @@ struct InvokeArgs {
     /// template of its own afterwards (its socket printed with -v).
     #[arg(long)]
     derive: bool,
+    /// An image for a disk slot of the clone, SLOT:PATH (the template's --disk-slots),
+    /// read-only; repeat for more slots.
+    #[arg(long, value_name = "SLOT:PATH")]
+    medium: Vec<api_types::InsertMedium>,
     /// Print the outcome, clone id, socket and timings on stderr.
     #[arg(long, short)]
     verbose: bool,
@@ -168,6 +172,10 @@ struct ForkArgs {
     /// Resource class of the clones' cgroups (default: the VM's first --cgroup-class).
     #[arg(long)]
     class: Option<String>,
+    /// An image for a disk slot of every clone, SLOT:PATH (the VM's --disk-slots),
+    /// read-only; repeat for more slots.
+    #[arg(long, value_name = "SLOT:PATH")]
+    medium: Vec<api_types::InsertMedium>,
 }
 
 #[derive(clap::Args)]
@@ -203,6 +211,11 @@ struct RunArgs {
     /// more; they follow --rootfs as /dev/vdb, /dev/vdc, ...
     #[arg(long, value_name = "SPEC")]
     disk: Vec<vmm::config::DiskConfig>,
+    /// Disk slots after the disks (0 to 8): disks with no medium, into which a clone
+    /// request inserts a read-only image (`POST /clones` `media`, `vmm fork --medium`);
+    /// the guest sees the new capacity through a configuration-change interrupt
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    disk_slots: u8,
     /// Attach a virtio-rng entropy device (/dev/hwrng in the guest), fed from the
     /// host's getrandom.
     #[arg(long)]
@@ -407,6 +420,7 @@ fn fork(f: &ForkArgs) -> ExitCode {
         count: f.count,
         console: f.console,
         resource_class: f.class.clone(),
+        media: f.medium.clone(),
         ..Default::default()
     };
     let made = match client::create_clones(&f.api_sock, &request) {
@@ -479,6 +493,7 @@ fn invoke(i: &InvokeArgs) -> ExitCode {
         resource_class: i.class.clone(),
         keep_alive: i.keep_alive,
         derive: i.derive,
+        media: i.medium.clone(),
         ..Default::default()
     };
     let r = match client::invoke(&i.api_sock, &options, &payload) {
@@ -550,6 +565,7 @@ fn main() -> ExitCode {
                     .into_iter()
                     .chain(a.disk)
                     .collect(),
+                disk_slots: a.disk_slots,
                 rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
                     rate_limit: a.rng_rate_limit,
                 }),

@@ -148,10 +148,11 @@ pub fn reply(response: VmmResponse) -> ApiReply {
 fn request_status(e: &api_types::clones::CreateClonesError) -> u16 {
     use api_types::clones::CreateClonesError;
     match e {
-        CreateClonesError::PerClone { .. } => 422,
+        CreateClonesError::PerClone { .. } | CreateClonesError::SlotTwice(_) => 422,
         CreateClonesError::Count(_)
         | CreateClonesError::TapName(_)
-        | CreateClonesError::TapTwice(_) => 400,
+        | CreateClonesError::TapTwice(_)
+        | CreateClonesError::Slot(_) => 400,
     }
 }
 
@@ -166,12 +167,15 @@ pub fn status_of(e: &VmmActionError) -> u16 {
         VmmActionError::SetState(StateError::Vcpu(_)) => 500,
         VmmActionError::CreateClones(c) => match c {
             CloneError::Request(e) => request_status(e),
+            // A slot's image the host cannot take (missing, unreadable, not whole sectors).
+            CloneError::Medium { .. } => 400,
             // Valid requests that do not fit this VM: its devices, classes, socket path,
             // state, or its limit of live clones.
             CloneError::PathTooLong(_)
             | CloneError::RateLimit(_)
             | CloneError::NoCard
             | CloneError::NoOverlay
+            | CloneError::NoSlot { .. }
             | CloneError::Cgroup(
                 PlacementError::UnknownClass { .. } | PlacementError::NoPools(_),
             )
@@ -198,6 +202,7 @@ pub fn status_of(e: &VmmActionError) -> u16 {
                 SnapshotError::Save(SaveError::Path(_)) => 400,
                 SnapshotError::NotPaused
                 | SnapshotError::EventsPending
+                | SnapshotError::SlotMedium
                 | SnapshotError::Save(SaveError::Exists(_)) => 409,
                 SnapshotError::Save(s) if s.host_short() => 503,
                 SnapshotError::Capture(c) if c.host_short() => 503,

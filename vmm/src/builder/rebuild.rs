@@ -18,7 +18,7 @@ use kvm_ioctls::VmFd;
 use vm_memory::GuestMemoryMmap;
 
 use crate::config::VmConfig;
-use crate::device_manager::{DeviceError, DeviceManager, VirtioRestore};
+use crate::device_manager::{DeviceError, DeviceManager, Inserted, VirtioRestore};
 use crate::logging::StageTimer;
 use crate::vstate::kvm::KvmContext;
 use crate::vstate::vcpu::{start_vcpus, FirstEntry, StartedVcpus, Vcpu, VcpuError};
@@ -97,6 +97,10 @@ pub struct StartFrom<'a> {
     pub disk_fds: &'a [RawFd],
     /// Its writable disks' overlays, in disk order (None for a read-only disk).
     pub overlays: &'a [Option<OverlaySnapshot>],
+    /// Its parent's disk slots' media, open, in slot order (None: empty).
+    pub slots: &'a [Option<(RawFd, std::path::PathBuf)>],
+    /// The images inserted into its disk slots: the guest is told once it runs.
+    pub media: &'a [Inserted],
 }
 
 /// What a clone and a VM restored from a snapshot do once their VM and vCPUs exist
@@ -122,6 +126,8 @@ pub fn start_rebuilt(
         states: &state.devices,
         disk_fds: from.disk_fds,
         overlays: from.overlays,
+        slots: from.slots,
+        media: from.media,
     };
     let vm = &prepared.vm;
     let mut devices = DeviceManager::new(vm, config, mem, seq, Some(&state.devices))?;
@@ -155,5 +161,6 @@ pub fn start_rebuilt(
     // off the latency path, and there when the parent answers.
     devices.open_host_endpoints()?;
     marks.done("host endpoints");
+    devices.announce_inserted_media()?;
     Ok((devices, vcpus))
 }

@@ -42,6 +42,7 @@ use super::wire::{report_primed, wait_for_go, Go, LaunchError, ReadyMark};
 use super::Cloner;
 use crate::builder::rebuild::{prepare, start_rebuilt, Prepared, RebuildError, StartFrom};
 use crate::config::{keep_overlays, ConsoleSink, NoSuchDevice, VmConfig};
+use crate::device_manager::Inserted;
 use crate::errno::errno_of;
 use crate::logging::{raw_eprintln, StageTimer};
 use crate::microvm::{Microvm, RunOutcome, VmParts};
@@ -182,6 +183,9 @@ pub enum ChildError {
     /// The clone could not move itself into its cgroup (it does not run unconfined).
     #[error("cannot enter its cgroup: {0}")]
     Cgroup(std::io::Error),
+    /// The images for its disk slots could not be taken up.
+    #[error("cannot take up its disk slots' images: {0}")]
+    Media(std::io::Error),
     /// A warm clone's prime failed (the warm clone ends).
     #[error("prime failed: {0}")]
     Prime(#[from] PrimeFailure),
@@ -224,6 +228,8 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
         unsafe { libc::munmap(*base as *mut libc::c_void, plan.template.kvm_run_size()) };
     }
     let mut keep = plan.template.devices().disk_fds().to_vec();
+    let slots = plan.template.devices().slot_media();
+    keep.extend(slots.iter().flatten().map(|(fd, _)| *fd));
     keep.extend(
         plan.overlays
             .iter()
@@ -237,6 +243,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
         Start::Now(id) => {
             keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied()));
             keep.extend(id.carried.iter().map(|c| c.stream.as_raw_fd()));
+            keep.extend(id.media_files.iter().map(|f| f.as_raw_fd()));
         }
     }
     close_all_but(&keep);
@@ -412,12 +419,25 @@ fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildErr
     Ok(config)
 }
 
+/// The images `id` inserts into the clone's disk slots, each its own descriptor.
+fn inserted_media(id: &Identity) -> std::io::Result<Vec<Inserted>> {
+    (id.media.iter().zip(&id.media_files))
+        .map(|((slot, path), f)| {
+            Ok(Inserted {
+                slot: *slot,
+                path: path.clone(),
+                file: f.try_clone()?,
+            })
+        })
+        .collect()
+}
+
 /// [`start_rebuilt`] for the clone with `config`, on its template's memory and disks.
 fn launch(
     plan: &ChildPlan<'_>,
     (kvm, mut prepared): (KvmContext, Prepared),
     (state, config, seq): (&MicrovmState, VmConfig, u32),
-    ready: File,
+    (ready, media): (File, &[Inserted]),
     marks: &mut StageTimer,
 ) -> Result<VmParts, ChildError> {
     let template = plan.template;
@@ -429,6 +449,8 @@ fn launch(
         state,
         disk_fds: template.devices().disk_fds(),
         overlays: plan.overlays,
+        slots: &template.devices().slot_media(),
+        media,
     };
     let (devices, vcpus) = start_rebuilt(&mut prepared, &from, ready, marks)?;
     Ok(VmParts {
@@ -511,11 +533,12 @@ fn run_clone(
         }
         _ => None,
     };
+    let media = inserted_media(&identity).map_err(ChildError::Media)?;
     let parts = launch(
         plan,
         (kvm, prepared),
         (&state, config, seq),
-        ready,
+        (ready, &media),
         &mut marks,
     )?;
     tracing::info!(

@@ -75,6 +75,22 @@ pub enum CloneError {
     /// Taps or addresses for clones of a VM without a network card.
     #[error("taps or addresses given for clones of a VM without a network card")]
     NoCard,
+    /// A medium for a disk slot the VM does not have.
+    #[error("disk slot {slot} given, but the VM has {slots} (--disk-slots)")]
+    NoSlot {
+        /// The slot asked for.
+        slot: u8,
+        /// The VM's.
+        slots: u8,
+    },
+    /// A slot's image cannot be opened, or is no whole number of 512-byte sectors.
+    #[error("disk slot {slot}: {why}")]
+    Medium {
+        /// The slot.
+        slot: u8,
+        /// Why (the image's path in it).
+        why: String,
+    },
     /// No cgroup for the clone.
     #[error(transparent)]
     Cgroup(#[from] PlacementError),
@@ -140,6 +156,13 @@ pub(crate) struct Identity {
     /// the identity to a warm clone.
     #[serde(skip)]
     pub carried: Option<Arc<Carried>>,
+    /// The images it inserts into its disk slots: slot and path.
+    #[serde(default)]
+    pub media: Vec<(u8, PathBuf)>,
+    /// Those images, open in the same order: inherited by a clone forked now, sent with
+    /// the launch message to a warm clone.
+    #[serde(skip)]
+    pub media_files: Vec<Arc<std::fs::File>>,
 }
 
 /// A handover's payload and stream, on their way to a clone.
@@ -199,10 +222,38 @@ pub(super) fn check(
     if req.keep_overlays == Some(true) && config.disks.iter().all(|d| d.cow_dir.is_none()) {
         return Err(CloneError::NoOverlay);
     }
+    if let Some(m) = req.media.iter().find(|m| m.slot >= config.disk_slots) {
+        return Err(CloneError::NoSlot {
+            slot: m.slot,
+            slots: config.disk_slots,
+        });
+    }
     config
         .clone()
         .apply_rate_limits(&req.rate_limits)
         .map_err(CloneError::RateLimit)
+}
+
+/// A slot's image, opened read-only by the template (so a missing or unreadable one is
+/// the request's error, before any clone exists), of whole 512-byte sectors.
+fn open_medium(m: &api_types::InsertMedium) -> Result<std::fs::File, CloneError> {
+    let why = |what: String| CloneError::Medium {
+        slot: m.slot,
+        why: what,
+    };
+    let shown = m.path.display();
+    let file = std::fs::File::open(&m.path).map_err(|e| why(format!("{shown}: {e}")))?;
+    let meta = file.metadata().map_err(|e| why(format!("{shown}: {e}")))?;
+    if !meta.is_file() {
+        return Err(why(format!("{shown} is no regular file")));
+    }
+    if meta.len() % 512 != 0 || meta.len() == 0 {
+        return Err(why(format!(
+            "{shown} is {} bytes, not a whole number of 512-byte sectors",
+            meta.len()
+        )));
+    }
+    Ok(file)
 }
 
 /// Where clone files go: the control socket path, or a per-process one.
@@ -225,6 +276,10 @@ pub(super) fn identities(
     requester: Option<u8>,
 ) -> Result<Vec<Identity>, CloneError> {
     let base = clone_base(config);
+    let media_files = (req.media.iter())
+        .map(|m| open_medium(m).map(Arc::new))
+        .collect::<Result<Vec<_>, _>>()?;
+    let media: Vec<(u8, PathBuf)> = req.media.iter().map(|m| (m.slot, m.path.clone())).collect();
     let mut identities = Vec::with_capacity(req.count as usize);
     for n in 0..req.count as u32 {
         let seq = made + n + 1;
@@ -260,6 +315,8 @@ pub(super) fn identities(
             note: None,
             defer_timer_ns: 0,
             carried: None,
+            media: media.clone(),
+            media_files: media_files.clone(),
         });
     }
     Ok(identities)

@@ -213,7 +213,9 @@ pub(super) fn send_go(
     let json = serde_json::to_vec(identity).map_err(std::io::Error::other)?;
     let len = (json.len() as u32).to_le_bytes();
     let conn = identity.carried.as_ref().map(|c| c.stream.as_raw_fd());
-    let fds: Vec<i32> = conn.into_iter().collect();
+    // The handover's stream first, then the slots' images in order.
+    let media = identity.media_files.iter().map(|f| f.as_raw_fd());
+    let fds: Vec<i32> = conn.into_iter().chain(media).collect();
     let cmsgs: Vec<ControlMessage<'_>> = match fds.is_empty() {
         true => Vec::new(),
         false => vec![ControlMessage::ScmRights(&fds)],
@@ -247,24 +249,23 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
     // on write, so every heap page it touches is a page fault (the zeroing took 12 of
     // about 90 a launch; some of them moved to the next large allocation).
     let mut first = [0u8; 4096];
-    let mut space = nix::cmsg_space!([RawFd; 1]);
-    let (got, conn) = loop {
+    let mut space = nix::cmsg_space!([RawFd; 1 + api_types::MAX_DISK_SLOTS]);
+    let (got, mut fds) = loop {
         let mut iov = [std::io::IoSliceMut::new(&mut first)];
         let msg = match recvmsg::<()>(go, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
             Err(nix::errno::Errno::EINTR) => continue,
             r => r.map_err(|e| bad(&e))?,
         };
-        let mut conn = None;
+        let mut fds = Vec::new();
         for c in msg.cmsgs().map_err(|e| bad(&e))? {
-            if let ControlMessageOwned::ScmRights(fds) = c {
-                for fd in fds {
+            if let ControlMessageOwned::ScmRights(got) = c {
+                for fd in got {
                     // SAFETY: a descriptor just received, owned by nobody else.
-                    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-                    conn.get_or_insert(owned);
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
                 }
             }
         }
-        break (msg.bytes, conn);
+        break (msg.bytes, fds.into_iter());
     };
     if got == 0 {
         return Ok(None);
@@ -278,13 +279,24 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
     let json = buf
         .get(4..4 + len)
         .ok_or_else(|| bad(&"identity cut short"))?;
-    let identity: Identity = serde_json::from_slice(json).map_err(|e| bad(&e))?;
+    let mut identity: Identity = serde_json::from_slice(json).map_err(|e| bad(&e))?;
     let payload = buf.split_off(4 + len);
-    let carried = match (identity.note.is_some(), conn) {
-        (true, Some(conn)) => Some((payload, conn)),
-        (true, None) => return Err(LaunchError("a handover without its stream".into())),
+    let carried = match (
+        identity.note.is_some(),
+        identity.note.is_some().then(|| fds.next()),
+    ) {
+        (true, Some(Some(conn))) => Some((payload, conn)),
+        (true, _) => return Err(LaunchError("a handover without its stream".into())),
         (false, _) => None,
     };
+    identity.media_files = fds.map(|fd| Arc::new(std::fs::File::from(fd))).collect();
+    if identity.media_files.len() != identity.media.len() {
+        return Err(LaunchError(format!(
+            "{} disk slot images for {} slots",
+            identity.media_files.len(),
+            identity.media.len()
+        )));
+    }
     Ok(Some((identity, carried)))
 }
 

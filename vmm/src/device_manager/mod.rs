@@ -2,8 +2,10 @@
 //! port devices here, the virtio devices in `virtio.rs`. Every device's state is saved
 //! into one list ([`DeviceManager::save`]) that a clone's devices are made from again.
 
+mod slots;
 mod virtio;
 
+pub use slots::Inserted;
 pub use virtio::VirtioRestore;
 
 use std::fs::File;
@@ -118,6 +120,9 @@ pub enum DeviceError {
     /// A writable disk in a clone without the copy of its parent's overlay.
     #[error("no copy of disk {0}'s overlay for this clone")]
     NoOverlayCopy(usize),
+    /// A disk slot's image could not be taken up, or its guest not told of it.
+    #[error("disk slot: {0}")]
+    Slot(std::io::Error),
     /// KVM_IRQFD failed.
     #[error("cannot register interrupt GSI {gsi} with KVM: {source}")]
     Irqfd {
@@ -154,6 +159,8 @@ pub struct DeviceManager {
     disk_fds: Vec<RawFd>,
     /// Each disk's overlay (a writable disk's) or None (a read-only one), in disk order.
     overlays: Vec<Option<Arc<Mutex<Overlay>>>>,
+    /// The disk slots, in slot order (`slots.rs`).
+    slots: Vec<slots::Slot>,
 }
 
 fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceError> {
@@ -281,6 +288,7 @@ impl DeviceManager {
             virtio_info: Vec::new(),
             disk_fds: Vec::new(),
             overlays: Vec::new(),
+            slots: Vec::new(),
         })
     }
 

@@ -28,7 +28,7 @@ use crate::arch::x86_64::mptable::{IOAPIC_PINS, VIRTIO_FIRST_GSI};
 use crate::config::{DiskConfig, VmConfig};
 
 /// The device's own state in `state`, which must be a `D`'s (None: not restoring).
-fn device_state<D: VirtioPersist>(
+pub(super) fn device_state<D: VirtioPersist>(
     state: Option<&MmioTransportState>,
 ) -> Result<Option<&D::State>, DeviceError> {
     match state {
@@ -48,6 +48,11 @@ pub struct VirtioRestore<'a> {
     /// The copies of the parent's disk overlays made for this clone, in disk order
     /// (None for a read-only disk; their descriptors inherited by fork).
     pub overlays: &'a [Option<OverlaySnapshot>],
+    /// The parent's disk slots' media, in slot order (their descriptors inherited by
+    /// fork; `DeviceManager::slot_media`).
+    pub slots: &'a [Option<(RawFd, std::path::PathBuf)>],
+    /// The images this clone's request inserts into its slots.
+    pub media: &'a [super::Inserted],
 }
 
 impl DeviceManager {
@@ -145,6 +150,12 @@ impl DeviceManager {
                 keep: disk.keep,
                 rate_limit: disk.rate_limit,
             };
+            self.add_virtio(vm, mem, Box::new(block), info, state)?;
+        }
+        for slot in 0..config.disk_slots {
+            let state = self.next_saved(saved.as_deref())?;
+            let (block, medium) = self.open_slot(slot, restore, state)?;
+            let info = VirtioKind::Slot { slot, medium };
             self.add_virtio(vm, mem, Box::new(block), info, state)?;
         }
         if let Some(rng) = &config.rng {

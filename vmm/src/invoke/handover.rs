@@ -23,6 +23,7 @@ pub(super) fn handover(inv: Invocation, vcpu: u8, tick_defer_ns: u64) -> (Create
         rate_limits: inv.options.rate_limits(),
         taps: inv.options.tap.iter().cloned().collect(),
         addresses: inv.options.addresses().into_iter().collect(),
+        media: inv.options.media.clone(),
         ..CreateClones::default()
     };
     let handover = Handover {

@@ -46,6 +46,9 @@ pub enum SnapshotError {
     /// A vCPU event came in before the pause and is not handled yet.
     #[error("the VM has vCPU events to handle first; try again")]
     EventsPending,
+    /// An image is in one of its disk slots (a snapshot keeps none: not built yet).
+    #[error("the VM has an image in a disk slot; snapshots of such VMs are not supported")]
+    SlotMedium,
     /// The VM's state could not be captured.
     #[error(transparent)]
     Capture(#[from] crate::cloning::CloneError),
@@ -112,6 +115,9 @@ pub struct SavedConfig {
     pub prime: bool,
     /// The disks, in device order.
     pub disks: Vec<SavedDisk>,
+    /// Disk slots after them (empty when the snapshot was taken).
+    #[serde(default)]
+    pub disk_slots: u8,
     /// The entropy device.
     pub rng: Option<SavedRng>,
     /// The vsock device's guest CID.

@@ -168,6 +168,7 @@ pub fn restored_config(
     Ok(VmConfig {
         initrd: None,
         disks,
+        disk_slots: saved.disk_slots,
         rng: (saved.rng.as_ref()).map(|r| RngConfig {
             rate_limit: r.rate_limit,
         }),
@@ -445,6 +446,9 @@ impl Restoring {
             state,
             disk_fds: &disk_fds,
             overlays: &overlays,
+            // A snapshot's slots are empty (a VM with an image in one is not saved).
+            slots: &[],
+            media: &[],
         };
         let ready = File::from(entry_write);
         let (devices, vcpus) = start_rebuilt(&mut prepared, &from, ready, &mut marks)?;

@@ -66,6 +66,7 @@ fn saved_config(config: &VmConfig) -> SavedConfig {
         refresh_idle_ms: config.refresh_idle_ms,
         tick_defer_ms: config.tick_defer_ms,
         prime: config.prime,
+        disk_slots: config.disk_slots,
         disks: (config.disks.iter())
             .map(|d| SavedDisk {
                 path: d.path.clone(),

@@ -1,0 +1,107 @@
+//! Disk slots (`--disk-slots N`): virtio-blk devices after the disks that a VM boots
+//! with no medium in (`forkvm-slot<k>`, 0 sectors), into which a clone request inserts
+//! a read-only image (`POST /clones` `media`). The clone's VMM makes the slot's device
+//! over the image as it rebuilds its devices, and once its vCPUs run raises the
+//! device's configuration-change interrupt: the guest's driver reads the new capacity.
+//! The template and its other clones keep theirs. A clone of that clone inherits the
+//! image (its descriptor, as a disk's), unless its own request inserts another.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::path::PathBuf;
+
+use devices::virtio::block::{Block, BlockArgs, Medium};
+use devices::virtio::MmioTransportState;
+use devices::Persist;
+
+use super::virtio::device_state;
+use super::{lock, DeviceError, DeviceManager, VirtioRestore};
+
+/// An image inserted into a clone's disk slot, open.
+#[derive(Debug)]
+pub struct Inserted {
+    /// The slot.
+    pub slot: u8,
+    /// The image's path (for `GET /vm` and errors).
+    pub path: PathBuf,
+    /// The image.
+    pub file: File,
+}
+
+/// One disk slot of this VM.
+#[derive(Debug)]
+pub(super) struct Slot {
+    /// Its place among the virtio devices.
+    virtio_index: usize,
+    /// Its medium: the open image's descriptor and path (None: empty).
+    medium: Option<(RawFd, PathBuf)>,
+    /// Whether the medium was inserted for this VM (its guest is told once it runs).
+    inserted: bool,
+}
+
+impl DeviceManager {
+    /// Slot `k`'s device (serial `forkvm-slot<k>`): empty at boot; restoring (`state`),
+    /// with the image `restore` inserts into it, or else the parent's medium (its
+    /// descriptor inherited by fork), or empty. Returns the device and its medium's path.
+    pub(super) fn open_slot(
+        &mut self,
+        k: u8,
+        restore: Option<&VirtioRestore<'_>>,
+        state: Option<&MmioTransportState>,
+    ) -> Result<(Block, Option<PathBuf>), DeviceError> {
+        let id = format!("forkvm-slot{k}");
+        let saved = device_state::<Block>(state)?;
+        let (block, path, inserted) = match (restore, saved) {
+            (Some(r), Some(saved)) => {
+                let new = r.media.iter().find(|m| m.slot == k);
+                let parent = r.slots.get(usize::from(k)).and_then(Option::as_ref);
+                let (medium, path, inserted) = match (new, parent) {
+                    (Some(m), _) => {
+                        let file = m.file.try_clone().map_err(DeviceError::Slot)?;
+                        (Medium::Inserted(file), Some(m.path.clone()), true)
+                    }
+                    (None, Some((fd, path))) => {
+                        // SAFETY: a descriptor of the parent's slot image, inherited by
+                        // fork and kept open by the clone; the parent's object owning it
+                        // is never used or dropped in the child, so this is its only
+                        // owner here.
+                        let file = unsafe { File::from_raw_fd(*fd) };
+                        (Medium::Saved(file), Some(path.clone()), false)
+                    }
+                    (None, None) => (Medium::Empty, None, false),
+                };
+                let shown = (path.as_ref()).map_or(id.clone(), |p| p.display().to_string());
+                let args = BlockArgs {
+                    medium,
+                    shown,
+                    overlay: None,
+                    limit: None,
+                };
+                (Block::restore(args, saved)?, path, inserted)
+            }
+            _ => (Block::empty(&id), None, false),
+        };
+        self.slots.push(Slot {
+            virtio_index: self.virtio.len(),
+            medium: (block.file()).map(|f| f.as_raw_fd()).zip(path.clone()),
+            inserted,
+        });
+        Ok((block, path))
+    }
+
+    /// Each slot's medium (its open image's descriptor and path), in slot order: what a
+    /// clone inherits.
+    pub fn slot_media(&self) -> Vec<Option<(RawFd, PathBuf)>> {
+        self.slots.iter().map(|s| s.medium.clone()).collect()
+    }
+
+    /// Tells the guest of the images inserted for this VM (a configuration-change
+    /// interrupt per slot): called once its vCPUs run.
+    pub fn announce_inserted_media(&self) -> Result<(), DeviceError> {
+        for s in self.slots.iter().filter(|s| s.inserted) {
+            let t = &self.virtio[s.virtio_index];
+            lock(t).notify_config_change().map_err(DeviceError::Slot)?;
+        }
+        Ok(())
+    }
+}

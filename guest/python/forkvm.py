@@ -31,7 +31,10 @@ serves from then on; ``warmup``, events (a string, sent UTF-8, or ``{"base64": .
 the handler is called with once each before the template pauses, so that what a
 request touches is already in the memory every clone starts from; ``env``, variables
 set in ``os.environ`` before anything else runs (strings; the function's configuration
-and secrets); ``logs``, true to capture what each invocation prints. Each is optional.
+and secrets); ``logs``, true to capture what each invocation prints; ``disks``, disk
+slots (numbers) whose images came with the request (``media``): each one's ext4 file
+system is mounted read-only at ``/run/forkvm/slot<N>`` and put first on ``sys.path``
+before the imports (packages of the function's own). Each is optional.
 The reply is a JSON object: the modules that were newly imported, the handler now
 served and the warm-up events run. A failure is a 500 with its traceback, and the
 clone is then no template.
@@ -366,7 +369,7 @@ def load(spec, handler):
     spec = json.loads(spec or b"{}")
     if not isinstance(spec, dict):
         raise ValueError("a load request is a JSON object")
-    unknown = set(spec) - {"imports", "source", "handler", "warmup", "env", "logs"}
+    unknown = set(spec) - {"imports", "source", "handler", "warmup", "env", "logs", "disks"}
     if unknown:
         raise ValueError("unknown keys in the load request: %s" % ", ".join(sorted(unknown)))
     events = [_warmup_event(i, e) for i, e in enumerate(_list(spec, "warmup"))]
@@ -379,6 +382,8 @@ def load(spec, handler):
     os.environ.update(env)
     if logs:
         _capture_logs()
+    for slot in _list(spec, "disks"):
+        _mount_slot(slot)
     before = set(sys.modules)
     for name in spec.get("imports") or []:
         importlib.import_module(name)
@@ -406,6 +411,57 @@ def load(spec, handler):
     reply = {"imported": sorted(set(sys.modules) - before), "handler": name,
              "warmed": len(events)}
     return handler, json.dumps(reply).encode()
+
+
+# How long the loader waits for an inserted disk slot's capacity to show.
+SLOT_WAIT_S = 30.0
+MS_RDONLY = 1
+
+
+def _mount_slot(slot, wait_s=SLOT_WAIT_S, sys_block="/sys/block", mount=None, base="/run/forkvm"):
+    """A load request's ``disks``: mounts disk slot ``slot``'s file system (ext4,
+    read-only) at ``/run/forkvm/slot<N>`` and puts it first on ``sys.path``. The image
+    came with the request (``media``): the slot's capacity shows once the guest's
+    driver took the configuration change, so it is waited for."""
+    import os
+
+    if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < 8:
+        raise ValueError("disks: %r is no disk slot (0 to 7)" % (slot,))
+    serial = "forkvm-slot%d" % slot
+    dev = None
+    for name in sorted(os.listdir(sys_block)):
+        try:
+            with open(os.path.join(sys_block, name, "serial")) as f:
+                if f.read().strip() == serial:
+                    dev = name
+        except OSError:
+            pass
+    if dev is None:
+        raise ValueError("disks: the VM has no disk slot %d (vmm run --disk-slots)" % slot)
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open(os.path.join(sys_block, dev, "size")) as f:
+            if int(f.read()) > 0:
+                break
+        if time.monotonic() > deadline:
+            raise ValueError("disks: disk slot %d is empty (give its image with the "
+                             "request: media=%d:PATH)" % (slot, slot))
+        time.sleep(0.01)
+    target = os.path.join(base, "slot%d" % slot)
+    os.makedirs(target, exist_ok=True)
+    (mount or _mount)("/dev/" + dev, target)
+    sys.path.insert(0, target)
+    return target
+
+
+def _mount(device, target):
+    """mount(2) of ext4 ``device`` at ``target``, read-only."""
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(device.encode(), target.encode(), b"ext4", MS_RDONLY, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "mounting %s at %s: %s" % (device, target, os.strerror(err)))
 
 
 def _env(env):

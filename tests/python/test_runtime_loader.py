@@ -73,6 +73,47 @@ class Loader(unittest.TestCase):
         _, reply = load({"imports": ["json"], "warmup": ["b"]}, handler)
         self.assertEqual(json.loads(reply)["warmed"], 1)
 
+    def test_a_disk_slot_is_found_by_its_serial_waited_for_and_mounted_first_on_the_path(self):
+        import os
+        import tempfile
+        import threading
+
+        with tempfile.TemporaryDirectory() as sysblock:
+            for dev, serial, size in [("vda", "forkvm-disk0", "8"), ("vdb", "forkvm-slot1", "0")]:
+                os.makedirs(os.path.join(sysblock, dev))
+                with open(os.path.join(sysblock, dev, "serial"), "w") as f:
+                    f.write(serial + "\n")
+                with open(os.path.join(sysblock, dev, "size"), "w") as f:
+                    f.write(size + "\n")
+            mounted = []
+
+            def grow():
+                with open(os.path.join(sysblock, "vdb", "size"), "w") as f:
+                    f.write("16\n")
+
+            # The capacity shows a moment later, as the guest driver takes the change.
+            threading.Timer(0.1, grow).start()
+            path = list(sys.path)
+            try:
+                run = os.path.join(sysblock, "run")
+                target = forkvm._mount_slot(1, wait_s=5, sys_block=sysblock, base=run,
+                                            mount=lambda d, t: mounted.append((d, t)))
+                want = os.path.join(run, "slot1")
+                self.assertEqual(mounted, [("/dev/vdb", want)])
+                self.assertEqual((target, sys.path[0]), (want, want))
+            finally:
+                sys.path[:] = path
+            with self.assertRaisesRegex(ValueError, "no disk slot 2"):
+                forkvm._mount_slot(2, sys_block=sysblock, mount=mounted.append)
+            with open(os.path.join(sysblock, "vdb", "size"), "w") as f:
+                f.write("0\n")
+            with self.assertRaisesRegex(ValueError, "disk slot 1 is empty"):
+                forkvm._mount_slot(1, wait_s=0.05, sys_block=sysblock, mount=mounted.append)
+            for bad in [8, -1, "0", True]:
+                with self.assertRaisesRegex(ValueError, "no disk slot"):
+                    forkvm._mount_slot(bad, sys_block=sysblock, mount=mounted.append)
+            self.assertEqual(len(mounted), 1)
+
     def test_unknown_keys_are_refused(self):
         with self.assertRaises(ValueError) as e:
             load({"source": SOURCE, "warm": ["a"]})

@@ -281,3 +281,100 @@ fn an_invocations_clone_gets_the_images_it_asks_for() {
     assert_eq!(vm.describe()["warm_clones"]["launched"], made);
     vm.shutdown(BOOT);
 }
+
+/// A Python template (the runtime's zygote, `python3 -m forkvm`) with one disk slot,
+/// paused where its runtime waits: booted once and kept in the snapshot cache.
+fn python_template_with_a_slot(scratch: &Scratch) -> tests::Vm {
+    let cmdline = "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 \
+                   forkvm.run=\"python3 -m forkvm\"";
+    let (kernel, root) = (
+        tests::cache::guest_image("vmlinux"),
+        tests::cache::guest_image("python.ext4"),
+    );
+    let args = [
+        "--kernel",
+        &kernel,
+        "--rootfs",
+        &root,
+        "--mem-mib",
+        "256",
+        "--cmdline",
+        cmdline,
+        "--template",
+        "--disk-slots",
+        "1",
+    ];
+    let paused = |vm: &mut tests::Vm| {
+        vm.wait_api(LINUX_BOOT);
+        tests::wait_until("the template to pause", LINUX_BOOT, || {
+            vm.waits_as_template()
+        });
+    };
+    let boot = tests::cache::CachedBoot {
+        name: "linux-python-slot",
+        run_args: &args,
+        ready: &paused,
+    };
+    let vm = tests::cache::restored(scratch, &boot, &[], LINUX_BOOT);
+    tests::wait_until("the restored template to pause", LINUX_BOOT, || {
+        vm.waits_as_template()
+    });
+    vm
+}
+
+#[test]
+fn linux_a_function_imports_a_package_from_the_image_in_its_slot() {
+    if !kvm_available("linux_slot_packages") {
+        return;
+    }
+    let scratch = Scratch::new("linux-slot-packages");
+    // A package set as the host would build one: an ext4 image of a directory.
+    let tree = scratch.path("tree");
+    std::fs::create_dir_all(tree.join("greet")).unwrap();
+    std::fs::write(
+        tree.join("greet/__init__.py"),
+        "def hello(name):\n    return 'hello ' + name + ' from the slot'\n",
+    )
+    .unwrap();
+    let image = scratch.path("pkgs.img");
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(&tree)
+        .arg(&image)
+        .arg("4M")
+        .output()
+        .expect("mkfs.ext4");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut vm = python_template_with_a_slot(&scratch);
+    let load = r#"{"disks": [0], "imports": ["greet"], "source": "import greet\ndef handler(e):\n    return greet.hello(e.decode())\n"}"#;
+    let options = api_types::InvokeOptions {
+        derive: true,
+        media: vec![api_types::InsertMedium {
+            slot: 0,
+            path: image.clone(),
+        }],
+        ..Default::default()
+    };
+    let r = vmm::api::client::invoke(&vm.sock, &options, load.as_bytes()).unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("\"greet\""), "imported: {}", r.body);
+    // The derived template's clones have the image and the mount: each request in a
+    // fresh clone imports nothing more.
+    let derived = Path::new(r.header("x-forkvm-socket").unwrap()).to_path_buf();
+    tests::wait_until("the derived template to pause", LINUX_BOOT, || {
+        api_request(&derived, "GET", "/vm", None)
+            .1
+            .contains("\"waiting\":true")
+    });
+    for name in ["Ada", "Grace"] {
+        let (code, text) = api_request(&derived, "POST", "/invocations", Some(name));
+        assert_eq!((code, text), (200, format!("hello {name} from the slot")));
+    }
+    assert_eq!(media(&derived), [Some(image.display().to_string())]);
+    assert_eq!(media(&vm.sock), [None], "the zygote's slot stays empty");
+    vm.shutdown(LINUX_BOOT);
+}

@@ -11,13 +11,16 @@ case "$mode" in
     run | test | bench) ;;
     *) echo "usage: install-deps.sh [test|bench]" >&2; exit 2 ;;
 esac
+# python3-pip and e2fsprogs also build package sets (forkvm::PackageCache) at run time.
 pkgs=(linux-source-6.1 busybox-static bc bison flex libelf-dev libssl-dev cpio e2fsprogs
-      gcc make binutils patch xz-utils lz4 python3 iproute2)
+      gcc make binutils patch xz-utils lz4 python3 python3-pip iproute2)
 if [ "$mode" = test ]; then
     # QEMU and hyperfine: the tests' side-by-side references; python3-venv: schemathesis
     # below; nfs-ganesha and rpcbind: the user-space NFS server of the shared-storage
     # tests, which start their own instances in namespaces (tests/src/nfs.rs).
     pkgs+=(qemu-system-x86 hyperfine python3-venv nfs-ganesha nfs-ganesha-vfs rpcbind)
+    # The package-set tests build their own wheels, one with a C extension.
+    pkgs+=(python3-setuptools python3-wheel python3-dev)
 fi
 if [ "$mode" = bench ]; then
     pkgs+=(python3-numpy python3-matplotlib)

@@ -58,6 +58,7 @@ mod leftovers;
 mod load;
 mod options;
 mod owner;
+mod packages;
 mod program;
 mod spawner;
 mod template;
@@ -73,6 +74,10 @@ pub use jail::JailSpec;
 pub use load::{Event, Load};
 pub use options::VmmOptions;
 pub use owner::wait_stopped;
+pub use packages::{
+    PackageCache, PackageError, PackageHold, PackageSet, PackageSource, DEFAULT_PYTHON,
+    GUEST_PYTHON,
+};
 pub use template::{Ready, Template, TemplateSpec};
 pub use vm_clone::{ExecOutput, VmClone};
 pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache};

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 pub mod cache;
 pub mod nfs;
+pub mod wheels;
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {

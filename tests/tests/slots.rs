@@ -323,34 +323,27 @@ fn python_template_with_a_slot(scratch: &Scratch) -> tests::Vm {
 }
 
 #[test]
-fn linux_a_function_imports_a_package_from_the_image_in_its_slot() {
+fn linux_a_function_imports_its_package_set_from_the_image_in_its_slot() {
     if !kvm_available("linux_slot_packages") {
         return;
     }
     let scratch = Scratch::new("linux-slot-packages");
-    // A package set as the host would build one: an ext4 image of a directory.
-    let tree = scratch.path("tree");
-    std::fs::create_dir_all(tree.join("greet")).unwrap();
-    std::fs::write(
-        tree.join("greet/__init__.py"),
-        "def hello(name):\n    return 'hello ' + name + ' from the slot'\n",
-    )
-    .unwrap();
-    let image = scratch.path("pkgs.img");
-    let out = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-d"])
-        .arg(&tree)
-        .arg(&image)
-        .arg("4M")
-        .output()
-        .expect("mkfs.ext4");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // A package set built by the library's cache from wheels made here: a pure-Python
+    // distribution and one with a C extension, for the guest's Python.
+    let wheels = scratch.path("wheels");
+    std::fs::create_dir_all(&wheels).unwrap();
+    tests::wheels::pure(&scratch.path(""), "1.0", &wheels);
+    tests::wheels::c_extension(&scratch.path(""), &wheels);
+    let cache = forkvm::PackageCache::new(scratch.path("cache"), 256 << 20).unwrap();
+    let requirements = ["fkvm-pure==1.0".to_string(), "fkvm-c".to_string()];
+    let source = forkvm::PackageSource::FindLinks(wheels);
+    let set = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(cache.resolve(&requirements, &source))
+        .unwrap();
+    let image = set.image.clone();
     let mut vm = python_template_with_a_slot(&scratch);
-    let load = r#"{"disks": [0], "imports": ["greet"], "source": "import greet\ndef handler(e):\n    return greet.hello(e.decode())\n"}"#;
+    let load = r#"{"disks": [0], "imports": ["fkvm_pure", "fkvm_c"], "source": "import fkvm_c, fkvm_pure\ndef handler(e):\n    return 'hello %s from %s and %d' % (e.decode(), fkvm_pure.VERSION, fkvm_c.answer())\n"}"#;
     let options = api_types::InvokeOptions {
         derive: true,
         media: vec![api_types::InsertMedium {
@@ -361,7 +354,7 @@ fn linux_a_function_imports_a_package_from_the_image_in_its_slot() {
     };
     let r = vmm::api::client::invoke(&vm.sock, &options, load.as_bytes()).unwrap();
     assert_eq!(r.status, 200, "{}", r.body);
-    assert!(r.body.contains("\"greet\""), "imported: {}", r.body);
+    assert!(r.body.contains("\"fkvm_c\""), "imported: {}", r.body);
     // The derived template's clones have the image and the mount: each request in a
     // fresh clone imports nothing more.
     let derived = Path::new(r.header("x-forkvm-socket").unwrap()).to_path_buf();
@@ -372,7 +365,7 @@ fn linux_a_function_imports_a_package_from_the_image_in_its_slot() {
     });
     for name in ["Ada", "Grace"] {
         let (code, text) = api_request(&derived, "POST", "/invocations", Some(name));
-        assert_eq!((code, text), (200, format!("hello {name} from the slot")));
+        assert_eq!((code, text), (200, format!("hello {name} from 1.0 and 42")));
     }
     assert_eq!(media(&derived), [Some(image.display().to_string())]);
     assert_eq!(media(&vm.sock), [None], "the zygote's slot stays empty");

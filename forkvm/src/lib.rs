@@ -65,7 +65,7 @@ mod template;
 mod vm_clone;
 mod zygote;
 
-pub use api_types::{CloneInfo, CloneList, CreateClones};
+pub use api_types::{CloneInfo, CloneList, CreateClones, InsertMedium};
 pub use api_types::{InvokeOptions, Outcome, ResourceClass, SnapshotInfo, VmInfo};
 pub use endpoint::Reply;
 pub use envelope::{Envelope, EnvelopeError, EnvelopeStatus, ENVELOPE_MAGIC};

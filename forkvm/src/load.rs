@@ -123,6 +123,11 @@ pub struct Load {
     /// it, in an envelope ([`crate::Envelope`]) the caller unpacks.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub logs: bool,
+    /// Disk slots whose images come with the derivation (`InvokeOptions::media`; a
+    /// [`crate::PackageSet`]'s image): the loader mounts each read-only first on
+    /// `sys.path` before the imports, and the derived template's clones keep them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<u8>,
 }
 
 impl Load {
@@ -182,6 +187,10 @@ mod tests {
         };
         let v: serde_json::Value = serde_json::from_slice(&l.payload()).unwrap();
         assert_eq!(v["warmup"], serde_json::json!(["{}", {"base64": "AP8="}]));
+        assert!(v.get("disks").is_none());
+        let l = Load { disks: vec![0], ..l };
+        let v: serde_json::Value = serde_json::from_slice(&l.payload()).unwrap();
+        assert_eq!(v["disks"], serde_json::json!([0]));
     }
 
     #[test]

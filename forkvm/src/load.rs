@@ -188,7 +188,10 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&l.payload()).unwrap();
         assert_eq!(v["warmup"], serde_json::json!(["{}", {"base64": "AP8="}]));
         assert!(v.get("disks").is_none());
-        let l = Load { disks: vec![0], ..l };
+        let l = Load {
+            disks: vec![0],
+            ..l
+        };
         let v: serde_json::Value = serde_json::from_slice(&l.payload()).unwrap();
         assert_eq!(v["disks"], serde_json::json!([0]));
     }

@@ -449,7 +449,7 @@ fn launch(
         state,
         disk_fds: template.devices().disk_fds(),
         overlays: plan.overlays,
-        slots: &template.devices().slot_media(),
+        slots: template.devices().slot_media(),
         media,
     };
     let (devices, vcpus) = start_rebuilt(&mut prepared, &from, ready, marks)?;

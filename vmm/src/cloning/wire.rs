@@ -281,13 +281,13 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
         .ok_or_else(|| bad(&"identity cut short"))?;
     let mut identity: Identity = serde_json::from_slice(json).map_err(|e| bad(&e))?;
     let payload = buf.split_off(4 + len);
-    let carried = match (
-        identity.note.is_some(),
-        identity.note.is_some().then(|| fds.next()),
-    ) {
-        (true, Some(Some(conn))) => Some((payload, conn)),
-        (true, _) => return Err(LaunchError("a handover without its stream".into())),
-        (false, _) => None,
+    // The handover's stream comes first, then the slots' images.
+    let carried = match identity.note {
+        Some(_) => {
+            let missing = || LaunchError("a handover without its stream".into());
+            Some((payload, fds.next().ok_or_else(missing)?))
+        }
+        None => None,
     };
     identity.media_files = fds.map(|fd| Arc::new(std::fs::File::from(fd))).collect();
     if identity.media_files.len() != identity.media.len() {

@@ -161,6 +161,9 @@ pub struct DeviceManager {
     overlays: Vec<Option<Arc<Mutex<Overlay>>>>,
     /// The disk slots, in slot order (`slots.rs`).
     slots: Vec<slots::Slot>,
+    /// Each disk slot's medium, its open image's descriptor and path (None: empty), in
+    /// slot order (a clone inherits them).
+    slot_media: Vec<Option<(RawFd, std::path::PathBuf)>>,
 }
 
 fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceError> {
@@ -289,6 +292,7 @@ impl DeviceManager {
             disk_fds: Vec::new(),
             overlays: Vec::new(),
             slots: Vec::new(),
+            slot_media: Vec::new(),
         })
     }
 

@@ -28,13 +28,11 @@ pub struct Inserted {
     pub file: File,
 }
 
-/// One disk slot of this VM.
+/// One disk slot of this VM (its medium is in `DeviceManager::slot_media`).
 #[derive(Debug)]
 pub(super) struct Slot {
     /// Its place among the virtio devices.
     virtio_index: usize,
-    /// Its medium: the open image's descriptor and path (None: empty).
-    medium: Option<(RawFd, PathBuf)>,
     /// Whether the medium was inserted for this VM (its guest is told once it runs).
     inserted: bool,
 }
@@ -83,16 +81,16 @@ impl DeviceManager {
         };
         self.slots.push(Slot {
             virtio_index: self.virtio.len(),
-            medium: (block.file()).map(|f| f.as_raw_fd()).zip(path.clone()),
             inserted,
         });
+        (self.slot_media).push((block.file()).map(|f| f.as_raw_fd()).zip(path.clone()));
         Ok((block, path))
     }
 
     /// Each slot's medium (its open image's descriptor and path), in slot order: what a
     /// clone inherits.
-    pub fn slot_media(&self) -> Vec<Option<(RawFd, PathBuf)>> {
-        self.slots.iter().map(|s| s.medium.clone()).collect()
+    pub fn slot_media(&self) -> &[Option<(RawFd, PathBuf)>] {
+        &self.slot_media
     }
 
     /// Tells the guest of the images inserted for this VM (a configuration-change

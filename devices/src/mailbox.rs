@@ -60,6 +60,23 @@ pub const LIVE_LOG_REGION: usize = 64 << 10;
 /// (u64), bytes dropped before the text (u64).
 pub const LIVE_LOG_HEADER: usize = 24;
 
+/// The little-endian u16 at `b[i..]` (the caller's header holds it).
+fn le_u16(b: &[u8], i: usize) -> u16 {
+    u16::from_le_bytes([b[i], b[i + 1]])
+}
+
+/// The little-endian u32 at `b[i..]`.
+fn le_u32(b: &[u8], i: usize) -> u32 {
+    u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
+}
+
+/// The little-endian u64 at `b[i..]`.
+fn le_u64(b: &[u8], i: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[i..i + 8]);
+    u64::from_le_bytes(w)
+}
+
 /// Where the mailbox is in guest-physical memory and how large it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MailboxWindow {
@@ -110,8 +127,8 @@ pub fn runtime_features<M: GuestMemory>(mem: &M, window: MailboxWindow) -> u32 {
     if !window.exists() || mem.read_slice(&mut b, window.at(0)).is_err() {
         return 0;
     }
-    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-    let version = u16::from_le_bytes([b[4], b[5]]);
+    let word = |i: usize| le_u32(&b, i);
+    let version = le_u16(&b, 4);
     match word(0) == WAIT_MAGIC && version == VERSION {
         true => word(8),
         false => 0,
@@ -225,8 +242,8 @@ impl ReplyHeader {
     /// Reads a header, checking it against the length written to the port and the
     /// mailbox's capacity.
     pub fn decode(b: &[u8; HEADER_BYTES], port: u32, capacity: usize) -> Result<Self, ReplyError> {
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| le_u32(b, i);
+        let u16_at = |i: usize| le_u16(b, i);
         if u32_at(0) != REPLY_MAGIC {
             return Err(ReplyError::Magic(u32_at(0)));
         }
@@ -318,8 +335,8 @@ pub fn read_live_log<M: GuestMemory>(
     let offset = window.live_log_offset()?;
     let mut h = [0u8; LIVE_LOG_HEADER];
     mem.read_slice(&mut h, window.at(offset)).ok()?;
-    let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
-    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
+    let u32_at = |i: usize| le_u32(&h, i);
+    let u64_at = |i: usize| le_u64(&h, i);
     if u32_at(0) != LIVE_LOG_MAGIC || u64_at(8) != sequence {
         return None;
     }

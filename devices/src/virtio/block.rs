@@ -162,6 +162,25 @@ impl Persist for Block {
     }
 }
 
+/// The sectors of the image open as `file` (`shown` names it in errors): its size must
+/// be a whole number of 512-byte sectors.
+pub fn image_sectors(file: &File, shown: &str) -> Result<u64, BlockError> {
+    let size = file
+        .metadata()
+        .map_err(|source| BlockError::Open {
+            path: shown.to_string(),
+            source,
+        })?
+        .len();
+    if size % SECTOR_SIZE != 0 {
+        return Err(BlockError::Size {
+            path: shown.to_string(),
+            size,
+        });
+    }
+    Ok(size / SECTOR_SIZE)
+}
+
 #[derive(Clone, Copy, Default)]
 #[repr(C)]
 struct RequestHeader {
@@ -199,22 +218,10 @@ impl Block {
     /// A device over an image already open (a clone's inherited descriptor); `shown`
     /// names it in errors.
     pub fn from_file(file: File, shown: &str, id: &str) -> Result<Self, BlockError> {
-        let size = file
-            .metadata()
-            .map_err(|source| BlockError::Open {
-                path: shown.to_string(),
-                source,
-            })?
-            .len();
-        if size % SECTOR_SIZE != 0 {
-            return Err(BlockError::Size {
-                path: shown.to_string(),
-                size,
-            });
-        }
+        let sectors = image_sectors(&file, shown)?;
         let mut block = Self::empty(id);
         block.file = Some(Arc::new(file));
-        block.sectors = size / SECTOR_SIZE;
+        block.sectors = sectors;
         Ok(block)
     }
 

@@ -241,19 +241,18 @@ fn open_medium(m: &api_types::InsertMedium) -> Result<std::fs::File, CloneError>
         slot: m.slot,
         why: what,
     };
-    let shown = m.path.display();
+    let shown = m.path.display().to_string();
     let file = std::fs::File::open(&m.path).map_err(|e| why(format!("{shown}: {e}")))?;
     let meta = file.metadata().map_err(|e| why(format!("{shown}: {e}")))?;
     if !meta.is_file() {
         return Err(why(format!("{shown} is no regular file")));
     }
-    if meta.len() % 512 != 0 || meta.len() == 0 {
-        return Err(why(format!(
-            "{shown} is {} bytes, not a whole number of 512-byte sectors",
-            meta.len()
-        )));
+    // The device's own check (whole sectors), and an empty image is no medium.
+    match devices::virtio::block::image_sectors(&file, &shown) {
+        Ok(0) => Err(why(format!("{shown} is empty (0 sectors)"))),
+        Ok(_) => Ok(file),
+        Err(e) => Err(why(e.to_string())),
     }
-    Ok(file)
 }
 
 /// Where clone files go: the control socket path, or a per-process one.

@@ -123,7 +123,7 @@ LOG_LIMIT = 64 << 10
 _options = {"logs": False}
 # The running invocation's log, when it has one.
 _current_log = None
-# The live log (docs/invoke.md, "Logs"): the running invocation's output so far, kept
+# The live log (docs/invoke.md, "The live log"): the running invocation's output so far, kept
 # at the mailbox's end as it is printed, so that the VMM can answer with it when the
 # invocation ends without a reply (past the VMM's own time limit, the guest stopped).
 # Its header: magic, text length (u32), the request's sequence (u64), bytes dropped

@@ -165,7 +165,7 @@ pub enum InvokeError {
     NoLoader,
     /// A clone's own tap, address or disk slot images asked of a VM that serves in place.
     #[error("tap, ipv4 and media are for a clone made for the invocation, and this VM is no template: it serves the request in place")]
-    OwnNetInPlace,
+    OwnCloneInPlace,
     /// The payload does not fit the mailbox.
     #[error("a payload of {length} bytes does not fit the mailbox ({capacity} bytes)")]
     TooLarge {
@@ -472,7 +472,7 @@ impl Invoker {
             return Err(InvokeError::NoMailbox);
         }
         if inv.options.wants_own_clone() && !self.template {
-            return Err(InvokeError::OwnNetInPlace);
+            return Err(InvokeError::OwnCloneInPlace);
         }
         let loads = || runtime_features(vm.memory(), self.window) & FEATURE_LOAD != 0;
         if derive && self.waiting.is_some() && !loads() {
@@ -601,7 +601,9 @@ impl Invoker {
         primed: bool,
     ) -> Result<Self, InvokeError> {
         let mut me = Self::new(config);
-        write(mem, me.window, d, 1, payload)?;
+        // A clone's first request.
+        let sequence = 1;
+        write(mem, me.window, d, sequence, payload)?;
         me.started = 1;
         me.in_flight = Some(InFlight {
             conn,
@@ -613,7 +615,7 @@ impl Invoker {
             derive: d.derive,
             primed,
             stretch: None,
-            sequence: 1,
+            sequence,
         });
         Ok(me)
     }
@@ -664,7 +666,7 @@ impl Invoker {
 
     /// What the runtime printed during `f`, when it ended without a reply (its time
     /// limit passed, the guest stopped) and the runtime kept a live log of it in the
-    /// mailbox (docs/invoke.md, "Logs").
+    /// mailbox (docs/invoke.md, "The live log").
     pub fn live_log(&self, mem: &GuestMemoryMmap, f: &Finished) -> Option<LiveLog> {
         let replied = matches!(f.outcome, Outcome::Ok | Outcome::HandlerError);
         if replied || f.sequence == 0 {

@@ -443,17 +443,18 @@ pub async fn invoke(
                     logs: (logs.as_deref()).map_or_else(|| text.clone(), |l| redact(l, secrets)),
                     logs_dropped: *logs_dropped,
                 };
-                if want_logs {
-                    let body = serde_json::json!({
+                let body = want_logs.then(|| {
+                    serde_json::json!({
                         "invocation": clone_id,
                         "error": text,
                         "logs": entry.logs,
                         "logs_dropped": entry.logs_dropped,
-                    });
-                    g.logs.push(&name, entry);
+                    })
+                });
+                g.logs.push(&name, entry);
+                if let Some(body) = body {
                     return Ok((status, Json(body)).into_response());
                 }
-                g.logs.push(&name, entry);
             }
             return Err(Failure(status, text));
         }

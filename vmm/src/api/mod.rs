@@ -191,7 +191,7 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             | InvokeError::NotWaiting
             | InvokeError::Busy
             | InvokeError::NoLoader
-            | InvokeError::OwnNetInPlace => 409,
+            | InvokeError::OwnCloneInPlace => 409,
             InvokeError::TooLarge { .. } => 413,
             InvokeError::HeldFull => 503,
             InvokeError::Mailbox(_) | InvokeError::Vcpu(_) | InvokeError::CloneFailed(_) => 500,

@@ -515,7 +515,7 @@ mod tests {
             InvokeError::NoMailbox,
             InvokeError::NotWaiting,
             InvokeError::NoLoader,
-            InvokeError::OwnNetInPlace,
+            InvokeError::OwnCloneInPlace,
             InvokeError::Busy,
             InvokeError::HeldFull,
             InvokeError::TooLarge {

@@ -113,6 +113,9 @@ pub enum Error {
     /// Files for the template (its directory) could not be made.
     #[error("cannot make the template's directory: {0}")]
     Files(std::io::Error),
+    /// A function's requirements could not be made into a package set.
+    #[error(transparent)]
+    Packages(#[from] crate::PackageError),
 }
 
 impl Error {
@@ -120,6 +123,7 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::Refused { .. } | Error::Unsupported(_) => ErrorKind::Caller,
+            Error::Packages(e) if e.is_callers() => ErrorKind::Caller,
             Error::Invocation { .. } => ErrorKind::Guest,
             _ => ErrorKind::Host,
         }

@@ -80,4 +80,4 @@ pub use packages::{
 };
 pub use template::{Ready, Template, TemplateSpec};
 pub use vm_clone::{ExecOutput, VmClone};
-pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache};
+pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache, PACKAGE_SLOT};

@@ -128,6 +128,14 @@ pub struct Load {
     /// `sys.path` before the imports, and the derived template's clones keep them.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<u8>,
+    /// PyPI requirements (`pyyaml==6.0.1`, `jinja2`): the function's package set, which
+    /// [`crate::ZygoteCache::function`] resolves on the host ([`crate::PackageCache`]),
+    /// mounts in a disk slot of the function's template and puts first on `sys.path`
+    /// before the imports. The runtime's own loader refuses them: a template derived
+    /// by hand ([`crate::Template::derive`]) takes the set's image as a medium and
+    /// `disks` instead.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub requirements: Vec<String>,
 }
 
 impl Load {

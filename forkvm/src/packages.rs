@@ -63,6 +63,14 @@ pub enum PackageError {
     /// pip could not resolve or install them for the guest's Python.
     #[error("pip could not install the requirements for Python {GUEST_PYTHON} on x86_64: {0}")]
     Resolve(String),
+    /// The host's pip could not be run.
+    #[error("cannot run {} -m pip (Debian's python3-pip): {source}", python.display())]
+    Pip {
+        /// The Python it was run with.
+        python: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The image could not be built.
     #[error("cannot build the package image: {0}")]
     Image(String),
@@ -116,6 +124,16 @@ impl Drop for PackageHold {
                 held.remove(&self.key);
             }
         }
+    }
+}
+
+impl PackageError {
+    /// Whether the requirements are to blame (retrying them fails again), not the host.
+    pub fn is_callers(&self) -> bool {
+        matches!(
+            self,
+            PackageError::Requirement(_) | PackageError::Resolve(_) | PackageError::Budget { .. }
+        )
     }
 }
 
@@ -274,11 +292,9 @@ impl PackageCache {
         }
         pip.arg("--").args(requirements);
         pip.stdin(std::process::Stdio::null()).kill_on_drop(true);
-        let out = pip.output().await.map_err(|e| {
-            PackageError::Resolve(format!(
-                "cannot run {} -m pip: {e}",
-                self.inner.python.display()
-            ))
+        let out = pip.output().await.map_err(|source| PackageError::Pip {
+            python: self.inner.python.clone(),
+            source,
         })?;
         if !out.status.success() {
             let text = String::from_utf8_lossy(&out.stderr);

@@ -8,6 +8,14 @@
 //! - a **function's template** has imported what its function needs and loaded its
 //!   source; each invocation of the function runs in a fresh clone of it.
 //!
+//! A function with PyPI requirements ([`Load::requirements`], a cache made
+//! [`ZygoteCache::with_packages`]) has them resolved into a package set
+//! ([`crate::PackageCache`]): its **root** is a zygote derived from the base with the
+//! set's image in [`PACKAGE_SLOT`], mounted first on `sys.path`, nothing imported. A
+//! zygote is keyed by (package set, imports): the functions of one set share its root
+//! and the zygotes below it, and a zygote of another set (or of none) is never used
+//! for them.
+//!
 //! Policy (docs/library.md):
 //! - **Which zygote**: for a package set P, the zygote whose set is the largest subset
 //!   of P (ties: the one used last). A zygote that imported anything outside P is never
@@ -29,10 +37,19 @@ use std::time::Instant;
 
 use tokio::sync::OnceCell;
 
-use crate::{Error, InvokeOptions, Load, Template};
+use crate::{Error, InsertMedium, InvokeOptions, Load, Template};
+use crate::{PackageCache, PackageHold, PackageSet, PackageSource};
 
-/// A package set: module names.
+/// Module names a zygote imported.
 pub type Packages = BTreeSet<String>;
+
+/// The disk slot a package set's image goes in: the base template needs one
+/// (`vmm run --disk-slots 1`) for functions with requirements.
+pub const PACKAGE_SLOT: u8 = 0;
+
+/// The package set mounted in a zygote, by its key (None: the guest image's own
+/// packages only).
+type SetKey = Option<String>;
 
 /// The cache's policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,8 +106,10 @@ impl Tier {
 pub struct CacheStats {
     /// Requests served from each tier.
     pub hits: HashMap<&'static str, u64>,
-    /// Zygotes made.
+    /// Zygotes made (a package set's root among them).
     pub zygotes_made: u64,
+    /// Package sets' roots made: zygotes with a set's image mounted, nothing imported.
+    pub package_sets_mounted: u64,
     /// Functions' templates made.
     pub functions_made: u64,
     /// Entries evicted under the memory budget.
@@ -103,8 +122,24 @@ pub struct CacheStats {
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum Key {
-    Zygote(Packages),
+    /// A zygote: the package set mounted in it and the modules it imported.
+    Zygote(SetKey, Packages),
     Function(String),
+}
+
+impl Key {
+    /// The base template's key.
+    fn base() -> Self {
+        Key::Zygote(None, Packages::new())
+    }
+
+    /// What a zygote imported (nothing for a function's template: never a parent).
+    fn imports(&self) -> Packages {
+        match self {
+            Key::Zygote(_, p) => p.clone(),
+            Key::Function(_) => Packages::new(),
+        }
+    }
 }
 
 type Slot = Arc<OnceCell<Arc<Template>>>;
@@ -118,14 +153,18 @@ struct Entry {
     load: Option<Load>,
     own_kib: u64,
     last_used: Instant,
+    /// A package set's root: keeps the set's image in the package cache.
+    _hold: Option<PackageHold>,
 }
 
 #[derive(Debug)]
 struct State {
     policy: CachePolicy,
     entries: HashMap<Key, Entry>,
-    asked: HashMap<Packages, u32>,
+    asked: HashMap<(SetKey, Packages), u32>,
     stats: CacheStats,
+    /// Where functions' requirements are resolved.
+    packages: Option<(PackageCache, PackageSource)>,
 }
 
 /// The zygote tree: shared by every task of a scheduler (`Clone` is cheap).
@@ -195,14 +234,16 @@ impl ZygoteCache {
             load: None,
             own_kib,
             last_used: Instant::now(),
+            _hold: None,
         };
         let mut state = State {
             policy,
             entries: HashMap::new(),
             asked: HashMap::new(),
             stats: CacheStats::default(),
+            packages: None,
         };
-        state.entries.insert(Key::Zygote(Packages::new()), entry);
+        state.entries.insert(Key::base(), entry);
         Ok(Self {
             state: Arc::new(Mutex::new(state)),
         })
@@ -215,7 +256,7 @@ impl ZygoteCache {
     /// The base template (the tree's root): watch it with [`Template::died`].
     pub fn base(&self) -> Arc<Template> {
         let s = self.lock();
-        let base = s.entries.get(&Key::Zygote(Packages::new()));
+        let base = s.entries.get(&Key::base());
         base.and_then(|e| e.slot.get().cloned())
             .expect("the base is never evicted")
     }
@@ -241,66 +282,116 @@ impl ZygoteCache {
         }
     }
 
-    /// The package sets of the zygotes now cached (the base's is empty).
+    /// Functions' requirements are resolved by `packages` from `source` from now on
+    /// ([`Load::requirements`]); the base template needs a disk slot for them
+    /// ([`PACKAGE_SLOT`]).
+    pub fn with_packages(self, packages: PackageCache, source: PackageSource) -> Self {
+        self.lock().packages = Some((packages, source));
+        self
+    }
+
+    /// What the zygotes now cached imported, over the guest image's packages only (the
+    /// base's is empty).
     pub fn zygotes(&self) -> Vec<Packages> {
-        let s = self.lock();
-        let ready = |e: &Entry| e.slot.initialized();
-        let mut sets: Vec<Packages> = (s.entries.iter())
-            .filter_map(|(k, e)| match k {
-                Key::Zygote(p) if ready(e) => Some(p.clone()),
-                _ => None,
-            })
+        let mut sets: Vec<Packages> = (self.zygote_keys().into_iter())
+            .filter_map(|(set, p)| set.is_none().then_some(p))
             .collect();
         sets.sort();
         sets
+    }
+
+    /// The zygotes now cached over package sets: each set's key ([`PackageSet::key`])
+    /// and what the zygote imported (empty: the set's root, the base with the set's
+    /// image mounted).
+    pub fn package_zygotes(&self) -> Vec<(String, Packages)> {
+        let mut sets: Vec<(String, Packages)> = (self.zygote_keys().into_iter())
+            .filter_map(|(set, p)| Some((set?, p)))
+            .collect();
+        sets.sort();
+        sets
+    }
+
+    fn zygote_keys(&self) -> Vec<(SetKey, Packages)> {
+        let s = self.lock();
+        (s.entries.iter())
+            .filter_map(|(k, e)| match k {
+                Key::Zygote(set, p) if e.slot.initialized() => Some((set.clone(), p.clone())),
+                _ => None,
+            })
+            .collect()
     }
 
     /// A zygote of exactly `packages`, made now (from the best zygote for them) unless
     /// it is cached: a scheduler warms the cache for package sets it expects.
     #[tracing::instrument(level = "debug", name = "zygotes.prepare", skip_all)]
     pub async fn prepare(&self, packages: &Packages) -> Result<Arc<Template>, Error> {
+        self.prepare_in(None, packages).await
+    }
+
+    /// [`ZygoteCache::prepare`] over the package set `requirements` resolve to.
+    #[tracing::instrument(level = "debug", name = "zygotes.prepare_with", skip_all)]
+    pub async fn prepare_with(
+        &self,
+        requirements: &[String],
+        packages: &Packages,
+    ) -> Result<Arc<Template>, Error> {
+        let (set, _hold) = self.resolve_held(requirements).await?;
+        self.prepare_in(Some(&set), packages).await
+    }
+
+    async fn prepare_in(
+        &self,
+        set: Option<&PackageSet>,
+        packages: &Packages,
+    ) -> Result<Arc<Template>, Error> {
+        let set_key = self.mount(set).await?;
         let (key, tier) = {
             let s = self.lock();
-            self.best(&s, packages)
+            self.best(&s, &set_key, packages)
         };
         if tier == Tier::Zygote {
             return self.touch(&key);
         }
-        let have = match &key {
-            Key::Zygote(p) => p.clone(),
-            Key::Function(_) => Packages::new(),
-        };
         let load = Load {
-            imports: packages.difference(&have).cloned().collect(),
+            imports: packages.difference(&key.imports()).cloned().collect(),
             ..Default::default()
         };
-        let exact = Key::Zygote(packages.clone());
-        self.derive_entry(exact, key, load, None).await
+        let exact = Key::Zygote(set_key, packages.clone());
+        self.derive_entry(exact, key, load, None, Vec::new(), None)
+            .await
     }
 
     /// The best zygote for `packages` and its tier, making a zygote of exactly
     /// `packages` when they have been asked for often enough.
     #[tracing::instrument(level = "debug", name = "zygotes.zygote", skip_all)]
     pub async fn zygote(&self, packages: &Packages) -> Result<(Arc<Template>, Tier), Error> {
+        self.zygote_in(None, packages).await
+    }
+
+    async fn zygote_in(
+        &self,
+        set: Option<&PackageSet>,
+        packages: &Packages,
+    ) -> Result<(Arc<Template>, Tier), Error> {
+        let set_key = self.mount(set).await?;
         let (key, tier, create) = {
             let mut s = self.lock();
-            let asked = s.asked.entry(packages.clone()).or_default();
-            *asked += 1;
-            let asked = *asked;
-            let (best, tier) = self.best(&s, packages);
+            let asked = s.asked.entry((set_key.clone(), packages.clone()));
+            let asked = *asked.and_modify(|n| *n += 1).or_insert(1);
+            let (best, tier) = self.best(&s, &set_key, packages);
             let create = tier != Tier::Zygote && asked >= s.policy.create_after;
             (best, tier, create)
         };
         if create {
-            return Ok((self.prepare(packages).await?, tier));
+            return Ok((self.prepare_in(set, packages).await?, tier));
         }
         Ok((self.touch(&key)?, tier))
     }
 
-    /// The best cached zygote for `packages`: its key and tier.
-    fn best(&self, s: &State, packages: &Packages) -> (Key, Tier) {
+    /// The best cached zygote for `packages` over package set `set`: its key and tier.
+    fn best(&self, s: &State, set: &SetKey, packages: &Packages) -> (Key, Tier) {
         let sets = (s.entries.iter()).filter_map(|(k, e)| match k {
-            Key::Zygote(p) if e.slot.initialized() => Some((p, e.last_used)),
+            Key::Zygote(kset, p) if kset == set && e.slot.initialized() => Some((p, e.last_used)),
             _ => None,
         });
         let best = best_subset(packages, sets).cloned().unwrap_or_default();
@@ -309,7 +400,57 @@ impl ZygoteCache {
             (0, false) => Tier::Base,
             _ => Tier::Subset,
         };
-        (Key::Zygote(best), tier)
+        (Key::Zygote(set.clone(), best), tier)
+    }
+
+    /// The package set `requirements` resolve to, from the cache's package cache
+    /// ([`ZygoteCache::with_packages`]).
+    pub async fn package_set(&self, requirements: &[String]) -> Result<PackageSet, Error> {
+        Ok(self.resolve_held(requirements).await?.0)
+    }
+
+    /// [`ZygoteCache::package_set`], its image held from eviction until the hold goes.
+    async fn resolve_held(
+        &self,
+        requirements: &[String],
+    ) -> Result<(PackageSet, PackageHold), Error> {
+        let (cache, source) = self.lock().packages.clone().ok_or(Error::Unsupported(
+            "requirements need a package cache (ZygoteCache::with_packages)",
+        ))?;
+        let set = cache.resolve(requirements, &source).await?;
+        let hold = cache.hold(&set.key);
+        if set.image.exists() {
+            return Ok((set, hold));
+        }
+        // Evicted by another resolution before the hold: made again, now held.
+        let set = cache.resolve(requirements, &source).await?;
+        Ok((set, hold))
+    }
+
+    /// The key of package set `set`, its root zygote made first unless it is cached:
+    /// the base template with the set's image in [`PACKAGE_SLOT`], mounted first on
+    /// `sys.path`, nothing imported.
+    async fn mount(&self, set: Option<&PackageSet>) -> Result<SetKey, Error> {
+        let Some(set) = set else { return Ok(None) };
+        let key = Key::Zygote(Some(set.key.clone()), Packages::new());
+        let hold = {
+            let s = self.lock();
+            if s.entries.get(&key).is_some_and(|e| e.slot.initialized()) {
+                return Ok(Some(set.key.clone()));
+            }
+            (s.packages.as_ref()).map(|(cache, _)| cache.hold(&set.key))
+        };
+        let load = Load {
+            disks: vec![PACKAGE_SLOT],
+            ..Default::default()
+        };
+        let media = vec![InsertMedium {
+            slot: PACKAGE_SLOT,
+            path: set.image.clone(),
+        }];
+        self.derive_entry(key, Key::base(), load, None, media, hold)
+            .await?;
+        Ok(Some(set.key.clone()))
     }
 
     /// The template of `key`, marked used now.
@@ -338,18 +479,24 @@ impl ZygoteCache {
             Some((false, _)) => self.remove_function(name),
             _ => {}
         }
-        let (zygote, tier) = self.zygote(&load.imports).await?;
-        let parent = self.key_of(&zygote).ok_or(Error::Evicted)?;
-        let have = match &parent {
-            Key::Zygote(p) => p.clone(),
-            Key::Function(_) => Packages::new(),
+        let set = match load.requirements.is_empty() {
+            true => None,
+            false => Some(self.resolve_held(&load.requirements).await?),
         };
+        let set = set.as_ref().map(|(set, _hold)| set);
+        let (zygote, tier) = self.zygote_in(set, &load.imports).await?;
+        let parent = self.key_of(&zygote).ok_or(Error::Evicted)?;
         let own = Load {
-            imports: load.imports.difference(&have).cloned().collect(),
+            imports: load
+                .imports
+                .difference(&parent.imports())
+                .cloned()
+                .collect(),
+            requirements: Vec::new(),
             ..load.clone()
         };
         let t = self
-            .derive_entry(key, parent, own, Some(load.clone()))
+            .derive_entry(key, parent, own, Some(load.clone()), Vec::new(), None)
             .await?;
         self.count(tier);
         Ok((t, tier))
@@ -375,15 +522,18 @@ impl ZygoteCache {
         }
     }
 
-    /// The entry `key`, derived from `parent` with `load` (or being derived by another
-    /// caller: then its result); `function`: the whole load of a function's template, to
-    /// tell a new version from it.
+    /// The entry `key`, derived from `parent` with `load` and `media` in its disk slots
+    /// (or being derived by another caller: then its result); `function`: the whole
+    /// load of a function's template, to tell a new version from it; `hold`: the
+    /// package set a set's root keeps.
     async fn derive_entry(
         &self,
         key: Key,
         parent: Key,
         load: Load,
         function: Option<Load>,
+        media: Vec<InsertMedium>,
+        hold: Option<PackageHold>,
     ) -> Result<Arc<Template>, Error> {
         let slot = {
             let mut s = self.lock();
@@ -393,12 +543,14 @@ impl ZygoteCache {
                 load: function,
                 own_kib: 0,
                 last_used: Instant::now(),
+                _hold: hold,
             });
             entry.slot.clone()
         };
         let from = self.touch(&parent)?;
         let options = InvokeOptions {
             timeout_ms: Some(self.policy().load_timeout_ms),
+            media,
             ..Default::default()
         };
         let made = slot
@@ -409,9 +561,13 @@ impl ZygoteCache {
                 if let Some(e) = s.entries.get_mut(&key) {
                     e.own_kib = own;
                 }
-                match key {
+                match &key {
                     Key::Function(_) => s.stats.functions_made += 1,
-                    Key::Zygote(_) => s.stats.zygotes_made += 1,
+                    Key::Zygote(Some(_), p) if p.is_empty() => {
+                        s.stats.zygotes_made += 1;
+                        s.stats.package_sets_mounted += 1;
+                    }
+                    Key::Zygote(..) => s.stats.zygotes_made += 1,
                 }
                 Ok::<_, Error>(Arc::new(t))
             })

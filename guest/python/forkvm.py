@@ -369,6 +369,9 @@ def load(spec, handler):
     spec = json.loads(spec or b"{}")
     if not isinstance(spec, dict):
         raise ValueError("a load request is a JSON object")
+    if "requirements" in spec:
+        raise ValueError("requirements are resolved on the host (forkvm.ZygoteCache with a "
+                         "package cache): the loader takes their image as disks")
     unknown = set(spec) - {"imports", "source", "handler", "warmup", "env", "logs", "disks"}
     if unknown:
         raise ValueError("unknown keys in the load request: %s" % ", ".join(sorted(unknown)))

@@ -119,6 +119,10 @@ class Loader(unittest.TestCase):
             load({"source": SOURCE, "warm": ["a"]})
         self.assertIn("unknown keys in the load request: warm", str(e.exception))
 
+    def test_requirements_are_the_hosts_to_resolve(self):
+        with self.assertRaisesRegex(ValueError, "resolved on the host"):
+            load({"source": SOURCE, "requirements": ["pyyaml"]})
+
 
 class Heap(unittest.TestCase):
     def test_the_heap_size_comes_from_the_environment_and_bad_ones_say_why(self):

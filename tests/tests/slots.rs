@@ -282,9 +282,10 @@ fn an_invocations_clone_gets_the_images_it_asks_for() {
     vm.shutdown(BOOT);
 }
 
-/// A Python template (the runtime's zygote, `python3 -m forkvm`) with one disk slot,
-/// paused where its runtime waits: booted once and kept in the snapshot cache.
-fn python_template_with_a_slot(scratch: &Scratch) -> tests::Vm {
+/// The snapshot of a Python template (the runtime's zygote, `python3 -m forkvm`) with
+/// one disk slot, paused where its runtime waits: booted once and kept in the snapshot
+/// cache.
+fn python_template_with_a_slot() -> std::path::PathBuf {
     let cmdline = "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 \
                    forkvm.run=\"python3 -m forkvm\"";
     let (kernel, root) = (
@@ -315,59 +316,116 @@ fn python_template_with_a_slot(scratch: &Scratch) -> tests::Vm {
         run_args: &args,
         ready: &paused,
     };
-    let vm = tests::cache::restored(scratch, &boot, &[], LINUX_BOOT);
-    tests::wait_until("the restored template to pause", LINUX_BOOT, || {
-        vm.waits_as_template()
-    });
-    vm
+    tests::cache::saved(&boot, LINUX_BOOT)
 }
 
-#[test]
-fn linux_a_function_imports_its_package_set_from_the_image_in_its_slot() {
+/// The handler of the package-set functions: both packages' answers.
+const PACKAGED: &str = "import fkvm_c, fkvm_pure\ndef handler(e):\n    return 'hello %s from %s and %d' % (e.decode(), fkvm_pure.VERSION, fkvm_c.answer())\n";
+
+fn load(requirements: &[&str], imports: &[&str], source: &str) -> forkvm::Load {
+    let mut l = forkvm::Load::imports(imports.iter().copied());
+    l.requirements = requirements.iter().map(|r| r.to_string()).collect();
+    l.source = Some(source.into());
+    l
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linux_functions_with_one_package_set_share_its_image_and_zygotes() {
     if !kvm_available("linux_slot_packages") {
         return;
     }
+    use forkvm::{Error, PackageCache, PackageSource, Tier, ZygoteCache};
     let scratch = Scratch::new("linux-slot-packages");
-    // A package set built by the library's cache from wheels made here: a pure-Python
-    // distribution and one with a C extension, for the guest's Python.
+    // Wheels made here (no index): a pure-Python distribution in two versions and one
+    // with a C extension, for the guest's Python.
     let wheels = scratch.path("wheels");
     std::fs::create_dir_all(&wheels).unwrap();
-    tests::wheels::pure(&scratch.path(""), "1.0", &wheels);
-    tests::wheels::c_extension(&scratch.path(""), &wheels);
-    let cache = forkvm::PackageCache::new(scratch.path("cache"), 256 << 20).unwrap();
-    let requirements = ["fkvm-pure==1.0".to_string(), "fkvm-c".to_string()];
-    let source = forkvm::PackageSource::FindLinks(wheels);
-    let set = tokio::runtime::Runtime::new()
-        .unwrap()
-        .block_on(cache.resolve(&requirements, &source))
-        .unwrap();
-    let image = set.image.clone();
-    let mut vm = python_template_with_a_slot(&scratch);
-    let load = r#"{"disks": [0], "imports": ["fkvm_pure", "fkvm_c"], "source": "import fkvm_c, fkvm_pure\ndef handler(e):\n    return 'hello %s from %s and %d' % (e.decode(), fkvm_pure.VERSION, fkvm_c.answer())\n"}"#;
-    let options = api_types::InvokeOptions {
-        derive: true,
-        media: vec![api_types::InsertMedium {
-            slot: 0,
-            path: image.clone(),
-        }],
-        ..Default::default()
-    };
-    let r = vmm::api::client::invoke(&vm.sock, &options, load.as_bytes()).unwrap();
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert!(r.body.contains("\"fkvm_c\""), "imported: {}", r.body);
-    // The derived template's clones have the image and the mount: each request in a
-    // fresh clone imports nothing more.
-    let derived = Path::new(r.header("x-forkvm-socket").unwrap()).to_path_buf();
-    tests::wait_until("the derived template to pause", LINUX_BOOT, || {
-        api_request(&derived, "GET", "/vm", None)
-            .1
-            .contains("\"waiting\":true")
-    });
-    for name in ["Ada", "Grace"] {
-        let (code, text) = api_request(&derived, "POST", "/invocations", Some(name));
-        assert_eq!((code, text), (200, format!("hello {name} from 1.0 and 42")));
+    for v in ["1.0", "2.0"] {
+        tests::wheels::pure(&scratch.path(""), v, &wheels);
     }
-    assert_eq!(media(&derived), [Some(image.display().to_string())]);
-    assert_eq!(media(&vm.sock), [None], "the zygote's slot stays empty");
-    vm.shutdown(LINUX_BOOT);
+    tests::wheels::c_extension(&scratch.path(""), &wheels);
+    let images = scratch.path("cache");
+    let packages = PackageCache::new(&images, 256 << 20).unwrap();
+    // The zygote tree's base: the Python template with a slot, restored by the library.
+    let dir = tokio::task::block_in_place(python_template_with_a_slot);
+    let mut spec = forkvm::TemplateSpec::new("unused: the snapshot's guest runs");
+    spec.vmm = tests::vmm_bin();
+    spec.warm_clones = 1;
+    spec.start_timeout = LINUX_BOOT;
+    spec.call_timeout = LINUX_BOOT;
+    let base = forkvm::Template::restore(&dir, spec).await.unwrap();
+    let cache = ZygoteCache::new(base, Default::default()).await.unwrap();
+    // Without a package cache, requirements are refused before any guest work.
+    let v1 = load(&["fkvm-pure==1.0", "fkvm-c"], &["fkvm_pure", "fkvm_c"], PACKAGED);
+    let e = cache.function("early", &v1).await.unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+    let cache = cache.with_packages(packages, PackageSource::FindLinks(wheels));
+
+    // The first function of a set: its root (the base with the image mounted), then
+    // the function's template derived from it, which imports both packages, the C
+    // extension included, in every clone.
+    let (a, tier) = cache.function("a", &v1).await.unwrap();
+    assert_eq!(tier, Tier::Base);
+    for name in ["Ada", "Grace"] {
+        let r = a.invoke(name.to_string(), &Default::default()).await.unwrap();
+        assert_eq!(r.body, format!("hello {name} from 1.0 and 42"));
+    }
+    let set = cache.package_set(&v1.requirements).await.unwrap();
+    assert_eq!(set.resolved, ["fkvm-c==1.0", "fkvm-pure==1.0"]);
+    assert!(!set.built, "resolved once, by the first function");
+    let image = Some(set.image.display().to_string());
+    let (a_sock, base_sock) = (a.socket().to_path_buf(), cache.base().socket().to_path_buf());
+    tokio::task::block_in_place(|| {
+        assert_eq!(media(&a_sock), [image]);
+        assert_eq!(media(&base_sock), [None], "the base's slot stays empty");
+    });
+    let stats = cache.stats();
+    assert_eq!((stats.package_sets_mounted, stats.zygotes_made), (1, 1));
+
+    // A second function with the same requirements (another order) and imports: the
+    // same set and root; asked twice, the (set, imports) zygote is made for it.
+    let v1b = load(
+        &["fkvm-c", "fkvm-pure==1.0"],
+        &["fkvm_c", "fkvm_pure"],
+        "import fkvm_pure\ndef handler(e):\n    return fkvm_pure.VERSION\n",
+    );
+    let (b, _) = cache.function("b", &v1b).await.unwrap();
+    let r = b.invoke("x", &Default::default()).await.unwrap();
+    assert_eq!(&r.body[..], b"1.0");
+    let stats = cache.stats();
+    assert_eq!((stats.package_sets_mounted, stats.zygotes_made), (1, 2));
+    let imports: forkvm::Packages = ["fkvm_c", "fkvm_pure"].map(String::from).into();
+    assert_eq!(
+        cache.package_zygotes(),
+        [(set.key.clone(), Default::default()), (set.key.clone(), imports)]
+    );
+    assert_eq!(cache.zygotes(), [forkvm::Packages::new()], "no image-only zygote");
+
+    // Another version is another set, with its own image and root.
+    let v2 = load(&["fkvm-pure==2.0", "fkvm-c"], &["fkvm_pure", "fkvm_c"], PACKAGED);
+    let (c, tier) = cache.function("c", &v2).await.unwrap();
+    assert_eq!(tier, Tier::Base, "no zygote of this set yet");
+    let r = c.invoke("Lin", &Default::default()).await.unwrap();
+    assert_eq!(r.body, "hello Lin from 2.0 and 42");
+    assert_eq!(cache.stats().package_sets_mounted, 2);
+    let ext4 = |dir: &Path| {
+        (std::fs::read_dir(dir).unwrap().flatten())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "ext4"))
+            .count()
+    };
+    assert_eq!(ext4(&images), 2);
+
+    // A requirement that does not resolve: the caller's error with pip's message,
+    // nothing cached or built.
+    let bad = load(&["fkvm-missing"], &[], PACKAGED);
+    let e = cache.function("bad", &bad).await.unwrap_err();
+    assert_eq!(e.kind(), forkvm::ErrorKind::Caller, "{e}");
+    assert!(e.to_string().contains("fkvm-missing"), "{e}");
+    assert_eq!(ext4(&images), 2);
+    assert_eq!(cache.stats().package_sets_mounted, 2);
+    drop((a, b, c));
+    drop(cache);
+    tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(10)))
+        .await
+        .unwrap();
 }

@@ -11,7 +11,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use forkvm::{Envelope, EnvelopeStatus, Error, ErrorKind, Event, InvokeOptions, Load, Outcome};
-use forkvm::{Reply, Template, Tier, ZygoteCache};
+use forkvm::{PackageError, Reply, Template, Tier, ZygoteCache};
 use serde::{Deserialize, Serialize};
 
 use crate::logs::{now_ms, redact, LogEntry, LogStore};
@@ -49,6 +49,12 @@ pub struct FunctionSpec {
     /// Modules it imports (its zygote is chosen by them).
     #[serde(default)]
     pub packages: BTreeSet<String>,
+    /// PyPI requirements (`pyyaml==6.0.1`, `jinja2`): resolved on the host into a
+    /// package set (the gateway's `--package-cache`), whose image is mounted first on
+    /// the handler's `sys.path`. Functions with the same requirements share the image
+    /// and their zygotes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requirements: Vec<String>,
     /// Events its handler is called with in its template before the template pauses
     /// (strings, or `{"base64": "..."}`): what a request touches is then already in
     /// every clone's memory. Their side effects are in every clone too.
@@ -74,6 +80,17 @@ struct Function {
     spec: FunctionSpec,
     load: Load,
     options: InvokeOptions,
+    /// What its requirements resolved to (once deployed).
+    package_set: Option<PackageSetInfo>,
+}
+
+/// A function's package set, as `GET /functions` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct PackageSetInfo {
+    /// Its key: functions with the same key share its image and zygotes.
+    pub key: String,
+    /// The distributions in it, `name==version`.
+    pub resolved: Vec<String>,
 }
 
 /// What `GET /functions` and `PUT` answer about a function.
@@ -83,6 +100,12 @@ pub struct FunctionInfo {
     pub name: String,
     /// Its packages.
     pub packages: BTreeSet<String>,
+    /// Its requirements.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub requirements: Vec<String>,
+    /// What they resolved to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub package_set: Option<PackageSetInfo>,
     /// Its limits.
     pub limits: Limits,
     /// Its environment variables.
@@ -96,10 +119,13 @@ pub struct FunctionInfo {
 }
 
 impl FunctionInfo {
-    fn of(name: &str, spec: &FunctionSpec, invocations: u64) -> Self {
+    fn of(name: &str, f: &Function, invocations: u64) -> Self {
+        let spec = &f.spec;
         FunctionInfo {
             name: name.to_string(),
             packages: spec.packages.clone(),
+            requirements: spec.requirements.clone(),
+            package_set: f.package_set.clone(),
             limits: spec.limits.clone(),
             env: spec.env.clone(),
             secrets: spec.secrets.keys().cloned().collect(),
@@ -113,6 +139,8 @@ pub struct Gateway {
     cache: RwLock<ZygoteCache>,
     functions: Mutex<BTreeMap<String, (Function, u64)>>,
     classes: Vec<String>,
+    /// Whether functions may have requirements (`--package-cache`).
+    packages: bool,
     /// Its metrics.
     pub metrics: Metrics,
     /// What its functions printed.
@@ -149,12 +177,14 @@ fn check_name(name: &str) -> Result<(), Failure> {
 }
 
 impl Gateway {
-    /// A gateway over `cache`, whose VMMs have the resource classes `classes`.
-    pub fn new(cache: ZygoteCache, classes: Vec<String>) -> Self {
+    /// A gateway over `cache`, whose VMMs have the resource classes `classes`;
+    /// `packages`: whether the cache resolves requirements.
+    pub fn new(cache: ZygoteCache, classes: Vec<String>, packages: bool) -> Self {
         Self {
             cache: RwLock::new(cache),
             functions: Mutex::new(BTreeMap::new()),
             classes,
+            packages,
             metrics: Metrics::new(),
             logs: LogStore::default(),
         }
@@ -199,6 +229,7 @@ impl Gateway {
         let m = &self.metrics;
         m.templates.set(s.entries as i64);
         m.zygotes_made.set(s.zygotes_made as i64);
+        m.package_sets.set(s.package_sets_mounted as i64);
         m.evicted.set(s.evicted as i64);
         m.template_memory.set((s.own_memory_kib * 1024) as i64);
         m.functions.set(self.functions().len() as i64);
@@ -219,9 +250,18 @@ impl Gateway {
     }
 }
 
-/// Checks `spec` (`classes`: the gateway's resource classes) and what deploying it
-/// means.
-fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failure> {
+/// Checks `spec` (`classes`: the gateway's resource classes; `packages`: whether it
+/// has a package cache) and what deploying it means.
+fn function_of(
+    classes: &[String],
+    packages: bool,
+    spec: FunctionSpec,
+) -> Result<Function, Failure> {
+    if !spec.requirements.is_empty() && !packages {
+        return Err(bad(
+            "requirements need a package cache: this gateway runs without --package-cache",
+        ));
+    }
     if let Some(c) = &spec.limits.class {
         if !classes.contains(c) {
             return Err(bad(format!(
@@ -253,10 +293,12 @@ fn function_of(classes: &[String], spec: FunctionSpec) -> Result<Function, Failu
     load.warmup = spec.warmup.clone();
     load.env = env;
     load.logs = true;
+    load.requirements = spec.requirements.clone();
     Ok(Function {
         spec,
         load,
         options,
+        package_set: None,
     })
 }
 
@@ -325,6 +367,12 @@ fn failure_of(e: &Error) -> Failure {
         },
         Error::Unavailable { .. } | Error::Evicted => 503,
         Error::Timeout { .. } => 504,
+        Error::Packages(p) => match p {
+            PackageError::Requirement(_) => 400,
+            PackageError::Budget { .. } => 413,
+            PackageError::Resolve(_) => 422,
+            _ => 500,
+        },
         _ => 502,
     };
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -349,18 +397,35 @@ pub async fn deploy(
     check_name(&name)?;
     let spec: FunctionSpec =
         serde_json::from_slice(&body).map_err(|e| bad(format!("function spec: {e}")))?;
-    let f = function_of(&g.classes, spec)?;
+    let mut f = function_of(&g.classes, g.packages, spec)?;
     let started = Instant::now();
     let cache = g.cache();
-    let (_, tier) = match cache.function(&name, &f.load).await {
-        Ok(t) => t,
+    let derived = cache.function(&name, &f.load).await;
+    let set = match (&derived, f.load.requirements.is_empty()) {
+        // Resolved by the derivation: from the package cache's record now.
+        (Ok(_), false) => Some(cache.package_set(&f.load.requirements).await),
+        _ => None,
+    };
+    let derived = derived.and_then(|t| Ok((t, set.transpose()?)));
+    let (_, tier) = match derived {
+        Ok(((t, tier), set)) => {
+            f.package_set = set.map(|s| PackageSetInfo {
+                key: s.key,
+                resolved: s.resolved,
+            });
+            (t, tier)
+        }
         Err(e) => {
             g.count_error(&e);
             cache.remove_function(&name);
             let Failure(status, text) = failure_of(&e);
-            let status = match status {
-                StatusCode::INTERNAL_SERVER_ERROR => StatusCode::BAD_REQUEST,
-                s => s,
+            // A handler that raised while loading: the function's fault.
+            let status = match &e {
+                Error::Invocation {
+                    outcome: Outcome::HandlerError,
+                    ..
+                } => StatusCode::BAD_REQUEST,
+                _ => status,
             };
             return Err(Failure(
                 status,
@@ -373,7 +438,7 @@ pub async fn deploy(
         true => StatusCode::OK,
         false => StatusCode::CREATED,
     };
-    let mut info = serde_json::to_value(FunctionInfo::of(&name, &f.spec, 0))
+    let mut info = serde_json::to_value(FunctionInfo::of(&name, &f, 0))
         .unwrap_or_else(|_| serde_json::json!({}));
     info["tier"] = tier.as_str().into();
     info["deploy_ms"] = (started.elapsed().as_millis() as u64).into();
@@ -607,7 +672,7 @@ pub async fn logs(
 /// `GET /functions`: every deployed function.
 pub async fn list(State(g): State<Arc<Gateway>>) -> Json<Vec<FunctionInfo>> {
     let infos = (g.functions().iter())
-        .map(|(name, (f, n))| FunctionInfo::of(name, &f.spec, *n))
+        .map(|(name, (f, n))| FunctionInfo::of(name, f, *n))
         .collect();
     Json(infos)
 }
@@ -630,6 +695,9 @@ pub async fn delete(
 pub struct ZygoteSpec {
     /// Its modules.
     pub packages: BTreeSet<String>,
+    /// The package set under it (as a function's `requirements`).
+    #[serde(default)]
+    pub requirements: Vec<String>,
 }
 
 /// `PUT /zygotes`: makes a zygote of exactly these packages now (unless cached), so
@@ -641,19 +709,38 @@ pub async fn prepare(
     let spec: ZygoteSpec =
         serde_json::from_slice(&body).map_err(|e| bad(format!("zygote spec: {e}")))?;
     check_packages(&spec.packages)?;
+    if !spec.requirements.is_empty() && !g.packages {
+        return Err(bad(
+            "requirements need a package cache: this gateway runs without --package-cache",
+        ));
+    }
     let started = Instant::now();
-    if let Err(e) = g.cache().prepare(&spec.packages).await {
+    let cache = g.cache();
+    let made = match spec.requirements.is_empty() {
+        true => cache.prepare(&spec.packages).await.map(|_| None),
+        false => match cache.prepare_with(&spec.requirements, &spec.packages).await {
+            Ok(_) => cache.package_set(&spec.requirements).await.map(Some),
+            Err(e) => Err(e),
+        },
+    };
+    let set = made.map_err(|e| {
         g.count_error(&e);
         let Failure(status, text) = failure_of(&e);
-        return Err(Failure(status, format!("the zygote did not load: {text}")));
-    }
-    Ok(Json(serde_json::json!({
+        Failure(status, format!("the zygote did not load: {text}"))
+    })?;
+    let mut answer = serde_json::json!({
         "packages": spec.packages,
         "ms": started.elapsed().as_millis() as u64,
-    })))
+    });
+    if let Some(set) = set {
+        answer["package_set"] = serde_json::json!({"key": set.key, "resolved": set.resolved});
+    }
+    Ok(Json(answer))
 }
 
-/// `GET /zygotes`: the package sets of the cached zygotes.
+/// `GET /zygotes`: what the cached zygotes imported (those over the guest image's
+/// packages; `GET /metrics` counts those over package sets too,
+/// `forkvm_package_sets_mounted`).
 pub async fn zygotes(State(g): State<Arc<Gateway>>) -> Json<Vec<BTreeSet<String>>> {
     Json(g.cache().zygotes())
 }
@@ -684,7 +771,7 @@ mod tests {
         .unwrap();
         assert_eq!(spec.limits.timeout_ms, Some(500));
         assert!(spec.packages.is_empty());
-        let f = function_of(&["small".into()], spec.clone()).unwrap();
+        let f = function_of(&["small".into()], false, spec.clone()).unwrap();
         assert_eq!(f.options.timeout_ms, Some(500));
         assert_eq!(f.load.handler, None);
         assert!(f.load.warmup.is_empty());
@@ -692,7 +779,7 @@ mod tests {
             r#"{"source": "x", "warmup": ["{\"n\": 1}", {"base64": "AAE="}]}"#,
         )
         .unwrap();
-        let f = function_of(&[], warm).unwrap();
+        let f = function_of(&[], false, warm).unwrap();
         assert_eq!(
             f.load.warmup,
             [Event::from(r#"{"n": 1}"#), Event::from(vec![0, 1])]
@@ -702,13 +789,23 @@ mod tests {
         assert!(bad.unwrap_err().to_string().contains("bad base64"));
         let mut other = spec.clone();
         other.limits.class = Some("big".into());
-        assert!(function_of(&["small".into()], other).is_err());
+        assert!(function_of(&["small".into()], false, other).is_err());
         let mut other = spec.clone();
         other.limits.net_rate = Some("bytes=lots".into());
-        assert!(function_of(&[], other).is_err());
-        let mut other = spec;
+        assert!(function_of(&[], false, other).is_err());
+        let mut other = spec.clone();
         other.packages = ["os; rm".to_string()].into();
-        assert!(function_of(&[], other).is_err());
+        assert!(function_of(&[], false, other).is_err());
+        // Requirements: only with a package cache; they reach the load.
+        let mut other = spec;
+        other.requirements = vec!["pyyaml==6.0.1".into()];
+        let Err(Failure(status, text)) = function_of(&[], false, other.clone()) else {
+            panic!("requirements without a package cache accepted");
+        };
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(text.contains("--package-cache"), "{text}");
+        let f = function_of(&[], true, other).unwrap();
+        assert_eq!(f.load.requirements, ["pyyaml==6.0.1"]);
         for ok in ["numpy", "a.b_c", "_x"] {
             assert!(check_packages(&[ok.to_string()].into()).is_ok(), "{ok}");
         }
@@ -723,7 +820,7 @@ mod tests {
             r#"{"source": "x", "env": {"GREETING": "hi"}, "secrets": {"TOKEN": "s3cret"}}"#,
         )
         .unwrap();
-        let f = function_of(&[], spec.clone()).unwrap();
+        let f = function_of(&[], false, spec.clone()).unwrap();
         assert!(f.load.logs, "every function answers with its logs");
         let env: Vec<_> = f
             .load
@@ -732,7 +829,7 @@ mod tests {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         assert_eq!(env, [("GREETING", "hi"), ("TOKEN", "s3cret")]);
-        let info = serde_json::to_string(&FunctionInfo::of("f", &spec, 3)).unwrap();
+        let info = serde_json::to_string(&FunctionInfo::of("f", &f, 3)).unwrap();
         assert!(info.contains(r#""env":{"GREETING":"hi"}"#), "{info}");
         assert!(info.contains(r#""secrets":["TOKEN"]"#), "{info}");
         assert!(!info.contains("s3cret"), "{info}");
@@ -751,7 +848,7 @@ mod tests {
             let mut v: serde_json::Value = serde_json::from_str(bad).unwrap();
             v["source"] = "x".into();
             let spec: FunctionSpec = serde_json::from_value(v).unwrap();
-            let Err(Failure(status, text)) = function_of(&[], spec) else {
+            let Err(Failure(status, text)) = function_of(&[], false, spec) else {
                 panic!("{bad} accepted");
             };
             assert_eq!(status, StatusCode::BAD_REQUEST);
@@ -761,9 +858,9 @@ mod tests {
             env: BTreeMap::from([("A".into(), "x".repeat(ENV_BYTES))]),
             ..spec
         };
-        assert!(function_of(&[], big.clone()).is_err());
+        assert!(function_of(&[], false, big.clone()).is_err());
         big.env.clear();
-        assert!(function_of(&[], big).is_ok());
+        assert!(function_of(&[], false, big).is_ok());
     }
 
     #[test]

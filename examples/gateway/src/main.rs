@@ -26,7 +26,8 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, put};
 use axum::Router;
 use clap::Parser;
-use forkvm::{CachePolicy, JailSpec, ResourceClass, TemplateSpec, ZygoteCache};
+use forkvm::{CachePolicy, JailSpec, PackageCache, PackageSource, ResourceClass};
+use forkvm::{TemplateSpec, ZygoteCache};
 
 use gateway::Gateway;
 
@@ -83,6 +84,20 @@ struct Args {
     /// Not with --jail yet.
     #[arg(long, value_name = "DIR", conflicts_with = "jail")]
     base_snapshot: Option<PathBuf>,
+    /// Resolve functions' `requirements` (PyPI) into package sets kept in DIR as
+    /// read-only disk images, one per resolved set, shared by every function that needs
+    /// it (the base template then has a disk slot for them). Without, a function with
+    /// requirements is refused.
+    #[arg(long, value_name = "DIR")]
+    package_cache: Option<PathBuf>,
+    /// The most the package cache's images may take, in MiB; the least recently used
+    /// beyond it are removed (never one a cached template uses).
+    #[arg(long, default_value_t = 4096, requires = "package_cache")]
+    package_cache_mib: u64,
+    /// Take wheels only from DIR, never from a package index (`pip --no-index
+    /// --find-links DIR`), for hosts that reach none.
+    #[arg(long, value_name = "DIR", requires = "package_cache")]
+    find_links: Option<PathBuf>,
     /// A further `vmm run` option for the base template (repeatable; `--vmm-arg=--no-prime`).
     #[arg(long = "vmm-arg", allow_hyphen_values = true)]
     vmm_args: Vec<String>,
@@ -115,6 +130,8 @@ enum GatewayError {
     Base(#[from] forkvm::Error),
     #[error(transparent)]
     SnapshotDir(#[from] base::SnapshotDirError),
+    #[error(transparent)]
+    Packages(#[from] forkvm::PackageError),
     #[error("a task of the gateway failed: {0}")]
     Task(String),
     #[error("cannot serve on {addr}: {source}")]
@@ -161,7 +178,13 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     spec.warm_clones = args.warm_clones;
     spec.start_timeout = Duration::from_secs(args.start_timeout_s);
     spec.options.cgroup_classes.clone_from(&args.classes);
-    spec.args.extend(args.vmm_args.iter().cloned());
+    let mut vmm_args = args.vmm_args.clone();
+    let slots_given = (vmm_args.iter()).any(|a| a.split('=').next() == Some("--disk-slots"));
+    if args.package_cache.is_some() && !slots_given {
+        // Package sets' images go in a disk slot of the base template.
+        vmm_args.extend(["--disk-slots".to_string(), "1".to_string()]);
+    }
+    spec.args.extend(vmm_args.iter().cloned());
     let restore_args = base::restore_args(&spec.args);
     if let Some((uid, gid)) = args.jail {
         let mut jail = JailSpec::new(uid, gid);
@@ -177,7 +200,7 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
         vmm: spec.vmm.clone(),
         cmdline,
         mem_mib: args.mem_mib,
-        vmm_args: args.vmm_args.clone(),
+        vmm_args,
     };
     let snapshots = args.base_snapshot.as_deref().map(|d| (d, &inputs));
     let base = base::start(spec, snapshots, restore_args).await?;
@@ -185,7 +208,16 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     policy.create_after = args.create_after;
     policy.memory_budget_kib = args.memory_budget_mib * 1024;
     policy.load_timeout_ms = args.load_timeout_s * 1000;
-    Ok(ZygoteCache::new(base, policy).await?)
+    let cache = ZygoteCache::new(base, policy).await?;
+    let Some(dir) = &args.package_cache else {
+        return Ok(cache);
+    };
+    let packages = PackageCache::new(dir, args.package_cache_mib << 20)?;
+    let source = match &args.find_links {
+        Some(links) => PackageSource::FindLinks(links.clone()),
+        None => PackageSource::Index,
+    };
+    Ok(cache.with_packages(packages, source))
 }
 
 /// Starts another base template whenever the current one's VMM dies.
@@ -234,7 +266,8 @@ async fn run(args: Args) -> Result<(), GatewayError> {
         })?;
     let cache = start_cache(&args).await?;
     let classes = args.classes.iter().map(|(name, _)| name.clone()).collect();
-    let g = Arc::new(Gateway::new(cache, classes));
+    let packages = args.package_cache.is_some();
+    let g = Arc::new(Gateway::new(cache, classes, packages));
     let supervisor = tokio::spawn(supervise(g.clone(), args.clone()));
     let app = Router::new()
         .route("/functions", get(gateway::list))

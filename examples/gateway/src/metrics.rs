@@ -45,6 +45,8 @@ pub struct Metrics {
     pub templates: Gauge,
     /// Zygotes made.
     pub zygotes_made: Gauge,
+    /// Package sets mounted: zygotes with a set's image, nothing imported.
+    pub package_sets: Gauge,
     /// Templates evicted under the memory budget.
     pub evicted: Gauge,
     /// Own memory of the cached templates, in bytes.
@@ -69,6 +71,7 @@ impl Metrics {
             clones: Counter::default(),
             templates: Gauge::default(),
             zygotes_made: Gauge::default(),
+            package_sets: Gauge::default(),
             evicted: Gauge::default(),
             template_memory: Gauge::default(),
             cache_hits: Family::default(),
@@ -102,6 +105,11 @@ impl Metrics {
             "zygotes_made",
             "Zygotes made so far",
             m.zygotes_made.clone(),
+        );
+        r.register(
+            "package_sets_mounted",
+            "Package sets' root zygotes made so far (among zygotes_made)",
+            m.package_sets.clone(),
         );
         r.register(
             "templates_evicted",

@@ -46,8 +46,17 @@ impl Gateway {
     fn start(scratch: &Scratch, guest: &(String, String, PathBuf), name: &str) -> Gateway {
         let (kernel, rootfs, snapshots) = guest;
         let program = workspace_bin("forkvm-gateway");
-        let images = ["--kernel", kernel, "--rootfs", rootfs];
-        Gateway::start_program(scratch, &program, &images, snapshots, name)
+        let packages = scratch.path(&format!("{name}-packages"));
+        let packages = packages.to_str().unwrap();
+        let args = [
+            "--kernel",
+            kernel,
+            "--rootfs",
+            rootfs,
+            "--package-cache",
+            packages,
+        ];
+        Gateway::start_program(scratch, &program, &args, snapshots, name)
     }
 
     /// Starts `program` with `args` as [`Gateway::start`] does.
@@ -230,8 +239,9 @@ fn install(scratch: &Scratch) -> PathBuf {
 
 /// The installed systemd unit's command (its `ExecStart=`), the program under
 /// `prefix`: the program and the options other than `--listen` and `--base-snapshot`
-/// (and their values), which the test sets itself (a free port, the test cache).
-fn unit_command(prefix: &std::path::Path) -> (PathBuf, Vec<String>) {
+/// (and their values), which the test sets itself (a free port, the test cache), with
+/// `--package-cache`'s value replaced by `packages`.
+fn unit_command(prefix: &std::path::Path, packages: &str) -> (PathBuf, Vec<String>) {
     let unit = prefix.join("lib/systemd/system/forkvm-gateway.service");
     let text = std::fs::read_to_string(&unit).expect("the installed unit");
     let line = (text.lines())
@@ -241,17 +251,21 @@ fn unit_command(prefix: &std::path::Path) -> (PathBuf, Vec<String>) {
     let program = words.next().expect("a program");
     assert_eq!(program, "/usr/local/bin/forkvm-gateway", "{line}");
     let mut args = Vec::new();
-    let (mut listen, mut snapshot) = (false, false);
+    let (mut listen, mut snapshot, mut cache) = (false, false, false);
     while let Some(w) = words.next() {
         match w {
             "--listen" => listen = words.next().is_some(),
             "--base-snapshot" => snapshot = words.next().is_some(),
+            "--package-cache" => {
+                cache = words.next().is_some();
+                args.extend(["--package-cache".to_string(), packages.to_string()]);
+            }
             _ => args.push(w.to_string()),
         }
     }
     assert!(
-        listen && snapshot,
-        "the unit serves on an address from a snapshot: {line}"
+        listen && snapshot && cache,
+        "the unit serves on an address from a snapshot, with a package cache: {line}"
     );
     (prefix.join("bin/forkvm-gateway"), args)
 }
@@ -556,7 +570,16 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
         "{first}"
     );
     let prefix = install(&scratch);
-    let (program, unit_args) = unit_command(&prefix);
+    let packages = scratch.path("again-packages");
+    let (program, mut unit_args) = unit_command(&prefix, packages.to_str().unwrap());
+    // Wheels made here: the gateway takes them from a directory, not an index.
+    let wheels = scratch.path("wheels");
+    std::fs::create_dir_all(&wheels).unwrap();
+    for v in ["1.0", "2.0"] {
+        tests::wheels::pure(&scratch.path(""), v, &wheels);
+    }
+    tests::wheels::c_extension(&scratch.path(""), &wheels);
+    unit_args.extend(["--find-links".into(), wheels.display().to_string()]);
     let unit_args: Vec<&str> = unit_args.iter().map(String::as_str).collect();
     let mut gw = Gateway::start_program(&scratch, &program, &unit_args, &guest.2, "again");
     let log = gw.log();
@@ -570,6 +593,7 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     assert_eq!(a.status, 201, "{}", a.body);
     let a = gw.invoke("hello", r#"{"name": "again"}"#);
     assert_eq!(json(&a), serde_json::json!({"hello": "again"}));
+    requirements(&gw, &packages);
 
     // Warm-up events: the handler ran on them in the function's template, before it
     // paused, so every clone starts from what they left (its `seen`), and each request
@@ -623,6 +647,76 @@ fn the_tutorial_deploys_invokes_and_measures_python_functions_over_http() {
     assert_eq!(a.status, 400, "{}", a.body);
     assert!(a.body.contains("bad base64"), "{}", a.body);
     stop(&mut gw);
+}
+
+/// Imports both test packages (`tests::wheels`) and answers with what they say.
+const PACKAGED: &str = "import fkvm_c, fkvm_pure\ndef handler(e):\n    return 'hello %s from %s and %d' % (e.decode(), fkvm_pure.VERSION, fkvm_c.answer())\n";
+
+/// Functions with requirements on `gw` (its package cache in `packages`, its wheels
+/// the test's): they import them; the same requirements are one package set, one image
+/// and one root zygote, another version another; bad requirements are refused with
+/// pip's reason, nothing built.
+fn requirements(gw: &Gateway, packages: &std::path::Path) {
+    let spec = |reqs: &[&str]| {
+        serde_json::json!({
+            "source": PACKAGED,
+            "packages": ["fkvm_pure", "fkvm_c"],
+            "requirements": reqs,
+        })
+    };
+    let a = gw.deploy("pkg1", spec(&["fkvm-pure==1.0", "fkvm-c"]));
+    assert_eq!(a.status, 201, "{}", a.body);
+    let set = json(&a)["package_set"].clone();
+    assert_eq!(
+        set["resolved"],
+        serde_json::json!(["fkvm-c==1.0", "fkvm-pure==1.0"])
+    );
+    let a = gw.invoke("pkg1", "Ada");
+    assert_eq!(
+        (a.status, a.body.as_str()),
+        (200, "hello Ada from 1.0 and 42")
+    );
+    let a = gw.deploy("pkg2", spec(&["fkvm-c", "fkvm-pure==1.0"]));
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(json(&a)["package_set"], set, "the same set");
+    assert_eq!(gw.metric("forkvm_package_sets_mounted"), 1.0);
+    let a = gw.deploy("pkg3", spec(&["fkvm-pure==2.0", "fkvm-c"]));
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_ne!(json(&a)["package_set"]["key"], set["key"]);
+    assert_eq!(gw.invoke("pkg3", "Lin").body, "hello Lin from 2.0 and 42");
+    assert_eq!(gw.metric("forkvm_package_sets_mounted"), 2.0);
+    // A zygote made ahead over a set.
+    let a = gw.send(
+        "PUT",
+        "/zygotes",
+        r#"{"packages": ["fkvm_pure"], "requirements": ["fkvm-pure==2.0", "fkvm-c"]}"#,
+    );
+    assert_eq!(a.status, 200, "{}", a.body);
+    let images = || {
+        (std::fs::read_dir(packages).unwrap().flatten())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "ext4"))
+            .count()
+    };
+    assert_eq!(images(), 2);
+    for (reqs, status, says) in [
+        (&["--index-url=http://x"][..], 400, "is no requirement"),
+        (&["fkvm-missing"][..], 422, "fkvm-missing"),
+    ] {
+        let a = gw.deploy("pkgbad", spec(reqs));
+        assert_eq!(a.status, status, "{reqs:?}: {}", a.body);
+        assert!(a.body.contains(says), "{reqs:?}: {}", a.body);
+    }
+    assert_eq!(images(), 2, "nothing built for a refused set");
+    let listed = json(&gw.send("GET", "/functions", ""));
+    let pkg1 = (listed.as_array().unwrap().iter())
+        .find(|f| f["name"] == "pkg1")
+        .unwrap();
+    assert_eq!(
+        pkg1["requirements"],
+        serde_json::json!(["fkvm-pure==1.0", "fkvm-c"])
+    );
+    assert_eq!(pkg1["package_set"], set);
+    assert!(!listed.to_string().contains("pkgbad"), "{listed}");
 }
 
 /// A handler that answers with every event it has seen (warm-up events included) and

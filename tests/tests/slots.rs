@@ -356,7 +356,11 @@ async fn linux_functions_with_one_package_set_share_its_image_and_zygotes() {
     let base = forkvm::Template::restore(&dir, spec).await.unwrap();
     let cache = ZygoteCache::new(base, Default::default()).await.unwrap();
     // Without a package cache, requirements are refused before any guest work.
-    let v1 = load(&["fkvm-pure==1.0", "fkvm-c"], &["fkvm_pure", "fkvm_c"], PACKAGED);
+    let v1 = load(
+        &["fkvm-pure==1.0", "fkvm-c"],
+        &["fkvm_pure", "fkvm_c"],
+        PACKAGED,
+    );
     let e = cache.function("early", &v1).await.unwrap_err();
     assert!(matches!(e, Error::Unsupported(_)), "{e}");
     let cache = cache.with_packages(packages, PackageSource::FindLinks(wheels));
@@ -367,14 +371,20 @@ async fn linux_functions_with_one_package_set_share_its_image_and_zygotes() {
     let (a, tier) = cache.function("a", &v1).await.unwrap();
     assert_eq!(tier, Tier::Base);
     for name in ["Ada", "Grace"] {
-        let r = a.invoke(name.to_string(), &Default::default()).await.unwrap();
+        let r = a
+            .invoke(name.to_string(), &Default::default())
+            .await
+            .unwrap();
         assert_eq!(r.body, format!("hello {name} from 1.0 and 42"));
     }
     let set = cache.package_set(&v1.requirements).await.unwrap();
     assert_eq!(set.resolved, ["fkvm-c==1.0", "fkvm-pure==1.0"]);
     assert!(!set.built, "resolved once, by the first function");
     let image = Some(set.image.display().to_string());
-    let (a_sock, base_sock) = (a.socket().to_path_buf(), cache.base().socket().to_path_buf());
+    let (a_sock, base_sock) = (
+        a.socket().to_path_buf(),
+        cache.base().socket().to_path_buf(),
+    );
     tokio::task::block_in_place(|| {
         assert_eq!(media(&a_sock), [image]);
         assert_eq!(media(&base_sock), [None], "the base's slot stays empty");
@@ -397,12 +407,23 @@ async fn linux_functions_with_one_package_set_share_its_image_and_zygotes() {
     let imports: forkvm::Packages = ["fkvm_c", "fkvm_pure"].map(String::from).into();
     assert_eq!(
         cache.package_zygotes(),
-        [(set.key.clone(), Default::default()), (set.key.clone(), imports)]
+        [
+            (set.key.clone(), Default::default()),
+            (set.key.clone(), imports)
+        ]
     );
-    assert_eq!(cache.zygotes(), [forkvm::Packages::new()], "no image-only zygote");
+    assert_eq!(
+        cache.zygotes(),
+        [forkvm::Packages::new()],
+        "no image-only zygote"
+    );
 
     // Another version is another set, with its own image and root.
-    let v2 = load(&["fkvm-pure==2.0", "fkvm-c"], &["fkvm_pure", "fkvm_c"], PACKAGED);
+    let v2 = load(
+        &["fkvm-pure==2.0", "fkvm-c"],
+        &["fkvm_pure", "fkvm_c"],
+        PACKAGED,
+    );
     let (c, tier) = cache.function("c", &v2).await.unwrap();
     assert_eq!(tier, Tier::Base, "no zygote of this set yet");
     let r = c.invoke("Lin", &Default::default()).await.unwrap();

@@ -51,6 +51,9 @@ pub struct PackageSet {
     pub resolved: Vec<String>,
     /// Whether this call built the image (false: it was in the cache).
     pub built: bool,
+    /// How long this call's pip and image took (zero when the requirements' set came
+    /// from the cache).
+    pub took: std::time::Duration,
 }
 
 /// Why a package set could not be made; nothing of it is left behind.
@@ -209,6 +212,7 @@ impl PackageCache {
         if let Some(set) = self.known(&index) {
             return Ok(set);
         }
+        let started = std::time::Instant::now();
         let scratch = tempfile::Builder::new()
             .prefix("resolving-")
             .tempdir_in(&self.inner.dir)
@@ -233,6 +237,7 @@ impl PackageCache {
             image,
             resolved,
             built,
+            took: started.elapsed(),
         };
         let record = serde_json::json!({"key": set.key, "resolved": set.resolved});
         std::fs::write(&index, record.to_string()).map_err(io(&index))?;
@@ -258,6 +263,7 @@ impl PackageCache {
             image,
             resolved,
             built: false,
+            took: std::time::Duration::ZERO,
         })
     }
 

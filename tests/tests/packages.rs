@@ -65,7 +65,7 @@ async fn requirements_become_one_cached_image_per_resolved_set() {
         .resolve(&reqs(&["fkvm-pure==1.0", "fkvm-c"]), &source)
         .await
         .unwrap();
-    assert!(a.built);
+    assert!(a.built && !a.took.is_zero());
     assert_eq!(a.resolved, ["fkvm-c==1.0", "fkvm-pure==1.0"]);
     let files = listing(&a.image);
     assert!(files.contains("fkvm_pure.py"), "{files}");
@@ -83,6 +83,7 @@ async fn requirements_become_one_cached_image_per_resolved_set() {
         .await
         .unwrap();
     assert_eq!((again.key.as_str(), again.built), (a.key.as_str(), false));
+    assert!(again.took.is_zero(), "no pip, no image");
     std::fs::rename(root.as_path().join("moved"), &wheels).unwrap();
     // Another version: its own set.
     let b = cache

@@ -400,19 +400,26 @@ pub async fn deploy(
     let mut f = function_of(&g.classes, g.packages, spec)?;
     let started = Instant::now();
     let cache = g.cache();
-    let derived = cache.function(&name, &f.load).await;
-    let set = match (&derived, f.load.requirements.is_empty()) {
-        // Resolved by the derivation: from the package cache's record now.
-        (Ok(_), false) => Some(cache.package_set(&f.load.requirements).await),
-        _ => None,
+    // The package set first (the derivation finds it in the package cache then), so
+    // the answer can say whether it was built and how long that took.
+    let set = match f.load.requirements.is_empty() {
+        true => Ok(None),
+        false => cache.package_set(&f.load.requirements).await.map(Some),
     };
-    let derived = derived.and_then(|t| Ok((t, set.transpose()?)));
+    let derived = match set {
+        Ok(set) => cache.function(&name, &f.load).await.map(|t| (t, set)),
+        Err(e) => Err(e),
+    };
+    let mut built = None;
     let (_, tier) = match derived {
         Ok(((t, tier), set)) => {
-            f.package_set = set.map(|s| PackageSetInfo {
-                key: s.key,
-                resolved: s.resolved,
-            });
+            if let Some(s) = set {
+                built = Some((s.built, s.took.as_millis() as u64));
+                f.package_set = Some(PackageSetInfo {
+                    key: s.key,
+                    resolved: s.resolved,
+                });
+            }
             (t, tier)
         }
         Err(e) => {
@@ -441,6 +448,10 @@ pub async fn deploy(
     let mut info = serde_json::to_value(FunctionInfo::of(&name, &f, 0))
         .unwrap_or_else(|_| serde_json::json!({}));
     info["tier"] = tier.as_str().into();
+    if let Some((built, ms)) = built {
+        info["package_set"]["built"] = built.into();
+        info["package_set"]["build_ms"] = ms.into();
+    }
     info["deploy_ms"] = (started.elapsed().as_millis() as u64).into();
     Ok((status, Json(info)).into_response())
 }
@@ -861,6 +872,15 @@ mod tests {
         assert!(function_of(&[], false, big.clone()).is_err());
         big.env.clear();
         assert!(function_of(&[], false, big).is_ok());
+    }
+
+    #[test]
+    fn package_errors_answer_4xx_when_the_requirements_are_to_blame() {
+        let status = |e: PackageError| failure_of(&Error::Packages(e)).0.as_u16();
+        assert_eq!(status(PackageError::Requirement("-x".into())), 400);
+        assert_eq!(status(PackageError::Resolve("no match".into())), 422);
+        assert_eq!(status(PackageError::Budget { need: 2, budget: 1 }), 413);
+        assert_eq!(status(PackageError::Image("mkfs".into())), 500);
     }
 
     #[test]

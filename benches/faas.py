@@ -16,6 +16,21 @@ imports: a handler that imports a package (SOCK's figure 17), for each of --pack
   - zygote: the same from a zygote that imported the package already (PUT /zygotes);
   - host rows: `python3 -c 'import P'` as a new process; a host zygote that forks and
     imports P in the child; one that imported P before forking.
+packages: a function with PyPI requirements (--requirements, real packages; SOCK's
+  install cache at VM level), from the request to the first reply of a new function:
+  - cold: a fresh clone of the Python base (no boot counted) runs pip install into its
+    /tmp, imports the packages and answers: what a platform without an install cache
+    does. Its wheels come from a disk (no network: a registry download would add to it);
+  - install cache hit: the gateway deploys a function of a package set whose image and
+    root zygote exist (nothing imported: the handler's source imports them), then
+    invokes it;
+  - install cache and a zygote with the imports (PUT /zygotes with the requirements):
+    the gateway deploys a function from it, then invokes it;
+  - host rows: pip install into a new venv and import (a new process); a host zygote
+    that imported them forks per request.
+  The wheels are downloaded once from the index pip is configured with (--wheels DIR to
+  use a directory instead); the gateway takes them with --find-links. The image build
+  (pip on the host and mkfs.ext4, the gateway's build_ms) is measured --build-runs times.
 mix: --functions functions over a few package sets, deployed, then invoked at random by
   --clients-mix clients (SOCK's figure 20): latency percentiles and the cache tier of
   each request (the gateway's --memory-budget-mib evicts functions' templates, which
@@ -24,10 +39,12 @@ mix: --functions functions over a few package sets, deployed, then invoked at ra
 The host baselines use /usr/bin/python3 (Debian's, the guest's version) and need
 python3-numpy for numpy (apt-get install python3-numpy).
 
-usage: benches/faas.py [--only noop,imports,mix] [--runs N] [--seconds S]
+usage: benches/faas.py [--only noop,imports,packages,mix] [--runs N] [--seconds S]
                        [--clients auto|1,2,4,8] [--plot PNG] [--packages json,numpy] [--import-runs N]
                        [--cold-runs N] [--functions N] [--requests N] [--clients-mix N]
-                       [--budget-mib M]
+                       [--budget-mib M] [--requirements pyyaml,jinja2,requests]
+                       [--modules yaml,jinja2,requests] [--wheels DIR] [--package-runs N]
+                       [--build-runs N]
 """
 import argparse
 import json
@@ -113,11 +130,16 @@ class Gateway:
         data, self.local.buf = buf[:n], buf[n:]
         return int(lines[0].split()[1]), headers, data, time.perf_counter() - t0
 
-    def deploy(self, name, source, packages=()):
-        spec = json.dumps({"source": source, "packages": list(packages)}).encode()
-        status, _, data, t = self.request("PUT", f"/functions/{name}", spec)
+    def deploy(self, name, source, packages=(), requirements=(), answer=False):
+        spec = {"source": source, "packages": list(packages)}
+        if requirements:
+            spec["requirements"] = list(requirements)
+        status, _, data, t = self.request("PUT", f"/functions/{name}",
+                                          json.dumps(spec).encode())
         if status not in (200, 201):
             sys.exit(f"deploy {name}: {status} {data[:300]!r}")
+        if answer:
+            return json.loads(data), t
         return json.loads(data)["tier"], t
 
     def invoke(self, name, event=b""):
@@ -170,11 +192,11 @@ class HostZygote:
     """The SOCK mechanism on the host: a Python process that imported `pre` forks a
     child per request, which imports `needs` and answers."""
 
-    def __init__(self, tmp, name, pre=(), needs=()):
+    def __init__(self, tmp, name, pre=(), needs=(), env=None):
         self.path = os.path.join(tmp, name + ".sock")
         self.p = subprocess.Popen([HOST_PYTHON, "-c", HOST_ZYGOTE, self.path, ",".join(pre),
                                    ",".join(needs)], stdout=subprocess.PIPE,
-                                  stdin=subprocess.DEVNULL)
+                                  stdin=subprocess.DEVNULL, env=env)
         if self.p.stdout.readline() != b"ready\n":
             sys.exit("the host zygote did not start (python3-numpy installed?)")
 
@@ -196,7 +218,7 @@ def head(*cols):
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
 
 
-def zygote_vm(tmp, name, warm):
+def zygote_vm(tmp, name, warm, extra=()):
     """A Python zygote template booted by `vmm run` (no gateway): (process, socket)."""
     sock = os.path.join(tmp, name + ".sock")
     cmdline = ("console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda ro rootfstype=ext4 "
@@ -204,15 +226,17 @@ def zygote_vm(tmp, name, warm):
     p = subprocess.Popen([VMM, "run", "--kernel", os.path.join(GUEST, "vmlinux"),
                           "--rootfs", os.path.join(GUEST, "python.ext4"), "--mem-mib", "256",
                           "--cmdline", cmdline, "--api-sock", sock, "--console",
-                          sock + ".console", "--template", "--warm-clones", str(warm)],
+                          sock + ".console", "--template", "--warm-clones", str(warm),
+                          *extra],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     wait_vm(p, sock, lambda v: v["state"] == "paused" and v["invoke"]["waiting"], poll=0.05)
     return p, sock
 
 
-def derive(sock, load, warm):
+def derive(sock, load, warm, query=""):
     """The socket of a template derived from the one on `sock` with `load`, ready."""
-    status, headers, data = exchange(sock, "POST", "/invocations?derive=true&timeout_ms=1800000",
+    status, headers, data = exchange(sock, "POST",
+                                     "/invocations?derive=true&timeout_ms=1800000" + query,
                                      json.dumps(load).encode(), timeout=1800)
     if status != 200:
         sys.exit(f"derive: {status} {data[:300]!r}")
@@ -371,6 +395,154 @@ def imports(a, tmp):
         print(f"\n(the zygote of {pkg} was made in {r['zygote made'] / 1e3:.1f} s)")
 
 
+# What the cold row's function runs when it loads: pip, from its wheel on the disk in
+# slot 0, installs the requirements into /tmp, then the source imports them.
+COLD_PIP = r'''
+import glob, subprocess, sys
+_slot = "/run/forkvm/slot0"
+_pip = glob.glob(_slot + "/pip-*.whl")[0] + "/pip"
+subprocess.run([sys.executable, _pip, "install", "--quiet", "--no-index", "--find-links", _slot,
+                "--target", "/tmp/site", "--disable-pip-version-check", "--no-cache-dir",
+                "--root-user-action=ignore", *REQUIREMENTS], check=True)
+sys.path.insert(0, "/tmp/site")
+'''
+
+
+def wheels_of(a, tmp, reqs):
+    """A directory with the wheels of `reqs` and their dependencies for the guest's
+    Python, and pip's own wheel: --wheels, or downloaded once."""
+    if a.wheels:
+        return a.wheels
+    out = os.path.join(tmp, "wheels")
+    tags = [f"--platform={p}" for p in ("manylinux2014_x86_64", "manylinux_2_17_x86_64",
+                                          "manylinux_2_28_x86_64", "linux_x86_64")]
+    done = subprocess.run([HOST_PYTHON, "-m", "pip", "download", "--quiet",
+                           "--disable-pip-version-check", "--only-binary=:all:",
+                           "--python-version=3.11", "--implementation=cp", "--abi=cp311",
+                           *tags, "-d", out, *reqs, "pip"], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"cannot download the wheels (no index? pass --wheels DIR):\n{done.stderr}")
+    return out
+
+
+def ext4_of(tmp, tree):
+    """An ext4 image of directory `tree` (the cold row's disk of wheels)."""
+    image = os.path.join(tmp, "wheels.ext4")
+    size = sum(os.path.getsize(os.path.join(tree, f)) for f in os.listdir(tree))
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-d", tree, image,
+                    f"{size // 1024 * 2 + 16384}k"], check=True, stdout=subprocess.DEVNULL)
+    return image
+
+
+def host_venv(tmp, wheels, reqs, mods, i):
+    """A new venv, pip install of `reqs` into it (from `wheels`), a new process of it
+    importing `mods`."""
+    venv = os.path.join(tmp, f"venv-{i}")
+    t0 = time.perf_counter()
+    subprocess.run([HOST_PYTHON, "-m", "venv", "--without-pip", venv], check=True)
+    subprocess.run([HOST_PYTHON, "-m", "pip", "--python", os.path.join(venv, "bin/python"),
+                    "install", "--quiet", "--disable-pip-version-check", "--no-index",
+                    "--find-links", wheels, "--root-user-action=ignore", *reqs], check=True)
+    subprocess.run([os.path.join(venv, "bin/python"), "-c", "import " + ", ".join(mods)],
+                   check=True)
+    return time.perf_counter() - t0
+
+
+def packages(a, tmp):
+    reqs, mods = a.requirements.split(","), a.modules.split(",")
+    wheels = wheels_of(a, tmp, reqs)
+    cache_dir = os.path.join(tmp, "package-cache")
+    gw = Gateway(["--package-cache", cache_dir, "--find-links", wheels,
+                  "--create-after", "1000000", "--load-timeout-s", "1800"])
+    vm = None
+    r = {k: [] for k in ("build", "cold", "hit", "hit deploy", "zygote", "zygote deploy",
+                         "host venv", "host zygote")}
+    imports = "".join(f"import {m}\n" for m in mods)
+    try:
+        # The image build: the cache emptied before each (the set's root zygote is made
+        # by the first deployment only).
+        for i in range(a.build_runs):
+            for f in os.listdir(cache_dir) if os.path.isdir(cache_dir) else []:
+                if f.endswith(".ext4") or f.startswith("requirements-"):
+                    os.remove(os.path.join(cache_dir, f))
+            v, t = gw.deploy(f"build-{i}", NOOP, requirements=reqs, answer=True)
+            if not v["package_set"]["built"]:
+                sys.exit(f"build {i}: the set was not built: {v}")
+            r["build"].append(v["package_set"]["build_ms"])
+            print(f"build {i}: {r['build'][-1]} ms ({len(v['package_set']['resolved'])} "
+                  f"distributions), deploy {t:.1f} s", file=sys.stderr)
+        resolved = v["package_set"]["resolved"]
+
+        def runs(tier, key):
+            for i in range(a.package_runs):
+                name = f"{key}-{i}"
+                got, deploy = gw.deploy(name, imports + NOOP, mods, reqs)
+                if got != tier:
+                    sys.exit(f"{name}: deployed from {got}, not {tier}")
+                first, _ = gw.invoke(name)
+                r[key + " deploy"].append(deploy * 1e3)
+                r[key].append((deploy + first) * 1e3)
+                print(f"{key} {i}: {deploy:.2f} s + {first * 1e3:.1f} ms", file=sys.stderr)
+
+        runs("base", "hit")
+        status, _, data, made = gw.request("PUT", "/zygotes", json.dumps(
+            {"packages": mods, "requirements": reqs}).encode())
+        if status != 200:
+            sys.exit(f"zygote: {status} {data!r}")
+        runs("zygote", "zygote")
+        # Cold: a fresh clone of a Python base with the wheels in a disk slot installs
+        # them with pip when it loads.
+        image = ext4_of(tmp, wheels)
+        vm, sock = zygote_vm(tmp, "pkg-cold", 0, ["--disk-slots", "1"])
+        source = COLD_PIP.replace("REQUIREMENTS", repr(reqs)) + imports + NOOP
+        for i in range(a.cold_runs):
+            t0 = time.perf_counter()
+            derived = derive(sock, {"disks": [0], "source": source}, 0, f"&media=0:{image}")
+            direct_call(derived)
+            r["cold"].append((time.perf_counter() - t0) * 1e3)
+            exchange(derived, "PUT", "/actions", b'{"action_type":"shutdown"}')
+            print(f"cold {i}: {r['cold'][-1] / 1e3:.1f} s", file=sys.stderr)
+        site = os.path.join(tmp, "host-site")
+        subprocess.run([HOST_PYTHON, "-m", "pip", "install", "--quiet", "--no-index",
+                        "--disable-pip-version-check", "--find-links", wheels, "--target",
+                        site, "--root-user-action=ignore", *reqs], check=True)
+        warm = HostZygote(tmp, "pkg-warm", pre=mods, needs=mods,
+                          env={**os.environ, "PYTHONPATH": site})
+        for i in range(a.package_runs):
+            r["host venv"].append(host_venv(tmp, wheels, reqs, mods, i) * 1e3)
+        for _ in range(a.package_runs * 10):
+            r["host zygote"].append(warm.call() * 1e3)
+        warm.stop()
+    finally:
+        gw.stop()
+        if vm is not None:
+            exchange(sock, "PUT", "/actions", b'{"action_type":"shutdown"}')
+            vm.wait(timeout=60)
+    cold = statistics.median(r["cold"])
+    print(f"\nrequirements {', '.join(reqs)} ({len(resolved)} distributions: "
+          f"{', '.join(resolved)}), importing {', '.join(mods)}: request to the first "
+          f"reply of a new function (ms)\n")
+    head("path", "min", "median", "p99", "cold / this (medians)")
+    for label, key in [
+        ("cold: a fresh clone of the Python base pip-installs (wheels on a disk), "
+         "imports, replies", "cold"),
+        ("install cache hit: deploy from the set's root (image mounted, nothing "
+         "imported), imports, reply", "hit"),
+        ("  of which the deployment (PUT)", "hit deploy"),
+        ("install cache and zygote: deploy from the zygote of the set and imports, "
+         "reply", "zygote"),
+        ("  of which the deployment (PUT)", "zygote deploy"),
+        ("host: new venv, pip install, new process imports", "host venv"),
+        ("host: zygote that imported them forks (SOCK)", "host zygote"),
+    ]:
+        if r[key]:
+            print(row(label, r[key]) + f" {cold / statistics.median(r[key]):.1f}x |")
+    print(f"\npackage set's image (pip on the host from the wheel directory, then "
+          f"mkfs.ext4), {len(r['build'])} builds: min {min(r['build'])} ms, median "
+          f"{statistics.median(r['build']):.0f} ms, max {max(r['build'])} ms; the zygote "
+          f"of the set and its imports was made in {made:.1f} s")
+
+
 MIX_SETS = [[], ["json"], ["json", "base64"], ["decimal"], ["numpy"]]
 
 
@@ -439,7 +611,7 @@ def mix(a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="noop,imports,mix")
+    ap.add_argument("--only", default="noop,imports,packages,mix")
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=5)
     ap.add_argument("--clients", default="auto",
@@ -454,6 +626,13 @@ def main():
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--clients-mix", type=int, default=8)
     ap.add_argument("--budget-mib", type=int, default=400)
+    ap.add_argument("--requirements", default="pyyaml,jinja2,requests")
+    ap.add_argument("--modules", default="yaml,jinja2,requests",
+                    help="what the packages experiment's handler imports")
+    ap.add_argument("--wheels", help="a directory of the requirements' wheels (and pip's) "
+                    "instead of downloading them")
+    ap.add_argument("--package-runs", type=int, default=5)
+    ap.add_argument("--build-runs", type=int, default=3)
     a = ap.parse_args()
     for path in (GATEWAY, VMM):
         if not os.path.exists(path):
@@ -464,6 +643,8 @@ def main():
             noop(a, tmp)
         if "imports" in only:
             imports(a, tmp)
+        if "packages" in only:
+            packages(a, tmp)
         if "mix" in only:
             mix(a)
 

@@ -345,7 +345,9 @@ async fn linux_functions_with_one_package_set_share_its_image_and_zygotes() {
     }
     tests::wheels::c_extension(&scratch.path(""), &wheels);
     let images = scratch.path("cache");
-    let packages = PackageCache::new(&images, 256 << 20).unwrap();
+    // Room for one set's image (9 MiB each here), not two: a set a cached root zygote
+    // holds is kept over the budget, one no root holds goes.
+    let packages = PackageCache::new(&images, 12 << 20).unwrap();
     // The zygote tree's base: the Python template with a slot, restored by the library.
     let dir = tokio::task::block_in_place(python_template_with_a_slot);
     let mut spec = forkvm::TemplateSpec::new("unused: the snapshot's guest runs");
@@ -444,7 +446,24 @@ async fn linux_functions_with_one_package_set_share_its_image_and_zygotes() {
     assert!(e.to_string().contains("fkvm-missing"), "{e}");
     assert_eq!(ext4(&images), 2);
     assert_eq!(cache.stats().package_sets_mounted, 2);
+
+    // Every template evicted: the sets are held no more, and the next set built keeps
+    // the cache to its budget.
     drop((a, b, c));
+    cache.set_memory_budget(0);
+    assert!(cache.package_zygotes().is_empty());
+    let v3 = load(
+        &["fkvm-pure==2.0"],
+        &["fkvm_pure"],
+        "import fkvm_pure\ndef handler(e):\n    return fkvm_pure.VERSION\n",
+    );
+    let (d, _) = cache.function("d", &v3).await.unwrap();
+    assert_eq!(
+        &d.invoke("x", &Default::default()).await.unwrap().body[..],
+        b"2.0"
+    );
+    assert_eq!(ext4(&images), 1, "the unheld images evicted");
+    drop(d);
     drop(cache);
     tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(10)))
         .await

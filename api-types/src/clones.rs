@@ -133,33 +133,45 @@ pub struct InsertMedium {
     /// The image: a host file of whole 512-byte sectors, opened read-only by the
     /// template's VMM.
     pub path: std::path::PathBuf,
+    /// Whether the guest may write it: its writes go to a private copy-on-write overlay
+    /// of this clone's (in the VM's `--slot-cow-dir`), never to the image; a clone of
+    /// the clone gets a copy of the overlay. Read-only by default.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub writable: bool,
 }
 
 impl std::fmt::Display for InsertMedium {
-    /// `SLOT:PATH`.
+    /// `SLOT:PATH`, or `rw:SLOT:PATH` for a writable medium.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}:{}", self.slot, self.path.display())
+        let rw = if self.writable { "rw:" } else { "" };
+        write!(f, "{rw}{}:{}", self.slot, self.path.display())
     }
 }
 
 impl std::str::FromStr for InsertMedium {
     type Err = String;
 
-    /// `SLOT:PATH` (the slot's range is checked with the request).
+    /// `SLOT:PATH`, or `rw:SLOT:PATH` for a writable medium (the slot's range is
+    /// checked with the request).
     fn from_str(text: &str) -> Result<Self, String> {
-        let (slot, path) = (text.split_once(':'))
+        let (writable, rest) = match text.strip_prefix("rw:") {
+            Some(rest) => (true, rest),
+            None => (false, text),
+        };
+        let (slot, path) = (rest.split_once(':'))
             .filter(|(_, p)| !p.is_empty())
-            .ok_or_else(|| format!("{text:?} is not SLOT:PATH"))?;
+            .ok_or_else(|| format!("{text:?} is not SLOT:PATH or rw:SLOT:PATH"))?;
         let slot = (slot.parse()).map_err(|_| format!("{slot:?} is no disk slot number"))?;
         Ok(Self {
             slot,
             path: path.into(),
+            writable,
         })
     }
 }
 
-/// Media as one text, `SLOT:PATH[,SLOT:PATH...]` (a query string's form: a path may not
-/// contain a comma); empty: none.
+/// Media as one text, `[rw:]SLOT:PATH[,[rw:]SLOT:PATH...]` (a query string's form: a
+/// path may not contain a comma); empty: none.
 pub mod media_text {
     use super::InsertMedium;
     use serde::{Deserialize, Deserializer, Serializer};
@@ -408,6 +420,29 @@ mod tests {
             (1, Some("/b.img"))
         );
         assert_eq!(body(&serde_json::to_string(&b).unwrap()).unwrap(), b);
+        assert!(!b.media[0].writable, "read-only unless asked");
+        let b = body(r#"{"media":[{"slot":0,"path":"/a.img","writable":true}]}"#).unwrap();
+        assert!(b.media[0].writable);
+        assert_eq!(body(&serde_json::to_string(&b).unwrap()).unwrap(), b);
+    }
+
+    #[test]
+    fn media_text_reads_back_as_written_writable_ones_with_rw() {
+        for (text, slot, path, writable) in [
+            ("0:/a.img", 0, "/a.img", false),
+            ("rw:3:/b:c.img", 3, "/b:c.img", true),
+            ("2:rw.img", 2, "rw.img", false),
+        ] {
+            let m: InsertMedium = text.parse().unwrap();
+            assert_eq!(
+                (m.slot, m.path.to_str(), m.writable),
+                (slot, Some(path), writable)
+            );
+            assert_eq!(m.to_string(), text);
+        }
+        for bad in ["rw:", "rw:x:/a", "ro:0:/a", "0:", "/a.img", "rw:0:"] {
+            assert!(bad.parse::<InsertMedium>().is_err(), "{bad} accepted");
+        }
     }
 
     #[test]

@@ -106,16 +106,17 @@ pub struct InvokeOptions {
     /// The clone's default gateway (with `ipv4`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<Ipv4Addr>,
-    /// Images for the clone's disk slots, read-only (as `media` in `POST /clones`):
-    /// `SLOT:PATH`, comma-separated (a path may not contain a comma). A derived
-    /// template's clones inherit them.
+    /// Images for the clone's disk slots (as `media` in `POST /clones`): `SLOT:PATH`
+    /// (read-only) or `rw:SLOT:PATH` (writable through a private overlay),
+    /// comma-separated (a path may not contain a comma). A derived template's clones
+    /// inherit them.
     #[serde(
         default,
         with = "crate::clones::media_text",
         skip_serializing_if = "Vec::is_empty"
     )]
     #[schemars(with = "Option<String>")]
-    #[schemars(regex(pattern = r"^([0-9]+:[^,]+)(,[0-9]+:[^,]+)*$"))]
+    #[schemars(regex(pattern = r"^((rw:)?[0-9]+:[^,]+)(,(rw:)?[0-9]+:[^,]+)*$"))]
     pub media: Vec<crate::InsertMedium>,
 }
 

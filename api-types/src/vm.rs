@@ -238,6 +238,9 @@ pub enum VirtioKind {
         slot: u8,
         /// The image in it (None: empty).
         medium: Option<PathBuf>,
+        /// Whether the guest writes to it (into an overlay of this VM's own).
+        #[serde(default)]
+        writable: bool,
     },
     /// The entropy device.
     #[serde(rename = "virtio-rng")]

@@ -447,6 +447,7 @@ impl ZygoteCache {
         let media = vec![InsertMedium {
             slot: PACKAGE_SLOT,
             path: set.image.clone(),
+            writable: false,
         }];
         self.derive_entry(key, Key::base(), load, None, media, hold)
             .await?;

@@ -180,6 +180,114 @@ fn clones_get_their_own_image_in_a_disk_slot_forked_or_warm() {
     vm.shutdown(BOOT);
 }
 
+/// Each slot's medium and whether the VM on `sock` writes to it (`GET /vm`).
+fn writable(sock: &Path) -> Vec<(Option<String>, bool)> {
+    let (code, body) = api_request(sock, "GET", "/vm", None);
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    (v["devices"].as_array().unwrap().iter())
+        .filter(|d| d["type"] == "virtio-blk-slot")
+        .map(|d| {
+            (
+                d["medium"].as_str().map(String::from),
+                d["writable"] == true,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn writable_media_go_into_writable_slots_each_clone_with_its_own_overlay() {
+    if !kvm_available("writable_slots") {
+        return;
+    }
+    let scratch = Scratch::new("slots-rw");
+    let image = scratch.path("rw.img");
+    std::fs::write(&image, vec![7u8; 8192]).unwrap();
+    let rw = format!(
+        r#"{{"media":[{{"slot":0,"path":"{}","writable":true}}]}}"#,
+        image.display()
+    );
+    // Read-only slots refuse a writable medium, before any clone exists.
+    let mut ro = tests::tiny_vm_with(
+        &scratch,
+        "64",
+        "1",
+        "ticks=1 beat=10",
+        &["--disk-slots", "1"],
+    );
+    ro.wait_console("tiny: beat 2\n", BOOT);
+    let (code, text) = clones(&ro.sock, &rw);
+    assert_eq!(code, 409, "{text}");
+    assert!(text.to_string().contains("--slot-cow-dir"), "{text}");
+    let (_, list) = api_request(&ro.sock, "GET", "/clones", None);
+    assert_eq!(list, r#"{"clones":[]}"#, "no clone was made");
+    ro.shutdown(BOOT);
+
+    // Writable slots: each clone's medium has an overlay of its own, anonymous in the
+    // directory; a clone of it inherits a copy, a warm clone gets one at launch.
+    let cow = scratch.path("slot-cow");
+    std::fs::create_dir_all(&cow).unwrap();
+    let cow_arg = cow.display().to_string();
+    let extra = [
+        "--disk-slots",
+        "2",
+        "--slot-cow-dir",
+        &cow_arg,
+        "--warm-clones",
+        "1",
+    ];
+    let second = Scratch::new("slots-rw-cow");
+    let mut vm = tests::tiny_vm_with(&second, "64", "1", "ticks=1 beat=10", &extra);
+    vm.wait_console("tiny: beat 2\n", BOOT);
+    let shown = Some(image.display().to_string());
+    let (code, made) = clones(
+        &vm.sock,
+        &rw.replace(r#"{"media""#, r#"{"count":2,"media""#),
+    );
+    assert_eq!(code, 201, "{made}");
+    let made = made["clones"].as_array().unwrap().clone();
+    for c in &made {
+        assert_eq!(
+            writable(socket_of(c)),
+            [(shown.clone(), true), (None, false)]
+        );
+    }
+    let (code, grand) = clones(socket_of(&made[0]), "{}");
+    assert_eq!(code, 201, "{grand}");
+    assert_eq!(
+        writable(socket_of(&grand["clones"][0])),
+        [(shown.clone(), true), (None, false)]
+    );
+    // A read-only medium in a writable slot stays read-only.
+    let ro_body = format!(r#"{{"media":[{{"slot":1,"path":"{}"}}]}}"#, image.display());
+    let (code, c) = clones(&vm.sock, &ro_body);
+    assert_eq!(code, 201, "{c}");
+    assert_eq!(
+        writable(socket_of(&c["clones"][0])),
+        [(None, false), (shown.clone(), false)]
+    );
+    assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+    tests::wait_until("a warm clone", BOOT, || {
+        vm.describe()["warm_clones"]["ready"] == 1
+    });
+    let (code, warm) = clones(&vm.sock, &rw);
+    assert_eq!(code, 201, "{warm}");
+    assert_eq!(vm.describe()["warm_clones"]["launched"], 1);
+    assert_eq!(
+        writable(socket_of(&warm["clones"][0])),
+        [(shown.clone(), true), (None, false)]
+    );
+    assert_eq!(writable(&vm.sock), [(None, false), (None, false)]);
+    // The overlays are anonymous: nothing named in the directory, the image as written;
+    // the template holds none of its clones' overlays open.
+    assert_eq!(std::fs::read_dir(&cow).unwrap().count(), 0);
+    let targets = tests::fd_targets(vm.child.id());
+    assert!(!targets.contains(&cow_arg), "{targets}");
+    assert_eq!(std::fs::read(&image).unwrap(), vec![7u8; 8192]);
+    vm.shutdown(BOOT);
+}
+
 /// A Linux guest restored from the snapshot cache, its boot being what linux.rs tests.
 const LINUX_BOOT: Duration = Duration::from_secs(900);
 
@@ -194,19 +302,22 @@ fn linux_sees_the_image_inserted_into_its_clones_slot() {
     bytes.resize(8192, b'.');
     std::fs::write(&image, &bytes).unwrap();
     let vsock = scratch.path("vm.vsock");
+    let cow = scratch.path("slot-cow");
+    std::fs::create_dir_all(&cow).unwrap();
+    let cow_arg = cow.display().to_string();
     let mut vm = tests::cache::linux_agent_with(
         &scratch,
         "linux-agent-slots",
-        &["--disk-slots", "1"],
+        &["--disk-slots", "1", "--slot-cow-dir", tests::cache::COW],
         &vsock,
-        &[],
+        &["--cow-dir", &cow_arg],
         LINUX_BOOT,
     );
     // The driver learns of the new capacity from the configuration-change interrupt,
     // on its own time: the script waits for it (up to 30 s on this emulated host).
-    let look = "i=0; while [ $(cat /sys/block/vda/size) = 0 ] && [ $i -lt 300 ]; do \
-                sleep 0.1; i=$((i+1)); done; echo size=$(cat /sys/block/vda/size); \
-                head -c 14 /dev/vda; echo";
+    let wait = "i=0; while [ $(cat /sys/block/vda/size) = 0 ] && [ $i -lt 300 ]; do \
+                sleep 0.1; i=$((i+1)); done; echo size=$(cat /sys/block/vda/size)";
+    let look = format!("{wait}; head -c 14 /dev/vda; echo");
     let (code, out, err) = tests::vmm_exec(&vm.sock, &["--", "cat /sys/block/vda/size"], b"");
     assert_eq!(
         (code, out.as_str()),
@@ -218,12 +329,47 @@ fn linux_sees_the_image_inserted_into_its_clones_slot() {
     assert_eq!(code, 201, "{text}");
     let made: Value = serde_json::from_str(&text).unwrap();
     let clone = &made["clones"][0];
-    let (code, out, err) = tests::vmm_exec(socket_of(clone), &["--", look], b"");
+    let (code, out, err) = tests::vmm_exec(socket_of(clone), &["--", &look], b"");
     assert_eq!(code, Some(0), "{out}{err}");
     assert_eq!(out, "size=16\nforkvm-medium-\n", "{err}");
     // The template's stays empty.
     let (code, out, err) = tests::vmm_exec(&vm.sock, &["--", "cat /sys/block/vda/size"], b"");
     assert_eq!((code, out.as_str()), (Some(0), "0\n"), "{err}");
+
+    // Writable (the slots are: --slot-cow-dir): two clones of the same image each
+    // write their own, read back from the device (the page cache dropped), and see
+    // nothing of the other's; a clone of the writer reads what it wrote from its copy
+    // of the overlay; the image is never written.
+    let body = format!(
+        r#"{{"count":2,"media":[{{"slot":0,"path":"{}","writable":true}}]}}"#,
+        image.display()
+    );
+    let (code, text) = api_request(&vm.sock, "POST", "/clones", Some(&body));
+    assert_eq!(code, 201, "{text}");
+    let made: Value = serde_json::from_str(&text).unwrap();
+    let read = "sync; echo 3 > /proc/sys/vm/drop_caches; dd if=/dev/vda bs=512 skip=1 count=1 \
+                2>/dev/null | head -c 9; echo";
+    for (i, c) in made["clones"].as_array().unwrap().iter().enumerate() {
+        let write = format!(
+            "{wait}; printf 'clone-{i}-w' | dd of=/dev/vda bs=512 seek=1 conv=notrunc \
+             2>/dev/null && {read}"
+        );
+        let (code, out, err) = tests::vmm_exec(socket_of(c), &["--", &write], b"");
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert_eq!(out, format!("size=16\nclone-{i}-w\n"), "{err}");
+    }
+    let writer = socket_of(&made["clones"][0]);
+    let (code, text) = api_request(writer, "POST", "/clones", Some("{}"));
+    assert_eq!(code, 201, "{text}");
+    let grand: Value = serde_json::from_str(&text).unwrap();
+    let (code, out, err) = tests::vmm_exec(socket_of(&grand["clones"][0]), &["--", read], b"");
+    assert_eq!((code, out.as_str()), (Some(0), "clone-0-w\n"), "{err}");
+    assert_eq!(std::fs::read(&image).unwrap(), bytes, "the image as it was");
+    assert_eq!(
+        std::fs::read_dir(&cow).unwrap().count(),
+        0,
+        "anonymous overlays"
+    );
     vm.shutdown(LINUX_BOOT);
 }
 
@@ -246,6 +392,7 @@ fn an_invocations_clone_gets_the_images_it_asks_for() {
         media: vec![InsertMedium {
             slot: 0,
             path: image.clone(),
+            writable: false,
         }],
         ..Default::default()
     };

@@ -335,6 +335,9 @@ pub struct VmConfig {
     /// Disk slots after the disks: virtio-blk devices with no medium, into which a
     /// clone request inserts images (0 to [`api_types::MAX_DISK_SLOTS`]).
     pub disk_slots: u8,
+    /// Where writable slot media's overlays go: with it, the guest sees the slots as
+    /// writable and a clone request may insert a writable medium (`rw:SLOT:PATH`).
+    pub slot_cow_dir: Option<PathBuf>,
     /// A virtio-rng entropy device, with its optional rate limit.
     pub rng: Option<RngConfig>,
     /// A virtio-vsock device.
@@ -393,6 +396,7 @@ impl VmConfig {
             initrd: None,
             disks: Vec::new(),
             disk_slots: 0,
+            slot_cow_dir: None,
             rng: None,
             vsock: None,
             net: None,
@@ -457,6 +461,9 @@ pub enum ConfigError {
     /// `--disk-slots` out of range.
     #[error("disk slots must be 0 to {max}, not {0}", max = api_types::MAX_DISK_SLOTS)]
     DiskSlots(u8),
+    /// `--slot-cow-dir` without slots.
+    #[error("--slot-cow-dir is for disk slots: give --disk-slots N too")]
+    SlotCowDir,
     /// Mailbox too large, or missing for a template.
     #[error("mailbox of {0} MiB: a VM's mailbox is 1 to {max} MiB (0: none, not for a template)", max = devices::mailbox::MAX_MAILBOX_BYTES >> 20)]
     Mailbox(u32),
@@ -571,6 +578,9 @@ impl VmConfig {
         }
         if usize::from(self.disk_slots) > api_types::MAX_DISK_SLOTS {
             return Err(ConfigError::DiskSlots(self.disk_slots));
+        }
+        if self.slot_cow_dir.is_some() && self.disk_slots == 0 {
+            return Err(ConfigError::SlotCowDir);
         }
         if !(1..=MAX_LIVE_CLONES).contains(&self.max_clones) {
             return Err(ConfigError::MaxClones(self.max_clones));

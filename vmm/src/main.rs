@@ -99,7 +99,7 @@ struct RestoreArgs {
     /// The host side of the vsock device (default: `<api-sock>.vsock`).
     #[arg(long)]
     vsock: Option<PathBuf>,
-    /// Where writable disks' overlays go (default: the snapshot's directories).
+    /// Where writable disks' and slots' overlays go (default: the snapshot's directories).
     #[arg(long, value_name = "DIR")]
     cow_dir: Option<PathBuf>,
     #[command(flatten)]
@@ -131,8 +131,9 @@ struct InvokeArgs {
     #[arg(long)]
     derive: bool,
     /// An image for a disk slot of the clone, SLOT:PATH (the template's --disk-slots),
-    /// read-only; repeat for more slots.
-    #[arg(long, value_name = "SLOT:PATH")]
+    /// read-only, or rw:SLOT:PATH, writable through the clone's own overlay (the
+    /// template's --slot-cow-dir); repeat for more slots.
+    #[arg(long, value_name = "[rw:]SLOT:PATH")]
     medium: Vec<api_types::InsertMedium>,
     /// Print the outcome, clone id, socket and timings on stderr.
     #[arg(long, short)]
@@ -173,8 +174,9 @@ struct ForkArgs {
     #[arg(long)]
     class: Option<String>,
     /// An image for a disk slot of every clone, SLOT:PATH (the VM's --disk-slots),
-    /// read-only; repeat for more slots.
-    #[arg(long, value_name = "SLOT:PATH")]
+    /// read-only, or rw:SLOT:PATH, writable through each clone's own overlay (the VM's
+    /// --slot-cow-dir); repeat for more slots.
+    #[arg(long, value_name = "[rw:]SLOT:PATH")]
     medium: Vec<api_types::InsertMedium>,
 }
 
@@ -212,10 +214,16 @@ struct RunArgs {
     #[arg(long, value_name = "SPEC")]
     disk: Vec<vmm::config::DiskConfig>,
     /// Disk slots after the disks (0 to 8): disks with no medium, into which a clone
-    /// request inserts a read-only image (`POST /clones` `media`, `vmm fork --medium`);
-    /// the guest sees the new capacity through a configuration-change interrupt
+    /// request inserts an image (`POST /clones` `media`, `vmm fork --medium`); the
+    /// guest sees the new capacity through a configuration-change interrupt
     #[arg(long, default_value_t = 0, value_name = "N")]
     disk_slots: u8,
+    /// Make the disk slots writable: the guest sees them as writable disks, and a
+    /// medium inserted writable (`rw:SLOT:PATH`) takes the guest's writes into an
+    /// overlay of the clone's own in DIR (anonymous: gone with the clone), never into
+    /// the image; a read-only medium refuses writes
+    #[arg(long, value_name = "DIR", requires = "disk_slots")]
+    slot_cow_dir: Option<PathBuf>,
     /// Attach a virtio-rng entropy device (/dev/hwrng in the guest), fed from the
     /// host's getrandom.
     #[arg(long)]
@@ -566,6 +574,7 @@ fn main() -> ExitCode {
                     .chain(a.disk)
                     .collect(),
                 disk_slots: a.disk_slots,
+                slot_cow_dir: a.slot_cow_dir,
                 rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
                     rate_limit: a.rng_rate_limit,
                 }),

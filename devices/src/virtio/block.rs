@@ -76,6 +76,10 @@ pub struct BlockState {
     pub sectors: u64,
     /// Whether the guest's writes go to an overlay (else they are refused).
     pub writable: bool,
+    /// A disk slot the guest was shown as writable (its VM has a slot overlay
+    /// directory): its media may be writable, and a read-only one refuses writes.
+    #[serde(default)]
+    pub writable_slot: bool,
 }
 
 /// The medium a restored disk is made with.
@@ -85,7 +89,8 @@ pub enum Medium {
     Saved(File),
     /// None: a disk slot left empty (the saved one must have been empty too).
     Empty,
-    /// A new image for a disk slot, of any whole number of sectors, read-only.
+    /// A new image for a disk slot, of any whole number of sectors: read-only, or
+    /// writable through an overlay in a writable slot.
     Inserted(File),
 }
 
@@ -119,32 +124,40 @@ impl Persist for Block {
             id: String::from_utf8_lossy(&self.id[..end]).into_owned(),
             sectors: self.sectors,
             writable: self.overlay.is_some(),
+            writable_slot: self.writable_slot,
         }
     }
 
     /// The disk over `args.medium`: the saved image, which must be as large as the
     /// saved one and writable (with an overlay) if it was; an empty slot, which must
-    /// have been empty; or a new read-only image inserted into a slot.
+    /// have been empty; or a new image inserted into a slot, read-only, or writable
+    /// (with an overlay) in a writable slot.
     fn restore(args: BlockArgs, state: &BlockState) -> Result<Self, BlockError> {
         let changed = |why: String| BlockError::Changed {
             path: args.shown.clone(),
             why,
         };
+        let slot = state.writable_slot;
         let file = match args.medium {
             Medium::Saved(file) => file,
             Medium::Empty if state.sectors == 0 && !state.writable => {
-                return Ok(Self::empty(&state.id).with_rate_limit(args.limit));
+                let block = Self::empty(&state.id).with_writable_slot(slot);
+                return Ok(block.with_rate_limit(args.limit));
             }
             Medium::Empty => return Err(changed("the saved disk had a medium".into())),
             Medium::Inserted(file) => {
-                if args.overlay.is_some() || state.writable {
-                    return Err(changed("an inserted medium is read-only".into()));
+                if args.overlay.is_some() && !slot {
+                    return Err(changed("the slot is read-only (no slot overlays)".into()));
                 }
                 let block = Self::from_file(file, &args.shown, &state.id)?;
-                return Ok(block.with_rate_limit(args.limit));
+                let block = block.with_writable_slot(slot).with_rate_limit(args.limit);
+                return Ok(match args.overlay {
+                    Some(o) => block.with_overlay(o),
+                    None => block,
+                });
             }
         };
-        let block = Self::from_file(file, &args.shown, &state.id)?;
+        let block = Self::from_file(file, &args.shown, &state.id)?.with_writable_slot(slot);
         if block.sectors != state.sectors {
             return Err(changed(format!(
                 "{} sectors, the saved disk had {}",
@@ -197,6 +210,8 @@ pub struct Block {
     /// The medium (None: an empty slot, of 0 sectors).
     file: Option<Arc<File>>,
     overlay: Option<Arc<Mutex<Overlay>>>,
+    /// A slot shown as writable ([`Block::with_writable_slot`]).
+    writable_slot: bool,
     sectors: u64,
     id: [u8; ID_BYTES],
     queue_sizes: [u16; 1],
@@ -238,7 +253,16 @@ impl Block {
             limit: None,
             stats: Arc::default(),
             overlay: None,
+            writable_slot: false,
         }
+    }
+
+    /// Shows a disk slot to the guest as writable (no read-only feature), so that a
+    /// medium inserted later may be writable (the guest's driver reads the feature
+    /// once, when it probes the device); a read-only medium in it refuses writes.
+    pub fn with_writable_slot(mut self, writable: bool) -> Self {
+        self.writable_slot = writable;
+        self
     }
 
     /// Makes the disk writable: writes go to `overlay`, never to the image.
@@ -290,7 +314,7 @@ impl VirtioDevice for Block {
     }
 
     fn avail_features(&self) -> u64 {
-        let ro = if self.overlay.is_some() {
+        let ro = if self.overlay.is_some() || self.writable_slot {
             0
         } else {
             VIRTIO_BLK_F_RO
@@ -999,13 +1023,31 @@ mod tests {
             Block::restore(args(Medium::Empty), &full),
             Err(BlockError::Changed { .. })
         ));
-        let writable = BlockState {
-            writable: true,
-            ..empty
+        // A writable medium (its overlay) only in a slot shown as writable, which the
+        // guest sees without the read-only feature whatever its medium.
+        let dir = std::env::temp_dir();
+        let overlaid = |medium| BlockArgs {
+            overlay: Some(Overlay::create(&dir, 8 * SECTOR_SIZE).unwrap()),
+            ..args(medium)
         };
         assert!(matches!(
-            Block::restore(args(Medium::Inserted(image())), &writable),
+            Block::restore(overlaid(Medium::Inserted(image())), &empty),
             Err(BlockError::Changed { .. })
         ));
+        let rw = Block::empty("forkvm-slot0").with_writable_slot(true).save();
+        assert!(rw.writable_slot && !rw.writable);
+        let b = Block::restore(args(Medium::Empty), &rw).unwrap();
+        assert_eq!(b.avail_features() & VIRTIO_BLK_F_RO, 0);
+        let b = Block::restore(overlaid(Medium::Inserted(image())), &rw).unwrap();
+        assert!(b.overlay().is_some() && b.save().writable && b.save().writable_slot);
+        assert_eq!(b.avail_features() & VIRTIO_BLK_F_RO, 0);
+        // A clone of it: the saved medium with its overlay's copy; without a copy the
+        // saved state does not match.
+        let saved = b.save();
+        assert!(Block::restore(overlaid(Medium::Saved(image())), &saved).is_ok());
+        assert!(Block::restore(args(Medium::Saved(image())), &saved).is_err());
+        // A read-only medium in a writable slot: no overlay, writes refused.
+        let b = Block::restore(args(Medium::Inserted(image())), &saved).unwrap();
+        assert!(b.overlay().is_none() && b.save().writable_slot);
     }
 }

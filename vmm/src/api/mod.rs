@@ -176,6 +176,7 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             | CloneError::NoCard
             | CloneError::NoOverlay
             | CloneError::NoSlot { .. }
+            | CloneError::ReadOnlySlots { .. }
             | CloneError::Cgroup(
                 PlacementError::UnknownClass { .. } | PlacementError::NoPools(_),
             )

@@ -244,6 +244,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
             keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied()));
             keep.extend(id.carried.iter().map(|c| c.stream.as_raw_fd()));
             keep.extend(id.media_files.iter().map(|f| f.as_raw_fd()));
+            keep.extend(id.overlay_files.iter().map(|f| f.as_raw_fd()));
         }
     }
     close_all_but(&keep);
@@ -421,12 +422,20 @@ fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildErr
 
 /// The images `id` inserts into the clone's disk slots, each its own descriptor.
 fn inserted_media(id: &Identity) -> std::io::Result<Vec<Inserted>> {
+    let mut overlays = id.overlay_files.iter();
     (id.media.iter().zip(&id.media_files))
-        .map(|((slot, path), f)| {
+        .map(|((slot, path, writable), f)| {
+            let overlay = match writable {
+                true => Some(overlays.next().ok_or_else(|| {
+                    std::io::Error::other(format!("no overlay file for disk slot {slot}"))
+                })?),
+                false => None,
+            };
             Ok(Inserted {
                 slot: *slot,
                 path: path.clone(),
                 file: f.try_clone()?,
+                overlay: overlay.map(|o| o.try_clone()).transpose()?,
             })
         })
         .collect()

@@ -18,6 +18,7 @@ use super::table::CloneTable;
 use crate::config::{keep_overlays, CloneNetSpec, ConsoleSink, VmConfig};
 use crate::microvm::Microvm;
 use api_types::vm::VmState;
+use devices::virtio::block::overlay::Overlay;
 
 /// What a guest reads from the clone port when its request failed.
 pub const CLONE_FAILED: u64 = 0xffff_ffff;
@@ -83,6 +84,23 @@ pub enum CloneError {
         /// The VM's.
         slots: u8,
     },
+    /// A writable medium for a VM whose slots are read-only.
+    #[error(
+        "disk slot {slot}'s medium is writable, but the VM's slots are read-only \
+         (vmm run --slot-cow-dir DIR makes them writable through overlays)"
+    )]
+    ReadOnlySlots {
+        /// The slot asked for.
+        slot: u8,
+    },
+    /// A writable medium's overlay file could not be made.
+    #[error("disk slot {slot}: cannot make its overlay: {source}")]
+    SlotOverlay {
+        /// The slot.
+        slot: u8,
+        /// Why.
+        source: devices::virtio::block::overlay::OverlayError,
+    },
     /// A slot's image cannot be opened, or is no whole number of 512-byte sectors.
     #[error("disk slot {slot}: {why}")]
     Medium {
@@ -111,7 +129,9 @@ impl CloneError {
     pub fn host_short(&self) -> bool {
         let errno = match self {
             CloneError::Os(e) => e.raw_os_error().unwrap_or(0),
-            CloneError::Overlay(e) => crate::errno::errno_of(e),
+            CloneError::Overlay(e) | CloneError::SlotOverlay { source: e, .. } => {
+                crate::errno::errno_of(e)
+            }
             CloneError::NoneStarted { errno, .. } => *errno,
             _ => 0,
         };
@@ -156,13 +176,19 @@ pub(crate) struct Identity {
     /// the identity to a warm clone.
     #[serde(skip)]
     pub carried: Option<Arc<Carried>>,
-    /// The images it inserts into its disk slots: slot and path.
+    /// The images it inserts into its disk slots: slot, path and whether it is
+    /// writable.
     #[serde(default)]
-    pub media: Vec<(u8, PathBuf)>,
+    pub media: Vec<(u8, PathBuf, bool)>,
     /// Those images, open in the same order: inherited by a clone forked now, sent with
     /// the launch message to a warm clone.
     #[serde(skip)]
     pub media_files: Vec<Arc<std::fs::File>>,
+    /// The writable ones' overlay files (empty, anonymous, made by the template in
+    /// its slot overlay directory), this clone's own, in the same order; sent after
+    /// the images.
+    #[serde(skip)]
+    pub overlay_files: Vec<Arc<std::fs::File>>,
 }
 
 /// A handover's payload and stream, on their way to a clone.
@@ -228,6 +254,11 @@ pub(super) fn check(
             slots: config.disk_slots,
         });
     }
+    if config.slot_cow_dir.is_none() {
+        if let Some(m) = req.media.iter().find(|m| m.writable) {
+            return Err(CloneError::ReadOnlySlots { slot: m.slot });
+        }
+    }
     config
         .clone()
         .apply_rate_limits(&req.rate_limits)
@@ -255,6 +286,31 @@ fn open_medium(m: &api_types::InsertMedium) -> Result<std::fs::File, CloneError>
     }
 }
 
+/// One clone's overlay files for the writable ones of `media` (open as `files`): empty
+/// anonymous files of each image's size in the VM's slot overlay directory.
+fn overlay_files(
+    config: &VmConfig,
+    media: &[api_types::InsertMedium],
+    files: &[Arc<std::fs::File>],
+) -> Result<Vec<Arc<std::fs::File>>, CloneError> {
+    let (Some(dir), true) = (&config.slot_cow_dir, media.iter().any(|m| m.writable)) else {
+        return Ok(Vec::new());
+    };
+    (media.iter().zip(files))
+        .filter(|(m, _)| m.writable)
+        .map(|(m, f)| {
+            let slot = m.slot;
+            let size = f.metadata().map_err(|e| CloneError::Medium {
+                slot,
+                why: e.to_string(),
+            })?;
+            let file = Overlay::new_spare(dir, size.len())
+                .map_err(|source| CloneError::SlotOverlay { slot, source })?;
+            Ok(Arc::new(file))
+        })
+        .collect()
+}
+
 /// Where clone files go: the control socket path, or a per-process one.
 fn clone_base(config: &VmConfig) -> PathBuf {
     config
@@ -278,7 +334,9 @@ pub(super) fn identities(
     let media_files = (req.media.iter())
         .map(|m| open_medium(m).map(Arc::new))
         .collect::<Result<Vec<_>, _>>()?;
-    let media: Vec<(u8, PathBuf)> = req.media.iter().map(|m| (m.slot, m.path.clone())).collect();
+    let media: Vec<(u8, PathBuf, bool)> = (req.media.iter())
+        .map(|m| (m.slot, m.path.clone(), m.writable))
+        .collect();
     let mut identities = Vec::with_capacity(req.count as usize);
     for n in 0..req.count as u32 {
         let seq = made + n + 1;
@@ -316,6 +374,7 @@ pub(super) fn identities(
             carried: None,
             media: media.clone(),
             media_files: media_files.clone(),
+            overlay_files: overlay_files(config, &req.media, &media_files)?,
         });
     }
     Ok(identities)

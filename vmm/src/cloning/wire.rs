@@ -213,9 +213,11 @@ pub(super) fn send_go(
     let json = serde_json::to_vec(identity).map_err(std::io::Error::other)?;
     let len = (json.len() as u32).to_le_bytes();
     let conn = identity.carried.as_ref().map(|c| c.stream.as_raw_fd());
-    // The handover's stream first, then the slots' images in order.
+    // The handover's stream first, then the slots' images in order, then the writable
+    // ones' overlay files.
     let media = identity.media_files.iter().map(|f| f.as_raw_fd());
-    let fds: Vec<i32> = conn.into_iter().chain(media).collect();
+    let overlays = identity.overlay_files.iter().map(|f| f.as_raw_fd());
+    let fds: Vec<i32> = conn.into_iter().chain(media).chain(overlays).collect();
     let cmsgs: Vec<ControlMessage<'_>> = match fds.is_empty() {
         true => Vec::new(),
         false => vec![ControlMessage::ScmRights(&fds)],
@@ -249,7 +251,7 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
     // on write, so every heap page it touches is a page fault (the zeroing took 12 of
     // about 90 a launch; some of them moved to the next large allocation).
     let mut first = [0u8; 4096];
-    let mut space = nix::cmsg_space!([RawFd; 1 + api_types::MAX_DISK_SLOTS]);
+    let mut space = nix::cmsg_space!([RawFd; 1 + 2 * api_types::MAX_DISK_SLOTS]);
     let (got, mut fds) = loop {
         let mut iov = [std::io::IoSliceMut::new(&mut first)];
         let msg = match recvmsg::<()>(go, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
@@ -281,7 +283,7 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
         .ok_or_else(|| bad(&"identity cut short"))?;
     let mut identity: Identity = serde_json::from_slice(json).map_err(|e| bad(&e))?;
     let payload = buf.split_off(4 + len);
-    // The handover's stream comes first, then the slots' images.
+    // The handover's stream comes first, then the slots' images, then the overlays.
     let carried = match identity.note {
         Some(_) => {
             let missing = || LaunchError("a handover without its stream".into());
@@ -289,11 +291,17 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
         }
         None => None,
     };
-    identity.media_files = fds.map(|fd| Arc::new(std::fs::File::from(fd))).collect();
-    if identity.media_files.len() != identity.media.len() {
+    let mut files = fds.map(|fd| Arc::new(std::fs::File::from(fd)));
+    identity.media_files = files.by_ref().take(identity.media.len()).collect();
+    identity.overlay_files = files.collect();
+    let writable = identity.media.iter().filter(|m| m.2).count();
+    if identity.media_files.len() != identity.media.len()
+        || identity.overlay_files.len() != writable
+    {
         return Err(LaunchError(format!(
-            "{} disk slot images for {} slots",
+            "{} disk slot images and {} overlays for {} slots, {writable} writable",
             identity.media_files.len(),
+            identity.overlay_files.len(),
             identity.media.len()
         )));
     }

@@ -120,6 +120,9 @@ pub enum DeviceError {
     /// A writable disk in a clone without the copy of its parent's overlay.
     #[error("no copy of disk {0}'s overlay for this clone")]
     NoOverlayCopy(usize),
+    /// A writable medium in a slot of a VM without a slot overlay directory.
+    #[error("disk slot {0}'s medium is writable, but the VM has no slot overlay directory")]
+    SlotCowDir(u8),
     /// A disk slot's image could not be taken up, or its guest not told of it.
     #[error("disk slot: {0}")]
     Slot(std::io::Error),

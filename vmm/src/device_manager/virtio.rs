@@ -45,8 +45,9 @@ pub struct VirtioRestore<'a> {
     pub states: &'a DeviceStates,
     /// The parent's open disk images, inherited by fork, in device order.
     pub disk_fds: &'a [RawFd],
-    /// The copies of the parent's disk overlays made for this clone, in disk order
-    /// (None for a read-only disk; their descriptors inherited by fork).
+    /// The copies of the parent's disk overlays made for this clone, in disk order, then
+    /// its slots' (None for a read-only disk or slot; their descriptors inherited by
+    /// fork).
     pub overlays: &'a [Option<OverlaySnapshot>],
     /// The parent's disk slots' media, in slot order (their descriptors inherited by
     /// fork; `DeviceManager::slot_media`).
@@ -56,8 +57,9 @@ pub struct VirtioRestore<'a> {
 }
 
 impl DeviceManager {
-    /// A copy of each writable disk's overlay for a clone, in disk order (None for a
-    /// read-only disk). Call it while the disks' workers are parked.
+    /// A copy of each writable disk's overlay for a clone, in disk order, then each
+    /// slot's (None for a read-only disk or slot). Call it while the disks' workers are
+    /// parked.
     pub fn snapshot_overlays(&self) -> Result<Vec<Option<OverlaySnapshot>>, OverlayError> {
         self.overlays
             .iter()
@@ -154,8 +156,14 @@ impl DeviceManager {
         }
         for slot in 0..config.disk_slots {
             let state = self.next_saved(saved.as_deref())?;
-            let (block, medium) = self.open_slot(slot, restore, state)?;
-            let info = VirtioKind::Slot { slot, medium };
+            let cow = config.slot_cow_dir.as_deref();
+            let (block, medium) = self.open_slot(slot, cow, restore, state)?;
+            let writable = block.overlay().is_some();
+            let info = VirtioKind::Slot {
+                slot,
+                medium,
+                writable,
+            };
             self.add_virtio(vm, mem, Box::new(block), info, state)?;
         }
         if let Some(rng) = &config.rng {

@@ -118,6 +118,9 @@ pub struct SavedConfig {
     /// Disk slots after them (empty when the snapshot was taken).
     #[serde(default)]
     pub disk_slots: u8,
+    /// Their overlay directory (writable slots).
+    #[serde(default)]
+    pub slot_cow_dir: Option<std::path::PathBuf>,
     /// The entropy device.
     pub rng: Option<SavedRng>,
     /// The vsock device's guest CID.

@@ -58,7 +58,8 @@ pub struct RestoreOptions {
     pub tap: Option<String>,
     /// The host side of its vsock device (default: `<api_sock>.vsock`).
     pub vsock: Option<PathBuf>,
-    /// Where writable disks' overlays go (default: where the snapshot's were).
+    /// Where writable disks' and slots' overlays go (default: where the snapshot's
+    /// were).
     pub cow_dir: Option<PathBuf>,
 }
 
@@ -169,6 +170,8 @@ pub fn restored_config(
         initrd: None,
         disks,
         disk_slots: saved.disk_slots,
+        slot_cow_dir: (saved.slot_cow_dir.as_ref())
+            .map(|c| opts.cow_dir.clone().unwrap_or(c.clone())),
         rng: (saved.rng.as_ref()).map(|r| RngConfig {
             rate_limit: r.rate_limit,
         }),

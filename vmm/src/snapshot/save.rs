@@ -67,6 +67,7 @@ fn saved_config(config: &VmConfig) -> SavedConfig {
         tick_defer_ms: config.tick_defer_ms,
         prime: config.prime,
         disk_slots: config.disk_slots,
+        slot_cow_dir: config.slot_cow_dir.clone(),
         disks: (config.disks.iter())
             .map(|d| SavedDisk {
                 path: d.path.clone(),

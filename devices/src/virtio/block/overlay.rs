@@ -144,6 +144,18 @@ impl Overlay {
         })
     }
 
+    /// An empty overlay in `file`, an empty anonymous file of `size` bytes made in
+    /// `dir` ([`Overlay::new_spare`]; a clone's, made for it by its template).
+    pub fn from_empty(file: File, dir: &Path, size: u64) -> Self {
+        Self {
+            file,
+            dir: dir.to_path_buf(),
+            size,
+            present: vec![0; blocks(size).div_ceil(64) as usize],
+            spare: None,
+        }
+    }
+
     /// The overlay a clone continues with: its parent's [`Overlay::snapshot`]; later
     /// snapshots go to `dir`.
     pub fn from_snapshot(s: OverlaySnapshot, dir: &Path, size: u64) -> Self {

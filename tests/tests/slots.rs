@@ -351,12 +351,13 @@ fn linux_sees_the_image_inserted_into_its_clones_slot() {
                 2>/dev/null | head -c 9; echo";
     for (i, c) in made["clones"].as_array().unwrap().iter().enumerate() {
         let write = format!(
-            "{wait}; printf 'clone-{i}-w' | dd of=/dev/vda bs=512 seek=1 conv=notrunc \
-             2>/dev/null && {read}"
+            "{wait}; {read}; printf 'clone-{i}-w' | dd of=/dev/vda bs=512 seek=1 \
+             conv=notrunc 2>/dev/null && {read}"
         );
         let (code, out, err) = tests::vmm_exec(socket_of(c), &["--", &write], b"");
         assert_eq!(code, Some(0), "{out}{err}");
-        assert_eq!(out, format!("size=16\nclone-{i}-w\n"), "{err}");
+        // Before its write the image's bytes: nothing of the other clone's.
+        assert_eq!(out, format!("size=16\n.........\nclone-{i}-w\n"), "{err}");
     }
     let writer = socket_of(&made["clones"][0]);
     let (code, text) = api_request(writer, "POST", "/clones", Some("{}"));

@@ -116,7 +116,7 @@ pub struct InvokeOptions {
         skip_serializing_if = "Vec::is_empty"
     )]
     #[schemars(with = "Option<String>")]
-    #[schemars(regex(pattern = r"^((rw:)?[0-9]+:[^,]+)(,(rw:)?[0-9]+:[^,]+)*$"))]
+    #[schemars(regex(pattern = r"^((rw:)?[0-7]:[^,]+)(,(rw:)?[0-7]:[^,]+)*$"))]
     pub media: Vec<crate::InsertMedium>,
 }
 

@@ -721,6 +721,36 @@ fn requirements(gw: &Gateway, packages: &std::path::Path) {
     );
     assert_eq!(pkg1["package_set"]["key"], set["key"]);
     assert_eq!(pkg1["package_set"]["resolved"], set["resolved"]);
+    // The sets, their functions and zygotes: the first's root and the zygote its second
+    // deployment made; the second's root and the one made ahead.
+    let sets = json(&gw.send("GET", "/package-sets", ""));
+    let of = |key: &Value| {
+        (sets.as_array().unwrap().iter())
+            .find(|s| s["key"] == *key)
+            .cloned()
+            .unwrap_or_else(|| panic!("no set {key} in {sets}"))
+    };
+    let first = of(&set["key"]);
+    assert_eq!(
+        first["functions"],
+        serde_json::json!(["pkg1", "pkg2"]),
+        "{sets}"
+    );
+    assert_eq!(
+        first["zygotes"],
+        serde_json::json!([[], ["fkvm_c", "fkvm_pure"]]),
+        "{sets}"
+    );
+    let second = (sets.as_array().unwrap().iter())
+        .find(|s| s["key"] != set["key"])
+        .unwrap();
+    assert_eq!(second["functions"], serde_json::json!(["pkg3"]), "{sets}");
+    assert_eq!(
+        second["zygotes"],
+        serde_json::json!([[], ["fkvm_pure"]]),
+        "{sets}"
+    );
+    assert_eq!(sets.as_array().unwrap().len(), 2, "{sets}");
     assert!(!listed.to_string().contains("pkgbad"), "{listed}");
 }
 

@@ -12,6 +12,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use forkvm::{Envelope, EnvelopeStatus, Error, ErrorKind, Event, InvokeOptions, Load, Outcome};
 use forkvm::{PackageError, Reply, Template, Tier, ZygoteCache};
+
+use crate::packages::{PackageSetInfo, PackageSetView};
 use serde::{Deserialize, Serialize};
 
 use crate::logs::{now_ms, redact, LogEntry, LogStore};
@@ -82,15 +84,6 @@ struct Function {
     options: InvokeOptions,
     /// What its requirements resolved to (once deployed).
     package_set: Option<PackageSetInfo>,
-}
-
-/// A function's package set, as `GET /functions` shows it.
-#[derive(Debug, Clone, Serialize)]
-pub struct PackageSetInfo {
-    /// Its key: functions with the same key share its image and zygotes.
-    pub key: String,
-    /// The distributions in it, `name==version`.
-    pub resolved: Vec<String>,
 }
 
 /// What `GET /functions` and `PUT` answer about a function.
@@ -200,6 +193,13 @@ impl Gateway {
     pub fn replace_cache(&self, cache: ZygoteCache) {
         *self.cache.write().unwrap_or_else(|p| p.into_inner()) = cache;
         self.metrics.restarts.inc();
+    }
+
+    /// Each deployed function with requirements and its package set.
+    pub fn function_sets(&self) -> Vec<(String, PackageSetInfo)> {
+        (self.functions().iter())
+            .filter_map(|(name, (f, _))| Some((name.clone(), f.package_set.clone()?)))
+            .collect()
     }
 
     fn functions(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, (Function, u64)>> {
@@ -750,10 +750,33 @@ pub async fn prepare(
 }
 
 /// `GET /zygotes`: what the cached zygotes imported (those over the guest image's
-/// packages; `GET /metrics` counts those over package sets too,
-/// `forkvm_package_sets_mounted`).
+/// packages; those over package sets are in `GET /package-sets`).
 pub async fn zygotes(State(g): State<Arc<Gateway>>) -> Json<Vec<BTreeSet<String>>> {
     Json(g.cache().zygotes())
+}
+
+/// `GET /package-sets`: the package sets of the deployed functions and of the cached
+/// zygotes.
+pub async fn package_sets(State(g): State<Arc<Gateway>>) -> Json<Vec<PackageSetView>> {
+    let mut sets: BTreeMap<String, PackageSetView> = BTreeMap::new();
+    let view = |key: &str| PackageSetView {
+        key: key.to_string(),
+        ..Default::default()
+    };
+    for (name, set) in g.function_sets() {
+        let v = sets
+            .entry(set.key.clone())
+            .or_insert_with(|| view(&set.key));
+        v.resolved = set.resolved;
+        v.functions.push(name);
+    }
+    for (key, imports) in g.cache().package_zygotes() {
+        sets.entry(key.clone())
+            .or_insert_with(|| view(&key))
+            .zygotes
+            .push(imports);
+    }
+    Json(sets.into_values().collect())
 }
 
 /// `GET /metrics`: the Prometheus (OpenMetrics) text format.

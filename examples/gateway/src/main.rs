@@ -8,7 +8,8 @@
 //!   reply, computed in a fresh clone of the function's template (requests at once run
 //!   in parallel clones);
 //! - `GET /functions`, `DELETE /functions/{name}`, `GET /metrics` (Prometheus);
-//! - `PUT /zygotes` (a zygote of a package set made ahead), `GET /zygotes`.
+//! - `PUT /zygotes` (a zygote of a package set made ahead), `GET /zygotes`;
+//! - `GET /package-sets` (functions' PyPI requirements, resolved and cached).
 //!
 //! When the base template's VMM dies, the gateway starts another and derives the
 //! functions' templates again as they are invoked.
@@ -17,6 +18,7 @@ mod base;
 mod gateway;
 mod logs;
 mod metrics;
+mod packages;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -279,6 +281,7 @@ async fn run(args: Args) -> Result<(), GatewayError> {
         )
         .route("/functions/{name}/logs", get(gateway::logs))
         .route("/zygotes", get(gateway::zygotes).put(gateway::prepare))
+        .route("/package-sets", get(gateway::package_sets))
         .route("/metrics", get(gateway::metrics))
         // Events up to the default mailbox (4 MiB less its header).
         .layer(DefaultBodyLimit::max((4 << 20) - 64))

@@ -53,6 +53,7 @@ mod endpoint;
 mod envelope;
 mod error;
 mod http;
+mod images;
 mod jail;
 mod leftovers;
 mod load;
@@ -70,6 +71,7 @@ pub use api_types::{InvokeOptions, Outcome, ResourceClass, SnapshotInfo, VmInfo}
 pub use endpoint::Reply;
 pub use envelope::{Envelope, EnvelopeError, EnvelopeStatus, ENVELOPE_MAGIC};
 pub use error::{Error, ErrorKind, HttpError};
+pub use images::{ImageCache, ImageError, ImageHold};
 pub use jail::JailSpec;
 pub use load::{Event, Load};
 pub use options::VmmOptions;

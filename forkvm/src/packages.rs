@@ -10,11 +10,12 @@
 //! one [`PackageCache::hold`] keeps (a live template's). Requirements already resolved
 //! once are not given to pip again: what they resolved to is kept beside the images.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
+
+use crate::images::{ImageCache, ImageError, ImageHold};
 
 /// The guest's Python, as pip is told to resolve for it.
 pub const GUEST_PYTHON: &str = "3.11";
@@ -95,37 +96,24 @@ pub enum PackageError {
     },
 }
 
-/// Package sets on this host, in one directory.
+/// Package sets on this host, in one directory: their images (an [`ImageCache`]) and
+/// what each list of requirements resolved to.
 #[derive(Debug, Clone)]
 pub struct PackageCache {
-    inner: Arc<Inner>,
-}
-
-#[derive(Debug)]
-struct Inner {
-    dir: PathBuf,
-    budget: u64,
+    images: ImageCache,
     /// The host Python whose pip resolves ([`DEFAULT_PYTHON`]).
-    python: PathBuf,
-    /// Images kept from eviction, and by how many holders.
-    held: Mutex<HashMap<String, usize>>,
+    python: Arc<PathBuf>,
 }
 
 /// Keeps a package set's image from eviction while it lives ([`PackageCache::hold`]).
-#[derive(Debug)]
-pub struct PackageHold {
-    cache: Arc<Inner>,
-    key: String,
-}
+pub type PackageHold = ImageHold;
 
-impl Drop for PackageHold {
-    fn drop(&mut self) {
-        let mut held = lock(&self.cache.held);
-        if let Some(n) = held.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                held.remove(&self.key);
-            }
+impl From<ImageError> for PackageError {
+    fn from(e: ImageError) -> Self {
+        match e {
+            ImageError::Budget { need, budget } => PackageError::Budget { need, budget },
+            ImageError::Io { path, source } => PackageError::Io { path, source },
+            e => PackageError::Image(e.to_string()),
         }
     }
 }
@@ -138,10 +126,6 @@ impl PackageError {
             PackageError::Requirement(_) | PackageError::Resolve(_) | PackageError::Budget { .. }
         )
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> PackageError + '_ {
@@ -164,30 +148,15 @@ impl PackageCache {
         budget: u64,
         python: impl Into<PathBuf>,
     ) -> Result<Self, PackageError> {
-        let dir = dir.into();
-        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
         Ok(Self {
-            inner: Arc::new(Inner {
-                dir,
-                budget,
-                python: python.into(),
-                held: Mutex::default(),
-            }),
+            images: ImageCache::new(dir, budget)?,
+            python: Arc::new(python.into()),
         })
-    }
-
-    /// The image's path of set `key`.
-    fn image_of(&self, key: &str) -> PathBuf {
-        self.inner.dir.join(format!("{key}.ext4"))
     }
 
     /// Keeps set `key`'s image from eviction until the hold is dropped.
     pub fn hold(&self, key: &str) -> PackageHold {
-        *lock(&self.inner.held).entry(key.to_string()).or_default() += 1;
-        PackageHold {
-            cache: self.inner.clone(),
-            key: key.to_string(),
-        }
+        self.images.hold(key)
     }
 
     /// The package set of `requirements` from `source`: from the cache when these
@@ -208,15 +177,16 @@ impl PackageCache {
         sorted.sort();
         sorted.dedup();
         let asked = hex(&format!("{source:?}\n{}", sorted.join("\n")))[..16].to_string();
-        let index = self.inner.dir.join(format!("requirements-{asked}.json"));
+        let dir = self.images.dir();
+        let index = dir.join(format!("requirements-{asked}.json"));
         if let Some(set) = self.known(&index) {
             return Ok(set);
         }
         let started = std::time::Instant::now();
         let scratch = tempfile::Builder::new()
             .prefix("resolving-")
-            .tempdir_in(&self.inner.dir)
-            .map_err(io(&self.inner.dir))?;
+            .tempdir_in(dir)
+            .map_err(io(dir))?;
         let site = scratch.path().join("site");
         self.pip_install(&sorted, source, &site).await?;
         let resolved = installed(&site).map_err(io(&site))?;
@@ -226,12 +196,7 @@ impl PackageCache {
             resolved.join("\n")
         ))[..16]
             .to_string();
-        let image = self.image_of(&key);
-        let built = !image.exists();
-        if built {
-            build_image(&site, &image, scratch.path(), self.inner.budget).await?;
-        }
-        touch(&image);
+        let (image, built) = self.images.build(&key, &site).await?;
         let set = PackageSet {
             key,
             image,
@@ -241,7 +206,6 @@ impl PackageCache {
         };
         let record = serde_json::json!({"key": set.key, "resolved": set.resolved});
         std::fs::write(&index, record.to_string()).map_err(io(&index))?;
-        self.evict(&set.key);
         Ok(set)
     }
 
@@ -250,11 +214,7 @@ impl PackageCache {
         let text = std::fs::read_to_string(index).ok()?;
         let v: serde_json::Value = serde_json::from_str(&text).ok()?;
         let key = v["key"].as_str()?.to_string();
-        let image = self.image_of(&key);
-        if !image.exists() {
-            return None;
-        }
-        touch(&image);
+        let image = self.images.get(&key)?;
         let resolved = (v["resolved"].as_array()?.iter())
             .filter_map(|r| r.as_str().map(String::from))
             .collect();
@@ -273,7 +233,7 @@ impl PackageCache {
         source: &PackageSource,
         site: &Path,
     ) -> Result<(), PackageError> {
-        let mut pip = tokio::process::Command::new(&self.inner.python);
+        let mut pip = tokio::process::Command::new(&*self.python);
         pip.args([
             "-m",
             "pip",
@@ -299,7 +259,7 @@ impl PackageCache {
         pip.arg("--").args(requirements);
         pip.stdin(std::process::Stdio::null()).kill_on_drop(true);
         let out = pip.output().await.map_err(|source| PackageError::Pip {
-            python: self.inner.python.clone(),
+            python: self.python.to_path_buf(),
             source,
         })?;
         if !out.status.success() {
@@ -309,42 +269,6 @@ impl PackageCache {
             return Err(PackageError::Resolve(tail.join("\n")));
         }
         Ok(())
-    }
-
-    /// Removes the least recently used images until the cache fits its budget, never
-    /// `keep` or a held one.
-    fn evict(&self, keep: &str) {
-        let Ok(entries) = std::fs::read_dir(&self.inner.dir) else {
-            return;
-        };
-        let mut images: Vec<(std::time::SystemTime, u64, String, PathBuf)> = entries
-            .flatten()
-            .filter_map(|e| {
-                let path = e.path();
-                let key = path
-                    .file_name()?
-                    .to_str()?
-                    .strip_suffix(".ext4")?
-                    .to_string();
-                let meta = e.metadata().ok()?;
-                Some((meta.modified().ok()?, meta.len(), key, path))
-            })
-            .collect();
-        let mut total: u64 = images.iter().map(|i| i.1).sum();
-        images.sort();
-        let held = lock(&self.inner.held);
-        for (_, len, key, path) in images {
-            if total <= self.inner.budget {
-                break;
-            }
-            if key == keep || held.contains_key(&key) {
-                continue;
-            }
-            if std::fs::remove_file(&path).is_ok() {
-                tracing::info!("package cache: evicted {key} ({len} bytes)");
-                total -= len;
-            }
-        }
     }
 }
 
@@ -366,74 +290,6 @@ fn installed(site: &Path) -> std::io::Result<Vec<String>> {
     }
     found.sort();
     Ok(found)
-}
-
-/// An ext4 image of `site` at `image` (built beside it in `scratch`, then moved there):
-/// its files, owned by root, with room for the file system's own structures.
-async fn build_image(
-    site: &Path,
-    image: &Path,
-    scratch: &Path,
-    budget: u64,
-) -> Result<(), PackageError> {
-    let (bytes, files) = tree_size(site).map_err(io(site))?;
-    // Data rounded to blocks, inodes, journal-less metadata: generous, then whole MiB.
-    let need = (bytes + files * 4096) * 5 / 4 + (8 << 20);
-    let need = need.div_ceil(1 << 20) << 20;
-    if need > budget {
-        return Err(PackageError::Budget { need, budget });
-    }
-    let tmp = scratch.join("image.ext4");
-    let out = tokio::process::Command::new("mkfs.ext4")
-        .args([
-            "-q",
-            "-F",
-            "-O",
-            "^has_journal",
-            "-E",
-            "root_owner=0:0",
-            "-L",
-            "forkvm-pkgs",
-        ])
-        .arg("-d")
-        .arg(site)
-        .arg(&tmp)
-        .arg(format!("{}k", need >> 10))
-        .stdin(std::process::Stdio::null())
-        .output()
-        .await
-        .map_err(|e| PackageError::Image(format!("cannot run mkfs.ext4: {e}")))?;
-    if !out.status.success() {
-        return Err(PackageError::Image(
-            String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        ));
-    }
-    std::fs::rename(&tmp, image).map_err(io(image))
-}
-
-/// Bytes and files under `dir`.
-fn tree_size(dir: &Path) -> std::io::Result<(u64, u64)> {
-    let (mut bytes, mut files) = (0, 0);
-    for e in std::fs::read_dir(dir)? {
-        let e = e?;
-        let meta = e.metadata()?;
-        files += 1;
-        if meta.is_dir() {
-            let (b, f) = tree_size(&e.path())?;
-            bytes += b;
-            files += f;
-        } else {
-            bytes += meta.len();
-        }
-    }
-    Ok((bytes, files))
-}
-
-/// Marks `path` used now (its modification time orders eviction).
-fn touch(path: &Path) {
-    if let Ok(f) = std::fs::File::options().write(true).open(path) {
-        let _ = f.set_modified(std::time::SystemTime::now());
-    }
 }
 
 fn hex(text: &str) -> String {

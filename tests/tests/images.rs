@@ -52,7 +52,10 @@ async fn trees_become_cached_images_kept_to_a_budget() {
     assert_eq!(debugfs(&image, "cat /etc/hostname"), "forkvm\n");
     assert!(debugfs(&image, "stat /link").contains("Type: symlink"));
     let listing = debugfs(&image, "ls -l /");
-    assert!(listing.contains("data") && listing.contains(" 0      0 "), "{listing}");
+    assert!(
+        listing.contains("data") && listing.contains(" 0      0 "),
+        "{listing}"
+    );
     // Found again, not built; `get` finds it too.
     let (again, built) = cache.build("sha256-aaaa", &b).await.unwrap();
     assert_eq!((again.as_path(), built), (image.as_path(), false));
@@ -68,7 +71,10 @@ async fn trees_become_cached_images_kept_to_a_budget() {
     tree(&big, 16 << 10);
     let e = cache.build("big", &big).await.unwrap_err();
     assert!(matches!(e, ImageError::Budget { .. }), "{e}");
-    let e = cache.build("gone", &scratch.path("nothing")).await.unwrap_err();
+    let e = cache
+        .build("gone", &scratch.path("nothing"))
+        .await
+        .unwrap_err();
     assert!(matches!(e, ImageError::Io { .. }), "{e}");
     assert!(e.to_string().contains("nothing"), "{e}");
     assert_eq!(leftovers(&dir), Vec::<String>::new());
@@ -77,7 +83,10 @@ async fn trees_become_cached_images_kept_to_a_budget() {
     // recently used first), never the one just built.
     let hold = cache.hold("sha256-aaaa");
     cache.build("sha256-bbbb", &b).await.unwrap();
-    assert!(cache.get("sha256-aaaa").is_some(), "held: kept over the budget");
+    assert!(
+        cache.get("sha256-aaaa").is_some(),
+        "held: kept over the budget"
+    );
     drop(hold);
     cache.build("sha256-cccc", &c).await.unwrap();
     let mut left: Vec<String> = (std::fs::read_dir(&dir).unwrap().flatten())

@@ -371,7 +371,78 @@ fn linux_sees_the_image_inserted_into_its_clones_slot() {
         0,
         "anonymous overlays"
     );
+    containers_in_clones(&scratch, &vm);
     vm.shutdown(LINUX_BOOT);
+}
+
+/// A busybox root file system tree in `dir` (Debian's static busybox, the host's).
+fn busybox_tree(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for d in ["bin", "proc", "sys", "dev", "etc", "tmp"] {
+        std::fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    let tmp = dir.join("tmp");
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    std::fs::copy("/bin/busybox", dir.join("bin/busybox")).unwrap();
+    for applet in ["sh", "echo", "cat", "id", "hostname", "pwd", "env", "ls"] {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(dir.join("etc/motd"), "from the image\n").unwrap();
+}
+
+/// Containers in clones of `vm` (writable slots; the Linux agent): a root file system
+/// image (`forkvm::ImageCache`) inserted writable into slot 0 of two clones, a process
+/// run in each with `forkvm-oci` through the agent: its hostname, user, directory,
+/// environment and exit status as asked; each container's writes its own; a program
+/// that is not there 127; a VM with no medium says so (125).
+fn containers_in_clones(scratch: &Scratch, vm: &tests::Vm) {
+    let tree = scratch.path("rootfs");
+    busybox_tree(&tree);
+    let images = forkvm::ImageCache::new(scratch.path("images"), 64 << 20).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (image, built) = rt.block_on(images.build("busybox", &tree)).unwrap();
+    assert!(built);
+    let body = format!(
+        r#"{{"count":2,"media":[{{"slot":0,"path":"{}","writable":true}}]}}"#,
+        image.display()
+    );
+    let (code, text) = api_request(&vm.sock, "POST", "/clones", Some(&body));
+    assert_eq!(code, 201, "{text}");
+    let made: Value = serde_json::from_str(&text).unwrap();
+    let (one, two) = (socket_of(&made["clones"][0]), socket_of(&made["clones"][1]));
+    let run = "forkvm-oci --hostname box1 --cwd /tmp --user 1000:1000 --env GREETING=hi -- \
+               sh -c 'echo $GREETING from $(hostname) in $(pwd) as $(id -u):$(id -g); \
+               cat /etc/motd; echo mine > /tmp/f; cat /tmp/f; exit 3'";
+    let (code, out, err) = tests::vmm_exec(one, &["--", run], b"");
+    assert_eq!(code, Some(3), "{out}{err}");
+    assert_eq!(
+        out, "hi from box1 in /tmp as 1000:1000\nfrom the image\nmine\n",
+        "{err}"
+    );
+    // A second process in the same container sees its file; the other container
+    // does not.
+    let (code, out, err) = tests::vmm_exec(one, &["--", "forkvm-oci -- cat /tmp/f"], b"");
+    assert_eq!((code, out.as_str()), (Some(0), "mine\n"), "{err}");
+    let (code, out, err) = tests::vmm_exec(two, &["--", "forkvm-oci -- cat /tmp/f 2>&1"], b"");
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(out.contains("can't open '/tmp/f'"), "{out}");
+    let (code, out, _) = tests::vmm_exec(two, &["--", "forkvm-oci -- nosuch 2>&1"], b"");
+    assert_eq!(code, Some(127), "{out}");
+    assert!(out.contains("forkvm-oci: nosuch: No such file"), "{out}");
+    // The template's slot is empty: nothing to run on.
+    let (code, out, _) = tests::vmm_exec(
+        &vm.sock,
+        &["--", "forkvm-oci --timeout-s 1 -- true 2>&1"],
+        b"",
+    );
+    assert_eq!(code, Some(125), "{out}");
+    assert!(out.contains("slot 0 is empty"), "{out}");
+    for c in [one, two] {
+        api_request(c, "PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#));
+    }
 }
 
 #[test]

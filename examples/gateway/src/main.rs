@@ -89,8 +89,9 @@ struct Args {
     /// Resolve functions' `requirements` (PyPI) into package sets kept in DIR as
     /// read-only disk images, one per resolved set, shared by every function that needs
     /// it (the base template then has a disk slot for them). Without, a function with
-    /// requirements is refused.
-    #[arg(long, value_name = "DIR")]
+    /// requirements is refused. Not with --jail yet (a jailed VMM cannot open the
+    /// images outside its jail).
+    #[arg(long, value_name = "DIR", conflicts_with = "jail")]
     package_cache: Option<PathBuf>,
     /// The most the package cache's images may take, in MiB; the least recently used
     /// beyond it are removed (never one a cached template uses).

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 pub mod cache;
 pub mod nfs;
+pub mod oci;
 pub mod wheels;
 
 /// The repository root.

@@ -1,0 +1,174 @@
+//! Where the shim finds its guest and keeps its files (from the environment containerd
+//! starts it with), and its template: a Linux guest with forkvm's agent and one
+//! writable disk slot, restored from the snapshot the first shim saved.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use forkvm::{Ready, Template, TemplateSpec};
+use sha2::{Digest, Sha256};
+
+/// The agent's vsock port in the guest.
+pub const AGENT_PORT: u32 = 1024;
+/// What the guest's init prints once its agent serves.
+const SERVING: &str = "forkvm-init: serving on vsock port 1024";
+/// The template's kernel command line.
+const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024";
+
+/// The shim's configuration.
+#[derive(Debug, Clone)]
+pub struct ShimConfig {
+    /// The guest kernel (`FORKVM_SHIM_KERNEL`; default `vmlinux` in `../share/forkvm`
+    /// beside the shim when installed there, else in `target/guest`).
+    pub kernel: PathBuf,
+    /// The guest's initramfs with the agent (`FORKVM_SHIM_INITRD`; `initramfs.cpio`,
+    /// found as the kernel).
+    pub initrd: PathBuf,
+    /// Where the template's snapshot, the root file system images and the clones'
+    /// overlays go (`FORKVM_SHIM_DIR`; default `/var/lib/forkvm/shim`).
+    pub dir: PathBuf,
+    /// The most the images may take, in bytes (`FORKVM_SHIM_IMAGES_MIB`; 16 GiB).
+    pub images_budget: u64,
+}
+
+/// Guest file `name`: in `../share/forkvm` beside this program when it is there (`make
+/// install`), else in `target/guest` (a build tree).
+fn guest_file(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().ok();
+    let installed = exe.and_then(|e| Some(e.parent()?.parent()?.join("share/forkvm").join(name)));
+    (installed.filter(|p| p.is_file())).unwrap_or_else(|| Path::new("target/guest").join(name))
+}
+
+impl ShimConfig {
+    /// The configuration from the environment.
+    pub fn from_env() -> Self {
+        let var = |name: &str| std::env::var_os(name).map(PathBuf::from);
+        let mib = std::env::var("FORKVM_SHIM_IMAGES_MIB").ok();
+        Self {
+            kernel: var("FORKVM_SHIM_KERNEL").unwrap_or_else(|| guest_file("vmlinux")),
+            initrd: var("FORKVM_SHIM_INITRD").unwrap_or_else(|| guest_file("initramfs.cpio")),
+            dir: var("FORKVM_SHIM_DIR").unwrap_or_else(|| "/var/lib/forkvm/shim".into()),
+            images_budget: mib.and_then(|m| m.parse::<u64>().ok()).unwrap_or(16 << 10) << 20,
+        }
+    }
+
+    /// Where the clones' overlays go.
+    pub fn overlays(&self) -> PathBuf {
+        self.dir.join("overlays")
+    }
+
+    /// Where the template's snapshot of these guest files and this `vmm` is: named by
+    /// their paths, sizes and modification times (a new kernel, image or monitor boots
+    /// and saves anew).
+    fn snapshot(&self, vmm: &Path) -> PathBuf {
+        let mut h = Sha256::new();
+        for f in [&self.kernel, &self.initrd, &vmm.to_path_buf()] {
+            h.update(f.display().to_string().as_bytes());
+            if let Ok(m) = std::fs::metadata(f) {
+                h.update(m.len().to_le_bytes());
+                h.update(m.mtime().to_le_bytes());
+                h.update(m.mtime_nsec().to_le_bytes());
+            }
+            h.update(b"\0");
+        }
+        h.update(CMDLINE.as_bytes());
+        let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        self.dir.join(format!("template-{}", &hex[..16]))
+    }
+}
+
+/// Why the template could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// The shim's directory failed.
+    #[error("{path}: {source}")]
+    Dir {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The VMM failed.
+    #[error(transparent)]
+    Vmm(#[from] forkvm::Error),
+}
+
+fn dir_error(path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError + '_ {
+    move |source| TemplateError::Dir {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The template, its vsock device's host socket at `vsock`: restored from the shim's
+/// snapshot, which is booted and saved first if there is none (one shim at a time: a
+/// lock file).
+pub async fn template(cfg: &ShimConfig, vsock: &Path) -> Result<Template, TemplateError> {
+    let overlays = cfg.overlays();
+    std::fs::create_dir_all(&overlays).map_err(dir_error(&overlays))?;
+    let mut spec = TemplateSpec::new("unused: the snapshot's guest runs");
+    let snapshot = cfg.snapshot(&spec.vmm);
+    if !snapshot.join("state").exists() {
+        let lock_path = cfg.dir.join("template.lock");
+        let lock = std::fs::File::create(&lock_path).map_err(dir_error(&lock_path))?;
+        // SAFETY: flock on a descriptor this function owns; released when it closes.
+        let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+        if locked != 0 {
+            return Err(dir_error(&lock_path)(std::io::Error::last_os_error()));
+        }
+        if !snapshot.join("state").exists() {
+            boot_and_save(cfg, &snapshot).await?;
+        }
+    }
+    spec.warm_clones = 0;
+    spec.ready = Ready::Console(SERVING.into());
+    spec.call_timeout = Duration::from_secs(120);
+    spec.args = vec![
+        "--vsock".into(),
+        vsock.display().to_string(),
+        "--cow-dir".into(),
+        overlays.display().to_string(),
+    ];
+    Ok(Template::restore(&snapshot, spec).await?)
+}
+
+/// Boots the template and saves it at `snapshot`.
+async fn boot_and_save(cfg: &ShimConfig, snapshot: &Path) -> Result<(), TemplateError> {
+    log::info!("booting the template from {}", cfg.kernel.display());
+    let boot_vsock = cfg.dir.join("boot.vsock");
+    let mut spec = TemplateSpec::new(&cfg.kernel);
+    spec.initrd = Some(cfg.initrd.clone());
+    spec.cmdline = Some(CMDLINE.into());
+    spec.mem_mib = 256;
+    spec.warm_clones = 0;
+    spec.ready = Ready::Console(SERVING.into());
+    spec.start_timeout = Duration::from_secs(600);
+    spec.args = vec![
+        "--vsock".into(),
+        boot_vsock.display().to_string(),
+        "--disk-slots".into(),
+        "1".into(),
+        "--slot-cow-dir".into(),
+        cfg.overlays().display().to_string(),
+    ];
+    let t = Template::start(spec).await?;
+    let tmp = cfg
+        .dir
+        .join(format!("template.saving-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    t.snapshot(&tmp).await?;
+    t.shutdown().await?;
+    std::fs::rename(&tmp, snapshot).map_err(dir_error(snapshot))?;
+    // Snapshots of other guest files or another vmm go (a VMM restored from one keeps
+    // its memory file open).
+    for e in std::fs::read_dir(&cfg.dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("template-") && e.path() != snapshot {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+    let _ = std::fs::remove_file(&boot_vsock);
+    Ok(())
+}

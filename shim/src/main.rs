@@ -1,0 +1,28 @@
+//! `containerd-shim-forkvm-v2`: a containerd runtime (shim v2, `io.containerd.forkvm.v2`)
+//! that runs each container's process in a fresh clone of a warm template VM
+//! (docs/containerd.md).
+//!
+//! A container's root file system (the snapshotter's mounts) becomes an ext4 image kept
+//! by its content ([`forkvm::ImageCache`]), inserted writable into disk slot 0 of the
+//! clone: the container's writes go to the clone's own overlay. The template is a Linux
+//! guest with forkvm's agent, restored from a snapshot the first shim saves; in the
+//! clone, the agent runs `forkvm-oci` with the process the OCI spec asks for.
+
+mod config;
+mod task;
+
+use containerd_shim::asynchronous::run;
+use containerd_shim::Config;
+
+#[tokio::main]
+async fn main() {
+    // The shim reaps nothing it did not start: the forkvm library waits for its VMMs
+    // (through pidfds) and tokio for the commands it runs (mkfs.ext4), and a reaper of
+    // every child would take their exit statuses first. Orphans go to init.
+    let config = Config {
+        no_reaper: true,
+        no_sub_reaper: true,
+        ..Default::default()
+    };
+    run::<task::Service>("io.containerd.forkvm.v2", Some(config)).await;
+}

@@ -1,0 +1,212 @@
+//! forkvm as a containerd runtime (`containerd-shim-forkvm-v2`, docs/containerd.md): a
+//! containerd the test starts with its own root, state and socket runs busybox
+//! containers (an OCI archive the test builds, imported with `ctr`) with `--runtime
+//! io.containerd.forkvm.v2`, each in a fresh clone of the shim's template VM: the
+//! process's output, environment, directory and exit status reach `ctr`; a container's
+//! writes are its own; a program that is not there is 127; nothing is left running or
+//! mounted. Needs Debian's containerd (`scripts/install-deps.sh test`).
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tests::{kvm_available, workspace_bin, Scratch};
+
+const IMAGE: &str = "docker.io/forkvm/busybox:1";
+const NAMESPACE: &str = "forkvm-test";
+
+/// A containerd of the test's own, stopped when dropped.
+struct Containerd {
+    child: Child,
+    sock: PathBuf,
+    log: PathBuf,
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        // SAFETY: signals the containerd this test started, by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Containerd {
+    /// Starts containerd with its files in `scratch`, the shim's binary directory first
+    /// on its `PATH` and the shim's guest and directory in its environment.
+    fn start(scratch: &Scratch) -> Containerd {
+        let sock = scratch.path("containerd.sock");
+        let config = format!(
+            "version = 2\nroot = \"{root}\"\nstate = \"{state}\"\n\
+             disabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
+             [grpc]\n  address = \"{sock}\"\n[ttrpc]\n  address = \"{sock}.ttrpc\"\n",
+            root = scratch.path("root").display(),
+            state = scratch.path("state").display(),
+            sock = sock.display(),
+        );
+        let config_path = scratch.path("config.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let bin = workspace_bin("containerd-shim-forkvm-v2");
+        let path = format!(
+            "{}:{}",
+            bin.parent().unwrap().display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let log = scratch.path("containerd.log");
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(&config_path)
+            .env("PATH", path)
+            .env("FORKVM_SHIM_KERNEL", tests::cache::guest_image("vmlinux"))
+            .env(
+                "FORKVM_SHIM_INITRD",
+                tests::cache::guest_image("initramfs.cpio"),
+            )
+            // The template's snapshot is kept from run to run (named by its inputs).
+            .env("FORKVM_SHIM_DIR", tests::cache::cache_dir().join("shim"))
+            .env("FORKVM_SHIM_IMAGES_MIB", "256")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("containerd");
+        let c = Containerd { child, sock, log };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !c.ctr(&["version"]).status.success() {
+            assert!(
+                Instant::now() < deadline,
+                "containerd did not serve: {}",
+                c.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        c
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn ctr(&self, args: &[&str]) -> Output {
+        Command::new("ctr")
+            .arg("--address")
+            .arg(&self.sock)
+            .args(["--namespace", NAMESPACE])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("ctr")
+    }
+
+    /// `ctr run --rm` of the busybox image as container `id` with the forkvm runtime:
+    /// its exit status and output.
+    fn run(&self, id: &str, extra: &[&str], cmd: &[&str]) -> (i32, String, String) {
+        let mut args = vec!["run", "--rm", "--runtime", "io.containerd.forkvm.v2"];
+        args.extend_from_slice(extra);
+        args.extend([IMAGE, id]);
+        args.extend_from_slice(cmd);
+        let out = self.ctr(&args);
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+/// Processes whose command line mentions `text`.
+fn processes_naming(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains(text) {
+            found.push(format!("{}: {cmd}", e.file_name().to_string_lossy()));
+        }
+    }
+    found
+}
+
+fn have(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn linux_ctr_runs_each_container_in_a_fresh_clone() {
+    if !kvm_available("containerd") {
+        return;
+    }
+    if !have("containerd") || !have("ctr") {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs containerd (scripts/install-deps.sh test)"
+        );
+        eprintln!("SKIPPED: containerd and ctr are not installed (scripts/install-deps.sh test)");
+        return;
+    }
+    let scratch = Scratch::new("containerd");
+    let archive = scratch.path("busybox.tar");
+    let applets = ["sh", "echo", "cat", "id", "pwd", "hostname", "ls"];
+    tests::oci::busybox_image(&archive, IMAGE, &applets);
+    let c = Containerd::start(&scratch);
+    let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The first container (the shim's template is booted and saved the first time):
+    // its output, environment, directory and exit status.
+    let script = "echo $GREETING in $(pwd) as $(id -u); cat /etc/motd; \
+                  echo mine > /tmp/f; cat /tmp/f; exit 3";
+    let (code, out, err) = c.run(
+        "one",
+        &["--env", "GREETING=hi", "--cwd", "/tmp"],
+        &["sh", "-c", script],
+    );
+    assert_eq!(code, 3, "{out}{err}\n{}", c.log());
+    assert_eq!(out, "hi in /tmp as 0\nfrom the image\nmine\n", "{err}");
+    // Another container of the same image: its own root file system.
+    let (code, out, err) = c.run("two", &[], &["sh", "-c", "cat /tmp/f 2>&1; ls /"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.starts_with("cat: can't open '/tmp/f'"),
+        "{out}{err}\n{}",
+        c.log()
+    );
+    assert!(out.contains("motd") || out.contains("etc"), "{out}");
+    let (code, out, err) = c.run("three", &[], &["nosuch"]);
+    assert_eq!(code, 127, "{out}{err}");
+    assert!(out.contains("forkvm-oci: nosuch: No such file"), "{out}");
+
+    // Nothing left: no container or task, no shim or VMM, no mount.
+    let tasks = c.ctr(&["task", "ls", "-q"]);
+    assert_eq!(String::from_utf8_lossy(&tasks.stdout), "");
+    let containers = c.ctr(&["containers", "ls", "-q"]);
+    assert_eq!(String::from_utf8_lossy(&containers.stdout), "");
+    let state = scratch.path("state").display().to_string();
+    tests::wait_until("the shims to exit", Duration::from_secs(20), || {
+        processes_naming(&c.sock.display().to_string()).is_empty()
+    });
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(&state), "{mounts}");
+    drop(c);
+    assert!(
+        processes_naming(&scratch.path("").display().to_string()).is_empty(),
+        "{:?}",
+        processes_naming(&scratch.path("").display().to_string())
+    );
+}

@@ -21,8 +21,10 @@ guest: deps
 build:
 	$(CARGO) build --workspace --bins
 
+# The programs `make install` installs (the benches build every program:
+# `cargo build --release --workspace --bins`).
 release:
-	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --release -p vmm -p jailer -p forkvm-gateway
 
 demo: deps guest release
 	./scripts/demo.sh

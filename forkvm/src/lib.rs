@@ -80,6 +80,7 @@ pub use packages::{
     PackageCache, PackageError, PackageHold, PackageSet, PackageSource, DEFAULT_PYTHON,
     GUEST_PYTHON,
 };
+pub use program::guest_file;
 pub use template::{Ready, Template, TemplateSpec};
 pub use vm_clone::{ExecOutput, VmClone};
 pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache, PACKAGE_SLOT};

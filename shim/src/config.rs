@@ -7,7 +7,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use forkvm::{Ready, Template, TemplateSpec};
+use forkvm::{guest_file, Ready, Template, TemplateSpec};
 use sha2::{Digest, Sha256};
 
 /// The agent's vsock port in the guest.
@@ -31,14 +31,6 @@ pub struct ShimConfig {
     pub dir: PathBuf,
     /// The most the images may take, in bytes (`FORKVM_SHIM_IMAGES_MIB`; 16 GiB).
     pub images_budget: u64,
-}
-
-/// Guest file `name`: in `../share/forkvm` beside this program when it is there (`make
-/// install`), else in `target/guest` (a build tree).
-fn guest_file(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().ok();
-    let installed = exe.and_then(|e| Some(e.parent()?.parent()?.join("share/forkvm").join(name)));
-    (installed.filter(|p| p.is_file())).unwrap_or_else(|| Path::new("target/guest").join(name))
 }
 
 impl ShimConfig {

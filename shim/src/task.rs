@@ -29,6 +29,18 @@ use crate::config::{self, ShimConfig, AGENT_PORT};
 /// How a container's process ended: its status and when.
 type Exit = Option<(u32, Timestamp)>;
 
+/// Records that the process ended with `status` now, unless its end is known already
+/// (the first of its exit and a kill stands).
+fn record_exit(exit: &watch::Sender<Exit>, status: u32) {
+    exit.send_if_modified(|e| {
+        let first = e.is_none();
+        if first {
+            *e = Some((status, Timestamp::now()));
+        }
+        first
+    });
+}
+
 struct Container {
     bundle: String,
     stdout: String,
@@ -276,13 +288,7 @@ impl Task for Service {
                 output.len()
             );
             deliver(&stdout, &output).await;
-            exit.send_if_modified(|e| {
-                let first = e.is_none();
-                if first {
-                    *e = Some((status, Timestamp::now()));
-                }
-                first
-            });
+            record_exit(&exit, status);
         });
         Ok(api::StartResponse {
             pid: c.pid,
@@ -345,13 +351,7 @@ impl Task for Service {
         let clone = {
             let mut all = self.containers.lock().await;
             let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
-            c.exit.send_if_modified(|e| {
-                let first = e.is_none();
-                if first {
-                    *e = Some((128 + req.signal, Timestamp::now()));
-                }
-                first
-            });
+            record_exit(&c.exit, 128 + req.signal);
             c.clone.take()
         };
         // The whole VM goes: its process with it.

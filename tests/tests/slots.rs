@@ -14,8 +14,9 @@ use tests::{api_request, kvm_available, Scratch};
 
 const BOOT: Duration = Duration::from_secs(60);
 
-/// Each slot's medium as `GET /vm` on `sock` lists it (None: empty), in slot order.
-fn media(sock: &Path) -> Vec<Option<String>> {
+/// Each slot's medium as `GET /vm` on `sock` lists it (None: empty) and whether the VM
+/// writes to it, in slot order.
+fn writable(sock: &Path) -> Vec<(Option<String>, bool)> {
     let (code, body) = api_request(sock, "GET", "/vm", None);
     assert_eq!(code, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -24,9 +25,17 @@ fn media(sock: &Path) -> Vec<Option<String>> {
         .enumerate()
         .map(|(i, d)| {
             assert_eq!(d["slot"], i, "{d}");
-            d["medium"].as_str().map(String::from)
+            (
+                d["medium"].as_str().map(String::from),
+                d["writable"] == true,
+            )
         })
         .collect()
+}
+
+/// Each slot's medium ([`writable`] without the flag).
+fn media(sock: &Path) -> Vec<Option<String>> {
+    writable(sock).into_iter().map(|(m, _)| m).collect()
 }
 
 /// `POST /clones` on `sock` with `body`; the status and the clones made.
@@ -178,22 +187,6 @@ fn clones_get_their_own_image_in_a_disk_slot_forked_or_warm() {
         "{targets}"
     );
     vm.shutdown(BOOT);
-}
-
-/// Each slot's medium and whether the VM on `sock` writes to it (`GET /vm`).
-fn writable(sock: &Path) -> Vec<(Option<String>, bool)> {
-    let (code, body) = api_request(sock, "GET", "/vm", None);
-    assert_eq!(code, 200, "{body}");
-    let v: Value = serde_json::from_str(&body).unwrap();
-    (v["devices"].as_array().unwrap().iter())
-        .filter(|d| d["type"] == "virtio-blk-slot")
-        .map(|d| {
-            (
-                d["medium"].as_str().map(String::from),
-                d["writable"] == true,
-            )
-        })
-        .collect()
 }
 
 #[test]

@@ -20,7 +20,7 @@ mod logs;
 mod metrics;
 mod packages;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,8 +28,8 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, put};
 use axum::Router;
 use clap::Parser;
+use forkvm::{guest_file, TemplateSpec, ZygoteCache};
 use forkvm::{CachePolicy, JailSpec, PackageCache, PackageSource, ResourceClass};
-use forkvm::{TemplateSpec, ZygoteCache};
 
 use gateway::Gateway;
 
@@ -146,13 +146,6 @@ enum GatewayError {
     Serve(std::io::Error),
 }
 
-/// Guest file `name` when no path was given: in `../share/forkvm` beside the program
-/// `exe` when it is there (`make install`), else in `target/guest` (a build tree).
-fn guest_file(exe: Option<&Path>, name: &str) -> PathBuf {
-    let installed = exe.and_then(|e| Some(e.parent()?.parent()?.join("share/forkvm").join(name)));
-    (installed.filter(|p| p.is_file())).unwrap_or_else(|| Path::new("target/guest").join(name))
-}
-
 /// Starts the base template (restored from `--base-snapshot` when it can be) and its
 /// cache.
 /// `--class NAME:LIMITS`: the class's name and limits (the VMM checks the name).
@@ -165,9 +158,8 @@ fn parse_class(s: &str) -> Result<(String, ResourceClass), String> {
 }
 
 async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
-    let exe = std::env::current_exe().ok();
-    let kernel = (args.kernel.clone()).unwrap_or_else(|| guest_file(exe.as_deref(), "vmlinux"));
-    let rootfs = (args.rootfs.clone()).unwrap_or_else(|| guest_file(exe.as_deref(), "python.ext4"));
+    let kernel = (args.kernel.clone()).unwrap_or_else(|| guest_file("vmlinux"));
+    let rootfs = (args.rootfs.clone()).unwrap_or_else(|| guest_file("python.ext4"));
     let mut spec = TemplateSpec::new(&kernel);
     if let Some(v) = &args.vmm {
         spec.vmm.clone_from(v);
@@ -329,29 +321,5 @@ fn main() -> std::process::ExitCode {
             eprintln!("forkvm-gateway: {e}");
             std::process::ExitCode::FAILURE
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn guest_files_are_found_where_make_install_puts_them_else_in_the_build_tree() {
-        let dir = std::env::temp_dir().join(format!("forkvm-gw-guest-{}", std::process::id()));
-        let share = dir.join("share/forkvm");
-        std::fs::create_dir_all(&share).unwrap();
-        std::fs::write(share.join("vmlinux"), b"k").unwrap();
-        let exe = dir.join("bin/forkvm-gateway");
-        assert_eq!(guest_file(Some(&exe), "vmlinux"), share.join("vmlinux"));
-        assert_eq!(
-            guest_file(Some(&exe), "python.ext4"),
-            Path::new("target/guest/python.ext4")
-        );
-        assert_eq!(
-            guest_file(None, "vmlinux"),
-            Path::new("target/guest/vmlinux")
-        );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -286,25 +286,35 @@ fn open_medium(m: &api_types::InsertMedium) -> Result<std::fs::File, CloneError>
     }
 }
 
-/// One clone's overlay files for the writable ones of `media` (open as `files`): empty
-/// anonymous files of each image's size in the VM's slot overlay directory.
-fn overlay_files(
-    config: &VmConfig,
+/// The slot and size of each writable one of `media` (open as `files`), in order.
+fn writable_sizes(
     media: &[api_types::InsertMedium],
     files: &[Arc<std::fs::File>],
-) -> Result<Vec<Arc<std::fs::File>>, CloneError> {
-    let (Some(dir), true) = (&config.slot_cow_dir, media.iter().any(|m| m.writable)) else {
-        return Ok(Vec::new());
-    };
+) -> Result<Vec<(u8, u64)>, CloneError> {
     (media.iter().zip(files))
         .filter(|(m, _)| m.writable)
         .map(|(m, f)| {
-            let slot = m.slot;
-            let size = f.metadata().map_err(|e| CloneError::Medium {
-                slot,
+            let meta = f.metadata().map_err(|e| CloneError::Medium {
+                slot: m.slot,
                 why: e.to_string(),
             })?;
-            let file = Overlay::new_spare(dir, size.len())
+            Ok((m.slot, meta.len()))
+        })
+        .collect()
+}
+
+/// One clone's overlay files for the `writable` media (slot and size): empty anonymous
+/// files of each image's size in the VM's slot overlay directory.
+fn overlay_files(
+    config: &VmConfig,
+    writable: &[(u8, u64)],
+) -> Result<Vec<Arc<std::fs::File>>, CloneError> {
+    let (Some(dir), false) = (&config.slot_cow_dir, writable.is_empty()) else {
+        return Ok(Vec::new());
+    };
+    (writable.iter())
+        .map(|&(slot, size)| {
+            let file = Overlay::new_spare(dir, size)
                 .map_err(|source| CloneError::SlotOverlay { slot, source })?;
             Ok(Arc::new(file))
         })
@@ -337,6 +347,7 @@ pub(super) fn identities(
     let media: Vec<(u8, PathBuf, bool)> = (req.media.iter())
         .map(|m| (m.slot, m.path.clone(), m.writable))
         .collect();
+    let writable = writable_sizes(&req.media, &media_files)?;
     let mut identities = Vec::with_capacity(req.count as usize);
     for n in 0..req.count as u32 {
         let seq = made + n + 1;
@@ -374,7 +385,7 @@ pub(super) fn identities(
             carried: None,
             media: media.clone(),
             media_files: media_files.clone(),
-            overlay_files: overlay_files(config, &req.media, &media_files)?,
+            overlay_files: overlay_files(config, &writable)?,
         });
     }
     Ok(identities)

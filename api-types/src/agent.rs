@@ -8,6 +8,11 @@
 //! 2. The client writes [`request_head`], the command line and its input.
 //! 3. The agent runs the command and answers `<status> <output length>\n`
 //!    ([`parse_answer_head`]) and the output (stdout and stderr, interleaved).
+//!
+//! Streaming instead ([`stream_request_head`]): the agent sends the command's output as
+//! it comes, each piece a frame ([`parse_frame_head`]: `out <len>\n` or `err <len>\n`
+//! and the bytes), then `exit <status>\n` and closes; the client may send
+//! [`signal_line`] meanwhile, and closing its side kills the command.
 
 /// The most output a client takes from one command.
 pub const MAX_OUTPUT: u64 = 64 << 20;
@@ -31,8 +36,8 @@ pub enum AgentProtocolError {
     /// The agent's answer head was not `<status> <length>`.
     #[error("unexpected answer from the guest agent: {0:?}")]
     BadHead(String),
-    /// The output is longer than a client takes.
-    #[error("an output of {0} bytes (most taken: {MAX_OUTPUT})")]
+    /// The output (or one frame of it) is longer than a client takes.
+    #[error("an output of {0} bytes (more than a client takes)")]
     TooLong(u64),
 }
 
@@ -52,6 +57,52 @@ pub fn accepted(line: &str) -> Result<(), AgentProtocolError> {
 /// The request's first line, before the command and the input.
 pub fn request_head(command: &str, stdin: &[u8]) -> String {
     format!("{} {}\n", command.len(), stdin.len())
+}
+
+/// The first line of a streaming request (the command and its input follow).
+pub fn stream_request_head(command: &str, stdin: &[u8]) -> String {
+    format!("{} {} stream\n", command.len(), stdin.len())
+}
+
+/// What a streaming client sends to have signal `signal` delivered to the command's
+/// process group.
+pub fn signal_line(signal: u32) -> String {
+    format!("sig {signal}\n")
+}
+
+/// The most bytes one output frame of a streaming answer carries.
+pub const MAX_FRAME: u64 = 1 << 20;
+
+/// The head of one frame of a streaming answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frame {
+    /// `len` bytes of the command's stdout follow.
+    Stdout(u64),
+    /// `len` bytes of its stderr follow.
+    Stderr(u64),
+    /// The command ended with this status (128+N when killed by signal N; 255 when the
+    /// agent could not run it); the answer ends.
+    Exit(i32),
+}
+
+/// A streaming answer's frame head (the line, newline or not).
+pub fn parse_frame_head(line: &str) -> Result<Frame, AgentProtocolError> {
+    let bad = || AgentProtocolError::BadHead(line.to_string());
+    let mut fields = line.split_whitespace();
+    let (Some(kind), Some(value), None) = (fields.next(), fields.next(), fields.next()) else {
+        return Err(bad());
+    };
+    let len = || match value.parse::<u64>() {
+        Ok(n) if n <= MAX_FRAME => Ok(n),
+        Ok(n) => Err(AgentProtocolError::TooLong(n)),
+        Err(_) => Err(bad()),
+    };
+    match kind {
+        "out" => Ok(Frame::Stdout(len()?)),
+        "err" => Ok(Frame::Stderr(len()?)),
+        "exit" => value.parse().map(Frame::Exit).map_err(|_| bad()),
+        _ => Err(bad()),
+    }
 }
 
 /// The agent's answer head: the exit status and the output's length (at most
@@ -86,6 +137,15 @@ mod tests {
         for bad in ["", "0\n", "0 1 2\n", "x 1\n", "0 -1\n", "99999999999 0\n"] {
             assert!(parse_answer_head(bad).is_err(), "{bad:?}");
         }
+        assert_eq!(stream_request_head("ls", b""), "2 0 stream\n");
+        assert_eq!(signal_line(15), "sig 15\n");
+        assert_eq!(parse_frame_head("out 12\n"), Ok(Frame::Stdout(12)));
+        assert_eq!(parse_frame_head("err 0"), Ok(Frame::Stderr(0)));
+        assert_eq!(parse_frame_head("exit 137\n"), Ok(Frame::Exit(137)));
+        for bad in ["", "out\n", "out -1\n", "in 3\n", "exit x\n", "out 1 2\n"] {
+            assert!(parse_frame_head(bad).is_err(), "{bad:?}");
+        }
+        assert!(parse_frame_head(&format!("out {}", MAX_FRAME + 1)).is_err());
         let over = format!("0 {}\n", MAX_OUTPUT + 1);
         assert_eq!(
             parse_answer_head(&over),

@@ -86,7 +86,15 @@ impl Endpoint {
 
     /// `PATCH /vm` to `paused`.
     pub async fn pause(&self) -> Result<(), Error> {
-        let body = Bytes::from_static(br#"{"state":"paused"}"#);
+        self.set_state(true).await
+    }
+
+    /// `PATCH /vm` to `paused` or `running`.
+    pub async fn set_state(&self, paused: bool) -> Result<(), Error> {
+        let body = match paused {
+            true => Bytes::from_static(br#"{"state":"paused"}"#),
+            false => Bytes::from_static(br#"{"state":"running"}"#),
+        };
         let a = self.call("PATCH", "/vm", body, self.call_timeout).await?;
         match a.status {
             200 | 204 => Ok(()),

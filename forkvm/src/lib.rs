@@ -48,6 +48,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod agent;
 pub mod blocking;
 mod endpoint;
 mod envelope;
@@ -66,6 +67,7 @@ mod template;
 mod vm_clone;
 mod zygote;
 
+pub use agent::{AgentControl, AgentOutput, AgentProcess, ProcessEvent};
 pub use api_types::{CloneInfo, CloneList, CreateClones, InsertMedium};
 pub use api_types::{InvokeOptions, Outcome, ResourceClass, SnapshotInfo, VmInfo};
 pub use endpoint::Reply;

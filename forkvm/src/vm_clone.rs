@@ -1,15 +1,13 @@
 //! A clone of a template made on request (`POST /clones`): a running VM of its own,
 //! which serves invocations in place and commands through its guest agent.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use api_types::agent;
 use api_types::vm::VirtioKind;
 use api_types::{CloneStatus, CreateClones, InvokeOptions, VmInfo};
 use bytes::Bytes;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::UnixStream;
 
+use crate::agent::{agent_exchange, AgentProcess};
 use crate::endpoint::{Endpoint, Reply};
 use crate::owner::Owner;
 use crate::{Error, Template};
@@ -122,14 +120,8 @@ impl VmClone {
     /// docs/guest-abi.md), with `stdin` as its input, within the call timeout.
     #[tracing::instrument(level = "debug", name = "clone.exec", skip_all, fields(id = self.id(), port = port))]
     pub async fn exec(&self, port: u32, command: &str, stdin: &[u8]) -> Result<ExecOutput, Error> {
-        let vsock = (self.status().await?.devices.into_iter())
-            .find_map(|d| match d.kind {
-                VirtioKind::Vsock { uds_path, .. } => Some(uds_path),
-                _ => None,
-            })
-            .ok_or_else(|| Error::Agent("the clone has no vsock device (--vsock)".into()))?;
+        let vsock = self.vsock().await?;
         let limit = self.ep.call_timeout;
-        let vsock = self.owner.host_path(&vsock);
         let run = agent_exchange(&vsock, port, command, stdin);
         match tokio::time::timeout(limit, run).await {
             Ok(r) => r,
@@ -140,47 +132,52 @@ impl VmClone {
         }
     }
 
+    /// Starts `command` in the guest through its agent as [`VmClone::exec`] does, but
+    /// streaming: its stdout and stderr come apart and as they are written, it can be
+    /// sent signals, and it runs as long as it likes ([`AgentProcess`]). Only reaching
+    /// the agent is bounded by the call timeout.
+    #[tracing::instrument(level = "debug", name = "clone.spawn", skip_all, fields(id = self.id(), port = port))]
+    pub async fn spawn(
+        &self,
+        port: u32,
+        command: &str,
+        stdin: &[u8],
+    ) -> Result<AgentProcess, Error> {
+        let vsock = self.vsock().await?;
+        let limit = self.ep.call_timeout;
+        match tokio::time::timeout(limit, AgentProcess::start(&vsock, port, command, stdin)).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout {
+                what: "reaching the guest agent",
+                after: limit,
+            }),
+        }
+    }
+
+    /// Pauses its vCPUs (`PATCH /vm` paused); its devices' host sides stay up.
+    pub async fn pause(&self) -> Result<(), Error> {
+        self.ep.set_state(true).await
+    }
+
+    /// Runs it again after [`VmClone::pause`].
+    pub async fn resume(&self) -> Result<(), Error> {
+        self.ep.set_state(false).await
+    }
+
+    /// The host side of the clone's vsock device.
+    async fn vsock(&self) -> Result<PathBuf, Error> {
+        let vsock = (self.status().await?.devices.into_iter())
+            .find_map(|d| match d.kind {
+                VirtioKind::Vsock { uds_path, .. } => Some(uds_path),
+                _ => None,
+            })
+            .ok_or_else(|| Error::Agent("the clone has no vsock device (--vsock)".into()))?;
+        Ok(self.owner.host_path(&vsock))
+    }
+
     /// Stops the clone (`PUT /actions` shutdown on its socket) and waits for it to end.
     #[tracing::instrument(level = "debug", name = "clone.delete", skip_all, fields(id = self.id()))]
     pub async fn delete(self) -> Result<(), Error> {
         self.ep.shut_down(&self.owner).await
     }
-}
-
-/// The agent's protocol (`api_types::agent`, docs/guest-abi.md), over tokio.
-async fn agent_exchange(
-    vsock: &Path,
-    port: u32,
-    command: &str,
-    stdin: &[u8],
-) -> Result<ExecOutput, Error> {
-    let io = |source| Error::Socket {
-        path: vsock.to_path_buf(),
-        source,
-    };
-    let stream = UnixStream::connect(vsock).await.map_err(io)?;
-    let (read, mut write) = stream.into_split();
-    let mut read = BufReader::new(read);
-    write
-        .write_all(agent::connect_line(port).as_bytes())
-        .await
-        .map_err(io)?;
-    let mut line = String::new();
-    if read.read_line(&mut line).await.map_err(io)? == 0 {
-        return Err(Error::Agent(format!(
-            "nothing in the guest accepted on vsock port {port} (is forkvm-agent running?)"
-        )));
-    }
-    let bad = |e: agent::AgentProtocolError| Error::Agent(e.to_string());
-    agent::accepted(&line).map_err(bad)?;
-    let head = agent::request_head(command, stdin);
-    for part in [head.as_bytes(), command.as_bytes(), stdin] {
-        write.write_all(part).await.map_err(io)?;
-    }
-    line.clear();
-    read.read_line(&mut line).await.map_err(io)?;
-    let (status, len) = agent::parse_answer_head(&line).map_err(bad)?;
-    let mut output = vec![0u8; len as usize];
-    read.read_exact(&mut output).await.map_err(io)?;
-    Ok(ExecOutput { status, output })
 }

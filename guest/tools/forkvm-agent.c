@@ -20,13 +20,23 @@
  *          then sends "<status> <outlen>\n" and outlen bytes of output, and closes.
  *          status is the exit code, 128+N when killed by signal N, 255 if it could not
  *          run. Output beyond 16 MiB is cut.
+ * Streaming, when the head is "<cmdlen> <stdinlen> stream\n" (what the containerd shim
+ * speaks): the command runs in a process group of its own, and the agent sends its
+ * output as it comes, "out <len>\n" or "err <len>\n" and len bytes, then
+ * "exit <status>\n" once the command has ended, and closes. What the command left
+ * running in its group is killed then. Meanwhile the host may send "sig <N>\n": the
+ * agent sends signal N to the command's group. The host closing the connection kills
+ * the group.
  * The connections a clone inherits from its parent are reset at the clone point; the
  * listening socket keeps working, so every clone answers on its own vsock socket.
  */
 #include "forkvm-adopt.h"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <linux/vm_sockets.h>
@@ -62,8 +72,8 @@ static int write_full(int fd, const char *buf, size_t len)
     return 0;
 }
 
-/* Reads the "<cmdlen> <stdinlen>\n" line. */
-static int read_request_line(int fd, unsigned long *cmdlen, unsigned long *inlen)
+/* Reads the "<cmdlen> <stdinlen>[ stream]\n" line. */
+static int read_request_line(int fd, unsigned long *cmdlen, unsigned long *inlen, int *stream)
 {
     char line[64];
     size_t n = 0;
@@ -81,15 +91,148 @@ static int read_request_line(int fd, unsigned long *cmdlen, unsigned long *inlen
         return -1;
     char *second = end + 1;
     *inlen = strtoul(second, &end, 10);
+    *stream = strcmp(end, " stream") == 0;
+    if (*stream)
+        *end = 0;
     if (end == second || *end != 0 || *cmdlen == 0 || *cmdlen > MAX_IN || *inlen > MAX_IN)
         return -1;
     return 0;
 }
 
+/* Sends all of `buf` on the connection; -1 once the host has gone (no SIGPIPE). */
+static int send_full(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        buf += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Sends what pipe `fd` holds now as "<kind> <len>" frames; 1 at its end, 0 when it
+ * would block (or the host has gone: *gone set), -1 on a read error. */
+static int forward(int fd, const char *kind, int conn, int *gone)
+{
+    /* read() into the frame and send() from it: no memcpy in user space (the PVM
+     * host's lost vector registers, see serve()). */
+    static char buf[65536];
+    for (;;) {
+        ssize_t n = read(fd, buf, sizeof(buf));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return 0;
+        if (n <= 0)
+            return n == 0 ? 1 : -1;
+        char head[32];
+        int h = snprintf(head, sizeof(head), "%s %zd\n", kind, n);
+        if (!*gone && (send_full(conn, head, (size_t)h) != 0 || send_full(conn, buf, (size_t)n) != 0))
+            *gone = 1;
+    }
+}
+
+/* Reads one "sig <N>" line from the host and delivers it; -1 once the host has gone. */
+static int control(int conn, pid_t group)
+{
+    char line[32];
+    size_t n = 0;
+    while (n < sizeof(line) - 1) {
+        ssize_t r = read(conn, line + n, 1);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        if (line[n] == '\n')
+            break;
+        n++;
+    }
+    line[n] = 0;
+    char *end;
+    if (strncmp(line, "sig ", 4) == 0) {
+        long sig = strtol(line + 4, &end, 10);
+        if (*end == 0 && sig > 0 && sig < NSIG && kill(-group, (int)sig) != 0)
+            kill(group, (int)sig);
+    }
+    return 0;
+}
+
+/* Runs `cmd` in a group of its own with input `infd`, its stdout and stderr sent as
+ * they come, then its exit status (the streaming protocol above). */
+static void serve_stream(int conn, const char *cmd, int infd)
+{
+    int out[2], err[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+        send_full(conn, "exit 255\n", 9);
+        return;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        setpgid(0, 0);
+        dup2(infd, 0);
+        dup2(out[1], 1);
+        dup2(err[1], 2);
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(255);
+    }
+    close(out[1]);
+    close(err[1]);
+    if (pid < 0) {
+        send_full(conn, "exit 255\n", 9);
+        return;
+    }
+    setpgid(pid, pid);
+    fcntl(out[0], F_SETFL, O_NONBLOCK);
+    fcntl(err[0], F_SETFL, O_NONBLOCK);
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    int gone = 0, out_open = 1, err_open = 1, running = 1, status = 255;
+    while (running || (pidfd < 0 && (out_open || err_open))) {
+        struct pollfd p[4] = {
+            {.fd = out_open ? out[0] : -1, .events = POLLIN},
+            {.fd = err_open ? err[0] : -1, .events = POLLIN},
+            {.fd = gone ? -1 : conn, .events = POLLIN},
+            {.fd = pidfd, .events = POLLIN},
+        };
+        if (poll(p, 4, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (p[0].revents && forward(out[0], "out", conn, &gone) != 0)
+            out_open = 0;
+        if (p[1].revents && forward(err[0], "err", conn, &gone) != 0)
+            err_open = 0;
+        if (p[2].revents && control(conn, pid) != 0)
+            gone = 1;
+        if (gone)
+            kill(-pid, SIGKILL);
+        if (pidfd < 0 ? !out_open && !err_open : p[3].revents != 0)
+            running = 0;
+    }
+    int st;
+    if (waitpid(pid, &st, 0) == pid)
+        status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    /* What it wrote before it ended, then what it left behind goes. */
+    if (out_open)
+        forward(out[0], "out", conn, &gone);
+    if (err_open)
+        forward(err[0], "err", conn, &gone);
+    kill(-pid, SIGKILL);
+    char head[32];
+    int h = snprintf(head, sizeof(head), "exit %d\n", status);
+    if (!gone)
+        send_full(conn, head, (size_t)h);
+}
+
 static void serve(int conn)
 {
     unsigned long cmdlen, inlen;
-    if (read_request_line(conn, &cmdlen, &inlen) != 0)
+    int stream;
+    if (read_request_line(conn, &cmdlen, &inlen, &stream) != 0)
         return;
     char *cmd = malloc(cmdlen + 1);
     char *in = malloc(inlen + 1);
@@ -105,6 +248,13 @@ static void serve(int conn)
         infd = -1;
     if (infd >= 0)
         unlink(path);
+    if (stream) {
+        if (infd < 0)
+            send_full(conn, "exit 255\n", 9);
+        else
+            serve_stream(conn, cmd, infd);
+        return;
+    }
     int pipefd[2];
     int status = 255;
     size_t outlen = 0;

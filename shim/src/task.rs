@@ -3,10 +3,8 @@
 //! status (wait), stopped with its clone (kill), and nothing left (delete).
 
 use std::collections::HashMap;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use containerd_shim::asynchronous::{spawn, ExitSignal, Shim};
@@ -21,35 +19,50 @@ use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim_protos::ttrpc::{Code, Status as RpcStatus};
 use forkvm::{CreateClones, ImageCache, InsertMedium, Template, VmClone};
 use sha2::{Digest, Sha256};
-use tokio::io::AsyncWriteExt;
-use tokio::sync::{watch, Mutex};
+use tokio::sync::Mutex;
 
 use crate::config::{self, ShimConfig, AGENT_PORT};
-
-/// How a container's process ended: its status and when.
-type Exit = Option<(u32, Timestamp)>;
-
-/// Records that the process ended with `status` now, unless its end is known already
-/// (the first of its exit and a kill stands).
-fn record_exit(exit: &watch::Sender<Exit>, status: u32) {
-    exit.send_if_modified(|e| {
-        let first = e.is_none();
-        if first {
-            *e = Some((status, Timestamp::now()));
-        }
-        first
-    });
-}
+use crate::process::{self, oci_command, Proc};
 
 struct Container {
     bundle: String,
-    stdout: String,
-    command: String,
     pid: u32,
     template: Option<Template>,
     clone: Option<Arc<VmClone>>,
-    started: bool,
-    exit: watch::Sender<Exit>,
+    /// The spec's process.
+    init: Proc,
+    /// The processes `exec` added, by exec id.
+    execs: HashMap<String, Proc>,
+    /// Whether its VM is paused.
+    paused: bool,
+}
+
+impl Container {
+    /// Process `exec_id` ("" is the init).
+    fn process(&self, exec_id: &str) -> TtrpcResult<&Proc> {
+        match exec_id {
+            "" => Ok(&self.init),
+            id => self
+                .execs
+                .get(id)
+                .ok_or_else(|| rpc_error(Code::NOT_FOUND, format!("no process {id:?}"))),
+        }
+    }
+
+    fn process_mut(&mut self, exec_id: &str) -> TtrpcResult<&mut Proc> {
+        match exec_id {
+            "" => Ok(&mut self.init),
+            id => self
+                .execs
+                .get_mut(id)
+                .ok_or_else(|| rpc_error(Code::NOT_FOUND, format!("no process {id:?}"))),
+        }
+    }
+
+    fn clone_vm(&self) -> TtrpcResult<Arc<VmClone>> {
+        (self.clone.clone())
+            .ok_or_else(|| rpc_error(Code::FAILED_PRECONDITION, "the container's VM is gone"))
+    }
 }
 
 /// The shim: its configuration and its containers.
@@ -70,37 +83,6 @@ fn rpc_error(code: Code, message: impl std::fmt::Display) -> containerd_shim_pro
 
 fn not_found(id: &str) -> containerd_shim_protos::ttrpc::Error {
     rpc_error(Code::NOT_FOUND, format!("no container {id:?}"))
-}
-
-/// `text` as one word of a shell command line.
-fn quote(text: &str) -> String {
-    format!("'{}'", text.replace('\'', r"'\''"))
-}
-
-/// The guest command that runs `spec`'s process on the root file system in slot 0.
-fn oci_command(spec: &oci_spec::runtime::Spec) -> Result<String, String> {
-    let process = spec.process().as_ref().ok_or("the spec has no process")?;
-    let args = process.args().as_ref().filter(|a| !a.is_empty());
-    let args = args.ok_or("the spec's process has no args")?;
-    let user = process.user();
-    let mut cmd = format!(
-        "forkvm-oci --slot 0 --cwd {} --user {}:{}",
-        quote(&process.cwd().display().to_string()),
-        user.uid(),
-        user.gid()
-    );
-    if let Some(h) = spec.hostname() {
-        cmd += &format!(" --hostname {}", quote(h));
-    }
-    for e in process.env().iter().flatten() {
-        cmd += &format!(" --env {}", quote(e));
-    }
-    cmd += " --";
-    for a in args {
-        cmd += " ";
-        cmd += &quote(a);
-    }
-    Ok(cmd)
 }
 
 /// The image key of a root file system's mounts: its layers (the overlay's lower
@@ -130,7 +112,8 @@ impl Service {
         let bundle = Path::new(&req.bundle);
         let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
             .map_err(|e| format!("the bundle's config.json: {e}"))?;
-        let command = oci_command(&spec)?;
+        let process = spec.process().as_ref().ok_or("the spec has no process")?;
+        let command = oci_command(process, spec.hostname().as_deref())?;
         let rootfs = bundle.join("rootfs");
         for m in &req.rootfs {
             mount_rootfs(Some(&m.type_), Some(&m.source), &m.options, &rootfs)
@@ -158,48 +141,45 @@ impl Service {
             .map_err(|e| format!("the container's clone: {e}"))?
             .pop()
             .ok_or("no clone was made")?;
-        let (exit, _) = watch::channel(None);
         Ok(Container {
             bundle: req.bundle.clone(),
-            stdout: req.stdout.clone(),
-            command,
             pid: clone.pid(),
             template: Some(template),
             clone: Some(Arc::new(clone)),
-            started: false,
-            exit,
+            init: Proc::new(command, &req.stdout, &req.stderr),
+            execs: HashMap::new(),
+            paused: false,
         })
     }
 }
 
-/// How long the reader of a container's stdout has to take what was written, before
-/// its exit is reported anyway.
-const DRAIN: Duration = Duration::from_secs(10);
-
-/// Writes `output` to the container's stdout FIFO `path` (none: dropped) and waits until
-/// its reader has taken it all: a client (`ctr`) stops reading as soon as it learns of
-/// the exit, and what is still in the FIFO then is lost.
-async fn deliver(path: &str, output: &[u8]) {
-    if path.is_empty() || output.is_empty() {
-        return;
-    }
-    let mut f = match tokio::fs::OpenOptions::new().write(true).open(path).await {
-        Ok(f) => f,
-        Err(e) => return log::warn!("stdout {path}: {e}"),
-    };
-    if let Err(e) = f.write_all(output).await {
-        return log::warn!("stdout {path}: {e}");
-    }
-    let deadline = tokio::time::Instant::now() + DRAIN;
-    loop {
-        let mut unread: libc::c_int = 0;
-        // SAFETY: FIONREAD writes one int through the pointer, to a local that lives
-        // across the call; the descriptor is the open FIFO's.
-        let r = unsafe { libc::ioctl(f.as_raw_fd(), libc::FIONREAD, &mut unread) };
-        if r != 0 || unread == 0 || tokio::time::Instant::now() > deadline {
-            break;
+impl Service {
+    /// Kills what `exec` started in container `id` (its init has ended).
+    async fn kill_execs(&self, id: &str) {
+        let controls: Vec<_> = match self.containers.lock().await.get(id) {
+            Some(c) => c.execs.values().filter_map(|p| p.control.clone()).collect(),
+            None => return,
+        };
+        for control in controls {
+            let _ = control.lock().await.signal(libc::SIGKILL as u32).await;
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+
+    /// Pauses or resumes container `id`'s VM.
+    async fn set_paused(&self, id: &str, paused: bool) -> TtrpcResult<api::Empty> {
+        let clone = {
+            let all = self.containers.lock().await;
+            all.get(id).ok_or_else(|| not_found(id))?.clone_vm()?
+        };
+        let r = match paused {
+            true => clone.pause().await,
+            false => clone.resume().await,
+        };
+        r.map_err(|e| rpc_error(Code::FAILED_PRECONDITION, e))?;
+        if let Some(c) = self.containers.lock().await.get_mut(id) {
+            c.paused = paused;
+        }
+        Ok(api::Empty::default())
     }
 }
 
@@ -266,34 +246,90 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::StartRequest,
     ) -> TtrpcResult<api::StartResponse> {
-        let mut all = self.containers.lock().await;
-        let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
-        if !req.exec_id.is_empty() {
-            return Err(rpc_error(Code::UNIMPLEMENTED, "exec is not supported yet"));
+        let (clone, command, stdout, stderr, exit, pid) = {
+            let mut all = self.containers.lock().await;
+            let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
+            let clone = c.clone_vm()?;
+            let pid = c.pid;
+            let p = c.process_mut(&req.exec_id)?;
+            if p.started {
+                return Err(rpc_error(Code::FAILED_PRECONDITION, "already started"));
+            }
+            p.started = true;
+            let (out, err) = (p.stdout.clone(), p.stderr.clone());
+            (clone, p.command.clone(), out, err, p.exit.clone(), pid)
+        };
+        let started = clone.spawn(AGENT_PORT, &command, b"").await;
+        let process = match started {
+            Ok(p) => p,
+            Err(e) => {
+                let mut all = self.containers.lock().await;
+                if let Some(p) = all
+                    .get_mut(&req.id)
+                    .and_then(|c| c.process_mut(&req.exec_id).ok())
+                {
+                    p.started = false;
+                }
+                return Err(rpc_error(
+                    Code::UNAVAILABLE,
+                    format!("the guest agent: {e}"),
+                ));
+            }
+        };
+        let control = Arc::new(Mutex::new(process.control));
+        if let Some(p) = (self.containers.lock().await.get_mut(&req.id))
+            .and_then(|c| c.process_mut(&req.exec_id).ok())
+        {
+            p.control = Some(control.clone());
         }
-        let clone = c
-            .clone
-            .clone()
-            .ok_or_else(|| rpc_error(Code::FAILED_PRECONDITION, "the container was killed"))?;
-        c.started = true;
-        let (command, stdout, exit) = (c.command.clone(), c.stdout.clone(), c.exit.clone());
+        let service = self.clone();
+        let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
         tokio::spawn(async move {
-            let (status, output) = match clone.exec(AGENT_PORT, &command, b"").await {
-                Ok(out) => (out.status as u32, out.output),
-                Err(e) => (255, format!("containerd-shim-forkvm: {e}\n").into_bytes()),
-            };
-            log::info!(
-                "clone {}: exit status {status}, {} bytes of output to {stdout:?}",
-                clone.id(),
-                output.len()
-            );
-            deliver(&stdout, &output).await;
-            record_exit(&exit, status);
+            process::forward(process.output, stdout, stderr, exit).await;
+            log::info!("{id} {exec_id:?}: ended");
+            if exec_id.is_empty() {
+                // The container ends with its init: its other processes go too.
+                service.kill_execs(&id).await;
+            }
         });
         Ok(api::StartResponse {
-            pid: c.pid,
+            pid,
             ..Default::default()
         })
+    }
+
+    async fn exec(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ExecProcessRequest,
+    ) -> TtrpcResult<api::Empty> {
+        if req.terminal {
+            return Err(rpc_error(
+                Code::UNIMPLEMENTED,
+                "a terminal (-t) is not supported yet",
+            ));
+        }
+        let process: oci_spec::runtime::Process = serde_json::from_slice(&req.spec.value)
+            .map_err(|e| rpc_error(Code::INVALID_ARGUMENT, format!("the exec's process: {e}")))?;
+        let command =
+            oci_command(&process, None).map_err(|e| rpc_error(Code::INVALID_ARGUMENT, e))?;
+        let mut all = self.containers.lock().await;
+        let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
+        if c.init.exited().is_some() || !c.init.started {
+            return Err(rpc_error(
+                Code::FAILED_PRECONDITION,
+                "the container is not running",
+            ));
+        }
+        if c.execs.contains_key(&req.exec_id) || req.exec_id.is_empty() {
+            return Err(rpc_error(
+                Code::ALREADY_EXISTS,
+                format!("process {:?} exists", req.exec_id),
+            ));
+        }
+        let p = Proc::new(command, &req.stdout, &req.stderr);
+        c.execs.insert(req.exec_id, p);
+        Ok(api::Empty::default())
     }
 
     async fn state(
@@ -303,18 +339,22 @@ impl Task for Service {
     ) -> TtrpcResult<api::StateResponse> {
         let all = self.containers.lock().await;
         let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
-        let exit = c.exit.borrow().clone();
-        let status = match (&exit, c.started) {
-            (Some(_), _) => api::Status::STOPPED,
-            (None, true) => api::Status::RUNNING,
-            (None, false) => api::Status::CREATED,
+        let p = c.process(&req.exec_id)?;
+        let exit = p.exited();
+        let status = match (&exit, p.started, c.paused) {
+            (Some(_), _, _) => api::Status::STOPPED,
+            (None, true, true) => api::Status::PAUSED,
+            (None, true, false) => api::Status::RUNNING,
+            (None, false, _) => api::Status::CREATED,
         };
         let mut r = api::StateResponse {
             id: req.id.clone(),
+            exec_id: req.exec_id.clone(),
             bundle: c.bundle.clone(),
             pid: c.pid,
             status: status.into(),
-            stdout: c.stdout.clone(),
+            stdout: p.stdout.clone(),
+            stderr: p.stderr.clone(),
             ..Default::default()
         };
         if let Some((code, at)) = exit {
@@ -332,7 +372,7 @@ impl Task for Service {
         let mut rx = {
             let all = self.containers.lock().await;
             let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
-            c.exit.subscribe()
+            c.process(&req.exec_id)?.exit.subscribe()
         };
         let exit = rx
             .wait_for(Option::is_some)
@@ -348,16 +388,29 @@ impl Task for Service {
     }
 
     async fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
-        let clone = {
+        let control = {
             let mut all = self.containers.lock().await;
             let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
-            record_exit(&c.exit, 128 + req.signal);
-            c.clone.take()
+            let p = c.process(&req.exec_id)?;
+            if p.exited().is_some() {
+                return Err(rpc_error(Code::NOT_FOUND, "the process has ended"));
+            }
+            match p.control.clone() {
+                Some(control) => control,
+                None => {
+                    // Not started: it ends before it runs (and an init's VM with it).
+                    p.record_exit(128 + req.signal);
+                    if req.exec_id.is_empty() {
+                        if let Some(clone) = c.clone.take().and_then(|c| Arc::try_unwrap(c).ok()) {
+                            let _ = clone.delete().await;
+                        }
+                    }
+                    return Ok(api::Empty::default());
+                }
+            }
         };
-        // The whole VM goes: its process with it.
-        if let Some(clone) = clone.and_then(|c| Arc::try_unwrap(c).ok()) {
-            let _ = clone.delete().await;
-        }
+        let sent = control.lock().await.signal(req.signal).await;
+        sent.map_err(|e| rpc_error(Code::NOT_FOUND, format!("the process has ended: {e}")))?;
         Ok(api::Empty::default())
     }
 
@@ -366,12 +419,30 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::DeleteRequest,
     ) -> TtrpcResult<api::DeleteResponse> {
+        if !req.exec_id.is_empty() {
+            let mut all = self.containers.lock().await;
+            let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
+            let p = c.process(&req.exec_id)?;
+            let Some((code, at)) = p.exited() else {
+                return Err(rpc_error(Code::FAILED_PRECONDITION, "the process runs"));
+            };
+            c.execs.remove(&req.exec_id);
+            return Ok(api::DeleteResponse {
+                pid: c.pid,
+                exit_status: code,
+                exited_at: MessageField::some(at),
+                ..Default::default()
+            });
+        }
         let mut c = self
             .containers
             .lock()
             .await
             .remove(&req.id)
             .ok_or_else(|| not_found(&req.id))?;
+        // Dropping the processes' controls kills what still runs; the VM goes next.
+        c.execs.clear();
+        c.init.control = None;
         if let Some(clone) = c.clone.take().and_then(|c| Arc::try_unwrap(c).ok()) {
             let _ = clone.delete().await;
         }
@@ -379,14 +450,34 @@ impl Task for Service {
             let _ = t.shutdown().await;
         }
         let _ = std::fs::remove_file(PathBuf::from(&c.bundle).join("vm.vsock"));
-        let exit = c.exit.borrow().clone();
-        let (code, at) = exit.unwrap_or((137, Timestamp::now()));
+        let (code, at) = c.init.exited().unwrap_or((137, Timestamp::now()));
         Ok(api::DeleteResponse {
             pid: c.pid,
             exit_status: code,
             exited_at: MessageField::some(at),
             ..Default::default()
         })
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<api::Empty> {
+        self.set_paused(&req.id, true).await
+    }
+
+    async fn resume(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResumeRequest,
+    ) -> TtrpcResult<api::Empty> {
+        self.set_paused(&req.id, false).await
+    }
+
+    async fn close_io(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::CloseIORequest,
+    ) -> TtrpcResult<api::Empty> {
+        // No stdin reaches the guest: there is nothing to close.
+        Ok(api::Empty::default())
     }
 
     async fn pids(

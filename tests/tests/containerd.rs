@@ -2,8 +2,10 @@
 //! containerd the test starts with its own root, state and socket runs busybox
 //! containers (an OCI archive the test builds, imported with `ctr`) with `--runtime
 //! io.containerd.forkvm.v2`, each in a fresh clone of the shim's template VM: the
-//! process's output, environment, directory and exit status reach `ctr`; a container's
-//! writes are its own; a program that is not there is 127; nothing is left running or
+//! process's output (stdout and stderr apart, as written), environment, directory and
+//! exit status reach `ctr`; a container's writes are its own; a program that is not
+//! there is 127; `ctr task exec` runs a second process in the container's VM, `pause`
+//! and `resume` pause its VM, `kill` delivers the signal; nothing is left running or
 //! mounted. Needs Debian's containerd (`scripts/install-deps.sh test`).
 
 use std::path::PathBuf;
@@ -94,15 +96,29 @@ impl Containerd {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    fn ctr(&self, args: &[&str]) -> Output {
-        Command::new("ctr")
-            .arg("--address")
+    fn ctr_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address")
             .arg(&self.sock)
             .args(["--namespace", NAMESPACE])
             .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("ctr")
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    fn ctr(&self, args: &[&str]) -> Output {
+        self.ctr_command(args).output().expect("ctr")
+    }
+
+    /// The status `ctr task ls` shows for task `id`.
+    fn task_status(&self, id: &str) -> String {
+        let out = self.ctr(&["task", "ls"]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(id))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .unwrap_or("")
+            .to_string()
     }
 
     /// `ctr run --rm` of the busybox image as container `id` with the forkvm runtime:
@@ -143,6 +159,81 @@ fn have(program: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+/// A container that runs until it is sent SIGTERM: its first line reaches `ctr` while
+/// it runs; `exec` runs a second process in its VM (stdout, stderr and status apart);
+/// `pause` and `resume`; `kill` delivers SIGTERM to the process, whose trap answers.
+fn running_container(c: &Containerd) {
+    let script = "trap 'echo got TERM; exit 7' TERM; echo started; \
+                  while :; do sleep 1; done";
+    let mut run = c
+        .ctr_command(&[
+            "run",
+            "--rm",
+            "--runtime",
+            "io.containerd.forkvm.v2",
+            IMAGE,
+            "four",
+            "sh",
+            "-c",
+            script,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("ctr run");
+    let stdout = run.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let _ = tx.send(line.unwrap_or_default());
+        }
+    });
+    let first = rx.recv_timeout(Duration::from_secs(120));
+    assert_eq!(
+        first.as_deref(),
+        Ok("started"),
+        "the first line did not come while the container ran: {}",
+        c.log()
+    );
+    assert_eq!(c.task_status("four"), "RUNNING");
+
+    let exec = c.ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "e1",
+        "four",
+        "sh",
+        "-c",
+        "echo from exec; echo to stderr >&2; exit 5",
+    ]);
+    assert_eq!(
+        exec.status.code(),
+        Some(5),
+        "{exec:?}
+{}",
+        c.log()
+    );
+    assert_eq!(String::from_utf8_lossy(&exec.stdout), "from exec\n");
+    assert!(String::from_utf8_lossy(&exec.stderr).contains("to stderr\n"));
+
+    let paused = c.ctr(&["task", "pause", "four"]);
+    assert!(paused.status.success(), "{paused:?}");
+    assert_eq!(c.task_status("four"), "PAUSED");
+    let resumed = c.ctr(&["task", "resume", "four"]);
+    assert!(resumed.status.success(), "{resumed:?}");
+    assert_eq!(c.task_status("four"), "RUNNING");
+
+    let killed = c.ctr(&["task", "kill", "four"]);
+    assert!(killed.status.success(), "{killed:?}");
+    let status = run.wait().unwrap();
+    reader.join().unwrap();
+    let rest: Vec<String> = rx.try_iter().collect();
+    assert_eq!(status.code(), Some(7), "{rest:?}\n{}", c.log());
+    assert_eq!(rest, ["got TERM"]);
+}
+
 #[test]
 fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     if !kvm_available("containerd") {
@@ -158,7 +249,7 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     }
     let scratch = Scratch::new("containerd");
     let archive = scratch.path("busybox.tar");
-    let applets = ["sh", "echo", "cat", "id", "pwd", "hostname", "ls"];
+    let applets = ["sh", "echo", "cat", "id", "pwd", "hostname", "ls", "sleep"];
     tests::oci::busybox_image(&archive, IMAGE, &applets);
     let c = Containerd::start(&scratch);
     let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
@@ -171,7 +262,7 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     // The first container (the shim's template is booted and saved the first time):
     // its output, environment, directory and exit status.
     let script = "echo $GREETING in $(pwd) as $(id -u); cat /etc/motd; \
-                  echo mine > /tmp/f; cat /tmp/f; exit 3";
+                  echo mine > /tmp/f; cat /tmp/f; echo oops >&2; exit 3";
     let (code, out, err) = c.run(
         "one",
         &["--env", "GREETING=hi", "--cwd", "/tmp"],
@@ -179,6 +270,7 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     );
     assert_eq!(code, 3, "{out}{err}\n{}", c.log());
     assert_eq!(out, "hi in /tmp as 0\nfrom the image\nmine\n", "{err}");
+    assert!(err.contains("oops\n"), "{err}");
     // Another container of the same image: its own root file system.
     let (code, out, err) = c.run("two", &[], &["sh", "-c", "cat /tmp/f 2>&1; ls /"]);
     assert_eq!(code, 0, "{out}{err}");
@@ -190,7 +282,12 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     assert!(out.contains("motd") || out.contains("etc"), "{out}");
     let (code, out, err) = c.run("three", &[], &["nosuch"]);
     assert_eq!(code, 127, "{out}{err}");
-    assert!(out.contains("forkvm-oci: nosuch: No such file"), "{out}");
+    assert!(
+        err.contains("forkvm-oci: nosuch: No such file"),
+        "{out}{err}"
+    );
+
+    running_container(&c);
 
     // Nothing left: no container or task, no shim or VMM, no mount.
     let tasks = c.ctr(&["task", "ls", "-q"]);

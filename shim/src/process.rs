@@ -1,0 +1,207 @@
+//! A container's processes: the command `forkvm-oci` runs for an OCI process, and one
+//! running through the guest agent, its output streamed to containerd's FIFOs as it is
+//! written and its end recorded.
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
+use forkvm::{AgentControl, AgentOutput, ProcessEvent};
+use oci_spec::runtime::Process;
+use tokio::fs::File;
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{watch, Mutex};
+
+/// How a process ended: its status and when.
+pub type Exit = Option<(u32, Timestamp)>;
+
+/// One process of a container: its init (the spec's process) or one `exec` started.
+pub struct Proc {
+    /// What the guest runs for it.
+    pub command: String,
+    /// containerd's FIFOs for its output (empty: none).
+    pub stdout: String,
+    pub stderr: String,
+    /// Its signals, once started (None: not yet, or it could not start).
+    pub control: Option<Arc<Mutex<AgentControl>>>,
+    /// Whether it was started.
+    pub started: bool,
+    /// Its end, once known.
+    pub exit: watch::Sender<Exit>,
+}
+
+impl Proc {
+    pub fn new(command: String, stdout: &str, stderr: &str) -> Self {
+        Self {
+            command,
+            stdout: stdout.into(),
+            stderr: stderr.into(),
+            control: None,
+            started: false,
+            exit: watch::channel(None).0,
+        }
+    }
+
+    /// Records that it ended with `status` now, unless its end is known already (the
+    /// first of its exit and a kill before it started stands).
+    pub fn record_exit(&self, status: u32) {
+        record_exit(&self.exit, status);
+    }
+
+    /// Its end, if known.
+    pub fn exited(&self) -> Exit {
+        self.exit.borrow().clone()
+    }
+}
+
+fn record_exit(exit: &watch::Sender<Exit>, status: u32) {
+    exit.send_if_modified(|e| {
+        let first = e.is_none();
+        if first {
+            *e = Some((status, Timestamp::now()));
+        }
+        first
+    });
+}
+
+/// `text` as one word of a shell command line.
+fn quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// The guest command that runs OCI process `process` on the root file system in slot
+/// 0, setting `hostname` first if given.
+pub fn oci_command(process: &Process, hostname: Option<&str>) -> Result<String, String> {
+    let args = process.args().as_ref().filter(|a| !a.is_empty());
+    let args = args.ok_or("the spec's process has no args")?;
+    let user = process.user();
+    let mut cmd = format!(
+        "exec forkvm-oci --slot 0 --cwd {} --user {}:{}",
+        quote(&process.cwd().display().to_string()),
+        user.uid(),
+        user.gid()
+    );
+    if let Some(h) = hostname {
+        cmd += &format!(" --hostname {}", quote(h));
+    }
+    for e in process.env().iter().flatten() {
+        cmd += &format!(" --env {}", quote(e));
+    }
+    cmd += " --";
+    for a in args {
+        cmd += " ";
+        cmd += &quote(a);
+    }
+    Ok(cmd)
+}
+
+/// How long the reader of a process's output has to take what was written, before its
+/// exit is reported anyway.
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// `f` with writes that wait for room again.
+fn blocking(f: File) -> std::io::Result<File> {
+    // SAFETY: F_SETFL on a descriptor `f` owns, with flags read from it just before.
+    let ok = unsafe {
+        let flags = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
+        flags >= 0 && libc::fcntl(f.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    match ok {
+        true => Ok(f),
+        false => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// One of containerd's FIFOs, opened for writing when the first output for it comes.
+struct Fifo {
+    path: String,
+    file: Option<File>,
+    broken: bool,
+}
+
+impl Fifo {
+    fn new(path: &str) -> Self {
+        Self {
+            path: path.into(),
+            file: None,
+            broken: path.is_empty(),
+        }
+    }
+
+    async fn write(&mut self, bytes: &[u8]) {
+        if self.broken {
+            return;
+        }
+        if self.file.is_none() {
+            // Without a reader (ctr run -d has gone) the open fails rather than waits,
+            // and what the process writes is dropped.
+            let open = tokio::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&self.path)
+                .await;
+            match open.and_then(blocking) {
+                Ok(f) => self.file = Some(f),
+                Err(e) => {
+                    log::warn!("{}: {e}", self.path);
+                    self.broken = true;
+                    return;
+                }
+            }
+        }
+        if let Some(f) = &mut self.file {
+            if let Err(e) = f.write_all(bytes).await {
+                // The reader went (ctr detached): what follows is dropped.
+                log::warn!("{}: {e}", self.path);
+                self.broken = true;
+            }
+        }
+    }
+
+    /// Waits until the FIFO's reader has taken all that was written (a client, `ctr`,
+    /// stops reading as soon as it learns of the exit, and what is still in the FIFO
+    /// then is lost), at most [`DRAIN`].
+    async fn drain(&self) {
+        let Some(f) = &self.file else { return };
+        let deadline = tokio::time::Instant::now() + DRAIN;
+        loop {
+            let mut unread: libc::c_int = 0;
+            // SAFETY: FIONREAD writes one int through the pointer, to a local that lives
+            // across the call; the descriptor is the open FIFO's.
+            let r = unsafe { libc::ioctl(f.as_raw_fd(), libc::FIONREAD, &mut unread) };
+            if r != 0 || unread == 0 || tokio::time::Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
+
+/// Forwards a started process's output to its FIFOs `stdout` and `stderr` as it comes,
+/// and records its end in `exit` once its readers have taken the output. A process
+/// whose agent connection fails ends with 255, the reason on its stderr.
+pub async fn forward(
+    mut output: AgentOutput,
+    stdout: String,
+    stderr: String,
+    exit: watch::Sender<Exit>,
+) {
+    let (mut out, mut err) = (Fifo::new(&stdout), Fifo::new(&stderr));
+    let status = loop {
+        match output.next().await {
+            Some(Ok(ProcessEvent::Stdout(b))) => out.write(&b).await,
+            Some(Ok(ProcessEvent::Stderr(b))) => err.write(&b).await,
+            Some(Ok(ProcessEvent::Exit(status))) => break status as u32,
+            Some(Err(e)) => {
+                err.write(format!("containerd-shim-forkvm: {e}\n").as_bytes())
+                    .await;
+                break 255;
+            }
+            None => break 255,
+        }
+    };
+    out.drain().await;
+    err.drain().await;
+    record_exit(&exit, status);
+}

@@ -59,7 +59,35 @@ pub fn request_head(command: &str, stdin: &[u8]) -> String {
     format!("{} {}\n", command.len(), stdin.len())
 }
 
-/// The first line of a streaming request (the command and its input follow).
+/// Why an argv cannot be a streaming request's command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ArgvError {
+    /// No words.
+    #[error("no program")]
+    Empty,
+    /// A word holds a NUL byte, which ends words in the request.
+    #[error("a word holds a NUL byte")]
+    Nul,
+}
+
+/// A streaming request's command: the program's words, each ended by a NUL byte.
+pub fn argv_command(argv: &[String]) -> Result<String, ArgvError> {
+    if argv.is_empty() {
+        return Err(ArgvError::Empty);
+    }
+    let mut command = String::new();
+    for word in argv {
+        if word.contains('\0') {
+            return Err(ArgvError::Nul);
+        }
+        command.push_str(word);
+        command.push('\0');
+    }
+    Ok(command)
+}
+
+/// The first line of a streaming request (the command, [`argv_command`], and its
+/// input follow).
 pub fn stream_request_head(command: &str, stdin: &[u8]) -> String {
     format!("{} {} stream\n", command.len(), stdin.len())
 }
@@ -138,6 +166,13 @@ mod tests {
             assert!(parse_answer_head(bad).is_err(), "{bad:?}");
         }
         assert_eq!(stream_request_head("ls", b""), "2 0 stream\n");
+        let argv = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            argv_command(&argv(&["ls", "-l", ""])),
+            Ok("ls\0-l\0\0".into())
+        );
+        assert_eq!(argv_command(&[]), Err(ArgvError::Empty));
+        assert_eq!(argv_command(&argv(&["a\0b"])), Err(ArgvError::Nul));
         assert_eq!(signal_line(15), "sig 15\n");
         assert_eq!(parse_frame_head("out 12\n"), Ok(Frame::Stdout(12)));
         assert_eq!(parse_frame_head("err 0"), Ok(Frame::Stderr(0)));

@@ -111,16 +111,17 @@ pub struct AgentControl {
 }
 
 impl AgentProcess {
-    /// Starts `command` with `stdin` through the agent on `port` (the vsock device's
-    /// host socket `vsock`).
+    /// Starts the program `argv` with `stdin` through the agent on `port` (the vsock
+    /// device's host socket `vsock`).
     pub(crate) async fn start(
         vsock: &Path,
         port: u32,
-        command: &str,
+        argv: &[String],
         stdin: &[u8],
     ) -> Result<Self, Error> {
-        let head = agent::stream_request_head(command, stdin);
-        let (read, write) = request(vsock, port, &head, command, stdin).await?;
+        let command = agent::argv_command(argv).map_err(|e| Error::Command(e.to_string()))?;
+        let head = agent::stream_request_head(&command, stdin);
+        let (read, write) = request(vsock, port, &head, &command, stdin).await?;
         Ok(Self {
             output: AgentOutput {
                 read,

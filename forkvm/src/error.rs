@@ -101,6 +101,9 @@ pub enum Error {
     /// outside its protocol.
     #[error("guest agent: {0}")]
     Agent(String),
+    /// A command for the guest agent that cannot be sent as it is.
+    #[error("the command cannot be run: {0}")]
+    Command(String),
     /// The VMM's process could not be watched or signalled (its pidfd).
     #[error("cannot watch the VMM's process: {0}")]
     Process(std::io::Error),
@@ -122,7 +125,7 @@ impl Error {
     /// Whose failure this is.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::Refused { .. } | Error::Unsupported(_) => ErrorKind::Caller,
+            Error::Refused { .. } | Error::Unsupported(_) | Error::Command(_) => ErrorKind::Caller,
             Error::Packages(e) if e.is_callers() => ErrorKind::Caller,
             Error::Invocation { .. } => ErrorKind::Guest,
             _ => ErrorKind::Host,

@@ -211,7 +211,9 @@ async fn build_image(
             "-O",
             "^has_journal",
             "-E",
-            "root_owner=0:0",
+            // Inode tables zeroed here: a guest that mounts the image writable would
+            // otherwise start a kernel thread that zeroes them, writing to its overlay.
+            "root_owner=0:0,lazy_itable_init=0",
             "-L",
             "forkvm-image",
         ])

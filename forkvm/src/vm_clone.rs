@@ -132,20 +132,22 @@ impl VmClone {
         }
     }
 
-    /// Starts `command` in the guest through its agent as [`VmClone::exec`] does, but
-    /// streaming: its stdout and stderr come apart and as they are written, it can be
-    /// sent signals, and it runs as long as it likes ([`AgentProcess`]). Only reaching
-    /// the agent is bounded by the call timeout.
+    /// Starts program `argv` in the guest through its agent (no shell: its first word
+    /// is looked up on the guest's `PATH`; `["sh", "-c", line]` for a shell), streaming:
+    /// its stdout and stderr come apart and as they are written, it can be sent
+    /// signals, and it runs as long as it likes ([`AgentProcess`]). Only reaching the
+    /// agent is bounded by the call timeout. An empty `argv`, or a word with a NUL
+    /// byte, is [`Error::Command`].
     #[tracing::instrument(level = "debug", name = "clone.spawn", skip_all, fields(id = self.id(), port = port))]
     pub async fn spawn(
         &self,
         port: u32,
-        command: &str,
+        argv: &[String],
         stdin: &[u8],
     ) -> Result<AgentProcess, Error> {
         let vsock = self.vsock().await?;
         let limit = self.ep.call_timeout;
-        match tokio::time::timeout(limit, AgentProcess::start(&vsock, port, command, stdin)).await {
+        match tokio::time::timeout(limit, AgentProcess::start(&vsock, port, argv, stdin)).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout {
                 what: "reaching the guest agent",

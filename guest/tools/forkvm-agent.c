@@ -21,7 +21,10 @@
  *          status is the exit code, 128+N when killed by signal N, 255 if it could not
  *          run. Output beyond 16 MiB is cut.
  * Streaming, when the head is "<cmdlen> <stdinlen> stream\n" (what the containerd shim
- * speaks): the command runs in a process group of its own, and the agent sends its
+ * speaks): the command is a program's argv, its words each ended by a NUL byte, run
+ * with no shell (its first word looked up on PATH; forkvm-oci runs in the agent's own
+ * forked process, forkvm-oci.h, with no exec of the tool), in a process group of its
+ * own, and the agent sends its
  * output as it comes, "out <len>\n" or "err <len>\n" and len bytes, then
  * "exit <status>\n" once the command has ended, and closes. What the command left
  * running in its group is killed then. Meanwhile the host may send "sig <N>\n": the
@@ -31,6 +34,7 @@
  * listening socket keeps working, so every clone answers on its own vsock socket.
  */
 #include "forkvm-adopt.h"
+#include "forkvm-oci.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -161,9 +165,37 @@ static int control(int conn, pid_t group)
     return 0;
 }
 
-/* Runs `cmd` in a group of its own with input `infd`, its stdout and stderr sent as
- * they come, then its exit status (the streaming protocol above). */
-static void serve_stream(int conn, const char *cmd, int infd)
+#define MAX_ARGS 4096
+
+/* Runs argv `words` (cmdlen bytes, each word ended by a NUL) with input `infd` as the
+ * process this is: forkvm-oci in it, anything else executed. Never returns. */
+static void run_argv(char *words, unsigned long cmdlen, int infd)
+{
+    static char *argv[MAX_ARGS + 1];
+    int argc = 0;
+    for (unsigned long i = 0; i < cmdlen && argc < MAX_ARGS; argc++) {
+        argv[argc] = words + i;
+        i += strlen(words + i) + 1;
+    }
+    argv[argc] = NULL;
+    dup2(infd, 0);
+    if (infd != 0)
+        close(infd);
+    if (argc == 0 || words[cmdlen - 1] != 0) {
+        fprintf(stderr, "forkvm-agent: the command is no NUL-ended argv\n");
+        _exit(255);
+    }
+    if (strcmp(argv[0], "forkvm-oci") == 0)
+        _exit(oci_main(argc, argv));
+    execvp(argv[0], argv);
+    int e = errno;
+    fprintf(stderr, "forkvm-agent: %s: %s\n", argv[0], strerror(e));
+    _exit(e == ENOENT ? 127 : 126);
+}
+
+/* Runs argv `cmd` in a group of its own with input `infd`, its stdout and stderr sent
+ * as they come, then its exit status (the streaming protocol above). */
+static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd)
 {
     int out[2], err[2];
     if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
@@ -173,11 +205,9 @@ static void serve_stream(int conn, const char *cmd, int infd)
     pid_t pid = fork();
     if (pid == 0) {
         setpgid(0, 0);
-        dup2(infd, 0);
         dup2(out[1], 1);
         dup2(err[1], 2);
-        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-        _exit(255);
+        run_argv(cmd, cmdlen, infd);
     }
     close(out[1]);
     close(err[1]);
@@ -252,7 +282,7 @@ static void serve(int conn)
         if (infd < 0)
             send_full(conn, "exit 255\n", 9);
         else
-            serve_stream(conn, cmd, infd);
+            serve_stream(conn, cmd, cmdlen, infd);
         return;
     }
     int pipefd[2];
@@ -262,6 +292,7 @@ static void serve(int conn)
         pid_t pid = fork();
         if (pid == 0) {
             dup2(infd, 0);
+            close(infd);
             dup2(pipefd[1], 1);
             dup2(pipefd[1], 2);
             close(pipefd[0]);

@@ -31,6 +31,14 @@ pub struct ShimConfig {
     pub dir: PathBuf,
     /// The most the images may take, in bytes (`FORKVM_SHIM_IMAGES_MIB`; 16 GiB).
     pub images_budget: u64,
+    /// Where the template VMs' vsock sockets go (`FORKVM_SHIM_RUN_DIR`; default
+    /// `/run/forkvm/shim`): not in the bundle, whose path (containerd's state, the
+    /// namespace, a 64-character id) can be longer than a socket's path may be.
+    pub run_dir: PathBuf,
+    /// Boot a template for each container instead of restoring the saved one
+    /// (`FORKVM_SHIM_BOOT_EACH=1`): what a runtime that boots a VM per container pays,
+    /// for comparison (`benches/containerd.py`).
+    pub boot_each: bool,
 }
 
 impl ShimConfig {
@@ -43,7 +51,19 @@ impl ShimConfig {
             initrd: var("FORKVM_SHIM_INITRD").unwrap_or_else(|| guest_file("initramfs.cpio")),
             dir: var("FORKVM_SHIM_DIR").unwrap_or_else(|| "/var/lib/forkvm/shim".into()),
             images_budget: mib.and_then(|m| m.parse::<u64>().ok()).unwrap_or(16 << 10) << 20,
+            run_dir: var("FORKVM_SHIM_RUN_DIR").unwrap_or_else(|| "/run/forkvm/shim".into()),
+            boot_each: std::env::var("FORKVM_SHIM_BOOT_EACH").is_ok_and(|v| v == "1"),
         }
+    }
+
+    /// The host socket of the vsock device of the template for the container whose
+    /// bundle is `bundle`: named by a hash of the bundle's path.
+    pub fn vsock(&self, bundle: &str) -> PathBuf {
+        let hex: String = Sha256::digest(bundle.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        self.run_dir.join(format!("{}.vsock", &hex[..24]))
     }
 
     /// Where the clones' overlays go.
@@ -100,6 +120,10 @@ fn dir_error(path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError + '_ {
 pub async fn template(cfg: &ShimConfig, vsock: &Path) -> Result<Template, TemplateError> {
     let overlays = cfg.overlays();
     std::fs::create_dir_all(&overlays).map_err(dir_error(&overlays))?;
+    std::fs::create_dir_all(&cfg.run_dir).map_err(dir_error(&cfg.run_dir))?;
+    if cfg.boot_each {
+        return Ok(Template::start(boot_spec(cfg, vsock)).await?);
+    }
     let mut spec = TemplateSpec::new("unused: the snapshot's guest runs");
     let snapshot = cfg.snapshot(&spec.vmm);
     if !snapshot.join("state").exists() {
@@ -126,10 +150,8 @@ pub async fn template(cfg: &ShimConfig, vsock: &Path) -> Result<Template, Templa
     Ok(Template::restore(&snapshot, spec).await?)
 }
 
-/// Boots the template and saves it at `snapshot`.
-async fn boot_and_save(cfg: &ShimConfig, snapshot: &Path) -> Result<(), TemplateError> {
-    log::info!("booting the template from {}", cfg.kernel.display());
-    let boot_vsock = cfg.dir.join("boot.vsock");
+/// The spec of a template booted with its vsock device's host socket at `vsock`.
+fn boot_spec(cfg: &ShimConfig, vsock: &Path) -> TemplateSpec {
     let mut spec = TemplateSpec::new(&cfg.kernel);
     spec.initrd = Some(cfg.initrd.clone());
     spec.cmdline = Some(CMDLINE.into());
@@ -139,13 +161,20 @@ async fn boot_and_save(cfg: &ShimConfig, snapshot: &Path) -> Result<(), Template
     spec.start_timeout = Duration::from_secs(600);
     spec.args = vec![
         "--vsock".into(),
-        boot_vsock.display().to_string(),
+        vsock.display().to_string(),
         "--disk-slots".into(),
         "1".into(),
         "--slot-cow-dir".into(),
         cfg.overlays().display().to_string(),
     ];
-    let t = Template::start(spec).await?;
+    spec
+}
+
+/// Boots the template and saves it at `snapshot`.
+async fn boot_and_save(cfg: &ShimConfig, snapshot: &Path) -> Result<(), TemplateError> {
+    log::info!("booting the template from {}", cfg.kernel.display());
+    let boot_vsock = cfg.dir.join("boot.vsock");
+    let t = Template::start(boot_spec(cfg, &boot_vsock)).await?;
     let tmp = cfg
         .dir
         .join(format!("template.saving-{}", std::process::id()));

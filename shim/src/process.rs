@@ -4,7 +4,7 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
 use forkvm::{AgentControl, AgentOutput, ProcessEvent};
@@ -18,8 +18,8 @@ pub type Exit = Option<(u32, Timestamp)>;
 
 /// One process of a container: its init (the spec's process) or one `exec` started.
 pub struct Proc {
-    /// What the guest runs for it.
-    pub command: String,
+    /// What the guest runs for it (an argv).
+    pub command: Vec<String>,
     /// containerd's FIFOs for its output (empty: none).
     pub stdout: String,
     pub stderr: String,
@@ -32,7 +32,7 @@ pub struct Proc {
 }
 
 impl Proc {
-    pub fn new(command: String, stdout: &str, stderr: &str) -> Self {
+    pub fn new(command: Vec<String>, stdout: &str, stderr: &str) -> Self {
         Self {
             command,
             stdout: stdout.into(),
@@ -65,35 +65,31 @@ fn record_exit(exit: &watch::Sender<Exit>, status: u32) {
     });
 }
 
-/// `text` as one word of a shell command line.
-fn quote(text: &str) -> String {
-    format!("'{}'", text.replace('\'', r"'\''"))
-}
-
-/// The guest command that runs OCI process `process` on the root file system in slot
-/// 0, setting `hostname` first if given.
-pub fn oci_command(process: &Process, hostname: Option<&str>) -> Result<String, String> {
+/// The guest argv that runs OCI process `process` on the root file system in slot 0
+/// (`forkvm-oci`, which the agent runs in its own process), setting `hostname` first if
+/// given.
+pub fn oci_command(process: &Process, hostname: Option<&str>) -> Result<Vec<String>, String> {
     let args = process.args().as_ref().filter(|a| !a.is_empty());
     let args = args.ok_or("the spec's process has no args")?;
     let user = process.user();
-    let mut cmd = format!(
-        "exec forkvm-oci --slot 0 --cwd {} --user {}:{}",
-        quote(&process.cwd().display().to_string()),
-        user.uid(),
-        user.gid()
-    );
+    let mut argv: Vec<String> = vec![
+        "forkvm-oci".into(),
+        "--slot".into(),
+        "0".into(),
+        "--cwd".into(),
+        process.cwd().display().to_string(),
+        "--user".into(),
+        format!("{}:{}", user.uid(), user.gid()),
+    ];
     if let Some(h) = hostname {
-        cmd += &format!(" --hostname {}", quote(h));
+        argv.extend(["--hostname".into(), h.to_string()]);
     }
     for e in process.env().iter().flatten() {
-        cmd += &format!(" --env {}", quote(e));
+        argv.extend(["--env".into(), e.clone()]);
     }
-    cmd += " --";
-    for a in args {
-        cmd += " ";
-        cmd += &quote(a);
-    }
-    Ok(cmd)
+    argv.push("--".into());
+    argv.extend(args.iter().cloned());
+    Ok(argv)
 }
 
 /// How long the reader of a process's output has to take what was written, before its
@@ -178,18 +174,23 @@ impl Fifo {
     }
 }
 
-/// Forwards a started process's output to its FIFOs `stdout` and `stderr` as it comes,
+/// Forwards a started process's output to its FIFOs `[stdout, stderr]` as it comes,
 /// and records its end in `exit` once its readers have taken the output. A process
-/// whose agent connection fails ends with 255, the reason on its stderr.
+/// whose agent connection fails ends with 255, the reason on its stderr. The log says
+/// when (after `since`) `label`'s first output came and when it ended.
 pub async fn forward(
     mut output: AgentOutput,
-    stdout: String,
-    stderr: String,
+    [stdout, stderr]: [String; 2],
     exit: watch::Sender<Exit>,
+    label: &str,
+    since: Instant,
 ) {
     let (mut out, mut err) = (Fifo::new(&stdout), Fifo::new(&stderr));
+    let mut first = None;
     let status = loop {
-        match output.next().await {
+        let event = output.next().await;
+        first.get_or_insert_with(|| since.elapsed());
+        match event {
             Some(Ok(ProcessEvent::Stdout(b))) => out.write(&b).await,
             Some(Ok(ProcessEvent::Stderr(b))) => err.write(&b).await,
             Some(Ok(ProcessEvent::Exit(status))) => break status as u32,
@@ -203,5 +204,10 @@ pub async fn forward(
     };
     out.drain().await;
     err.drain().await;
+    log::info!(
+        "{label}: started: first output {:.1} ms, exit {:.1} ms, status {status}",
+        first.unwrap_or_default().as_secs_f64() * 1e3,
+        since.elapsed().as_secs_f64() * 1e3
+    );
     record_exit(&exit, status);
 }

@@ -3,8 +3,9 @@
 //! status (wait), stopped with its clone (kill), and nothing left (delete).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 use async_trait::async_trait;
 use containerd_shim::asynchronous::{spawn, ExitSignal, Shim};
@@ -115,6 +116,7 @@ impl Service {
         let process = spec.process().as_ref().ok_or("the spec has no process")?;
         let command = oci_command(process, spec.hostname().as_deref())?;
         let rootfs = bundle.join("rootfs");
+        let t0 = Instant::now();
         for m in &req.rootfs {
             mount_rootfs(Some(&m.type_), Some(&m.source), &m.options, &rootfs)
                 .map_err(|e| format!("cannot mount the root file system: {e}"))?;
@@ -125,10 +127,12 @@ impl Service {
         if !req.rootfs.is_empty() {
             let _ = umount_recursive(rootfs.to_str(), 0);
         }
-        let (image, _) = built.map_err(|e| format!("the root file system's image: {e}"))?;
-        let template = config::template(&self.cfg, &bundle.join("vm.vsock"))
+        let (image, made) = built.map_err(|e| format!("the root file system's image: {e}"))?;
+        let t1 = Instant::now();
+        let template = config::template(&self.cfg, &self.cfg.vsock(&req.bundle))
             .await
             .map_err(|e| format!("the template: {e}"))?;
+        let t2 = Instant::now();
         let request = CreateClones {
             media: vec![InsertMedium {
                 slot: 0,
@@ -141,6 +145,14 @@ impl Service {
             .map_err(|e| format!("the container's clone: {e}"))?
             .pop()
             .ok_or("no clone was made")?;
+        let ms = |from: Instant, to: Instant| (to - from).as_secs_f64() * 1e3;
+        log::info!(
+            "{}: created: image {:.1} ms (built: {made}), template {:.1} ms, clone {:.1} ms",
+            req.id,
+            ms(t0, t1),
+            ms(t1, t2),
+            ms(t2, Instant::now())
+        );
         Ok(Container {
             bundle: req.bundle.clone(),
             pid: clone.pid(),
@@ -259,6 +271,7 @@ impl Task for Service {
             let (out, err) = (p.stdout.clone(), p.stderr.clone());
             (clone, p.command.clone(), out, err, p.exit.clone(), pid)
         };
+        let since = Instant::now();
         let started = clone.spawn(AGENT_PORT, &command, b"").await;
         let process = match started {
             Ok(p) => p,
@@ -285,8 +298,8 @@ impl Task for Service {
         let service = self.clone();
         let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
         tokio::spawn(async move {
-            process::forward(process.output, stdout, stderr, exit).await;
-            log::info!("{id} {exec_id:?}: ended");
+            let label = format!("{id} {exec_id:?}");
+            process::forward(process.output, [stdout, stderr], exit, &label, since).await;
             if exec_id.is_empty() {
                 // The container ends with its init: its other processes go too.
                 service.kill_execs(&id).await;
@@ -449,7 +462,7 @@ impl Task for Service {
         if let Some(t) = c.template.take() {
             let _ = t.shutdown().await;
         }
-        let _ = std::fs::remove_file(PathBuf::from(&c.bundle).join("vm.vsock"));
+        let _ = std::fs::remove_file(self.cfg.vsock(&c.bundle));
         let (code, at) = c.init.exited().unwrap_or((137, Timestamp::now()));
         Ok(api::DeleteResponse {
             pid: c.pid,

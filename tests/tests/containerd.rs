@@ -280,7 +280,10 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
         c.log()
     );
     assert!(out.contains("motd") || out.contains("etc"), "{out}");
-    let (code, out, err) = c.run("three", &[], &["nosuch"]);
+    // An id as long as Kubernetes gives (64 characters): the bundle's path is then
+    // longer than a socket's may be, and the shim keeps its sockets elsewhere.
+    let long_id = "3".repeat(64);
+    let (code, out, err) = c.run(&long_id, &[], &["nosuch"]);
     assert_eq!(code, 127, "{out}{err}");
     assert!(
         err.contains("forkvm-oci: nosuch: No such file"),

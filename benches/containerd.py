@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""forkvm as a containerd runtime (docs/containerd.md), side by side in one run with
+Debian's runc (no VM: the floor) and a VM booted per container with the same kernel and
+agent (the shim with FORKVM_SHIM_BOOT_EACH=1: what a runtime that boots a VM per
+container pays on this host).
+
+Each row is `ctr run --rm` of a busybox image (an OCI archive this script builds from
+Debian's static busybox) running `echo ready`, timed from the start of `ctr` to the
+first line of the container's output and to ctr's exit. The forkvm and runc rows
+alternate run by run against one containerd the script starts (its own root, state and
+socket, the CRI plugin off); the boot row has a containerd of its own and fewer runs.
+
+Then:
+- --concurrent containers started at once (forkvm and runc): each one's first line,
+  and the time until all have exited;
+- memory per running container: --memory-containers containers that print a line and
+  sleep, the PSS of everything the runtime runs for them (the shims and their
+  descendants: for forkvm the template's VMM and the clone's, for runc the container's
+  processes), divided by their number;
+- where forkvm's time goes: the shim's log (image, template restore, clone at create;
+  the first output after the agent is asked to start the process, which is the guest's
+  work: forkvm-oci's mounts, chroot and exec in the guest kernel).
+
+Needs root, containerd, ctr and runc (scripts/install-deps.sh test), the release
+binaries (cargo build --release --workspace --bins) and the guest (make guest).
+
+usage: benches/containerd.py [--runs N] [--boot-runs N] [--concurrent N]
+                             [--memory-containers N] [--dir DIR]
+"""
+import argparse
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+
+from clone import pct
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGE = "docker.io/forkvm/bench-busybox:1"
+NAMESPACE = "forkvm-bench"
+FORKVM = "io.containerd.forkvm.v2"
+RUNC = "io.containerd.runc.v2"
+
+
+def digest(b):
+    return "sha256:" + hashlib.sha256(b).hexdigest()
+
+
+def busybox_archive(path):
+    """An OCI archive of one layer: /bin/busybox (Debian's static one) and its applets."""
+    def add(t, name, data=b"", mode=0o644, kind=tarfile.REGTYPE, link=""):
+        info = tarfile.TarInfo(name)
+        info.type, info.mode, info.mtime, info.linkname = kind, mode, 1_700_000_000, link
+        info.size = len(data)
+        t.addfile(info, io.BytesIO(data) if data else None)
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w", format=tarfile.USTAR_FORMAT) as t:
+        for d, mode in [("bin", 0o755), ("dev", 0o755), ("etc", 0o755), ("proc", 0o755),
+                        ("sys", 0o755), ("tmp", 0o1777)]:
+            add(t, d, mode=mode, kind=tarfile.DIRTYPE)
+        add(t, "bin/busybox", open("/bin/busybox", "rb").read(), 0o755)
+        for a in ["sh", "echo", "sleep", "cat"]:
+            add(t, "bin/" + a, mode=0o777, kind=tarfile.SYMTYPE, link="busybox")
+    layer = layer.getvalue()
+    config = json.dumps({
+        "architecture": "amd64", "os": "linux",
+        "config": {"Cmd": ["sh"], "Env": ["PATH=/bin"]},
+        "rootfs": {"type": "layers", "diff_ids": [digest(layer)]},
+    }).encode()
+    manifest = json.dumps({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": digest(config), "size": len(config)},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
+                    "digest": digest(layer), "size": len(layer)}],
+    }).encode()
+    index = json.dumps({
+        "schemaVersion": 2,
+        "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                       "digest": digest(manifest), "size": len(manifest),
+                       "annotations": {"io.containerd.image.name": IMAGE,
+                                       "org.opencontainers.image.ref.name": "1"}}],
+    }).encode()
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        add(t, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
+        add(t, "index.json", index)
+        for blob in [layer, config, manifest]:
+            add(t, "blobs/sha256/" + digest(blob)[7:], blob)
+
+
+class Containerd:
+    """A containerd of the bench's own in `tmp`, with the shim on its PATH."""
+
+    def __init__(self, tmp, name, shim_dir, env_extra):
+        self.dir = os.path.join(tmp, name)
+        os.makedirs(self.dir)
+        self.sock = os.path.join(self.dir, "containerd.sock")
+        self.log_path = os.path.join(self.dir, "containerd.log")
+        cfg = os.path.join(self.dir, "config.toml")
+        with open(cfg, "w") as f:
+            f.write(f'version = 2\nroot = "{self.dir}/root"\nstate = "{self.dir}/state"\n'
+                    'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+                    f'[grpc]\n  address = "{self.sock}"\n'
+                    f'[ttrpc]\n  address = "{self.sock}.ttrpc"\n')
+        guest = os.path.join(REPO, "target", "guest")
+        env = dict(os.environ)
+        env.update({
+            "PATH": os.path.join(REPO, "target", "release") + ":" + env.get("PATH", ""),
+            "FORKVM_SHIM_KERNEL": os.path.join(guest, "vmlinux"),
+            "FORKVM_SHIM_INITRD": os.path.join(guest, "initramfs.cpio"),
+            "FORKVM_SHIM_DIR": shim_dir,
+        })
+        env.update(env_extra)
+        self.p = subprocess.Popen(["containerd", "--config", cfg], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=open(self.log_path, "w"))
+        deadline = time.time() + 30
+        while self.ctr("version").returncode != 0:
+            if time.time() > deadline:
+                sys.exit("containerd did not serve:\n" + self.log())
+            time.sleep(0.1)
+
+    def log(self):
+        return open(self.log_path).read()
+
+    def argv(self, *args):
+        return ["ctr", "--address", self.sock, "--namespace", NAMESPACE, *args]
+
+    def ctr(self, *args):
+        return subprocess.run(self.argv(*args), capture_output=True, text=True)
+
+    def stop(self):
+        self.p.terminate()
+        try:
+            self.p.wait(20)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def run_once(c, runtime, cid, script="echo ready"):
+    """`ctr run --rm` to the first line and to the exit, in ms."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(c.argv("run", "--rm", "--runtime", runtime, IMAGE, cid,
+                                "sh", "-c", script),
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    line = p.stdout.readline()
+    t1 = time.perf_counter()
+    rest, err = p.communicate()
+    t2 = time.perf_counter()
+    if p.returncode != 0 or line != b"ready\n":
+        sys.exit(f"{runtime} {cid}: status {p.returncode}, output {line + rest!r}, "
+                 f"{err.decode()}\n{c.log()[-3000:]}")
+    return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+
+def stats(xs):
+    return f"{min(xs):.0f} / {statistics.median(xs):.0f} / {pct(xs, 0.99):.0f}"
+
+
+def head(*cols):
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
+
+
+def concurrent(c, runtime, n, tag):
+    """n containers started at once: each one's first line (ms) and the wall until all
+    exited (ms)."""
+    firsts, errors = [], []
+
+    def one(i):
+        try:
+            firsts.append(run_once(c, runtime, f"{tag}-{i}")[0])
+        except SystemExit as e:
+            errors.append(str(e))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = (time.perf_counter() - t0) * 1e3
+    if errors:
+        sys.exit(errors[0])
+    return firsts, wall
+
+
+def tree_pss_kib(roots):
+    """PSS (KiB) of processes `roots` and all their descendants."""
+    children = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(pid))
+    total, todo = 0, list(roots)
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            for line in open(f"/proc/{pid}/smaps_rollup"):
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def shims_of(c, binary):
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if binary in cmd and c.sock in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+def memory(c, runtime, binary, n, tag):
+    """PSS per running container (MiB): n containers that print a line and sleep."""
+    procs = []
+    for i in range(n):
+        p = subprocess.Popen(c.argv("run", "--rm", "--runtime", runtime, IMAGE, f"{tag}-{i}",
+                                    "sh", "-c", "echo ready; sleep 600"),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+        if p.stdout.readline() != b"ready\n":
+            sys.exit(f"{runtime}: a sleeping container did not start\n{c.log()[-3000:]}")
+        procs.append(p)
+    time.sleep(1)
+    shims = shims_of(c, binary)
+    pss = tree_pss_kib(shims) / 1024 / n
+    for i in range(n):
+        c.ctr("task", "kill", "-s", "SIGKILL", f"{tag}-{i}")
+    for p in procs:
+        p.wait(60)
+    return pss, len(shims)
+
+
+def shim_phases(log):
+    """The forkvm shim's own account, from containerd's log: ms of image, template,
+    clone (create) and first output, exit (start)."""
+    created = re.findall(r"created: image ([\d.]+) ms \(built: \w+\), template ([\d.]+) ms, "
+                         r"clone ([\d.]+) ms", log)
+    started = re.findall(r"started: first output ([\d.]+) ms, exit ([\d.]+) ms", log)
+    return ([tuple(map(float, x)) for x in created], [tuple(map(float, x)) for x in started])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--boot-runs", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=20)
+    ap.add_argument("--memory-containers", type=int, default=5)
+    ap.add_argument("--dir", default="/var/tmp/forkvm-bench-shim",
+                    help="the shim's directory (its saved template is kept between runs)")
+    a = ap.parse_args()
+    for tool in ["containerd", "ctr", "runc"]:
+        if not shutil.which(tool):
+            sys.exit(f"{tool} is not installed (scripts/install-deps.sh test)")
+    shim = os.path.join(REPO, "target", "release", "containerd-shim-forkvm-v2")
+    if not os.path.exists(shim):
+        sys.exit("no release shim: cargo build --release --workspace --bins")
+    tmp = tempfile.mkdtemp(prefix="forkvm-bench-containerd-")
+    started = []
+    try:
+        archive = os.path.join(tmp, "busybox.tar")
+        busybox_archive(archive)
+        c = Containerd(tmp, "main", a.dir, {})
+        started.append(c)
+        imp = c.ctr("image", "import", archive)
+        if imp.returncode != 0:
+            sys.exit(imp.stderr)
+        # Warm-up, not counted: the shim's template is booted and saved if it is not.
+        for runtime in [FORKVM, RUNC]:
+            run_once(c, runtime, "warmup-" + runtime.split(".")[2])
+        skip = len(shim_phases(c.log())[0])
+        rows = {FORKVM: [], RUNC: []}
+        for i in range(a.runs):
+            for runtime in ([FORKVM, RUNC] if i % 2 == 0 else [RUNC, FORKVM]):
+                rows[runtime].append(run_once(c, runtime, f"r{i}-{runtime.split('.')[2]}"))
+        created, began = shim_phases(c.log())
+        created, began = created[skip:], began[skip:]
+
+        b = Containerd(tmp, "boot", a.dir, {"FORKVM_SHIM_BOOT_EACH": "1"})
+        started.append(b)
+        imp = b.ctr("image", "import", archive)
+        if imp.returncode != 0:
+            sys.exit(imp.stderr)
+        boot = [run_once(b, FORKVM, f"boot{i}") for i in range(a.boot_runs)]
+        b.stop()
+        started.remove(b)
+
+        print(f"\n`ctr run --rm IMAGE ID sh -c 'echo ready'`, ms, min / median / p99 "
+              f"({a.runs} runs each, forkvm and runc alternating; {a.boot_runs} boot runs):\n")
+        head("runtime", "to the first line", "to ctr's exit", "median first line / forkvm's")
+        med = statistics.median([x[0] for x in rows[FORKVM]])
+        for label, xs in [("forkvm (a clone of the saved template)", rows[FORKVM]),
+                          ("runc (no VM)", rows[RUNC]),
+                          ("a VM booted per container (forkvm's shim, FORKVM_SHIM_BOOT_EACH=1)",
+                           boot)]:
+            first = [x[0] for x in xs]
+            print(f"| {label} | {stats(first)} | {stats([x[1] for x in xs])} | "
+                  f"{statistics.median(first) / med:.2f}x |")
+
+        print("\nforkvm's shim's own account of those runs, ms (min / median / p99):\n")
+        head("phase", "ms")
+        for i, name in enumerate(["image (cached: the snapshotter's mounts, the key)",
+                                  "template (restored from its snapshot)", "clone"]):
+            print(f"| create: {name} | {stats([x[i] for x in created])} |")
+        print(f"| start: agent asked to its first output (the guest: forkvm-oci's mounts, "
+              f"exec) | {stats([x[0] for x in began])} |")
+        print(f"| start: to the exit | {stats([x[1] for x in began])} |")
+
+        print(f"\n{a.concurrent} containers started at once, ms:\n")
+        head("runtime", "first line min / median / p99", "all exited")
+        for runtime in [FORKVM, RUNC]:
+            firsts, wall = concurrent(c, runtime, a.concurrent, "c-" + runtime.split(".")[2])
+            print(f"| {runtime} | {stats(firsts)} | {wall:.0f} |")
+
+        print(f"\nmemory per running container ({a.memory_containers} running), PSS of the "
+              "runtime's processes for them:\n")
+        head("runtime", "MiB per container", "shim processes")
+        for runtime, binary in [(FORKVM, "containerd-shim-forkvm-v2"),
+                                (RUNC, "containerd-shim-runc-v2")]:
+            pss, n = memory(c, runtime, binary, a.memory_containers, "m-" + runtime.split(".")[2])
+            print(f"| {runtime} | {pss:.1f} | {n} |")
+    finally:
+        for c in started:
+            c.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+/*
+ * forkvm-oci.h: forkvm-oci's work as one function, oci_main(), for the tool
+ * (forkvm-oci.c) and for forkvm-agent, which runs it in the process it forked for a
+ * streamed command whose first word is forkvm-oci, without executing the tool (an exec
+ * costs a few hundred milliseconds in the PVM host's emulated guest kernel).
+ *
+ * forkvm-oci: runs a container's process in this VM, on a root file system in a disk
+ * slot (the in-guest half of running OCI containers in clones; docs/guest-abi.md).
+ *
+ *   forkvm-oci [--slot N] [--readonly] [--timeout-s S] [--hostname NAME] [--cwd DIR]
+ *              [--user UID:GID] [--env NAME=VALUE]... -- PROGRAM [ARG]...
+ *
+ * Waits up to S seconds (default 30) for disk slot N's medium (default slot 0; the
+ * device whose serial is forkvm-slotN) to show its capacity, mounts its ext4 file
+ * system at /run/forkvm/rootfs<N> (noatime; read-write unless --readonly; already mounted, by an
+ * earlier forkvm-oci of the same container, it is used as it is), and in it proc,
+ * sysfs (read-only) and the guest's /dev (a bind mount); sets the hostname; changes
+ * root into it; drops to UID:GID (default 0:0) with no supplementary groups; replaces
+ * the environment with the --env values (PATH, unless given, the OCI default); changes
+ * to DIR (default /); and executes PROGRAM, looked up on that PATH. Its exit status is
+ * forkvm-oci's. A failure before the exec prints "forkvm-oci: WHAT: WHY" and exits 125;
+ * a PROGRAM that is not found exits 127, one that cannot be executed 126 (as a shell).
+ */
+#ifndef FORKVM_OCI_H
+#define FORKVM_OCI_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <dirent.h>
+#include <errno.h>
+#include <grp.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define OCI_DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#define OCI_MAX_ENV 256
+
+static void oci_fail(const char *what, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "forkvm-oci: %s: ", what);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(125);
+}
+
+static void oci_usage(void)
+{
+    fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--timeout-s S] "
+                    "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
+                    "-- PROGRAM [ARG]...\n");
+    exit(125);
+}
+
+/* The first line of file `path` into `buf` (newline removed); -1 if unreadable. */
+static int oci_read_line(const char *path, char *buf, size_t len)
+{
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return -1;
+    char *got = fgets(buf, (int)len, f);
+    fclose(f);
+    if (!got)
+        return -1;
+    buf[strcspn(buf, "\n")] = 0;
+    return 0;
+}
+
+/* The block device (name in /sys/block) whose serial is forkvm-slot<slot>. */
+static int oci_find_slot(int slot, char *dev, size_t len)
+{
+    char want[32], path[PATH_MAX], serial[64];
+    snprintf(want, sizeof want, "forkvm-slot%d", slot);
+    DIR *d = opendir("/sys/block");
+    if (!d)
+        oci_fail("/sys/block", "%s", strerror(errno));
+    struct dirent *e;
+    int found = -1;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.')
+            continue;
+        snprintf(path, sizeof path, "/sys/block/%s/serial", e->d_name);
+        if (oci_read_line(path, serial, sizeof serial) == 0 && strcmp(serial, want) == 0) {
+            snprintf(dev, len, "%s", e->d_name);
+            found = 0;
+            break;
+        }
+    }
+    closedir(d);
+    return found;
+}
+
+/* Mounts `source` on `target` unless that is done already (EBUSY). */
+static void oci_mount_once(const char *source, const char *target, const char *type,
+                       unsigned long flags)
+{
+    if (mkdir(target, 0755) != 0 && errno != EEXIST)
+        oci_fail(target, "cannot make the mount point: %s", strerror(errno));
+    if (mount(source, target, type, flags, NULL) != 0 && errno != EBUSY)
+        oci_fail(target, "cannot mount %s: %s", source, strerror(errno));
+}
+
+static int oci_main(int argc, char **argv)
+{
+    int slot = 0, readonly = 0, timeout_s = 30, nenv = 0, have_path = 0;
+    const char *hostname = NULL, *cwd = "/";
+    unsigned long uid = 0, gid = 0;
+    char *env[OCI_MAX_ENV + 2];
+    int i = 1;
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--") == 0) {
+            i++;
+            break;
+        } else if (strcmp(a, "--readonly") == 0) {
+            readonly = 1;
+            continue;
+        }
+        if (!v)
+            oci_usage();
+        i++;
+        char *end;
+        if (strcmp(a, "--slot") == 0) {
+            slot = (int)strtol(v, &end, 10);
+            if (*end || slot < 0 || slot > 7)
+                oci_fail("--slot", "%s is no disk slot (0 to 7)", v);
+        } else if (strcmp(a, "--timeout-s") == 0) {
+            timeout_s = (int)strtol(v, &end, 10);
+            if (*end || timeout_s < 0)
+                oci_fail("--timeout-s", "%s is no number of seconds", v);
+        } else if (strcmp(a, "--hostname") == 0) {
+            hostname = v;
+        } else if (strcmp(a, "--cwd") == 0) {
+            cwd = v;
+        } else if (strcmp(a, "--user") == 0) {
+            uid = strtoul(v, &end, 10);
+            if (*end != ':' || end == v)
+                oci_fail("--user", "%s is not UID:GID", v);
+            const char *g = end + 1;
+            gid = strtoul(g, &end, 10);
+            if (*end || end == g)
+                oci_fail("--user", "%s is not UID:GID", v);
+        } else if (strcmp(a, "--env") == 0) {
+            if (!strchr(v, '=') || v[0] == '=')
+                oci_fail("--env", "%s is not NAME=VALUE", v);
+            if (nenv == OCI_MAX_ENV)
+                oci_fail("--env", "more than %d variables", OCI_MAX_ENV);
+            have_path |= strncmp(v, "PATH=", 5) == 0;
+            env[nenv++] = (char *)v;
+        } else {
+            oci_usage();
+        }
+    }
+    if (i >= argc)
+        oci_usage();
+    if (!have_path)
+        env[nenv++] = "PATH=" OCI_DEFAULT_PATH;
+    env[nenv] = NULL;
+
+    /* The slot's device, once the guest's driver has read the medium's capacity. */
+    char dev[NAME_MAX + 1], path[PATH_MAX], size[32];
+    if (oci_find_slot(slot, dev, sizeof dev) != 0)
+        oci_fail("disk slot", "the VM has no disk slot %d (vmm run --disk-slots)", slot);
+    snprintf(path, sizeof path, "/sys/block/%s/size", dev);
+    for (int waited_ms = 0;; waited_ms += 10) {
+        if (oci_read_line(path, size, sizeof size) == 0 && strtoull(size, NULL, 10) > 0)
+            break;
+        if (waited_ms >= timeout_s * 1000)
+            oci_fail("disk slot", "slot %d is empty after %d s (insert the root file system "
+                              "with the clone request: media)", slot, timeout_s);
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+
+    char root[64], device[NAME_MAX + 8], sub[PATH_MAX];
+    if (mkdir("/run/forkvm", 0755) != 0 && errno != EEXIST)
+        oci_fail("/run/forkvm", "%s", strerror(errno));
+    snprintf(root, sizeof root, "/run/forkvm/rootfs%d", slot);
+    snprintf(device, sizeof device, "/dev/%s", dev);
+    oci_mount_once(device, root, "ext4", MS_NOATIME | (readonly ? MS_RDONLY : 0));
+    snprintf(sub, sizeof sub, "%s/proc/self", root);
+    if (access(sub, F_OK) != 0) {
+        snprintf(sub, sizeof sub, "%s/proc", root);
+        oci_mount_once("proc", sub, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC);
+        snprintf(sub, sizeof sub, "%s/sys", root);
+        oci_mount_once("sysfs", sub, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC);
+        snprintf(sub, sizeof sub, "%s/dev", root);
+        oci_mount_once("/dev", sub, NULL, MS_BIND | MS_REC);
+    }
+    if (hostname && sethostname(hostname, strlen(hostname)) != 0)
+        oci_fail("hostname", "%s", strerror(errno));
+    if (chdir(root) != 0 || chroot(".") != 0 || chdir("/") != 0)
+        oci_fail("chroot", "%s: %s", root, strerror(errno));
+    if (setgroups(0, NULL) != 0 || setgid((gid_t)gid) != 0 || setuid((uid_t)uid) != 0)
+        oci_fail("user", "%lu:%lu: %s", uid, gid, strerror(errno));
+    if (chdir(cwd) != 0)
+        oci_fail("cwd", "%s: %s", cwd, strerror(errno));
+    if (clearenv() != 0)
+        oci_fail("env", "cannot clear the environment");
+    for (int k = 0; env[k]; k++)
+        if (putenv(env[k]) != 0)
+            oci_fail("env", "%s: %s", env[k], strerror(errno));
+    execvp(argv[i], &argv[i]);
+    int e = errno;
+    fprintf(stderr, "forkvm-oci: %s: %s\n", argv[i], strerror(e));
+    return e == ENOENT ? 127 : 126;
+}
+
+#endif

@@ -260,8 +260,8 @@ def memory(c, runtime, binary, n, tag):
 def shim_phases(log):
     """The forkvm shim's own account, from containerd's log: ms of image, template,
     clone (create) and first output, exit (start)."""
-    created = re.findall(r"created: image ([\d.]+) ms \(built: \w+\), template ([\d.]+) ms, "
-                         r"clone ([\d.]+) ms", log)
+    created = re.findall(r"created: image ([\d.]+) ms \(built: \w+\), template ([\d.]+) ms "
+                         r"\(the image's: \w+\), clone ([\d.]+) ms", log)
     started = re.findall(r"started: first output ([\d.]+) ms, exit ([\d.]+) ms", log)
     return ([tuple(map(float, x)) for x in created], [tuple(map(float, x)) for x in started])
 
@@ -272,6 +272,7 @@ def main():
     ap.add_argument("--boot-runs", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=20)
     ap.add_argument("--memory-containers", type=int, default=5)
+    ap.add_argument("--log", help="append containerd's logs (the shim's lines among them) here")
     ap.add_argument("--dir", default="/var/tmp/forkvm-bench-shim",
                     help="the shim's directory (its saved template is kept between runs)")
     a = ap.parse_args()
@@ -309,7 +310,6 @@ def main():
             sys.exit(imp.stderr)
         boot = [run_once(b, FORKVM, f"boot{i}") for i in range(a.boot_runs)]
         b.stop()
-        started.remove(b)
 
         print(f"\n`ctr run --rm IMAGE ID sh -c 'echo ready'`, ms, min / median / p99 "
               f"({a.runs} runs each, forkvm and runc alternating; {a.boot_runs} boot runs):\n")
@@ -319,6 +319,8 @@ def main():
                           ("runc (no VM)", rows[RUNC]),
                           ("a VM booted per container (forkvm's shim, FORKVM_SHIM_BOOT_EACH=1)",
                            boot)]:
+            if not xs:
+                continue
             first = [x[0] for x in xs]
             print(f"| {label} | {stats(first)} | {stats([x[1] for x in xs])} | "
                   f"{statistics.median(first) / med:.2f}x |")
@@ -326,7 +328,7 @@ def main():
         print("\nforkvm's shim's own account of those runs, ms (min / median / p99):\n")
         head("phase", "ms")
         for i, name in enumerate(["image (cached: the snapshotter's mounts, the key)",
-                                  "template (restored from its snapshot)", "clone"]):
+                                  "template (the image's, restored from its snapshot)", "clone"]):
             print(f"| create: {name} | {stats([x[i] for x in created])} |")
         print(f"| start: agent asked to its first output (the guest: forkvm-oci's mounts, "
               f"exec) | {stats([x[0] for x in began])} |")
@@ -348,6 +350,12 @@ def main():
     finally:
         for c in started:
             c.stop()
+        if a.log:
+            with open(a.log, "a") as f:
+                for name in ["main", "boot"]:
+                    path = os.path.join(tmp, name, "containerd.log")
+                    if os.path.exists(path):
+                        f.write(open(path).read())
         shutil.rmtree(tmp, ignore_errors=True)
 
 

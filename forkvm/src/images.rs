@@ -167,7 +167,7 @@ impl ImageCache {
                     .strip_suffix(".ext4")?
                     .to_string();
                 let meta = e.metadata().ok()?;
-                Some((meta.modified().ok()?, meta.len(), key, path))
+                Some((meta.accessed().ok()?, meta.len(), key, path))
             })
             .collect();
         let mut total: u64 = images.iter().map(|i| i.1).sum();
@@ -251,9 +251,12 @@ fn tree_size(dir: &Path) -> std::io::Result<(u64, u64)> {
     Ok((bytes, files))
 }
 
-/// Marks `path` used now (its modification time orders eviction).
+/// Marks `path` used now: its access time orders eviction. Not its modification time,
+/// which a snapshot of a VM with the image in a slot records as the image's version
+/// (a restore refuses an image modified since).
 fn touch(path: &Path) {
-    if let Ok(f) = std::fs::File::options().write(true).open(path) {
-        let _ = f.set_modified(std::time::SystemTime::now());
+    if let Ok(f) = std::fs::File::open(path) {
+        let times = std::fs::FileTimes::new().set_accessed(std::time::SystemTime::now());
+        let _ = f.set_times(times);
     }
 }

@@ -156,6 +156,12 @@ impl VmClone {
         }
     }
 
+    /// Writes a snapshot of the clone to `dir` (`PUT /snapshot`, as
+    /// [`Template::snapshot`]): it must be paused ([`VmClone::pause`]).
+    pub async fn snapshot(&self, dir: impl AsRef<Path>) -> Result<api_types::SnapshotInfo, Error> {
+        self.ep.snapshot(dir.as_ref()).await
+    }
+
     /// Pauses its vCPUs (`PATCH /vm` paused); its devices' host sides stay up.
     pub async fn pause(&self) -> Result<(), Error> {
         self.ep.set_state(true).await

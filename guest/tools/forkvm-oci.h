@@ -20,6 +20,9 @@
  * to DIR (default /); and executes PROGRAM, looked up on that PATH. Its exit status is
  * forkvm-oci's. A failure before the exec prints "forkvm-oci: WHAT: WHY" and exits 125;
  * a PROGRAM that is not found exits 127, one that cannot be executed 126 (as a shell).
+ * With --prepare it stops after the mounts: it reads PROGRAM (found on PATH in the root
+ * file system) and its interpreter into the page cache and exits 0, so that a snapshot
+ * of this VM has the root file system mounted and the program warm for its clones.
  */
 #ifndef FORKVM_OCI_H
 #define FORKVM_OCI_H
@@ -28,6 +31,8 @@
 #define _GNU_SOURCE
 #endif
 #include <dirent.h>
+#include <elf.h>
+#include <fcntl.h>
 #include <errno.h>
 #include <grp.h>
 #include <limits.h>
@@ -56,7 +61,7 @@ static void oci_fail(const char *what, const char *fmt, ...)
 
 static void oci_usage(void)
 {
-    fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--timeout-s S] "
+    fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--prepare] [--timeout-s S] "
                     "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
                     "-- PROGRAM [ARG]...\n");
     exit(125);
@@ -110,9 +115,83 @@ static void oci_mount_once(const char *source, const char *target, const char *t
         oci_fail(target, "cannot mount %s: %s", source, strerror(errno));
 }
 
+/* Reads file `path` to its end (into the page cache); returns its first bytes in
+ * `head` (len bytes at most) and how many, or -1 if unreadable. */
+static ssize_t oci_read_all(const char *path, char *head, size_t len)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    static char buf[1 << 16];
+    ssize_t first = -1, n;
+    while ((n = read(fd, buf, sizeof buf)) > 0) {
+        if (first < 0) {
+            first = n < (ssize_t)len ? n : (ssize_t)len;
+            for (ssize_t k = 0; k < first; k++)
+                head[k] = buf[k];
+        }
+    }
+    close(fd);
+    return first < 0 ? 0 : first;
+}
+
+/* Warms the guest's page cache with program `prog` as the root file system at `root`
+ * would run it: the file PATH (from `env`) finds, and its interpreter (an ELF's
+ * PT_INTERP, a script's #! line), so that a clone of this VM runs it without reading
+ * its disk. Nothing found is no error. */
+static void oci_warm(const char *root, const char *prog, char **env)
+{
+    const char *path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+    for (int k = 0; env[k]; k++)
+        if (strncmp(env[k], "PATH=", 5) == 0)
+            path = env[k] + 5;
+    char file[PATH_MAX];
+    char head[4096];
+    ssize_t got = -1;
+    if (strchr(prog, '/')) {
+        snprintf(file, sizeof file, "%s/%s", root, prog);
+        got = oci_read_all(file, head, sizeof head);
+    } else {
+        for (const char *p = path; got < 0 && *p;) {
+            size_t n = strcspn(p, ":");
+            snprintf(file, sizeof file, "%s/%.*s/%s", root, (int)n, p, prog);
+            got = oci_read_all(file, head, sizeof head);
+            p += n + (p[n] == ':');
+        }
+    }
+    char interp[PATH_MAX] = "";
+    if (got > 2 && head[0] == '#' && head[1] == '!') {
+        size_t k = 2, o = 0;
+        while (k < (size_t)got && head[k] == ' ')
+            k++;
+        while (k < (size_t)got && o + 1 < sizeof interp && head[k] != ' ' && head[k] != '\n')
+            interp[o++] = head[k++];
+        interp[o] = 0;
+    } else if (got >= (ssize_t)sizeof(Elf64_Ehdr) && memcmp(head, ELFMAG, SELFMAG) == 0) {
+        Elf64_Ehdr eh;
+        memcpy(&eh, head, sizeof eh);
+        for (int k = 0; k < eh.e_phnum; k++) {
+            size_t at = eh.e_phoff + (size_t)k * eh.e_phentsize;
+            if (at + sizeof(Elf64_Phdr) > (size_t)got)
+                break;
+            Elf64_Phdr ph;
+            memcpy(&ph, head + at, sizeof ph);
+            if (ph.p_type != PT_INTERP || ph.p_offset + ph.p_filesz > (size_t)got ||
+                ph.p_filesz >= sizeof interp)
+                continue;
+            memcpy(interp, head + ph.p_offset, ph.p_filesz);
+            interp[ph.p_filesz] = 0;
+        }
+    }
+    if (interp[0] == '/') {
+        snprintf(file, sizeof file, "%s%s", root, interp);
+        oci_read_all(file, head, sizeof head);
+    }
+}
+
 static int oci_main(int argc, char **argv)
 {
-    int slot = 0, readonly = 0, timeout_s = 30, nenv = 0, have_path = 0;
+    int slot = 0, readonly = 0, prepare = 0, timeout_s = 30, nenv = 0, have_path = 0;
     const char *hostname = NULL, *cwd = "/";
     unsigned long uid = 0, gid = 0;
     char *env[OCI_MAX_ENV + 2];
@@ -125,6 +204,9 @@ static int oci_main(int argc, char **argv)
             break;
         } else if (strcmp(a, "--readonly") == 0) {
             readonly = 1;
+            continue;
+        } else if (strcmp(a, "--prepare") == 0) {
+            prepare = 1;
             continue;
         }
         if (!v)
@@ -197,6 +279,10 @@ static int oci_main(int argc, char **argv)
         oci_mount_once("sysfs", sub, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC);
         snprintf(sub, sizeof sub, "%s/dev", root);
         oci_mount_once("/dev", sub, NULL, MS_BIND | MS_REC);
+    }
+    if (prepare) {
+        oci_warm(root, argv[i], env);
+        return 0;
     }
     if (hostname && sethostname(hostname, strlen(hostname)) != 0)
         oci_fail("hostname", "%s", strerror(errno));

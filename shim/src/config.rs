@@ -107,37 +107,64 @@ pub enum TemplateError {
     Vmm(#[from] forkvm::Error),
 }
 
-fn dir_error(path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError + '_ {
+pub fn dir_error(path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError + '_ {
     move |source| TemplateError::Dir {
         path: path.to_path_buf(),
         source,
     }
 }
 
-/// The template, its vsock device's host socket at `vsock`: restored from the shim's
-/// snapshot, which is booted and saved first if there is none (one shim at a time: a
-/// lock file).
-pub async fn template(cfg: &ShimConfig, vsock: &Path) -> Result<Template, TemplateError> {
+/// The resource class of a container's clone: its cgroup (the VMM's pool).
+pub const CLASS: &str = "container";
+
+/// Takes an exclusive lock on file `path` (made if missing), held while the returned
+/// file is open.
+pub fn lock(path: &Path) -> Result<std::fs::File, TemplateError> {
+    let lock = std::fs::File::create(path).map_err(dir_error(path))?;
+    // SAFETY: flock on a descriptor this function owns; released when it closes.
+    let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+    if locked != 0 {
+        return Err(dir_error(path)(std::io::Error::last_os_error()));
+    }
+    Ok(lock)
+}
+
+/// The shim's template's snapshot: booted and saved first if there is none (one shim at
+/// a time: a lock file).
+pub async fn base(cfg: &ShimConfig) -> Result<PathBuf, TemplateError> {
     let overlays = cfg.overlays();
     std::fs::create_dir_all(&overlays).map_err(dir_error(&overlays))?;
     std::fs::create_dir_all(&cfg.run_dir).map_err(dir_error(&cfg.run_dir))?;
-    if cfg.boot_each {
-        return Ok(Template::start(boot_spec(cfg, vsock)).await?);
-    }
-    let mut spec = TemplateSpec::new("unused: the snapshot's guest runs");
-    let snapshot = cfg.snapshot(&spec.vmm);
+    let snapshot = cfg.snapshot(&TemplateSpec::new("").vmm);
     if !snapshot.join("state").exists() {
-        let lock_path = cfg.dir.join("template.lock");
-        let lock = std::fs::File::create(&lock_path).map_err(dir_error(&lock_path))?;
-        // SAFETY: flock on a descriptor this function owns; released when it closes.
-        let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
-        if locked != 0 {
-            return Err(dir_error(&lock_path)(std::io::Error::last_os_error()));
-        }
+        let _lock = lock(&cfg.dir.join("template.lock"))?;
         if !snapshot.join("state").exists() {
             boot_and_save(cfg, &snapshot).await?;
         }
     }
+    Ok(snapshot)
+}
+
+/// The template for a container, its vsock device's host socket at `vsock`, with one
+/// resource class (`CLASS`, limits `limits`: `cpu=..,memory=..`, or none): restored
+/// from `snapshot` (the shim's template's, [`base`], or one of an image's), or booted
+/// with `FORKVM_SHIM_BOOT_EACH`.
+pub async fn template(
+    cfg: &ShimConfig,
+    snapshot: &Path,
+    vsock: &Path,
+    limits: &str,
+) -> Result<Template, TemplateError> {
+    let class = match limits {
+        "" => CLASS.to_string(),
+        l => format!("{CLASS}:{l}"),
+    };
+    if cfg.boot_each {
+        let mut spec = boot_spec(cfg, vsock);
+        spec.args.extend(["--cgroup-class".into(), class]);
+        return Ok(Template::start(spec).await?);
+    }
+    let mut spec = TemplateSpec::new("unused: the snapshot's guest runs");
     spec.warm_clones = 0;
     spec.ready = Ready::Console(SERVING.into());
     spec.call_timeout = Duration::from_secs(120);
@@ -145,9 +172,11 @@ pub async fn template(cfg: &ShimConfig, vsock: &Path) -> Result<Template, Templa
         "--vsock".into(),
         vsock.display().to_string(),
         "--cow-dir".into(),
-        overlays.display().to_string(),
+        cfg.overlays().display().to_string(),
+        "--cgroup-class".into(),
+        class,
     ];
-    Ok(Template::restore(&snapshot, spec).await?)
+    Ok(Template::restore(snapshot, spec).await?)
 }
 
 /// The spec of a template booted with its vsock device's host socket at `vsock`.
@@ -182,11 +211,17 @@ async fn boot_and_save(cfg: &ShimConfig, snapshot: &Path) -> Result<(), Template
     t.snapshot(&tmp).await?;
     t.shutdown().await?;
     std::fs::rename(&tmp, snapshot).map_err(dir_error(snapshot))?;
-    // Snapshots of other guest files or another vmm go (a VMM restored from one keeps
-    // its memory file open).
+    // Snapshots of other guest files or another vmm go, and the images' made from them
+    // (a VMM restored from one keeps its memory file open).
+    let hash = snapshot
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned());
+    let hash = hash.unwrap_or_default().replace("template-", "");
     for e in std::fs::read_dir(&cfg.dir).into_iter().flatten().flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with("template-") && e.path() != snapshot {
+        let stale_template = name.starts_with("template-") && e.path() != snapshot;
+        let stale_image = name.starts_with("prepared-") && !name.contains(&hash);
+        if stale_template || stale_image {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }

@@ -9,6 +9,8 @@
 //! clone, the agent runs `forkvm-oci` with the process the OCI spec asks for.
 
 mod config;
+mod metrics;
+mod prepared;
 mod process;
 mod task;
 

@@ -3,7 +3,7 @@
 //! status (wait), stopped with its clone (kill), and nothing left (delete).
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -23,11 +23,14 @@ use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
 use crate::config::{self, ShimConfig, AGENT_PORT};
+use crate::metrics;
+use crate::prepared;
 use crate::process::{self, oci_command, Proc};
 
 struct Container {
     bundle: String,
     pid: u32,
+    clone_id: String,
     template: Option<Template>,
     clone: Option<Arc<VmClone>>,
     /// The spec's process.
@@ -86,6 +89,36 @@ fn not_found(id: &str) -> containerd_shim_protos::ttrpc::Error {
     rpc_error(Code::NOT_FOUND, format!("no container {id:?}"))
 }
 
+/// The OCI spec's CPU and memory limits as a resource class's (`cpu=CPUS,memory=BYTES`;
+/// empty without them). The pids limit is not applied: the clone's cgroup counts the
+/// VMM's threads, not the guest's processes.
+fn limits(spec: &oci_spec::runtime::Spec) -> String {
+    let resources = spec.linux().as_ref().and_then(|l| l.resources().as_ref());
+    let Some(r) = resources else {
+        return String::new();
+    };
+    let mut limits = Vec::new();
+    if let Some(cpu) = r.cpu() {
+        if let (Some(quota), period) = (cpu.quota(), cpu.period().unwrap_or(100_000)) {
+            if quota > 0 && period > 0 {
+                let cpus = (quota as f64 / period as f64).clamp(0.01, 1024.0);
+                limits.push(format!("cpu={cpus:.2}"));
+            }
+        }
+    }
+    if let Some(bytes) = r.memory().as_ref().and_then(|m| m.limit()) {
+        if bytes > 0 {
+            limits.push(format!("memory={}K", (bytes as u64 / 1024).max(4096)));
+        }
+    }
+    if r.pids().is_some() {
+        log::warn!(
+            "the spec's pids limit is not applied (the guest's processes are not the host's)"
+        );
+    }
+    limits.join(",")
+}
+
 /// The image key of a root file system's mounts: its layers (the overlay's lower
 /// directories, or the mount's source), not the container's own upper directory.
 fn rootfs_key(mounts: &[api::Mount]) -> String {
@@ -123,22 +156,45 @@ impl Service {
         }
         let images = ImageCache::new(self.cfg.dir.join("images"), self.cfg.images_budget)
             .map_err(|e| e.to_string())?;
-        let built = images.build(&rootfs_key(&req.rootfs), &rootfs).await;
+        let key = rootfs_key(&req.rootfs);
+        let built = images.build(&key, &rootfs).await;
         if !req.rootfs.is_empty() {
             let _ = umount_recursive(rootfs.to_str(), 0);
         }
         let (image, made) = built.map_err(|e| format!("the root file system's image: {e}"))?;
         let t1 = Instant::now();
-        let template = config::template(&self.cfg, &self.cfg.vsock(&req.bundle))
-            .await
-            .map_err(|e| format!("the template: {e}"))?;
+        let limits = limits(&spec);
+        let vsock = self.cfg.vsock(&req.bundle);
+        let base = match self.cfg.boot_each {
+            true => PathBuf::new(),
+            false => (config::base(&self.cfg).await).map_err(|e| format!("the template: {e}"))?,
+        };
+        let from_image = match self.cfg.boot_each {
+            true => None,
+            false => {
+                self.image_template(&base, &key, &image, process, &vsock, &limits)
+                    .await
+            }
+        };
+        let prepared = from_image.is_some();
+        let (template, media) = match from_image {
+            Some(t) => (t, Vec::new()),
+            None => {
+                let t = config::template(&self.cfg, &base, &vsock, &limits)
+                    .await
+                    .map_err(|e| format!("the template: {e}"))?;
+                let medium = InsertMedium {
+                    slot: 0,
+                    path: image,
+                    writable: true,
+                };
+                (t, vec![medium])
+            }
+        };
         let t2 = Instant::now();
         let request = CreateClones {
-            media: vec![InsertMedium {
-                slot: 0,
-                path: image,
-                writable: true,
-            }],
+            resource_class: Some(config::CLASS.into()),
+            media,
             ..Default::default()
         };
         let clone = (template.create_clones(&request).await)
@@ -147,7 +203,8 @@ impl Service {
             .ok_or("no clone was made")?;
         let ms = |from: Instant, to: Instant| (to - from).as_secs_f64() * 1e3;
         log::info!(
-            "{}: created: image {:.1} ms (built: {made}), template {:.1} ms, clone {:.1} ms",
+            "{}: created: image {:.1} ms (built: {made}), template {:.1} ms (the image's: \
+             {prepared}), clone {:.1} ms",
             req.id,
             ms(t0, t1),
             ms(t1, t2),
@@ -156,6 +213,7 @@ impl Service {
         Ok(Container {
             bundle: req.bundle.clone(),
             pid: clone.pid(),
+            clone_id: clone.id().to_string(),
             template: Some(template),
             clone: Some(Arc::new(clone)),
             init: Proc::new(command, &req.stdout, &req.stderr),
@@ -166,6 +224,43 @@ impl Service {
 }
 
 impl Service {
+    /// The template of image `image` (key `key`) for a container running `process`,
+    /// restored from its snapshot, made now if there is none ([`prepared`]). None if it
+    /// cannot be had: the container then starts from the shim's template (a snapshot
+    /// that cannot be restored, its image rebuilt or gone, is removed).
+    async fn image_template(
+        &self,
+        base: &Path,
+        key: &str,
+        image: &Path,
+        process: &oci_spec::runtime::Process,
+        vsock: &Path,
+        limits: &str,
+    ) -> Option<Template> {
+        let program = process.args().as_ref()?.first()?;
+        let env = process.env().clone().unwrap_or_default();
+        let made = prepared::prepared(&self.cfg, base, key, image, program, &env).await;
+        let dir = match made {
+            Ok(dir) => dir,
+            Err(e) => {
+                log::warn!("image {key}: no template of its own: {e}");
+                return None;
+            }
+        };
+        match config::template(&self.cfg, &dir, vsock, limits).await {
+            Ok(t) => Some(t),
+            Err(e) => {
+                log::warn!(
+                    "image {key}: its template {} is removed: {e}",
+                    dir.display()
+                );
+                let _lock = config::lock(&dir.with_extension("lock")).ok();
+                let _ = std::fs::remove_dir_all(&dir);
+                None
+            }
+        }
+    }
+
     /// Kills what `exec` started in container `id` (its init has ended).
     async fn kill_execs(&self, id: &str) {
         let controls: Vec<_> = match self.containers.lock().await.get(id) {
@@ -482,6 +577,30 @@ impl Task for Service {
         req: api::ResumeRequest,
     ) -> TtrpcResult<api::Empty> {
         self.set_paused(&req.id, false).await
+    }
+
+    async fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
+        let (list, clone_id) = {
+            let all = self.containers.lock().await;
+            let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
+            let t = c.template.as_ref().ok_or_else(|| not_found(&req.id))?;
+            (t.clone_table().await, c.clone_id.clone())
+        };
+        let list = list.map_err(|e| rpc_error(Code::UNAVAILABLE, e))?;
+        let cgroup = (list.clones.into_iter())
+            .find(|c| c.id == clone_id)
+            .and_then(|c| c.cgroup)
+            .ok_or_else(|| rpc_error(Code::NOT_FOUND, "the clone has no cgroup"))?;
+        let any = containerd_shim::util::convert_to_any(Box::new(metrics::of(&cgroup)))
+            .map_err(|e| rpc_error(Code::INTERNAL, e))?;
+        Ok(api::StatsResponse {
+            stats: MessageField::some(any),
+            ..Default::default()
+        })
     }
 
     async fn close_io(

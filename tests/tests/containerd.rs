@@ -161,6 +161,7 @@ fn have(program: &str) -> bool {
 
 /// A container that runs until it is sent SIGTERM: its first line reaches `ctr` while
 /// it runs; `exec` runs a second process in its VM (stdout, stderr and status apart);
+/// its clone's cgroup has the spec's memory limit and shows in `ctr task metrics`;
 /// `pause` and `resume`; `kill` delivers SIGTERM to the process, whose trap answers.
 fn running_container(c: &Containerd) {
     let script = "trap 'echo got TERM; exit 7' TERM; echo started; \
@@ -171,6 +172,10 @@ fn running_container(c: &Containerd) {
             "--rm",
             "--runtime",
             "io.containerd.forkvm.v2",
+            "--memory-limit",
+            "268435456",
+            "--cpus",
+            "1.5",
             IMAGE,
             "four",
             "sh",
@@ -217,6 +222,26 @@ fn running_container(c: &Containerd) {
     );
     assert_eq!(String::from_utf8_lossy(&exec.stdout), "from exec\n");
     assert!(String::from_utf8_lossy(&exec.stderr).contains("to stderr\n"));
+
+    // Its clone's cgroup: the spec's memory limit, CPU time used.
+    let metrics = c.ctr(&["task", "metrics", "four"]);
+    let text = String::from_utf8_lossy(&metrics.stdout).into_owned();
+    assert!(metrics.status.success(), "{metrics:?}");
+    let value = |name: &str| {
+        text.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .map(str::to_string)
+    };
+    assert_eq!(
+        value("memory.limit_in_bytes").as_deref(),
+        Some("268435456"),
+        "{text}"
+    );
+    let cpu: u64 = value("cpuacct.usage")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(cpu > 0, "{text}");
 
     let paused = c.ctr(&["task", "pause", "four"]);
     assert!(paused.status.success(), "{paused:?}");
@@ -280,6 +305,14 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
         c.log()
     );
     assert!(out.contains("motd") || out.contains("etc"), "{out}");
+    // It started from its image's template (the first container made it): its root
+    // file system mounted there already.
+    let log = c.log();
+    let created = log.lines().find(|l| l.contains("two: created:"));
+    assert!(
+        created.is_some_and(|l| l.contains("the image's: true")),
+        "{created:?}\n{log}"
+    );
     // An id as long as Kubernetes gives (64 characters): the bundle's path is then
     // longer than a socket's may be, and the shim keeps its sockets elsewhere.
     let long_id = "3".repeat(64);

@@ -2,7 +2,8 @@
 //! virtio-blk slots, and a clone request inserts a read-only image into a slot of its
 //! clones, whether they are forked on request or launched from the warm pool; the
 //! template and its other clones keep theirs, a clone's clone inherits its image, and
-//! every bad request is refused with its reason before any clone exists. The tiny guest
+//! every bad request is refused with its reason before any clone exists; a snapshot of a
+//! clone keeps its media (a restore refuses an image changed since). The tiny guest
 //! has no block driver: what the VMM made of each slot is read from `GET /vm`; the
 //! guest's view is linux.rs's.
 
@@ -279,6 +280,74 @@ fn writable_media_go_into_writable_slots_each_clone_with_its_own_overlay() {
     assert!(!targets.contains(&cow_arg), "{targets}");
     assert_eq!(std::fs::read(&image).unwrap(), vec![7u8; 8192]);
     vm.shutdown(BOOT);
+}
+
+#[test]
+fn a_snapshot_keeps_the_media_in_its_slots_and_refuses_an_image_changed_since() {
+    if !kvm_available("slot_snapshots") {
+        return;
+    }
+    let scratch = Scratch::new("slots-snap");
+    let (rw_image, ro_image) = (scratch.path("rw.img"), scratch.path("ro.img"));
+    std::fs::write(&rw_image, vec![7u8; 8192]).unwrap();
+    std::fs::write(&ro_image, vec![9u8; 4096]).unwrap();
+    let cow = scratch.path("cow");
+    std::fs::create_dir_all(&cow).unwrap();
+    let cow_arg = cow.display().to_string();
+    let extra = ["--disk-slots", "2", "--slot-cow-dir", &cow_arg];
+    let mut vm = tests::tiny_vm_with(&scratch, "64", "1", "ticks=1 beat=10", &extra);
+    vm.wait_console("tiny: beat 2\n", BOOT);
+    let body = format!(
+        r#"{{"media":[{{"slot":0,"path":"{}","writable":true}},{{"slot":1,"path":"{}"}}]}}"#,
+        rw_image.display(),
+        ro_image.display()
+    );
+    let (code, made) = clones(&vm.sock, &body);
+    assert_eq!(code, 201, "{made}");
+    let clone = socket_of(&made["clones"][0]).to_path_buf();
+    let shown = [
+        (Some(rw_image.display().to_string()), true),
+        (Some(ro_image.display().to_string()), false),
+    ];
+    assert_eq!(writable(&clone), shown);
+    // The clone, paused, saved: its media by path, the writable one's overlay copied.
+    let (code, text) = api_request(&clone, "PATCH", "/vm", Some(r#"{"state":"paused"}"#));
+    assert_eq!(code, 204, "{text}");
+    let snap = scratch.path("snap");
+    let body = format!(r#"{{"dir":"{}"}}"#, snap.display());
+    let (code, text) = api_request(&clone, "PUT", "/snapshot", Some(&body));
+    assert_eq!(code, 201, "{text}");
+    assert!(snap.join("disk0.overlay").is_file(), "{text}");
+    vm.shutdown(BOOT);
+
+    // Restored: the same media, the same writability, and so are its clones'.
+    let again = Scratch::new("slots-snap-restored");
+    let cow2 = again.path("cow");
+    std::fs::create_dir_all(&cow2).unwrap();
+    let cow2_arg = cow2.display().to_string();
+    let mut restored = tests::Vm::restore(&again, &snap, &["--paused", "--cow-dir", &cow2_arg]);
+    restored.wait_api(BOOT);
+    assert_eq!(writable(&restored.sock), shown);
+    let (code, made) = clones(&restored.sock, "{}");
+    assert_eq!(code, 201, "{made}");
+    assert_eq!(writable(socket_of(&made["clones"][0])), shown);
+    restored.shutdown(BOOT);
+    assert_eq!(std::fs::read(&rw_image).unwrap(), vec![7u8; 8192]);
+
+    // An image modified since: the guest's page cache would not match it.
+    let f = std::fs::File::options()
+        .write(true)
+        .open(&ro_image)
+        .unwrap();
+    f.set_modified(std::time::SystemTime::now() + Duration::from_secs(5))
+        .unwrap();
+    drop(f);
+    let third = Scratch::new("slots-snap-changed");
+    let mut refused = tests::Vm::restore(&third, &snap, &["--paused"]);
+    let status = refused.wait_exit(BOOT);
+    assert!(!status.success());
+    let err = refused.stderr_text();
+    assert!(err.contains("ro.img changed since the snapshot"), "{err}");
 }
 
 /// A Linux guest restored from the snapshot cache, its boot being what linux.rs tests.

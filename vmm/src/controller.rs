@@ -193,9 +193,6 @@ impl Vmm {
         if !self.vm.pending_events().is_empty() {
             return Err(SnapshotError::EventsPending);
         }
-        if self.vm.devices().slot_media().iter().any(Option::is_some) {
-            return Err(SnapshotError::SlotMedium);
-        }
         let state = self.clones.paused_state(&mut self.vm)?;
         Ok(crate::snapshot::save(&self.vm, &state, dir)?)
     }

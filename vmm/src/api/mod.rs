@@ -203,7 +203,6 @@ pub fn status_of(e: &VmmActionError) -> u16 {
                 SnapshotError::Save(SaveError::Path(_)) => 400,
                 SnapshotError::NotPaused
                 | SnapshotError::EventsPending
-                | SnapshotError::SlotMedium
                 | SnapshotError::Save(SaveError::Exists(_)) => 409,
                 SnapshotError::Save(s) if s.host_short() => 503,
                 SnapshotError::Capture(c) if c.host_short() => 503,

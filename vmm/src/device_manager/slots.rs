@@ -127,6 +127,13 @@ impl DeviceManager {
         Ok((block, path))
     }
 
+    /// Whether each slot's medium is writable (has an overlay of this VM's), in slot
+    /// order. The slots' overlays are the last of `overlays`, after the disks'.
+    pub fn slot_writable(&self) -> Vec<bool> {
+        let first = self.overlays.len() - self.slots.len();
+        self.overlays[first..].iter().map(Option::is_some).collect()
+    }
+
     /// Each slot's medium (its open image's descriptor and path), in slot order: what a
     /// clone inherits.
     pub fn slot_media(&self) -> &[Option<(RawFd, PathBuf)>] {

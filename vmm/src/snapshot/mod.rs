@@ -46,9 +46,6 @@ pub enum SnapshotError {
     /// A vCPU event came in before the pause and is not handled yet.
     #[error("the VM has vCPU events to handle first; try again")]
     EventsPending,
-    /// An image is in one of its disk slots (a snapshot keeps none: not built yet).
-    #[error("the VM has an image in a disk slot; snapshots of such VMs are not supported")]
-    SlotMedium,
     /// The VM's state could not be captured.
     #[error(transparent)]
     Capture(#[from] crate::cloning::CloneError),
@@ -115,18 +112,35 @@ pub struct SavedConfig {
     pub prime: bool,
     /// The disks, in device order.
     pub disks: Vec<SavedDisk>,
-    /// Disk slots after them (empty when the snapshot was taken).
+    /// Disk slots after them.
     #[serde(default)]
     pub disk_slots: u8,
     /// Their overlay directory (writable slots).
     #[serde(default)]
     pub slot_cow_dir: Option<std::path::PathBuf>,
+    /// The images in the slots when the snapshot was taken, in slot order (None:
+    /// empty). Absent in snapshots made before they were saved (no media then).
+    #[serde(default)]
+    pub slot_media: Vec<Option<SavedMedium>>,
     /// The entropy device.
     pub rng: Option<SavedRng>,
     /// The vsock device's guest CID.
     pub vsock_cid: Option<u64>,
     /// The network card.
     pub net: Option<SavedNet>,
+}
+
+/// An image in a disk slot, in a snapshot: opened again at restore, unchanged; a
+/// writable one's overlay is saved as the slot's (`disk<N>.overlay`, N counting the
+/// disks first).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedMedium {
+    /// The image.
+    pub path: PathBuf,
+    /// Its size and modification time then: a restore refuses an image that differs.
+    pub image: ImageVersion,
+    /// It was inserted writable (its overlay is in the snapshot).
+    pub writable: bool,
 }
 
 /// A disk in a snapshot.

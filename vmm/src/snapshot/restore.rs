@@ -309,22 +309,44 @@ fn check(
             missing.join(", ")
         )));
     }
-    // Each disk image is the version the guest saw.
-    for d in &file.config.disks {
-        let Some(saved) = d.image else {
-            continue;
-        };
-        let meta = std::fs::metadata(&d.path).map_err(|source| RestoreError::Disk {
-            path: d.path.display().to_string(),
+    // Each disk image, and each image in a slot, is the version the guest saw.
+    let disks = (file.config.disks.iter()).filter_map(|d| Some((&d.path, d.image?)));
+    let media = (file.config.slot_media.iter().flatten()).map(|m| (&m.path, m.image));
+    for (path, saved) in disks.chain(media) {
+        let meta = std::fs::metadata(path).map_err(|source| RestoreError::Disk {
+            path: path.display().to_string(),
             source,
         })?;
         let now = ImageVersion::of(&meta);
         if now != saved {
             return Err(RestoreError::DiskChanged {
-                path: d.path.display().to_string(),
+                path: path.display().to_string(),
                 saved,
                 now,
             });
+        }
+    }
+    // A writable medium has its overlay in the snapshot (after the disks'), and the VM
+    // its slot.
+    if file.config.slot_media.len() > usize::from(config.disk_slots) {
+        return Err(mismatch(format!(
+            "it has media for {} slots, its configuration {}",
+            file.config.slot_media.len(),
+            config.disk_slots
+        )));
+    }
+    for (k, m) in file.config.slot_media.iter().enumerate() {
+        let Some(m) = m.as_ref().filter(|m| m.writable) else {
+            continue;
+        };
+        let path = dir.join(overlay_file(config.disks.len() + k));
+        if config.slot_cow_dir.is_none() || !path.is_file() {
+            return Err(mismatch(format!(
+                "slot {k} ({}) is writable and its overlay {} or the slots' overlay \
+                 directory is missing",
+                m.path.display(),
+                path.display()
+            )));
         }
     }
     // A writable disk has its overlay in the snapshot.
@@ -431,6 +453,31 @@ impl Restoring {
             disk_fds.push(image.into_raw_fd());
         }
 
+        // The slots' media: opened again, a writable one's overlay copied as a disk's
+        // (after the disks', as the devices count them).
+        let mut slots = Vec::with_capacity(file.config.slot_media.len());
+        for (k, m) in file.config.slot_media.iter().enumerate() {
+            let Some(m) = m else {
+                slots.push(None);
+                overlays.push(None);
+                continue;
+            };
+            let disk_error = |source| RestoreError::Disk {
+                path: m.path.display().to_string(),
+                source,
+            };
+            let image = File::open(&m.path).map_err(disk_error)?;
+            let size = image.metadata().map_err(disk_error)?.len();
+            overlays.push(match (m.writable, &config.slot_cow_dir) {
+                (true, Some(cow)) => Some(OverlaySnapshot::from_kept(
+                    &dir.join(overlay_file(config.disks.len() + k)),
+                    cow,
+                    size,
+                )?),
+                _ => None,
+            });
+            slots.push(Some((image.into_raw_fd(), m.path.clone())));
+        }
         marks.done("disks");
         let state = &file.state;
         let mut prepared = prepare(&kvm, state, &mem, config.mailbox())?;
@@ -449,8 +496,7 @@ impl Restoring {
             state,
             disk_fds: &disk_fds,
             overlays: &overlays,
-            // A snapshot's slots are empty (a VM with an image in one is not saved).
-            slots: &[],
+            slots: &slots,
             media: &[],
         };
         let ready = File::from(entry_write);

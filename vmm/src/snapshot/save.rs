@@ -9,8 +9,8 @@ use api_types::SnapshotInfo;
 use clone::MicrovmState;
 
 use super::{
-    overlay_file, ImageVersion, SavedConfig, SavedDisk, SavedNet, SavedRng, SnapshotFile,
-    MEMORY_FILE, STATE_FILE,
+    overlay_file, ImageVersion, SavedConfig, SavedDisk, SavedMedium, SavedNet, SavedRng,
+    SnapshotFile, MEMORY_FILE, STATE_FILE,
 };
 use crate::config::VmConfig;
 use crate::microvm::Microvm;
@@ -52,8 +52,27 @@ impl SaveError {
     }
 }
 
-/// The configuration the guest sees, from `config`.
-fn saved_config(config: &VmConfig) -> SavedConfig {
+/// The images in `vm`'s disk slots, in slot order.
+fn slot_media(vm: &Microvm) -> Result<Vec<Option<SavedMedium>>, SaveError> {
+    let writable = vm.devices().slot_writable();
+    (vm.devices().slot_media().iter().zip(writable))
+        .map(|(m, writable)| {
+            let Some((_, path)) = m else { return Ok(None) };
+            let meta = std::fs::metadata(path).map_err(|source| SaveError::Dir {
+                path: path.display().to_string(),
+                source,
+            })?;
+            Ok(Some(SavedMedium {
+                path: path.clone(),
+                image: ImageVersion::of(&meta),
+                writable,
+            }))
+        })
+        .collect()
+}
+
+/// The configuration the guest sees, from `config`, with the images in its slots.
+fn saved_config(config: &VmConfig, slot_media: Vec<Option<SavedMedium>>) -> SavedConfig {
     SavedConfig {
         kernel: config.kernel.clone(),
         mem_mib: config.mem_mib,
@@ -68,6 +87,7 @@ fn saved_config(config: &VmConfig) -> SavedConfig {
         prime: config.prime,
         disk_slots: config.disk_slots,
         slot_cow_dir: config.slot_cow_dir.clone(),
+        slot_media,
         disks: (config.disks.iter())
             .map(|d| SavedDisk {
                 path: d.path.clone(),
@@ -161,7 +181,7 @@ fn write_all(vm: &Microvm, state: &MicrovmState, tmp: &Path) -> Result<SnapshotI
     let overlay_bytes = vm.devices().save_overlays(|i| tmp.join(overlay_file(i)))?;
     let file = SnapshotFile {
         forkvm: env!("CARGO_PKG_VERSION").to_string(),
-        config: saved_config(vm.config()),
+        config: saved_config(vm.config(), slot_media(vm)?),
         cmdline: vm.cmdline().to_string(),
         host: vm.host().clone(),
         memory,

@@ -1,0 +1,115 @@
+//! An image's template: a snapshot of the shim's template with the image in its slot,
+//! mounted as a container's root file system and the container's program read into the
+//! guest's page cache (`forkvm-oci --prepare`). Each later container of the image is a
+//! clone of it, and finds its root file system mounted and its program warm: the mount
+//! and the first reads of the disk are the guest kernel's slowest work in a container's
+//! start. Made once per image (`FORKVM_SHIM_DIR/prepared-<template>-<image>`), by the
+//! image's first container.
+
+use std::path::{Path, PathBuf};
+
+use forkvm::{CreateClones, InsertMedium, ProcessEvent};
+
+use crate::config::{self, dir_error, ShimConfig, TemplateError, AGENT_PORT};
+
+/// Why an image's template could not be made (the container then starts from the
+/// shim's template, its image inserted into its clone).
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// The template or the directory failed.
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    /// The VMM failed.
+    #[error(transparent)]
+    Vmm(#[from] forkvm::Error),
+    /// `forkvm-oci --prepare` failed in the guest.
+    #[error("forkvm-oci --prepare exited {status}: {output}")]
+    Guest {
+        /// Its status.
+        status: i32,
+        /// What it printed.
+        output: String,
+    },
+}
+
+/// Where image `key`'s template is, made from the shim's template at `base`.
+pub fn path(cfg: &ShimConfig, base: &Path, key: &str) -> PathBuf {
+    let hash = base.file_name().map(|n| n.to_string_lossy().into_owned());
+    let hash = hash.unwrap_or_default().replace("template-", "");
+    cfg.dir.join(format!("prepared-{hash}-{key}"))
+}
+
+/// Image `key`'s template (`image` in slot 0, writable), made now if there is none
+/// (one shim at a time: a lock file), warmed for `program` run with environment `env`.
+pub async fn prepared(
+    cfg: &ShimConfig,
+    base: &Path,
+    key: &str,
+    image: &Path,
+    program: &str,
+    env: &[String],
+) -> Result<PathBuf, PrepareError> {
+    let dir = path(cfg, base, key);
+    if dir.join("state").exists() {
+        return Ok(dir);
+    }
+    let lock_path = dir.with_extension("lock");
+    let _lock = config::lock(&lock_path)?;
+    if dir.join("state").exists() {
+        return Ok(dir);
+    }
+    let started = std::time::Instant::now();
+    let vsock = cfg.vsock(&dir.display().to_string());
+    let template = config::template(cfg, base, &vsock, "").await?;
+    let request = CreateClones {
+        media: vec![InsertMedium {
+            slot: 0,
+            path: image.to_path_buf(),
+            writable: true,
+        }],
+        ..Default::default()
+    };
+    let made = async {
+        let clone = (template.create_clones(&request).await?.pop())
+            .ok_or_else(|| forkvm::Error::Agent("no clone was made".into()))?;
+        let mut argv: Vec<String> = ["forkvm-oci", "--slot", "0", "--prepare"]
+            .map(String::from)
+            .to_vec();
+        for e in env {
+            argv.extend(["--env".into(), e.clone()]);
+        }
+        argv.extend(["--".into(), program.to_string()]);
+        let mut process = clone.spawn(AGENT_PORT, &argv, b"").await?;
+        let mut output = Vec::new();
+        let status = loop {
+            match process.output.next().await {
+                Some(Ok(ProcessEvent::Stdout(b) | ProcessEvent::Stderr(b))) => output.extend(b),
+                Some(Ok(ProcessEvent::Exit(status))) => break status,
+                Some(Err(e)) => return Err(PrepareError::Vmm(e)),
+                None => break 255,
+            }
+        };
+        if status != 0 {
+            return Err(PrepareError::Guest {
+                status,
+                output: String::from_utf8_lossy(&output).into_owned(),
+            });
+        }
+        clone.pause().await?;
+        let tmp = dir.with_extension(format!("saving-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        clone.snapshot(&tmp).await?;
+        let _ = clone.delete().await;
+        std::fs::rename(&tmp, &dir).map_err(dir_error(&dir))?;
+        Ok(())
+    }
+    .await;
+    let _ = template.shutdown().await;
+    let _ = std::fs::remove_file(&vsock);
+    made?;
+    log::info!(
+        "image {key}: its template made in {:.0} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(dir)
+}

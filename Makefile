@@ -1,7 +1,7 @@
 # forkvm: `make demo` builds everything and boots guests; `make test` runs every test;
 # `make install` installs the programs and guest images under PREFIX.
 .PHONY: all deps test-deps guest build release demo test lint bench fuzz fuzz-ci \
-	clean-guest-cache install install-files uninstall
+	clean-guest-cache install install-files install-shim install-shim-files uninstall
 
 CARGO ?= cargo
 
@@ -53,8 +53,21 @@ install-files:
 		> $(DESTDIR)$(PREFIX)/lib/systemd/system/forkvm-gateway.service
 	@echo "installed under $(DESTDIR)$(PREFIX): bin/{vmm,jailer,forkvm-gateway}, share/forkvm, lib/systemd/system/forkvm-gateway.service"
 
+# containerd's runtime (docs/containerd.md), a target of its own: its containerd crates
+# double the release build. PREFIX/bin: containerd-shim-forkvm-v2 and the vmm it runs
+# (beside it); PREFIX/share/forkvm: the guest kernel and initramfs it boots.
+install-shim: guest
+	$(CARGO) build --release -p vmm -p containerd-shim-forkvm
+	$(MAKE) install-shim-files
+
+install-shim-files:
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/forkvm
+	install -m 0755 $(BIN_DIR)/vmm $(BIN_DIR)/containerd-shim-forkvm-v2 $(DESTDIR)$(PREFIX)/bin/
+	cd target/guest && install -m 0644 vmlinux initramfs.cpio.gz $(DESTDIR)$(PREFIX)/share/forkvm/
+	@echo "installed under $(DESTDIR)$(PREFIX): bin/{vmm,containerd-shim-forkvm-v2}, share/forkvm/{vmlinux,initramfs.cpio.gz}"
+
 uninstall:
-	rm -f $(addprefix $(DESTDIR)$(PREFIX)/bin/,vmm jailer forkvm-gateway)
+	rm -f $(addprefix $(DESTDIR)$(PREFIX)/bin/,vmm jailer forkvm-gateway containerd-shim-forkvm-v2)
 	rm -f $(addprefix $(DESTDIR)$(PREFIX)/share/forkvm/,$(GUEST_FILES))
 	-rmdir $(DESTDIR)$(PREFIX)/share/forkvm
 	rm -f $(DESTDIR)$(PREFIX)/lib/systemd/system/forkvm-gateway.service

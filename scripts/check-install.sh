@@ -51,6 +51,14 @@ else
     echo "check-install: systemd-analyze is missing; the unit's syntax is not verified" >&2
 fi
 
+# The containerd runtime's files (make install-shim: a release build of its own; its
+# debug build here, which the tests made), then make uninstall takes them too.
+make install-shim-files DESTDIR="$dest" PREFIX="$prefix" BIN_DIR=target/debug
+for f in bin/containerd-shim-forkvm-v2 share/forkvm/initramfs.cpio.gz share/forkvm/vmlinux; do
+    [ -f "$root/$f" ] || fail "make install-shim-files did not install $prefix/$f"
+done
+"$root/bin/containerd-shim-forkvm-v2" -v >/dev/null || fail "containerd-shim-forkvm-v2 -v failed"
+
 make uninstall DESTDIR="$dest" PREFIX="$prefix"
 left=$(find "$dest" -type f ! -name forkvm-gateway.service -path "$root/*")
 [ -z "$left" ] || fail "make uninstall left: $left"

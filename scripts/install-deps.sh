@@ -62,3 +62,20 @@ if ! "$st_venv/bin/st" --version 2>/dev/null | grep -q "$st_version"; then
     python3 -m venv "$st_venv"
     "$st_venv/bin/pip" install -q "schemathesis==$st_version"
 fi
+# crictl (cri-tools, from the Go module proxy), for the containerd runtime's CRI test,
+# built once with the host's Go (/usr/local/go or PATH; Debian 12's golang is too old)
+# into /var/cache/forkvm/bin, keyed by its version (in crictl.version: a build from the
+# proxy reports none).
+crictl_version=v1.37.0
+crictl=/var/cache/forkvm/bin/crictl
+if [ ! -x "$crictl" ] || [ "$(cat "$crictl.version" 2>/dev/null)" != "$crictl_version" ]; then
+    go=$(command -v go || echo /usr/local/go/bin/go)
+    if [ -x "$go" ]; then
+        echo "install-deps: building crictl $crictl_version (a few minutes)" >&2
+        mkdir -p "$(dirname "$crictl")"
+        GOBIN=$(dirname "$crictl") "$go" install "sigs.k8s.io/cri-tools/cmd/crictl@$crictl_version"
+        echo "$crictl_version" > "$crictl.version"
+    else
+        echo "install-deps: no Go toolchain: crictl is not built (the CRI test needs it)" >&2
+    fi
+fi

@@ -9,6 +9,7 @@
 //! clone, the agent runs `forkvm-oci` with the process the OCI spec asks for.
 
 mod config;
+mod events;
 mod metrics;
 mod prepared;
 mod process;
@@ -19,6 +20,12 @@ use containerd_shim::Config;
 
 #[tokio::main]
 async fn main() {
+    // `-v`/`--version` answer without containerd (the crate's own flag needs
+    // containerd's environment).
+    if let Some("-v" | "--version" | "-version") = std::env::args().nth(1).as_deref() {
+        println!("containerd-shim-forkvm-v2 {}", env!("CARGO_PKG_VERSION"));
+        return;
+    }
     // The shim reaps nothing it did not start: the forkvm library waits for its VMMs
     // (through pidfds) and tokio for the commands it runs (mkfs.ext4), and a reaper of
     // every child would take their exit statuses first. Orphans go to init.

@@ -109,7 +109,9 @@ fn blocking(f: File) -> std::io::Result<File> {
     }
 }
 
-/// One of containerd's FIFOs, opened for writing when the first output for it comes.
+/// One of containerd's FIFOs, opened for writing when the process starts and closed
+/// when it ends: a reader (CRI's exec) waits for both its FIFOs to be opened and
+/// closed, whether or not anything was written to them.
 struct Fifo {
     path: String,
     file: Option<File>,
@@ -125,32 +127,35 @@ impl Fifo {
         }
     }
 
-    async fn write(&mut self, bytes: &[u8]) {
-        if self.broken {
+    /// Opens the FIFO for writing, unless it is open, there is none, or it failed.
+    async fn open(&mut self) {
+        if self.broken || self.file.is_some() {
             return;
         }
-        if self.file.is_none() {
-            // Without a reader (ctr run -d has gone) the open fails rather than waits,
-            // and what the process writes is dropped.
-            let open = tokio::fs::OpenOptions::new()
-                .write(true)
-                .custom_flags(libc::O_NONBLOCK)
-                .open(&self.path)
-                .await;
-            match open.and_then(blocking) {
-                Ok(f) => self.file = Some(f),
-                Err(e) => {
-                    log::warn!("{}: {e}", self.path);
-                    self.broken = true;
-                    return;
-                }
+        // Without a reader (ctr run -d has gone) the open fails rather than waits, and
+        // what the process writes is dropped.
+        let open = tokio::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&self.path)
+            .await;
+        match open.and_then(blocking) {
+            Ok(f) => self.file = Some(f),
+            Err(e) => {
+                log::warn!("{}: {e}", self.path);
+                self.broken = true;
             }
         }
+    }
+
+    async fn write(&mut self, bytes: &[u8]) {
+        self.open().await;
         if let Some(f) = &mut self.file {
             if let Err(e) = f.write_all(bytes).await {
                 // The reader went (ctr detached): what follows is dropped.
                 log::warn!("{}: {e}", self.path);
                 self.broken = true;
+                self.file = None;
             }
         }
     }
@@ -186,6 +191,8 @@ pub async fn forward(
     since: Instant,
 ) {
     let (mut out, mut err) = (Fifo::new(&stdout), Fifo::new(&stderr));
+    out.open().await;
+    err.open().await;
     let mut first = None;
     let status = loop {
         let event = output.next().await;

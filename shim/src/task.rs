@@ -23,6 +23,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
 use crate::config::{self, ShimConfig, AGENT_PORT};
+use crate::events::Events;
 use crate::metrics;
 use crate::prepared;
 use crate::process::{self, oci_command, Proc};
@@ -39,6 +40,10 @@ struct Container {
     execs: HashMap<String, Proc>,
     /// Whether its VM is paused.
     paused: bool,
+    /// A pod's sandbox (CRI's `io.kubernetes.cri.container-type: sandbox`): no VM, its
+    /// process only a placeholder that runs until it is killed (the pod's containers
+    /// are clones of their own).
+    sandbox: bool,
 }
 
 impl Container {
@@ -75,6 +80,7 @@ pub struct Service {
     cfg: Arc<ShimConfig>,
     exit: Arc<ExitSignal>,
     containers: Arc<Mutex<HashMap<String, Container>>>,
+    events: Arc<Events>,
 }
 
 fn rpc_error(code: Code, message: impl std::fmt::Display) -> containerd_shim_protos::ttrpc::Error {
@@ -87,6 +93,13 @@ fn rpc_error(code: Code, message: impl std::fmt::Display) -> containerd_shim_pro
 
 fn not_found(id: &str) -> containerd_shim_protos::ttrpc::Error {
     rpc_error(Code::NOT_FOUND, format!("no container {id:?}"))
+}
+
+/// Whether `spec` is a pod's sandbox container (CRI's annotation).
+fn is_sandbox(spec: &oci_spec::runtime::Spec) -> bool {
+    (spec.annotations().as_ref())
+        .and_then(|a| a.get("io.kubernetes.cri.container-type"))
+        .is_some_and(|t| t == "sandbox")
 }
 
 /// The OCI spec's CPU and memory limits as a resource class's (`cpu=CPUS,memory=BYTES`;
@@ -146,6 +159,19 @@ impl Service {
         let bundle = Path::new(&req.bundle);
         let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
             .map_err(|e| format!("the bundle's config.json: {e}"))?;
+        if is_sandbox(&spec) {
+            return Ok(Container {
+                bundle: req.bundle.clone(),
+                pid: std::process::id(),
+                clone_id: String::new(),
+                template: None,
+                clone: None,
+                init: Proc::new(Vec::new(), &req.stdout, &req.stderr),
+                execs: HashMap::new(),
+                paused: false,
+                sandbox: true,
+            });
+        }
         let process = spec.process().as_ref().ok_or("the spec has no process")?;
         let command = oci_command(process, spec.hostname().as_deref())?;
         let rootfs = bundle.join("rootfs");
@@ -219,6 +245,7 @@ impl Service {
             init: Proc::new(command, &req.stdout, &req.stderr),
             execs: HashMap::new(),
             paused: false,
+            sandbox: false,
         })
     }
 }
@@ -286,6 +313,7 @@ impl Service {
         if let Some(c) = self.containers.lock().await.get_mut(id) {
             c.paused = paused;
         }
+        self.events.paused(id, paused).await;
         Ok(api::Empty::default())
     }
 }
@@ -294,11 +322,12 @@ impl Service {
 impl Shim for Service {
     type T = Service;
 
-    async fn new(_runtime_id: &str, _args: &Flags, _config: &mut Config) -> Self {
+    async fn new(_runtime_id: &str, args: &Flags, _config: &mut Config) -> Self {
         Service {
             cfg: Arc::new(ShimConfig::from_env()),
             exit: Arc::new(ExitSignal::default()),
             containers: Arc::default(),
+            events: Arc::new(Events::new(&args.namespace)),
         }
     }
 
@@ -318,7 +347,8 @@ impl Shim for Service {
         self.exit.wait().await;
     }
 
-    async fn create_task_service(&self, _publisher: RemotePublisher) -> Self::T {
+    async fn create_task_service(&self, publisher: RemotePublisher) -> Self::T {
+        self.events.connect(publisher);
         self.clone()
     }
 }
@@ -342,6 +372,7 @@ impl Task for Service {
             .map_err(|e| rpc_error(Code::FAILED_PRECONDITION, e))?;
         let pid = c.pid;
         self.containers.lock().await.insert(req.id.clone(), c);
+        self.events.create(&req.id, &req.bundle, pid).await;
         Ok(api::CreateTaskResponse {
             pid,
             ..Default::default()
@@ -356,6 +387,17 @@ impl Task for Service {
         let (clone, command, stdout, stderr, exit, pid) = {
             let mut all = self.containers.lock().await;
             let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
+            if c.sandbox && req.exec_id.is_empty() && !c.init.started {
+                // The placeholder runs until it is killed.
+                c.init.started = true;
+                let pid = c.pid;
+                drop(all);
+                self.events.start(&req.id, "", pid).await;
+                return Ok(api::StartResponse {
+                    pid,
+                    ..Default::default()
+                });
+            }
             let clone = c.clone_vm()?;
             let pid = c.pid;
             let p = c.process_mut(&req.exec_id)?;
@@ -390,14 +432,20 @@ impl Task for Service {
         {
             p.control = Some(control.clone());
         }
+        self.events.start(&req.id, &req.exec_id, pid).await;
         let service = self.clone();
         let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
         tokio::spawn(async move {
             let label = format!("{id} {exec_id:?}");
+            let mut ended = exit.subscribe();
             process::forward(process.output, [stdout, stderr], exit, &label, since).await;
             if exec_id.is_empty() {
                 // The container ends with its init: its other processes go too.
                 service.kill_execs(&id).await;
+            }
+            let end = ended.borrow_and_update().clone();
+            if let Some((status, at)) = end {
+                service.events.exit(&id, &exec_id, pid, status, at).await;
             }
         });
         Ok(api::StartResponse {
@@ -436,7 +484,9 @@ impl Task for Service {
             ));
         }
         let p = Proc::new(command, &req.stdout, &req.stderr);
-        c.execs.insert(req.exec_id, p);
+        c.execs.insert(req.exec_id.clone(), p);
+        drop(all);
+        self.events.exec_added(&req.id, &req.exec_id).await;
         Ok(api::Empty::default())
     }
 
@@ -506,8 +556,16 @@ impl Task for Service {
             match p.control.clone() {
                 Some(control) => control,
                 None => {
-                    // Not started: it ends before it runs (and an init's VM with it).
+                    // Not started, or a sandbox's placeholder: it ends now (and an
+                    // init's VM with it).
                     p.record_exit(128 + req.signal);
+                    if let Some((status, at)) = p.exited() {
+                        let events = self.events.clone();
+                        let (id, exec_id, pid) = (req.id.clone(), req.exec_id.clone(), c.pid);
+                        tokio::spawn(async move {
+                            events.exit(&id, &exec_id, pid, status, at).await;
+                        });
+                    }
                     if req.exec_id.is_empty() {
                         if let Some(clone) = c.clone.take().and_then(|c| Arc::try_unwrap(c).ok()) {
                             let _ = clone.delete().await;
@@ -559,6 +617,7 @@ impl Task for Service {
         }
         let _ = std::fs::remove_file(self.cfg.vsock(&c.bundle));
         let (code, at) = c.init.exited().unwrap_or((137, Timestamp::now()));
+        (self.events.delete(&req.id, c.pid, code, at.clone())).await;
         Ok(api::DeleteResponse {
             pid: c.pid,
             exit_status: code,

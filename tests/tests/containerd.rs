@@ -22,6 +22,7 @@ struct Containerd {
     child: Child,
     sock: PathBuf,
     log: PathBuf,
+    namespace: &'static str,
 }
 
 impl Drop for Containerd {
@@ -44,10 +45,32 @@ impl Containerd {
     /// Starts containerd with its files in `scratch`, the shim's binary directory first
     /// on its `PATH` and the shim's guest and directory in its environment.
     fn start(scratch: &Scratch) -> Containerd {
+        Self::start_with(scratch, false)
+    }
+
+    /// [`Containerd::start`], with the CRI plugin on (namespace `k8s.io`, a runtime
+    /// handler `forkvm`, the busybox image as the sandbox image) when `cri`.
+    fn start_with(scratch: &Scratch, cri: bool) -> Containerd {
+        Self::start_env(scratch, cri, &[])
+    }
+
+    /// [`Containerd::start_with`], the shim's environment changed by `env`.
+    fn start_env(scratch: &Scratch, cri: bool, env: &[(&str, String)]) -> Containerd {
         let sock = scratch.path("containerd.sock");
+        let plugins = match cri {
+            false => "disabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n".to_string(),
+            true => format!(
+                "[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"{IMAGE}\"\n\
+                 [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  \
+                 runtime_type = \"io.containerd.runc.v2\"\n\
+                 [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.forkvm]\n  \
+                 runtime_type = \"io.containerd.forkvm.v2\"\n\
+                 [plugins.\"io.containerd.grpc.v1.cri\".cni]\n  conf_dir = \"{}\"\n",
+                scratch.path("cni").display()
+            ),
+        };
         let config = format!(
-            "version = 2\nroot = \"{root}\"\nstate = \"{state}\"\n\
-             disabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n\
+            "version = 2\nroot = \"{root}\"\nstate = \"{state}\"\n{plugins}\
              [grpc]\n  address = \"{sock}\"\n[ttrpc]\n  address = \"{sock}.ttrpc\"\n",
             root = scratch.path("root").display(),
             state = scratch.path("state").display(),
@@ -74,12 +97,19 @@ impl Containerd {
             // The template's snapshot is kept from run to run (named by its inputs).
             .env("FORKVM_SHIM_DIR", tests::cache::cache_dir().join("shim"))
             .env("FORKVM_SHIM_IMAGES_MIB", "256")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("containerd");
-        let c = Containerd { child, sock, log };
+        let namespace = if cri { "k8s.io" } else { NAMESPACE };
+        let c = Containerd {
+            child,
+            sock,
+            log,
+            namespace,
+        };
         let deadline = Instant::now() + Duration::from_secs(30);
         while !c.ctr(&["version"]).status.success() {
             assert!(
@@ -100,7 +130,7 @@ impl Containerd {
         let mut cmd = Command::new("ctr");
         cmd.arg("--address")
             .arg(&self.sock)
-            .args(["--namespace", NAMESPACE])
+            .args(["--namespace", self.namespace])
             .args(args)
             .stdin(Stdio::null());
         cmd
@@ -342,4 +372,208 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
         "{:?}",
         processes_naming(&scratch.path("").display().to_string())
     );
+}
+
+/// `crictl` against containerd `c`: its status and stdout (its stderr after a line
+/// `--- stderr` when it failed).
+fn crictl(c: &Containerd, args: &[&str]) -> (i32, String) {
+    let endpoint = format!("unix://{}", c.sock.display());
+    let out = Command::new(CRICTL)
+        .args([
+            "--runtime-endpoint",
+            &endpoint,
+            "--image-endpoint",
+            &endpoint,
+        ])
+        .args(["--timeout", "120s"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("crictl");
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        text += "--- stderr\n";
+        text += &String::from_utf8_lossy(&out.stderr);
+    }
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// Where `scripts/install-deps.sh test` builds crictl.
+const CRICTL: &str = "/var/cache/forkvm/bin/crictl";
+
+#[test]
+fn linux_crictl_runs_a_pod_whose_container_is_a_clone() {
+    if !kvm_available("containerd_cri") {
+        return;
+    }
+    let crictl_built = std::path::Path::new(CRICTL).exists();
+    if !have("containerd") || !crictl_built {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs containerd and crictl (scripts/install-deps.sh test)"
+        );
+        eprintln!("SKIPPED: containerd or crictl is not installed (scripts/install-deps.sh test)");
+        return;
+    }
+    let scratch = Scratch::new("containerd-cri");
+    std::fs::create_dir_all(scratch.path("cni")).unwrap();
+    let archive = scratch.path("busybox.tar");
+    tests::oci::busybox_image(&archive, IMAGE, &["sh", "echo", "sleep", "cat"]);
+    let c = Containerd::start_with(&scratch, true);
+    let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+
+    // A pod on the host's network (no CNI), its sandbox a placeholder, its container a
+    // clone of the image's template.
+    let logs = scratch.path("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let pod = scratch.path("pod.json");
+    std::fs::write(
+        &pod,
+        format!(
+            r#"{{"metadata":{{"name":"p1","namespace":"default","uid":"u1","attempt":0}},
+                "log_directory":"{}",
+                "linux":{{"security_context":{{"namespace_options":{{"network":2}}}}}}}}"#,
+            logs.display()
+        ),
+    )
+    .unwrap();
+    let container = scratch.path("container.json");
+    std::fs::write(
+        &container,
+        format!(
+            r#"{{"metadata":{{"name":"c1"}},"image":{{"image":"{IMAGE}"}},
+                "command":["sh","-c","echo hello from a pod; trap 'exit 0' TERM; while :; do sleep 1; done"],
+                "log_path":"c1.log"}}"#
+        ),
+    )
+    .unwrap();
+    let (code, pod_id) = crictl(&c, &["runp", "--runtime", "forkvm", pod.to_str().unwrap()]);
+    assert_eq!(code, 0, "{pod_id}\n{}", c.log());
+    let pod_id = pod_id.trim().to_string();
+    let (code, id) = crictl(
+        &c,
+        &[
+            "create",
+            &pod_id,
+            container.to_str().unwrap(),
+            pod.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{id}\n{}", c.log());
+    let id = id.trim().to_string();
+    let (code, text) = crictl(&c, &["start", &id]);
+    assert_eq!(code, 0, "{text}\n{}", c.log());
+    tests::wait_until(
+        "the container's first line in its log",
+        Duration::from_secs(120),
+        || crictl(&c, &["logs", &id]).1.contains("hello from a pod"),
+    );
+    let (code, text) = crictl(
+        &c,
+        &["exec", "-s", &id, "sh", "-c", "echo from exec; exit 3"],
+    );
+    assert!(text.contains("from exec"), "{code} {text}\n{}", c.log());
+    assert!(code != 0 && text.contains("exited with 3"), "{code} {text}");
+    // Stopped: SIGTERM reaches its trap; the exit reaches CRI (the shim's event).
+    let (code, text) = crictl(&c, &["stop", "--timeout", "60", &id]);
+    assert_eq!(code, 0, "{text}\n{}", c.log());
+    let (_, text) = crictl(&c, &["inspect", &id]);
+    assert!(
+        text.contains("\"exitCode\": 0") && text.contains("CONTAINER_EXITED"),
+        "{text}"
+    );
+    for args in [
+        vec!["rm", id.as_str()],
+        vec!["stopp", &pod_id],
+        vec!["rmp", &pod_id],
+    ] {
+        let (code, text) = crictl(&c, &args);
+        assert_eq!(code, 0, "{args:?}: {text}\n{}", c.log());
+    }
+    let (_, pods) = crictl(&c, &["pods", "-q"]);
+    assert_eq!(pods.trim(), "", "{pods}");
+    tests::wait_until("the shims to exit", Duration::from_secs(20), || {
+        processes_naming(&c.sock.display().to_string()).is_empty()
+    });
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(&scratch.path("").display().to_string()),
+        "{mounts}"
+    );
+    drop(c);
+}
+
+#[test]
+fn linux_ctr_reports_a_template_or_an_image_that_cannot_be_had_and_leaves_nothing() {
+    if !kvm_available("containerd_errors") {
+        return;
+    }
+    if !have("containerd") || !have("ctr") {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs containerd (scripts/install-deps.sh test)"
+        );
+        eprintln!("SKIPPED: containerd and ctr are not installed (scripts/install-deps.sh test)");
+        return;
+    }
+    let scratch = Scratch::new("containerd-errors");
+    let archive = scratch.path("busybox.tar");
+    tests::oci::busybox_image(&archive, IMAGE, &["sh", "echo"]);
+    let shim_dir = scratch.path("shim").display().to_string();
+    let cases = [
+        (
+            "template",
+            vec![
+                (
+                    "FORKVM_SHIM_KERNEL",
+                    scratch.path("no-such-vmlinux").display().to_string(),
+                ),
+                ("FORKVM_SHIM_DIR", shim_dir.clone()),
+            ],
+            "the template:",
+        ),
+        (
+            "image",
+            vec![
+                ("FORKVM_SHIM_IMAGES_MIB", "1".to_string()),
+                ("FORKVM_SHIM_DIR", shim_dir.clone()),
+            ],
+            "the root file system's image:",
+        ),
+    ];
+    for (name, env, says) in cases {
+        let dir = Scratch::new(&format!("containerd-errors-{name}"));
+        let c = Containerd::start_env(&dir, false, &env);
+        let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
+        assert!(out.status.success(), "{out:?}");
+        let (code, out, err) = c.run(name, &[], &["echo", "never"]);
+        assert_ne!(code, 0, "{out}{err}");
+        assert!(err.contains(says), "{name}: {err}\n{}", c.log());
+        assert!(!out.contains("never"), "{out}");
+        // Nothing left: no task, no shim, no VMM, no mount; no snapshot half made.
+        let tasks = c.ctr(&["task", "ls", "-q"]);
+        assert_eq!(String::from_utf8_lossy(&tasks.stdout), "");
+        tests::wait_until("the shim to exit", Duration::from_secs(20), || {
+            processes_naming(&c.sock.display().to_string()).is_empty()
+        });
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(
+            !mounts.contains(&dir.path("").display().to_string()),
+            "{mounts}"
+        );
+        assert!(
+            processes_naming(&shim_dir).is_empty(),
+            "{:?}",
+            processes_naming(&shim_dir)
+        );
+        drop(c);
+    }
+    let left: Vec<String> = std::fs::read_dir(&shim_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("template") && n != "template.lock")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }

@@ -117,19 +117,6 @@ fn clones_get_their_own_image_in_a_disk_slot_forked_or_warm() {
         [None, Some(two.display().to_string())]
     );
 
-    // A VM with an image in a slot is not snapshotted (not supported yet).
-    let sock = socket_of(&made[1]);
-    assert_eq!(
-        api_request(sock, "PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0,
-        204
-    );
-    let dir = scratch.path("snap");
-    let body = format!(r#"{{"dir":"{}"}}"#, dir.display());
-    let (code, text) = api_request(sock, "PUT", "/snapshot", Some(&body));
-    assert_eq!(code, 409, "{text}");
-    assert!(text.contains("disk slot"), "{text}");
-    assert!(!dir.exists());
-
     // Refused before any clone exists, each with its reason.
     let before = vm.describe()["warm_clones"]["launched"].clone();
     for (media, status, says) in [

@@ -74,6 +74,9 @@ impl Container {
     }
 }
 
+/// The serving shim's pid, in the bundle of the container it was started for.
+const SHIM_PID: &str = "forkvm-shim.pid";
+
 /// The shim: its configuration and its containers.
 #[derive(Clone)]
 pub struct Service {
@@ -333,10 +336,32 @@ impl Shim for Service {
 
     async fn start_shim(&mut self, opts: StartOpts) -> Result<String, Error> {
         let grouping = opts.id.clone();
-        spawn(opts, &grouping, Vec::new()).await
+        let address = spawn(opts, &grouping, Vec::new()).await?;
+        // In the bundle (the working directory): a restarted containerd reconnects to
+        // the shim at this address.
+        containerd_shim::asynchronous::util::write_str_to_file("address", &address).await?;
+        Ok(address)
     }
 
     async fn delete_shim(&mut self) -> Result<api::DeleteResponse, Error> {
+        // containerd cleans up after a shim it lost (restarted, it cannot load the
+        // task): the serving shim of this bundle (the working directory) goes, and its
+        // VMMs with it (they die with their parent), and so does its socket.
+        if let Some(pid) = (std::fs::read_to_string(SHIM_PID).ok())
+            .and_then(|p| p.trim().parse::<i32>().ok())
+            .filter(|&p| p > 0 && p != std::process::id() as i32)
+        {
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
+            if exe.is_some() && exe == std::env::current_exe().ok() {
+                // SAFETY: signals the shim process this bundle recorded, by its pid,
+                // checked to run this program.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        let _ = std::fs::remove_file(SHIM_PID);
+        if let Ok(bundle) = std::env::current_dir() {
+            let _ = std::fs::remove_file(self.cfg.vsock(&bundle.display().to_string()));
+        }
         let mut r = api::DeleteResponse::new();
         r.exited_at = MessageField::some(Timestamp::now());
         r.exit_status = 137;
@@ -349,6 +374,10 @@ impl Shim for Service {
 
     async fn create_task_service(&self, publisher: RemotePublisher) -> Self::T {
         self.events.connect(publisher);
+        // For `delete_shim`, run in this bundle after containerd lost this process.
+        if let Err(e) = std::fs::write(SHIM_PID, std::process::id().to_string()) {
+            log::warn!("{SHIM_PID}: {e}");
+        }
         self.clone()
     }
 }

@@ -5,8 +5,10 @@
 //! process's output (stdout and stderr apart, as written), environment, directory and
 //! exit status reach `ctr`; a container's writes are its own; a program that is not
 //! there is 127; `ctr task exec` runs a second process in the container's VM, `pause`
-//! and `resume` pause its VM, `kill` delivers the signal; nothing is left running or
-//! mounted. Needs Debian's containerd (`scripts/install-deps.sh test`).
+//! and `resume` pause its VM, `kill` delivers the signal; a detached container runs on
+//! while containerd restarts and is found again; nothing is left running or mounted.
+//! The CRI plugin runs a pod with `crictl`; a template or image that cannot be had
+//! fails `ctr run` with its reason. Needs Debian's containerd (`scripts/install-deps.sh test`).
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
@@ -23,21 +25,13 @@ struct Containerd {
     sock: PathBuf,
     log: PathBuf,
     namespace: &'static str,
+    /// Starts containerd again as it was started.
+    command: Box<dyn Fn() -> Child>,
 }
 
 impl Drop for Containerd {
     fn drop(&mut self) {
-        // SAFETY: signals the containerd this test started, by its pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
     }
 }
 
@@ -85,41 +79,78 @@ impl Containerd {
             std::env::var("PATH").unwrap_or_default()
         );
         let log = scratch.path("containerd.log");
-        let child = Command::new("containerd")
-            .arg("--config")
-            .arg(&config_path)
-            .env("PATH", path)
-            .env("FORKVM_SHIM_KERNEL", tests::cache::guest_image("vmlinux"))
-            .env(
-                "FORKVM_SHIM_INITRD",
-                tests::cache::guest_image("initramfs.cpio"),
-            )
-            // The template's snapshot is kept from run to run (named by its inputs).
-            .env("FORKVM_SHIM_DIR", tests::cache::cache_dir().join("shim"))
-            .env("FORKVM_SHIM_IMAGES_MIB", "256")
-            .envs(env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("containerd");
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        let log_file = log.clone();
+        let command = move || {
+            Command::new("containerd")
+                .arg("--config")
+                .arg(&config_path)
+                .env("PATH", &path)
+                .env("FORKVM_SHIM_KERNEL", tests::cache::guest_image("vmlinux"))
+                .env(
+                    "FORKVM_SHIM_INITRD",
+                    tests::cache::guest_image("initramfs.cpio"),
+                )
+                // The template's snapshot is kept from run to run (named by its inputs).
+                .env("FORKVM_SHIM_DIR", tests::cache::cache_dir().join("shim"))
+                .env("FORKVM_SHIM_IMAGES_MIB", "256")
+                .envs(env.iter().map(|(k, v)| (k, v)))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(
+                    (std::fs::File::options().create(true).append(true))
+                        .open(&log_file)
+                        .unwrap(),
+                )
+                .spawn()
+                .expect("containerd")
+        };
         let namespace = if cri { "k8s.io" } else { NAMESPACE };
         let c = Containerd {
-            child,
+            child: command(),
             sock,
             log,
             namespace,
+            command: Box::new(command),
         };
+        c.wait_serving();
+        c
+    }
+
+    fn wait_serving(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !c.ctr(&["version"]).status.success() {
+        while !self.ctr(&["version"]).status.success() {
             assert!(
                 Instant::now() < deadline,
                 "containerd did not serve: {}",
-                c.log()
+                self.log()
             );
             std::thread::sleep(Duration::from_millis(100));
         }
-        c
+    }
+
+    /// Stops containerd (SIGTERM) and starts it again as it was: its shims go on.
+    fn restart(&mut self) {
+        self.stop();
+        self.child = (self.command)();
+        self.wait_serving();
+    }
+
+    fn stop(&mut self) {
+        // SAFETY: signals the containerd this test started, by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     fn log(&self) -> String {
@@ -187,6 +218,51 @@ fn have(program: &str) -> bool {
         .args(["-c", &format!("command -v {program}")])
         .output()
         .is_ok_and(|o| o.status.success())
+}
+
+/// A container started detached runs on while containerd restarts: the restarted
+/// containerd finds it through its shim (the bundle's `address`), runs `exec` in it
+/// and kills it; nothing of it is left.
+fn survives_a_restart(c: &mut Containerd) {
+    let script = "while :; do sleep 1; done";
+    let out = c.ctr(&[
+        "run",
+        "-d",
+        "--runtime",
+        "io.containerd.forkvm.v2",
+        IMAGE,
+        "five",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(c.task_status("five"), "RUNNING");
+    c.restart();
+    assert_eq!(c.task_status("five"), "RUNNING", "{}", c.log());
+    let exec = c.ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "e2",
+        "five",
+        "echo",
+        "still here",
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&exec.stdout),
+        "still here\n",
+        "{exec:?}"
+    );
+    let killed = c.ctr(&["task", "kill", "-s", "SIGKILL", "five"]);
+    assert!(killed.status.success(), "{killed:?}");
+    tests::wait_until("the task to stop", Duration::from_secs(30), || {
+        c.task_status("five") == "STOPPED"
+    });
+    for args in [["task", "delete", "five"], ["container", "delete", "five"]] {
+        let out = c.ctr(&args);
+        assert!(out.status.success(), "{args:?}: {out:?}");
+    }
 }
 
 /// A container that runs until it is sent SIGTERM: its first line reaches `ctr` while
@@ -354,6 +430,8 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     );
 
     running_container(&c);
+    let mut c = c;
+    survives_a_restart(&mut c);
 
     // Nothing left: no container or task, no shim or VMM, no mount.
     let tasks = c.ctr(&["task", "ls", "-q"]);

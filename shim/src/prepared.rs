@@ -39,6 +39,32 @@ pub fn path(cfg: &ShimConfig, base: &Path, key: &str) -> PathBuf {
     cfg.dir.join(format!("prepared-{hash}-{key}"))
 }
 
+/// Removes the image templates whose image is no longer in the image cache (evicted:
+/// they could not be restored), each under its lock, and the lock files left of them.
+fn prune(cfg: &ShimConfig) {
+    for e in std::fs::read_dir(&cfg.dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("prepared-") else {
+            continue;
+        };
+        // prepared-<template hash>-<image key>, and its lock file beside it.
+        let Some((_, key)) = rest.trim_end_matches(".lock").split_once('-') else {
+            continue;
+        };
+        let image = cfg.dir.join("images").join(format!("{key}.ext4"));
+        if image.exists() {
+            continue;
+        }
+        if e.path().is_dir() {
+            let _lock = config::lock(&e.path().with_extension("lock")).ok();
+            let _ = std::fs::remove_dir_all(e.path());
+            log::info!("removed {name}: its image is gone");
+        } else if name.ends_with(".lock") && !e.path().with_extension("").exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Image `key`'s template (`image` in slot 0, writable), made now if there is none
 /// (one shim at a time: a lock file), warmed for `program` run with environment `env`.
 pub async fn prepared(
@@ -58,6 +84,7 @@ pub async fn prepared(
     if dir.join("state").exists() {
         return Ok(dir);
     }
+    prune(cfg);
     let started = std::time::Instant::now();
     let vsock = cfg.vsock(&dir.display().to_string());
     let template = config::template(cfg, base, &vsock, "").await?;

@@ -59,10 +59,7 @@ impl ShimConfig {
     /// The host socket of the vsock device of the template for the container whose
     /// bundle is `bundle`: named by a hash of the bundle's path.
     pub fn vsock(&self, bundle: &str) -> PathBuf {
-        let hex: String = Sha256::digest(bundle.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let hex = hex(&Sha256::digest(bundle.as_bytes()));
         self.run_dir.join(format!("{}.vsock", &hex[..24]))
     }
 
@@ -86,9 +83,14 @@ impl ShimConfig {
             h.update(b"\0");
         }
         h.update(CMDLINE.as_bytes());
-        let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        let hex = hex(&h.finalize());
         self.dir.join(format!("template-{}", &hex[..16]))
     }
+}
+
+/// `bytes` in lower-case hexadecimal (a digest in a file name).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Why the template could not be had.

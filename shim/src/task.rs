@@ -94,6 +94,17 @@ fn rpc_error(code: Code, message: impl std::fmt::Display) -> containerd_shim_pro
     })
 }
 
+/// A process with a terminal (`-t`) is refused: not supported yet.
+fn refuse_terminal(terminal: bool) -> TtrpcResult<()> {
+    match terminal {
+        true => Err(rpc_error(
+            Code::UNIMPLEMENTED,
+            "a terminal (-t) is not supported yet",
+        )),
+        false => Ok(()),
+    }
+}
+
 fn not_found(id: &str) -> containerd_shim_protos::ttrpc::Error {
     rpc_error(Code::NOT_FOUND, format!("no container {id:?}"))
 }
@@ -151,8 +162,7 @@ fn rootfs_key(mounts: &[api::Mount]) -> String {
         }
         h.update(b"\n");
     }
-    let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    format!("rootfs-{}", &hex[..32])
+    format!("rootfs-{}", &config::hex(&h.finalize())[..32])
 }
 
 impl Service {
@@ -194,15 +204,14 @@ impl Service {
         let t1 = Instant::now();
         let limits = limits(&spec);
         let vsock = self.cfg.vsock(&req.bundle);
-        let base = match self.cfg.boot_each {
-            true => PathBuf::new(),
-            false => (config::base(&self.cfg).await).map_err(|e| format!("the template: {e}"))?,
-        };
-        let from_image = match self.cfg.boot_each {
-            true => None,
+        // Booting a VM per container (for comparison) has no snapshots to restore.
+        let (base, from_image) = match self.cfg.boot_each {
+            true => (PathBuf::new(), None),
             false => {
-                self.image_template(&base, &key, &image, process, &vsock, &limits)
-                    .await
+                let base = config::base(&self.cfg).await;
+                let base = base.map_err(|e| format!("the template: {e}"))?;
+                let t = (self.image_template(&base, &key, &image, process, &vsock, &limits)).await;
+                (base, t)
             }
         };
         let prepared = from_image.is_some();
@@ -389,12 +398,7 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::CreateTaskRequest,
     ) -> TtrpcResult<api::CreateTaskResponse> {
-        if req.terminal {
-            return Err(rpc_error(
-                Code::UNIMPLEMENTED,
-                "a terminal (-t) is not supported yet",
-            ));
-        }
+        refuse_terminal(req.terminal)?;
         let c = self
             .make(&req)
             .await
@@ -488,12 +492,7 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::ExecProcessRequest,
     ) -> TtrpcResult<api::Empty> {
-        if req.terminal {
-            return Err(rpc_error(
-                Code::UNIMPLEMENTED,
-                "a terminal (-t) is not supported yet",
-            ));
-        }
+        refuse_terminal(req.terminal)?;
         let process: oci_spec::runtime::Process = serde_json::from_slice(&req.spec.value)
             .map_err(|e| rpc_error(Code::INVALID_ARGUMENT, format!("the exec's process: {e}")))?;
         let command =

@@ -10,7 +10,7 @@
 //! The CRI plugin runs a pod with `crictl`; a template or image that cannot be had
 //! fails `ctr run` with its reason. Needs Debian's containerd (`scripts/install-deps.sh test`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -171,6 +171,16 @@ impl Containerd {
         self.ctr_command(args).output().expect("ctr")
     }
 
+    /// Waits for this containerd's shims to exit, and checks nothing is mounted under
+    /// `dir` (its root, state, bundles).
+    fn assert_shims_gone_and_unmounted(&self, dir: &Path) {
+        tests::wait_until("the shims to exit", Duration::from_secs(20), || {
+            processes_naming(&self.sock.display().to_string()).is_empty()
+        });
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!mounts.contains(&dir.display().to_string()), "{mounts}");
+    }
+
     /// The status `ctr task ls` shows for task `id`.
     fn task_status(&self, id: &str) -> String {
         let out = self.ctr(&["task", "ls"]);
@@ -211,6 +221,25 @@ fn processes_naming(text: &str) -> Vec<String> {
         }
     }
     found
+}
+
+/// Whether test `test` can run: KVM, containerd and ctr (and with `cri`, crictl) are
+/// here. Without them it is skipped, loudly, but fails in CI.
+fn ready(test: &str, cri: bool) -> bool {
+    if !kvm_available(test) {
+        return false;
+    }
+    let tools = have("containerd") && have("ctr") && (!cri || Path::new(CRICTL).exists());
+    if !tools {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs containerd, ctr and crictl (scripts/install-deps.sh test)"
+        );
+        eprintln!(
+            "SKIPPED: containerd, ctr or crictl is not installed (scripts/install-deps.sh test)"
+        );
+    }
+    tools
 }
 
 fn have(program: &str) -> bool {
@@ -367,15 +396,7 @@ fn running_container(c: &Containerd) {
 
 #[test]
 fn linux_ctr_runs_each_container_in_a_fresh_clone() {
-    if !kvm_available("containerd") {
-        return;
-    }
-    if !have("containerd") || !have("ctr") {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI needs containerd (scripts/install-deps.sh test)"
-        );
-        eprintln!("SKIPPED: containerd and ctr are not installed (scripts/install-deps.sh test)");
+    if !ready("containerd", false) {
         return;
     }
     let scratch = Scratch::new("containerd");
@@ -438,12 +459,7 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     assert_eq!(String::from_utf8_lossy(&tasks.stdout), "");
     let containers = c.ctr(&["containers", "ls", "-q"]);
     assert_eq!(String::from_utf8_lossy(&containers.stdout), "");
-    let state = scratch.path("state").display().to_string();
-    tests::wait_until("the shims to exit", Duration::from_secs(20), || {
-        processes_naming(&c.sock.display().to_string()).is_empty()
-    });
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(!mounts.contains(&state), "{mounts}");
+    c.assert_shims_gone_and_unmounted(&scratch.path(""));
     drop(c);
     assert!(
         processes_naming(&scratch.path("").display().to_string()).is_empty(),
@@ -481,16 +497,7 @@ const CRICTL: &str = "/var/cache/forkvm/bin/crictl";
 
 #[test]
 fn linux_crictl_runs_a_pod_whose_container_is_a_clone() {
-    if !kvm_available("containerd_cri") {
-        return;
-    }
-    let crictl_built = std::path::Path::new(CRICTL).exists();
-    if !have("containerd") || !crictl_built {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI needs containerd and crictl (scripts/install-deps.sh test)"
-        );
-        eprintln!("SKIPPED: containerd or crictl is not installed (scripts/install-deps.sh test)");
+    if !ready("containerd_cri", true) {
         return;
     }
     let scratch = Scratch::new("containerd-cri");
@@ -571,28 +578,13 @@ fn linux_crictl_runs_a_pod_whose_container_is_a_clone() {
     }
     let (_, pods) = crictl(&c, &["pods", "-q"]);
     assert_eq!(pods.trim(), "", "{pods}");
-    tests::wait_until("the shims to exit", Duration::from_secs(20), || {
-        processes_naming(&c.sock.display().to_string()).is_empty()
-    });
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(
-        !mounts.contains(&scratch.path("").display().to_string()),
-        "{mounts}"
-    );
+    c.assert_shims_gone_and_unmounted(&scratch.path(""));
     drop(c);
 }
 
 #[test]
 fn linux_ctr_reports_a_template_or_an_image_that_cannot_be_had_and_leaves_nothing() {
-    if !kvm_available("containerd_errors") {
-        return;
-    }
-    if !have("containerd") || !have("ctr") {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI needs containerd (scripts/install-deps.sh test)"
-        );
-        eprintln!("SKIPPED: containerd and ctr are not installed (scripts/install-deps.sh test)");
+    if !ready("containerd_errors", false) {
         return;
     }
     let scratch = Scratch::new("containerd-errors");
@@ -632,14 +624,7 @@ fn linux_ctr_reports_a_template_or_an_image_that_cannot_be_had_and_leaves_nothin
         // Nothing left: no task, no shim, no VMM, no mount; no snapshot half made.
         let tasks = c.ctr(&["task", "ls", "-q"]);
         assert_eq!(String::from_utf8_lossy(&tasks.stdout), "");
-        tests::wait_until("the shim to exit", Duration::from_secs(20), || {
-            processes_naming(&c.sock.display().to_string()).is_empty()
-        });
-        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-        assert!(
-            !mounts.contains(&dir.path("").display().to_string()),
-            "{mounts}"
-        );
+        c.assert_shims_gone_and_unmounted(&dir.path(""));
         assert!(
             processes_naming(&shim_dir).is_empty(),
             "{:?}",

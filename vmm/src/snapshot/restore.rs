@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::mem::ManuallyDrop;
-use std::os::fd::IntoRawFd;
+use std::os::fd::{IntoRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -363,6 +363,26 @@ fn check(
     Ok(())
 }
 
+/// Disk image `path` opened again (read-only), and, for a writable one (its overlay
+/// directory `cow`), its overlay `saved` in the snapshot copied into `cow`.
+fn reopen(
+    path: &Path,
+    saved: &Path,
+    cow: Option<&Path>,
+) -> Result<(RawFd, Option<OverlaySnapshot>), RestoreError> {
+    let disk_error = |source| RestoreError::Disk {
+        path: path.display().to_string(),
+        source,
+    };
+    let image = File::open(path).map_err(disk_error)?;
+    let size = image.metadata().map_err(disk_error)?.len();
+    let overlay = match cow {
+        Some(cow) => Some(OverlaySnapshot::from_kept(saved, cow, size)?),
+        None => None,
+    };
+    Ok((image.into_raw_fd(), overlay))
+}
+
 /// A snapshot read and checked against this host, not started yet.
 pub struct Restoring {
     dir: PathBuf,
@@ -431,28 +451,11 @@ impl Restoring {
         let mut disk_fds = Vec::with_capacity(config.disks.len());
         let mut overlays = ManuallyDrop::new(Vec::with_capacity(config.disks.len()));
         for (i, d) in config.disks.iter().enumerate() {
-            let image = File::open(&d.path).map_err(|source| RestoreError::Disk {
-                path: d.path.display().to_string(),
-                source,
-            })?;
-            let size = image
-                .metadata()
-                .map_err(|source| RestoreError::Disk {
-                    path: d.path.display().to_string(),
-                    source,
-                })?
-                .len();
-            overlays.push(match &d.cow_dir {
-                Some(cow) => Some(OverlaySnapshot::from_kept(
-                    &dir.join(overlay_file(i)),
-                    cow,
-                    size,
-                )?),
-                None => None,
-            });
-            disk_fds.push(image.into_raw_fd());
+            let saved = dir.join(overlay_file(i));
+            let (fd, overlay) = reopen(&d.path, &saved, d.cow_dir.as_deref())?;
+            overlays.push(overlay);
+            disk_fds.push(fd);
         }
-
         // The slots' media: opened again, a writable one's overlay copied as a disk's
         // (after the disks', as the devices count them).
         let mut slots = Vec::with_capacity(file.config.slot_media.len());
@@ -462,21 +465,11 @@ impl Restoring {
                 overlays.push(None);
                 continue;
             };
-            let disk_error = |source| RestoreError::Disk {
-                path: m.path.display().to_string(),
-                source,
-            };
-            let image = File::open(&m.path).map_err(disk_error)?;
-            let size = image.metadata().map_err(disk_error)?.len();
-            overlays.push(match (m.writable, &config.slot_cow_dir) {
-                (true, Some(cow)) => Some(OverlaySnapshot::from_kept(
-                    &dir.join(overlay_file(config.disks.len() + k)),
-                    cow,
-                    size,
-                )?),
-                _ => None,
-            });
-            slots.push(Some((image.into_raw_fd(), m.path.clone())));
+            let saved = dir.join(overlay_file(config.disks.len() + k));
+            let cow = config.slot_cow_dir.as_deref().filter(|_| m.writable);
+            let (fd, overlay) = reopen(&m.path, &saved, cow)?;
+            overlays.push(overlay);
+            slots.push(Some((fd, m.path.clone())));
         }
         marks.done("disks");
         let state = &file.state;

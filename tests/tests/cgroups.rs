@@ -174,6 +174,23 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
     }
     let scratch = Scratch::new("cg-v1");
     let parent = Parent::new("v1");
+    // Pools a killed VMM left behind (a pid that is gone) are swept when the next VMM
+    // under the same parent starts; a live process's are kept.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let dead = format!("vmm-{}/small-7", gone.id());
+    let live = format!("vmm-{}/small-7", std::process::id());
+    for c in V1 {
+        for leaf in [&dead, &live] {
+            std::fs::create_dir_all(
+                Path::new("/sys/fs/cgroup")
+                    .join(c)
+                    .join(&*parent)
+                    .join(leaf),
+            )
+            .unwrap();
+        }
+    }
     let (mut vm, base) = v1_template(
         &scratch,
         &parent,
@@ -187,6 +204,16 @@ fn clones_are_placed_in_pooled_v1_cgroups_and_the_pool_recovers() {
         ],
     );
     let vmm_pid = vm.child.id();
+    for c in V1 {
+        let dir = Path::new("/sys/fs/cgroup").join(c).join(&*parent);
+        assert!(
+            !dir.join(&dead).parent().unwrap().exists(),
+            "{c}: {dead} kept"
+        );
+        assert!(dir.join(&live).exists(), "{c}: {live} swept");
+        std::fs::remove_dir(dir.join(&live)).unwrap();
+        std::fs::remove_dir(dir.join(&live).parent().unwrap()).unwrap();
+    }
     // Pre-created: two per class, limits written; one of the default class is the
     // forker's seat (it waits inside for the next clone).
     wait_until("the forker to take its seat", BOOT, || {

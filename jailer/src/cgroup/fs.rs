@@ -131,6 +131,14 @@ impl CgroupFs {
         Ok(fs)
     }
 
+    /// The same hierarchy with `name` (a cgroup under this parent) as the parent.
+    pub fn below(&self, name: &str) -> Self {
+        Self {
+            parent: format!("{}/{name}", self.parent),
+            ..self.clone()
+        }
+    }
+
     /// v1 or v2.
     pub fn version(&self) -> CgroupVersion {
         self.version

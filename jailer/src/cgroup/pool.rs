@@ -466,6 +466,46 @@ pub fn cleanup(fs: &CgroupFs) -> Result<usize, CgroupError> {
     Ok(names.len())
 }
 
+/// Removes the pools left by VMMs that died without removing them (killed with
+/// SIGKILL, say): each `vmm-<pid>` directly under `top`'s parent whose process `alive`
+/// says is gone and whose cgroups hold no process. A directory with a process in it is
+/// left alone, whatever its name says. Returns the `vmm-<pid>` names removed.
+///
+/// `alive` is asked per pid; a VMM passes "a process with this pid exists", so a pid
+/// reused by another process only delays the sweep to a later start.
+pub fn sweep_dead_vmms(
+    top: &CgroupFs,
+    alive: impl Fn(i32) -> bool,
+) -> Result<Vec<String>, CgroupError> {
+    let mut swept = Vec::new();
+    for name in top.list()? {
+        let Some(pid) = name
+            .strip_prefix("vmm-")
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if alive(pid) {
+            continue;
+        }
+        let pools = top.below(&name);
+        let names = pools.tree()?;
+        let mut busy = false;
+        for n in &names {
+            busy |= !pools.procs(n)?.is_empty();
+        }
+        if busy {
+            continue;
+        }
+        for n in &names {
+            pools.remove(n)?;
+        }
+        top.remove(&name)?;
+        swept.push(name);
+    }
+    Ok(swept)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -694,6 +734,33 @@ mod tests {
         let top = CgroupFs::fake(&root.0, CgroupVersion::V1, "forkvm").unwrap();
         assert_eq!(cleanup(&top).unwrap(), 2);
         assert!(!root.0.join("memory/forkvm").exists());
+    }
+
+    #[test]
+    fn dead_vmms_pools_are_swept_and_live_ones_kept() {
+        let root = TempRoot::new("sweep");
+        for (vmm, leaves) in [
+            ("vmm-10", &["a-1"][..]),
+            ("vmm-11", &["a-1"]),
+            ("vmm-12", &["b", "b/c"]),
+        ] {
+            let fs = CgroupFs::fake(&root.0, CgroupVersion::V1, &format!("forkvm/{vmm}")).unwrap();
+            for leaf in leaves {
+                fs.create(leaf, &class()).unwrap();
+            }
+        }
+        std::fs::create_dir_all(root.0.join("memory/forkvm/not-a-vmm")).unwrap();
+        // vmm-12 is dead but one of its cgroups still holds a process.
+        std::fs::write(root.0.join("pids/forkvm/vmm-12/b/c/cgroup.procs"), "4242\n").unwrap();
+        let top = CgroupFs::fake(&root.0, CgroupVersion::V1, "forkvm").unwrap();
+        let swept = sweep_dead_vmms(&top, |pid| pid == 11).unwrap();
+        assert_eq!(swept, vec!["vmm-10".to_string()]);
+        for c in ["cpu", "cpuacct", "memory", "pids"] {
+            assert!(!root.0.join(c).join("forkvm/vmm-10").exists(), "{c}");
+            assert!(root.0.join(c).join("forkvm/vmm-11/a-1").exists(), "{c}");
+            assert!(root.0.join(c).join("forkvm/vmm-12/b/c").exists(), "{c}");
+        }
+        assert!(root.0.join("memory/forkvm/not-a-vmm").exists());
     }
 
     #[test]

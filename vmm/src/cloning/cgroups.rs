@@ -138,6 +138,27 @@ pub struct ClonePools {
     restore: Mutex<Vec<Restore>>,
 }
 
+/// Removes the pools that VMMs killed before they could remove them (SIGKILL, OOM
+/// kill) left under the same parent: a `vmm-<pid>` whose process is gone and whose
+/// cgroups are empty. Failure only warns: those pools cost this VMM nothing.
+fn sweep_dead_vmms(cfg: &CgroupConfig) {
+    let alive = |pid: i32| {
+        // Signal 0 checks that the pid exists; EPERM means it does (not ours).
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+            .map_or_else(|e| e != nix::errno::Errno::ESRCH, |()| true)
+    };
+    let swept = CgroupFs::host(cfg.version, &cfg.parent)
+        .and_then(|top| jailer::cgroup::pool::sweep_dead_vmms(&top, alive));
+    match swept {
+        Ok(s) if s.is_empty() => {}
+        Ok(s) => tracing::info!(
+            "removed cgroup pools of VMMs that are gone: {}",
+            s.join(", ")
+        ),
+        Err(e) => tracing::warn!("sweeping dead VMMs' cgroup pools under {}: {e}", cfg.parent),
+    }
+}
+
 impl ClonePools {
     /// Finds the hierarchy and pre-creates every class's pool under
     /// `<parent>/vmm-<pid>`.
@@ -183,6 +204,7 @@ impl ClonePools {
                 Err(e) => tracing::warn!("cgroup forker: {e}; v1 clones move themselves in"),
             }
         }
+        sweep_dead_vmms(cfg);
         made.open_ahead();
         made.reseat();
         tracing::info!(

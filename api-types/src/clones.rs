@@ -140,6 +140,20 @@ pub struct InsertMedium {
     pub writable: bool,
 }
 
+/// An image for a disk slot of a running VM (`PUT /slots/{slot}`): the slot must be
+/// empty. The guest's driver is told by a configuration-change interrupt.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SlotMedium {
+    /// The image: a host file of whole 512-byte sectors, opened read-only by the VM's
+    /// VMM.
+    pub path: std::path::PathBuf,
+    /// Whether the guest may write it: its writes go to a new copy-on-write overlay of
+    /// this VM's (in its `--slot-cow-dir`), never to the image. Read-only by default.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub writable: bool,
+}
+
 impl std::fmt::Display for InsertMedium {
     /// `SLOT:PATH`, or `rw:SLOT:PATH` for a writable medium.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -33,7 +33,7 @@ pub mod vm;
 pub use cgroup::{CloneCgroup, ResourceClass, Usage};
 pub use clones::{
     CloneAddresses, CloneConsole, CloneInfo, CloneList, CloneNet, CloneRateLimits, CloneStatus,
-    CreateClones, InsertMedium, MAX_DISK_SLOTS,
+    CreateClones, InsertMedium, SlotMedium, MAX_DISK_SLOTS,
 };
 pub use invoke::{InvokeOptions, InvokeReport, Outcome};
 pub use net::{Ipv4Cidr, MacAddr};

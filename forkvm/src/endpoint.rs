@@ -102,6 +102,30 @@ impl Endpoint {
         }
     }
 
+    /// `PUT /slots/{slot}` with `medium`, or `DELETE /slots/{slot}` for None.
+    pub async fn set_medium(
+        &self,
+        slot: u8,
+        medium: Option<&api_types::SlotMedium>,
+    ) -> Result<(), Error> {
+        let path = format!("/slots/{slot}");
+        let a = match medium {
+            Some(m) => {
+                let body = serde_json::to_vec(m).map_err(|e| Error::Protocol(e.to_string()))?;
+                self.call("PUT", &path, body.into(), self.call_timeout)
+                    .await?
+            }
+            None => {
+                self.call("DELETE", &path, Bytes::new(), self.call_timeout)
+                    .await?
+            }
+        };
+        match a.status {
+            204 => Ok(()),
+            _ => Err(refusal(&a)),
+        }
+    }
+
     /// `GET /vm`.
     pub async fn status(&self) -> Result<VmInfo, Error> {
         self.json("GET", "/vm", Bytes::new()).await

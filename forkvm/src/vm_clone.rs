@@ -162,6 +162,29 @@ impl VmClone {
         self.ep.snapshot(dir.as_ref()).await
     }
 
+    /// Puts the image at `path` (as the clone's VMM sees it) into empty disk slot
+    /// `slot` of the running clone (`PUT /slots/{slot}`): read-only, or writable
+    /// through a new overlay of the clone's own. The guest learns of it from an
+    /// interrupt, on its own time.
+    pub async fn insert_medium(
+        &self,
+        slot: u8,
+        path: impl Into<PathBuf>,
+        writable: bool,
+    ) -> Result<(), Error> {
+        let medium = api_types::SlotMedium {
+            path: path.into(),
+            writable,
+        };
+        self.ep.set_medium(slot, Some(&medium)).await
+    }
+
+    /// Takes the image out of disk slot `slot` (`DELETE /slots/{slot}`); the guest
+    /// must have stopped using it (unmounted it) first.
+    pub async fn eject_medium(&self, slot: u8) -> Result<(), Error> {
+        self.ep.set_medium(slot, None).await
+    }
+
     /// Pauses its vCPUs (`PATCH /vm` paused); its devices' host sides stay up.
     pub async fn pause(&self) -> Result<(), Error> {
         self.ep.set_state(true).await

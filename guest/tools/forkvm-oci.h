@@ -23,6 +23,12 @@
  * With --prepare it stops after the mounts: it reads PROGRAM (found on PATH in the root
  * file system) and its interpreter into the page cache and exits 0, so that a snapshot
  * of this VM has the root file system mounted and the program warm for its clones.
+ *
+ *   forkvm-oci [--slot N] --release
+ *
+ * Unmounts slot N's root file system and everything under it (lazily: what a process
+ * still holds goes when it lets go), so that the slot's medium can be ejected and
+ * another inserted (a pod's container that ended). Nothing mounted is no error.
  */
 #ifndef FORKVM_OCI_H
 #define FORKVM_OCI_H
@@ -63,7 +69,8 @@ static void oci_usage(void)
 {
     fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--prepare] [--timeout-s S] "
                     "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
-                    "-- PROGRAM [ARG]...\n");
+                    "-- PROGRAM [ARG]...\n"
+                    "       forkvm-oci [--slot N] --release\n");
     exit(125);
 }
 
@@ -191,7 +198,8 @@ static void oci_warm(const char *root, const char *prog, char **env)
 
 static int oci_main(int argc, char **argv)
 {
-    int slot = 0, readonly = 0, prepare = 0, timeout_s = 30, nenv = 0, have_path = 0;
+    int slot = 0, readonly = 0, prepare = 0, release = 0, timeout_s = 30, nenv = 0;
+    int have_path = 0;
     const char *hostname = NULL, *cwd = "/";
     unsigned long uid = 0, gid = 0;
     char *env[OCI_MAX_ENV + 2];
@@ -207,6 +215,9 @@ static int oci_main(int argc, char **argv)
             continue;
         } else if (strcmp(a, "--prepare") == 0) {
             prepare = 1;
+            continue;
+        } else if (strcmp(a, "--release") == 0) {
+            release = 1;
             continue;
         }
         if (!v)
@@ -243,6 +254,14 @@ static int oci_main(int argc, char **argv)
         } else {
             oci_usage();
         }
+    }
+    if (release) {
+        char root[64];
+        snprintf(root, sizeof root, "/run/forkvm/rootfs%d", slot);
+        /* Detaching the root detaches its proc, sysfs and /dev mounts with it. */
+        if (umount2(root, MNT_DETACH) != 0 && errno != EINVAL && errno != ENOENT)
+            oci_fail("release", "%s: %s", root, strerror(errno));
+        return 0;
     }
     if (i >= argc)
         oci_usage();

@@ -420,8 +420,78 @@ fn linux_sees_the_image_inserted_into_its_clones_slot() {
         0,
         "anonymous overlays"
     );
-    containers_in_clones(&scratch, &vm);
+    let rootfs = containers_in_clones(&scratch, &vm);
+    media_changed_while_running(&vm, &rootfs, &image, &look);
     vm.shutdown(LINUX_BOOT);
+}
+
+/// A running clone of `vm` (slot 0 empty) takes a medium (`PUT /slots/0`): the
+/// container root file system `rootfs`, writable, which a container runs on; gives it
+/// up once released (`DELETE /slots/0`), and takes another (`image`, read-only) that
+/// the guest reads fresh (`look` prints its first bytes); a clone of the clone inherits
+/// it. Requests that do not fit are refused with the slot as it was.
+fn media_changed_while_running(vm: &tests::Vm, rootfs: &Path, image: &Path, look: &str) {
+    let (code, text) = api_request(&vm.sock, "POST", "/clones", Some("{}"));
+    assert_eq!(code, 201, "{text}");
+    let made: Value = serde_json::from_str(&text).unwrap();
+    let c = socket_of(&made["clones"][0]);
+    let put = |path: &Path, writable: bool| {
+        let body = format!(r#"{{"path":"{}","writable":{writable}}}"#, path.display());
+        api_request(c, "PUT", "/slots/0", Some(&body))
+    };
+    let (code, text) = put(rootfs, true);
+    assert_eq!(code, 204, "{text}");
+    let shown = rootfs.display().to_string();
+    assert_eq!(writable(c), vec![(Some(shown), true)]);
+    let run = "forkvm-oci -- sh -c 'cat /etc/motd; echo hot > /tmp/f; cat /tmp/f'";
+    let (code, out, err) = tests::vmm_exec(c, &["--", run], b"");
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "from the image\nhot\n"),
+        "{err}"
+    );
+    let (code, text) = put(image, false);
+    assert_eq!(code, 409, "a full slot: {text}");
+    // Released in the guest, then ejected: the driver sees the slot empty.
+    let (code, out, err) = tests::vmm_exec(c, &["--", "forkvm-oci --release"], b"");
+    assert_eq!(code, Some(0), "{out}{err}");
+    let (code, text) = api_request(c, "DELETE", "/slots/0", None);
+    assert_eq!(code, 204, "{text}");
+    assert_eq!(media(c), vec![None]);
+    let gone = "i=0; while [ $(cat /sys/block/vda/size) != 0 ] && [ $i -lt 300 ]; do \
+                sleep 0.1; i=$((i+1)); done; cat /sys/block/vda/size";
+    let (code, out, err) = tests::vmm_exec(c, &["--", gone], b"");
+    assert_eq!((code, out.as_str()), (Some(0), "0\n"), "{err}");
+    let (code, text) = api_request(c, "DELETE", "/slots/0", None);
+    assert_eq!(code, 409, "an empty slot: {text}");
+    let (code, text) = api_request(c, "PUT", "/slots/3", Some(r#"{"path":"/x"}"#));
+    assert_eq!(code, 409, "no such slot: {text}");
+    let (code, text) = put(Path::new("/nonexistent.img"), false);
+    assert_eq!(code, 400, "{text}");
+    assert!(text.contains("/nonexistent.img"), "{text}");
+    assert_eq!(media(c), vec![None], "refusals change nothing");
+    // Another medium: the guest reads its bytes, not the last one's.
+    let (code, text) = put(image, false);
+    assert_eq!(code, 204, "{text}");
+    let (code, out, err) = tests::vmm_exec(c, &["--", look], b"");
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "size=16\nforkvm-medium-\n"),
+        "{err}"
+    );
+    let (code, text) = api_request(c, "POST", "/clones", Some("{}"));
+    assert_eq!(code, 201, "{text}");
+    let grand: Value = serde_json::from_str(&text).unwrap();
+    let g = socket_of(&grand["clones"][0]);
+    let (code, out, err) = tests::vmm_exec(g, &["--", look], b"");
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "size=16\nforkvm-medium-\n"),
+        "{err}"
+    );
+    for s in [g, c] {
+        api_request(s, "PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#));
+    }
 }
 
 /// A busybox root file system tree in `dir` (Debian's static busybox, the host's).
@@ -444,7 +514,8 @@ fn busybox_tree(dir: &Path) {
 /// run in each with `forkvm-oci` through the agent: its hostname, user, directory,
 /// environment and exit status as asked; each container's writes its own; a program
 /// that is not there 127; a VM with no medium says so (125).
-fn containers_in_clones(scratch: &Scratch, vm: &tests::Vm) {
+/// Returns the image.
+fn containers_in_clones(scratch: &Scratch, vm: &tests::Vm) -> std::path::PathBuf {
     let tree = scratch.path("rootfs");
     busybox_tree(&tree);
     let images = forkvm::ImageCache::new(scratch.path("images"), 64 << 20).unwrap();
@@ -492,6 +563,7 @@ fn containers_in_clones(scratch: &Scratch, vm: &tests::Vm) {
     for c in [one, two] {
         api_request(c, "PUT", "/actions", Some(r#"{"action_type":"shutdown"}"#));
     }
+    image
 }
 
 #[test]

@@ -223,6 +223,17 @@ impl Vmm {
                 Ok(VmmData::CreatedClones(CloneList { clones }))
             }
             VmmAction::Snapshot(dir) => Ok(VmmData::Snapshot(Box::new(self.snapshot(&dir)?))),
+            VmmAction::InsertMedium(m) => {
+                self.vm.insert_medium(&m)?;
+                // Warm clones were captured with the slot as it was.
+                self.clones.discard_warm_clones();
+                Ok(VmmData::Empty)
+            }
+            VmmAction::EjectMedium(slot) => {
+                self.vm.eject_medium(slot)?;
+                self.clones.discard_warm_clones();
+                Ok(VmmData::Empty)
+            }
             VmmAction::ListClones => Ok(VmmData::Clones(CloneList {
                 clones: self.clones.list_clones(),
             })),

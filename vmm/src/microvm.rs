@@ -216,6 +216,20 @@ impl Microvm {
         &self.devices
     }
 
+    /// Puts an image into an empty disk slot of the running VM (`PUT /slots/{k}`).
+    pub fn insert_medium(
+        &mut self,
+        medium: &api_types::InsertMedium,
+    ) -> Result<(), crate::device_manager::SlotChangeError> {
+        let cow_dir = self.config.slot_cow_dir.clone();
+        self.devices.insert_medium(medium, cow_dir.as_deref())
+    }
+
+    /// Takes the image out of disk slot `slot` of the running VM (`DELETE /slots/{k}`).
+    pub fn eject_medium(&mut self, slot: u8) -> Result<(), crate::device_manager::SlotChangeError> {
+        self.devices.eject_medium(slot)
+    }
+
     /// The vCPU threads, by index.
     pub fn vcpus(&self) -> &[VcpuHandle] {
         &self.vcpus

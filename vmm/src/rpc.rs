@@ -49,6 +49,10 @@ pub enum VmmAction {
     Invoke(Box<Invocation>),
     /// Write a snapshot of the paused VM to this new directory (`PUT /snapshot`).
     Snapshot(std::path::PathBuf),
+    /// Put an image into an empty disk slot of the VM (`PUT /slots/{k}`).
+    InsertMedium(api_types::InsertMedium),
+    /// Take the image out of a disk slot (`DELETE /slots/{k}`).
+    EjectMedium(u8),
 }
 
 /// What the VMM core answers.
@@ -85,6 +89,9 @@ pub enum VmmActionError {
     /// The snapshot was refused or failed (the VM goes on as before).
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
+    /// A disk slot did not take or give up its medium (it is as it was).
+    #[error(transparent)]
+    Slot(#[from] crate::device_manager::SlotChangeError),
     /// No live clone has this id.
     #[error("no running clone with id {0:?}")]
     NoSuchClone(String),

@@ -2,7 +2,8 @@
 //! thread. Read-only, or writable through a private copy-on-write [`overlay`] (the
 //! image itself is never written). A **disk slot** is a disk with no medium (0
 //! sectors, every read an I/O error) into which a clone's VMM inserts an image as it
-//! makes the clone ([`Medium::Inserted`]); the guest learns of it from a
+//! makes the clone ([`Medium::Inserted`]), or a running VM's VMM through its
+//! [`MediumHandle`] (which also ejects it); the guest learns of it from a
 //! configuration-change interrupt (`MmioTransport::notify_config_change`).
 
 pub mod overlay;
@@ -10,7 +11,7 @@ pub mod overlay;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use overlay::Overlay;
 
@@ -129,8 +130,8 @@ impl Persist for Block {
         let end = self.id.iter().position(|b| *b == 0).unwrap_or(ID_BYTES);
         BlockState {
             id: String::from_utf8_lossy(&self.id[..end]).into_owned(),
-            sectors: self.sectors,
-            writable: self.overlay.is_some(),
+            sectors: self.sectors(),
+            writable: self.overlay().is_some(),
             writable_slot: self.writable_slot,
         }
     }
@@ -165,10 +166,11 @@ impl Persist for Block {
             }
         };
         let block = Self::from_file(file, &args.shown, &state.id)?.with_writable_slot(slot);
-        if block.sectors != state.sectors {
+        if block.sectors() != state.sectors {
             return Err(changed(format!(
                 "{} sectors, the saved disk had {}",
-                block.sectors, state.sectors
+                block.sectors(),
+                state.sectors
             )));
         }
         if state.writable != args.overlay.is_some() {
@@ -211,15 +213,106 @@ struct RequestHeader {
 // SAFETY: plain old data with no padding (u32, u32, u64), valid for any bit pattern.
 unsafe impl ByteValued for RequestHeader {}
 
+/// What a disk has in it: the image, its overlay if writable, its capacity.
+#[derive(Clone, Default)]
+struct Loaded {
+    /// The image (None: an empty slot, of 0 sectors).
+    file: Option<Arc<File>>,
+    overlay: Option<Arc<Mutex<Overlay>>>,
+    sectors: u64,
+}
+
+fn read(m: &RwLock<Loaded>) -> std::sync::RwLockReadGuard<'_, Loaded> {
+    m.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write(m: &RwLock<Loaded>) -> std::sync::RwLockWriteGuard<'_, Loaded> {
+    m.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why a medium cannot be inserted into or ejected from a running slot.
+#[derive(Debug, thiserror::Error)]
+pub enum MediumError {
+    /// The slot holds a medium already.
+    #[error("the slot holds a medium already (eject it first)")]
+    Full,
+    /// The slot is empty.
+    #[error("the slot is empty")]
+    Empty,
+    /// A writable medium in a slot the guest was shown as read-only.
+    #[error("the slot is read-only (the VM has no slot overlay directory)")]
+    ReadOnlySlot,
+    /// The image has no sectors, or not a whole number of them.
+    #[error("{0}")]
+    Image(#[from] BlockError),
+    /// An empty image.
+    #[error("{0} is empty (0 sectors)")]
+    EmptyImage(String),
+}
+
+/// The handle a VMM changes a disk slot's medium through while the VM runs: the
+/// device's worker takes the new medium with its next requests. The guest is told by a
+/// configuration-change interrupt, which is the caller's to raise.
+#[derive(Clone)]
+pub struct MediumHandle {
+    medium: Arc<RwLock<Loaded>>,
+    writable_slot: bool,
+}
+
+impl MediumHandle {
+    /// Puts `file` (named `shown` in errors) into the empty slot: read-only, or
+    /// writable through `overlay` in a slot shown as writable.
+    pub fn insert(
+        &self,
+        file: File,
+        shown: &str,
+        overlay: Option<Overlay>,
+    ) -> Result<(), MediumError> {
+        if overlay.is_some() && !self.writable_slot {
+            return Err(MediumError::ReadOnlySlot);
+        }
+        let sectors = image_sectors(&file, shown)?;
+        if sectors == 0 {
+            return Err(MediumError::EmptyImage(shown.to_string()));
+        }
+        let mut m = write(&self.medium);
+        if m.file.is_some() {
+            return Err(MediumError::Full);
+        }
+        *m = Loaded {
+            file: Some(Arc::new(file)),
+            overlay: overlay.map(|o| Arc::new(Mutex::new(o))),
+            sectors,
+        };
+        Ok(())
+    }
+
+    /// Empties the slot: requests from now on fail, as an empty slot's do. Requests a
+    /// worker is serving finish on the old medium.
+    pub fn eject(&self) -> Result<(), MediumError> {
+        let mut m = write(&self.medium);
+        if m.file.is_none() {
+            return Err(MediumError::Empty);
+        }
+        *m = Loaded::default();
+        Ok(())
+    }
+
+    /// The medium's image and overlay, if any.
+    pub fn current(&self) -> (Option<Arc<File>>, Option<Arc<Mutex<Overlay>>>) {
+        let m = read(&self.medium);
+        (m.file.clone(), m.overlay.clone())
+    }
+}
+
 /// A virtio-blk device: read-only, or writable through an overlay; or a disk slot
 /// with no medium.
 pub struct Block {
-    /// The medium (None: an empty slot, of 0 sectors).
-    file: Option<Arc<File>>,
-    overlay: Option<Arc<Mutex<Overlay>>>,
+    /// The medium, shared with the worker (a slot's may change while the VM runs:
+    /// [`MediumHandle`]).
+    medium: Arc<RwLock<Loaded>>,
     /// A slot shown as writable ([`Block::with_writable_slot`]).
     writable_slot: bool,
-    sectors: u64,
     id: [u8; ID_BYTES],
     queue_sizes: [u16; 1],
     limit: Option<RateLimit>,
@@ -241,9 +334,12 @@ impl Block {
     /// names it in errors.
     pub fn from_file(file: File, shown: &str, id: &str) -> Result<Self, BlockError> {
         let sectors = image_sectors(&file, shown)?;
-        let mut block = Self::empty(id);
-        block.file = Some(Arc::new(file));
-        block.sectors = sectors;
+        let block = Self::empty(id);
+        *write(&block.medium) = Loaded {
+            file: Some(Arc::new(file)),
+            overlay: None,
+            sectors,
+        };
         Ok(block)
     }
 
@@ -253,13 +349,11 @@ impl Block {
         let n = id.len().min(ID_BYTES);
         idb[..n].copy_from_slice(&id.as_bytes()[..n]);
         Self {
-            file: None,
-            sectors: 0,
+            medium: Arc::default(),
             id: idb,
             queue_sizes: [QUEUE_SIZE],
             limit: None,
             stats: Arc::default(),
-            overlay: None,
             writable_slot: false,
         }
     }
@@ -273,20 +367,20 @@ impl Block {
     }
 
     /// Makes the disk writable: writes go to `overlay`, never to the image.
-    pub fn with_overlay(mut self, overlay: Overlay) -> Self {
-        self.overlay = Some(Arc::new(Mutex::new(overlay)));
+    pub fn with_overlay(self, overlay: Overlay) -> Self {
+        write(&self.medium).overlay = Some(Arc::new(Mutex::new(overlay)));
         self
     }
 
     /// The overlay, if the disk is writable (the VMM snapshots it for clones while
     /// the device is parked).
     pub fn overlay(&self) -> Option<Arc<Mutex<Overlay>>> {
-        self.overlay.clone()
+        read(&self.medium).overlay.clone()
     }
 
     /// Size in bytes.
     pub fn size(&self) -> u64 {
-        self.sectors * SECTOR_SIZE
+        self.sectors() * SECTOR_SIZE
     }
 
     /// Limits the device's requests (bytes read, and requests of any kind).
@@ -297,13 +391,21 @@ impl Block {
 
     /// Capacity in 512-byte sectors.
     pub fn sectors(&self) -> u64 {
-        self.sectors
+        read(&self.medium).sectors
     }
 
     /// The open image (a clone keeps this descriptor instead of opening the file again);
     /// None for an empty slot.
-    pub fn file(&self) -> Option<&File> {
-        self.file.as_deref()
+    pub fn file(&self) -> Option<Arc<File>> {
+        read(&self.medium).file.clone()
+    }
+
+    /// The handle that changes a slot's medium while the VM runs.
+    pub fn medium_handle(&self) -> MediumHandle {
+        MediumHandle {
+            medium: self.medium.clone(),
+            writable_slot: self.writable_slot,
+        }
     }
 }
 
@@ -321,7 +423,7 @@ impl VirtioDevice for Block {
     }
 
     fn avail_features(&self) -> u64 {
-        let ro = if self.overlay.is_some() || self.writable_slot {
+        let ro = if self.overlay().is_some() || self.writable_slot {
             0
         } else {
             VIRTIO_BLK_F_RO
@@ -337,7 +439,7 @@ impl VirtioDevice for Block {
         // `capacity` (u64 at offset 0) and `seg_max` (u32 at 12); `size_max` (8) is not
         // offered and reads 0.
         let mut cfg = [0u8; 16];
-        cfg[..8].copy_from_slice(&self.sectors.to_le_bytes());
+        cfg[..8].copy_from_slice(&self.sectors().to_le_bytes());
         cfg[12..].copy_from_slice(&SEG_MAX.to_le_bytes());
         for (i, b) in data.iter_mut().enumerate() {
             *b = (offset as usize)
@@ -366,9 +468,8 @@ impl VirtioDevice for Block {
         let queue = super::single_queue(queues, "virtio-blk")?;
         let limiter = super::new_limiter(self.limit.as_ref(), "virtio-blk", &self.stats)?;
         Ok(Box::new(super::Limited(Worker {
-            file: self.file.clone(),
-            overlay: self.overlay.clone(),
-            sectors: self.sectors,
+            medium: self.medium.clone(),
+            cur: Loaded::default(),
             id: self.id,
             mem,
             queue,
@@ -380,9 +481,10 @@ impl VirtioDevice for Block {
 }
 
 struct Worker {
-    file: Option<Arc<File>>,
-    overlay: Option<Arc<Mutex<Overlay>>>,
-    sectors: u64,
+    /// The device's medium.
+    medium: Arc<RwLock<Loaded>>,
+    /// The medium as the current batch of requests found it.
+    cur: Loaded,
     id: [u8; ID_BYTES],
     mem: GuestMemoryMmap,
     queue: Queue,
@@ -405,9 +507,12 @@ pub(crate) fn fuzz_process(
     interrupt: &Arc<VirtioInterrupt>,
 ) -> Queue {
     let mut w = Worker {
-        file,
-        overlay,
-        sectors,
+        medium: Arc::new(RwLock::new(Loaded {
+            file,
+            overlay,
+            sectors,
+        })),
+        cur: Loaded::default(),
         id: [b'f'; ID_BYTES],
         mem: mem.clone(),
         queue,
@@ -437,6 +542,8 @@ impl super::LimitedQueue for Worker {
 
 impl Worker {
     fn process_queue(&mut self) {
+        // A slot's medium may have changed since the last batch.
+        self.cur = read(&self.medium).clone();
         let mut used_any = false;
         while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
             let head = chain.head_index();
@@ -492,7 +599,7 @@ impl Worker {
     /// The medium (an empty slot has none, and 0 sectors: no request in range reaches
     /// here with data).
     fn medium(&self) -> std::io::Result<&File> {
-        (self.file.as_deref()).ok_or_else(|| std::io::Error::other("no medium in the slot"))
+        (self.cur.file.as_deref()).ok_or_else(|| std::io::Error::other("no medium in the slot"))
     }
 
     /// Whether `len` bytes at `sector` lie inside the disk.
@@ -500,7 +607,7 @@ impl Worker {
         sector
             .checked_mul(SECTOR_SIZE)
             .and_then(|o| o.checked_add(len as u64))
-            .is_some_and(|e| e <= self.sectors * SECTOR_SIZE)
+            .is_some_and(|e| e <= self.cur.sectors * SECTOR_SIZE)
     }
 
     fn execute(
@@ -528,7 +635,7 @@ impl Worker {
                 ok(in_chunks(start, data_len, |off, len| {
                     let chunk = &mut buf[..len];
                     let file = self.medium()?;
-                    match &self.overlay {
+                    match &self.cur.overlay {
                         Some(o) => lock(o).read_at(file, chunk, off),
                         None => file.read_exact_at(chunk, off),
                     }?;
@@ -537,7 +644,7 @@ impl Worker {
             }
             VIRTIO_BLK_T_OUT => {
                 // Read-only device: writes fail.
-                let Some(o) = &self.overlay else {
+                let Some(o) = &self.cur.overlay else {
                     return VIRTIO_BLK_S_IOERR;
                 };
                 let len = reader.available_bytes();
@@ -564,7 +671,7 @@ impl Worker {
                 ok(written)
             }
             // Flushes make the overlay's writes durable (a read-only disk has none).
-            VIRTIO_BLK_T_FLUSH => match &self.overlay {
+            VIRTIO_BLK_T_FLUSH => match &self.cur.overlay {
                 Some(o) => ok(lock(o).flush()),
                 None => VIRTIO_BLK_S_OK,
             },
@@ -657,7 +764,7 @@ mod tests {
         assert_eq!(block.sectors(), sectors);
         Rig {
             mem: GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x40_0000)]).unwrap(),
-            file: block.file.clone(),
+            file: block.file(),
             _disk: TempFile(path),
             irq: EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap(),
             overlay: None,
@@ -666,15 +773,29 @@ mod tests {
 
     /// Runs one request chain through a worker; returns (status byte, used length).
     fn run(rig: &Rig, hdr: RequestHeader, descs: &[RawDescriptor]) -> (u8, u32) {
+        let medium = Arc::new(RwLock::new(Loaded {
+            file: rig.file.clone(),
+            overlay: rig.overlay.clone(),
+            sectors: (rig.file.as_ref()).map_or(0, |f| f.metadata().unwrap().len() / SECTOR_SIZE),
+        }));
+        run_on(rig, medium, hdr, descs)
+    }
+
+    /// Runs one request chain through a worker over `medium`.
+    fn run_on(
+        rig: &Rig,
+        medium: Arc<RwLock<Loaded>>,
+        hdr: RequestHeader,
+        descs: &[RawDescriptor],
+    ) -> (u8, u32) {
         rig.mem.write_obj(hdr, GuestAddress(HDR)).unwrap();
         rig.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
         let vq = MockSplitQueue::new(&rig.mem, 16);
         vq.add_desc_chains(descs, 0).unwrap();
         let queue: Queue = vq.create_queue().unwrap();
         let mut w = Worker {
-            file: rig.file.clone(),
-            overlay: rig.overlay.clone(),
-            sectors: (rig.file.as_ref()).map_or(0, |f| f.metadata().unwrap().len() / SECTOR_SIZE),
+            medium,
+            cur: Loaded::default(),
             id: *b"test-disk\0\0\0\0\0\0\0\0\0\0\0",
             mem: rig.mem.clone(),
             queue,
@@ -714,9 +835,12 @@ mod tests {
         }
         vq.add_desc_chains(&descs, 0).unwrap();
         let mut w = Worker {
-            file: rig.file.clone(),
-            overlay: None,
-            sectors: 64,
+            medium: Arc::new(RwLock::new(Loaded {
+                file: rig.file.clone(),
+                overlay: None,
+                sectors: 64,
+            })),
+            cur: Loaded::default(),
             id: [0; ID_BYTES],
             mem: rig.mem.clone(),
             queue: vq.create_queue().unwrap(),
@@ -1028,6 +1152,64 @@ mod tests {
             ],
         );
         assert_eq!(status, VIRTIO_BLK_S_OK);
+    }
+
+    #[test]
+    fn a_running_slot_takes_a_medium_serves_it_and_gives_it_up() {
+        let r = rig(8);
+        let image = || r.file.as_ref().unwrap().try_clone().unwrap();
+        let slot = Block::empty("forkvm-slot1").with_writable_slot(true);
+        let handle = slot.medium_handle();
+        let chain = [
+            desc(HDR, 16, NEXT, 1),
+            desc(DATA, 512, NEXT | WRITE, 2),
+            desc(STATUS, 1, WRITE, 0),
+        ];
+        let read5 = || run_on(&r, slot.medium.clone(), hdr(VIRTIO_BLK_T_IN, 5), &chain).0;
+        assert_eq!(read5(), VIRTIO_BLK_S_IOERR, "empty");
+        assert!(matches!(handle.eject(), Err(MediumError::Empty)));
+        handle.insert(image(), "img", None).unwrap();
+        assert_eq!((slot.sectors(), slot.file().is_some()), (8, true));
+        assert_eq!(read5(), VIRTIO_BLK_S_OK);
+        let mut buf = [0u8; 512];
+        r.mem.read_slice(&mut buf, GuestAddress(DATA)).unwrap();
+        assert!(buf.iter().all(|b| *b == 5));
+        assert!(matches!(
+            handle.insert(image(), "img", None),
+            Err(MediumError::Full)
+        ));
+        handle.eject().unwrap();
+        assert_eq!((slot.sectors(), slot.file().is_none()), (0, true));
+        assert_eq!(read5(), VIRTIO_BLK_S_IOERR, "ejected");
+        // Writable: through an overlay, only in a slot shown as writable.
+        let overlay = || Overlay::create(&std::env::temp_dir(), 8 * SECTOR_SIZE).unwrap();
+        handle.insert(image(), "img", Some(overlay())).unwrap();
+        assert!(slot.overlay().is_some() && slot.save().writable);
+        let ro = Block::empty("forkvm-slot2").medium_handle();
+        assert!(matches!(
+            ro.insert(image(), "img", Some(overlay())),
+            Err(MediumError::ReadOnlySlot)
+        ));
+        let empty = tempfile_of(0);
+        assert!(matches!(
+            ro.insert(empty, "nothing", None),
+            Err(MediumError::EmptyImage(_))
+        ));
+    }
+
+    /// An anonymous file of `len` bytes.
+    fn tempfile_of(len: u64) -> File {
+        let path = std::env::temp_dir().join(format!("forkvm-blk-empty-{}", std::process::id()));
+        let f = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        f.set_len(len).unwrap();
+        f
     }
 
     #[test]

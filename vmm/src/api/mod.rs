@@ -113,6 +113,18 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
             parse_json::<CreateSnapshot>(&req.body)?.dir.into(),
         )),
         ("POST", "/invocations") => invoke::route(req).map(|i| VmmAction::Invoke(Box::new(i))),
+        ("PUT", path) if slot_of(path).is_some() => {
+            let slot = slot_number(path)?;
+            let m = parse_json::<api_types::SlotMedium>(&req.body)?;
+            Ok(VmmAction::InsertMedium(api_types::InsertMedium {
+                slot,
+                path: m.path,
+                writable: m.writable,
+            }))
+        }
+        ("DELETE", path) if slot_of(path).is_some() => {
+            Ok(VmmAction::EjectMedium(slot_number(path)?))
+        }
         ("DELETE", path) if clone_id(path).is_some() => {
             Ok(VmmAction::DeleteClone(path["/clones/".len()..].to_string()))
         }
@@ -121,6 +133,19 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
             None => Err(ApiReply::error(404, format!("no such resource {path}"))),
         },
     }
+}
+
+/// The slot in a `/slots/{slot}` path, as written.
+fn slot_of(path: &str) -> Option<&str> {
+    path.strip_prefix("/slots/").filter(|s| !s.is_empty())
+}
+
+/// The slot number in a `/slots/{slot}` path: 400 unless it is one (its range is the
+/// VM's to check).
+fn slot_number(path: &str) -> Result<u8, ApiReply> {
+    let s = slot_of(path).unwrap_or_default();
+    s.parse()
+        .map_err(|_| ApiReply::error(400, format!("{s:?} is no disk slot number")))
 }
 
 /// The clone id in a `/clones/{id}` path.
@@ -209,6 +234,9 @@ pub fn status_of(e: &VmmActionError) -> u16 {
                 _ => 500,
             }
         }
+        VmmActionError::Slot(e) if e.is_conflict() => 409,
+        VmmActionError::Slot(crate::device_manager::SlotChangeError::Image { .. }) => 400,
+        VmmActionError::Slot(_) => 500,
         VmmActionError::NoSuchClone(_) => 404,
         VmmActionError::ShuttingDown => 503,
     }

@@ -8,7 +8,7 @@
 
 use api_types::{
     Action, CloneInfo, CloneList, CreateClones, CreateSnapshot, ErrorBody, InvokeOptions,
-    SnapshotInfo, VmInfo, VmUpdate,
+    SlotMedium, SnapshotInfo, VmInfo, VmUpdate,
 };
 use schemars::generate::SchemaSettings;
 use schemars::{JsonSchema, Schema, SchemaGenerator};
@@ -191,6 +191,46 @@ pub const ROUTES: &[Route] = &[
     },
     Route {
         method: "put",
+        path: "/slots/{slot}",
+        summary: "Put an image into an empty disk slot of the running VM (docs/slots.md): \
+                  read-only, or writable through a new overlay of the VM's own. The guest \
+                  is told by the device's configuration-change interrupt. The VM's warm \
+                  clones are discarded (they were captured without it).",
+        request: Some((schema::<SlotMedium>, true)),
+        answers: &[
+            answer(204, "Inserted."),
+            answer(
+                400,
+                "The body is malformed, or the image cannot be a medium (missing, \
+                 unreadable, empty, not whole 512-byte sectors).",
+            ),
+            answer(
+                409,
+                "No such slot, the slot holds a medium, or a writable medium in a VM \
+                 without a slot overlay directory.",
+            ),
+            answer(500, "The host failed to make the overlay (the slot stays empty)."),
+        ],
+        query: None,
+        raw: false,
+    },
+    Route {
+        method: "delete",
+        path: "/slots/{slot}",
+        summary: "Take the image out of a disk slot of the running VM (its overlay goes \
+                  with it); the guest must have unmounted it. The guest is told by the \
+                  device's configuration-change interrupt.",
+        request: None,
+        answers: &[
+            answer(204, "Ejected: the slot is empty."),
+            answer(400, "The slot is no number."),
+            answer(409, "No such slot, or it is empty."),
+        ],
+        query: None,
+        raw: false,
+    },
+    Route {
+        method: "put",
         path: "/snapshot",
         summary: "Write a snapshot of the paused VM (its state, its memory as a sparse file, \
                   its writable disks' overlays; every file owner-only) to a new directory \
@@ -340,8 +380,17 @@ fn operation(route: &Route, g: &mut SchemaGenerator, error: &Value) -> Value {
             "content": { "application/octet-stream": { "schema": { "type": "string", "format": "binary" } } },
         });
     }
-    if route.path.contains('{') {
+    if route.path.contains("{id}") {
         op["parameters"] = id_parameter();
+    }
+    if route.path.contains("{slot}") {
+        op["parameters"] = json!([{
+            "name": "slot",
+            "in": "path",
+            "required": true,
+            "description": "The disk slot (0 for the first).",
+            "schema": { "type": "integer", "minimum": 0, "maximum": 7 },
+        }]);
     }
     if let Some(query) = route.query {
         op["parameters"] = query_parameters(query(g), g);
@@ -410,6 +459,7 @@ mod tests {
     fn template(path: &str) -> &str {
         match path {
             p if p.starts_with("/clones/") => "/clones/{id}",
+            p if p.starts_with("/slots/") => "/slots/{slot}",
             p => p,
         }
     }
@@ -429,6 +479,7 @@ mod tests {
             "/actions",
             "/clones",
             "/clones/2.1",
+            "/slots/1",
             "/invocations",
             "/nope",
             "/vm/x",
@@ -510,6 +561,48 @@ mod tests {
             "/clones/7",
             VmmActionError::NoSuchClone("7".into()),
         ));
+        use crate::device_manager::SlotChangeError;
+        use devices::virtio::block::MediumError;
+        for (method, e) in [
+            ("put", SlotChangeError::NoSlot { slot: 9, slots: 1 }),
+            ("put", SlotChangeError::ReadOnlySlots(0)),
+            (
+                "put",
+                SlotChangeError::Image {
+                    slot: 0,
+                    why: "x".into(),
+                },
+            ),
+            (
+                "put",
+                SlotChangeError::Medium {
+                    slot: 0,
+                    source: MediumError::Full,
+                },
+            ),
+            (
+                "put",
+                SlotChangeError::Overlay {
+                    slot: 0,
+                    source: devices::virtio::block::overlay::OverlayError::Create {
+                        dir: "d".into(),
+                        source: std::io::Error::other("x"),
+                    },
+                },
+            ),
+            ("delete", SlotChangeError::NoSlot { slot: 9, slots: 1 }),
+            (
+                "delete",
+                SlotChangeError::Medium {
+                    slot: 0,
+                    source: MediumError::Empty,
+                },
+            ),
+        ] {
+            cases.push((method, "/slots/0", e.into()));
+        }
+        let bad = route(request("delete", "/slots/x")).unwrap_err();
+        assert!(statuses("delete", "/slots/x").contains(&bad.status));
         use crate::invoke::InvokeError;
         for e in [
             InvokeError::NoMailbox,

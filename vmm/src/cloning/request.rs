@@ -268,22 +268,8 @@ pub(super) fn check(
 /// A slot's image, opened read-only by the template (so a missing or unreadable one is
 /// the request's error, before any clone exists), of whole 512-byte sectors.
 fn open_medium(m: &api_types::InsertMedium) -> Result<std::fs::File, CloneError> {
-    let why = |what: String| CloneError::Medium {
-        slot: m.slot,
-        why: what,
-    };
-    let shown = m.path.display().to_string();
-    let file = std::fs::File::open(&m.path).map_err(|e| why(format!("{shown}: {e}")))?;
-    let meta = file.metadata().map_err(|e| why(format!("{shown}: {e}")))?;
-    if !meta.is_file() {
-        return Err(why(format!("{shown} is no regular file")));
-    }
-    // The device's own check (whole sectors), and an empty image is no medium.
-    match devices::virtio::block::image_sectors(&file, &shown) {
-        Ok(0) => Err(why(format!("{shown} is empty (0 sectors)"))),
-        Ok(_) => Ok(file),
-        Err(e) => Err(why(e.to_string())),
-    }
+    crate::device_manager::open_image(&m.path)
+        .map_err(|why| CloneError::Medium { slot: m.slot, why })
 }
 
 /// The slot and size of each writable one of `media` (open as `files`), in order.

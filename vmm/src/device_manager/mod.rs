@@ -5,7 +5,7 @@
 mod slots;
 mod virtio;
 
-pub use slots::Inserted;
+pub use slots::{open_image, Inserted, SlotChangeError};
 pub use virtio::VirtioRestore;
 
 use std::fs::File;

@@ -192,7 +192,7 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: "put",
         path: "/slots/{slot}",
-        summary: "Put an image into an empty disk slot of the running VM (docs/slots.md): \
+        summary: "Put an image into an empty disk slot of the running VM (docs/cloning.md, Disk slots): \
                   read-only, or writable through a new overlay of the VM's own. The guest \
                   is told by the device's configuration-change interrupt. The VM's warm \
                   clones are discarded (they were captured without it).",

@@ -477,9 +477,19 @@ const RET_ALLOW: u32 = 0x7fff_0000;
 /// threshold above the largest thread heap (64 MiB) no thread heap is ever shrunk (its
 /// free memory is kept for reuse; wholly free heaps are still unmapped, and allocations
 /// from 128 KiB up are still mapped and unmapped on their own).
+///
+/// Likewise the arena limit: once a process's threads have made 8 malloc arenas, glibc
+/// reads `/sys/devices/system/cpu/online` to size the limit (8 per CPU), and a VMM with
+/// eight disk slots has that many device threads. The limit is set here to what glibc
+/// would choose, so nothing is read.
 pub fn prepare_libc() {
-    // SAFETY: mallopt only sets a parameter of the allocator.
-    unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30) };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let arenas = i32::try_from(8 * cpus).unwrap_or(i32::MAX);
+    // SAFETY: mallopt only sets parameters of the allocator.
+    unsafe {
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_ARENA_MAX, arenas);
+    }
 }
 
 /// Installs `kind`'s filter on the calling thread (nothing when `mode` is off).

@@ -83,6 +83,7 @@ impl ShimConfig {
             h.update(b"\0");
         }
         h.update(CMDLINE.as_bytes());
+        h.update(format!("\0slots={SLOTS}").as_bytes());
         let hex = hex(&h.finalize());
         self.dir.join(format!("template-{}", &hex[..16]))
     }
@@ -115,6 +116,11 @@ pub fn dir_error(path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError + 
         source,
     }
 }
+
+/// The template's disk slots: a pod's VM holds this many containers at once, each
+/// container's root file system in a slot of its own (a container outside a pod uses
+/// slot 0).
+pub const SLOTS: u8 = api_types::MAX_DISK_SLOTS as u8;
 
 /// The resource class of a container's clone: its cgroup (the VMM's pool).
 pub const CLASS: &str = "container";
@@ -194,7 +200,7 @@ fn boot_spec(cfg: &ShimConfig, vsock: &Path) -> TemplateSpec {
         "--vsock".into(),
         vsock.display().to_string(),
         "--disk-slots".into(),
-        "1".into(),
+        SLOTS.to_string(),
         "--slot-cow-dir".into(),
         cfg.overlays().display().to_string(),
     ];

@@ -65,17 +65,21 @@ fn record_exit(exit: &watch::Sender<Exit>, status: u32) {
     });
 }
 
-/// The guest argv that runs OCI process `process` on the root file system in slot 0
-/// (`forkvm-oci`, which the agent runs in its own process), setting `hostname` first if
-/// given.
-pub fn oci_command(process: &Process, hostname: Option<&str>) -> Result<Vec<String>, String> {
+/// The guest argv that runs OCI process `process` on the root file system in disk slot
+/// `slot` (`forkvm-oci`, which the agent runs in its own process), setting `hostname`
+/// first if given.
+pub fn oci_command(
+    process: &Process,
+    hostname: Option<&str>,
+    slot: u8,
+) -> Result<Vec<String>, String> {
     let args = process.args().as_ref().filter(|a| !a.is_empty());
     let args = args.ok_or("the spec's process has no args")?;
     let user = process.user();
     let mut argv: Vec<String> = vec![
         "forkvm-oci".into(),
         "--slot".into(),
-        "0".into(),
+        slot.to_string(),
         "--cwd".into(),
         process.cwd().display().to_string(),
         "--user".into(),

@@ -1,6 +1,12 @@
-//! The shim's task service: one container per shim, its process in a clone of the
-//! template (create), run through the guest agent with `forkvm-oci` (start), its exit
-//! status (wait), stopped with its clone (kill), and nothing left (delete).
+//! The shim's task service: a container's process in a clone of the template (create),
+//! run through the guest agent with `forkvm-oci` (start), its exit status (wait),
+//! stopped with its clone (kill), and nothing left (delete).
+//!
+//! A CRI pod is one clone: one shim serves the pod (containerd starts the shim of each
+//! of its containers with the sandbox's id as their group, and finds this one's
+//! socket), its sandbox makes the clone, and each container's root file system goes
+//! into a disk slot of that clone while it runs (`PUT /slots/{slot}`), its processes
+//! run in the pod's VM.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -40,10 +46,20 @@ struct Container {
     execs: HashMap<String, Proc>,
     /// Whether its VM is paused.
     paused: bool,
-    /// A pod's sandbox (CRI's `io.kubernetes.cri.container-type: sandbox`): no VM, its
-    /// process only a placeholder that runs until it is killed (the pod's containers
-    /// are clones of their own).
+    /// A pod's sandbox (CRI's `io.kubernetes.cri.container-type: sandbox`): the pod's
+    /// VM, its process only a placeholder that runs until it is killed.
     sandbox: bool,
+    /// The sandbox whose VM a pod's container runs in (its root file system in disk
+    /// slot `slot` of that VM); None for a container with a VM of its own (slot 0).
+    in_pod: Option<String>,
+    /// The disk slot of its root file system.
+    slot: u8,
+}
+
+/// A pod's VM and which of its disk slots hold a container's root file system.
+struct Pod {
+    clone: Arc<VmClone>,
+    used: [bool; config::SLOTS as usize],
 }
 
 impl Container {
@@ -83,6 +99,8 @@ pub struct Service {
     cfg: Arc<ShimConfig>,
     exit: Arc<ExitSignal>,
     containers: Arc<Mutex<HashMap<String, Container>>>,
+    /// The pods this shim serves, by sandbox id.
+    pods: Arc<Mutex<HashMap<String, Pod>>>,
     events: Arc<Events>,
 }
 
@@ -114,6 +132,14 @@ fn is_sandbox(spec: &oci_spec::runtime::Spec) -> bool {
     (spec.annotations().as_ref())
         .and_then(|a| a.get("io.kubernetes.cri.container-type"))
         .is_some_and(|t| t == "sandbox")
+}
+
+/// The sandbox a pod's container belongs to (CRI's annotation); a sandbox names itself.
+fn sandbox_id(spec: &oci_spec::runtime::Spec) -> Option<String> {
+    (spec.annotations().as_ref())
+        .and_then(|a| a.get("io.kubernetes.cri.sandbox-id"))
+        .filter(|id| !id.is_empty())
+        .cloned()
 }
 
 /// The OCI spec's CPU and memory limits as a resource class's (`cpu=CPUS,memory=BYTES`;
@@ -173,20 +199,109 @@ impl Service {
         let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
             .map_err(|e| format!("the bundle's config.json: {e}"))?;
         if is_sandbox(&spec) {
-            return Ok(Container {
-                bundle: req.bundle.clone(),
-                pid: std::process::id(),
-                clone_id: String::new(),
-                template: None,
-                clone: None,
-                init: Proc::new(Vec::new(), &req.stdout, &req.stderr),
-                execs: HashMap::new(),
-                paused: false,
-                sandbox: true,
-            });
+            return self.make_pod(req, &spec).await;
         }
         let process = spec.process().as_ref().ok_or("the spec has no process")?;
-        let command = oci_command(process, spec.hostname().as_deref())?;
+        // A pod's container (its sandbox served here): a slot of the pod's VM.
+        let pod = match sandbox_id(&spec) {
+            Some(sandbox) => self.reserve_slot(&sandbox).await?,
+            None => None,
+        };
+        let slot = pod.as_ref().map_or(0, |(_, _, slot)| *slot);
+        let command = oci_command(process, spec.hostname().as_deref(), slot)?;
+        let made = self.make_rootfs(req, &spec, process, command, pod).await;
+        if let (Err(_), Some(sandbox)) = (&made, sandbox_id(&spec)) {
+            self.free_slot(&sandbox, slot).await;
+        }
+        made
+    }
+
+    /// Makes pod `req.id`'s VM: a clone of the template with its slots empty.
+    async fn make_pod(
+        &self,
+        req: &api::CreateTaskRequest,
+        spec: &oci_spec::runtime::Spec,
+    ) -> Result<Container, String> {
+        let vsock = self.cfg.vsock(&req.bundle);
+        let base = match self.cfg.boot_each {
+            true => PathBuf::new(),
+            false => (config::base(&self.cfg).await).map_err(|e| format!("the template: {e}"))?,
+        };
+        let template = config::template(&self.cfg, &base, &vsock, &limits(spec))
+            .await
+            .map_err(|e| format!("the template: {e}"))?;
+        let request = CreateClones {
+            resource_class: Some(config::CLASS.into()),
+            ..Default::default()
+        };
+        let made = template.create_clones(&request).await;
+        let clone = match made.map(|mut c| c.pop()) {
+            Ok(Some(c)) => Arc::new(c),
+            Ok(None) => return Err("no clone was made".into()),
+            Err(e) => {
+                let _ = template.shutdown().await;
+                return Err(format!("the pod's clone: {e}"));
+            }
+        };
+        let pod = Pod {
+            clone: clone.clone(),
+            used: [false; config::SLOTS as usize],
+        };
+        self.pods.lock().await.insert(req.id.clone(), pod);
+        log::info!("{}: the pod's VM is clone {}", req.id, clone.id());
+        Ok(Container {
+            bundle: req.bundle.clone(),
+            pid: clone.pid(),
+            clone_id: clone.id().to_string(),
+            template: Some(template),
+            clone: Some(clone),
+            init: Proc::new(Vec::new(), &req.stdout, &req.stderr),
+            execs: HashMap::new(),
+            paused: false,
+            sandbox: true,
+            in_pod: None,
+            slot: 0,
+        })
+    }
+
+    /// A free disk slot of pod `sandbox`'s VM, taken, with the VM's clone; None if this
+    /// shim does not serve that pod (the container gets a VM of its own).
+    async fn reserve_slot(
+        &self,
+        sandbox: &str,
+    ) -> Result<Option<(String, Arc<VmClone>, u8)>, String> {
+        let mut pods = self.pods.lock().await;
+        let Some(pod) = pods.get_mut(sandbox) else {
+            return Ok(None);
+        };
+        let free = pod.used.iter().position(|u| !u).ok_or_else(|| {
+            format!(
+                "pod {sandbox} runs {} containers, the most its VM holds at once",
+                config::SLOTS
+            )
+        })?;
+        pod.used[free] = true;
+        Ok(Some((sandbox.to_string(), pod.clone.clone(), free as u8)))
+    }
+
+    /// Gives slot `slot` of pod `sandbox`'s VM back.
+    async fn free_slot(&self, sandbox: &str, slot: u8) {
+        if let Some(pod) = self.pods.lock().await.get_mut(sandbox) {
+            pod.used[usize::from(slot)] = false;
+        }
+    }
+
+    /// Makes a container with its root file system as an image: in the slot `pod`
+    /// gives of a pod's VM, or in slot 0 of a clone of its own.
+    async fn make_rootfs(
+        &self,
+        req: &api::CreateTaskRequest,
+        spec: &oci_spec::runtime::Spec,
+        process: &oci_spec::runtime::Process,
+        command: Vec<String>,
+        pod: Option<(String, Arc<VmClone>, u8)>,
+    ) -> Result<Container, String> {
+        let bundle = Path::new(&req.bundle);
         let rootfs = bundle.join("rootfs");
         let t0 = Instant::now();
         for m in &req.rootfs {
@@ -202,7 +317,31 @@ impl Service {
         }
         let (image, made) = built.map_err(|e| format!("the root file system's image: {e}"))?;
         let t1 = Instant::now();
-        let limits = limits(&spec);
+        if let Some((sandbox, clone, slot)) = pod {
+            (clone.insert_medium(slot, &image, true).await)
+                .map_err(|e| format!("the pod's VM took no root file system: {e}"))?;
+            log::info!(
+                "{}: created in pod {sandbox}, slot {slot}: image {:.1} ms (built: {made}), \
+                 inserted {:.1} ms",
+                req.id,
+                (t1 - t0).as_secs_f64() * 1e3,
+                t1.elapsed().as_secs_f64() * 1e3
+            );
+            return Ok(Container {
+                bundle: req.bundle.clone(),
+                pid: clone.pid(),
+                clone_id: clone.id().to_string(),
+                template: None,
+                clone: Some(clone),
+                init: Proc::new(command, &req.stdout, &req.stderr),
+                execs: HashMap::new(),
+                paused: false,
+                sandbox: false,
+                in_pod: Some(sandbox),
+                slot,
+            });
+        }
+        let limits = limits(spec);
         let vsock = self.cfg.vsock(&req.bundle);
         // Booting a VM per container (for comparison) has no snapshots to restore.
         let (base, from_image) = match self.cfg.boot_each {
@@ -258,7 +397,31 @@ impl Service {
             execs: HashMap::new(),
             paused: false,
             sandbox: false,
+            in_pod: None,
+            slot: 0,
         })
+    }
+
+    /// Empties pod container `c`'s slot of the pod's VM (its processes were killed):
+    /// its root file system unmounted in the guest, then ejected, and the slot free.
+    async fn leave_pod(&self, c: &Container) {
+        let (Some(sandbox), Some(clone)) = (&c.in_pod, &c.clone) else {
+            return;
+        };
+        let release = format!("forkvm-oci --slot {} --release", c.slot);
+        match clone.exec(AGENT_PORT, &release, b"").await {
+            Ok(o) if o.status == 0 => {}
+            Ok(o) => log::warn!(
+                "{release}: exit {}: {}",
+                o.status,
+                String::from_utf8_lossy(&o.output)
+            ),
+            Err(e) => log::warn!("{release}: {e}"),
+        }
+        if let Err(e) = clone.eject_medium(c.slot).await {
+            log::warn!("pod {sandbox}: slot {}: {e}", c.slot);
+        }
+        self.free_slot(sandbox, c.slot).await;
     }
 }
 
@@ -315,7 +478,14 @@ impl Service {
     async fn set_paused(&self, id: &str, paused: bool) -> TtrpcResult<api::Empty> {
         let clone = {
             let all = self.containers.lock().await;
-            all.get(id).ok_or_else(|| not_found(id))?.clone_vm()?
+            let c = all.get(id).ok_or_else(|| not_found(id))?;
+            if c.in_pod.is_some() {
+                return Err(rpc_error(
+                    Code::UNIMPLEMENTED,
+                    "a pod's container runs in the pod's VM: pause the pod's sandbox",
+                ));
+            }
+            c.clone_vm()?
         };
         let r = match paused {
             true => clone.pause().await,
@@ -339,12 +509,28 @@ impl Shim for Service {
             cfg: Arc::new(ShimConfig::from_env()),
             exit: Arc::new(ExitSignal::default()),
             containers: Arc::default(),
+            pods: Arc::default(),
             events: Arc::new(Events::new(&args.namespace)),
         }
     }
 
     async fn start_shim(&mut self, opts: StartOpts) -> Result<String, Error> {
-        let grouping = opts.id.clone();
+        // A pod's containers go to the shim of its sandbox (grouped by its id), whose
+        // socket is there once the sandbox was started.
+        let spec = oci_spec::runtime::Spec::load("config.json").ok();
+        let grouping = spec
+            .as_ref()
+            .and_then(sandbox_id)
+            .unwrap_or(opts.id.clone());
+        if grouping != opts.id {
+            let address =
+                containerd_shim::socket_address(&opts.address, &opts.namespace, &grouping);
+            let path = address.strip_prefix("unix://").unwrap_or(&address);
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                containerd_shim::asynchronous::util::write_str_to_file("address", &address).await?;
+                return Ok(address);
+            }
+        }
         let address = spawn(opts, &grouping, Vec::new()).await?;
         // In the bundle (the working directory): a restarted containerd reconnects to
         // the shim at this address.
@@ -495,10 +681,10 @@ impl Task for Service {
         refuse_terminal(req.terminal)?;
         let process: oci_spec::runtime::Process = serde_json::from_slice(&req.spec.value)
             .map_err(|e| rpc_error(Code::INVALID_ARGUMENT, format!("the exec's process: {e}")))?;
-        let command =
-            oci_command(&process, None).map_err(|e| rpc_error(Code::INVALID_ARGUMENT, e))?;
         let mut all = self.containers.lock().await;
         let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
+        let command = (oci_command(&process, None, c.slot))
+            .map_err(|e| rpc_error(Code::INVALID_ARGUMENT, e))?;
         if c.init.exited().is_some() || !c.init.started {
             return Err(rpc_error(
                 Code::FAILED_PRECONDITION,
@@ -594,7 +780,8 @@ impl Task for Service {
                             events.exit(&id, &exec_id, pid, status, at).await;
                         });
                     }
-                    if req.exec_id.is_empty() {
+                    // A container's own VM goes now; a pod's when its sandbox is deleted.
+                    if req.exec_id.is_empty() && !c.sandbox && c.in_pod.is_none() {
                         if let Some(clone) = c.clone.take().and_then(|c| Arc::try_unwrap(c).ok()) {
                             let _ = clone.delete().await;
                         }
@@ -634,10 +821,23 @@ impl Task for Service {
             .await
             .remove(&req.id)
             .ok_or_else(|| not_found(&req.id))?;
-        // Dropping the processes' controls kills what still runs; the VM goes next.
+        // Dropping the processes' controls kills what still runs; the VM goes next (a
+        // pod's container gives its slot back; the pod's VM stays).
         c.execs.clear();
         c.init.control = None;
-        if let Some(clone) = c.clone.take().and_then(|c| Arc::try_unwrap(c).ok()) {
+        self.leave_pod(&c).await;
+        if c.sandbox {
+            self.pods.lock().await.remove(&req.id);
+            // Containers of the pod still here let go of its VM.
+            for m in self.containers.lock().await.values_mut() {
+                if m.in_pod.as_deref() == Some(req.id.as_str()) {
+                    m.clone = None;
+                }
+            }
+        }
+        let own = c.in_pod.is_none();
+        if let Some(clone) = (c.clone.take().filter(|_| own)).and_then(|c| Arc::try_unwrap(c).ok())
+        {
             let _ = clone.delete().await;
         }
         if let Some(t) = c.template.take() {
@@ -674,7 +874,12 @@ impl Task for Service {
         let (list, clone_id) = {
             let all = self.containers.lock().await;
             let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
-            let t = c.template.as_ref().ok_or_else(|| not_found(&req.id))?;
+            // A pod's container reports the pod's VM, its sandbox's clone.
+            let owner = match &c.in_pod {
+                Some(sandbox) => all.get(sandbox).ok_or_else(|| not_found(sandbox))?,
+                None => c,
+            };
+            let t = owner.template.as_ref().ok_or_else(|| not_found(&req.id))?;
             (t.clone_table().await, c.clone_id.clone())
         };
         let list = list.map_err(|e| rpc_error(Code::UNAVAILABLE, e))?;

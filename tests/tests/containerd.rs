@@ -496,7 +496,7 @@ fn crictl(c: &Containerd, args: &[&str]) -> (i32, String) {
 const CRICTL: &str = "/var/cache/forkvm/bin/crictl";
 
 #[test]
-fn linux_crictl_runs_a_pod_whose_container_is_a_clone() {
+fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() {
     if !ready("containerd_cri", true) {
         return;
     }
@@ -508,8 +508,8 @@ fn linux_crictl_runs_a_pod_whose_container_is_a_clone() {
     let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
     assert!(out.status.success(), "{out:?}");
 
-    // A pod on the host's network (no CNI), its sandbox a placeholder, its container a
-    // clone of the image's template.
+    // A pod on the host's network (no CNI): its sandbox a clone of the template, its
+    // containers processes in that VM, each on its own root file system in a slot.
     let logs = scratch.path("logs");
     std::fs::create_dir_all(&logs).unwrap();
     let pod = scratch.path("pod.json");
@@ -523,37 +523,67 @@ fn linux_crictl_runs_a_pod_whose_container_is_a_clone() {
         ),
     )
     .unwrap();
-    let container = scratch.path("container.json");
-    std::fs::write(
-        &container,
-        format!(
-            r#"{{"metadata":{{"name":"c1"}},"image":{{"image":"{IMAGE}"}},
-                "command":["sh","-c","echo hello from a pod; trap 'exit 0' TERM; while :; do sleep 1; done"],
-                "log_path":"c1.log"}}"#
-        ),
-    )
-    .unwrap();
     let (code, pod_id) = crictl(&c, &["runp", "--runtime", "forkvm", pod.to_str().unwrap()]);
     assert_eq!(code, 0, "{pod_id}\n{}", c.log());
     let pod_id = pod_id.trim().to_string();
-    let (code, id) = crictl(
+    // Creates and starts container `name` running `script`; waits for `line` in its log.
+    let start = |name: &str, script: &str, line: &str| {
+        let container = scratch.path(&format!("{name}.json"));
+        let spec = serde_json::json!({
+            "metadata": {"name": name},
+            "image": {"image": IMAGE},
+            "command": ["sh", "-c", script],
+            "log_path": format!("{name}.log"),
+        });
+        std::fs::write(&container, spec.to_string()).unwrap();
+        let (code, id) = crictl(
+            &c,
+            &[
+                "create",
+                &pod_id,
+                container.to_str().unwrap(),
+                pod.to_str().unwrap(),
+            ],
+        );
+        assert_eq!(code, 0, "{id}\n{}", c.log());
+        let id = id.trim().to_string();
+        let (code, text) = crictl(&c, &["start", &id]);
+        assert_eq!(code, 0, "{text}\n{}", c.log());
+        tests::wait_until(
+            &format!("{name}'s line in its log"),
+            Duration::from_secs(120),
+            || crictl(&c, &["logs", &id]).1.contains(line),
+        );
+        id
+    };
+    let pid_of = |id: &str| {
+        let (_, text) = crictl(&c, &["inspect", id]);
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        v["info"]["pid"].as_i64().unwrap_or(-1)
+    };
+    let forever = "trap 'exit 0' TERM; while :; do sleep 1; done";
+    let id = start(
+        "c1",
+        &format!("echo hello from a pod; {forever}"),
+        "hello from a pod",
+    );
+    let id2 = start("c2", &format!("echo second here; {forever}"), "second here");
+    // One VM: the same pid (its VMM's), and each sees the other's processes.
+    assert_eq!(pid_of(&id), pid_of(&id2));
+    assert!(pid_of(&id) > 0);
+    let (code, text) = crictl(
         &c,
-        &[
-            "create",
-            &pod_id,
-            container.to_str().unwrap(),
-            pod.to_str().unwrap(),
-        ],
+        &["exec", "-s", &id2, "sh", "-c", "cat /proc/[0-9]*/cmdline"],
     );
-    assert_eq!(code, 0, "{id}\n{}", c.log());
-    let id = id.trim().to_string();
-    let (code, text) = crictl(&c, &["start", &id]);
-    assert_eq!(code, 0, "{text}\n{}", c.log());
-    tests::wait_until(
-        "the container's first line in its log",
-        Duration::from_secs(120),
-        || crictl(&c, &["logs", &id]).1.contains("hello from a pod"),
+    assert!(
+        code == 0 && text.contains("hello from a pod"),
+        "{code} {text}"
     );
+    // Each on its own root file system.
+    let (code, text) = crictl(&c, &["exec", "-s", &id, "sh", "-c", "echo one > /tmp/f"]);
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = crictl(&c, &["exec", "-s", &id2, "cat", "/tmp/f"]);
+    assert!(code != 0 && text.contains("/tmp/f"), "{code} {text}");
     let (code, text) = crictl(
         &c,
         &["exec", "-s", &id, "sh", "-c", "echo from exec; exit 3"],
@@ -568,11 +598,13 @@ fn linux_crictl_runs_a_pod_whose_container_is_a_clone() {
         text.contains("\"exitCode\": 0") && text.contains("CONTAINER_EXITED"),
         "{text}"
     );
-    for args in [
-        vec!["rm", id.as_str()],
-        vec!["stopp", &pod_id],
-        vec!["rmp", &pod_id],
-    ] {
+    // Its slot serves the next container of the pod, which starts on a clean image.
+    let (code, text) = crictl(&c, &["rm", &id]);
+    assert_eq!(code, 0, "{text}\n{}", c.log());
+    let id3 = start("c3", "ls /tmp; echo third done", "third done");
+    let (_, text) = crictl(&c, &["logs", &id3]);
+    assert!(!text.contains('f'), "c1's /tmp/f: {text}");
+    for args in [vec!["stopp", &pod_id], vec!["rmp", &pod_id]] {
         let (code, text) = crictl(&c, &args);
         assert_eq!(code, 0, "{args:?}: {text}\n{}", c.log());
     }

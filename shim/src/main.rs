@@ -11,8 +11,10 @@
 mod config;
 mod events;
 mod metrics;
+mod pod;
 mod prepared;
 mod process;
+mod spec;
 mod task;
 
 use containerd_shim::asynchronous::run;

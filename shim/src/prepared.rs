@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use forkvm::{CreateClones, InsertMedium, ProcessEvent};
+use forkvm::{CreateClones, InsertMedium, ProcessEvent, Template};
 
 use crate::config::{self, dir_error, ShimConfig, TemplateError, AGENT_PORT};
 
@@ -139,4 +139,41 @@ pub async fn prepared(
         started.elapsed().as_secs_f64() * 1e3
     );
     Ok(dir)
+}
+
+/// The template of image `image` (key `key`) for a container running `process`,
+/// restored from its snapshot, made now if there is none ([`prepared()`]). None if it
+/// cannot be had: the container then starts from the shim's template (a snapshot
+/// that cannot be restored, its image rebuilt or gone, is removed).
+pub async fn template(
+    cfg: &ShimConfig,
+    base: &Path,
+    key: &str,
+    image: &Path,
+    process: &oci_spec::runtime::Process,
+    vsock: &Path,
+    limits: &str,
+) -> Option<Template> {
+    let program = process.args().as_ref()?.first()?;
+    let env = process.env().clone().unwrap_or_default();
+    let made = prepared(cfg, base, key, image, program, &env).await;
+    let dir = match made {
+        Ok(dir) => dir,
+        Err(e) => {
+            log::warn!("image {key}: no template of its own: {e}");
+            return None;
+        }
+    };
+    match config::template(cfg, &dir, vsock, limits).await {
+        Ok(t) => Some(t),
+        Err(e) => {
+            log::warn!(
+                "image {key}: its template {} is removed: {e}",
+                dir.display()
+            );
+            let _lock = config::lock(&dir.with_extension("lock")).ok();
+            let _ = std::fs::remove_dir_all(&dir);
+            None
+        }
+    }
 }

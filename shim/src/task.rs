@@ -25,14 +25,15 @@ use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim_protos::ttrpc::{Code, Status as RpcStatus};
 use forkvm::{CreateClones, ImageCache, InsertMedium, Template, VmClone};
-use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
 use crate::config::{self, ShimConfig, AGENT_PORT};
 use crate::events::Events;
 use crate::metrics;
+use crate::pod::{Place, Pods};
 use crate::prepared;
 use crate::process::{self, oci_command, Proc};
+use crate::spec::{is_sandbox, limits, rootfs_key, sandbox_id};
 
 struct Container {
     bundle: String,
@@ -54,12 +55,6 @@ struct Container {
     in_pod: Option<String>,
     /// The disk slot of its root file system.
     slot: u8,
-}
-
-/// A pod's VM and which of its disk slots hold a container's root file system.
-struct Pod {
-    clone: Arc<VmClone>,
-    used: [bool; config::SLOTS as usize],
 }
 
 impl Container {
@@ -99,8 +94,8 @@ pub struct Service {
     cfg: Arc<ShimConfig>,
     exit: Arc<ExitSignal>,
     containers: Arc<Mutex<HashMap<String, Container>>>,
-    /// The pods this shim serves, by sandbox id.
-    pods: Arc<Mutex<HashMap<String, Pod>>>,
+    /// The pods this shim serves.
+    pods: Arc<Pods>,
     events: Arc<Events>,
 }
 
@@ -127,70 +122,6 @@ fn not_found(id: &str) -> containerd_shim_protos::ttrpc::Error {
     rpc_error(Code::NOT_FOUND, format!("no container {id:?}"))
 }
 
-/// Whether `spec` is a pod's sandbox container (CRI's annotation).
-fn is_sandbox(spec: &oci_spec::runtime::Spec) -> bool {
-    (spec.annotations().as_ref())
-        .and_then(|a| a.get("io.kubernetes.cri.container-type"))
-        .is_some_and(|t| t == "sandbox")
-}
-
-/// The sandbox a pod's container belongs to (CRI's annotation); a sandbox names itself.
-fn sandbox_id(spec: &oci_spec::runtime::Spec) -> Option<String> {
-    (spec.annotations().as_ref())
-        .and_then(|a| a.get("io.kubernetes.cri.sandbox-id"))
-        .filter(|id| !id.is_empty())
-        .cloned()
-}
-
-/// The OCI spec's CPU and memory limits as a resource class's (`cpu=CPUS,memory=BYTES`;
-/// empty without them). The pids limit is not applied: the clone's cgroup counts the
-/// VMM's threads, not the guest's processes.
-fn limits(spec: &oci_spec::runtime::Spec) -> String {
-    let resources = spec.linux().as_ref().and_then(|l| l.resources().as_ref());
-    let Some(r) = resources else {
-        return String::new();
-    };
-    let mut limits = Vec::new();
-    if let Some(cpu) = r.cpu() {
-        if let (Some(quota), period) = (cpu.quota(), cpu.period().unwrap_or(100_000)) {
-            if quota > 0 && period > 0 {
-                let cpus = (quota as f64 / period as f64).clamp(0.01, 1024.0);
-                limits.push(format!("cpu={cpus:.2}"));
-            }
-        }
-    }
-    if let Some(bytes) = r.memory().as_ref().and_then(|m| m.limit()) {
-        if bytes > 0 {
-            limits.push(format!("memory={}K", (bytes as u64 / 1024).max(4096)));
-        }
-    }
-    if r.pids().is_some() {
-        log::warn!(
-            "the spec's pids limit is not applied (the guest's processes are not the host's)"
-        );
-    }
-    limits.join(",")
-}
-
-/// The image key of a root file system's mounts: its layers (the overlay's lower
-/// directories, or the mount's source), not the container's own upper directory.
-fn rootfs_key(mounts: &[api::Mount]) -> String {
-    let mut h = Sha256::new();
-    for m in mounts {
-        h.update(m.type_.as_bytes());
-        h.update(b"\0");
-        h.update(m.source.as_bytes());
-        for o in m.options.iter().filter(|o| {
-            !(o.starts_with("upperdir=") || o.starts_with("workdir=") || o.starts_with("index="))
-        }) {
-            h.update(b"\0");
-            h.update(o.as_bytes());
-        }
-        h.update(b"\n");
-    }
-    format!("rootfs-{}", &config::hex(&h.finalize())[..32])
-}
-
 impl Service {
     /// Makes container `req.id`'s clone: its root file system as an image in slot 0,
     /// writable into the clone's overlay.
@@ -203,52 +134,27 @@ impl Service {
         }
         let process = spec.process().as_ref().ok_or("the spec has no process")?;
         // A pod's container (its sandbox served here): a slot of the pod's VM.
-        let pod = match sandbox_id(&spec) {
-            Some(sandbox) => self.reserve_slot(&sandbox).await?,
+        let place = match sandbox_id(&spec) {
+            Some(sandbox) => self.pods.reserve(&sandbox).await?,
             None => None,
         };
-        let slot = pod.as_ref().map_or(0, |(_, _, slot)| *slot);
+        let slot = place.as_ref().map_or(0, |p| p.slot);
         let command = oci_command(process, spec.hostname().as_deref(), slot)?;
-        let made = self.make_rootfs(req, &spec, process, command, pod).await;
+        let made = self.make_rootfs(req, &spec, process, command, place).await;
         if let (Err(_), Some(sandbox)) = (&made, sandbox_id(&spec)) {
-            self.free_slot(&sandbox, slot).await;
+            self.pods.free(&sandbox, slot).await;
         }
         made
     }
 
-    /// Makes pod `req.id`'s VM: a clone of the template with its slots empty.
+    /// Makes pod `req.id`'s VM.
     async fn make_pod(
         &self,
         req: &api::CreateTaskRequest,
         spec: &oci_spec::runtime::Spec,
     ) -> Result<Container, String> {
         let vsock = self.cfg.vsock(&req.bundle);
-        let base = match self.cfg.boot_each {
-            true => PathBuf::new(),
-            false => (config::base(&self.cfg).await).map_err(|e| format!("the template: {e}"))?,
-        };
-        let template = config::template(&self.cfg, &base, &vsock, &limits(spec))
-            .await
-            .map_err(|e| format!("the template: {e}"))?;
-        let request = CreateClones {
-            resource_class: Some(config::CLASS.into()),
-            ..Default::default()
-        };
-        let made = template.create_clones(&request).await;
-        let clone = match made.map(|mut c| c.pop()) {
-            Ok(Some(c)) => Arc::new(c),
-            Ok(None) => return Err("no clone was made".into()),
-            Err(e) => {
-                let _ = template.shutdown().await;
-                return Err(format!("the pod's clone: {e}"));
-            }
-        };
-        let pod = Pod {
-            clone: clone.clone(),
-            used: [false; config::SLOTS as usize],
-        };
-        self.pods.lock().await.insert(req.id.clone(), pod);
-        log::info!("{}: the pod's VM is clone {}", req.id, clone.id());
+        let (template, clone) = (self.pods.make(&self.cfg, &req.id, &vsock, &limits(spec))).await?;
         Ok(Container {
             bundle: req.bundle.clone(),
             pid: clone.pid(),
@@ -264,33 +170,6 @@ impl Service {
         })
     }
 
-    /// A free disk slot of pod `sandbox`'s VM, taken, with the VM's clone; None if this
-    /// shim does not serve that pod (the container gets a VM of its own).
-    async fn reserve_slot(
-        &self,
-        sandbox: &str,
-    ) -> Result<Option<(String, Arc<VmClone>, u8)>, String> {
-        let mut pods = self.pods.lock().await;
-        let Some(pod) = pods.get_mut(sandbox) else {
-            return Ok(None);
-        };
-        let free = pod.used.iter().position(|u| !u).ok_or_else(|| {
-            format!(
-                "pod {sandbox} runs {} containers, the most its VM holds at once",
-                config::SLOTS
-            )
-        })?;
-        pod.used[free] = true;
-        Ok(Some((sandbox.to_string(), pod.clone.clone(), free as u8)))
-    }
-
-    /// Gives slot `slot` of pod `sandbox`'s VM back.
-    async fn free_slot(&self, sandbox: &str, slot: u8) {
-        if let Some(pod) = self.pods.lock().await.get_mut(sandbox) {
-            pod.used[usize::from(slot)] = false;
-        }
-    }
-
     /// Makes a container with its root file system as an image: in the slot `pod`
     /// gives of a pod's VM, or in slot 0 of a clone of its own.
     async fn make_rootfs(
@@ -299,7 +178,7 @@ impl Service {
         spec: &oci_spec::runtime::Spec,
         process: &oci_spec::runtime::Process,
         command: Vec<String>,
-        pod: Option<(String, Arc<VmClone>, u8)>,
+        place: Option<Place>,
     ) -> Result<Container, String> {
         let bundle = Path::new(&req.bundle);
         let rootfs = bundle.join("rootfs");
@@ -317,7 +196,12 @@ impl Service {
         }
         let (image, made) = built.map_err(|e| format!("the root file system's image: {e}"))?;
         let t1 = Instant::now();
-        if let Some((sandbox, clone, slot)) = pod {
+        if let Some(Place {
+            sandbox,
+            clone,
+            slot,
+        }) = place
+        {
             (clone.insert_medium(slot, &image, true).await)
                 .map_err(|e| format!("the pod's VM took no root file system: {e}"))?;
             log::info!(
@@ -349,7 +233,9 @@ impl Service {
             false => {
                 let base = config::base(&self.cfg).await;
                 let base = base.map_err(|e| format!("the template: {e}"))?;
-                let t = (self.image_template(&base, &key, &image, process, &vsock, &limits)).await;
+                let t =
+                    prepared::template(&self.cfg, &base, &key, &image, process, &vsock, &limits)
+                        .await;
                 (base, t)
             }
         };
@@ -401,68 +287,9 @@ impl Service {
             slot: 0,
         })
     }
-
-    /// Empties pod container `c`'s slot of the pod's VM (its processes were killed):
-    /// its root file system unmounted in the guest, then ejected, and the slot free.
-    async fn leave_pod(&self, c: &Container) {
-        let (Some(sandbox), Some(clone)) = (&c.in_pod, &c.clone) else {
-            return;
-        };
-        let release = format!("forkvm-oci --slot {} --release", c.slot);
-        match clone.exec(AGENT_PORT, &release, b"").await {
-            Ok(o) if o.status == 0 => {}
-            Ok(o) => log::warn!(
-                "{release}: exit {}: {}",
-                o.status,
-                String::from_utf8_lossy(&o.output)
-            ),
-            Err(e) => log::warn!("{release}: {e}"),
-        }
-        if let Err(e) = clone.eject_medium(c.slot).await {
-            log::warn!("pod {sandbox}: slot {}: {e}", c.slot);
-        }
-        self.free_slot(sandbox, c.slot).await;
-    }
 }
 
 impl Service {
-    /// The template of image `image` (key `key`) for a container running `process`,
-    /// restored from its snapshot, made now if there is none ([`prepared`]). None if it
-    /// cannot be had: the container then starts from the shim's template (a snapshot
-    /// that cannot be restored, its image rebuilt or gone, is removed).
-    async fn image_template(
-        &self,
-        base: &Path,
-        key: &str,
-        image: &Path,
-        process: &oci_spec::runtime::Process,
-        vsock: &Path,
-        limits: &str,
-    ) -> Option<Template> {
-        let program = process.args().as_ref()?.first()?;
-        let env = process.env().clone().unwrap_or_default();
-        let made = prepared::prepared(&self.cfg, base, key, image, program, &env).await;
-        let dir = match made {
-            Ok(dir) => dir,
-            Err(e) => {
-                log::warn!("image {key}: no template of its own: {e}");
-                return None;
-            }
-        };
-        match config::template(&self.cfg, &dir, vsock, limits).await {
-            Ok(t) => Some(t),
-            Err(e) => {
-                log::warn!(
-                    "image {key}: its template {} is removed: {e}",
-                    dir.display()
-                );
-                let _lock = config::lock(&dir.with_extension("lock")).ok();
-                let _ = std::fs::remove_dir_all(&dir);
-                None
-            }
-        }
-    }
-
     /// Kills what `exec` started in container `id` (its init has ended).
     async fn kill_execs(&self, id: &str) {
         let controls: Vec<_> = match self.containers.lock().await.get(id) {
@@ -825,9 +652,11 @@ impl Task for Service {
         // pod's container gives its slot back; the pod's VM stays).
         c.execs.clear();
         c.init.control = None;
-        self.leave_pod(&c).await;
+        if let (Some(sandbox), Some(clone)) = (&c.in_pod, &c.clone) {
+            self.pods.leave(sandbox, clone, c.slot).await;
+        }
         if c.sandbox {
-            self.pods.lock().await.remove(&req.id);
+            self.pods.remove(&req.id).await;
             // Containers of the pod still here let go of its VM.
             for m in self.containers.lock().await.values_mut() {
                 if m.in_pod.as_deref() == Some(req.id.as_str()) {

@@ -1,0 +1,126 @@
+//! A CRI pod as one clone: the sandbox makes the pod's VM (a clone of the template with
+//! its disk slots empty), and each container of the pod takes a slot of it for its root
+//! file system while it runs (`PUT /slots/{slot}`), given back when it is deleted (the
+//! file system released in the guest, then the medium ejected).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use forkvm::{CreateClones, Template, VmClone};
+use tokio::sync::Mutex;
+
+use crate::config::{self, ShimConfig, AGENT_PORT};
+
+/// A pod's VM and which of its disk slots hold a container's root file system.
+struct Pod {
+    clone: Arc<VmClone>,
+    used: [bool; config::SLOTS as usize],
+}
+
+/// A slot of a pod's VM, taken for one container.
+pub struct Place {
+    /// The pod's sandbox id.
+    pub sandbox: String,
+    /// The pod's VM.
+    pub clone: Arc<VmClone>,
+    /// The slot.
+    pub slot: u8,
+}
+
+/// The pods one shim serves, by sandbox id.
+#[derive(Default)]
+pub struct Pods(Mutex<HashMap<String, Pod>>);
+
+impl Pods {
+    /// Makes pod `id`'s VM (its vsock socket at `vsock`, limits `limits`) and keeps it;
+    /// returns its template and the clone.
+    pub async fn make(
+        &self,
+        cfg: &ShimConfig,
+        id: &str,
+        vsock: &Path,
+        limits: &str,
+    ) -> Result<(Template, Arc<VmClone>), String> {
+        let base = match cfg.boot_each {
+            true => PathBuf::new(),
+            false => (config::base(cfg).await).map_err(|e| format!("the template: {e}"))?,
+        };
+        let template = config::template(cfg, &base, vsock, limits)
+            .await
+            .map_err(|e| format!("the template: {e}"))?;
+        let request = CreateClones {
+            resource_class: Some(config::CLASS.into()),
+            ..Default::default()
+        };
+        let made = template.create_clones(&request).await;
+        let clone = match made.map(|mut c| c.pop()) {
+            Ok(Some(c)) => Arc::new(c),
+            Ok(None) => return Err("no clone was made".into()),
+            Err(e) => {
+                let _ = template.shutdown().await;
+                return Err(format!("the pod's clone: {e}"));
+            }
+        };
+        let pod = Pod {
+            clone: clone.clone(),
+            used: [false; config::SLOTS as usize],
+        };
+        self.0.lock().await.insert(id.to_string(), pod);
+        log::info!("{id}: the pod's VM is clone {}", clone.id());
+        Ok((template, clone))
+    }
+
+    /// Forgets pod `id` (its sandbox is deleted).
+    pub async fn remove(&self, id: &str) {
+        self.0.lock().await.remove(id);
+    }
+
+    /// A free disk slot of pod `sandbox`'s VM, taken; None if this shim does not serve
+    /// that pod (the container gets a VM of its own).
+    pub async fn reserve(&self, sandbox: &str) -> Result<Option<Place>, String> {
+        let mut pods = self.0.lock().await;
+        let Some(pod) = pods.get_mut(sandbox) else {
+            return Ok(None);
+        };
+        let free = pod.used.iter().position(|u| !u).ok_or_else(|| {
+            format!(
+                "pod {sandbox} runs {} containers, the most its VM holds at once",
+                config::SLOTS
+            )
+        })?;
+        pod.used[free] = true;
+        Ok(Some(Place {
+            sandbox: sandbox.to_string(),
+            clone: pod.clone.clone(),
+            slot: free as u8,
+        }))
+    }
+
+    /// Gives slot `slot` of pod `sandbox`'s VM back.
+    pub async fn free(&self, sandbox: &str, slot: u8) {
+        if let Some(pod) = self.0.lock().await.get_mut(sandbox) {
+            pod.used[usize::from(slot)] = false;
+        }
+    }
+
+    /// Empties slot `slot` of pod `sandbox`'s VM `clone` (its container's processes
+    /// were killed): the root file system unmounted in the guest, then ejected, and the
+    /// slot free. Failures are logged: the slot is given back all the same.
+    pub async fn leave(&self, sandbox: &str, clone: &VmClone, slot: u8) {
+        let release = format!("forkvm-oci --slot {slot} --release");
+        match clone.exec(AGENT_PORT, &release, b"").await {
+            Ok(o) if o.status == 0 => {}
+            Ok(o) => log::warn!(
+                "{release}: exit {}: {}",
+                o.status,
+                String::from_utf8_lossy(&o.output)
+            ),
+            Err(e) => log::warn!("{release}: {e}"),
+        }
+        if let Err(e) = clone.eject_medium(slot).await {
+            log::warn!("pod {sandbox}: slot {slot}: {e}");
+        }
+        self.free(sandbox, slot).await;
+    }
+}

@@ -21,8 +21,9 @@ if [ "$mode" = test ]; then
     pkgs+=(qemu-system-x86 hyperfine python3-venv nfs-ganesha nfs-ganesha-vfs rpcbind)
     # The package-set tests build their own wheels, one with a C extension.
     pkgs+=(python3-setuptools python3-wheel python3-dev)
-    # The containerd runtime's test starts its own containerd (tests/tests/containerd.rs).
-    pkgs+=(containerd)
+    # The containerd runtime's test starts its own containerd (tests/tests/containerd.rs),
+    # whose CRI pods get their network from Debian's CNI plugins (bridge, host-local).
+    pkgs+=(containerd containernetworking-plugins)
 fi
 if [ "$mode" = bench ]; then
     pkgs+=(python3-numpy python3-matplotlib)

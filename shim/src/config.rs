@@ -83,7 +83,7 @@ impl ShimConfig {
             h.update(b"\0");
         }
         h.update(CMDLINE.as_bytes());
-        h.update(format!("\0slots={SLOTS}").as_bytes());
+        h.update(format!("\0slots={SLOTS},net").as_bytes());
         let hex = hex(&h.finalize());
         self.dir.join(format!("template-{}", &hex[..16]))
     }
@@ -179,12 +179,21 @@ pub async fn template(
     spec.args = vec![
         "--vsock".into(),
         vsock.display().to_string(),
+        "--tap".into(),
+        tap_name(vsock),
         "--cow-dir".into(),
         cfg.overlays().display().to_string(),
         "--cgroup-class".into(),
         class,
     ];
     Ok(Template::restore(snapshot, spec).await?)
+}
+
+/// The tap of the template whose vsock socket is `vsock` (a name of its own: 15
+/// characters at most). The VMM makes it; it goes with the VMM.
+fn tap_name(vsock: &Path) -> String {
+    let hash = hex(&Sha256::digest(vsock.display().to_string().as_bytes()));
+    format!("fvt{}", &hash[..12])
 }
 
 /// The spec of a template booted with its vsock device's host socket at `vsock`.
@@ -199,6 +208,8 @@ fn boot_spec(cfg: &ShimConfig, vsock: &Path) -> TemplateSpec {
     spec.args = vec![
         "--vsock".into(),
         vsock.display().to_string(),
+        "--tap".into(),
+        tap_name(vsock),
         "--disk-slots".into(),
         SLOTS.to_string(),
         "--slot-cow-dir".into(),

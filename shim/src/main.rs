@@ -11,6 +11,7 @@
 mod config;
 mod events;
 mod metrics;
+mod net;
 mod pod;
 mod prepared;
 mod process;

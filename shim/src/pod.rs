@@ -7,10 +7,13 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use api_types::CloneAddresses;
 use forkvm::{CreateClones, Template, VmClone};
+use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
 use crate::config::{self, ShimConfig, AGENT_PORT};
+use crate::net::{self, PodNet};
 
 /// A pod's VM and which of its disk slots hold a container's root file system.
 struct Pod {
@@ -33,14 +36,16 @@ pub struct Place {
 pub struct Pods(Mutex<HashMap<String, Pod>>);
 
 impl Pods {
-    /// Makes pod `id`'s VM (its vsock socket at `vsock`, limits `limits`) and keeps it;
-    /// returns its template and the clone.
+    /// Makes pod `id`'s VM (its vsock socket at `vsock`, limits `limits`), on the pod's
+    /// network `pod_net` if it has one of its own, and keeps it; returns its template
+    /// and the clone.
     pub async fn make(
         &self,
         cfg: &ShimConfig,
         id: &str,
         vsock: &Path,
         limits: &str,
+        pod_net: Option<&PodNet>,
     ) -> Result<(Template, Arc<VmClone>), String> {
         let base = match cfg.boot_each {
             true => PathBuf::new(),
@@ -49,8 +54,17 @@ impl Pods {
         let template = config::template(cfg, &base, vsock, limits)
             .await
             .map_err(|e| format!("the template: {e}"))?;
+        // On a network of its own: the pod's address, and a tap named for the pod.
+        let tap = format!("fvp{}", &config::hex(&Sha256::digest(id.as_bytes()))[..12]);
         let request = CreateClones {
             resource_class: Some(config::CLASS.into()),
+            addresses: (pod_net.iter())
+                .map(|n| CloneAddresses {
+                    ipv4: n.ipv4,
+                    gateway: n.gateway,
+                })
+                .collect(),
+            taps: pod_net.iter().map(|_| tap.clone()).collect(),
             ..Default::default()
         };
         let made = template.create_clones(&request).await;
@@ -62,6 +76,19 @@ impl Pods {
                 return Err(format!("the pod's clone: {e}"));
             }
         };
+        if let Some(n) = pod_net {
+            // The guest takes its address before the agent's first command.
+            let joined = match net::join(n, &tap).await {
+                Ok(()) => clone.exec(AGENT_PORT, "true", b"").await.map(|_| ()),
+                Err(e) => Err(forkvm::Error::Command(e)),
+            };
+            if let Err(e) = joined {
+                drop(clone);
+                let _ = template.shutdown().await;
+                return Err(format!("the pod's network: {e}"));
+            }
+            log::info!("{id}: the pod's VM is at {} on {tap}", n.ipv4);
+        }
         let pod = Pod {
             clone: clone.clone(),
             used: [false; config::SLOTS as usize],

@@ -30,6 +30,7 @@ use tokio::sync::Mutex;
 use crate::config::{self, ShimConfig, AGENT_PORT};
 use crate::events::Events;
 use crate::metrics;
+use crate::net;
 use crate::pod::{Place, Pods};
 use crate::prepared;
 use crate::process::{self, oci_command, Proc};
@@ -154,7 +155,19 @@ impl Service {
         spec: &oci_spec::runtime::Spec,
     ) -> Result<Container, String> {
         let vsock = self.cfg.vsock(&req.bundle);
-        let (template, clone) = (self.pods.make(&self.cfg, &req.id, &vsock, &limits(spec))).await?;
+        let pod_net = match net::netns_of(spec) {
+            Some(ns) => Some(
+                net::read(&ns)
+                    .await
+                    .map_err(|e| format!("the pod's network: {e}"))?,
+            ),
+            None => None,
+        };
+        let limits = limits(spec);
+        let made = self
+            .pods
+            .make(&self.cfg, &req.id, &vsock, &limits, pod_net.as_ref());
+        let (template, clone) = made.await?;
         Ok(Container {
             bundle: req.bundle.clone(),
             pid: clone.pid(),

@@ -32,6 +32,23 @@ struct Containerd {
 impl Drop for Containerd {
     fn drop(&mut self) {
         self.stop();
+        if std::thread::panicking() {
+            // A failed test leaves its pods' shims (and their VMs) running, and their
+            // mounts: they are this test's, found by the containerd socket they serve.
+            for p in processes_naming(&self.sock.display().to_string()) {
+                if let Some(pid) = p.split(':').next().and_then(|p| p.parse::<i32>().ok()) {
+                    // SAFETY: signals a shim this test's containerd started, by its pid.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+            let scratch = self.sock.parent().map(|d| d.display().to_string());
+            let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+            for m in mounts.lines().filter_map(|l| l.split_whitespace().nth(1)) {
+                if scratch.as_deref().is_some_and(|d| m.starts_with(d)) {
+                    let _ = Command::new("umount").arg(m).status();
+                }
+            }
+        }
     }
 }
 
@@ -59,7 +76,8 @@ impl Containerd {
                  runtime_type = \"io.containerd.runc.v2\"\n\
                  [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.forkvm]\n  \
                  runtime_type = \"io.containerd.forkvm.v2\"\n\
-                 [plugins.\"io.containerd.grpc.v1.cri\".cni]\n  conf_dir = \"{}\"\n",
+                 [plugins.\"io.containerd.grpc.v1.cri\".cni]\n  conf_dir = \"{}\"\n  \
+                 bin_dir = \"/usr/lib/cni\"\n",
                 scratch.path("cni").display()
             ),
         };
@@ -501,9 +519,29 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
         return;
     }
     let scratch = Scratch::new("containerd-cri");
+    // Pods not on the host's network get a namespace with an interface on a bridge of
+    // this test's from Debian's CNI plugins.
+    let bridge = Bridge(format!("fkc{}", std::process::id() % 100_000));
     std::fs::create_dir_all(scratch.path("cni")).unwrap();
+    let cni = serde_json::json!({
+        "cniVersion": "0.4.0",
+        "name": "forkvm-test",
+        "plugins": [{
+            "type": "bridge",
+            "bridge": bridge.0,
+            "isGateway": true,
+            "ipMasq": false,
+            "ipam": {
+                "type": "host-local",
+                "ranges": [[{"subnet": "10.89.0.0/24"}]],
+                "routes": [{"dst": "0.0.0.0/0"}],
+                "dataDir": scratch.path("cni-ipam"),
+            },
+        }],
+    });
+    std::fs::write(scratch.path("cni/10-forkvm-test.conflist"), cni.to_string()).unwrap();
     let archive = scratch.path("busybox.tar");
-    tests::oci::busybox_image(&archive, IMAGE, &["sh", "echo", "sleep", "cat"]);
+    tests::oci::busybox_image(&archive, IMAGE, &["sh", "echo", "sleep", "cat", "ping"]);
     let c = Containerd::start_with(&scratch, true);
     let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
     assert!(out.status.success(), "{out:?}");
@@ -512,22 +550,27 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     // containers processes in that VM, each on its own root file system in a slot.
     let logs = scratch.path("logs");
     std::fs::create_dir_all(&logs).unwrap();
-    let pod = scratch.path("pod.json");
-    std::fs::write(
-        &pod,
-        format!(
-            r#"{{"metadata":{{"name":"p1","namespace":"default","uid":"u1","attempt":0}},
-                "log_directory":"{}",
-                "linux":{{"security_context":{{"namespace_options":{{"network":2}}}}}}}}"#,
-            logs.display()
-        ),
-    )
-    .unwrap();
-    let (code, pod_id) = crictl(&c, &["runp", "--runtime", "forkvm", pod.to_str().unwrap()]);
-    assert_eq!(code, 0, "{pod_id}\n{}", c.log());
-    let pod_id = pod_id.trim().to_string();
-    // Creates and starts container `name` running `script`; waits for `line` in its log.
-    let start = |name: &str, script: &str, line: &str| {
+    // Runs pod `name` (on the host's network or CNI's); its id and its config file.
+    let run_pod = |name: &str, host_network: bool| {
+        let pod = scratch.path(&format!("{name}.json"));
+        let mut spec = serde_json::json!({
+            "metadata": {"name": name, "namespace": "default", "uid": name, "attempt": 0},
+            "log_directory": logs,
+        });
+        if host_network {
+            spec["linux"] = serde_json::json!({
+                "security_context": {"namespace_options": {"network": 2}}
+            });
+        }
+        std::fs::write(&pod, spec.to_string()).unwrap();
+        let (code, id) = crictl(&c, &["runp", "--runtime", "forkvm", pod.to_str().unwrap()]);
+        assert_eq!(code, 0, "{id}\n{}", c.log());
+        (id.trim().to_string(), pod)
+    };
+    let (pod_id, pod) = run_pod("p1", true);
+    // Creates and starts container `name` of pod `pod_id` running `script`; waits for
+    // `line` in its log.
+    let start_in = |pod_id: &str, pod: &Path, name: &str, script: &str, line: &str| {
         let container = scratch.path(&format!("{name}.json"));
         let spec = serde_json::json!({
             "metadata": {"name": name},
@@ -540,7 +583,7 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
             &c,
             &[
                 "create",
-                &pod_id,
+                pod_id,
                 container.to_str().unwrap(),
                 pod.to_str().unwrap(),
             ],
@@ -556,6 +599,7 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
         );
         id
     };
+    let start = |name: &str, script: &str, line: &str| start_in(&pod_id, &pod, name, script, line);
     let pid_of = |id: &str| {
         let (_, text) = crictl(&c, &["inspect", id]);
         let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
@@ -612,14 +656,68 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     let id3 = start("c3", "ls /tmp; echo third done", "third done");
     let (_, text) = crictl(&c, &["logs", &id3]);
     assert!(!text.contains('f'), "c1's /tmp/f: {text}");
-    for args in [vec!["stopp", &pod_id], vec!["rmp", &pod_id]] {
-        let (code, text) = crictl(&c, &args);
-        assert_eq!(code, 0, "{args:?}: {text}\n{}", c.log());
+    // Two pods on CNI's network: each VM takes its pod's address, and they reach each
+    // other, and the host (the bridge) reaches them, over those addresses.
+    let (p2, p2_file) = run_pod("p2", false);
+    let (p3, p3_file) = run_pod("p3", false);
+    let ip_of = |pod: &str| {
+        let (_, text) = crictl(&c, &["inspectp", pod]);
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        v["status"]["network"]["ip"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (ip2, ip3) = (ip_of(&p2), ip_of(&p3));
+    assert!(
+        ip2.starts_with("10.89.0.") && ip3.starts_with("10.89.0."),
+        "{ip2} {ip3}"
+    );
+    let a = start_in(&p2, &p2_file, "a", &format!("echo a up; {forever}"), "a up");
+    let b = start_in(&p3, &p3_file, "b", &format!("echo b up; {forever}"), "b up");
+    let (code, text) = crictl(&c, &["exec", "-s", &b, "ping", "-c", "2", "-W", "10", &ip2]);
+    assert!(
+        code == 0 && text.contains("2 packets received"),
+        "{code} {text}"
+    );
+    let (code, text) = crictl(&c, &["exec", "-s", &a, "ping", "-c", "1", "-W", "10", &ip3]);
+    assert!(
+        code == 0 && text.contains("1 packets received"),
+        "{code} {text}"
+    );
+    let host = Command::new("busybox")
+        .args(["ping", "-c", "1", "-W", "10", &ip2])
+        .output()
+        .unwrap();
+    assert!(host.status.success(), "{host:?}");
+    for id in [&a, &b] {
+        let (code, text) = crictl(&c, &["rm", "-f", id]);
+        assert_eq!(code, 0, "{text}\n{}", c.log());
+    }
+    for pod in [&pod_id, &p2, &p3] {
+        for args in [vec!["stopp", pod.as_str()], vec!["rmp", pod.as_str()]] {
+            let (code, text) = crictl(&c, &args);
+            assert_eq!(code, 0, "{args:?}: {text}\n{}", c.log());
+        }
     }
     let (_, pods) = crictl(&c, &["pods", "-q"]);
     assert_eq!(pods.trim(), "", "{pods}");
     c.assert_shims_gone_and_unmounted(&scratch.path(""));
     drop(c);
+    // No tap of a pod's VM is left in the host's namespace.
+    let links = Command::new("ip").args(["-o", "link"]).output().unwrap();
+    let links = String::from_utf8_lossy(&links.stdout);
+    assert!(!links.contains("fvp") && !links.contains("fvt"), "{links}");
+    drop(bridge);
+}
+
+/// A bridge CNI makes for a test, deleted when the test ends.
+struct Bridge(String);
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
+    }
 }
 
 #[test]

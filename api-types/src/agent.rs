@@ -92,6 +92,41 @@ pub fn stream_request_head(command: &str, stdin: &[u8]) -> String {
     format!("{} {} stream\n", command.len(), stdin.len())
 }
 
+/// How a streamed command takes its input, and whether it has a terminal.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamMode {
+    /// Its stdin is fed by the client while it runs ([`input_head`], [`EOF_LINE`]).
+    pub stdin: bool,
+    /// It runs on a new pseudo-terminal in the guest: its output comes as stdout
+    /// frames, input is typed on it, [`winch_line`] sets its size.
+    pub tty: bool,
+}
+
+/// The first line of a streaming request whose input the client feeds or that runs on
+/// a terminal, as `mode` says (the command follows; no input with it).
+pub fn stream_request_head_with(command: &str, mode: StreamMode) -> String {
+    let stdin = if mode.stdin { " stdin" } else { "" };
+    let tty = if mode.tty { " tty" } else { "" };
+    format!("{} 0 stream{stdin}{tty}\n", command.len())
+}
+
+/// The most bytes one input frame carries.
+pub const MAX_INPUT_FRAME: usize = 65536;
+
+/// The head of an input frame of `len` bytes (at most [`MAX_INPUT_FRAME`]); the bytes
+/// follow.
+pub fn input_head(len: usize) -> String {
+    format!("in {len}\n")
+}
+
+/// Ends the command's input (on a terminal: types its end-of-file character).
+pub const EOF_LINE: &str = "eof\n";
+
+/// Sets the command's terminal to `rows` by `cols`.
+pub fn winch_line(rows: u16, cols: u16) -> String {
+    format!("winch {rows} {cols}\n")
+}
+
 /// What a streaming client sends to have signal `signal` delivered to the command's
 /// process group.
 pub fn signal_line(signal: u32) -> String {
@@ -166,6 +201,11 @@ mod tests {
             assert!(parse_answer_head(bad).is_err(), "{bad:?}");
         }
         assert_eq!(stream_request_head("ls", b""), "2 0 stream\n");
+        let mode = |stdin, tty| StreamMode { stdin, tty };
+        assert_eq!(stream_request_head_with("ls", mode(true, false)), "2 0 stream stdin\n");
+        assert_eq!(stream_request_head_with("ls", mode(true, true)), "2 0 stream stdin tty\n");
+        assert_eq!(stream_request_head_with("ls", mode(false, true)), "2 0 stream tty\n");
+        assert_eq!((input_head(5), winch_line(24, 80)), ("in 5\n".into(), "winch 24 80\n".into()));
         let argv = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(
             argv_command(&argv(&["ls", "-l", ""])),

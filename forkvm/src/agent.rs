@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use api_types::agent::{self, ExecOutput, Frame};
+pub use api_types::agent::StreamMode;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
@@ -118,9 +119,13 @@ impl AgentProcess {
         port: u32,
         argv: &[String],
         stdin: &[u8],
+        mode: StreamMode,
     ) -> Result<Self, Error> {
         let command = agent::argv_command(argv).map_err(|e| Error::Command(e.to_string()))?;
-        let head = agent::stream_request_head(&command, stdin);
+        let (head, stdin) = match mode == StreamMode::default() {
+            true => (agent::stream_request_head(&command, stdin), stdin),
+            false => (agent::stream_request_head_with(&command, mode), &[][..]),
+        };
         let (read, write) = request(vsock, port, &head, &command, stdin).await?;
         Ok(Self {
             output: AgentOutput {
@@ -177,6 +182,32 @@ impl AgentControl {
     /// command has ended (or the VM has), an error.
     pub async fn signal(&mut self, signal: u32) -> Result<(), Error> {
         let line = agent::signal_line(signal);
+        (self.write.write_all(line.as_bytes()).await).map_err(socket_error(&self.vsock))
+    }
+
+    /// Feeds `bytes` to the command's input (one started with [`StreamMode::stdin`] or
+    /// [`StreamMode::tty`]; otherwise the agent drops them). Waits while the command
+    /// has not taken what came before.
+    pub async fn write_input(&mut self, bytes: &[u8]) -> Result<(), Error> {
+        let io = socket_error(&self.vsock);
+        for chunk in bytes.chunks(agent::MAX_INPUT_FRAME) {
+            let head = agent::input_head(chunk.len());
+            self.write.write_all(head.as_bytes()).await.map_err(&io)?;
+            self.write.write_all(chunk).await.map_err(&io)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the command's input (on a terminal: types its end-of-file character).
+    pub async fn close_input(&mut self) -> Result<(), Error> {
+        let eof = agent::EOF_LINE.as_bytes();
+        (self.write.write_all(eof).await).map_err(socket_error(&self.vsock))
+    }
+
+    /// Sets the command's terminal to `rows` by `cols` (a command started with
+    /// [`StreamMode::tty`]).
+    pub async fn resize(&mut self, rows: u16, cols: u16) -> Result<(), Error> {
+        let line = agent::winch_line(rows, cols);
         (self.write.write_all(line.as_bytes()).await).map_err(socket_error(&self.vsock))
     }
 }

@@ -67,7 +67,7 @@ mod template;
 mod vm_clone;
 mod zygote;
 
-pub use agent::{AgentControl, AgentOutput, AgentProcess, ProcessEvent};
+pub use agent::{AgentControl, AgentOutput, AgentProcess, ProcessEvent, StreamMode};
 pub use api_types::{CloneInfo, CloneList, CreateClones, InsertMedium};
 pub use api_types::{InvokeOptions, Outcome, ResourceClass, SnapshotInfo, VmInfo};
 pub use endpoint::Reply;

@@ -7,7 +7,7 @@ use api_types::vm::VirtioKind;
 use api_types::{CloneStatus, CreateClones, InvokeOptions, VmInfo};
 use bytes::Bytes;
 
-use crate::agent::{agent_exchange, AgentProcess};
+use crate::agent::{agent_exchange, AgentProcess, StreamMode};
 use crate::endpoint::{Endpoint, Reply};
 use crate::owner::Owner;
 use crate::{Error, Template};
@@ -145,9 +145,34 @@ impl VmClone {
         argv: &[String],
         stdin: &[u8],
     ) -> Result<AgentProcess, Error> {
+        self.spawn_stream(port, argv, stdin, StreamMode::default()).await
+    }
+
+    /// [`VmClone::spawn`] of a program whose input is fed while it runs
+    /// ([`AgentControl::write_input`](crate::AgentControl::write_input),
+    /// [`close_input`](crate::AgentControl::close_input)) or that runs on a terminal in
+    /// the guest ([`StreamMode::tty`]: its output all comes as stdout, and
+    /// [`resize`](crate::AgentControl::resize) sets its size), as `mode` says.
+    pub async fn spawn_with(
+        &self,
+        port: u32,
+        argv: &[String],
+        mode: StreamMode,
+    ) -> Result<AgentProcess, Error> {
+        self.spawn_stream(port, argv, b"", mode).await
+    }
+
+    async fn spawn_stream(
+        &self,
+        port: u32,
+        argv: &[String],
+        stdin: &[u8],
+        mode: StreamMode,
+    ) -> Result<AgentProcess, Error> {
         let vsock = self.vsock().await?;
         let limit = self.ep.call_timeout;
-        match tokio::time::timeout(limit, AgentProcess::start(&vsock, port, argv, stdin)).await {
+        let start = AgentProcess::start(&vsock, port, argv, stdin, mode);
+        match tokio::time::timeout(limit, start).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout {
                 what: "reaching the guest agent",

@@ -30,6 +30,14 @@
  * running in its group is killed then. Meanwhile the host may send "sig <N>\n": the
  * agent sends signal N to the command's group. The host closing the connection kills
  * the group.
+ * With " stdin" after "stream" (the head's stdinlen then 0), the command's stdin is a
+ * pipe the host feeds: "in <len>\n" and len bytes (at most 65536) are written to it,
+ * "eof\n" closes it. With " tty" (alone or after " stdin"), the command runs on a new
+ * pseudo-terminal as its controlling terminal (a session of its own): its output, both
+ * streams, comes as "out" frames; "in" frames are typed on it, "eof" types the
+ * terminal's end-of-file character, and "winch <rows> <cols>\n" sets its size. Input
+ * the command does not take yet waits in the agent, which reads nothing more from the
+ * host meanwhile (output keeps flowing).
  * The connections a clone inherits from its parent are reset at the clone point; the
  * listening socket keeps working, so every clone answers on its own vsock socket.
  */
@@ -38,7 +46,9 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <termios.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -76,7 +86,13 @@ static int write_full(int fd, const char *buf, size_t len)
     return 0;
 }
 
-/* Reads the "<cmdlen> <stdinlen>[ stream]\n" line. */
+/* Streaming request flags. */
+#define STREAM 1
+#define STREAM_STDIN 2
+#define STREAM_TTY 4
+
+/* Reads the "<cmdlen> <stdinlen>[ stream[ stdin][ tty]]\n" line; *stream gets the
+ * flags. */
 static int read_request_line(int fd, unsigned long *cmdlen, unsigned long *inlen, int *stream)
 {
     char line[64];
@@ -95,9 +111,22 @@ static int read_request_line(int fd, unsigned long *cmdlen, unsigned long *inlen
         return -1;
     char *second = end + 1;
     *inlen = strtoul(second, &end, 10);
-    *stream = strcmp(end, " stream") == 0;
-    if (*stream)
+    *stream = 0;
+    if (strncmp(end, " stream", 7) == 0) {
+        const char *rest = end + 7;
+        *stream = STREAM;
+        if (strncmp(rest, " stdin", 6) == 0) {
+            *stream |= STREAM_STDIN;
+            rest += 6;
+        }
+        if (strcmp(rest, " tty") == 0) {
+            *stream |= STREAM_TTY;
+            rest += 4;
+        }
+        if (*rest != 0 || (*stream != STREAM && *inlen != 0))
+            return -1;
         *end = 0;
+    }
     if (end == second || *end != 0 || *cmdlen == 0 || *cmdlen > MAX_IN || *inlen > MAX_IN)
         return -1;
     return 0;
@@ -140,10 +169,41 @@ static int forward(int fd, const char *kind, int conn, int *gone)
     }
 }
 
-/* Reads one "sig <N>" line from the host and delivers it; -1 once the host has gone. */
-static int control(int conn, pid_t group)
+/* The command's input, fed by the host: where it goes (a pipe, or the terminal's
+ * master; -1 when closed) and what it has not taken yet. */
+struct input {
+    int fd;
+    int tty;
+    char buf[65536];
+    size_t len, off;
+};
+
+/* Writes what waits for the command's input, as much as it takes now. */
+static void feed(struct input *in)
 {
-    char line[32];
+    while (in->fd >= 0 && in->off < in->len) {
+        ssize_t n = write(in->fd, in->buf + in->off, in->len - in->off);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return;
+        if (n <= 0) {
+            /* The command closed its input: what the host sends for it is dropped. */
+            close(in->fd);
+            in->fd = -1;
+            break;
+        }
+        in->off += (size_t)n;
+    }
+    if (in->off == in->len)
+        in->len = in->off = 0;
+}
+
+/* Reads one line from the host ("sig <N>", "in <len>" and its bytes, "eof", "winch
+ * <rows> <cols>") and acts on it; -1 once the host has gone. */
+static int control(int conn, pid_t group, struct input *in)
+{
+    char line[64];
     size_t n = 0;
     while (n < sizeof(line) - 1) {
         ssize_t r = read(conn, line + n, 1);
@@ -161,6 +221,33 @@ static int control(int conn, pid_t group)
         long sig = strtol(line + 4, &end, 10);
         if (*end == 0 && sig > 0 && sig < NSIG && kill(-group, (int)sig) != 0)
             kill(group, (int)sig);
+    } else if (strncmp(line, "in ", 3) == 0) {
+        unsigned long len = strtoul(line + 3, &end, 10);
+        if (*end != 0 || len > sizeof(in->buf) || read_full(conn, in->buf, len) != 0)
+            return -1;
+        if (in->fd >= 0) {
+            in->len = len;
+            in->off = 0;
+            feed(in);
+        }
+    } else if (strcmp(line, "eof") == 0 && in->fd >= 0) {
+        if (in->tty) {
+            struct termios t;
+            char eof = tcgetattr(in->fd, &t) == 0 ? (char)t.c_cc[VEOF] : 4;
+            in->buf[0] = eof;
+            in->len = 1;
+            in->off = 0;
+            feed(in);
+        } else {
+            close(in->fd);
+            in->fd = -1;
+        }
+    } else if (strncmp(line, "winch ", 6) == 0 && in->tty && in->fd >= 0) {
+        unsigned long rows = strtoul(line + 6, &end, 10);
+        unsigned long cols = *end == ' ' ? strtoul(end + 1, &end, 10) : 0;
+        struct winsize w = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+        if (*end == 0)
+            ioctl(in->fd, TIOCSWINSZ, &w);
     }
     return 0;
 }
@@ -193,51 +280,105 @@ static void run_argv(char *words, unsigned long cmdlen, int infd)
     _exit(e == ENOENT ? 127 : 126);
 }
 
-/* Runs argv `cmd` in a group of its own with input `infd`, its stdout and stderr sent
- * as they come, then its exit status (the streaming protocol above). */
-static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd)
+/* Runs argv `cmd` in a group of its own with input `infd` (or input the host feeds,
+ * or on a terminal, as `flags` say), its stdout and stderr sent as they come, then its
+ * exit status (the streaming protocol above). */
+static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd, int flags)
 {
-    int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+    static struct input in;
+    in.fd = -1;
+    in.tty = (flags & STREAM_TTY) != 0;
+    in.len = in.off = 0;
+    int out[2] = {-1, -1}, err[2] = {-1, -1}, feed_pipe[2] = {-1, -1}, master = -1;
+    char *slave = NULL;
+    int ok;
+    if (in.tty) {
+        master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+        ok = master >= 0 && grantpt(master) == 0 && unlockpt(master) == 0 &&
+             (slave = ptsname(master)) != NULL;
+    } else {
+        ok = pipe2(out, O_CLOEXEC) == 0 && pipe2(err, O_CLOEXEC) == 0 &&
+             (!(flags & STREAM_STDIN) || pipe2(feed_pipe, O_CLOEXEC) == 0);
+    }
+    if (!ok) {
         send_full(conn, "exit 255\n", 9);
         return;
     }
     pid_t pid = fork();
     if (pid == 0) {
+        if (in.tty) {
+            /* A session of its own, the terminal its controlling one. */
+            setsid();
+            int t = open(slave, O_RDWR);
+            if (t < 0 || ioctl(t, TIOCSCTTY, 0) != 0) {
+                fprintf(stderr, "forkvm-agent: the terminal %s: %s\n", slave, strerror(errno));
+                _exit(255);
+            }
+            dup2(t, 1);
+            dup2(t, 2);
+            if (t != 0)
+                dup2(t, 0);
+            if (t > 2)
+                close(t);
+            run_argv(cmd, cmdlen, 0);
+        }
         setpgid(0, 0);
         dup2(out[1], 1);
         dup2(err[1], 2);
-        run_argv(cmd, cmdlen, infd);
+        run_argv(cmd, cmdlen, feed_pipe[0] >= 0 ? feed_pipe[0] : infd);
     }
-    close(out[1]);
-    close(err[1]);
+    if (in.tty) {
+        /* The terminal's output is the command's stdout and stderr both. */
+        out[0] = master;
+        in.fd = dup(master);
+    } else {
+        close(out[1]);
+        close(err[1]);
+        if (feed_pipe[0] >= 0) {
+            close(feed_pipe[0]);
+            in.fd = feed_pipe[1];
+        }
+    }
     if (pid < 0) {
         send_full(conn, "exit 255\n", 9);
         return;
     }
-    setpgid(pid, pid);
+    /* Its own group (a terminal's command leads a session of its own instead: made a
+     * group leader first, its setsid would fail). */
+    if (!in.tty)
+        setpgid(pid, pid);
     fcntl(out[0], F_SETFL, O_NONBLOCK);
-    fcntl(err[0], F_SETFL, O_NONBLOCK);
+    if (err[0] >= 0)
+        fcntl(err[0], F_SETFL, O_NONBLOCK);
+    if (in.fd >= 0)
+        fcntl(in.fd, F_SETFL, O_NONBLOCK);
     int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-    int gone = 0, out_open = 1, err_open = 1, running = 1, status = 255;
+    int gone = 0, out_open = 1, err_open = err[0] >= 0, running = 1, status = 255;
     while (running || (pidfd < 0 && (out_open || err_open))) {
-        struct pollfd p[4] = {
+        /* Input the command has not taken: nothing more is read from the host until
+         * it has. */
+        int waiting = in.fd >= 0 && in.len > in.off;
+        struct pollfd p[5] = {
             {.fd = out_open ? out[0] : -1, .events = POLLIN},
             {.fd = err_open ? err[0] : -1, .events = POLLIN},
-            {.fd = gone ? -1 : conn, .events = POLLIN},
+            {.fd = gone || waiting ? -1 : conn, .events = POLLIN},
             {.fd = pidfd, .events = POLLIN},
+            {.fd = waiting ? in.fd : -1, .events = POLLOUT},
         };
-        if (poll(p, 4, -1) < 0) {
+        if (poll(p, 5, -1) < 0) {
             if (errno == EINTR)
                 continue;
             break;
         }
+        /* A terminal whose last user has gone reads EIO: its end. */
         if (p[0].revents && forward(out[0], "out", conn, &gone) != 0)
             out_open = 0;
         if (p[1].revents && forward(err[0], "err", conn, &gone) != 0)
             err_open = 0;
-        if (p[2].revents && control(conn, pid) != 0)
+        if (p[2].revents && control(conn, pid, &in) != 0)
             gone = 1;
+        if (p[4].revents)
+            feed(&in);
         if (gone)
             kill(-pid, SIGKILL);
         if (pidfd < 0 ? !out_open && !err_open : p[3].revents != 0)
@@ -252,6 +393,8 @@ static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd)
     if (err_open)
         forward(err[0], "err", conn, &gone);
     kill(-pid, SIGKILL);
+    if (in.fd >= 0)
+        close(in.fd);
     char head[32];
     int h = snprintf(head, sizeof(head), "exit %d\n", status);
     if (!gone)
@@ -282,7 +425,7 @@ static void serve(int conn)
         if (infd < 0)
             send_full(conn, "exit 255\n", 9);
         else
-            serve_stream(conn, cmd, cmdlen, infd);
+            serve_stream(conn, cmd, cmdlen, infd, stream);
         return;
     }
     int pipefd[2];
@@ -356,6 +499,8 @@ int main(int argc, char **argv)
     int ports = do_adopt ? ports_open() : -1;
     uint64_t generation = ports >= 0 ? ports_generation(ports) : 0;
     unsigned port = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 0) : 1024;
+    /* The disk slots' devices, recorded once for forkvm-oci (forkvm-oci.h). */
+    oci_map_slots();
     int s = socket(AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_vm addr = {
         .svm_family = AF_VSOCK,

@@ -88,10 +88,56 @@ static int oci_read_line(const char *path, char *buf, size_t len)
     return 0;
 }
 
-/* The block device (name in /sys/block) whose serial is forkvm-slot<slot>. */
+/* Where the block device of disk slot N is recorded: /run/forkvm/slot<N>. */
+#define OCI_SLOT_MAP "/run/forkvm/slot%d"
+
+/* Reads every block device's serial and records the device of each disk slot (its
+ * serial forkvm-slot<N>) in /run/forkvm/slot<N>. Reading a serial is a request to the
+ * device, tens of milliseconds each in an emulated guest kernel; the devices do not
+ * change after boot, so the agent does this once as it starts, and every clone of the
+ * VM finds the map made. Returns how many slots it found. */
+static inline int oci_map_slots(void)
+{
+    char path[PATH_MAX], serial[64];
+    DIR *d = opendir("/sys/block");
+    if (!d)
+        return 0;
+    if (mkdir("/run/forkvm", 0755) != 0 && errno != EEXIST) {
+        closedir(d);
+        return 0;
+    }
+    struct dirent *e;
+    int found = 0;
+    while ((e = readdir(d)) != NULL) {
+        int slot;
+        char end;
+        if (e->d_name[0] == '.')
+            continue;
+        snprintf(path, sizeof path, "/sys/block/%s/serial", e->d_name);
+        if (oci_read_line(path, serial, sizeof serial) != 0 ||
+            sscanf(serial, "forkvm-slot%d%c", &slot, &end) != 1 || slot < 0 || slot > 7)
+            continue;
+        snprintf(path, sizeof path, OCI_SLOT_MAP, slot);
+        FILE *f = fopen(path, "we");
+        if (f) {
+            fprintf(f, "%s\n", e->d_name);
+            found += fclose(f) == 0;
+        }
+    }
+    closedir(d);
+    return found;
+}
+
+/* The block device (name in /sys/block) whose serial is forkvm-slot<slot>: from the
+ * map the agent made, else found by reading the devices' serials. */
 static int oci_find_slot(int slot, char *dev, size_t len)
 {
     char want[32], path[PATH_MAX], serial[64];
+    snprintf(path, sizeof path, OCI_SLOT_MAP, slot);
+    if (oci_read_line(path, serial, sizeof serial) == 0 && serial[0] && !strchr(serial, '/')) {
+        snprintf(dev, len, "%s", serial);
+        return 0;
+    }
     snprintf(want, sizeof want, "forkvm-slot%d", slot);
     DIR *d = opendir("/sys/block");
     if (!d)

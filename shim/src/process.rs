@@ -3,15 +3,17 @@
 //! written and its end recorded.
 
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
-use forkvm::{AgentControl, AgentOutput, ProcessEvent};
+use forkvm::{AgentControl, AgentOutput, ProcessEvent, StreamMode};
 use oci_spec::runtime::Process;
 use tokio::fs::File;
 use tokio::io::AsyncWriteExt;
-use tokio::sync::{watch, Mutex};
+use tokio::io::AsyncReadExt;
+use tokio::sync::{watch, Mutex, Notify};
 
 /// How a process ended: its status and when.
 pub type Exit = Option<(u32, Timestamp)>;
@@ -23,6 +25,13 @@ pub struct Proc {
     /// containerd's FIFOs for its output (empty: none).
     pub stdout: String,
     pub stderr: String,
+    /// containerd's FIFO for its input (empty: none: it reads an empty input).
+    pub stdin: String,
+    /// Whether it runs on a terminal in the guest (`-t`): its output, both streams,
+    /// goes to `stdout`.
+    pub terminal: bool,
+    /// Ends its input before its FIFO's writer has (`CloseIO`).
+    pub close_stdin: Arc<Notify>,
     /// Its signals, once started (None: not yet, or it could not start).
     pub control: Option<Arc<Mutex<AgentControl>>>,
     /// Whether it was started.
@@ -37,9 +46,28 @@ impl Proc {
             command,
             stdout: stdout.into(),
             stderr: stderr.into(),
+            stdin: String::new(),
+            terminal: false,
+            close_stdin: Arc::default(),
             control: None,
             started: false,
             exit: watch::channel(None).0,
+        }
+    }
+
+    /// The same, its input from containerd's FIFO `stdin` (empty: none), on a terminal
+    /// when `terminal`.
+    pub fn with_input(mut self, stdin: &str, terminal: bool) -> Self {
+        self.stdin = stdin.into();
+        self.terminal = terminal;
+        self
+    }
+
+    /// How the guest runs it.
+    pub fn mode(&self) -> StreamMode {
+        StreamMode {
+            stdin: !self.stdin.is_empty(),
+            tty: self.terminal,
         }
     }
 
@@ -221,4 +249,96 @@ pub async fn forward(
         since.elapsed().as_secs_f64() * 1e3
     );
     record_exit(&exit, status);
+}
+
+/// Feeds a started process's input from containerd's FIFO `path` (opening it waits
+/// for its writer) until the writer closes it or `close` is notified (`CloseIO`), then
+/// ends the input. It holds the process's control only while it writes: dropping the
+/// control elsewhere still kills the process.
+pub async fn feed_stdin(path: String, control: std::sync::Weak<Mutex<AgentControl>>, close: Arc<Notify>) {
+    let opening = tokio::task::spawn_blocking({
+        let path = path.clone();
+        move || std::fs::File::open(path)
+    });
+    let file = tokio::select! {
+        opened = opening => match opened {
+            Ok(Ok(f)) => Some(f),
+            Ok(Err(e)) => {
+                log::warn!("{path}: {e}");
+                None
+            }
+            Err(_) => None,
+        },
+        _ = close.notified() => {
+            // Its open waits for a writer: one that comes and goes lets it return.
+            let _ = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(&path);
+            None
+        }
+    };
+    if let Some(file) = file {
+        match tokio::net::unix::pipe::Receiver::from_file(file) {
+            Ok(mut fifo) => {
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    let n = tokio::select! {
+                        biased;
+                        r = fifo.read(&mut buf) => r.unwrap_or(0),
+                        _ = close.notified() => 0,
+                    };
+                    let Some(control) = control.upgrade() else { return };
+                    if n == 0 {
+                        break;
+                    }
+                    if control.lock().await.write_input(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e) => log::warn!("{path}: {e}"),
+        }
+    }
+    if let Some(control) = control.upgrade() {
+        let _ = control.lock().await.close_input().await;
+    }
+}
+
+/// The guest's processes running on the root file system in slot `slot` of `clone`
+/// (their root is its mount point), by their pids in the guest: one `ls` through the
+/// agent.
+pub async fn guest_pids(clone: &forkvm::VmClone, slot: u8) -> Result<Vec<u32>, String> {
+    let out = (clone.exec(crate::config::AGENT_PORT, "ls -l /proc/*/root", b"").await)
+        .map_err(|e| e.to_string())?;
+    Ok(pids_rooted_at(
+        &String::from_utf8_lossy(&out.output),
+        &format!("/run/forkvm/rootfs{slot}"),
+    ))
+}
+
+/// The pids in `ls -l /proc/*/root` output whose link points at `root`.
+fn pids_rooted_at(listing: &str, root: &str) -> Vec<u32> {
+    let mut pids: Vec<u32> = (listing.lines())
+        .filter_map(|l| l.split_once("/proc/")?.1.split_once("/root -> "))
+        .filter(|(_, target)| target.trim() == root)
+        .filter_map(|(pid, _)| pid.parse().ok())
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pids_are_those_rooted_at_the_containers_file_system() {
+        let listing = "lrwxrwxrwx 1 0 0 0 Nov 29 15:00 /proc/1/root -> /\n\
+                       lrwxrwxrwx 1 0 0 0 Nov 29 15:00 /proc/77/root -> /run/forkvm/rootfs0\n\
+                       lrwxrwxrwx 1 0 0 0 Nov 29 15:00 /proc/78/root -> /run/forkvm/rootfs1\n\
+                       lrwxrwxrwx 1 0 0 0 Nov 29 15:00 /proc/9/root -> /run/forkvm/rootfs0\n\
+                       ls: /proc/80/root: No such file or directory\n";
+        assert_eq!(super::pids_rooted_at(listing, "/run/forkvm/rootfs0"), vec![9, 77]);
+        assert_eq!(super::pids_rooted_at(listing, "/run/forkvm/rootfs1"), vec![78]);
+        assert!(super::pids_rooted_at("", "/run/forkvm/rootfs0").is_empty());
+    }
 }

@@ -108,17 +108,6 @@ fn rpc_error(code: Code, message: impl std::fmt::Display) -> containerd_shim_pro
     })
 }
 
-/// A process with a terminal (`-t`) is refused: not supported yet.
-fn refuse_terminal(terminal: bool) -> TtrpcResult<()> {
-    match terminal {
-        true => Err(rpc_error(
-            Code::UNIMPLEMENTED,
-            "a terminal (-t) is not supported yet",
-        )),
-        false => Ok(()),
-    }
-}
-
 fn not_found(id: &str) -> containerd_shim_protos::ttrpc::Error {
     rpc_error(Code::NOT_FOUND, format!("no container {id:?}"))
 }
@@ -230,7 +219,8 @@ impl Service {
                 clone_id: clone.id().to_string(),
                 template: None,
                 clone: Some(clone),
-                init: Proc::new(command, &req.stdout, &req.stderr),
+                init: Proc::new(command, &req.stdout, &req.stderr)
+                    .with_input(&req.stdin, req.terminal),
                 execs: HashMap::new(),
                 paused: false,
                 sandbox: false,
@@ -292,7 +282,8 @@ impl Service {
             clone_id: clone.id().to_string(),
             template: Some(template),
             clone: Some(Arc::new(clone)),
-            init: Proc::new(command, &req.stdout, &req.stderr),
+            init: Proc::new(command, &req.stdout, &req.stderr)
+                .with_input(&req.stdin, req.terminal),
             execs: HashMap::new(),
             paused: false,
             sandbox: false,
@@ -424,7 +415,6 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::CreateTaskRequest,
     ) -> TtrpcResult<api::CreateTaskResponse> {
-        refuse_terminal(req.terminal)?;
         let c = self
             .make(&req)
             .await
@@ -443,7 +433,7 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::StartRequest,
     ) -> TtrpcResult<api::StartResponse> {
-        let (clone, command, stdout, stderr, exit, pid) = {
+        let (clone, command, (stdout, stderr, stdin), mode, close_stdin, exit, pid) = {
             let mut all = self.containers.lock().await;
             let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
             if c.sandbox && req.exec_id.is_empty() && !c.init.started {
@@ -464,11 +454,12 @@ impl Task for Service {
                 return Err(rpc_error(Code::FAILED_PRECONDITION, "already started"));
             }
             p.started = true;
-            let (out, err) = (p.stdout.clone(), p.stderr.clone());
-            (clone, p.command.clone(), out, err, p.exit.clone(), pid)
+            let fifos = (p.stdout.clone(), p.stderr.clone(), p.stdin.clone());
+            let close = p.close_stdin.clone();
+            (clone, p.command.clone(), fifos, p.mode(), close, p.exit.clone(), pid)
         };
         let since = Instant::now();
-        let started = clone.spawn(AGENT_PORT, &command, b"").await;
+        let started = clone.spawn_with(AGENT_PORT, &command, mode).await;
         let process = match started {
             Ok(p) => p,
             Err(e) => {
@@ -490,6 +481,10 @@ impl Task for Service {
             .and_then(|c| c.process_mut(&req.exec_id).ok())
         {
             p.control = Some(control.clone());
+        }
+        if !stdin.is_empty() {
+            let feed = process::feed_stdin(stdin, Arc::downgrade(&control), close_stdin);
+            tokio::spawn(feed);
         }
         self.events.start(&req.id, &req.exec_id, pid).await;
         let service = self.clone();
@@ -518,7 +513,6 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::ExecProcessRequest,
     ) -> TtrpcResult<api::Empty> {
-        refuse_terminal(req.terminal)?;
         let process: oci_spec::runtime::Process = serde_json::from_slice(&req.spec.value)
             .map_err(|e| rpc_error(Code::INVALID_ARGUMENT, format!("the exec's process: {e}")))?;
         let mut all = self.containers.lock().await;
@@ -537,7 +531,7 @@ impl Task for Service {
                 format!("process {:?} exists", req.exec_id),
             ));
         }
-        let p = Proc::new(command, &req.stdout, &req.stderr);
+        let p = Proc::new(command, &req.stdout, &req.stderr).with_input(&req.stdin, req.terminal);
         c.execs.insert(req.exec_id.clone(), p);
         drop(all);
         self.events.exec_added(&req.id, &req.exec_id).await;
@@ -740,9 +734,35 @@ impl Task for Service {
     async fn close_io(
         &self,
         _ctx: &TtrpcContext,
-        _req: api::CloseIORequest,
+        req: api::CloseIORequest,
     ) -> TtrpcResult<api::Empty> {
-        // No stdin reaches the guest: there is nothing to close.
+        // The process's input ends once what its FIFO holds has gone to the guest.
+        let all = self.containers.lock().await;
+        let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
+        c.process(&req.exec_id)?.close_stdin.notify_one();
+        Ok(api::Empty::default())
+    }
+
+    async fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtrpcResult<api::Empty> {
+        let control = {
+            let all = self.containers.lock().await;
+            let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
+            let p = c.process(&req.exec_id)?;
+            if !p.terminal {
+                return Err(rpc_error(Code::FAILED_PRECONDITION, "the process has no terminal"));
+            }
+            p.control.clone()
+        };
+        // Before it started there is nothing to resize yet; the guest's default stands.
+        if let Some(control) = control {
+            let (rows, cols) = (req.height.min(u16::MAX.into()), req.width.min(u16::MAX.into()));
+            let r = control.lock().await.resize(rows as u16, cols as u16).await;
+            r.map_err(|e| rpc_error(Code::NOT_FOUND, format!("the process has ended: {e}")))?;
+        }
         Ok(api::Empty::default())
     }
 
@@ -751,12 +771,31 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::PidsRequest,
     ) -> TtrpcResult<api::PidsResponse> {
-        let all = self.containers.lock().await;
-        let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
-        let mut info = api::ProcessInfo::new();
-        info.pid = c.pid;
+        let (clone, slot, vmm_pid, sandbox) = {
+            let all = self.containers.lock().await;
+            let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
+            (c.clone.clone(), c.slot, c.pid, c.sandbox)
+        };
+        // The guest's processes on the container's root file system; a sandbox (no
+        // root file system of its own) or a VM that cannot say: its VMM.
+        let pids = match (clone, sandbox) {
+            (Some(clone), false) => match process::guest_pids(&clone, slot).await {
+                Ok(p) => p,
+                Err(e) => {
+                    log::warn!("{}: the guest's processes: {e}", req.id);
+                    vec![vmm_pid]
+                }
+            },
+            _ => vec![vmm_pid],
+        };
+        let processes = (pids.into_iter())
+            .map(|pid| api::ProcessInfo {
+                pid,
+                ..Default::default()
+            })
+            .collect();
         Ok(api::PidsResponse {
-            processes: vec![info],
+            processes,
             ..Default::default()
         })
     }

@@ -376,6 +376,19 @@ fn running_container(c: &Containerd) {
     assert_eq!(String::from_utf8_lossy(&exec.stdout), "from exec\n");
     assert!(String::from_utf8_lossy(&exec.stderr).contains("to stderr\n"));
 
+    // `ctr task ps`: the guest's processes on the container's root file system (its
+    // shell, its sleep), not the VMM.
+    let ps = c.ctr(&["task", "ps", "four"]);
+    assert!(ps.status.success(), "{ps:?}");
+    let text = String::from_utf8_lossy(&ps.stdout).into_owned();
+    let pids: Vec<u32> = (text.lines().skip(1))
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    let listed = c.ctr(&["task", "ls"]);
+    let vmm: Option<u32> = (String::from_utf8_lossy(&listed.stdout).lines())
+        .find(|l| l.split_whitespace().next() == Some("four"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok());
+    assert!(!pids.is_empty() && vmm.is_some_and(|v| !pids.contains(&v)), "{text}");
     // Its clone's cgroup: the spec's memory limit, CPU time used.
     let metrics = c.ctr(&["task", "metrics", "four"]);
     let text = String::from_utf8_lossy(&metrics.stdout).into_owned();
@@ -419,7 +432,7 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     }
     let scratch = Scratch::new("containerd");
     let archive = scratch.path("busybox.tar");
-    let applets = ["sh", "echo", "cat", "id", "pwd", "hostname", "ls", "sleep"];
+    let applets = ["sh", "echo", "cat", "id", "pwd", "hostname", "ls", "sleep", "tty"];
     tests::oci::busybox_image(&archive, IMAGE, &applets);
     let c = Containerd::start(&scratch);
     let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
@@ -441,6 +454,40 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     assert_eq!(code, 3, "{out}{err}\n{}", c.log());
     assert_eq!(out, "hi in /tmp as 0\nfrom the image\nmine\n", "{err}");
     assert!(err.contains("oops\n"), "{err}");
+    // stdin: the process reads what ctr is given on its stdin, to its end.
+    let mut run = c
+        .ctr_command(&[
+            "run", "--rm", "--runtime", "io.containerd.forkvm.v2", IMAGE, "in1", "sh", "-c",
+            "cat; echo read all",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut input = run.stdin.take().unwrap();
+        input.write_all(b"hello\nworld\n").unwrap();
+    }
+    let out = run.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}\n{}", c.log());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\nworld\nread all\n");
+    // -t: the process runs on a terminal in the guest (ctr needs one of its own, which
+    // `script` gives it); its output and exit status come back through it.
+    let ctr = format!(
+        "ctr --address {} --namespace {NAMESPACE} run --rm -t --runtime \
+         io.containerd.forkvm.v2 {IMAGE} tty1 sh -c 'tty; exit 4'",
+        c.sock.display()
+    );
+    let out = Command::new("script")
+        .args(["-qec", &ctr, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(4), "{text}\n{}", c.log());
+    assert!(text.contains("/dev/pts/"), "{text}");
     // Another container of the same image: its own root file system.
     let (code, out, err) = c.run("two", &[], &["sh", "-c", "cat /tmp/f 2>&1; ls /"]);
     assert_eq!(code, 0, "{out}{err}");

@@ -202,10 +202,22 @@ mod tests {
         }
         assert_eq!(stream_request_head("ls", b""), "2 0 stream\n");
         let mode = |stdin, tty| StreamMode { stdin, tty };
-        assert_eq!(stream_request_head_with("ls", mode(true, false)), "2 0 stream stdin\n");
-        assert_eq!(stream_request_head_with("ls", mode(true, true)), "2 0 stream stdin tty\n");
-        assert_eq!(stream_request_head_with("ls", mode(false, true)), "2 0 stream tty\n");
-        assert_eq!((input_head(5), winch_line(24, 80)), ("in 5\n".into(), "winch 24 80\n".into()));
+        assert_eq!(
+            stream_request_head_with("ls", mode(true, false)),
+            "2 0 stream stdin\n"
+        );
+        assert_eq!(
+            stream_request_head_with("ls", mode(true, true)),
+            "2 0 stream stdin tty\n"
+        );
+        assert_eq!(
+            stream_request_head_with("ls", mode(false, true)),
+            "2 0 stream tty\n"
+        );
+        assert_eq!(
+            (input_head(5), winch_line(24, 80)),
+            ("in 5\n".into(), "winch 24 80\n".into())
+        );
         let argv = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert_eq!(
             argv_command(&argv(&["ls", "-l", ""])),

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use api_types::agent::{self, ExecOutput, Frame};
 pub use api_types::agent::StreamMode;
+use api_types::agent::{self, ExecOutput, Frame};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;

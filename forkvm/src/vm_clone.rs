@@ -145,7 +145,8 @@ impl VmClone {
         argv: &[String],
         stdin: &[u8],
     ) -> Result<AgentProcess, Error> {
-        self.spawn_stream(port, argv, stdin, StreamMode::default()).await
+        self.spawn_stream(port, argv, stdin, StreamMode::default())
+            .await
     }
 
     /// [`VmClone::spawn`] of a program whose input is fed while it runs

@@ -9,6 +9,7 @@
 //! clone, the agent runs `forkvm-oci` with the process the OCI spec asks for.
 
 mod config;
+mod create;
 mod events;
 mod metrics;
 mod net;

@@ -11,8 +11,8 @@ use containerd_shim_protos::protobuf::well_known_types::timestamp::Timestamp;
 use forkvm::{AgentControl, AgentOutput, ProcessEvent, StreamMode};
 use oci_spec::runtime::Process;
 use tokio::fs::File;
-use tokio::io::AsyncWriteExt;
 use tokio::io::AsyncReadExt;
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{watch, Mutex, Notify};
 
 /// How a process ended: its status and when.
@@ -255,7 +255,11 @@ pub async fn forward(
 /// for its writer) until the writer closes it or `close` is notified (`CloseIO`), then
 /// ends the input. It holds the process's control only while it writes: dropping the
 /// control elsewhere still kills the process.
-pub async fn feed_stdin(path: String, control: std::sync::Weak<Mutex<AgentControl>>, close: Arc<Notify>) {
+pub async fn feed_stdin(
+    path: String,
+    control: std::sync::Weak<Mutex<AgentControl>>,
+    close: Arc<Notify>,
+) {
     let opening = tokio::task::spawn_blocking({
         let path = path.clone();
         move || std::fs::File::open(path)
@@ -288,7 +292,9 @@ pub async fn feed_stdin(path: String, control: std::sync::Weak<Mutex<AgentContro
                         r = fifo.read(&mut buf) => r.unwrap_or(0),
                         _ = close.notified() => 0,
                     };
-                    let Some(control) = control.upgrade() else { return };
+                    let Some(control) = control.upgrade() else {
+                        return;
+                    };
                     if n == 0 {
                         break;
                     }
@@ -309,7 +315,9 @@ pub async fn feed_stdin(path: String, control: std::sync::Weak<Mutex<AgentContro
 /// (their root is its mount point), by their pids in the guest: one `ls` through the
 /// agent.
 pub async fn guest_pids(clone: &forkvm::VmClone, slot: u8) -> Result<Vec<u32>, String> {
-    let out = (clone.exec(crate::config::AGENT_PORT, "ls -l /proc/*/root", b"").await)
+    let out = (clone
+        .exec(crate::config::AGENT_PORT, "ls -l /proc/*/root", b"")
+        .await)
         .map_err(|e| e.to_string())?;
     Ok(pids_rooted_at(
         &String::from_utf8_lossy(&out.output),
@@ -337,8 +345,14 @@ mod tests {
                        lrwxrwxrwx 1 0 0 0 Nov 29 15:00 /proc/78/root -> /run/forkvm/rootfs1\n\
                        lrwxrwxrwx 1 0 0 0 Nov 29 15:00 /proc/9/root -> /run/forkvm/rootfs0\n\
                        ls: /proc/80/root: No such file or directory\n";
-        assert_eq!(super::pids_rooted_at(listing, "/run/forkvm/rootfs0"), vec![9, 77]);
-        assert_eq!(super::pids_rooted_at(listing, "/run/forkvm/rootfs1"), vec![78]);
+        assert_eq!(
+            super::pids_rooted_at(listing, "/run/forkvm/rootfs0"),
+            vec![9, 77]
+        );
+        assert_eq!(
+            super::pids_rooted_at(listing, "/run/forkvm/rootfs1"),
+            vec![78]
+        );
         assert!(super::pids_rooted_at("", "/run/forkvm/rootfs0").is_empty());
     }
 }

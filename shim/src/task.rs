@@ -9,13 +9,11 @@
 //! run in the pod's VM.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
 use containerd_shim::asynchronous::{spawn, ExitSignal, Shim};
-use containerd_shim::mount::{mount_rootfs, umount_recursive};
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Config, Error, Flags, StartOpts, TtrpcResult};
 use containerd_shim_protos::api;
@@ -24,38 +22,36 @@ use containerd_shim_protos::protobuf::MessageField;
 use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim_protos::ttrpc::{Code, Status as RpcStatus};
-use forkvm::{CreateClones, ImageCache, InsertMedium, Template, VmClone};
+use forkvm::{Template, VmClone};
 use tokio::sync::Mutex;
 
-use crate::config::{self, ShimConfig, AGENT_PORT};
+use crate::config::{ShimConfig, AGENT_PORT};
 use crate::events::Events;
 use crate::metrics;
-use crate::net;
-use crate::pod::{Place, Pods};
-use crate::prepared;
+use crate::pod::Pods;
 use crate::process::{self, oci_command, Proc};
-use crate::spec::{is_sandbox, limits, rootfs_key, sandbox_id};
+use crate::spec::sandbox_id;
 
-struct Container {
-    bundle: String,
-    pid: u32,
-    clone_id: String,
-    template: Option<Template>,
-    clone: Option<Arc<VmClone>>,
+pub(crate) struct Container {
+    pub(crate) bundle: String,
+    pub(crate) pid: u32,
+    pub(crate) clone_id: String,
+    pub(crate) template: Option<Template>,
+    pub(crate) clone: Option<Arc<VmClone>>,
     /// The spec's process.
-    init: Proc,
+    pub(crate) init: Proc,
     /// The processes `exec` added, by exec id.
-    execs: HashMap<String, Proc>,
+    pub(crate) execs: HashMap<String, Proc>,
     /// Whether its VM is paused.
-    paused: bool,
+    pub(crate) paused: bool,
     /// A pod's sandbox (CRI's `io.kubernetes.cri.container-type: sandbox`): the pod's
     /// VM, its process only a placeholder that runs until it is killed.
-    sandbox: bool,
+    pub(crate) sandbox: bool,
     /// The sandbox whose VM a pod's container runs in (its root file system in disk
     /// slot `slot` of that VM); None for a container with a VM of its own (slot 0).
-    in_pod: Option<String>,
+    pub(crate) in_pod: Option<String>,
     /// The disk slot of its root file system.
-    slot: u8,
+    pub(crate) slot: u8,
 }
 
 impl Container {
@@ -92,12 +88,12 @@ const SHIM_PID: &str = "forkvm-shim.pid";
 /// The shim: its configuration and its containers.
 #[derive(Clone)]
 pub struct Service {
-    cfg: Arc<ShimConfig>,
-    exit: Arc<ExitSignal>,
-    containers: Arc<Mutex<HashMap<String, Container>>>,
+    pub(crate) cfg: Arc<ShimConfig>,
+    pub(crate) exit: Arc<ExitSignal>,
+    pub(crate) containers: Arc<Mutex<HashMap<String, Container>>>,
     /// The pods this shim serves.
-    pods: Arc<Pods>,
-    events: Arc<Events>,
+    pub(crate) pods: Arc<Pods>,
+    pub(crate) events: Arc<Events>,
 }
 
 fn rpc_error(code: Code, message: impl std::fmt::Display) -> containerd_shim_protos::ttrpc::Error {
@@ -110,187 +106,6 @@ fn rpc_error(code: Code, message: impl std::fmt::Display) -> containerd_shim_pro
 
 fn not_found(id: &str) -> containerd_shim_protos::ttrpc::Error {
     rpc_error(Code::NOT_FOUND, format!("no container {id:?}"))
-}
-
-impl Service {
-    /// Makes container `req.id`'s clone: its root file system as an image in slot 0,
-    /// writable into the clone's overlay.
-    async fn make(&self, req: &api::CreateTaskRequest) -> Result<Container, String> {
-        let bundle = Path::new(&req.bundle);
-        let spec = oci_spec::runtime::Spec::load(bundle.join("config.json"))
-            .map_err(|e| format!("the bundle's config.json: {e}"))?;
-        if is_sandbox(&spec) {
-            return self.make_pod(req, &spec).await;
-        }
-        let process = spec.process().as_ref().ok_or("the spec has no process")?;
-        // A pod's container (its sandbox served here): a slot of the pod's VM.
-        let place = match sandbox_id(&spec) {
-            Some(sandbox) => self.pods.reserve(&sandbox).await?,
-            None => None,
-        };
-        let slot = place.as_ref().map_or(0, |p| p.slot);
-        let command = oci_command(process, spec.hostname().as_deref(), slot)?;
-        let made = self.make_rootfs(req, &spec, process, command, place).await;
-        if let (Err(_), Some(sandbox)) = (&made, sandbox_id(&spec)) {
-            self.pods.free(&sandbox, slot).await;
-        }
-        made
-    }
-
-    /// Makes pod `req.id`'s VM.
-    async fn make_pod(
-        &self,
-        req: &api::CreateTaskRequest,
-        spec: &oci_spec::runtime::Spec,
-    ) -> Result<Container, String> {
-        let vsock = self.cfg.vsock(&req.bundle);
-        let pod_net = match net::netns_of(spec) {
-            Some(ns) => Some(
-                net::read(&ns)
-                    .await
-                    .map_err(|e| format!("the pod's network: {e}"))?,
-            ),
-            None => None,
-        };
-        let limits = limits(spec);
-        let made = self
-            .pods
-            .make(&self.cfg, &req.id, &vsock, &limits, pod_net.as_ref());
-        let (template, clone) = made.await?;
-        Ok(Container {
-            bundle: req.bundle.clone(),
-            pid: clone.pid(),
-            clone_id: clone.id().to_string(),
-            template: Some(template),
-            clone: Some(clone),
-            init: Proc::new(Vec::new(), &req.stdout, &req.stderr),
-            execs: HashMap::new(),
-            paused: false,
-            sandbox: true,
-            in_pod: None,
-            slot: 0,
-        })
-    }
-
-    /// Makes a container with its root file system as an image: in the slot `pod`
-    /// gives of a pod's VM, or in slot 0 of a clone of its own.
-    async fn make_rootfs(
-        &self,
-        req: &api::CreateTaskRequest,
-        spec: &oci_spec::runtime::Spec,
-        process: &oci_spec::runtime::Process,
-        command: Vec<String>,
-        place: Option<Place>,
-    ) -> Result<Container, String> {
-        let bundle = Path::new(&req.bundle);
-        let rootfs = bundle.join("rootfs");
-        let t0 = Instant::now();
-        for m in &req.rootfs {
-            mount_rootfs(Some(&m.type_), Some(&m.source), &m.options, &rootfs)
-                .map_err(|e| format!("cannot mount the root file system: {e}"))?;
-        }
-        let images = ImageCache::new(self.cfg.dir.join("images"), self.cfg.images_budget)
-            .map_err(|e| e.to_string())?;
-        let key = rootfs_key(&req.rootfs);
-        let built = images.build(&key, &rootfs).await;
-        if !req.rootfs.is_empty() {
-            let _ = umount_recursive(rootfs.to_str(), 0);
-        }
-        let (image, made) = built.map_err(|e| format!("the root file system's image: {e}"))?;
-        let t1 = Instant::now();
-        if let Some(Place {
-            sandbox,
-            clone,
-            slot,
-        }) = place
-        {
-            (clone.insert_medium(slot, &image, true).await)
-                .map_err(|e| format!("the pod's VM took no root file system: {e}"))?;
-            log::info!(
-                "{}: created in pod {sandbox}, slot {slot}: image {:.1} ms (built: {made}), \
-                 inserted {:.1} ms",
-                req.id,
-                (t1 - t0).as_secs_f64() * 1e3,
-                t1.elapsed().as_secs_f64() * 1e3
-            );
-            return Ok(Container {
-                bundle: req.bundle.clone(),
-                pid: clone.pid(),
-                clone_id: clone.id().to_string(),
-                template: None,
-                clone: Some(clone),
-                init: Proc::new(command, &req.stdout, &req.stderr)
-                    .with_input(&req.stdin, req.terminal),
-                execs: HashMap::new(),
-                paused: false,
-                sandbox: false,
-                in_pod: Some(sandbox),
-                slot,
-            });
-        }
-        let limits = limits(spec);
-        let vsock = self.cfg.vsock(&req.bundle);
-        // Booting a VM per container (for comparison) has no snapshots to restore.
-        let (base, from_image) = match self.cfg.boot_each {
-            true => (PathBuf::new(), None),
-            false => {
-                let base = config::base(&self.cfg).await;
-                let base = base.map_err(|e| format!("the template: {e}"))?;
-                let t =
-                    prepared::template(&self.cfg, &base, &key, &image, process, &vsock, &limits)
-                        .await;
-                (base, t)
-            }
-        };
-        let prepared = from_image.is_some();
-        let (template, media) = match from_image {
-            Some(t) => (t, Vec::new()),
-            None => {
-                let t = config::template(&self.cfg, &base, &vsock, &limits)
-                    .await
-                    .map_err(|e| format!("the template: {e}"))?;
-                let medium = InsertMedium {
-                    slot: 0,
-                    path: image,
-                    writable: true,
-                };
-                (t, vec![medium])
-            }
-        };
-        let t2 = Instant::now();
-        let request = CreateClones {
-            resource_class: Some(config::CLASS.into()),
-            media,
-            ..Default::default()
-        };
-        let clone = (template.create_clones(&request).await)
-            .map_err(|e| format!("the container's clone: {e}"))?
-            .pop()
-            .ok_or("no clone was made")?;
-        let ms = |from: Instant, to: Instant| (to - from).as_secs_f64() * 1e3;
-        log::info!(
-            "{}: created: image {:.1} ms (built: {made}), template {:.1} ms (the image's: \
-             {prepared}), clone {:.1} ms",
-            req.id,
-            ms(t0, t1),
-            ms(t1, t2),
-            ms(t2, Instant::now())
-        );
-        Ok(Container {
-            bundle: req.bundle.clone(),
-            pid: clone.pid(),
-            clone_id: clone.id().to_string(),
-            template: Some(template),
-            clone: Some(Arc::new(clone)),
-            init: Proc::new(command, &req.stdout, &req.stderr)
-                .with_input(&req.stdin, req.terminal),
-            execs: HashMap::new(),
-            paused: false,
-            sandbox: false,
-            in_pod: None,
-            slot: 0,
-        })
-    }
 }
 
 impl Service {
@@ -456,7 +271,15 @@ impl Task for Service {
             p.started = true;
             let fifos = (p.stdout.clone(), p.stderr.clone(), p.stdin.clone());
             let close = p.close_stdin.clone();
-            (clone, p.command.clone(), fifos, p.mode(), close, p.exit.clone(), pid)
+            (
+                clone,
+                p.command.clone(),
+                fifos,
+                p.mode(),
+                close,
+                p.exit.clone(),
+                pid,
+            )
         };
         let since = Instant::now();
         let started = clone.spawn_with(AGENT_PORT, &command, mode).await;
@@ -753,13 +576,19 @@ impl Task for Service {
             let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
             let p = c.process(&req.exec_id)?;
             if !p.terminal {
-                return Err(rpc_error(Code::FAILED_PRECONDITION, "the process has no terminal"));
+                return Err(rpc_error(
+                    Code::FAILED_PRECONDITION,
+                    "the process has no terminal",
+                ));
             }
             p.control.clone()
         };
         // Before it started there is nothing to resize yet; the guest's default stands.
         if let Some(control) = control {
-            let (rows, cols) = (req.height.min(u16::MAX.into()), req.width.min(u16::MAX.into()));
+            let (rows, cols) = (
+                req.height.min(u16::MAX.into()),
+                req.width.min(u16::MAX.into()),
+            );
             let r = control.lock().await.resize(rows as u16, cols as u16).await;
             r.map_err(|e| rpc_error(Code::NOT_FOUND, format!("the process has ended: {e}")))?;
         }

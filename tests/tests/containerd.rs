@@ -388,7 +388,10 @@ fn running_container(c: &Containerd) {
     let vmm: Option<u32> = (String::from_utf8_lossy(&listed.stdout).lines())
         .find(|l| l.split_whitespace().next() == Some("four"))
         .and_then(|l| l.split_whitespace().nth(1)?.parse().ok());
-    assert!(!pids.is_empty() && vmm.is_some_and(|v| !pids.contains(&v)), "{text}");
+    assert!(
+        !pids.is_empty() && vmm.is_some_and(|v| !pids.contains(&v)),
+        "{text}"
+    );
     // Its clone's cgroup: the spec's memory limit, CPU time used.
     let metrics = c.ctr(&["task", "metrics", "four"]);
     let text = String::from_utf8_lossy(&metrics.stdout).into_owned();
@@ -432,7 +435,9 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     }
     let scratch = Scratch::new("containerd");
     let archive = scratch.path("busybox.tar");
-    let applets = ["sh", "echo", "cat", "id", "pwd", "hostname", "ls", "sleep", "tty"];
+    let applets = [
+        "sh", "echo", "cat", "id", "pwd", "hostname", "ls", "sleep", "tty",
+    ];
     tests::oci::busybox_image(&archive, IMAGE, &applets);
     let c = Containerd::start(&scratch);
     let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
@@ -457,7 +462,14 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     // stdin: the process reads what ctr is given on its stdin, to its end.
     let mut run = c
         .ctr_command(&[
-            "run", "--rm", "--runtime", "io.containerd.forkvm.v2", IMAGE, "in1", "sh", "-c",
+            "run",
+            "--rm",
+            "--runtime",
+            "io.containerd.forkvm.v2",
+            IMAGE,
+            "in1",
+            "sh",
+            "-c",
             "cat; echo read all",
         ])
         .stdin(Stdio::piped())
@@ -472,7 +484,10 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     }
     let out = run.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{out:?}\n{}", c.log());
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\nworld\nread all\n");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "hello\nworld\nread all\n"
+    );
     // -t: the process runs on a terminal in the guest (ctr needs one of its own, which
     // `script` gives it); its output and exit status come back through it.
     let ctr = format!(

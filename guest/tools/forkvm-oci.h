@@ -24,6 +24,11 @@
  * file system) and its interpreter into the page cache and exits 0, so that a snapshot
  * of this VM has the root file system mounted and the program warm for its clones.
  *
+ * --tmpfs DIR (repeated) mounts a tmpfs at DIR in the root file system, and --file
+ * PATH=HEX (repeated) writes the bytes HEX encodes to PATH in it, its directories made:
+ * the OCI spec's tmpfs mounts and the host files it binds in (the CRI's hosts,
+ * hostname and resolv.conf), for a container's first process.
+ *
  *   forkvm-oci [--slot N] --release
  *
  * Unmounts slot N's root file system and everything under it (lazily: what a process
@@ -51,6 +56,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#define OCI_MAX_MOUNTS 32
 #define OCI_DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define OCI_MAX_ENV 256
 
@@ -69,6 +75,7 @@ static void oci_usage(void)
 {
     fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--prepare] [--timeout-s S] "
                     "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
+                    "[--tmpfs DIR]... [--file PATH=HEX]... "
                     "-- PROGRAM [ARG]...\n"
                     "       forkvm-oci [--slot N] --release\n");
     exit(125);
@@ -242,6 +249,73 @@ static void oci_warm(const char *root, const char *prog, char **env)
     }
 }
 
+/* Whether `path` is absolute with no ".." component. */
+static int oci_path_ok(const char *path, size_t len)
+{
+    if (len == 0 || path[0] != '/')
+        return 0;
+    for (size_t k = 0; k + 1 < len; k++)
+        if (path[k] == '/' && path[k + 1] == '.' && (k + 2 >= len || path[k + 2] == '.') &&
+            (k + 3 >= len || path[k + 3] == '/'))
+            return 0;
+    return 1;
+}
+
+/* Makes directory `path` and its parents; ones that exist are fine. */
+static void oci_mkdirs(char *path)
+{
+    for (char *p = path + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = 0;
+        mkdir(path, 0755);
+        *p = '/';
+    }
+    mkdir(path, 0755);
+}
+
+static int oci_hex(char c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+/* Writes --file PATH=HEX under `root`. */
+static void oci_put_file(const char *root, const char *arg)
+{
+    const char *eq = strchr(arg, '=');
+    if (!eq || !oci_path_ok(arg, (size_t)(eq - arg)) || strlen(eq + 1) % 2)
+        oci_fail("--file", "%.64s is not /PATH=HEX", arg);
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s%.*s", root, (int)(eq - arg), arg);
+    char *slash = strrchr(path, '/');
+    *slash = 0;
+    oci_mkdirs(path);
+    *slash = '/';
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0)
+        oci_fail("--file", "%s: %s", path, strerror(errno));
+    static char buf[4096];
+    size_t k = 0;
+    for (const char *h = eq + 1; *h; h += 2) {
+        int hi = oci_hex(h[0]), lo = oci_hex(h[1]);
+        if (hi < 0 || lo < 0)
+            oci_fail("--file", "%s: the content is not lower-case hex", path);
+        buf[k++] = (char)(hi << 4 | lo);
+        if (k == sizeof buf || !h[2]) {
+            for (size_t done = 0; done < k;) {
+                ssize_t n = write(fd, buf + done, k - done);
+                if (n < 0 && errno == EINTR)
+                    continue;
+                if (n <= 0)
+                    oci_fail("--file", "%s: %s", path, strerror(errno));
+                done += (size_t)n;
+            }
+            k = 0;
+        }
+    }
+    close(fd);
+}
+
 static int oci_main(int argc, char **argv)
 {
     int slot = 0, readonly = 0, prepare = 0, release = 0, timeout_s = 30, nenv = 0;
@@ -249,6 +323,8 @@ static int oci_main(int argc, char **argv)
     const char *hostname = NULL, *cwd = "/";
     unsigned long uid = 0, gid = 0;
     char *env[OCI_MAX_ENV + 2];
+    const char *tmpfs[OCI_MAX_MOUNTS], *files[OCI_MAX_MOUNTS];
+    int ntmpfs = 0, nfiles = 0;
     int i = 1;
     for (; i < argc; i++) {
         const char *a = argv[i];
@@ -290,6 +366,14 @@ static int oci_main(int argc, char **argv)
             gid = strtoul(g, &end, 10);
             if (*end || end == g)
                 oci_fail("--user", "%s is not UID:GID", v);
+        } else if (strcmp(a, "--tmpfs") == 0) {
+            if (!oci_path_ok(v, strlen(v)) || ntmpfs == OCI_MAX_MOUNTS)
+                oci_fail("--tmpfs", "%s is no absolute path, or one too many", v);
+            tmpfs[ntmpfs++] = v;
+        } else if (strcmp(a, "--file") == 0) {
+            if (nfiles == OCI_MAX_MOUNTS)
+                oci_fail("--file", "more than %d files", OCI_MAX_MOUNTS);
+            files[nfiles++] = v;
         } else if (strcmp(a, "--env") == 0) {
             if (!strchr(v, '=') || v[0] == '=')
                 oci_fail("--env", "%s is not NAME=VALUE", v);
@@ -349,6 +433,14 @@ static int oci_main(int argc, char **argv)
         oci_warm(root, argv[i], env);
         return 0;
     }
+    for (int k = 0; k < ntmpfs; k++) {
+        snprintf(sub, sizeof sub, "%s%s", root, tmpfs[k]);
+        oci_mkdirs(sub);
+        if (mount("tmpfs", sub, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") != 0)
+            oci_fail("--tmpfs", "%s: %s", sub, strerror(errno));
+    }
+    for (int k = 0; k < nfiles; k++)
+        oci_put_file(root, files[k]);
     if (hostname && sethostname(hostname, strlen(hostname)) != 0)
         oci_fail("hostname", "%s", strerror(errno));
     if (chdir(root) != 0 || chroot(".") != 0 || chdir("/") != 0)

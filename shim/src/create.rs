@@ -16,7 +16,7 @@ use crate::net;
 use crate::pod::Place;
 use crate::prepared;
 use crate::process::{oci_command, Proc};
-use crate::spec::{is_sandbox, limits, rootfs_key, sandbox_id};
+use crate::spec::{is_sandbox, limits, rootfs_key, sandbox_id, with_mounts};
 use crate::task::{Container, Service};
 
 impl Service {
@@ -37,6 +37,7 @@ impl Service {
         };
         let slot = place.as_ref().map_or(0, |p| p.slot);
         let command = oci_command(process, spec.hostname().as_deref(), slot)?;
+        let command = with_mounts(command, &spec);
         let made = self.make_rootfs(req, &spec, process, command, place).await;
         if let (Err(_), Some(sandbox)) = (&made, sandbox_id(&spec)) {
             self.pods.free(&sandbox, slot).await;

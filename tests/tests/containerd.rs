@@ -623,6 +623,11 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
             spec["linux"] = serde_json::json!({
                 "security_context": {"namespace_options": {"network": 2}}
             });
+        } else {
+            spec["hostname"] = format!("{name}host").into();
+            spec["dns_config"] = serde_json::json!({
+                "servers": ["10.89.0.53"], "searches": ["forkvm.test"]
+            });
         }
         std::fs::write(&pod, spec.to_string()).unwrap();
         let (code, id) = crictl(&c, &["runp", "--runtime", "forkvm", pod.to_str().unwrap()]);
@@ -746,6 +751,27 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     assert!(
         code == 0 && text.contains("1 packets received"),
         "{code} {text}"
+    );
+    // The files CRI binds in (resolv.conf from the pod's DNS config, its hostname) are
+    // in the container, and /dev/shm is a tmpfs.
+    let (code, text) = crictl(
+        &c,
+        &[
+            "exec",
+            "-s",
+            &a,
+            "sh",
+            "-c",
+            "cat /etc/resolv.conf /etc/hostname; cat /proc/mounts",
+        ],
+    );
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains("nameserver 10.89.0.53")
+            && text.contains("search forkvm.test")
+            && text.contains("p2host")
+            && text.contains("tmpfs /dev/shm tmpfs"),
+        "{text}"
     );
     let host = Command::new("busybox")
         .args(["ping", "-c", "1", "-W", "10", &ip2])

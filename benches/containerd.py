@@ -357,6 +357,22 @@ def main():
                     if os.path.exists(path):
                         f.write(open(path).read())
         shutil.rmtree(tmp, ignore_errors=True)
+        remove_namespace_cgroups()
+
+
+def remove_namespace_cgroups():
+    """runc puts a container's cgroup under /<namespace>/<id> in every hierarchy and
+    removes only the container's: the namespace's own (empty) directories go here."""
+    for root in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]:
+        if not os.path.isdir(root):
+            continue
+        for hierarchy in [root] + [os.path.join(root, d) for d in os.listdir(root)]:
+            path = os.path.join(hierarchy, NAMESPACE)
+            if os.path.isdir(path):
+                try:
+                    os.rmdir(path)
+                except OSError as e:
+                    print(f"containerd.py: {path}: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

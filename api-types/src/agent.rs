@@ -86,12 +86,6 @@ pub fn argv_command(argv: &[String]) -> Result<String, ArgvError> {
     Ok(command)
 }
 
-/// The first line of a streaming request (the command, [`argv_command`], and its
-/// input follow).
-pub fn stream_request_head(command: &str, stdin: &[u8]) -> String {
-    format!("{} {} stream\n", command.len(), stdin.len())
-}
-
 /// How a streamed command takes its input, and whether it has a terminal.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StreamMode {
@@ -102,12 +96,13 @@ pub struct StreamMode {
     pub tty: bool,
 }
 
-/// The first line of a streaming request whose input the client feeds or that runs on
-/// a terminal, as `mode` says (the command follows; no input with it).
-pub fn stream_request_head_with(command: &str, mode: StreamMode) -> String {
-    let stdin = if mode.stdin { " stdin" } else { "" };
+/// The first line of a streaming request (the command, [`argv_command`], and its
+/// input follow): its input is `stdin`, unless `mode` has the client feed it or run
+/// the command on a terminal (then `stdin` must be empty).
+pub fn stream_request_head(command: &str, stdin: &[u8], mode: StreamMode) -> String {
+    let fed = if mode.stdin { " stdin" } else { "" };
     let tty = if mode.tty { " tty" } else { "" };
-    format!("{} 0 stream{stdin}{tty}\n", command.len())
+    format!("{} {} stream{fed}{tty}\n", command.len(), stdin.len())
 }
 
 /// The most bytes one input frame carries.
@@ -200,18 +195,25 @@ mod tests {
         for bad in ["", "0\n", "0 1 2\n", "x 1\n", "0 -1\n", "99999999999 0\n"] {
             assert!(parse_answer_head(bad).is_err(), "{bad:?}");
         }
-        assert_eq!(stream_request_head("ls", b""), "2 0 stream\n");
         let mode = |stdin, tty| StreamMode { stdin, tty };
         assert_eq!(
-            stream_request_head_with("ls", mode(true, false)),
+            stream_request_head("ls", b"", mode(false, false)),
+            "2 0 stream\n"
+        );
+        assert_eq!(
+            stream_request_head("ls", b"hi", mode(false, false)),
+            "2 2 stream\n"
+        );
+        assert_eq!(
+            stream_request_head("ls", b"", mode(true, false)),
             "2 0 stream stdin\n"
         );
         assert_eq!(
-            stream_request_head_with("ls", mode(true, true)),
+            stream_request_head("ls", b"", mode(true, true)),
             "2 0 stream stdin tty\n"
         );
         assert_eq!(
-            stream_request_head_with("ls", mode(false, true)),
+            stream_request_head("ls", b"", mode(false, true)),
             "2 0 stream tty\n"
         );
         assert_eq!(

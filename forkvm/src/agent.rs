@@ -122,10 +122,7 @@ impl AgentProcess {
         mode: StreamMode,
     ) -> Result<Self, Error> {
         let command = agent::argv_command(argv).map_err(|e| Error::Command(e.to_string()))?;
-        let (head, stdin) = match mode == StreamMode::default() {
-            true => (agent::stream_request_head(&command, stdin), stdin),
-            false => (agent::stream_request_head_with(&command, mode), &[][..]),
-        };
+        let head = agent::stream_request_head(&command, stdin, mode);
         let (read, write) = request(vsock, port, &head, &command, stdin).await?;
         Ok(Self {
             output: AgentOutput {

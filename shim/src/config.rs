@@ -59,8 +59,8 @@ impl ShimConfig {
     /// The host socket of the vsock device of the template for the container whose
     /// bundle is `bundle`: named by a hash of the bundle's path.
     pub fn vsock(&self, bundle: &str) -> PathBuf {
-        let hex = hex(&Sha256::digest(bundle.as_bytes()));
-        self.run_dir.join(format!("{}.vsock", &hex[..24]))
+        self.run_dir
+            .join(format!("{}.vsock", digest_name("", bundle, 24)))
     }
 
     /// Where the clones' overlays go.
@@ -87,6 +87,13 @@ impl ShimConfig {
         let hex = hex(&h.finalize());
         self.dir.join(format!("template-{}", &hex[..16]))
     }
+}
+
+/// `prefix` and the first `len` hexadecimal digits of the SHA-256 of `text`: a short
+/// name of its own for something named by `text` (a socket, a tap: 15 characters at
+/// most).
+pub fn digest_name(prefix: &str, text: &str, len: usize) -> String {
+    format!("{prefix}{}", &hex(&Sha256::digest(text.as_bytes()))[..len])
 }
 
 /// `bytes` in lower-case hexadecimal (a digest in a file name).
@@ -138,11 +145,15 @@ pub fn lock(path: &Path) -> Result<std::fs::File, TemplateError> {
 }
 
 /// The shim's template's snapshot: booted and saved first if there is none (one shim at
-/// a time: a lock file).
+/// a time: a lock file). With `FORKVM_SHIM_BOOT_EACH` none (an empty path): each
+/// template boots ([`template`]).
 pub async fn base(cfg: &ShimConfig) -> Result<PathBuf, TemplateError> {
     let overlays = cfg.overlays();
     std::fs::create_dir_all(&overlays).map_err(dir_error(&overlays))?;
     std::fs::create_dir_all(&cfg.run_dir).map_err(dir_error(&cfg.run_dir))?;
+    if cfg.boot_each {
+        return Ok(PathBuf::new());
+    }
     let snapshot = cfg.snapshot(&TemplateSpec::new("").vmm);
     if !snapshot.join("state").exists() {
         let _lock = lock(&cfg.dir.join("template.lock"))?;
@@ -192,8 +203,7 @@ pub async fn template(
 /// The tap of the template whose vsock socket is `vsock` (a name of its own: 15
 /// characters at most). The VMM makes it; it goes with the VMM.
 fn tap_name(vsock: &Path) -> String {
-    let hash = hex(&Sha256::digest(vsock.display().to_string().as_bytes()));
-    format!("fvt{}", &hash[..12])
+    digest_name("fvt", &vsock.display().to_string(), 12)
 }
 
 /// The spec of a template booted with its vsock device's host socket at `vsock`.

@@ -3,7 +3,7 @@
 //! template (or of the shim's, with the image in slot 0) of its own.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -36,10 +36,11 @@ impl Service {
             None => None,
         };
         let slot = place.as_ref().map_or(0, |p| p.slot);
+        let sandbox = place.as_ref().map(|p| p.sandbox.clone());
         let command = oci_command(process, spec.hostname().as_deref(), slot)?;
         let command = with_mounts(command, &spec);
         let made = self.make_rootfs(req, &spec, process, command, place).await;
-        if let (Err(_), Some(sandbox)) = (&made, sandbox_id(&spec)) {
+        if let (Err(_), Some(sandbox)) = (&made, sandbox) {
             self.pods.free(&sandbox, slot).await;
         }
         made
@@ -138,16 +139,12 @@ impl Service {
         }
         let limits = limits(spec);
         let vsock = self.cfg.vsock(&req.bundle);
+        let base = (config::base(&self.cfg).await).map_err(|e| format!("the template: {e}"))?;
         // Booting a VM per container (for comparison) has no snapshots to restore.
-        let (base, from_image) = match self.cfg.boot_each {
-            true => (PathBuf::new(), None),
+        let from_image = match self.cfg.boot_each {
+            true => None,
             false => {
-                let base = config::base(&self.cfg).await;
-                let base = base.map_err(|e| format!("the template: {e}"))?;
-                let t =
-                    prepared::template(&self.cfg, &base, &key, &image, process, &vsock, &limits)
-                        .await;
-                (base, t)
+                prepared::template(&self.cfg, &base, &key, &image, process, &vsock, &limits).await
             }
         };
         let prepared = from_image.is_some();

@@ -4,12 +4,11 @@
 //! file system released in the guest, then the medium ejected).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use api_types::CloneAddresses;
 use forkvm::{CreateClones, Template, VmClone};
-use sha2::{Digest, Sha256};
 use tokio::sync::Mutex;
 
 use crate::config::{self, ShimConfig, AGENT_PORT};
@@ -47,15 +46,12 @@ impl Pods {
         limits: &str,
         pod_net: Option<&PodNet>,
     ) -> Result<(Template, Arc<VmClone>), String> {
-        let base = match cfg.boot_each {
-            true => PathBuf::new(),
-            false => (config::base(cfg).await).map_err(|e| format!("the template: {e}"))?,
-        };
+        let base = (config::base(cfg).await).map_err(|e| format!("the template: {e}"))?;
         let template = config::template(cfg, &base, vsock, limits)
             .await
             .map_err(|e| format!("the template: {e}"))?;
         // On a network of its own: the pod's address, and a tap named for the pod.
-        let tap = format!("fvp{}", &config::hex(&Sha256::digest(id.as_bytes()))[..12]);
+        let tap = config::digest_name("fvp", id, 12);
         let request = CreateClones {
             resource_class: Some(config::CLASS.into()),
             addresses: (pod_net.iter())

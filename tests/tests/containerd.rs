@@ -210,14 +210,20 @@ impl Containerd {
             .to_string()
     }
 
-    /// `ctr run --rm` of the busybox image as container `id` with the forkvm runtime:
-    /// its exit status and output.
-    fn run(&self, id: &str, extra: &[&str], cmd: &[&str]) -> (i32, String, String) {
+    /// The `ctr run --rm` of the busybox image as container `id` with the forkvm runtime,
+    /// with options `extra`, running `cmd`.
+    fn run_command(&self, id: &str, extra: &[&str], cmd: &[&str]) -> Command {
         let mut args = vec!["run", "--rm", "--runtime", "io.containerd.forkvm.v2"];
         args.extend_from_slice(extra);
         args.extend([IMAGE, id]);
         args.extend_from_slice(cmd);
-        let out = self.ctr(&args);
+        self.ctr_command(&args)
+    }
+
+    /// `ctr run --rm` of the busybox image as container `id` with the forkvm runtime:
+    /// its exit status and output.
+    fn run(&self, id: &str, extra: &[&str], cmd: &[&str]) -> (i32, String, String) {
+        let out = self.run_command(id, extra, cmd).output().expect("ctr");
         (
             out.status.code().unwrap_or(-1),
             String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -319,22 +325,9 @@ fn survives_a_restart(c: &mut Containerd) {
 fn running_container(c: &Containerd) {
     let script = "trap 'echo got TERM; exit 7' TERM; echo started; \
                   while :; do sleep 1; done";
+    let limits = ["--memory-limit", "268435456", "--cpus", "1.5"];
     let mut run = c
-        .ctr_command(&[
-            "run",
-            "--rm",
-            "--runtime",
-            "io.containerd.forkvm.v2",
-            "--memory-limit",
-            "268435456",
-            "--cpus",
-            "1.5",
-            IMAGE,
-            "four",
-            "sh",
-            "-c",
-            script,
-        ])
+        .run_command("four", &limits, &["sh", "-c", script])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -461,17 +454,7 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     assert!(err.contains("oops\n"), "{err}");
     // stdin: the process reads what ctr is given on its stdin, to its end.
     let mut run = c
-        .ctr_command(&[
-            "run",
-            "--rm",
-            "--runtime",
-            "io.containerd.forkvm.v2",
-            IMAGE,
-            "in1",
-            "sh",
-            "-c",
-            "cat; echo read all",
-        ])
+        .run_command("in1", &[], &["sh", "-c", "cat; echo read all"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -221,8 +221,7 @@ impl Microvm {
         &mut self,
         medium: &api_types::InsertMedium,
     ) -> Result<(), crate::device_manager::SlotChangeError> {
-        let cow_dir = self.config.slot_cow_dir.clone();
-        self.devices.insert_medium(medium, cow_dir.as_deref())
+        (self.devices).insert_medium(medium, self.config.slot_cow_dir.as_deref())
     }
 
     /// Takes the image out of disk slot `slot` of the running VM (`DELETE /slots/{k}`).

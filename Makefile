@@ -24,7 +24,7 @@ build:
 # The programs `make install` installs (the benches build every program:
 # `cargo build --release --workspace --bins`).
 release:
-	$(CARGO) build --release -p vmm -p jailer -p forkvm-gateway
+	$(CARGO) build --release -p vmm-api -p jailer -p forkvm-gateway
 
 demo: deps guest release
 	./scripts/demo.sh
@@ -57,7 +57,7 @@ install-files:
 # double the release build. PREFIX/bin: containerd-shim-forkvm-v2 and the vmm it runs
 # (beside it); PREFIX/share/forkvm: the guest kernel and initramfs it boots.
 install-shim: guest
-	$(CARGO) build --release -p vmm -p containerd-shim-forkvm
+	$(CARGO) build --release -p vmm-api -p containerd-shim-forkvm
 	$(MAKE) install-shim-files
 
 install-shim-files:

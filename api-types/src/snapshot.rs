@@ -1,7 +1,13 @@
 //! `PUT /snapshot`: a paused VM saved to a directory (docs/snapshots.md).
 
+use std::time::Duration;
+
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+
+/// How long a VMM may take to answer `PUT /snapshot` (it answers 504 after): writing
+/// many GiB of guest memory to a slow disk takes minutes. A client waits a little longer.
+pub const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// `PUT /snapshot`: where to write the snapshot.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

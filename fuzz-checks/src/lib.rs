@@ -9,8 +9,8 @@ use api_types::options::{format_size, key_values, parse_size};
 use api_types::rate_limit::RateLimit;
 use api_types::ResourceClass;
 use devices::virtio::fuzzing::{blk, net, rng, vsock, Rig, VsockHost};
-use vmm::api::http::Request;
-use vmm::api::http::{BodyLimits, HttpError, RequestReader};
+use forkvm_client::http::Request;
+use forkvm_client::http::{BodyLimits, HttpError, RequestReader};
 use vmm::rpc::VmmAction;
 
 /// The control socket's request reader, fed the bytes in the pieces a client might send
@@ -30,7 +30,7 @@ pub fn http_request(data: &[u8]) {
             Ok(None) => continue,
             Ok(Some(req)) => {
                 assert!(req.body.len() <= limits.invocation);
-                if let Err(reply) = vmm::api::route(req) {
+                if let Err(reply) = vmm_api::route(req, None) {
                     assert!((400..600).contains(&reply.status), "{reply:?}");
                     let body = reply.body.as_deref().unwrap_or_default();
                     let _: api_types::ErrorBody = serde_json::from_str(body).expect("error body");
@@ -72,7 +72,7 @@ pub fn api_route(data: &[u8]) {
         "/clones/" => req.path.push_str(&text),
         _ => req.body = rest.to_vec(),
     }
-    match vmm::api::route(req) {
+    match vmm_api::route(req, None) {
         Ok(VmmAction::CreateClones { request, .. }) => {
             assert!(CLONE_COUNTS.contains(&request.count));
         }

@@ -455,7 +455,7 @@ impl Vm {
             if let Ok(Some(_)) = self.child.try_wait() {
                 return false;
             }
-            if vmm::api::client::describe_vm(&self.sock).is_ok() {
+            if forkvm_client::api::describe_vm(&self.sock).is_ok() {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -753,7 +753,7 @@ fn request_on(mut s: UnixStream, bytes: &[u8]) -> (u16, String) {
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     s.write_all(bytes).expect("send request");
     let _ = s.shutdown(std::net::Shutdown::Write);
-    let r = vmm::api::http::read_response(&s).unwrap_or_else(|e| panic!("bad response: {e}"));
+    let r = forkvm_client::http::read_response(&s).unwrap_or_else(|e| panic!("bad response: {e}"));
     (r.status, r.body)
 }
 

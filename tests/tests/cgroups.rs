@@ -763,7 +763,7 @@ fn v2_clones_are_born_in_their_cgroup_and_warm_clones_wait_inside_theirs() {
 #[test]
 fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
     use api_types::InvokeOptions;
-    use vmm::api::client;
+    use forkvm_client::api as client;
     if !kvm_and_root_available("cgroups_invoke_exhausted") {
         return;
     }

@@ -219,7 +219,7 @@ fn an_invocation_whose_clone_cannot_start_is_answered_with_the_reason_and_the_te
         let pid = vm.child.id();
         let invoke = || {
             let options = api_types::InvokeOptions::default();
-            vmm::api::client::invoke(&sock, &options, b"ping").expect("invoke")
+            forkvm_client::api::invoke(&sock, &options, b"ping").expect("invoke")
         };
         // Its warm clones are its only children, and its own socket and console the
         // only files, once the invocation clones are reaped (each one's files go then:

@@ -9,12 +9,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use api_types::InvokeOptions;
+use forkvm_client::api as client;
+use forkvm_client::http::Response;
 use serde_json::Value;
 use tests::{
     children_of, count_dir, fd_targets, fds_of, invoke_figure, kvm_available, tiny_vm, Scratch, Vm,
 };
-use vmm::api::client;
-use vmm::api::http::Response;
 
 const BOOT: Duration = Duration::from_secs(30);
 const TRAILER: usize = 48;

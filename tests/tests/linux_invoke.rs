@@ -10,11 +10,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use api_types::InvokeOptions;
+use forkvm_client::api as client;
+use forkvm_client::http::Response;
 use serde_json::Value;
 use tests::cache::guest_image;
 use tests::{invoke_figure, kvm_available, wait_until, Scratch, Vm};
-use vmm::api::client;
-use vmm::api::http::Response;
 
 /// A Linux boot and the runtime's start (generous: see linux.rs).
 const LINUX_BOOT: Duration = Duration::from_secs(400);

@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use api_types::InvokeOptions;
+use forkvm_client::api as client;
 use serde_json::Value;
 use tests::nfs::{NfsServer, MOUNT_PORT, NFS_PORT};
 use tests::{guest_file, vmm_exec, wait_until, Netns, Scratch, Vm};
-use vmm::api::client;
 
 /// A Linux boot takes about 20-60 s here; generous for a loaded CI host.
 const LINUX_BOOT: Duration = Duration::from_secs(400);

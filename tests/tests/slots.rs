@@ -572,7 +572,7 @@ fn an_invocations_clone_gets_the_images_it_asks_for() {
         return;
     }
     use api_types::{InsertMedium, InvokeOptions};
-    use vmm::api::client;
+    use forkvm_client::api as client;
     let scratch = Scratch::new("slots-invoke");
     let image = scratch.path("fn.img");
     std::fs::write(&image, vec![7u8; 4096]).unwrap();

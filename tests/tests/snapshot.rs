@@ -402,7 +402,7 @@ fn a_template_snapshot_restores_as_a_template_that_serves_invocations() {
     });
     for n in 1..=3u64 {
         let payload = format!("hello {n}");
-        let r = vmm::api::client::invoke(&t.sock, &Default::default(), payload.as_bytes())
+        let r = forkvm_client::api::invoke(&t.sock, &Default::default(), payload.as_bytes())
             .unwrap_or_else(|e| panic!("invoke: {e}"));
         assert_eq!(r.status, 200, "{}", r.body);
         assert!(r.bytes.starts_with(payload.as_bytes()), "{:?}", r.bytes);

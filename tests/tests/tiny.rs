@@ -238,7 +238,7 @@ fn the_control_socket_serves_everyone_while_clients_stall_or_idle() {
                 conns
                     .iter()
                     .map(|c| {
-                        let r = vmm::api::http::read_response(c).unwrap();
+                        let r = forkvm_client::http::read_response(c).unwrap();
                         let vm: api_types::VmInfo = serde_json::from_str(&r.body)
                             .unwrap_or_else(|e| panic!("{} {}: {e}", r.status, r.body));
                         (r.status, vm.state)
@@ -264,7 +264,7 @@ fn the_control_socket_serves_everyone_while_clients_stall_or_idle() {
     assert!(idle.iter().all(still_open));
 
     // At its deadline the stalled client is told why.
-    let r = vmm::api::http::read_response(&stalled).unwrap();
+    let r = forkvm_client::http::read_response(&stalled).unwrap();
     assert_eq!(r.status, 408, "{}", r.body);
     vm.wait_console("tiny: beat 2\n", BOOT);
     vm.shutdown(BOOT);

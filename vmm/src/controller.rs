@@ -3,10 +3,14 @@
 //! timers for work done ahead of clone requests).
 //!
 //! Each action is answered with typed data or a typed error (a clone's deletion once
-//! the clone is gone); nothing here knows HTTP. [`serve_clone`] is what a clone runs once its VM is rebuilt: the same
-//! loop, on its own control socket.
+//! the clone is gone); the control socket and invocations' answers are the edge's
+//! ([`Edge`], a type parameter: nothing here knows HTTP). [`serve_clone`] is what a clone
+//! runs once its VM is rebuilt: the same loop, on its own control socket.
 
+use std::io::Read;
+use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
 
 use nix::sys::signalfd::SignalFd;
 
@@ -15,26 +19,15 @@ use api_types::vm::{TargetState, VmInfo, VmState};
 use api_types::{CloneList, CloneStatus};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
-use crate::api::http::BodyLimits;
-use crate::api::server::ApiServer;
 use crate::cloning::{Cloner, OrphanEnd, RebuiltClone, ServeError};
 use crate::config::ConsoleSink;
 use crate::config::VmConfig;
-use crate::invoke::{Finished, Invocation, InvokeError, Invoker, Route};
+use crate::edge::{Edge, EdgeError};
+use crate::invoke::{Connection, Finished, Invocation, InvokeError, Invoker, Route};
 use crate::microvm::{Input, Microvm, RunOutcome};
-use crate::rpc::{ActionReceiver, Replier, VmmAction, VmmActionError, VmmData, VmmResponse};
-
-/// The request bodies the control socket of a VM with `config` takes: invocations up to
-/// what its mailbox holds (without one, as other requests: it refuses them with 409).
-pub fn body_limits(config: &VmConfig) -> BodyLimits {
-    let mailbox = config.mailbox();
-    match mailbox.exists() {
-        true => BodyLimits {
-            invocation: mailbox.capacity(),
-        },
-        false => BodyLimits::default(),
-    }
-}
+use crate::rpc::{
+    ActionReceiver, ActionSender, Replier, VmmAction, VmmActionError, VmmData, VmmResponse,
+};
 use crate::signals::read_signal;
 use crate::snapshot::SnapshotError;
 use crate::vstate::vcpu::VcpuEvent;
@@ -47,13 +40,28 @@ pub enum RunError {
     EventLoop(std::io::Error),
 }
 
-/// A VM, its clone side and its invocation side.
-pub struct Vmm {
+/// How much of the console an invocation's error answer quotes.
+const CONSOLE_TAIL_BYTES: u64 = 2048;
+
+/// Serves the control socket of a VM with `config` at `path` through edge `E`, queueing
+/// actions on `actions`: invocations up to what its mailbox holds.
+pub fn serve_socket<E: Edge>(
+    path: &Path,
+    actions: ActionSender,
+    config: &VmConfig,
+) -> Result<E::Server, EdgeError> {
+    let mailbox = config.mailbox();
+    E::serve(path, actions, mailbox.exists().then(|| mailbox.capacity()))
+}
+
+/// A VM, its clone side and its invocation side, answering through edge `E`.
+pub struct Vmm<E: Edge> {
     vm: Microvm,
     clones: Cloner,
     invoker: Invoker,
     /// Deletions waiting for their clone to be gone: its pid, and where the answer goes.
     stops: Vec<(i32, Replier)>,
+    edge: PhantomData<fn() -> E>,
 }
 
 const TOKEN_RESET: u64 = 1;
@@ -69,7 +77,7 @@ fn wait_ms(d: std::time::Duration) -> i32 {
     i32::try_from(d.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
 }
 
-impl Vmm {
+impl<E: Edge> Vmm<E> {
     /// The VMM of `vm`, whose clones `clones` makes.
     pub fn new(vm: Microvm, clones: Cloner) -> Self {
         let invoker = Invoker::new(vm.config());
@@ -78,6 +86,7 @@ impl Vmm {
             clones,
             invoker,
             stops: Vec::new(),
+            edge: PhantomData,
         }
     }
 
@@ -144,13 +153,13 @@ impl Vmm {
     fn answer(&mut self, f: Finished) -> Option<RunOutcome> {
         let console = match (&self.vm.config().console, f.outcome) {
             (_, Outcome::Ok) => None,
-            (ConsoleSink::File(path), _) => crate::api::invoke::console_tail(path),
+            (ConsoleSink::File(path), _) => console_tail(path),
             _ => None,
         };
         let logs = self.invoker.live_log(self.vm.memory(), &f);
         let socket = self.vm.config().api_sock.clone().unwrap_or_default();
         let id = self.clones.clone_id();
-        if let Err(e) = crate::api::invoke::answer(&f, id, &socket, console, logs) {
+        if let Err(e) = E::answer(&f, id, &socket, console, logs) {
             tracing::warn!("cannot answer the invocation's caller: {e}");
         }
         tracing::info!(
@@ -250,7 +259,7 @@ impl Vmm {
             let conn = inv.conn.clone();
             if let Err(e) = self.invoke(inv) {
                 tracing::warn!("a held invocation is refused: {e}");
-                crate::api::invoke::refuse(&conn, e);
+                E::refuse(&conn, e);
             }
         }
     }
@@ -283,9 +292,7 @@ impl Vmm {
     fn answer_orphans(&mut self) {
         for o in self.clones.take_orphans() {
             match o.end {
-                OrphanEnd::Ended(how) => {
-                    crate::api::invoke::answer_orphan(o.conn.into(), &o.id, &how)
-                }
+                OrphanEnd::Ended(how) => answer_orphan::<E>(o.conn.into(), &o.id, &how),
                 // As a request whose clone failed to start is answered (503 when the
                 // host ran short of something).
                 OrphanEnd::NotStarted(why) => {
@@ -293,7 +300,7 @@ impl Vmm {
                         reason: why.reason,
                         errno: why.errno,
                     };
-                    crate::api::invoke::refuse(&o.conn.into(), e)
+                    E::refuse(&o.conn.into(), e.into())
                 }
             }
         }
@@ -480,6 +487,43 @@ impl Vmm {
     }
 }
 
+/// The last bytes of the console file `path` (a clone's), for an error answer; None
+/// when there is none or it cannot be read.
+fn console_tail(path: &Path) -> Option<String> {
+    use std::io::{Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(CONSOLE_TAIL_BYTES)))
+        .ok()?;
+    let mut tail = Vec::new();
+    f.read_to_end(&mut tail).ok()?;
+    Some(String::from_utf8_lossy(&tail).into_owned())
+}
+
+/// Answers, if nobody did, the caller of an invocation whose clone `clone_id` ended
+/// (`how`) without answering (the edge's answer to a guest that stopped: 502 over
+/// HTTP). Never blocks: a connection the clone answered is shut down, and this write
+/// fails.
+fn answer_orphan<E: Edge>(conn: Connection, clone_id: &str, how: &str) {
+    if conn.stream().set_nonblocking(true).is_err() {
+        return;
+    }
+    let f = Finished {
+        conn,
+        outcome: Outcome::GuestStopped,
+        body: format!("the clone's VMM {how} before it answered").into_bytes(),
+        timings: Default::default(),
+        keep_alive: false,
+        vcpu: 0,
+        primed: false,
+        derived: false,
+        sequence: 0,
+    };
+    if E::answer(&f, clone_id, Path::new(""), None, None).is_ok() {
+        tracing::warn!("clone {clone_id} {how} without answering its invocation: answered");
+    }
+}
+
 /// What an invocation's caller is told when the VM ended with `outcome` before the
 /// runtime replied.
 fn describe_outcome(outcome: &RunOutcome) -> String {
@@ -498,13 +542,12 @@ fn describe_outcome(outcome: &RunOutcome) -> String {
 /// seccomp filters first: the guest's notifications wait in the queue eventfds and host
 /// vsock connections in the listening socket's backlog meanwhile), then runs its event
 /// loop until it stops.
-pub fn serve_clone(clone: RebuiltClone) -> Result<RunOutcome, ServeError> {
+pub fn serve_clone<E: Edge>(clone: RebuiltClone) -> Result<RunOutcome, ServeError> {
     let (sender, actions) = crate::rpc::channel()?;
-    let limits = body_limits(clone.vm.config());
-    let api = ApiServer::start(&clone.api_sock, sender, limits)?;
+    let api = serve_socket::<E>(&clone.api_sock, sender, clone.vm.config())?;
     clone.ready.send()?;
     clone.vm.devices().start_restored_virtio()?;
-    let mut vmm = Vmm::new(clone.vm, clone.cloner);
+    let mut vmm = Vmm::<E>::new(clone.vm, clone.cloner);
     // What `invoke::take_handover` made of an invocation clone's handover.
     if let Some(invoker) = clone.taken.and_then(|t| t.downcast::<Invoker>().ok()) {
         vmm.invoker = *invoker;

@@ -30,7 +30,8 @@
 //! the guest kernel's catch-up runs then, not on a request's path; a template pauses
 //! again and makes new warm clones.
 //!
-//! Nothing here knows HTTP: the controller renders a [`Finished`] (`api::invoke`).
+//! Nothing here knows HTTP: the controller hands a [`Finished`] to the edge
+//! ([`crate::edge::Edge::answer`]), which answers the caller.
 
 use std::collections::VecDeque;
 use std::os::unix::net::UnixStream;

@@ -108,7 +108,7 @@ fn arenas(kind: ThreadKind, mode: SeccompMode) {
 }
 
 fn main() {
-    // As the VMM does (vmm/src/main.rs): glibc's fatal-error report goes to stderr.
+    // As the VMM does (vmm-api/src/main.rs): glibc's fatal-error report goes to stderr.
     std::env::set_var("LIBC_FATAL_STDERR_", "1");
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [kind, mode, syscall, place] = args.as_slice() else {

@@ -1,5 +1,5 @@
 //! The control API's OpenAPI description, generated: the paths from [`ROUTES`] (the
-//! routes [`super::route`] answers, which its tests check against this table) and the
+//! routes [`crate::route`] answers, which its tests check against this table) and the
 //! bodies' schemas from the `api_types` themselves (doc comments included), so the
 //! description cannot drift from what the server sends.
 //!
@@ -439,20 +439,25 @@ pub fn openapi_yaml() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{route, status_of, ApiReply};
-    use crate::cloning::cgroups::PlacementError;
-    use crate::cloning::CloneError;
-    use crate::microvm::StateError;
-    use crate::rpc::{VmmAction, VmmActionError};
+    use crate::{status_of, ApiReply};
+    use vmm::cloning::cgroups::PlacementError;
+    use vmm::cloning::CloneError;
+    use vmm::microvm::StateError;
+    use vmm::rpc::{VmmAction, VmmActionError};
 
-    fn request(method: &str, path: &str) -> crate::api::http::Request {
-        let (conn, _) = std::os::unix::net::UnixStream::pair().unwrap();
-        crate::api::http::Request {
+    fn request(method: &str, path: &str) -> crate::http::Request {
+        crate::http::Request {
             method: method.to_uppercase(),
             path: path.into(),
-            conn: Some(crate::invoke::Connection::new(conn)),
             ..Default::default()
         }
+    }
+
+    /// What the server answers `req` with at once, or the action it queues; an
+    /// invocation carries a connection, as the server's do.
+    fn route(req: crate::http::Request) -> Result<VmmAction, ApiReply> {
+        let (conn, _) = std::os::unix::net::UnixStream::pair().unwrap();
+        crate::route(req, Some(vmm::invoke::Connection::new(conn)))
     }
 
     /// `path` as the spec writes it.
@@ -520,11 +525,11 @@ mod tests {
             }),
             CloneError::Request(api_types::clones::CreateClonesError::TapTwice("t".into())),
             CloneError::TooMany { live: 1, max: 1 },
-            CloneError::Tree(crate::cloning::TreeFull { live: 1, max: 1 }),
+            CloneError::Tree(vmm::cloning::TreeFull { live: 1, max: 1 }),
             CloneError::State(api_types::VmState::Stopped),
             CloneError::PathTooLong("p".into()),
             CloneError::Os(std::io::Error::other("x")),
-            CloneError::RateLimit(crate::config::NoSuchDevice("disk")),
+            CloneError::RateLimit(vmm::config::NoSuchDevice("disk")),
             CloneError::NoOverlay,
             CloneError::NoCard,
             CloneError::Cgroup(PlacementError::NoPools("c".into())),
@@ -554,15 +559,15 @@ mod tests {
         cases.push((
             "patch",
             "/vm",
-            StateError::Vcpu(crate::vstate::vcpu::VcpuError::Gone(0)).into(),
+            StateError::Vcpu(vmm::vstate::vcpu::VcpuError::Gone(0)).into(),
         ));
         cases.push((
             "delete",
             "/clones/7",
             VmmActionError::NoSuchClone("7".into()),
         ));
-        use crate::device_manager::SlotChangeError;
         use devices::virtio::block::MediumError;
+        use vmm::device_manager::SlotChangeError;
         for (method, e) in [
             ("put", SlotChangeError::NoSlot { slot: 9, slots: 1 }),
             ("put", SlotChangeError::ReadOnlySlots(0)),
@@ -603,7 +608,7 @@ mod tests {
         }
         let bad = route(request("delete", "/slots/x")).unwrap_err();
         assert!(statuses("delete", "/slots/x").contains(&bad.status));
-        use crate::invoke::InvokeError;
+        use vmm::invoke::InvokeError;
         for e in [
             InvokeError::NoMailbox,
             InvokeError::NotWaiting,
@@ -616,7 +621,7 @@ mod tests {
                 capacity: 1,
             },
             InvokeError::CloneFailed("1".into()),
-            InvokeError::Vcpu(crate::vstate::vcpu::VcpuError::Gone(0)),
+            InvokeError::Vcpu(vmm::vstate::vcpu::VcpuError::Gone(0)),
         ] {
             cases.push(("post", "/invocations", e.into()));
         }
@@ -627,7 +632,7 @@ mod tests {
             })),
             CloneError::Cgroup(PlacementError::NoPools("c".into())),
             CloneError::TooMany { live: 1, max: 1 },
-            CloneError::Tree(crate::cloning::TreeFull { live: 1, max: 1 }),
+            CloneError::Tree(vmm::cloning::TreeFull { live: 1, max: 1 }),
             CloneError::Os(std::io::Error::other("x")),
         ] {
             cases.push(("post", "/invocations", c.into()));
@@ -658,7 +663,7 @@ mod tests {
         assert!(
             committed == openapi_yaml(),
             "docs/api/openapi.yaml is stale: regenerate it with \
-             `cargo run -p vmm -- openapi > docs/api/openapi.yaml`"
+             `cargo run -p vmm-api --bin vmm -- openapi > docs/api/openapi.yaml`"
         );
     }
 }

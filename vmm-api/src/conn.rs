@@ -15,11 +15,12 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use api_types::snapshot::SNAPSHOT_TIMEOUT;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::http::{write_response_with, BodyLimits, HttpError, RequestReader};
-use super::{reply, route, ApiReply};
-use crate::rpc::{ActionSender, Reply, VmmAction, VmmData};
+use crate::{reply, route, ApiReply};
+use forkvm_client::http::{write_response_with, BodyLimits, HttpError, RequestReader};
+use vmm::rpc::{ActionSender, Reply, VmmAction, VmmData};
 
 /// How long a client may take to send its whole request, from its connection's accept.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -29,10 +30,6 @@ pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 /// What each clone of a request adds to its answer's deadline (1,000 clones of a busy
 /// guest took 24 s on a saturated 2-CPU host).
 const PER_CLONE: Duration = Duration::from_millis(100);
-/// How long a snapshot's answer may take: writing many GiB of guest memory to a slow
-/// disk takes minutes.
-pub const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(600);
-
 /// How long `action` may wait for the VMM's answer.
 fn answer_timeout(action: &VmmAction) -> Duration {
     match action {
@@ -325,18 +322,19 @@ impl Conn {
     }
 
     /// Sends the whole request's action to the VMM, or answers it at once.
-    fn dispatch(&mut self, mut req: super::http::Request, shared: &Shared<'_>, now: Instant) {
+    fn dispatch(&mut self, req: forkvm_client::http::Request, shared: &Shared<'_>, now: Instant) {
         let invocation = req.path == "/invocations";
+        let mut conn = None;
         if invocation {
             match self.stream.try_clone() {
-                Ok(s) => req.conn = Some(crate::invoke::Connection::new(s)),
+                Ok(s) => conn = Some(vmm::invoke::Connection::new(s)),
                 Err(e) => {
                     let why = format!("cannot keep the connection for the answer: {e}");
                     return self.answer(ApiReply::error(503, why), false, now);
                 }
             }
         }
-        let action = match route(req) {
+        let action = match route(req, conn) {
             Ok(action) => action,
             Err(answer) => return self.answer(answer, false, now),
         };

@@ -6,10 +6,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use api_types::{CloneConsole, TargetState};
-use vmm::api::client;
+use forkvm_client::api as client;
 use vmm::config::{
     parse_cgroup_class, ApBoot, CgroupConfig, ConsoleSink, VmConfig, DEFAULT_CMDLINE,
 };
+use vmm_api::HttpEdge;
 
 #[derive(Parser)]
 #[command(
@@ -411,7 +412,7 @@ fn exec(e: &ExecArgs) -> ExitCode {
     }
     let command = e.command.join(" ");
     let timeout = std::time::Duration::from_secs(e.timeout);
-    match vmm::api::exec::exec(&e.api_sock, e.port, &command, &input, timeout) {
+    match forkvm_client::agent::exec(&e.api_sock, e.port, &command, &input, timeout) {
         Ok(out) => {
             let _ = std::io::stdout().write_all(&out.output);
             ExitCode::from(out.status.clamp(0, 255) as u8)
@@ -609,7 +610,7 @@ fn main() -> ExitCode {
                 seccomp: a.seccomp,
                 ..VmConfig::new(a.kernel)
             };
-            finish(vmm::run(config))
+            finish(vmm::run::<HttpEdge>(config))
         }
         Command::Status(s) => print_answer(client::describe_vm(&s.api_sock)),
         Command::Pause(s) => print_answer(client::set_state(&s.api_sock, TargetState::Paused)),
@@ -636,10 +637,10 @@ fn main() -> ExitCode {
                 vsock: a.vsock,
                 cow_dir: a.cow_dir,
             };
-            finish(vmm::restore(opts))
+            finish(vmm::restore::<HttpEdge>(opts))
         }
         Command::Openapi => {
-            print!("{}", vmm::api::spec::openapi_yaml());
+            print!("{}", vmm_api::spec::openapi_yaml());
             ExitCode::SUCCESS
         }
         Command::Shutdown(s) => print_answer(client::shutdown(&s.api_sock)),

@@ -37,9 +37,6 @@ pub struct Request {
     pub query: String,
     /// Body bytes.
     pub body: Vec<u8>,
-    /// The connection it came on, for requests answered elsewhere (an invocation's, by
-    /// the VM that runs it); set by the server.
-    pub conn: Option<crate::invoke::Connection>,
 }
 
 /// The largest body a request to `path` may have: [`MAX_BODY_BYTES`], or for
@@ -192,7 +189,6 @@ impl RequestReader {
             path: head.path,
             query: head.query,
             body,
-            conn: None,
         }))
     }
 

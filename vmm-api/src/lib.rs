@@ -1,28 +1,33 @@
-//! The control API's edge: REST over a Unix socket (docs/api/openapi.yaml).
+//! The control API's edge: REST over a Unix socket (docs/api/openapi.yaml), and the `vmm`
+//! program (`main.rs`, its command line).
 //!
-//! This is the only place that knows HTTP. A dedicated thread (`server`) accepts
-//! connections and parses requests (`http`); [`route`] turns each into a typed
-//! [`VmmAction`] (or answers it directly when it is invalid), the event loop answers it
-//! with typed data or a typed error, and [`reply`] turns that into a status and a JSON
-//! body. The bodies are `api_types`, which clients (`client`, the `vmm` CLI, the tests)
-//! read back. No async runtime: the VMM process must fork cleanly.
+//! The monitor's core (the `vmm` crate) knows no HTTP: it is given [`HttpEdge`] as its
+//! [`vmm::edge::Edge`]. A dedicated thread (`server`) accepts connections and reads
+//! requests ([`http`], the wire format `forkvm_client` shares with every client);
+//! [`route`] turns each into a typed [`VmmAction`] (or answers it directly when it is
+//! invalid), the event loop answers it with typed data or a typed error, and [`reply`]
+//! turns that into a status and a JSON body. The bodies are `api_types`, which clients
+//! (`forkvm_client`, the `vmm` CLI, the tests) read back. No async runtime: the VMM
+//! process must fork cleanly.
+#![deny(missing_docs)]
 
-pub mod client;
 pub mod conn;
-pub mod exec;
-pub mod http;
+pub mod edge;
 pub mod invoke;
 pub mod server;
 pub mod spec;
 
+pub use edge::HttpEdge;
+pub use forkvm_client::http;
+
 use api_types::{Action, ActionType, CreateClones, CreateSnapshot, ErrorBody, VmUpdate};
 use serde::{Deserialize, Serialize};
 
-use crate::cloning::cgroups::PlacementError;
-use crate::cloning::CloneError;
-use crate::invoke::InvokeError;
-use crate::microvm::StateError;
-use crate::rpc::{VmmAction, VmmActionError, VmmData, VmmResponse};
+use vmm::cloning::cgroups::PlacementError;
+use vmm::cloning::CloneError;
+use vmm::invoke::{Connection, InvokeError};
+use vmm::microvm::StateError;
+use vmm::rpc::{VmmAction, VmmActionError, VmmData, VmmResponse};
 
 /// An answer: status and optional JSON body.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,8 +88,9 @@ fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiReply> {
         .map_err(|e| ApiReply::error(400, format!("invalid JSON body: {e}")))
 }
 
-/// Maps an HTTP request to an action, or answers it directly when it is invalid.
-pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
+/// Maps an HTTP request to an action, or answers it directly when it is invalid. `conn`
+/// is the connection it came on, for an invocation (answered by the VM that runs it).
+pub fn route(req: http::Request, conn: Option<Connection>) -> Result<VmmAction, ApiReply> {
     match (req.method.as_str(), req.path.as_str()) {
         ("GET", "/vm") => Ok(VmmAction::DescribeVm),
         ("PATCH", "/vm") => Ok(VmmAction::SetState(
@@ -94,7 +100,7 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
             ActionType::Shutdown => Ok(VmmAction::Shutdown),
         },
         ("POST", "/clones") => {
-            let received_ns = crate::vstate::vcpu::monotonic_ns();
+            let received_ns = vmm::vstate::vcpu::monotonic_ns();
             let request = if req.body.iter().all(u8::is_ascii_whitespace) {
                 CreateClones::default()
             } else {
@@ -112,7 +118,9 @@ pub fn route(req: http::Request) -> Result<VmmAction, ApiReply> {
         ("PUT", "/snapshot") => Ok(VmmAction::Snapshot(
             parse_json::<CreateSnapshot>(&req.body)?.dir.into(),
         )),
-        ("POST", "/invocations") => invoke::route(req).map(|i| VmmAction::Invoke(Box::new(i))),
+        ("POST", "/invocations") => {
+            invoke::route(req, conn).map(|i| VmmAction::Invoke(Box::new(i)))
+        }
         ("PUT", path) if slot_of(path).is_some() => {
             let slot = slot_number(path)?;
             let m = parse_json::<api_types::SlotMedium>(&req.body)?;
@@ -223,7 +231,7 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             InvokeError::Mailbox(_) | InvokeError::Vcpu(_) | InvokeError::CloneFailed(_) => 500,
         },
         VmmActionError::Snapshot(e) => {
-            use crate::snapshot::{SaveError, SnapshotError};
+            use vmm::snapshot::{SaveError, SnapshotError};
             match e {
                 SnapshotError::Save(SaveError::Path(_)) => 400,
                 SnapshotError::NotPaused
@@ -235,7 +243,7 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             }
         }
         VmmActionError::Slot(e) if e.is_conflict() => 409,
-        VmmActionError::Slot(crate::device_manager::SlotChangeError::Image { .. }) => 400,
+        VmmActionError::Slot(vmm::device_manager::SlotChangeError::Image { .. }) => 400,
         VmmActionError::Slot(_) => 500,
         VmmActionError::NoSuchClone(_) => 404,
         VmmActionError::ShuttingDown => 503,
@@ -256,8 +264,12 @@ mod tests {
         }
     }
 
+    fn route_(req: http::Request) -> Result<VmmAction, ApiReply> {
+        route(req, None)
+    }
+
     fn created(body: &str) -> CreateClones {
-        match route(req("POST", "/clones", body)) {
+        match route_(req("POST", "/clones", body)) {
             Ok(VmmAction::CreateClones { request, .. }) => *request,
             other => panic!("{body}: {other:?}"),
         }
@@ -265,13 +277,13 @@ mod tests {
 
     #[test]
     fn routes() {
-        assert_eq!(route(req("GET", "/vm", "")), Ok(VmmAction::DescribeVm));
+        assert_eq!(route_(req("GET", "/vm", "")), Ok(VmmAction::DescribeVm));
         assert_eq!(
-            route(req("PATCH", "/vm", r#"{"state":"paused"}"#)),
+            route_(req("PATCH", "/vm", r#"{"state":"paused"}"#)),
             Ok(VmmAction::SetState(TargetState::Paused))
         );
         assert_eq!(
-            route(req("PUT", "/actions", r#"{"action_type":"shutdown"}"#)),
+            route_(req("PUT", "/actions", r#"{"action_type":"shutdown"}"#)),
             Ok(VmmAction::Shutdown)
         );
         assert_eq!(created(r#"{"count":3}"#).count, 3);
@@ -290,24 +302,24 @@ mod tests {
             created(r#"{"count":2,"taps":["t1","t2"]}"#).taps,
             ["t1", "t2"]
         );
-        assert_eq!(route(req("GET", "/clones", "")), Ok(VmmAction::ListClones));
+        assert_eq!(route_(req("GET", "/clones", "")), Ok(VmmAction::ListClones));
         assert_eq!(
-            route(req("PUT", "/snapshot", r#"{"dir":"/var/snap/a"}"#)),
+            route_(req("PUT", "/snapshot", r#"{"dir":"/var/snap/a"}"#)),
             Ok(VmmAction::Snapshot("/var/snap/a".into()))
         );
         assert_eq!(
-            route(req("DELETE", "/clones/2.1", "")),
+            route_(req("DELETE", "/clones/2.1", "")),
             Ok(VmmAction::DeleteClone("2.1".into()))
         );
     }
 
     #[test]
     fn rejects_bad_requests_with_reasons() {
-        let status = |m: &str, p: &str, b: &str| route(req(m, p, b)).unwrap_err().status;
+        let status = |m: &str, p: &str, b: &str| route_(req(m, p, b)).unwrap_err().status;
         assert_eq!(status("PATCH", "/vm", "{"), 400);
         assert_eq!(status("PATCH", "/vm", r#"{"state":"frozen"}"#), 400);
         assert_eq!(status("PATCH", "/vm", r#"{"state":"paused","x":1}"#), 400);
-        let e = route(req("PUT", "/actions", r#"{"action_type":"reboot"}"#)).unwrap_err();
+        let e = route_(req("PUT", "/actions", r#"{"action_type":"reboot"}"#)).unwrap_err();
         assert_eq!(e.status, 400);
         assert!(e.body.unwrap().contains("reboot"));
         assert_eq!(status("DELETE", "/vm", ""), 405);

@@ -1,5 +1,5 @@
-//! A blocking client for the control socket, used by the `vmm` CLI subcommands: one
-//! function per endpoint, taking and returning `api_types`.
+//! A blocking client for the control socket, used by the `vmm` CLI subcommands and the
+//! tests: one function per endpoint, taking and returning `api_types`.
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -14,7 +14,7 @@ use api_types::{
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::http::{read_response, HttpError, Response};
+use crate::http::{read_response, HttpError, Response};
 
 /// Errors talking to a VMM.
 #[derive(Debug, thiserror::Error)]
@@ -177,13 +177,13 @@ pub fn list_clones(sock: &Path) -> Result<CloneList, ClientError> {
 }
 
 /// `PUT /snapshot`: writes a snapshot of the paused VM to the new directory `dir`.
-/// Waits as long as the VMM may take (`conn::SNAPSHOT_TIMEOUT`).
+/// Waits as long as the VMM may take ([`api_types::snapshot::SNAPSHOT_TIMEOUT`]).
 pub fn snapshot(sock: &Path, dir: &str) -> Result<SnapshotInfo, ClientError> {
     let body = serde_json::to_vec(&CreateSnapshot {
         dir: dir.to_string(),
     })
     .expect("API bodies serialize");
-    let wait = super::conn::SNAPSHOT_TIMEOUT + Duration::from_secs(5);
+    let wait = api_types::snapshot::SNAPSHOT_TIMEOUT + Duration::from_secs(5);
     let json = Some("application/json");
     decode(request_bytes(sock, "PUT", "/snapshot", json, &body, wait)?)
 }

@@ -20,11 +20,11 @@ use slab::Slab;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::conn::{Conn, Next, Shared};
-use super::http::BodyLimits;
-use super::ApiReply;
-use crate::gate::Pass;
-use crate::rpc::ActionSender;
+use crate::conn::{Conn, Next, Shared};
+use crate::ApiReply;
+use forkvm_client::http::BodyLimits;
+use vmm::gate::Pass;
+use vmm::rpc::ActionSender;
 
 /// Errors starting the API server.
 #[derive(Debug, thiserror::Error)]
@@ -119,7 +119,7 @@ impl ApiServer {
         let thread = std::thread::Builder::new()
             .name("api".into())
             .spawn(
-                move || match crate::sandbox::enter(crate::sandbox::ThreadKind::Api) {
+                move || match vmm::sandbox::enter(vmm::sandbox::ThreadKind::Api) {
                     Ok(()) => {
                         let shared = Shared::new(&actions, answers, limits, max_buffered(&limits));
                         serve(listener, epoll, shared, max_connections)
@@ -192,7 +192,7 @@ fn serve(listener: UnixListener, epoll: Epoll, shared: Shared<'_>, max_connectio
     };
     let mut events = vec![EpollEvent::default(); 64];
     // Waiting in epoll without a pass: a clone may be forked meanwhile (see
-    // `crate::gate`). Everything else holds it; the sockets do not block.
+    // `vmm::gate`). Everything else holds it; the sockets do not block.
     let mut pass = Pass::take();
     loop {
         let timeout = server.next_deadline().map_or(-1, |at| {
@@ -356,7 +356,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("forkvm-api-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("api.sock");
-        let (tx, actions) = crate::rpc::channel().unwrap();
+        let (tx, actions) = vmm::rpc::channel().unwrap();
         let server = ApiServer::start(&path, tx, BodyLimits::default()).unwrap();
         let client = {
             let path = path.clone();
@@ -398,7 +398,7 @@ mod tests {
                 std::env::temp_dir().join(format!("forkvm-api-{name}-{}", std::process::id()));
             std::fs::create_dir_all(&dir).unwrap();
             let path = dir.join("api.sock");
-            let (tx, actions) = crate::rpc::channel().unwrap();
+            let (tx, actions) = vmm::rpc::channel().unwrap();
             let server =
                 ApiServer::launch(&path, tx, BodyLimits::default(), max_connections).unwrap();
             let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -407,7 +407,7 @@ mod tests {
                 while !halt.load(std::sync::atomic::Ordering::SeqCst) {
                     let _ = actions.evt().read();
                     while let Some((_, replier)) = actions.try_recv() {
-                        replier.send(Ok(crate::rpc::VmmData::Empty));
+                        replier.send(Ok(vmm::rpc::VmmData::Empty));
                     }
                     std::thread::sleep(Duration::from_millis(1));
                 }
@@ -426,10 +426,10 @@ mod tests {
         }
 
         /// The answer to `raw` on a new connection.
-        fn ask(&self, raw: &[u8]) -> crate::api::http::Response {
+        fn ask(&self, raw: &[u8]) -> crate::http::Response {
             let mut s = self.connect();
             s.write_all(raw).unwrap();
-            crate::api::http::read_response(&s).unwrap()
+            crate::http::read_response(&s).unwrap()
         }
     }
 
@@ -465,7 +465,7 @@ mod tests {
         assert!(still_open(&stalled));
         assert!(idle.iter().all(still_open));
         // The stalled request is answered 408 at its deadline.
-        let r = crate::api::http::read_response(&stalled).unwrap();
+        let r = crate::http::read_response(&stalled).unwrap();
         assert_eq!(r.status, 408, "{}", r.body);
         assert!(r.body.contains("did not arrive within 5 s"), "{}", r.body);
     }
@@ -519,7 +519,7 @@ mod tests {
             s.write_all(&[*b]).unwrap();
             std::thread::sleep(Duration::from_micros(200));
         }
-        let r = crate::api::http::read_response(&s).unwrap();
+        let r = crate::http::read_response(&s).unwrap();
         // Parsed whole: the body is read as JSON (and refused as an action, by type).
         assert_eq!(r.status, 400, "{}", r.body);
         assert!(r.body.contains("invalid JSON body"), "{}", r.body);

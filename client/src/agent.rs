@@ -11,7 +11,7 @@ use std::time::Duration;
 use api_types::agent::{self, AgentProtocolError};
 use api_types::vm::VirtioKind;
 
-use super::client::{self, ClientError};
+use crate::api::{self as client, ClientError};
 
 pub use api_types::agent::ExecOutput;
 

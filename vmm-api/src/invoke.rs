@@ -2,7 +2,6 @@
 //! its connection, and the VM that runs the handler answers on that connection with
 //! [`answer`] (docs/invoke.md).
 
-use std::io::Read;
 use std::path::Path;
 use std::time::Duration;
 
@@ -13,18 +12,16 @@ use api_types::invoke::{
 };
 use api_types::ErrorBody;
 
-use super::http::{self, write_response_with};
-use super::ApiReply;
-use crate::invoke::{Finished, Invocation, LiveLog};
+use crate::ApiReply;
+use forkvm_client::http::{self, write_response_with};
+use vmm::invoke::{Connection, Finished, Invocation, LiveLog};
 
 /// How long the VM that ran the handler may take to write the answer to the caller.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
-/// How much of the console an error answer quotes.
-const CONSOLE_TAIL_BYTES: u64 = 2048;
 
 /// The invocation `req` asks for: its options from the query string.
-pub fn route(req: http::Request) -> Result<Invocation, ApiReply> {
-    let received_ns = crate::vstate::vcpu::monotonic_ns();
+pub fn route(req: http::Request, conn: Option<Connection>) -> Result<Invocation, ApiReply> {
+    let received_ns = vmm::vstate::vcpu::monotonic_ns();
     let options: InvokeOptions = serde_urlencoded::from_str(&req.query)
         .map_err(|e| ApiReply::error(400, format!("invalid query string: {e}")))?;
     options.check().map_err(|e| match e {
@@ -32,27 +29,13 @@ pub fn route(req: http::Request) -> Result<Invocation, ApiReply> {
         InvokeOptionsError::GatewayWithoutAddress => ApiReply::error(422, e),
         InvokeOptionsError::Timeout(_) | InvokeOptionsError::TapName(_) => ApiReply::error(400, e),
     })?;
-    let conn =
-        (req.conn).ok_or_else(|| ApiReply::error(500, "the request's connection is gone"))?;
+    let conn = conn.ok_or_else(|| ApiReply::error(500, "the request's connection is gone"))?;
     Ok(Invocation {
         options,
         payload: req.body,
         conn,
         received_ns,
     })
-}
-
-/// The last bytes of the console file `path` (a clone's), for an error answer; None
-/// when there is none or it cannot be read.
-pub fn console_tail(path: &Path) -> Option<String> {
-    use std::io::{Seek, SeekFrom};
-    let mut f = std::fs::File::open(path).ok()?;
-    let len = f.metadata().ok()?.len();
-    f.seek(SeekFrom::Start(len.saturating_sub(CONSOLE_TAIL_BYTES)))
-        .ok()?;
-    let mut tail = Vec::new();
-    f.read_to_end(&mut tail).ok()?;
-    Some(String::from_utf8_lossy(&tail).into_owned())
 }
 
 /// Answers the caller of the finished invocation `f`, run in the VM with clone id
@@ -117,8 +100,8 @@ pub fn answer(
 
 /// Answers the caller of a held invocation refused (`e`) when its runtime came back,
 /// as the API thread answers one refused at once.
-pub fn refuse(conn: &crate::invoke::Connection, e: impl Into<crate::rpc::VmmActionError>) {
-    let reply = super::reply(Err(e.into()));
+pub fn refuse(conn: &Connection, e: vmm::rpc::VmmActionError) {
+    let reply = crate::reply(Err(e));
     let stream = conn.stream();
     let written = stream
         .set_write_timeout(Some(WRITE_TIMEOUT))
@@ -129,34 +112,11 @@ pub fn refuse(conn: &crate::invoke::Connection, e: impl Into<crate::rpc::VmmActi
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }
 
-/// Answers, if nobody did, the caller of an invocation whose clone `clone_id` ended
-/// (`how`) without answering: 502. Never blocks: a connection the clone answered is
-/// shut down, and this write fails.
-pub fn answer_orphan(conn: crate::invoke::Connection, clone_id: &str, how: &str) {
-    if conn.stream().set_nonblocking(true).is_err() {
-        return;
-    }
-    let f = Finished {
-        conn,
-        outcome: Outcome::GuestStopped,
-        body: format!("the clone's VMM {how} before it answered").into_bytes(),
-        timings: Default::default(),
-        keep_alive: false,
-        vcpu: 0,
-        primed: false,
-        derived: false,
-        sequence: 0,
-    };
-    if answer(&f, clone_id, Path::new(""), None, None).is_ok() {
-        tracing::warn!("clone {clone_id} {how} without answering its invocation: answered 502");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::invoke::{Connection, Timings};
     use std::os::unix::net::UnixStream;
+    use vmm::invoke::{Connection, Timings};
 
     fn finished(outcome: Outcome, body: &[u8]) -> (Finished, UnixStream) {
         let (ours, theirs) = UnixStream::pair().unwrap();
@@ -258,8 +218,8 @@ mod tests {
             path: "/invocations".into(),
             query: query.into(),
             body: b"x".to_vec(),
-            conn: Some(Connection::new(a.try_clone().unwrap())),
         };
+        let route = |req: http::Request| route(req, Some(Connection::new(a.try_clone().unwrap())));
         let inv = route(req("timeout_ms=250&keep_alive=true&net_rate=bytes%3D1M")).unwrap();
         assert_eq!(inv.options.timeout_ms, Some(250));
         assert!(inv.options.keep_alive);

@@ -20,7 +20,6 @@
 //! Every error answer carries an [`ErrorBody`].
 #![deny(missing_docs)]
 
-pub mod agent;
 pub mod cgroup;
 pub mod clones;
 pub mod invoke;

@@ -8,13 +8,14 @@ use std::time::Duration;
 
 use api_types::invoke::InvokeOptions;
 use api_types::{
-    Action, ActionType, CloneInfo, CloneList, CreateClones, CreateSnapshot, ErrorBody,
-    SnapshotInfo, TargetState, VmInfo, VmUpdate,
+    CloneInfo, CloneList, CreateClones, SlotMedium, SnapshotInfo, TargetState, VmInfo,
 };
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 
+use crate::call::{self, Answer, Call, CallError};
 use crate::http::{read_response, HttpError, Response};
+
+/// How long a call may take unless it says it takes longer ([`Call::limit`]).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Errors talking to a VMM.
 #[derive(Debug, thiserror::Error)]
@@ -30,62 +31,36 @@ pub enum ClientError {
     /// The exchange failed.
     #[error("API exchange failed: {0}")]
     Exchange(#[from] HttpError),
-    /// The VMM refused or failed the request.
-    #[error("error {status}: {message}")]
-    Refused {
-        /// The HTTP status.
-        status: u16,
-        /// The VMM's message.
-        message: String,
-    },
-    /// The answer was not what the API describes.
-    #[error("unexpected answer ({status}): {reason}: {body}")]
-    Decode {
-        /// The HTTP status.
-        status: u16,
-        /// Why it did not decode.
-        reason: String,
-        /// The body.
-        body: String,
-    },
+    /// The VMM refused or failed the request, or answered what the API does not
+    /// describe.
+    #[error(transparent)]
+    Call(#[from] CallError),
 }
 
-/// Sends one request and reads the answer, whatever its status.
-pub fn request(
-    sock: &Path,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-) -> Result<Response, ClientError> {
-    let body = body.unwrap_or("").as_bytes();
-    let json = Some("application/json");
-    request_bytes(sock, method, path, json, body, Duration::from_secs(30))
+impl From<Response> for Answer {
+    fn from(r: Response) -> Self {
+        Self {
+            status: r.status,
+            headers: r.headers,
+            body: r.bytes,
+        }
+    }
 }
 
-/// Sends one request with a body of `content_type` and reads the answer within
-/// `timeout`, whatever its status.
-pub fn request_bytes(
-    sock: &Path,
-    method: &str,
-    path: &str,
-    content_type: Option<&str>,
-    body: &[u8],
-    timeout: Duration,
-) -> Result<Response, ClientError> {
+/// Sends `call` and reads the answer within its limit, whatever its status.
+pub fn exchange<T>(sock: &Path, call: &Call<T>) -> Result<Response, ClientError> {
     let mut s = UnixStream::connect(sock).map_err(|source| ClientError::Connect {
         path: sock.display().to_string(),
         source,
     })?;
+    let timeout = call.limit(CALL_TIMEOUT);
     s.set_read_timeout(Some(timeout)).map_err(HttpError::Io)?;
     s.set_write_timeout(Some(timeout)).map_err(HttpError::Io)?;
-    let kind = content_type.map_or(String::new(), |k| format!("Content-Type: {k}\r\n"));
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{kind}Content-Length: {}\r\n\r\n",
-        body.len()
-    );
+    let head =
+        crate::http::request_head(call.method, &call.path, call.content_type, call.body.len());
     let sent = s
         .write_all(head.as_bytes())
-        .and_then(|()| s.write_all(body));
+        .and_then(|()| s.write_all(&call.body));
     match sent {
         Ok(()) => Ok(read_response(&s)?),
         // The VMM answered without reading the whole body (413): its answer waits.
@@ -96,130 +71,66 @@ pub fn request_bytes(
     }
 }
 
+/// Sends `call` and decodes its answer.
+pub fn send<T>(sock: &Path, call: Call<T>) -> Result<T, ClientError> {
+    let answer = exchange(sock, &call)?;
+    Ok(call.decode(answer.into())?)
+}
+
 /// `POST /invocations`: runs the handler on `payload`; the answer, whatever its status
 /// (its `x-forkvm-outcome` header says how the handler ended). Waits for the options'
-/// timeout and 10 s more.
+/// timeout and [`CALL_TIMEOUT`] more.
 pub fn invoke(
     sock: &Path,
     options: &InvokeOptions,
     payload: &[u8],
 ) -> Result<Response, ClientError> {
-    let query = serde_urlencoded::to_string(options).map_err(|e| ClientError::Decode {
-        status: 0,
-        reason: e.to_string(),
-        body: String::new(),
-    })?;
-    let path = match query.as_str() {
-        "" => "/invocations".to_string(),
-        q => format!("/invocations?{q}"),
-    };
-    let wait = Duration::from_millis(options.timeout_ms()) + Duration::from_secs(10);
-    let kind = Some("application/octet-stream");
-    request_bytes(sock, "POST", &path, kind, payload, wait)
+    exchange(sock, &call::invoke(options, payload.to_vec()))
 }
-
-/// The answer's body as `T` if its status is a success, else the VMM's error.
-fn decode<T: DeserializeOwned>(r: Response) -> Result<T, ClientError> {
-    if !(200..300).contains(&r.status) {
-        let message = serde_json::from_str::<ErrorBody>(&r.body).map_or(r.body, |e| e.error);
-        return Err(ClientError::Refused {
-            status: r.status,
-            message,
-        });
-    }
-    // No body (204) reads as JSON null.
-    let text = if r.body.is_empty() { "null" } else { &r.body };
-    serde_json::from_str(text).map_err(|e| ClientError::Decode {
-        status: r.status,
-        reason: e.to_string(),
-        body: r.body.clone(),
-    })
-}
-
-fn call<T: DeserializeOwned>(
-    sock: &Path,
-    method: &str,
-    path: &str,
-    body: Option<&impl Serialize>,
-) -> Result<T, ClientError> {
-    let text = body.map(|b| serde_json::to_string(b).expect("API bodies serialize"));
-    decode(request(sock, method, path, text.as_deref())?)
-}
-
-const NO_BODY: Option<&()> = None;
 
 /// `GET /vm`.
 pub fn describe_vm(sock: &Path) -> Result<VmInfo, ClientError> {
-    call(sock, "GET", "/vm", NO_BODY)
+    send(sock, call::describe_vm())
 }
 
 /// `PATCH /vm`: pause or resume.
 pub fn set_state(sock: &Path, state: TargetState) -> Result<(), ClientError> {
-    call(sock, "PATCH", "/vm", Some(&VmUpdate { state }))
+    send(sock, call::set_state(state))
 }
 
 /// `PUT /actions` shutdown.
 pub fn shutdown(sock: &Path) -> Result<(), ClientError> {
-    let action = Action {
-        action_type: ActionType::Shutdown,
-    };
-    call(sock, "PUT", "/actions", Some(&action))
+    send(sock, call::shutdown())
 }
 
 /// `POST /clones`.
 pub fn create_clones(sock: &Path, request: &CreateClones) -> Result<CloneList, ClientError> {
-    call(sock, "POST", "/clones", Some(request))
+    send(sock, call::create_clones(request))
 }
 
 /// `GET /clones`.
 pub fn list_clones(sock: &Path) -> Result<CloneList, ClientError> {
-    call(sock, "GET", "/clones", NO_BODY)
+    send(sock, call::list_clones())
 }
 
 /// `PUT /snapshot`: writes a snapshot of the paused VM to the new directory `dir`.
-/// Waits as long as the VMM may take ([`api_types::snapshot::SNAPSHOT_TIMEOUT`]).
+/// Waits as long as the VMM may take ([`api_types::snapshot::SNAPSHOT_TIMEOUT`]) and
+/// [`CALL_TIMEOUT`] more.
 pub fn snapshot(sock: &Path, dir: &str) -> Result<SnapshotInfo, ClientError> {
-    let body = serde_json::to_vec(&CreateSnapshot {
-        dir: dir.to_string(),
-    })
-    .expect("API bodies serialize");
-    let wait = api_types::snapshot::SNAPSHOT_TIMEOUT + Duration::from_secs(5);
-    let json = Some("application/json");
-    decode(request_bytes(sock, "PUT", "/snapshot", json, &body, wait)?)
+    send(sock, call::snapshot(dir))
 }
 
 /// `DELETE /clones/{id}`.
 pub fn delete_clone(sock: &Path, id: &str) -> Result<CloneInfo, ClientError> {
-    call(sock, "DELETE", &format!("/clones/{id}"), NO_BODY)
+    send(sock, call::delete_clone(id))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// `PUT /slots/{slot}`: inserts `medium` into the running VM's disk slot.
+pub fn insert_medium(sock: &Path, slot: u8, medium: &SlotMedium) -> Result<(), ClientError> {
+    send(sock, call::insert_medium(slot, medium))
+}
 
-    fn response(status: u16, body: &str) -> Response {
-        Response {
-            status,
-            body: body.into(),
-            bytes: body.as_bytes().to_vec(),
-            headers: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn answers_decode_and_errors_carry_the_vmms_message() {
-        let list: CloneList = decode(response(200, r#"{"clones":[]}"#)).unwrap();
-        assert!(list.clones.is_empty());
-        decode::<()>(response(204, "")).unwrap();
-        match decode::<CloneList>(response(409, r#"{"error":"busy"}"#)) {
-            Err(ClientError::Refused { status, message }) => {
-                assert_eq!((status, message.as_str()), (409, "busy"))
-            }
-            other => panic!("{other:?}"),
-        }
-        assert!(matches!(
-            decode::<CloneList>(response(200, r#"{"clones":7}"#)),
-            Err(ClientError::Decode { status: 200, .. })
-        ));
-    }
+/// `DELETE /slots/{slot}`: ejects the slot's medium.
+pub fn eject_medium(sock: &Path, slot: u8) -> Result<(), ClientError> {
+    send(sock, call::eject_medium(slot))
 }

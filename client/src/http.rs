@@ -258,6 +258,13 @@ pub fn write_response_with<W: Write>(
     w.flush()
 }
 
+/// The head of a request for `method path` with a body of `len` bytes of type
+/// `content_type` (None: no `Content-Type`).
+pub fn request_head(method: &str, path: &str, content_type: Option<&str>, len: usize) -> String {
+    let kind = content_type.map_or(String::new(), |k| format!("Content-Type: {k}\r\n"));
+    format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\n{kind}Content-Length: {len}\r\n\r\n")
+}
+
 /// A parsed response (used by the CLI client).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {

@@ -1,11 +1,11 @@
-//! The client of the guest agent's protocol (`api_types::agent`, docs/guest-abi.md)
-//! over tokio: one command answered at its end ([`agent_exchange`]), or a process whose
+//! The tokio client of the guest agent (its framing is `forkvm_client::agent::wire`,
+//! docs/guest-abi.md): one command answered at its end ([`agent_exchange`]), or a process whose
 //! output streams and which takes signals ([`AgentProcess`]).
 
 use std::path::{Path, PathBuf};
 
-pub use api_types::agent::StreamMode;
-use api_types::agent::{self, ExecOutput, Frame};
+pub use forkvm_client::agent::wire::StreamMode;
+use forkvm_client::agent::wire::{self, ExecOutput, Frame};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
@@ -19,7 +19,7 @@ fn socket_error(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
     }
 }
 
-fn protocol_error(e: agent::AgentProtocolError) -> Error {
+fn protocol_error(e: wire::AgentProtocolError) -> Error {
     Error::Agent(e.to_string())
 }
 
@@ -37,7 +37,7 @@ async fn request(
     let (read, mut write) = stream.into_split();
     let mut read = BufReader::new(read);
     write
-        .write_all(agent::connect_line(port).as_bytes())
+        .write_all(wire::connect_line(port).as_bytes())
         .await
         .map_err(&io)?;
     let mut line = String::new();
@@ -46,7 +46,7 @@ async fn request(
             "nothing in the guest accepted on vsock port {port} (is forkvm-agent running?)"
         )));
     }
-    agent::accepted(&line).map_err(protocol_error)?;
+    wire::accepted(&line).map_err(protocol_error)?;
     for part in [head.as_bytes(), command.as_bytes(), stdin] {
         write.write_all(part).await.map_err(&io)?;
     }
@@ -60,12 +60,12 @@ pub(crate) async fn agent_exchange(
     command: &str,
     stdin: &[u8],
 ) -> Result<ExecOutput, Error> {
-    let head = agent::request_head(command, stdin);
+    let head = wire::request_head(command, stdin);
     let (mut read, _write) = request(vsock, port, &head, command, stdin).await?;
     let io = socket_error(vsock);
     let mut line = String::new();
     read.read_line(&mut line).await.map_err(&io)?;
-    let (status, len) = agent::parse_answer_head(&line).map_err(protocol_error)?;
+    let (status, len) = wire::parse_answer_head(&line).map_err(protocol_error)?;
     let mut output = vec![0u8; len as usize];
     read.read_exact(&mut output).await.map_err(io)?;
     Ok(ExecOutput { status, output })
@@ -121,8 +121,8 @@ impl AgentProcess {
         stdin: &[u8],
         mode: StreamMode,
     ) -> Result<Self, Error> {
-        let command = agent::argv_command(argv).map_err(|e| Error::Command(e.to_string()))?;
-        let head = agent::stream_request_head(&command, stdin, mode);
+        let command = wire::argv_command(argv).map_err(|e| Error::Command(e.to_string()))?;
+        let head = wire::stream_request_head(&command, stdin, mode);
         let (read, write) = request(vsock, port, &head, &command, stdin).await?;
         Ok(Self {
             output: AgentOutput {
@@ -160,7 +160,7 @@ impl AgentOutput {
                     .into(),
             ));
         }
-        let (len, stdout) = match agent::parse_frame_head(&line).map_err(protocol_error)? {
+        let (len, stdout) = match wire::parse_frame_head(&line).map_err(protocol_error)? {
             Frame::Exit(status) => return Ok(ProcessEvent::Exit(status)),
             Frame::Stdout(len) => (len, true),
             Frame::Stderr(len) => (len, false),
@@ -178,7 +178,7 @@ impl AgentControl {
     /// Sends signal `signal` to the command's process group in the guest. Once the
     /// command has ended (or the VM has), an error.
     pub async fn signal(&mut self, signal: u32) -> Result<(), Error> {
-        let line = agent::signal_line(signal);
+        let line = wire::signal_line(signal);
         (self.write.write_all(line.as_bytes()).await).map_err(socket_error(&self.vsock))
     }
 
@@ -187,8 +187,8 @@ impl AgentControl {
     /// has not taken what came before.
     pub async fn write_input(&mut self, bytes: &[u8]) -> Result<(), Error> {
         let io = socket_error(&self.vsock);
-        for chunk in bytes.chunks(agent::MAX_INPUT_FRAME) {
-            let head = agent::input_head(chunk.len());
+        for chunk in bytes.chunks(wire::MAX_INPUT_FRAME) {
+            let head = wire::input_head(chunk.len());
             self.write.write_all(head.as_bytes()).await.map_err(&io)?;
             self.write.write_all(chunk).await.map_err(&io)?;
         }
@@ -197,14 +197,14 @@ impl AgentControl {
 
     /// Ends the command's input (on a terminal: types its end-of-file character).
     pub async fn close_input(&mut self) -> Result<(), Error> {
-        let eof = agent::EOF_LINE.as_bytes();
+        let eof = wire::EOF_LINE.as_bytes();
         (self.write.write_all(eof).await).map_err(socket_error(&self.vsock))
     }
 
     /// Sets the command's terminal to `rows` by `cols` (a command started with
     /// [`StreamMode::tty`]).
     pub async fn resize(&mut self, rows: u16, cols: u16) -> Result<(), Error> {
-        let line = agent::winch_line(rows, cols);
+        let line = wire::winch_line(rows, cols);
         (self.write.write_all(line.as_bytes()).await).map_err(socket_error(&self.vsock))
     }
 }

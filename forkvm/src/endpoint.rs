@@ -1,17 +1,16 @@
-//! One VMM's control socket, typed: the calls a template and a clone share.
+//! One VMM's control socket, typed: the calls a template and a clone share, each one of
+//! `forkvm_client::call` (the same the blocking client sends).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use api_types::{CloneList, InvokeOptions, Outcome, SnapshotInfo, VmInfo};
+use api_types::{CloneList, InvokeOptions, SnapshotInfo, TargetState, VmInfo};
 use bytes::Bytes;
+use forkvm_client::call::{self, Answer, Call, CallError, Invoked};
 
-use crate::http::{exchange, Answer};
+use crate::http::exchange;
 use crate::owner::Owner;
 use crate::Error;
-
-/// How long the VMM may take to write a snapshot (its control socket's own limit).
-const SNAPSHOT_LIMIT: Duration = Duration::from_secs(600);
 
 /// What a handler replied, and what it cost.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,15 +50,10 @@ pub(crate) struct Endpoint {
 }
 
 impl Endpoint {
-    /// One exchange, within `limit`.
-    pub async fn call(
-        &self,
-        method: &str,
-        path: &str,
-        body: Bytes,
-        limit: Duration,
-    ) -> Result<Answer, Error> {
-        match tokio::time::timeout(limit, exchange(&self.sock, method, path, body)).await {
+    /// Sends `call` and reads its answer, whatever its status, within the call's limit.
+    async fn exchange<T>(&self, call: &mut Call<T>) -> Result<Answer, Error> {
+        let limit = call.limit(self.call_timeout);
+        match tokio::time::timeout(limit, exchange(&self.sock, call)).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout {
                 what: "a call to the VMM",
@@ -68,20 +62,10 @@ impl Endpoint {
         }
     }
 
-    /// A JSON answer of a call with the call timeout.
-    async fn json<T: serde::de::DeserializeOwned>(
-        &self,
-        method: &str,
-        path: &str,
-        body: Bytes,
-    ) -> Result<T, Error> {
-        let a = self.call(method, path, body, self.call_timeout).await?;
-        match a.status {
-            200 | 201 => {
-                serde_json::from_slice(&a.body).map_err(|e| Error::Protocol(e.to_string()))
-            }
-            _ => Err(refusal(&a)),
-        }
+    /// Sends `call` and decodes its answer.
+    async fn send<T>(&self, mut call: Call<T>) -> Result<T, Error> {
+        let answer = self.exchange(&mut call).await?;
+        call.decode(answer).map_err(error)
     }
 
     /// `PATCH /vm` to `paused`.
@@ -91,15 +75,11 @@ impl Endpoint {
 
     /// `PATCH /vm` to `paused` or `running`.
     pub async fn set_state(&self, paused: bool) -> Result<(), Error> {
-        let body = match paused {
-            true => Bytes::from_static(br#"{"state":"paused"}"#),
-            false => Bytes::from_static(br#"{"state":"running"}"#),
+        let state = match paused {
+            true => TargetState::Paused,
+            false => TargetState::Running,
         };
-        let a = self.call("PATCH", "/vm", body, self.call_timeout).await?;
-        match a.status {
-            200 | 204 => Ok(()),
-            _ => Err(refusal(&a)),
-        }
+        self.send(call::set_state(state)).await
     }
 
     /// `PUT /slots/{slot}` with `medium`, or `DELETE /slots/{slot}` for None.
@@ -108,32 +88,20 @@ impl Endpoint {
         slot: u8,
         medium: Option<&api_types::SlotMedium>,
     ) -> Result<(), Error> {
-        let path = format!("/slots/{slot}");
-        let a = match medium {
-            Some(m) => {
-                let body = serde_json::to_vec(m).map_err(|e| Error::Protocol(e.to_string()))?;
-                self.call("PUT", &path, body.into(), self.call_timeout)
-                    .await?
-            }
-            None => {
-                self.call("DELETE", &path, Bytes::new(), self.call_timeout)
-                    .await?
-            }
-        };
-        match a.status {
-            204 => Ok(()),
-            _ => Err(refusal(&a)),
+        match medium {
+            Some(m) => self.send(call::insert_medium(slot, m)).await,
+            None => self.send(call::eject_medium(slot)).await,
         }
     }
 
     /// `GET /vm`.
     pub async fn status(&self) -> Result<VmInfo, Error> {
-        self.json("GET", "/vm", Bytes::new()).await
+        self.send(call::describe_vm()).await
     }
 
     /// `GET /clones`.
     pub async fn clones(&self) -> Result<CloneList, Error> {
-        self.json("GET", "/clones", Bytes::new()).await
+        self.send(call::list_clones()).await
     }
 
     /// `POST /clones` with `request`.
@@ -141,42 +109,26 @@ impl Endpoint {
         &self,
         request: &api_types::CreateClones,
     ) -> Result<CloneList, Error> {
-        let body = serde_json::to_vec(request).map_err(|e| Error::Protocol(e.to_string()))?;
-        self.json("POST", "/clones", body.into()).await
+        self.send(call::create_clones(request)).await
     }
 
-    /// `PUT /snapshot` to `dir`, within 600 s (the VMM's own limit for it).
+    /// `PUT /snapshot` to `dir`: the VMM may take 600 s to write it, beyond the call
+    /// timeout.
     pub async fn snapshot(&self, dir: &std::path::Path) -> Result<SnapshotInfo, Error> {
-        let request = api_types::CreateSnapshot {
-            dir: dir.display().to_string(),
-        };
-        let body = serde_json::to_vec(&request).map_err(|e| Error::Protocol(e.to_string()))?;
-        let a = (self.call("PUT", "/snapshot", body.into(), SNAPSHOT_LIMIT)).await?;
-        match a.status {
-            201 => serde_json::from_slice(&a.body).map_err(|e| Error::Protocol(e.to_string())),
-            _ => Err(refusal(&a)),
-        }
+        self.send(call::snapshot(&dir.display().to_string())).await
     }
 
     /// `POST /invocations`: its time limit is the invocation's timeout and the call
     /// timeout.
     pub async fn invoke(&self, payload: Bytes, options: &InvokeOptions) -> Result<Reply, Error> {
-        let query =
-            serde_urlencoded::to_string(options).map_err(|e| Error::Protocol(e.to_string()))?;
-        let path = match query.is_empty() {
-            true => "/invocations".to_string(),
-            false => format!("/invocations?{query}"),
-        };
-        let limit = Duration::from_millis(options.timeout_ms()) + self.call_timeout;
-        let a = self.call("POST", &path, payload, limit).await?;
-        answer(a)
+        let invoked = self.send(call::invoke(options, Vec::from(payload))).await?;
+        Ok(Reply::from(invoked))
     }
 
     /// Stops the VMM `owner` runs (`PUT /actions` shutdown: its clones first) and waits
     /// for it to end; kills it past the call timeout.
     pub async fn shut_down(&self, owner: &Owner) -> Result<(), Error> {
-        let body = Bytes::from_static(br#"{"action_type":"shutdown"}"#);
-        let asked = self.call("PUT", "/actions", body, self.call_timeout).await;
+        let asked = self.exchange(&mut call::shutdown()).await;
         let waited = tokio::time::timeout(self.call_timeout, owner.wait()).await;
         if !matches!(waited, Ok(Ok(()))) {
             owner.signal(libc::SIGKILL);
@@ -185,55 +137,36 @@ impl Endpoint {
     }
 }
 
-/// An error answer without an outcome: the caller's (4xx) or the host's (5xx).
-pub(crate) fn refusal(a: &Answer) -> Error {
-    let message = a.error_text();
-    match a.status {
-        400..=499 => Error::Refused {
-            status: a.status,
-            message,
-        },
-        status => Error::Unavailable { status, message },
+impl From<Invoked> for Reply {
+    fn from(i: Invoked) -> Self {
+        Self {
+            body: Bytes::from(i.body),
+            clone_id: i.clone_id,
+            socket: i.socket,
+            clone_us: i.clone_us,
+            handler_us: i.handler_us,
+            total_us: i.total_us,
+            primed: i.primed,
+            stretched_us: i.stretched_us,
+        }
     }
 }
 
-/// The reply, or the error, of an invocation's answer.
-fn answer(a: Answer) -> Result<Reply, Error> {
-    let outcome = a
-        .header(api_types::invoke::HEADER_OUTCOME)
-        .map(str::parse::<Outcome>);
-    let us = |h| a.header(h).and_then(|v| v.parse().ok()).unwrap_or(0);
-    match outcome {
-        Some(Ok(Outcome::Ok)) if a.status == 200 => Ok(Reply {
-            clone_id: a
-                .header(api_types::invoke::HEADER_CLONE_ID)
-                .unwrap_or("")
-                .into(),
-            socket: a
-                .header(api_types::invoke::HEADER_SOCKET)
-                .unwrap_or("")
-                .into(),
-            clone_us: us(api_types::invoke::HEADER_CLONE_US),
-            handler_us: us(api_types::invoke::HEADER_HANDLER_US),
-            total_us: us(api_types::invoke::HEADER_TOTAL_US),
-            primed: a.header(api_types::invoke::HEADER_PRIMED) == Some("true"),
-            stretched_us: us(api_types::invoke::HEADER_STRETCHED_US),
-            body: a.body,
-        }),
-        Some(Ok(outcome)) => {
-            let body = a.error_body();
-            Err(Error::Invocation {
-                outcome,
-                status: a.status,
-                message: body.error,
-                clone_id: (a.header(api_types::invoke::HEADER_CLONE_ID))
-                    .unwrap_or("")
-                    .into(),
-                logs: body.logs,
-                logs_dropped: body.logs_dropped.unwrap_or(0),
-            })
+/// The library's error for an answer that was not what the call asked for.
+fn error(e: CallError) -> Error {
+    match e {
+        CallError::Refused { status, message } => Error::Refused { status, message },
+        CallError::Unavailable { status, message } => Error::Unavailable { status, message },
+        CallError::Invocation(f) => Error::Invocation {
+            outcome: f.outcome,
+            status: f.status,
+            message: f.message,
+            clone_id: f.clone_id,
+            logs: f.logs,
+            logs_dropped: f.logs_dropped,
+        },
+        CallError::Decode { status, reason } => {
+            Error::Protocol(format!("answer {status}: {reason}"))
         }
-        Some(Err(e)) => Err(Error::Protocol(e)),
-        None => Err(refusal(&a)),
     }
 }

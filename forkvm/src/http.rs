@@ -1,9 +1,10 @@
-//! One HTTP/1.1 exchange with a VMM on its control socket (hyper over a Unix stream).
+//! One HTTP/1.1 exchange with a VMM on its control socket (hyper over a Unix stream):
+//! a call of `forkvm_client::call` sent, its answer read.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use bytes::Bytes;
+use forkvm_client::call::{Answer, Call};
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use hyper_util::rt::TokioIo;
@@ -11,41 +12,10 @@ use tokio::net::UnixStream;
 
 use crate::Error;
 
-/// An answer: status, headers (lower-case names), body.
-#[derive(Debug)]
-pub(crate) struct Answer {
-    pub status: u16,
-    pub headers: HashMap<String, String>,
-    pub body: Bytes,
-}
-
-impl Answer {
-    /// A header's value.
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(String::as_str)
-    }
-
-    /// The error text of a JSON error body (or the body as text).
-    pub fn error_text(&self) -> String {
-        self.error_body().error
-    }
-
-    /// The JSON error body (or one whose error is the body as text).
-    pub fn error_body(&self) -> api_types::ErrorBody {
-        serde_json::from_slice::<api_types::ErrorBody>(&self.body).unwrap_or_else(|_| {
-            api_types::ErrorBody::new(String::from_utf8_lossy(&self.body).into_owned())
-        })
-    }
-}
-
-/// Sends `method path` with `body` to the VMM on `sock`; one connection per exchange
-/// (dropping the future closes it).
-pub(crate) async fn exchange(
-    sock: &Path,
-    method: &str,
-    path: &str,
-    body: Bytes,
-) -> Result<Answer, Error> {
+/// Sends `call` to the VMM on `sock` (taking its body, not copying it) and reads the
+/// answer, whatever its status; one connection per exchange (dropping the future closes
+/// it).
+pub(crate) async fn exchange<T>(sock: &Path, call: &mut Call<T>) -> Result<Answer, Error> {
     let socket = |source| Error::Socket {
         path: sock.to_path_buf(),
         source,
@@ -55,12 +25,16 @@ pub(crate) async fn exchange(
         .await
         .map_err(http)?;
     let driver = tokio::spawn(conn);
-    let request = Request::builder()
-        .method(method)
-        .uri(path)
+    let mut request = Request::builder()
+        .method(call.method)
+        .uri(&call.path)
         .header("host", "forkvm")
-        .header("content-length", body.len())
-        .body(Full::new(body))
+        .header("content-length", call.body.len());
+    if let Some(kind) = call.content_type {
+        request = request.header("content-type", kind);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(std::mem::take(&mut call.body))))
         .map_err(|e| Error::Protocol(e.to_string()))?;
     let result = async {
         let response = sender.send_request(request).await.map_err(http)?;
@@ -77,7 +51,7 @@ pub(crate) async fn exchange(
         Ok::<_, Error>(Answer {
             status,
             headers,
-            body,
+            body: Vec::from(body),
         })
     }
     .await;

@@ -26,7 +26,7 @@ pub struct VmClone {
 }
 
 /// What a command run in a clone through its guest agent did ([`VmClone::exec`]).
-pub use api_types::agent::ExecOutput;
+pub use forkvm_client::agent::wire::ExecOutput;
 
 impl Template {
     /// Makes `request.count` clones of this template (`POST /clones`: its resource

@@ -685,11 +685,8 @@ fn tail(text: &str, max: usize) -> &str {
 /// One HTTP request's bytes.
 fn http_request(method: &str, path: &str, body: Option<&str>) -> Vec<u8> {
     let body = body.unwrap_or("");
-    format!(
-        "{method} {path} HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .into_bytes()
+    let head = forkvm_client::http::request_head(method, path, None, body.len());
+    format!("{head}{body}").into_bytes()
 }
 
 /// Sends a raw HTTP request over a Unix socket and returns (status, body).

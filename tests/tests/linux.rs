@@ -362,13 +362,13 @@ fn linux_clones_run_userspace_with_their_own_rng_and_the_right_clock() {
 fn agent_stream(vsock: &std::path::Path) -> std::os::unix::net::UnixStream {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(vsock).unwrap();
-    s.write_all(api_types::agent::connect_line(1024).as_bytes())
+    s.write_all(forkvm_client::agent::wire::connect_line(1024).as_bytes())
         .unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let mut line = String::new();
     let mut reader = std::io::BufReader::new(s.try_clone().unwrap());
     reader.read_line(&mut line).unwrap();
-    api_types::agent::accepted(&line).unwrap();
+    forkvm_client::agent::wire::accepted(&line).unwrap();
     s
 }
 

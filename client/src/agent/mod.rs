@@ -1,19 +1,23 @@
-//! `vmm exec`: run a command in the guest through its vsock device and `forkvm-agent`.
+//! The guest agent: its protocol ([`wire`], both ends' framing, with no I/O) and a
+//! blocking client of it (`vmm exec`: one command run in the guest through its vsock
+//! device and `forkvm-agent`). The `forkvm` library's tokio client frames its requests
+//! and reads its answers with [`wire`] too.
 //!
-//! The VM's vsock socket is found with `GET /vm`; the exchange is the agent's protocol
-//! (`api_types::agent`, docs/guest-abi.md).
+//! The VM's vsock socket is found with `GET /vm` (docs/guest-abi.md).
+
+pub mod wire;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use api_types::agent::{self, AgentProtocolError};
 use api_types::vm::VirtioKind;
+use wire::AgentProtocolError;
 
 use crate::api::{self as client, ClientError};
 
-pub use api_types::agent::ExecOutput;
+pub use wire::ExecOutput;
 
 /// Errors running a command in the guest.
 #[derive(Debug, thiserror::Error)]
@@ -82,19 +86,19 @@ pub fn exec_at(
     })?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
-    s.write_all(agent::connect_line(port).as_bytes())?;
+    s.write_all(wire::connect_line(port).as_bytes())?;
     let mut r = BufReader::new(s.try_clone()?);
     let mut line = String::new();
     if r.read_line(&mut line)? == 0 {
         return Err(ExecError::Refused(port));
     }
-    agent::accepted(&line)?;
-    s.write_all(agent::request_head(command, stdin).as_bytes())?;
+    wire::accepted(&line)?;
+    s.write_all(wire::request_head(command, stdin).as_bytes())?;
     s.write_all(command.as_bytes())?;
     s.write_all(stdin)?;
     line.clear();
     r.read_line(&mut line)?;
-    let (status, len) = agent::parse_answer_head(&line)?;
+    let (status, len) = wire::parse_answer_head(&line)?;
     let mut output = vec![0u8; len as usize];
     r.read_exact(&mut output)?;
     Ok(ExecOutput { status, output })

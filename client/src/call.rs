@@ -1,7 +1,7 @@
 //! Each control-API call as data, with no I/O: what to send, how long the VMM may take to
 //! answer, and how its answer decodes.
 //!
-//! Both clients of the workspace send these calls: the blocking one ([`crate::api`], the
+//! Both clients of the workspace send these calls: the blocking one (`api`, the
 //! `vmm` CLI and the tests) and the `forkvm` library's on tokio. So an endpoint's path,
 //! body, time limit and answer are written once, and every client reads the VMM's
 //! answers, its refusals and an invocation's outcome the same way.

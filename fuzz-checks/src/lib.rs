@@ -107,7 +107,7 @@ pub fn option_text(data: &[u8]) {
     }
     let _ = key_values(text);
     let _ = text.parse::<ResourceClass>();
-    let _ = vmm::config::parse_cgroup_class(text);
+    let _ = vmm_api::cli::parse_cgroup_class(text);
 }
 
 /// virtio-blk (read-only and over a copy-on-write overlay) and virtio-rng serving a

@@ -11,6 +11,7 @@
 //! process must fork cleanly.
 #![deny(missing_docs)]
 
+pub mod cli;
 pub mod conn;
 pub mod edge;
 pub mod invoke;

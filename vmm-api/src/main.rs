@@ -8,8 +8,10 @@ use clap::{Parser, Subcommand};
 use api_types::{CloneConsole, TargetState};
 use forkvm_client::api as client;
 use vmm::config::{
-    parse_cgroup_class, ApBoot, CgroupConfig, ConsoleSink, VmConfig, DEFAULT_CMDLINE,
+    ApBoot, CgroupConfig, ClonePolicy, ConsoleSink, HostPolicy, InvokePolicy, MachineConfig,
+    VmConfig, DEFAULT_CMDLINE,
 };
+use vmm_api::cli::{parse_cgroup_class, parse_console, parse_disk};
 use vmm_api::HttpEdge;
 
 #[derive(Parser)]
@@ -79,7 +81,7 @@ struct RestoreArgs {
     #[arg(long)]
     api_sock: Option<PathBuf>,
     /// Serial console sink: stdout, null, or a file path.
-    #[arg(long, default_value = "stdout")]
+    #[arg(long, default_value = "stdout", value_parser = parse_console)]
     console: ConsoleSink,
     /// Keep the VM paused once restored (a template for clones) instead of running it.
     #[arg(long)]
@@ -212,7 +214,7 @@ struct RunArgs {
     /// names a directory for its overlay (kept there as fkvm<pid>-disk<N>.overlay when
     /// the VM ends, with keep), limited by bytes=/ops= (as --rng-rate-limit). Repeat for
     /// more; they follow --rootfs as /dev/vdb, /dev/vdc, ...
-    #[arg(long, value_name = "SPEC")]
+    #[arg(long, value_name = "SPEC", value_parser = parse_disk)]
     disk: Vec<vmm::config::DiskConfig>,
     /// Disk slots after the disks (0 to 8): disks with no medium, into which a clone
     /// request inserts an image (`POST /clones` `media`, `vmm fork --medium`); the
@@ -269,7 +271,7 @@ struct RunArgs {
     #[arg(long, default_value = DEFAULT_CMDLINE)]
     cmdline: String,
     /// Serial console sink: stdout, null, or a file path.
-    #[arg(long, default_value = "stdout")]
+    #[arg(long, default_value = "stdout", value_parser = parse_console)]
     console: ConsoleSink,
     /// Control socket path (REST over a Unix socket).
     #[arg(long)]
@@ -560,55 +562,63 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Run(a) => {
             let a = *a;
+            let disks = (a.rootfs)
+                .map(|path| vmm::config::DiskConfig {
+                    path,
+                    cow_dir: a.rootfs_cow,
+                    keep: false,
+                    rate_limit: a.rootfs_rate_limit,
+                })
+                .into_iter()
+                .chain(a.disk)
+                .collect();
             let config = VmConfig {
-                cgroups: a.cgroups.config(),
-                initrd: a.initrd,
-                disks: a
-                    .rootfs
-                    .map(|path| vmm::config::DiskConfig {
-                        path,
-                        cow_dir: a.rootfs_cow,
-                        keep: false,
-                        rate_limit: a.rootfs_rate_limit,
-                    })
-                    .into_iter()
-                    .chain(a.disk)
-                    .collect(),
-                disk_slots: a.disk_slots,
-                slot_cow_dir: a.slot_cow_dir,
-                rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
-                    rate_limit: a.rng_rate_limit,
-                }),
-                vsock: a.vsock.map(|uds_path| vmm::config::VsockConfig {
-                    cid: a.vsock_cid,
-                    uds_path,
-                }),
-                net: a.tap.map(|tap| vmm::config::NetConfig {
-                    tap,
-                    mac: a.mac,
-                    rate_limit: a.net_rate_limit,
-                    ipv4: a.ipv4,
-                    gateway: a.gateway,
-                }),
-                mem_mib: a.mem_mib,
-                vcpus: a.vcpus,
-                cmdline: a.cmdline,
-                console: a.console,
-                api_sock: a.api_sock,
-                host_quirks: !a.no_host_quirks,
-                thp: !a.no_thp,
-                prefault: a.prefault,
-                ap_boot: a.ap_boot,
-                warm_clones: a.warm_clones,
-                max_clones: a.max_clones,
-                max_tree_clones: a.max_tree_clones,
-                mailbox_mib: a.mailbox_mib,
-                template: a.template,
-                refresh_idle_ms: a.refresh_idle_ms,
-                tick_defer_ms: a.tick_defer_ms,
-                prime: !a.no_prime,
-                seccomp: a.seccomp,
-                ..VmConfig::new(a.kernel)
+                machine: MachineConfig {
+                    initrd: a.initrd,
+                    disks,
+                    disk_slots: a.disk_slots,
+                    slot_cow_dir: a.slot_cow_dir,
+                    rng: (a.rng || a.rng_rate_limit.is_some()).then_some(vmm::config::RngConfig {
+                        rate_limit: a.rng_rate_limit,
+                    }),
+                    vsock: a.vsock.map(|uds_path| vmm::config::VsockConfig {
+                        cid: a.vsock_cid,
+                        uds_path,
+                    }),
+                    net: a.tap.map(|tap| vmm::config::NetConfig {
+                        tap,
+                        mac: a.mac,
+                        rate_limit: a.net_rate_limit,
+                        ipv4: a.ipv4,
+                        gateway: a.gateway,
+                    }),
+                    mem_mib: a.mem_mib,
+                    vcpus: a.vcpus,
+                    cmdline: a.cmdline,
+                    host_quirks: !a.no_host_quirks,
+                    ap_boot: a.ap_boot,
+                    mailbox_mib: a.mailbox_mib,
+                    ..MachineConfig::new(a.kernel)
+                },
+                host: HostPolicy {
+                    console: a.console,
+                    api_sock: a.api_sock,
+                    thp: !a.no_thp,
+                    prefault: a.prefault,
+                    cgroups: a.cgroups.config(),
+                    seccomp: a.seccomp,
+                },
+                clones: ClonePolicy {
+                    warm_clones: a.warm_clones,
+                    max_clones: a.max_clones,
+                    max_tree_clones: a.max_tree_clones,
+                    prime: !a.no_prime,
+                },
+                invoke: InvokePolicy {
+                    template: a.template,
+                    refresh_idle_ms: a.refresh_idle_ms,
+                    tick_defer_ms: a.tick_defer_ms,
+                },
             };
             finish(vmm::run::<HttpEdge>(config))
         }

@@ -50,7 +50,7 @@ pub fn serve_socket<E: Edge>(
     actions: ActionSender,
     config: &VmConfig,
 ) -> Result<E::Server, EdgeError> {
-    let mailbox = config.mailbox();
+    let mailbox = crate::builder::mailbox(&config.machine);
     E::serve(path, actions, mailbox.exists().then(|| mailbox.capacity()))
 }
 
@@ -80,7 +80,7 @@ fn wait_ms(d: std::time::Duration) -> i32 {
 impl<E: Edge> Vmm<E> {
     /// The VMM of `vm`, whose clones `clones` makes.
     pub fn new(vm: Microvm, clones: Cloner) -> Self {
-        let invoker = Invoker::new(vm.config());
+        let invoker = Invoker::new(vm.config(), vm.mailbox());
         Self {
             vm,
             clones,
@@ -151,13 +151,13 @@ impl<E: Edge> Vmm<E> {
     /// Answers the caller of finished invocation `f`; returns how the VM ends when it
     /// does (it served its one invocation), or resumes the runtime (keep-alive).
     fn answer(&mut self, f: Finished) -> Option<RunOutcome> {
-        let console = match (&self.vm.config().console, f.outcome) {
+        let console = match (&self.vm.config().host.console, f.outcome) {
             (_, Outcome::Ok) => None,
             (ConsoleSink::File(path), _) => console_tail(path),
             _ => None,
         };
         let logs = self.invoker.live_log(self.vm.memory(), &f);
-        let socket = self.vm.config().api_sock.clone().unwrap_or_default();
+        let socket = self.vm.config().host.api_sock.clone().unwrap_or_default();
         let id = self.clones.clone_id();
         if let Err(e) = E::answer(&f, id, &socket, console, logs) {
             tracing::warn!("cannot answer the invocation's caller: {e}");
@@ -375,7 +375,7 @@ impl<E: Edge> Vmm<E> {
         // (or pipe) the VMM runs on. Lines arrive as the terminal delivers them; stdin
         // is not switched to raw mode.
         let stdin_fd = std::io::stdin().as_raw_fd();
-        if self.vm.config().console == ConsoleSink::Stdout {
+        if self.vm.config().host.console == ConsoleSink::Stdout {
             // epoll refuses regular files and /dev/null (EPERM): then there is no input.
             let _ = epoll.ctl(
                 ControlOperation::Add,

@@ -31,7 +31,7 @@
 //! again and makes new warm clones.
 //!
 //! Nothing here knows HTTP: the controller hands a [`Finished`] to the edge
-//! ([`crate::edge::Edge::answer`]), which answers the caller.
+//! (`Edge::answer`, one layer up), which answers the caller.
 
 use std::collections::VecDeque;
 use std::os::unix::net::UnixStream;
@@ -347,23 +347,23 @@ fn write_header(
 }
 
 impl Invoker {
-    /// The invocation side of a VM with `config`.
-    pub fn new(config: &VmConfig) -> Self {
+    /// The invocation side of a VM with `config`, whose mailbox is `window`.
+    pub fn new(config: &VmConfig, window: MailboxWindow) -> Self {
         Self {
-            window: config.mailbox(),
-            template: config.template,
+            window,
+            template: config.invoke.template,
             waiting: None,
             in_flight: None,
             returning: false,
             held: VecDeque::new(),
             started: 0,
-            refresh_after: (config.refresh_idle_ms > 0)
-                .then(|| Duration::from_millis(config.refresh_idle_ms)),
+            refresh_after: (config.invoke.refresh_idle_ms > 0)
+                .then(|| Duration::from_millis(config.invoke.refresh_idle_ms)),
             waiting_since: None,
             refreshes: 0,
-            tick_defer_ns: config.tick_defer_ns(),
+            tick_defer_ns: config.invoke.tick_defer_ns(),
             caught_up_at: Instant::now(),
-            prime: config.prime,
+            prime: config.clones.prime,
             own_memory_kib: None,
         }
     }
@@ -596,12 +596,12 @@ impl Invoker {
     /// vCPU's state).
     pub fn in_clone(
         config: &VmConfig,
-        mem: &GuestMemoryMmap,
+        (mem, window): (&GuestMemoryMmap, MailboxWindow),
         d: &Delivery,
         (payload, conn): (&[u8], Connection),
         primed: bool,
     ) -> Result<Self, InvokeError> {
-        let mut me = Self::new(config);
+        let mut me = Self::new(config, window);
         // A clone's first request.
         let sequence = 1;
         write(mem, me.window, d, sequence, payload)?;

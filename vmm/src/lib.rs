@@ -71,9 +71,9 @@ pub fn run<E: Edge>(config: VmConfig) -> Result<RunOutcome, VmmError> {
     // signals reach only the event loop's signalfd.
     let signals = block_shutdown_signals().map_err(VmmError::Signals)?;
     // Compiled before any thread starts: each installs its kind's filter first.
-    sandbox::init(config.seccomp)?;
+    sandbox::init(config.host.seccomp)?;
     let (sender, actions) = rpc::channel().map_err(VmmError::Queue)?;
-    let api = (config.api_sock.as_deref())
+    let api = (config.host.api_sock.as_deref())
         .map(|path| serve_socket::<E>(path, sender, &config))
         .transpose()
         .map_err(VmmError::Api)?;
@@ -111,11 +111,11 @@ fn clone_hooks<E: Edge>() -> cloning::CloneHooks {
 /// The clone side of a VM with `config`, its cgroup pools made: before the VM, so that
 /// no guest code runs if they cannot be.
 fn pools<E: Edge>(config: &VmConfig) -> Result<Cloner, VmmError> {
-    if let Some(c) = &config.cgroups {
+    if let Some(c) = &config.host.cgroups {
         c.check()
             .map_err(|e| BuildError::Config(config::ConfigError::Cgroups(e)))?;
     }
-    cloning::init_tree(config.max_tree_clones).map_err(VmmError::Tree)?;
+    cloning::init_tree(config.clones.max_tree_clones).map_err(VmmError::Tree)?;
     Ok(Cloner::new(config, clone_hooks::<E>())?)
 }
 
@@ -126,9 +126,9 @@ pub fn restore<E: Edge>(opts: snapshot::RestoreOptions) -> Result<RunOutcome, Vm
     let signals = block_shutdown_signals().map_err(VmmError::Signals)?;
     let restoring = snapshot::open(&opts)?;
     let config = restoring.config();
-    sandbox::init(config.seccomp)?;
+    sandbox::init(config.host.seccomp)?;
     let (sender, actions) = rpc::channel().map_err(VmmError::Queue)?;
-    let api = (config.api_sock.as_deref())
+    let api = (config.host.api_sock.as_deref())
         .map(|path| serve_socket::<E>(path, sender, config))
         .transpose()
         .map_err(VmmError::Api)?;

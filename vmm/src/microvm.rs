@@ -108,6 +108,8 @@ pub struct VmParts {
     /// The configuration it was made from (a clone's: its template's, with its own
     /// sockets, console, tap and limits).
     pub config: VmConfig,
+    /// Where its invocation mailbox lies (`builder::mailbox`).
+    pub mailbox: devices::mailbox::MailboxWindow,
     /// The VM: owns the irqchip, the PIT and the memory slots.
     pub vm: VmFd,
     /// Guest RAM.
@@ -131,6 +133,7 @@ pub struct VmParts {
 /// A running VM.
 pub struct Microvm {
     config: VmConfig,
+    mailbox: devices::mailbox::MailboxWindow,
     vm: VmFd,
     mem: GuestMemoryMmap,
     kvm: KvmContext,
@@ -162,6 +165,7 @@ impl Microvm {
     pub fn new(parts: VmParts) -> Self {
         Self {
             config: parts.config,
+            mailbox: parts.mailbox,
             vm: parts.vm,
             mem: parts.mem,
             kvm: parts.kvm,
@@ -185,6 +189,11 @@ impl Microvm {
     }
 
     /// The configuration.
+    pub fn mailbox(&self) -> devices::mailbox::MailboxWindow {
+        self.mailbox
+    }
+
+    /// The configuration it was made from.
     pub fn config(&self) -> &VmConfig {
         &self.config
     }
@@ -193,7 +202,7 @@ impl Microvm {
     /// says so, as a template started with `--template` does, so that its snapshot
     /// restores as a template.
     pub fn become_template(&mut self) {
-        self.config.template = true;
+        self.config.invoke.template = true;
     }
 
     /// The KVM VM.
@@ -221,7 +230,7 @@ impl Microvm {
         &mut self,
         medium: &api_types::InsertMedium,
     ) -> Result<(), crate::device_manager::SlotChangeError> {
-        (self.devices).insert_medium(medium, self.config.slot_cow_dir.as_deref())
+        (self.devices).insert_medium(medium, self.config.machine.slot_cow_dir.as_deref())
     }
 
     /// Takes the image out of disk slot `slot` of the running VM (`DELETE /slots/{k}`).
@@ -304,11 +313,11 @@ impl Microvm {
         let probe = &self.devices.probe;
         VmInfo {
             state: self.state,
-            vcpus: self.config.vcpus,
-            memory_mib: self.config.mem_mib,
-            kernel: self.config.kernel.display().to_string(),
+            vcpus: self.config.machine.vcpus,
+            memory_mib: self.config.machine.mem_mib,
+            kernel: self.config.machine.kernel.display().to_string(),
             cmdline: self.cmdline.clone(),
-            ap_boot: self.config.ap_boot,
+            ap_boot: self.config.machine.ap_boot,
             uptime_ms: self.started.elapsed().as_millis() as u64,
             clone_id: clone_id.to_string(),
             warm_clones,
@@ -372,7 +381,7 @@ impl Microvm {
         for v in &mut self.vcpus {
             v.stop();
         }
-        self.devices.keep_overlays(&self.config.disks);
+        self.devices.keep_overlays(&self.config.machine.disks);
     }
 }
 

@@ -33,7 +33,7 @@ use crate::arch::x86_64::cpuid::{
 };
 use crate::arch::x86_64::mptable::{self, MptableError};
 use crate::arch::x86_64::regs::BootProtocol;
-use crate::config::{ApBoot, ConfigError, VmConfig};
+use crate::config::{ApBoot, ConfigError, MachineConfig, VmConfig};
 use crate::device_manager::{DeviceError, DeviceManager};
 use crate::logging::StageTimer;
 use crate::microvm::VmParts;
@@ -42,6 +42,7 @@ use crate::vstate::memory::{create_guest_memory, MemoryError};
 use crate::vstate::vcpu::{start_vcpus, StartMode, Vcpu, VcpuError};
 use crate::vstate::vm::{create_vm, VmError};
 use api_types::vm::HostReport;
+use devices::mailbox::MailboxWindow;
 
 /// Errors building a microVM, one per stage.
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +104,7 @@ struct PreparedGuest {
 
 /// Builds and starts the VM described by `config`.
 pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
+    let window = mailbox(&config.machine);
     let started = Instant::now();
     let mut timer = StageTimer::new();
 
@@ -113,9 +115,9 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
     config.validate(kvm.max_vcpus)?;
     timer.done("config");
     // 3. Host quirks.
-    let (hidden, quirk_switches) = host_quirks(kvm.host, config.host_quirks);
+    let (hidden, quirk_switches) = host_quirks(kvm.host, config.machine.host_quirks);
     if kvm.host == HostKind::Pvm {
-        if config.host_quirks {
+        if config.machine.host_quirks {
             tracing::info!(
                 "host KVM is PVM: hiding CPUID features [{}] and adding kernel switches \"{}\" (disable with --no-host-quirks)",
                 hidden.iter().map(|h| h.name).collect::<Vec<_>>().join(","),
@@ -130,10 +132,10 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
 
     // 4. Memory.
     let (mem, mem_info) = create_guest_memory(
-        config.mem_mib << 20,
-        config.thp,
-        config.prefault,
-        config.mailbox(),
+        config.machine.mem_mib << 20,
+        config.host.thp,
+        config.host.prefault,
+        window,
     )?;
     timer.done("memory");
 
@@ -142,7 +144,7 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
     timer.done("vm");
 
     // 6-8. Devices, boot image, vCPUs.
-    let prepared = prepare_guest(&config, &kvm, &vm, &mem, hidden, &quirk_switches)?;
+    let prepared = prepare_guest(&config, window, &kvm, &vm, &mem, hidden, &quirk_switches)?;
     timer.done("devices, boot image, vcpus");
     let PreparedGuest {
         devices,
@@ -159,8 +161,8 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
     tracing::info!(
         "VM started in {} us: {} vCPUs, {} MiB",
         started.elapsed().as_micros(),
-        config.vcpus,
-        config.mem_mib
+        config.machine.vcpus,
+        config.machine.mem_mib
     );
     tracing::debug!("build stages: {}", timer.report());
 
@@ -175,6 +177,7 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
     };
     Ok(VmParts {
         config,
+        mailbox: window,
         vm,
         mem,
         kvm,
@@ -185,6 +188,14 @@ pub fn build_microvm(config: VmConfig) -> Result<VmParts, BuildError> {
         capture_spec: Arc::new(capture_spec),
         kvm_run_size,
     })
+}
+
+/// Where the invocation mailbox of a VM with `machine` lies in guest memory, and how
+/// large it is: decided here, for every way a VM comes to be (a boot, a snapshot's
+/// restore, a clone's rebuild on its template's memory); the VM keeps it
+/// ([`crate::microvm::Microvm::mailbox`]).
+pub fn mailbox(machine: &MachineConfig) -> MailboxWindow {
+    MailboxWindow::of_size(machine.mailbox_mib << 20)
 }
 
 /// What capturing this VM's vCPUs needs to know about the host.
@@ -210,26 +221,28 @@ pub(crate) fn capture_spec(kvm: &KvmContext, vm: &VmFd) -> Result<CaptureSpec, B
 /// Stages 6 to 8: devices, the boot image in guest memory, configured vCPUs.
 fn prepare_guest(
     config: &VmConfig,
+    window: MailboxWindow,
     kvm: &KvmContext,
     vm: &VmFd,
     mem: &GuestMemoryMmap,
     hidden: &[FeatureBit],
     quirk_switches: &str,
 ) -> Result<PreparedGuest, BuildError> {
-    let mem_bytes = config.mem_mib << 20;
+    let mem_bytes = config.machine.mem_mib << 20;
 
     // 6. Devices.
     let mut devices = DeviceManager::new(vm, config, mem, 0, None)?;
     devices.add_virtio_devices(vm, mem, config, None)?;
 
     // 7. Kernel, initrd, command line, boot information, MP table.
-    let kernel = load_kernel(mem, &config.kernel)?;
+    let kernel = load_kernel(mem, &config.machine.kernel)?;
     let initrd: Option<LoadedInitrd> = config
+        .machine
         .initrd
         .as_deref()
         .map(|p| load_initrd(mem, mem_bytes, kernel.end, p))
         .transpose()?;
-    let mut cmdline = config.cmdline.trim().to_string();
+    let mut cmdline = config.machine.cmdline.trim().to_string();
     for extra in devices
         .cmdline_extra
         .iter()
@@ -243,10 +256,10 @@ fn prepare_guest(
     }
     write_cmdline(mem, &cmdline)?;
     write_boot_info(mem, mem_bytes, &kernel, cmdline.len(), initrd)?;
-    mptable::setup(mem, config.vcpus)?;
+    mptable::setup(mem, config.machine.vcpus)?;
     tracing::info!(
         "kernel {} entry {:#x} via {:?}; cmdline \"{}\"",
-        config.kernel.display(),
+        config.machine.kernel.display(),
         kernel.entry.addr,
         kernel.entry.protocol,
         cmdline
@@ -257,23 +270,23 @@ fn prepare_guest(
         .kvm
         .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
         .map_err(KvmError::Cpuid)?;
-    let mut vcpus = Vec::with_capacity(config.vcpus as usize);
+    let mut vcpus = Vec::with_capacity(config.machine.vcpus as usize);
     let mut skipped_msrs = Vec::new();
-    for id in 0..config.vcpus {
-        let cpuid = vcpu_cpuid(&base_cpuid, id, config.vcpus, hidden);
-        let start = if id == 0 || config.ap_boot == ApBoot::Direct {
+    for id in 0..config.machine.vcpus {
+        let cpuid = vcpu_cpuid(&base_cpuid, id, config.machine.vcpus, hidden);
+        let start = if id == 0 || config.machine.ap_boot == ApBoot::Direct {
             StartMode::Entry(kernel.entry)
         } else {
             StartMode::WaitForSipi
         };
-        let (vcpu, skipped) = Vcpu::create(vm, mem, id, &cpuid, start, config.mailbox())?;
+        let (vcpu, skipped) = Vcpu::create(vm, mem, id, &cpuid, start, window)?;
         if id == 0 && !skipped.is_empty() {
             tracing::info!("host refused MSRs {skipped:#x?}; skipped them");
             skipped_msrs = skipped;
         }
         vcpus.push(vcpu);
     }
-    if config.ap_boot == ApBoot::Direct && kernel.entry.protocol == BootProtocol::Linux64 {
+    if config.machine.ap_boot == ApBoot::Direct && kernel.entry.protocol == BootProtocol::Linux64 {
         tracing::warn!("--ap-boot direct with a Linux boot-protocol kernel: every vCPU enters the kernel as the boot CPU");
     }
     Ok(PreparedGuest {

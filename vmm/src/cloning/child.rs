@@ -121,8 +121,9 @@ pub struct CloneHooks {
 pub type ServeClone = fn(RebuiltClone) -> Result<RunOutcome, ServeError>;
 
 /// Takes up a handover in the clone, before its vCPUs run.
-pub type TakeHandover =
-    fn(HandedOver, &VmConfig, &vm_memory::GuestMemoryMmap) -> Result<Box<dyn Any>, ServeError>;
+/// `template` is the VM the clone's is rebuilt from, on its memory (the clone's own, copy
+/// on write, from the fork).
+pub type TakeHandover = fn(HandedOver, &VmConfig, &Microvm) -> Result<Box<dyn Any>, ServeError>;
 
 /// Primes a warm clone of `template`, captured as the state given, on the vCPU given.
 pub type PrimeClone =
@@ -341,12 +342,7 @@ fn prepare_now(
             v.regs.rax = value;
         }
     }
-    let prepared = prepare(
-        kvm,
-        &state,
-        plan.template.memory(),
-        plan.template.config().mailbox(),
-    )?;
+    let prepared = prepare(kvm, &state, plan.template.memory(), plan.template.mailbox())?;
     Ok((state, prepared))
 }
 
@@ -371,7 +367,7 @@ fn prepare_warm(
         }
         None => {
             let mem = plan.template.memory();
-            let window = plan.template.config().mailbox();
+            let window = plan.template.mailbox();
             (
                 Cow::Borrowed(plan.state),
                 prepare(kvm, plan.state, mem, window)?,
@@ -405,18 +401,18 @@ fn prepare_warm(
 /// MAC, limits and overlay policy.
 fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildError> {
     let mut config = template.clone();
-    config.api_sock = Some(id.api_sock.clone());
+    config.host.api_sock = Some(id.api_sock.clone());
     // A clone is no template of its own (`--template` is not inherited).
-    config.template = false;
-    config.console = ConsoleSink::File(id.console.clone());
-    if let (Some(v), Some(path)) = (config.vsock.as_mut(), &id.vsock) {
+    config.invoke.template = false;
+    config.host.console = ConsoleSink::File(id.console.clone());
+    if let (Some(v), Some(path)) = (config.machine.vsock.as_mut(), &id.vsock) {
         v.uds_path = path.clone();
     }
-    config.apply_rate_limits(&id.rate_limits)?;
+    config.machine.apply_rate_limits(&id.rate_limits)?;
     // Its own tap and MAC (the tap is created here; it goes when the clone exits).
     let pid = std::process::id() as i32;
-    config.disks = keep_overlays(&config.disks, id.keep_overlays);
-    config.net = config.net.map(|n| n.for_clone(pid, &id.net));
+    config.machine.disks = keep_overlays(&config.machine.disks, id.keep_overlays);
+    config.machine.net = config.machine.net.map(|n| n.for_clone(pid, &id.net));
     Ok(config)
 }
 
@@ -464,6 +460,7 @@ fn launch(
     let (devices, vcpus) = start_rebuilt(&mut prepared, &from, ready, marks)?;
     Ok(VmParts {
         config,
+        mailbox: template.mailbox(),
         vm: prepared.vm,
         mem: mem.clone(),
         kvm,
@@ -537,8 +534,7 @@ fn run_clone(
                 stream: stream.into(),
                 primed: matches!(plan.start, Start::Warm { prime: Some(_), .. }),
             };
-            let mem = plan.template.memory();
-            Some((plan.hooks.take)(handed, &config, mem).map_err(ChildError::Take)?)
+            Some((plan.hooks.take)(handed, &config, plan.template).map_err(ChildError::Take)?)
         }
         _ => None,
     };

@@ -91,9 +91,14 @@ impl Cloner {
         Ok(Self {
             table: CloneTable::default(),
             starting: Default::default(),
-            warm: WarmPool::new(config.warm_clones),
+            warm: WarmPool::new(config.clones.warm_clones),
             spares: Default::default(),
-            cgroups: config.cgroups.as_ref().map(ClonePools::new).transpose()?,
+            cgroups: config
+                .host
+                .cgroups
+                .as_ref()
+                .map(ClonePools::new)
+                .transpose()?,
             clone_id: String::new(),
             hooks,
             guest_refusals: Default::default(),
@@ -120,9 +125,15 @@ impl Cloner {
     /// clones when `config` has classes (without, or when they cannot be made, its
     /// clones stay in its own cgroup, as a clone's do).
     pub fn become_template(&mut self, config: &VmConfig) {
-        self.warm = WarmPool::new(config.warm_clones);
+        self.warm = WarmPool::new(config.clones.warm_clones);
         if self.cgroups.is_none() {
-            match config.cgroups.as_ref().map(ClonePools::new).transpose() {
+            match config
+                .host
+                .cgroups
+                .as_ref()
+                .map(ClonePools::new)
+                .transpose()
+            {
                 Ok(pools) => self.cgroups = pools,
                 Err(e) => tracing::warn!(
                     "the derived template's clones stay in its cgroup: cannot make pools: {e}"

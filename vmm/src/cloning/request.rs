@@ -237,30 +237,35 @@ pub(super) fn check(
         return Err(CloneError::State(vm.state()));
     }
     let live = table.live().count();
-    let max = vm.config().max_clones;
+    let max = vm.config().clones.max_clones;
     if live + count as usize > max {
         return Err(CloneError::TooMany { live, max });
     }
     let config = vm.config();
-    if !(req.addresses.is_empty() && req.taps.is_empty()) && config.net.is_none() {
+    if !(req.addresses.is_empty() && req.taps.is_empty()) && config.machine.net.is_none() {
         return Err(CloneError::NoCard);
     }
-    if req.keep_overlays == Some(true) && config.disks.iter().all(|d| d.cow_dir.is_none()) {
+    if req.keep_overlays == Some(true) && config.machine.disks.iter().all(|d| d.cow_dir.is_none()) {
         return Err(CloneError::NoOverlay);
     }
-    if let Some(m) = req.media.iter().find(|m| m.slot >= config.disk_slots) {
+    if let Some(m) = req
+        .media
+        .iter()
+        .find(|m| m.slot >= config.machine.disk_slots)
+    {
         return Err(CloneError::NoSlot {
             slot: m.slot,
-            slots: config.disk_slots,
+            slots: config.machine.disk_slots,
         });
     }
-    if config.slot_cow_dir.is_none() {
+    if config.machine.slot_cow_dir.is_none() {
         if let Some(m) = req.media.iter().find(|m| m.writable) {
             return Err(CloneError::ReadOnlySlots { slot: m.slot });
         }
     }
     config
         .clone()
+        .machine
         .apply_rate_limits(&req.rate_limits)
         .map_err(CloneError::RateLimit)
 }
@@ -295,7 +300,7 @@ fn overlay_files(
     config: &VmConfig,
     writable: &[(u8, u64)],
 ) -> Result<Vec<Arc<std::fs::File>>, CloneError> {
-    let (Some(dir), false) = (&config.slot_cow_dir, writable.is_empty()) else {
+    let (Some(dir), false) = (&config.machine.slot_cow_dir, writable.is_empty()) else {
         return Ok(Vec::new());
     };
     (writable.iter())
@@ -310,6 +315,7 @@ fn overlay_files(
 /// Where clone files go: the control socket path, or a per-process one.
 fn clone_base(config: &VmConfig) -> PathBuf {
     config
+        .host
         .api_sock
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join(format!("forkvm-{}.sock", std::process::id())))
@@ -342,14 +348,14 @@ pub(super) fn identities(
             parent => format!("{parent}.{seq}"),
         };
         let sock = PathBuf::from(format!("{}.{seq}", base.display()));
-        let vsock =
-            (config.vsock.as_ref()).map(|_| PathBuf::from(format!("{}.vsock", sock.display())));
+        let vsock = (config.machine.vsock.as_ref())
+            .map(|_| PathBuf::from(format!("{}.vsock", sock.display())));
         for p in std::iter::once(&sock).chain(vsock.as_ref()) {
             if p.as_os_str().len() > MAX_SOCK_PATH {
                 return Err(CloneError::PathTooLong(p.display().to_string()));
             }
         }
-        let console = match (&config.console, req.console) {
+        let console = match (&config.host.console, req.console) {
             (ConsoleSink::Null, _) | (_, CloneConsole::Null) => PathBuf::from("/dev/null"),
             _ => PathBuf::from(format!("{}.console", sock.display())),
         };
@@ -421,8 +427,8 @@ pub(super) fn starting_info(
     cgroup: Option<CloneCgroup>,
     template: &VmConfig,
 ) -> CloneInfo {
-    let net = (template.net.as_ref()).map(|n| n.for_clone(pid, &identity.net));
-    let kept_overlays = keep_overlays(&template.disks, identity.keep_overlays)
+    let net = (template.machine.net.as_ref()).map(|n| n.for_clone(pid, &identity.net));
+    let kept_overlays = keep_overlays(&template.machine.disks, identity.keep_overlays)
         .iter()
         .enumerate()
         .filter_map(|(i, d)| d.kept_path(i, pid))

@@ -244,7 +244,7 @@ impl DeviceManager {
             })?;
         let serial_args = SerialArgs {
             interrupt: serial_irq,
-            out: console_writer(&config.console)?,
+            out: console_writer(&config.host.console)?,
         };
         let serial = ports.add(
             serial_args,
@@ -257,7 +257,7 @@ impl DeviceManager {
         ports.add::<I8042>(reset, I8042State {}, I8042::BASE, I8042::LEN)?;
         let probe = Arc::new(ProbeStats::default());
         let vcpus = ProbeState {
-            vcpus: u32::from(config.vcpus),
+            vcpus: u32::from(config.machine.vcpus),
         };
         ports.add::<ProbePort>(probe.clone(), vcpus, PROBE_BASE, PROBE_LEN)?;
         let fresh = EntropyState::default();
@@ -265,7 +265,7 @@ impl DeviceManager {
         let seq = IdentityState { seq: clone_seq };
         ports.add::<IdentityPort>(clone_seq, seq, IDENTITY_BASE, IDENTITY_LEN)?;
         ports.add::<ClockPort>((), ClockState::default(), CLOCK_BASE, CLOCK_LEN)?;
-        let net = config.net.as_ref().map(NetConfig::identity);
+        let net = config.machine.net.as_ref().map(NetConfig::identity);
         let block = IdentityBlockState::default();
         ports.add::<IdentityBlock>(net, block, IDENTITY_BLOCK_BASE, IDENTITY_BLOCK_LEN)?;
         let crng = CrngWatch {

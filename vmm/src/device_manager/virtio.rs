@@ -142,7 +142,7 @@ impl DeviceManager {
         restore: Option<&VirtioRestore<'_>>,
     ) -> Result<(), DeviceError> {
         let saved: Option<Vec<&MmioTransportState>> = restore.map(|r| r.states.virtio().collect());
-        for (i, disk) in config.disks.iter().enumerate() {
+        for (i, disk) in config.machine.disks.iter().enumerate() {
             let state = self.next_saved(saved.as_deref())?;
             let block = self.open_disk(i, disk, restore, state)?;
             let info = VirtioKind::Block {
@@ -154,9 +154,9 @@ impl DeviceManager {
             };
             self.add_virtio(vm, mem, Box::new(block), info, state)?;
         }
-        for slot in 0..config.disk_slots {
+        for slot in 0..config.machine.disk_slots {
             let state = self.next_saved(saved.as_deref())?;
-            let cow = config.slot_cow_dir.as_deref();
+            let cow = config.machine.slot_cow_dir.as_deref();
             let (block, medium) = self.open_slot(slot, cow, restore, state)?;
             let writable = block.overlay().is_some();
             let info = VirtioKind::Slot {
@@ -166,7 +166,7 @@ impl DeviceManager {
             };
             self.add_virtio(vm, mem, Box::new(block), info, state)?;
         }
-        if let Some(rng) = &config.rng {
+        if let Some(rng) = &config.machine.rng {
             let state = self.next_saved(saved.as_deref())?;
             let device = match device_state::<Rng>(state)? {
                 Some(s) => {
@@ -182,7 +182,7 @@ impl DeviceManager {
         }
         // A clone's host sides (socket, tap) are opened once its vCPUs run
         // (open_host_endpoints).
-        if let Some(v) = &config.vsock {
+        if let Some(v) = &config.machine.vsock {
             let state = self.next_saved(saved.as_deref())?;
             let vsock = match device_state::<Vsock>(state)? {
                 Some(s) => Vsock::restore(v.uds_path.clone(), s)?,
@@ -194,7 +194,7 @@ impl DeviceManager {
             };
             self.add_virtio(vm, mem, Box::new(vsock), info, state)?;
         }
-        if let Some(n) = &config.net {
+        if let Some(n) = &config.machine.net {
             let state = self.next_saved(saved.as_deref())?;
             let net = match device_state::<Net>(state)? {
                 Some(s) => {

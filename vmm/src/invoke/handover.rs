@@ -5,9 +5,9 @@
 
 use std::any::Any;
 
+use crate::microvm::Microvm;
 use api_types::CreateClones;
 use serde::Deserialize;
-use vm_memory::GuestMemoryMmap;
 
 use super::{initial_defer_ns, Connection, Delivery, Invocation, Invoker};
 use crate::cloning::{HandedOver, Handover, ServeError};
@@ -43,14 +43,14 @@ pub(super) fn handover(inv: Invocation, vcpu: u8, tick_defer_ns: u64) -> (Create
 pub fn take(
     handed: HandedOver,
     config: &VmConfig,
-    mem: &GuestMemoryMmap,
+    template: &Microvm,
 ) -> Result<Box<dyn Any>, ServeError> {
     let delivery = Delivery::deserialize(handed.note)
         .map_err(|e| format!("not an invocation's delivery: {e}"))?;
     let conn = Connection::new(handed.stream);
     let invoker = Invoker::in_clone(
         config,
-        mem,
+        (template.memory(), template.mailbox()),
         &delivery,
         (handed.payload, conn),
         handed.primed,

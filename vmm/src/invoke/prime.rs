@@ -81,18 +81,18 @@ fn primed(
     // runtime's read returning the prime request's length (0).
     let mut now = template_state.clone();
     now.advance_clocks(monotonic_ns().saturating_sub(now.captured_at_ns));
-    if config.tick_defer_ns() > 0 {
+    if config.invoke.tick_defer_ns() > 0 {
         for v in &mut now.vcpus {
-            v.defer_timer(config.tick_defer_ns());
+            v.defer_timer(config.invoke.tick_defer_ns());
         }
     }
     now.vcpus[index].regs.rax = 0;
-    let mut prepared = prepare(kvm, &now, mem, config.mailbox())?;
+    let window = template.mailbox();
+    let mut prepared = prepare(kvm, &now, mem, window)?;
     clone::vm::restore_vm(&prepared.vm, &now.vm)?;
-    write_prime(mem, config.mailbox(), PRIME_LIMIT.as_millis() as u64)
-        .map_err(InvokeError::from)?;
+    write_prime(mem, window, PRIME_LIMIT.as_millis() as u64).map_err(InvokeError::from)?;
     // A runtime that fails its prime would fail requests the same way: not primed.
-    let (reply_mem, window) = (mem.clone(), config.mailbox());
+    let reply_mem = mem.clone();
     let check = move |length| match read_reply(&reply_mem, window, length) {
         Ok((h, _)) if h.status == ReplyStatus::Ok => Ok(()),
         Ok((_, text)) => Err(format!(

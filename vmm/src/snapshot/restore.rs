@@ -26,7 +26,9 @@ use crate::arch::x86_64::layout::ram_ranges;
 use crate::builder::capture_spec;
 use crate::builder::rebuild::{prepare, start_rebuilt, RebuildError, StartFrom};
 use crate::config::{CgroupConfig, ConsoleSink, DiskConfig, NetConfig, RngConfig, VmConfig};
-use crate::config::{ConfigError, VsockConfig};
+use crate::config::{
+    ClonePolicy, ConfigError, HostPolicy, InvokePolicy, MachineConfig, VsockConfig,
+};
 use crate::device_manager::DeviceError;
 use crate::logging::StageTimer;
 use crate::microvm::VmParts;
@@ -167,42 +169,50 @@ pub fn restored_config(
         })
         .collect();
     Ok(VmConfig {
-        initrd: None,
-        disks,
-        disk_slots: saved.disk_slots,
-        slot_cow_dir: (saved.slot_cow_dir.as_ref())
-            .map(|c| opts.cow_dir.clone().unwrap_or(c.clone())),
-        rng: (saved.rng.as_ref()).map(|r| RngConfig {
-            rate_limit: r.rate_limit,
-        }),
-        vsock: vsock.map(|(cid, uds_path)| VsockConfig { cid, uds_path }),
-        net: saved.net.as_ref().map(|n| NetConfig {
-            tap: opts.tap.clone().unwrap_or(n.tap.clone()),
-            mac: n.mac,
-            rate_limit: n.rate_limit,
-            ipv4: n.ipv4,
-            gateway: n.gateway,
-        }),
-        mem_mib: saved.mem_mib,
-        vcpus: saved.vcpus,
-        cmdline: saved.user_cmdline.clone(),
-        console: opts.console.clone(),
-        api_sock: opts.api_sock.clone(),
-        host_quirks: saved.host_quirks,
-        thp: false,
-        prefault: false,
-        ap_boot: saved.ap_boot,
-        warm_clones: opts.warm_clones,
-        max_clones: opts.max_clones,
-        max_tree_clones: opts.max_tree_clones,
-        mailbox_mib: saved.mailbox_mib,
-        template: saved.template,
-        refresh_idle_ms: saved.refresh_idle_ms,
-        tick_defer_ms: saved.tick_defer_ms,
-        prime: saved.prime,
-        cgroups: opts.cgroups.clone(),
-        seccomp: opts.seccomp,
-        ..VmConfig::new(saved.kernel.clone())
+        machine: MachineConfig {
+            initrd: None,
+            disks,
+            disk_slots: saved.disk_slots,
+            slot_cow_dir: (saved.slot_cow_dir.as_ref())
+                .map(|c| opts.cow_dir.clone().unwrap_or(c.clone())),
+            rng: (saved.rng.as_ref()).map(|r| RngConfig {
+                rate_limit: r.rate_limit,
+            }),
+            vsock: vsock.map(|(cid, uds_path)| VsockConfig { cid, uds_path }),
+            net: saved.net.as_ref().map(|n| NetConfig {
+                tap: opts.tap.clone().unwrap_or(n.tap.clone()),
+                mac: n.mac,
+                rate_limit: n.rate_limit,
+                ipv4: n.ipv4,
+                gateway: n.gateway,
+            }),
+            mem_mib: saved.mem_mib,
+            vcpus: saved.vcpus,
+            cmdline: saved.user_cmdline.clone(),
+            host_quirks: saved.host_quirks,
+            ap_boot: saved.ap_boot,
+            mailbox_mib: saved.mailbox_mib,
+            ..MachineConfig::new(saved.kernel.clone())
+        },
+        host: HostPolicy {
+            console: opts.console.clone(),
+            api_sock: opts.api_sock.clone(),
+            thp: false,
+            prefault: false,
+            cgroups: opts.cgroups.clone(),
+            seccomp: opts.seccomp,
+        },
+        clones: ClonePolicy {
+            warm_clones: opts.warm_clones,
+            max_clones: opts.max_clones,
+            max_tree_clones: opts.max_tree_clones,
+            prime: saved.prime,
+        },
+        invoke: InvokePolicy {
+            template: saved.template,
+            refresh_idle_ms: saved.refresh_idle_ms,
+            tick_defer_ms: saved.tick_defer_ms,
+        },
     })
 }
 
@@ -269,8 +279,8 @@ fn check(
         why,
     };
     // The memory file's regions are those of a VM of this size and mailbox.
-    let mut expected = ram_ranges(config.mem_mib << 20);
-    let mailbox = config.mailbox();
+    let mut expected = ram_ranges(config.machine.mem_mib << 20);
+    let mailbox = crate::builder::mailbox(&config.machine);
     if mailbox.size > 0 {
         expected.push((u64::from(mailbox.addr), u64::from(mailbox.size)));
         expected.sort_unstable();
@@ -281,14 +291,14 @@ fn check(
     if regions != expected {
         return Err(mismatch(format!(
             "its memory regions {regions:x?} are not those of a {} MiB VM with a {} MiB mailbox",
-            config.mem_mib, config.mailbox_mib
+            config.machine.mem_mib, config.machine.mailbox_mib
         )));
     }
-    if file.state.vcpus.len() != usize::from(config.vcpus) {
+    if file.state.vcpus.len() != usize::from(config.machine.vcpus) {
         return Err(mismatch(format!(
             "it holds {} vCPUs, its configuration says {}",
             file.state.vcpus.len(),
-            config.vcpus
+            config.machine.vcpus
         )));
     }
     // Every MSR the guest saw is this host's too (CPUID features: `check_cpuid`).
@@ -328,19 +338,19 @@ fn check(
     }
     // A writable medium has its overlay in the snapshot (after the disks'), and the VM
     // its slot.
-    if file.config.slot_media.len() > usize::from(config.disk_slots) {
+    if file.config.slot_media.len() > usize::from(config.machine.disk_slots) {
         return Err(mismatch(format!(
             "it has media for {} slots, its configuration {}",
             file.config.slot_media.len(),
-            config.disk_slots
+            config.machine.disk_slots
         )));
     }
     for (k, m) in file.config.slot_media.iter().enumerate() {
         let Some(m) = m.as_ref().filter(|m| m.writable) else {
             continue;
         };
-        let path = dir.join(overlay_file(config.disks.len() + k));
-        if config.slot_cow_dir.is_none() || !path.is_file() {
+        let path = dir.join(overlay_file(config.machine.disks.len() + k));
+        if config.machine.slot_cow_dir.is_none() || !path.is_file() {
             return Err(mismatch(format!(
                 "slot {k} ({}) is writable and its overlay {} or the slots' overlay \
                  directory is missing",
@@ -350,7 +360,7 @@ fn check(
         }
     }
     // A writable disk has its overlay in the snapshot.
-    for (i, d) in config.disks.iter().enumerate() {
+    for (i, d) in config.machine.disks.iter().enumerate() {
         let path = dir.join(overlay_file(i));
         if d.cow_dir.is_some() && !path.is_file() {
             return Err(mismatch(format!(
@@ -441,6 +451,7 @@ impl Restoring {
             mut marks,
         } = self;
         let dir = &dir;
+        let window = crate::builder::mailbox(&config.machine);
         let mem = map_memory_file(&dir.join(MEMORY_FILE), &file.memory)?;
         marks.done("memory mapped");
 
@@ -448,9 +459,9 @@ impl Restoring {
         // snapshot into their directories (the snapshot's stay as they are). The device
         // restore takes each descriptor over (`VirtioRestore`): the overlays' are not
         // dropped here.
-        let mut disk_fds = Vec::with_capacity(config.disks.len());
-        let mut overlays = ManuallyDrop::new(Vec::with_capacity(config.disks.len()));
-        for (i, d) in config.disks.iter().enumerate() {
+        let mut disk_fds = Vec::with_capacity(config.machine.disks.len());
+        let mut overlays = ManuallyDrop::new(Vec::with_capacity(config.machine.disks.len()));
+        for (i, d) in config.machine.disks.iter().enumerate() {
             let saved = dir.join(overlay_file(i));
             let (fd, overlay) = reopen(&d.path, &saved, d.cow_dir.as_deref())?;
             overlays.push(overlay);
@@ -465,15 +476,19 @@ impl Restoring {
                 overlays.push(None);
                 continue;
             };
-            let saved = dir.join(overlay_file(config.disks.len() + k));
-            let cow = config.slot_cow_dir.as_deref().filter(|_| m.writable);
+            let saved = dir.join(overlay_file(config.machine.disks.len() + k));
+            let cow = config
+                .machine
+                .slot_cow_dir
+                .as_deref()
+                .filter(|_| m.writable);
             let (fd, overlay) = reopen(&m.path, &saved, cow)?;
             overlays.push(overlay);
             slots.push(Some((fd, m.path.clone())));
         }
         marks.done("disks");
         let state = &file.state;
-        let mut prepared = prepare(&kvm, state, &mem, config.mailbox())?;
+        let mut prepared = prepare(&kvm, state, &mem, window)?;
         marks.done("vm and vcpus");
         check_cpuid(&file, &kvm, &prepared.vcpus)?;
         marks.done("cpuid check");
@@ -517,14 +532,15 @@ impl Restoring {
             "restored {} ({} MiB, {} vCPUs, {crng}) in {} us; vCPU 0 entered the guest at {} \
              ns (CLOCK_MONOTONIC)",
             dir.display(),
-            config.mem_mib,
-            config.vcpus,
+            config.machine.mem_mib,
+            config.machine.vcpus,
             started.elapsed().as_micros(),
             entered_ns
         );
         tracing::debug!("restore stages: {}", marks.report());
         Ok(VmParts {
             config,
+            mailbox: window,
             vm: prepared.vm,
             mem,
             kvm,

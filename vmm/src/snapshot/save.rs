@@ -74,21 +74,21 @@ fn slot_media(vm: &Microvm) -> Result<Vec<Option<SavedMedium>>, SaveError> {
 /// The configuration the guest sees, from `config`, with the images in its slots.
 fn saved_config(config: &VmConfig, slot_media: Vec<Option<SavedMedium>>) -> SavedConfig {
     SavedConfig {
-        kernel: config.kernel.clone(),
-        mem_mib: config.mem_mib,
-        vcpus: config.vcpus,
-        ap_boot: config.ap_boot,
-        user_cmdline: config.cmdline.clone(),
-        host_quirks: config.host_quirks,
-        mailbox_mib: config.mailbox_mib,
-        template: config.template,
-        refresh_idle_ms: config.refresh_idle_ms,
-        tick_defer_ms: config.tick_defer_ms,
-        prime: config.prime,
-        disk_slots: config.disk_slots,
-        slot_cow_dir: config.slot_cow_dir.clone(),
+        kernel: config.machine.kernel.clone(),
+        mem_mib: config.machine.mem_mib,
+        vcpus: config.machine.vcpus,
+        ap_boot: config.machine.ap_boot,
+        user_cmdline: config.machine.cmdline.clone(),
+        host_quirks: config.machine.host_quirks,
+        mailbox_mib: config.machine.mailbox_mib,
+        template: config.invoke.template,
+        refresh_idle_ms: config.invoke.refresh_idle_ms,
+        tick_defer_ms: config.invoke.tick_defer_ms,
+        prime: config.clones.prime,
+        disk_slots: config.machine.disk_slots,
+        slot_cow_dir: config.machine.slot_cow_dir.clone(),
         slot_media,
-        disks: (config.disks.iter())
+        disks: (config.machine.disks.iter())
             .map(|d| SavedDisk {
                 path: d.path.clone(),
                 image: std::fs::metadata(&d.path)
@@ -99,11 +99,11 @@ fn saved_config(config: &VmConfig, slot_media: Vec<Option<SavedMedium>>) -> Save
                 rate_limit: d.rate_limit,
             })
             .collect(),
-        rng: (config.rng.as_ref()).map(|r| SavedRng {
+        rng: (config.machine.rng.as_ref()).map(|r| SavedRng {
             rate_limit: r.rate_limit,
         }),
-        vsock_cid: config.vsock.as_ref().map(|v| v.cid),
-        net: config.net.as_ref().map(|n| SavedNet {
+        vsock_cid: config.machine.vsock.as_ref().map(|v| v.cid),
+        net: config.machine.net.as_ref().map(|n| SavedNet {
             tap: n.tap.clone(),
             mac: n.mac,
             rate_limit: n.rate_limit,

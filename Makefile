@@ -76,6 +76,9 @@ lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --workspace --quiet
+	@# The monitor's core knows no HTTP and no command line (docs/design.md, "Crates").
+	@if $(CARGO) tree -p vmm -e normal --prefix none | grep -qE '^(httparse|hyper|clap) '; then \
+		echo "lint: vmm, the monitor's core, depends on an HTTP crate or a command-line parser" >&2; exit 1; fi
 
 # Each fuzz target for FUZZ_SECONDS (60) on nightly Rust with cargo-fuzz
 # (`rustup toolchain install nightly`, `cargo install cargo-fuzz`); new inputs that add

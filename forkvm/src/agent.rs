@@ -73,6 +73,7 @@ pub(crate) async fn agent_exchange(
 
 /// What a streaming command did next ([`AgentOutput::next`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ProcessEvent {
     /// It wrote this to its stdout.
     Stdout(Vec<u8>),

@@ -472,6 +472,7 @@ impl Template {
     }
 
     /// `GET /vm`: the template's state and figures.
+    #[tracing::instrument(level = "debug", name = "template.status", skip_all, fields(pid = self.pid()))]
     pub async fn status(&self) -> Result<VmInfo, Error> {
         self.ep.status().await
     }
@@ -480,6 +481,7 @@ impl Template {
     /// clones launched, derived templates, clones on request), oldest first, with what
     /// became of each and, with cgroup classes, its cgroup's usage read now. Paths are
     /// the host's; in a jail, pids are the jail's.
+    #[tracing::instrument(level = "debug", name = "template.clone_table", skip_all, fields(pid = self.pid()))]
     pub async fn clone_table(&self) -> Result<api_types::CloneList, Error> {
         let mut list = self.ep.clones().await?;
         for c in &mut list.clones {

@@ -100,6 +100,7 @@ impl VmClone {
     }
 
     /// `GET /vm` on its socket.
+    #[tracing::instrument(level = "debug", name = "clone.status", skip_all, fields(id = self.id()))]
     pub async fn status(&self) -> Result<VmInfo, Error> {
         self.ep.status().await
     }
@@ -154,6 +155,7 @@ impl VmClone {
     /// [`close_input`](crate::AgentControl::close_input)) or that runs on a terminal in
     /// the guest ([`StreamMode::tty`]: its output all comes as stdout, and
     /// [`resize`](crate::AgentControl::resize) sets its size), as `mode` says.
+    #[tracing::instrument(level = "debug", name = "clone.spawn_with", skip_all, fields(id = self.id(), port = port))]
     pub async fn spawn_with(
         &self,
         port: u32,
@@ -184,6 +186,7 @@ impl VmClone {
 
     /// Writes a snapshot of the clone to `dir` (`PUT /snapshot`, as
     /// [`Template::snapshot`]): it must be paused ([`VmClone::pause`]).
+    #[tracing::instrument(level = "debug", name = "clone.snapshot", skip_all, fields(id = self.id()))]
     pub async fn snapshot(&self, dir: impl AsRef<Path>) -> Result<api_types::SnapshotInfo, Error> {
         self.ep.snapshot(dir.as_ref()).await
     }
@@ -192,6 +195,7 @@ impl VmClone {
     /// `slot` of the running clone (`PUT /slots/{slot}`): read-only, or writable
     /// through a new overlay of the clone's own. The guest learns of it from an
     /// interrupt, on its own time.
+    #[tracing::instrument(level = "debug", name = "clone.insert_medium", skip_all, fields(id = self.id(), slot = slot))]
     pub async fn insert_medium(
         &self,
         slot: u8,
@@ -207,16 +211,19 @@ impl VmClone {
 
     /// Takes the image out of disk slot `slot` (`DELETE /slots/{slot}`); the guest
     /// must have stopped using it (unmounted it) first.
+    #[tracing::instrument(level = "debug", name = "clone.eject_medium", skip_all, fields(id = self.id(), slot = slot))]
     pub async fn eject_medium(&self, slot: u8) -> Result<(), Error> {
         self.ep.set_medium(slot, None).await
     }
 
     /// Pauses its vCPUs (`PATCH /vm` paused); its devices' host sides stay up.
+    #[tracing::instrument(level = "debug", name = "clone.pause", skip_all, fields(id = self.id()))]
     pub async fn pause(&self) -> Result<(), Error> {
         self.ep.set_state(true).await
     }
 
     /// Runs it again after [`VmClone::pause`].
+    #[tracing::instrument(level = "debug", name = "clone.resume", skip_all, fields(id = self.id()))]
     pub async fn resume(&self) -> Result<(), Error> {
         self.ep.set_state(false).await
     }

@@ -225,6 +225,7 @@ fn best_subset<'a>(
 impl ZygoteCache {
     /// A cache whose root is `base`, a ready template whose runtime loads (the Python
     /// runtime, `python3 -m forkvm`).
+    #[tracing::instrument(level = "debug", name = "zygotes.new", skip_all)]
     pub async fn new(base: Template, policy: CachePolicy) -> Result<Self, Error> {
         let own_kib = base.status().await?.invoke.own_memory_kib.unwrap_or(0);
         let slot = Arc::new(OnceCell::new_with(Some(Arc::new(base))));
@@ -405,6 +406,7 @@ impl ZygoteCache {
 
     /// The package set `requirements` resolve to, from the cache's package cache
     /// ([`ZygoteCache::with_packages`]).
+    #[tracing::instrument(level = "debug", name = "zygotes.package_set", skip_all)]
     pub async fn package_set(&self, requirements: &[String]) -> Result<PackageSet, Error> {
         Ok(self.resolve_held(requirements).await?.0)
     }

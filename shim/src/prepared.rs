@@ -112,6 +112,7 @@ pub async fn prepared(
             match process.output.next().await {
                 Some(Ok(ProcessEvent::Stdout(b) | ProcessEvent::Stderr(b))) => output.extend(b),
                 Some(Ok(ProcessEvent::Exit(status))) => break status,
+                Some(Ok(_)) => {}
                 Some(Err(e)) => return Err(PrepareError::Vmm(e)),
                 None => break 255,
             }

@@ -233,6 +233,8 @@ pub async fn forward(
             Some(Ok(ProcessEvent::Stdout(b))) => out.write(&b).await,
             Some(Ok(ProcessEvent::Stderr(b))) => err.write(&b).await,
             Some(Ok(ProcessEvent::Exit(status))) => break status as u32,
+            // An event this shim does not know yet: nothing to pass on.
+            Some(Ok(_)) => {}
             Some(Err(e)) => {
                 err.write(format!("containerd-shim-forkvm: {e}\n").as_bytes())
                     .await;

@@ -1,6 +1,6 @@
 # forkvm: `make demo` builds everything and boots guests; `make test` runs every test;
 # `make install` installs the programs and guest images under PREFIX.
-.PHONY: all deps test-deps guest build release demo test lint bench fuzz fuzz-ci \
+.PHONY: all deps test-deps guest build release demo test lint semver bench fuzz fuzz-ci \
 	clean-guest-cache install install-files install-shim install-shim-files uninstall
 
 CARGO ?= cargo
@@ -79,6 +79,11 @@ lint:
 	@# The monitor's core knows no HTTP and no command line (docs/design.md, "Crates").
 	@if $(CARGO) tree -p vmm -e normal --prefix none | grep -qE '^(httparse|hyper|clap) '; then \
 		echo "lint: vmm, the monitor's core, depends on an HTTP crate or a command-line parser" >&2; exit 1; fi
+
+# The public crates (forkvm, api-types, forkvm-client) against the release of the
+# workspace's version: a breaking change needs a version that says so (docs/library.md).
+semver:
+	./scripts/semver-check.sh
 
 # Each fuzz target for FUZZ_SECONDS (60) on nightly Rust with cargo-fuzz
 # (`rustup toolchain install nightly`, `cargo install cargo-fuzz`); new inputs that add

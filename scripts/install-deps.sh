@@ -52,6 +52,13 @@ if ! cargo nextest --version 2>/dev/null | grep -q "cargo-nextest $nextest_versi
     echo "install-deps: installing cargo-nextest $nextest_version (a few minutes)" >&2
     cargo install --locked --quiet cargo-nextest --version "$nextest_version"
 fi
+# cargo-semver-checks (crates.io), for the public crates' API check of CI
+# (scripts/semver-check.sh), built once into cargo's bin directory like nextest.
+semver_checks_version=0.51.0
+if ! cargo semver-checks --version 2>/dev/null | grep -q "cargo-semver-checks $semver_checks_version"; then
+    echo "install-deps: installing cargo-semver-checks $semver_checks_version (several minutes)" >&2
+    cargo install --locked --quiet cargo-semver-checks --version "$semver_checks_version"
+fi
 # schemathesis (PyPI), for the API test against docs/api/openapi.yaml, in a virtual
 # environment outside the repository, keyed by its version.
 st_version=4.32.5

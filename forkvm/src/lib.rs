@@ -7,7 +7,8 @@
 //! clone that loaded more (packages, a handler), and a [`ZygoteCache`] keeps a tree of
 //! them under a memory budget (docs/library.md). Everything is async on tokio;
 //! [`blocking`] wraps it for callers without a runtime. The library has no KVM
-//! dependency: it speaks the VMM's control API (`api-types`) on its Unix socket.
+//! dependency: it speaks the VMM's control API (`api-types`) on its Unix socket,
+//! sending the calls `forkvm_client::call` defines (the same the `vmm` CLI sends).
 //!
 //! Dropping the last handle of a template (or a clone) stops its VMM without blocking
 //! the caller: SIGTERM at once, the rest on a thread of the library's;

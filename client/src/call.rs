@@ -288,8 +288,9 @@ pub fn eject_medium(slot: u8) -> Call<()> {
 /// `POST /invocations`: runs the handler on `payload`; the VMM may take the options'
 /// timeout.
 pub fn invoke(options: &InvokeOptions, payload: Vec<u8>) -> Call<Invoked> {
-    // The options are flat scalars: they always encode.
-    let query = serde_urlencoded::to_string(options).unwrap_or_default();
+    // Every field is a scalar or text (rate limits and media as their text): any value
+    // encodes (`every_invocation_option_encodes` holds it to that).
+    let query = serde_urlencoded::to_string(options).expect("invocation options encode");
     let path = match query.as_str() {
         "" => "/invocations".to_string(),
         q => format!("/invocations?{q}"),
@@ -378,6 +379,19 @@ mod tests {
             refused,
             Err(CallError::Refused { status: 409, .. })
         ));
+    }
+
+    #[test]
+    fn every_invocation_option_encodes() {
+        let text = "timeout_ms=250&resource_class=small&keep_alive=true&derive=true\
+                    &disk_rate=bytes%3D1M&net_rate=ops%3D10&rng_rate=bytes%3D1K&tap=fkc1\
+                    &ipv4=10.0.0.5%2F24&gateway=10.0.0.1&media=rw%3A1%3A%2Fi%C3%A9.img%2C0%3A%2Fb";
+        let options: InvokeOptions = serde_urlencoded::from_str(text).unwrap();
+        assert_eq!(options.media.len(), 2);
+        let call = invoke(&options, Vec::new());
+        let query = call.path.strip_prefix("/invocations?").unwrap();
+        let back: InvokeOptions = serde_urlencoded::from_str(query).unwrap();
+        assert_eq!(back, options);
     }
 
     #[test]

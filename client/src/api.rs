@@ -11,6 +11,8 @@ use api_types::{
     CloneInfo, CloneList, CreateClones, SlotMedium, SnapshotInfo, TargetState, VmInfo,
 };
 
+use bytes::Bytes;
+
 use crate::call::{self, Answer, Call, CallError};
 use crate::http::{read_response, HttpError, Response};
 
@@ -42,7 +44,7 @@ impl From<Response> for Answer {
         Self {
             status: r.status,
             headers: r.headers,
-            body: r.bytes,
+            body: r.bytes.into(),
         }
     }
 }
@@ -85,7 +87,10 @@ pub fn invoke(
     options: &InvokeOptions,
     payload: &[u8],
 ) -> Result<Response, ClientError> {
-    exchange(sock, &call::invoke(options, payload.to_vec()))
+    exchange(
+        sock,
+        &call::invoke(options, Bytes::copy_from_slice(payload)),
+    )
 }
 
 /// `GET /vm`.

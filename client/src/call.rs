@@ -18,6 +18,7 @@ use api_types::{
     Action, ActionType, CloneInfo, CloneList, CreateClones, CreateSnapshot, ErrorBody,
     InvokeOptions, Outcome, SlotMedium, SnapshotInfo, TargetState, VmInfo, VmUpdate,
 };
+use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -30,7 +31,7 @@ pub struct Answer {
     /// The headers, names in lower case, in order.
     pub headers: Vec<(String, String)>,
     /// The body.
-    pub body: Vec<u8>,
+    pub body: Bytes,
 }
 
 impl Answer {
@@ -101,7 +102,7 @@ pub struct Failed {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Invoked {
     /// The handler's reply.
-    pub body: Vec<u8>,
+    pub body: Bytes,
     /// The clone that ran it.
     pub clone_id: String,
     /// Its control socket (a keep-alive clone takes further requests there).
@@ -128,8 +129,8 @@ pub struct Call<T> {
     pub path: String,
     /// The body's type (None: no body, or no `Content-Type`).
     pub content_type: Option<&'static str>,
-    /// The body.
-    pub body: Vec<u8>,
+    /// The body (cheap to clone: a transport sends it without copying it).
+    pub body: Bytes,
     /// How much longer than a client's own call timeout the VMM may take (a snapshot's
     /// writing, an invocation's timeout).
     pub extra_time: Duration,
@@ -142,14 +143,16 @@ impl<T> Call<T> {
             method,
             path: path.into(),
             content_type: None,
-            body: Vec::new(),
+            body: Bytes::new(),
             extra_time: Duration::ZERO,
             decode,
         }
     }
 
     fn json(mut self, body: &impl Serialize) -> Self {
-        self.body = serde_json::to_vec(body).expect("API bodies serialize");
+        self.body = serde_json::to_vec(body)
+            .expect("API bodies serialize")
+            .into();
         self.content_type = Some("application/json");
         self
     }
@@ -287,7 +290,7 @@ pub fn eject_medium(slot: u8) -> Call<()> {
 
 /// `POST /invocations`: runs the handler on `payload`; the VMM may take the options'
 /// timeout.
-pub fn invoke(options: &InvokeOptions, payload: Vec<u8>) -> Call<Invoked> {
+pub fn invoke(options: &InvokeOptions, payload: impl Into<Bytes>) -> Call<Invoked> {
     // Every field is a scalar or text (rate limits and media as their text): any value
     // encodes (`every_invocation_option_encodes` holds it to that).
     let query = serde_urlencoded::to_string(options).expect("invocation options encode");
@@ -297,7 +300,7 @@ pub fn invoke(options: &InvokeOptions, payload: Vec<u8>) -> Call<Invoked> {
     };
     let mut call = Call::new("POST", path, invoked);
     call.content_type = Some("application/octet-stream");
-    call.body = payload;
+    call.body = payload.into();
     call.extra_time = Duration::from_millis(options.timeout_ms());
     call
 }
@@ -310,7 +313,7 @@ mod tests {
         Answer {
             status,
             headers: Vec::new(),
-            body: body.into(),
+            body: Bytes::copy_from_slice(body.as_bytes()),
         }
     }
 
@@ -356,10 +359,7 @@ mod tests {
         ];
         let call = invoke(&InvokeOptions::default(), b"x".to_vec());
         let r = call.decode(ok).unwrap();
-        assert_eq!(
-            (r.body.as_slice(), r.clone_id.as_str()),
-            (&b"\0echo"[..], "4")
-        );
+        assert_eq!((&r.body[..], r.clone_id.as_str()), (&b"\0echo"[..], "4"));
         assert_eq!((r.handler_us, r.primed, r.clone_us), (12, true, 0));
         let mut timeout = answer(504, r#"{"error":"late","logs":"step 1\n"}"#);
         timeout.headers = vec![(HEADER_OUTCOME.into(), "timeout".into())];

@@ -51,7 +51,7 @@ pub(crate) struct Endpoint {
 
 impl Endpoint {
     /// Sends `call` and reads its answer, whatever its status, within the call's limit.
-    async fn exchange<T>(&self, call: &mut Call<T>) -> Result<Answer, Error> {
+    async fn exchange<T>(&self, call: &Call<T>) -> Result<Answer, Error> {
         let limit = call.limit(self.call_timeout);
         match tokio::time::timeout(limit, exchange(&self.sock, call)).await {
             Ok(r) => r,
@@ -63,8 +63,8 @@ impl Endpoint {
     }
 
     /// Sends `call` and decodes its answer.
-    async fn send<T>(&self, mut call: Call<T>) -> Result<T, Error> {
-        let answer = self.exchange(&mut call).await?;
+    async fn send<T>(&self, call: Call<T>) -> Result<T, Error> {
+        let answer = self.exchange(&call).await?;
         call.decode(answer).map_err(error)
     }
 
@@ -121,14 +121,14 @@ impl Endpoint {
     /// `POST /invocations`: its time limit is the invocation's timeout and the call
     /// timeout.
     pub async fn invoke(&self, payload: Bytes, options: &InvokeOptions) -> Result<Reply, Error> {
-        let invoked = self.send(call::invoke(options, Vec::from(payload))).await?;
+        let invoked = self.send(call::invoke(options, payload)).await?;
         Ok(Reply::from(invoked))
     }
 
     /// Stops the VMM `owner` runs (`PUT /actions` shutdown: its clones first) and waits
     /// for it to end; kills it past the call timeout.
     pub async fn shut_down(&self, owner: &Owner) -> Result<(), Error> {
-        let asked = self.exchange(&mut call::shutdown()).await;
+        let asked = self.exchange(&call::shutdown()).await;
         let waited = tokio::time::timeout(self.call_timeout, owner.wait()).await;
         if !matches!(waited, Ok(Ok(()))) {
             owner.signal(libc::SIGKILL);
@@ -140,7 +140,7 @@ impl Endpoint {
 impl From<Invoked> for Reply {
     fn from(i: Invoked) -> Self {
         Self {
-            body: Bytes::from(i.body),
+            body: i.body,
             clone_id: i.clone_id,
             socket: i.socket,
             clone_us: i.clone_us,

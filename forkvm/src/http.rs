@@ -3,7 +3,6 @@
 
 use std::path::Path;
 
-use bytes::Bytes;
 use forkvm_client::call::{Answer, Call};
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
@@ -12,10 +11,9 @@ use tokio::net::UnixStream;
 
 use crate::Error;
 
-/// Sends `call` to the VMM on `sock` (taking its body, not copying it) and reads the
-/// answer, whatever its status; one connection per exchange (dropping the future closes
-/// it).
-pub(crate) async fn exchange<T>(sock: &Path, call: &mut Call<T>) -> Result<Answer, Error> {
+/// Sends `call` to the VMM on `sock` and reads the answer, whatever its status; one
+/// connection per exchange (dropping the future closes it).
+pub(crate) async fn exchange<T>(sock: &Path, call: &Call<T>) -> Result<Answer, Error> {
     let socket = |source| Error::Socket {
         path: sock.to_path_buf(),
         source,
@@ -34,7 +32,7 @@ pub(crate) async fn exchange<T>(sock: &Path, call: &mut Call<T>) -> Result<Answe
         request = request.header("content-type", kind);
     }
     let request = request
-        .body(Full::new(Bytes::from(std::mem::take(&mut call.body))))
+        .body(Full::new(call.body.clone()))
         .map_err(|e| Error::Protocol(e.to_string()))?;
     let result = async {
         let response = sender.send_request(request).await.map_err(http)?;
@@ -51,7 +49,7 @@ pub(crate) async fn exchange<T>(sock: &Path, call: &mut Call<T>) -> Result<Answe
         Ok::<_, Error>(Answer {
             status,
             headers,
-            body: Vec::from(body),
+            body,
         })
     }
     .await;

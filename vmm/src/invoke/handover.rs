@@ -5,13 +5,13 @@
 
 use std::any::Any;
 
-use crate::microvm::Microvm;
 use api_types::CreateClones;
 use serde::Deserialize;
 
 use super::{initial_defer_ns, Connection, Delivery, Invocation, Invoker};
 use crate::cloning::{HandedOver, Handover, ServeError};
 use crate::config::VmConfig;
+use crate::microvm::Microvm;
 
 /// The clone request and the handover that run `inv` in a clone of a template whose
 /// runtime waits on `vcpu`, its timer deferred by `tick_defer_ns` (`--tick-defer-ms`).

@@ -11,8 +11,14 @@ client's request-to-reply time (min / median / p99), its ratio to the host zygot
 median, and the template VMM's split from the answer's headers: clone (x-forkvm-clone-us),
 handler (x-forkvm-handler-us), total (x-forkvm-total-us).
 
+--compare-vmm-arg ARG starts a second gateway whose VMMs take ARG too, deploys each
+function with its warm-up there as well, and interleaves its requests with the others':
+an A/B of a VMM option in the same run (--compare-vmm-arg=--working-set-mib=0: without
+the warm clones' working set).
+
 usage: benches/functions.py [--runs N] [--only a,b] [--warm N] [--bin-dir DIR]
-                            [--base-snapshot DIR] [--json OUT] [--plot PNG]
+                            [--base-snapshot DIR] [--compare-vmm-arg ARG ...]
+                            [--json OUT] [--plot PNG]
 
 --json writes every sample; --plot draws the medians and p99s (matplotlib,
 python3-matplotlib), read from the run or from --from-json.
@@ -257,6 +263,12 @@ def run(a):
     if a.base_snapshot:
         extra += ["--base-snapshot", a.base_snapshot]
     gw = Gateway(extra, warm=a.warm)
+    # The same functions on a second gateway whose VMMs take more arguments, deployed
+    # with the warm-up too, its requests interleaved with the others'.
+    other = None
+    if a.compare_vmm_arg:
+        other = Gateway(extra + [x for v in a.compare_vmm_arg for x in ("--vmm-arg", v)],
+                        warm=a.warm)
     results = {}
     tmp = tempfile.mkdtemp(prefix="forkvm-functions-")
     try:
@@ -264,15 +276,21 @@ def run(a):
             source, event, packages = FUNCTIONS[name]
             deploy(gw, name, source, packages, None)
             deploy(gw, name + "-warm", source, packages, event)
+            if other:
+                deploy(other, name + "-warm", source, packages, event)
             host = HostFunction(tmp, name, source, packages)
             try:
                 # The host's reply is the reference for both deployments' (a function
                 # with randomness in its reply is only checked for its length).
                 _, want = host.call(event)
                 series = {"cold": [], "warm": [], "host": []}
+                paths = [("cold", gw, name), ("warm", gw, name + "-warm")]
+                if other:
+                    series["other"] = []
+                    paths.append(("other", other, name + "-warm"))
                 for _ in range(a.runs):
-                    for mode, fname in (("cold", name), ("warm", name + "-warm")):
-                        *times, reply = invoke(gw, fname, event)
+                    for mode, g, fname in paths:
+                        *times, reply = invoke(g, fname, event)
                         same = reply == want if name != "random" else len(reply) == len(want)
                         if not same:
                             sys.exit(f"{fname} answered {reply[:200]!r}, the host {want[:200]!r}")
@@ -284,6 +302,8 @@ def run(a):
             report(name, series)
     finally:
         gw.stop()
+        if other:
+            other.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return results
 
@@ -295,7 +315,10 @@ def report(name, series):
     head("path", "min", "median", "p99", "vs host", "clone p50", "handler p50", "total p50")
     for mode, label in (("cold", "fresh clone, no warm-up"),
                         ("warm", "fresh clone, one warm-up event"),
+                        ("other", "the same, VMM with --compare-vmm-arg"),
                         ("host", "host Python zygote, fork per request")):
+        if mode not in client:
+            continue
         xs = client[mode]
         line = (f"| {label} | {min(xs):.2f} | {statistics.median(xs):.2f} | "
                 f"{pct(xs, 0.99):.2f} | {statistics.median(xs) / base:.1f}x |")
@@ -309,14 +332,19 @@ def report(name, series):
 
 def summary(results):
     print("\nall functions, client side (ms)\n")
+    other = any("other" in s for s in results.values())
     head("function", "no warm-up p50", "p99", "warm-up p50", "p99", "host p50", "p99",
-         "warm-up / host")
+         "warm-up / host", *(("compared p50", "p99", "compared / warm-up") if other else ()))
     for name, series in results.items():
         c = {m: [s[0] for s in xs] for m, xs in series.items()}
         med = {m: statistics.median(xs) for m, xs in c.items()}
-        print(f"| {name} | {med['cold']:.2f} | {pct(c['cold'], 0.99):.2f} | "
-              f"{med['warm']:.2f} | {pct(c['warm'], 0.99):.2f} | {med['host']:.2f} | "
-              f"{pct(c['host'], 0.99):.2f} | {med['warm'] / med['host']:.1f}x |")
+        line = (f"| {name} | {med['cold']:.2f} | {pct(c['cold'], 0.99):.2f} | "
+                f"{med['warm']:.2f} | {pct(c['warm'], 0.99):.2f} | {med['host']:.2f} | "
+                f"{pct(c['host'], 0.99):.2f} | {med['warm'] / med['host']:.1f}x |")
+        if "other" in c:
+            line += (f" {med['other']:.2f} | {pct(c['other'], 0.99):.2f} | "
+                     f"{med['other'] / med['warm']:.2f} |")
+        print(line)
 
 
 def plot(results, png):
@@ -357,6 +385,10 @@ def main():
     ap.add_argument("--base-snapshot", help="the gateway's --base-snapshot: its base "
                     "template restored from there instead of booted (saved there the first "
                     "time)")
+    ap.add_argument("--compare-vmm-arg", action="append", default=[], metavar="ARG",
+                    help="also run each function, with its warm-up, on a second gateway "
+                    "whose VMMs take ARG (repeat for more), side by side "
+                    "(e.g. --compare-vmm-arg=--working-set-mib=0)")
     ap.add_argument("--json", help="write every sample to this file")
     ap.add_argument("--from-json", help="report and plot a run saved with --json")
     ap.add_argument("--plot", help="draw the figures to this PNG (matplotlib)")

@@ -34,6 +34,11 @@ pub struct VmmOptions {
     pub cgroup_classes: Vec<(String, ResourceClass)>,
     /// Most live clones (`--max-clones`; None: the VMM's default).
     pub max_clones: Option<usize>,
+    /// The most of a template's working set (the guest pages its invocation clones
+    /// write) that each warm clone copies ahead of its request, in MiB
+    /// (`--working-set-mib`; None: the VMM's default, 64; zero: none). Each warm clone
+    /// holds that much more memory of its own while it waits (docs/invoke.md).
+    pub working_set_mib: Option<u64>,
 }
 
 impl Default for VmmOptions {
@@ -47,6 +52,7 @@ impl Default for VmmOptions {
             prime: true,
             cgroup_classes: Vec::new(),
             max_clones: None,
+            working_set_mib: None,
         }
     }
 }
@@ -87,6 +93,9 @@ impl VmmOptions {
         if let Some(n) = self.max_clones {
             out.extend(["--max-clones".to_string(), n.to_string()]);
         }
+        if let Some(n) = self.working_set_mib {
+            out.extend(["--working-set-mib".to_string(), n.to_string()]);
+        }
         out
     }
 }
@@ -113,16 +122,18 @@ mod tests {
             prime: false,
             cgroup_classes: vec![("small".into(), small)],
             max_clones: Some(40),
+            working_set_mib: Some(8),
         };
         let run = o.run_args().join(" ");
         assert_eq!(
             run,
             "--vcpus 2 --mailbox-mib 1 --tick-defer-ms 25 --refresh-idle-ms 2000 --rng \
-             --no-prime --cgroup-class small:cpu=0.5,memory=64M --max-clones 40"
+             --no-prime --cgroup-class small:cpu=0.5,memory=64M --max-clones 40 \
+             --working-set-mib 8"
         );
         assert_eq!(
             o.restore_args().join(" "),
-            "--cgroup-class small:cpu=0.5,memory=64M --max-clones 40"
+            "--cgroup-class small:cpu=0.5,memory=64M --max-clones 40 --working-set-mib 8"
         );
     }
 }

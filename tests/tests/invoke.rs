@@ -917,3 +917,104 @@ fn a_derived_template_serves_fresh_clones_of_what_it_loaded_and_goes_with_its_pa
     assert_eq!(vm.describe()["invoke"]["started"], 0);
     echoed(&invoke(&vm.sock, b"served on"), b"served on");
 }
+
+/// KiB of memory process `pid` alone holds (`Private_Clean` + `Private_Dirty` of its
+/// `smaps_rollup`).
+fn private_kib(pid: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    (text.lines())
+        .filter(|l| l.starts_with("Private_Clean:") || l.starts_with("Private_Dirty:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum()
+}
+
+/// The template's only child once it is a ready warm clone, and the memory it alone
+/// holds when `enough` says it is enough (or once it is steady, for a None).
+fn warm_clone_memory(vm: &Vm, enough: Option<u64>) -> u64 {
+    let pid = vm.child.id();
+    let mut kib = 0;
+    wait_until("one ready warm clone", || {
+        let ready = describe_at(&vm.sock)["warm_clones"]["ready"].as_u64() == Some(1);
+        let children = children_of(pid);
+        kib = children.first().map_or(0, |&c| private_kib(c));
+        ready && children.len() == 1 && enough.is_none_or(|k| kib >= k)
+    });
+    if enough.is_none() {
+        std::thread::sleep(Duration::from_millis(300));
+        kib = children_of(pid).first().map_or(0, |&c| private_kib(c));
+    }
+    kib
+}
+
+#[test]
+fn a_template_learns_what_its_clones_write_and_warm_clones_made_after_write_it_ahead() {
+    if !kvm_available("invoke_working_set") {
+        return;
+    }
+    // Each echo writes 768 KiB into its clone's mailbox (the request) and the guest reads
+    // and writes them back: pages every clone of the template writes.
+    let payload: Vec<u8> = (0..768u32 << 10).map(|i| (i * 7 % 251) as u8).collect();
+    let serve = |vm: &Vm, n: usize, clones: &mut HashSet<u64>| {
+        for _ in 0..n {
+            let (clone, _, _) = echoed(&invoke(&vm.sock, &payload), &payload);
+            assert!(clones.insert(clone), "clone {clone} served two requests");
+        }
+    };
+    let args = |mib| {
+        [
+            "--warm-clones",
+            "1",
+            "--mailbox-mib",
+            "1",
+            "--log-level",
+            "info",
+            "--working-set-mib",
+            mib,
+        ]
+    };
+    // Without a working set: what a warm clone holds of its own after the same requests.
+    let off_scratch = Scratch::new("invoke-ws-off");
+    let mut off = template(&off_scratch, &args("0"));
+    serve(&off, 4, &mut HashSet::new());
+    let plain = warm_clone_memory(&off, None);
+    assert!(
+        !off.stderr_text().contains("working set:"),
+        "{}",
+        off.stderr_text()
+    );
+    off.shutdown(BOOT);
+
+    let scratch = Scratch::new("invoke-ws");
+    let mut vm = template(&scratch, &args("64"));
+    let mut clones = HashSet::new();
+    serve(&vm, 4, &mut clones);
+    wait_until("the working set learned", || {
+        vm.stderr_text().contains("working set: ")
+    });
+    let log = vm.stderr_text();
+    let line = log.lines().find(|l| l.contains("working set: ")).unwrap();
+    let learned: u64 = line
+        .split("working set: ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(learned >= 768, "{line}");
+    // A warm clone made from now on copies the set ahead: it holds it of its own.
+    let ahead = warm_clone_memory(&vm, Some(plain + 700));
+    eprintln!(
+        "warm clone: {ahead} KiB of its own, {plain} KiB without a working set of {learned} KiB"
+    );
+    assert!(
+        ahead >= plain + 700,
+        "{ahead} KiB against {plain} KiB without"
+    );
+    // Clones that wrote it ahead echo byte for byte, each its own.
+    serve(&vm, 4, &mut clones);
+    assert_eq!(clones.len(), 8);
+    vm.shutdown(BOOT);
+    assert!(leftovers(&scratch).is_empty(), "{:?}", leftovers(&scratch));
+}

@@ -96,6 +96,11 @@ struct RestoreArgs {
     /// 65536); requests beyond are refused (409), a guest's too
     #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
     max_tree_clones: usize,
+    /// The most of a template's working set (the guest pages its invocation clones
+    /// write, learned from its first clones) that each warm clone copies ahead, before
+    /// its request comes, in MiB (0: none; at most 16384; docs/invoke.md).
+    #[arg(long, default_value_t = vmm::config::DEFAULT_WORKING_SET_MIB)]
+    working_set_mib: u64,
     /// The host tap of the network card (default: the snapshot's).
     #[arg(long)]
     tap: Option<String>,
@@ -300,6 +305,11 @@ struct RunArgs {
     /// 65536); requests beyond are refused (409), a guest's too
     #[arg(long, default_value_t = vmm::config::MAX_LIVE_CLONES)]
     max_tree_clones: usize,
+    /// The most of a template's working set (the guest pages its invocation clones
+    /// write, learned from its first clones) that each warm clone copies ahead, before
+    /// its request comes, in MiB (0: none; at most 16384; docs/invoke.md).
+    #[arg(long, default_value_t = vmm::config::DEFAULT_WORKING_SET_MIB)]
+    working_set_mib: u64,
     #[command(flatten)]
     cgroups: CgroupArgs,
     /// The invocation mailbox's size in MiB (0: none; 1 to 256): the largest request
@@ -613,6 +623,7 @@ fn main() -> ExitCode {
                     max_clones: a.max_clones,
                     max_tree_clones: a.max_tree_clones,
                     prime: !a.no_prime,
+                    working_set_mib: a.working_set_mib,
                 },
                 invoke: InvokePolicy {
                     template: a.template,
@@ -641,6 +652,7 @@ fn main() -> ExitCode {
                 warm_clones: a.warm_clones,
                 max_clones: a.max_clones,
                 max_tree_clones: a.max_tree_clones,
+                working_set_mib: a.working_set_mib,
                 cgroups: a.cgroups.config(),
                 seccomp: a.seccomp,
                 tap: a.tap,

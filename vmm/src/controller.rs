@@ -177,8 +177,12 @@ impl<E: Edge> Vmm<E> {
         }
         if !f.keep_alive {
             // A template answers only the requests it held and could not serve; it
-            // ends for none of them.
-            return (!self.invoker.is_template()).then_some(RunOutcome::Invoked);
+            // ends for none of them. A clone told to reports what it wrote first.
+            if self.invoker.is_template() {
+                return None;
+            }
+            self.clones.report_working_set(&self.vm);
+            return Some(RunOutcome::Invoked);
         }
         let resumed = (self.vm.vcpus().get(usize::from(f.vcpu))).map(|v| v.resume());
         match resumed {

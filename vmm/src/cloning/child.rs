@@ -6,7 +6,8 @@
 //! and never drops the parent's objects (their threads do not exist in the child).
 //! Then, in order:
 //!
-//! 1. it moves itself into its cgroup, if it was not born inside (`cgroups.rs`);
+//! 1. it moves itself into its cgroup, if it was not born inside (`cgroups.rs`); a
+//!    warm clone then writes its template's working set ahead (`working.rs`);
 //! 2. `builder::rebuild::prepare`: a new VM on the inherited memory (memory slots
 //!    first, then TSS, irqchip, PIT), its vCPUs restored from the captured state;
 //! 3. [`launch`]: its configuration (sockets, console, tap, limits from its
@@ -32,6 +33,7 @@ use std::borrow::Cow;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use clone::MicrovmState;
@@ -39,6 +41,7 @@ use clone::MicrovmState;
 use super::cgroups::{place_self, Placement};
 use super::request::Identity;
 use super::wire::{report_primed, wait_for_go, Go, LaunchError, ReadyMark};
+use super::working::{populate, Duty, ForChild, PageSet};
 use super::Cloner;
 use crate::builder::rebuild::{prepare, start_rebuilt, Prepared, RebuildError, StartFrom};
 use crate::config::{keep_overlays, ConsoleSink, NoSuchDevice, VmConfig};
@@ -65,6 +68,14 @@ pub(crate) enum Start {
     },
 }
 
+/// What every child of a VM takes from it, whatever its start.
+pub(crate) struct Lineage {
+    /// What the layers above do in the child.
+    pub hooks: CloneHooks,
+    /// The VM's working set (`working.rs`), if it keeps one.
+    pub working: Option<ForChild>,
+}
+
 /// Everything a child needs from its parent, gathered before fork.
 pub(crate) struct ChildPlan<'a> {
     pub parent_pid: i32,
@@ -77,6 +88,9 @@ pub(crate) struct ChildPlan<'a> {
     pub template: &'a Microvm,
     /// What the layers above do in the child.
     pub hooks: CloneHooks,
+    /// The parent's working set, written ahead by a warm clone, and where a clone
+    /// reports its own.
+    pub working: Option<ForChild>,
     /// The parent's vCPUs' kvm_run mappings, unmapped in the child.
     pub run_bases: &'a [usize],
     /// The copies of the parent's disk overlays made for this child, in disk order.
@@ -239,6 +253,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     );
     keep.push(plan.ready);
     keep.push(std::os::fd::AsRawFd::as_raw_fd(&plan.template.kvm().kvm));
+    keep.extend(plan.working.iter().map(|w| w.report));
     match &plan.start {
         Start::Warm { go, .. } => keep.push(*go),
         Start::Now(id) => {
@@ -346,18 +361,33 @@ fn prepare_now(
     Ok((state, prepared))
 }
 
-/// A warm clone: into the default class's cgroup, its VM prepared (and primed on vCPU
-/// `prime`, when given), then it waits for its identity and re-times its vCPUs to the
-/// launch. None: discarded unlaunched.
+/// A warm clone as launched: its state, its VM, its launch message and the pages it
+/// wrote ahead.
+type Warmed = (MicrovmState, Prepared, Go, Arc<PageSet>);
+
+/// A warm clone: into the default class's cgroup, its template's working set written
+/// ahead, its VM prepared (and primed on vCPU `prime`, when given), then it waits for
+/// its identity and re-times its vCPUs to the launch. None: discarded unlaunched.
 fn prepare_warm(
     kvm: &KvmContext,
     plan: &ChildPlan<'_>,
     (go, cgroup, prime): (RawFd, Option<&Placement>, Option<u8>),
     marks: &mut StageTimer,
-) -> Result<Option<(MicrovmState, Prepared, Go)>, ChildError> {
+) -> Result<Option<Warmed>, ChildError> {
     if let Some(p) = cgroup {
         place_self(p).map_err(ChildError::Cgroup)?;
     }
+    // Before the prime, which then finds those pages its own too.
+    let ahead = match &plan.working {
+        Some(w) if !w.set.is_empty() => {
+            if let Err(e) = populate(plan.template.memory(), &w.set) {
+                tracing::warn!("cannot write the working set ahead: {e}");
+            }
+            marks.done("written ahead");
+            w.set.clone()
+        }
+        _ => Arc::default(),
+    };
     let (base, prepared) = match prime {
         Some(vcpu) => {
             let (state, prepared) = (plan.hooks.prime)(kvm, plan.template, plan.state, vcpu)?;
@@ -394,7 +424,7 @@ fn prepare_warm(
             .and_then(|(vcpu, value)| (vcpu == s.id).then_some(value));
         v.retime(s, rax)?;
     }
-    Ok(Some((state, prepared, (id, carried))))
+    Ok(Some((state, prepared, (id, carried), ahead)))
 }
 
 /// The template's configuration as clone `id` uses it: its own sockets, console, tap,
@@ -483,7 +513,7 @@ fn run_clone(
     // SAFETY: the parent's KvmContext in this process is never dropped (see child_main).
     let kvm = unsafe { plan.template.kvm().inherited() };
     let mut marks = StageTimer::new();
-    let (state, prepared, (identity, carried)) = match &plan.start {
+    let (state, prepared, (identity, carried), ahead) = match &plan.start {
         Start::Now(id) => {
             let (state, prepared) = prepare_now(&kvm, plan, id, &mut marks)?;
             let carried = (id.carried.as_ref()).map(|c| {
@@ -493,14 +523,19 @@ fn run_clone(
                 let fd = unsafe { OwnedFd::from_raw_fd(c.stream.as_raw_fd()) };
                 (Cow::Borrowed(c.payload.as_slice()), fd)
             });
-            (state, prepared, (Identity::clone(id), carried))
+            (
+                state,
+                prepared,
+                (Identity::clone(id), carried),
+                Arc::default(),
+            )
         }
         Start::Warm { go, cgroup, prime } => {
             let start = (*go, cgroup.as_ref(), *prime);
             match prepare_warm(&kvm, plan, start, &mut marks)? {
-                Some((state, prepared, (id, carried))) => {
+                Some((state, prepared, (id, carried), ahead)) => {
                     let carried = carried.map(|(p, fd)| (Cow::Owned(p), fd));
-                    (state, prepared, (id, carried))
+                    (state, prepared, (id, carried), ahead)
                 }
                 None => return Ok(RunOutcome::ApiShutdown),
             }
@@ -553,9 +588,12 @@ fn run_clone(
         launched.elapsed().as_micros()
     );
     tracing::debug!("clone {} stages: {}", identity.id, marks.report());
+    let duty = (plan.working.as_ref())
+        .filter(|_| identity.record_working_set)
+        .map(|w| Duty::new(w, ahead));
     let rebuilt = RebuiltClone {
         vm: Microvm::new(parts),
-        cloner: Cloner::for_clone(identity.id, plan.hooks),
+        cloner: Cloner::for_clone(identity.id, plan.hooks, duty),
         api_sock: identity.api_sock,
         signals,
         ready: mark,

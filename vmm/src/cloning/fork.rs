@@ -20,7 +20,7 @@ use api_types::CloneInfo;
 use clone::MicrovmState;
 
 use super::cgroups::{self, ClonePools, Taken};
-use super::child::{child_main, ChildPlan, CloneHooks, Start};
+use super::child::{child_main, ChildPlan, Lineage, Start};
 use super::request::{give_back, starting_info, NewClone};
 use super::CloneError;
 use crate::microvm::Microvm;
@@ -28,7 +28,7 @@ use crate::microvm::Microvm;
 /// How long the parent waits for a clone's vCPU 0 to enter the guest.
 pub(super) const READY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Forks one child that rebuilds `vm` from `state` and starts per `start`; `ready` is
+/// Forks one child of `lineage` that rebuilds `vm` from `state` and starts per `start`; `ready` is
 /// the write end of its ready pipe; `taken` its cgroup: the child is born in it when
 /// it is a v2 one (`clone3`) or the forker's seat with the forker inside (v1). Returns
 /// the child's pid and whether it was born inside its cgroup that way. Every vCPU
@@ -36,7 +36,7 @@ pub(super) const READY_TIMEOUT: Duration = Duration::from_secs(10);
 pub(super) fn fork_child(
     vm: &Microvm,
     pools: Option<&ClonePools>,
-    hooks: CloneHooks,
+    lineage: &Lineage,
     state: &MicrovmState,
     ready: &OwnedFd,
     start: Start,
@@ -55,7 +55,8 @@ pub(super) fn fork_child(
         start,
         state,
         template: vm,
-        hooks,
+        hooks: lineage.hooks,
+        working: lineage.working.clone(),
         run_bases: &run_bases,
         overlays: &overlays,
     };
@@ -110,7 +111,7 @@ pub(super) fn fork_child(
 pub(super) fn fork_all(
     vm: &Microvm,
     mut pools: Option<&mut ClonePools>,
-    hooks: CloneHooks,
+    lineage: &Lineage,
     state: &MicrovmState,
     clones: Vec<NewClone>,
 ) -> Result<Vec<Made>, Partial> {
@@ -126,7 +127,7 @@ pub(super) fn fork_all(
                 let forked = fork_child(
                     vm,
                     pools.as_deref(),
-                    hooks,
+                    lineage,
                     state,
                     &write_end,
                     start,

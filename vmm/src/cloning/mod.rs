@@ -17,7 +17,9 @@
 //! to start but watches its ready pipe from the event loop (`starting.rs`).
 //!
 //! `wire.rs` holds both ends of the two channels between a template and its clones
-//! (the ready pipe, a warm clone's go channel).
+//! (the ready pipe, a warm clone's go channel). `working.rs` learns the guest pages a
+//! template's invocation clones write, from the clones, and its warm clones write them
+//! ahead.
 //!
 //! `table.rs` keeps every clone's record until it is reaped or stopped; `tree.rs` bounds
 //! the live clones of the whole tree (`--max-tree-clones`) in slots all its VMs share.
@@ -42,6 +44,7 @@ mod table;
 mod tree;
 mod warm;
 mod wire;
+pub mod working;
 
 use std::fs::File;
 use std::sync::Arc;
@@ -82,6 +85,10 @@ pub struct Cloner {
     hooks: CloneHooks,
     /// The guest's refused clone requests (a guest may send them in a loop).
     guest_refusals: devices::util::LogThrottle,
+    /// A template's working set (`working.rs`); off in a clone until it is derived.
+    working: working::WorkingSet,
+    /// A clone's duty to report its working set once it answered its invocation.
+    duty: Option<working::Duty>,
 }
 
 impl Cloner {
@@ -102,12 +109,18 @@ impl Cloner {
             clone_id: String::new(),
             hooks,
             guest_refusals: Default::default(),
+            // Only a template's clones serve invocations, the working set's source.
+            working: working::WorkingSet::new(match config.invoke.template {
+                true => config.clones.working_set_mib,
+                false => 0,
+            }),
+            duty: None,
         })
     }
 
     /// The clone side of clone `id`: no pools (its clones stay in its cgroup), no warm
-    /// clones.
-    fn for_clone(id: String, hooks: CloneHooks) -> Self {
+    /// clones, no working set of its own; `duty`, its working set to report.
+    fn for_clone(id: String, hooks: CloneHooks, duty: Option<working::Duty>) -> Self {
         Self {
             table: CloneTable::default(),
             starting: Default::default(),
@@ -117,6 +130,16 @@ impl Cloner {
             clone_id: id,
             hooks,
             guest_refusals: Default::default(),
+            working: working::WorkingSet::off(),
+            duty,
+        }
+    }
+
+    /// What a child forked now takes from this VM.
+    fn lineage(&self) -> child::Lineage {
+        child::Lineage {
+            hooks: self.hooks,
+            working: self.working.for_child(),
         }
     }
 
@@ -126,6 +149,7 @@ impl Cloner {
     /// clones stay in its own cgroup, as a clone's do).
     pub fn become_template(&mut self, config: &VmConfig) {
         self.warm = WarmPool::new(config.clones.warm_clones);
+        self.working = working::WorkingSet::new(config.clones.working_set_mib);
         if self.cgroups.is_none() {
             match config
                 .host
@@ -307,7 +331,9 @@ impl Cloner {
             payload: handover.payload,
             stream: handover.stream,
         });
+        let record = self.working.record_next();
         let prepare = |identity: &mut request::Identity| {
+            identity.record_working_set = record;
             identity.guest_result = Some(handover.guest_result);
             identity.note = Some(handover.note.clone());
             identity.defer_timer_ns = handover.defer_timer_ns;
@@ -349,6 +375,14 @@ impl Cloner {
                     );
                 }
             }
+        }
+    }
+
+    /// In an invocation clone told to: reports the guest pages it wrote to its template
+    /// (once; call after it answered).
+    pub fn report_working_set(&mut self, vm: &Microvm) {
+        if let Some(d) = self.duty.take() {
+            d.report(vm.memory());
         }
     }
 
@@ -416,8 +450,9 @@ impl Cloner {
         });
         let t_capture = t0.elapsed();
         // 4. Fork.
+        let lineage = self.lineage();
         let result = match captured {
-            Ok(state) => fork::fork_all(vm, self.cgroups.as_mut(), self.hooks, &state, clones)
+            Ok(state) => fork::fork_all(vm, self.cgroups.as_mut(), &lineage, &state, clones)
                 .map_err(|p| self.abandon(p.made, p.error)),
             Err(e) => {
                 request::give_back(self.cgroups.as_ref(), clones.into_iter().map(|(_, t)| t));
@@ -483,7 +518,8 @@ impl Cloner {
                 Ok(c) => c,
                 Err(error) => return Err(self.abandon(launched(made), error)),
             };
-            match fork::fork_all(vm, self.cgroups.as_mut(), self.hooks, state, clones) {
+            let lineage = self.lineage();
+            match fork::fork_all(vm, self.cgroups.as_mut(), &lineage, state, clones) {
                 Ok(more) => made.extend(more),
                 Err(p) => return Err(self.abandon(launched(made).chain(p.made), p.error)),
             }
@@ -533,7 +569,8 @@ impl Cloner {
         self.check_starts();
         if self.warm.due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
-            self.warm.add(vm, self.cgroups.as_mut(), self.hooks, prime);
+            let lineage = self.lineage();
+            self.warm.add(vm, self.cgroups.as_mut(), &lineage, prime);
         }
         let made = self.table.made();
         if self
@@ -557,6 +594,8 @@ impl Cloner {
         self.table.reap(self.cgroups.as_mut(), |pid, status| {
             warm.reaped(pid, status)
         });
+        // A clone reports its working set before it exits.
+        self.working.take_reports();
     }
 
     /// The streams of clones made with a handover that ended since last asked, each

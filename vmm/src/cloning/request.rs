@@ -172,6 +172,10 @@ pub(crate) struct Identity {
     /// A timer interrupt already due in its vCPUs' state is moved this far on (0: none).
     #[serde(default)]
     pub defer_timer_ns: u64,
+    /// Whether it reports the guest pages it wrote to its template once it answered
+    /// (`working.rs`).
+    #[serde(default)]
+    pub record_working_set: bool,
     /// The handover's payload and stream: inherited by a clone forked now, sent after
     /// the identity to a warm clone.
     #[serde(skip)]
@@ -374,6 +378,7 @@ pub(super) fn identities(
             cgroup: None,
             note: None,
             defer_timer_ns: 0,
+            record_working_set: false,
             carried: None,
             media: media.clone(),
             media_files: media_files.clone(),

@@ -33,7 +33,7 @@ use nix::unistd::Pid;
 
 use super::capture::capture;
 use super::cgroups::{placement_of, started_in, ClonePools};
-use super::child::{CloneHooks, Start, PRIME_TIMEOUT_EXIT};
+use super::child::{Lineage, Start, PRIME_TIMEOUT_EXIT};
 use super::fork::{fork_child, pipe};
 use super::request::{give_back, Identity};
 use super::wire::{go_channel, prime_report, send_go, PrimeReport};
@@ -341,12 +341,12 @@ impl WarmPool {
         &mut self,
         vm: &mut Microvm,
         pools: Option<&mut ClonePools>,
-        hooks: CloneHooks,
+        lineage: &Lineage,
         prime: Option<u8>,
     ) {
         let prime = prime.filter(|_| self.may_prime(Instant::now()));
         self.priming = prime.is_some();
-        if let Err(e) = self.try_add(vm, pools, hooks, prime) {
+        if let Err(e) = self.try_add(vm, pools, lineage, prime) {
             tracing::warn!(
                 "cannot make a warm clone: {e}; keeping {}",
                 self.clones.len()
@@ -359,7 +359,7 @@ impl WarmPool {
         &mut self,
         vm: &mut Microvm,
         pools: Option<&mut ClonePools>,
-        hooks: CloneHooks,
+        lineage: &Lineage,
         prime: Option<u8>,
     ) -> Result<(), CloneError> {
         let state = self.epoch_state(vm)?;
@@ -380,7 +380,7 @@ impl WarmPool {
         let forked = fork_child(
             vm,
             pools.as_deref(),
-            hooks,
+            lineage,
             &state,
             &ready_write,
             start,

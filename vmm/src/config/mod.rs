@@ -63,6 +63,9 @@ impl VmConfig {
         if self.clones.warm_clones > MAX_WARM_CLONES {
             return Err(ConfigError::WarmClones(self.clones.warm_clones));
         }
+        if self.clones.working_set_mib > MAX_WORKING_SET_MIB {
+            return Err(ConfigError::WorkingSet(self.clones.working_set_mib));
+        }
         if usize::from(self.machine.disk_slots) > api_types::MAX_DISK_SLOTS {
             return Err(ConfigError::DiskSlots(self.machine.disk_slots));
         }
@@ -126,6 +129,9 @@ pub enum ConfigError {
     /// Too many warm clones.
     #[error("{0} warm clones requested; at most {max} may be kept", max = MAX_WARM_CLONES)]
     WarmClones(usize),
+    /// `--working-set-mib` out of range.
+    #[error("--working-set-mib {0} is more than {max}", max = MAX_WORKING_SET_MIB)]
+    WorkingSet(u64),
     /// `--disk-slots` out of range.
     #[error("disk slots must be 0 to {max}, not {0}", max = api_types::MAX_DISK_SLOTS)]
     DiskSlots(u8),

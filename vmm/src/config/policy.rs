@@ -14,6 +14,12 @@ pub const MAX_TREE_CLONES: usize = 65536;
 /// Most warm clones a VM may keep (`--warm-clones`).
 pub const MAX_WARM_CLONES: usize = 256;
 
+/// The most of a template's working set its warm clones write ahead unless told
+/// otherwise, in MiB (`cloning::working`).
+pub const DEFAULT_WORKING_SET_MIB: u64 = 64;
+/// Most `--working-set-mib`.
+pub const MAX_WORKING_SET_MIB: u64 = 16 * 1024;
+
 /// How long an idle runtime waits before it is refreshed unless told otherwise, in ms.
 pub const DEFAULT_REFRESH_IDLE_MS: u64 = 0;
 
@@ -147,6 +153,9 @@ pub struct ClonePolicy {
     pub max_tree_clones: usize,
     /// Whether a template's warm clones are primed (`invoke::prime`).
     pub prime: bool,
+    /// The most of a template's working set, learned from its invocation clones, that
+    /// each warm clone writes ahead, in MiB (0: none; `cloning::working`).
+    pub working_set_mib: u64,
 }
 
 impl Default for ClonePolicy {
@@ -156,6 +165,7 @@ impl Default for ClonePolicy {
             max_clones: MAX_LIVE_CLONES,
             max_tree_clones: MAX_LIVE_CLONES,
             prime: true,
+            working_set_mib: DEFAULT_WORKING_SET_MIB,
         }
     }
 }

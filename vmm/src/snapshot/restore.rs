@@ -52,6 +52,8 @@ pub struct RestoreOptions {
     pub max_clones: usize,
     /// Most live clones of its whole tree.
     pub max_tree_clones: usize,
+    /// The most of its working set its warm clones write ahead, in MiB (0: none).
+    pub working_set_mib: u64,
     /// Pooled cgroups for its clones.
     pub cgroups: Option<CgroupConfig>,
     /// Seccomp mode.
@@ -207,6 +209,7 @@ pub fn restored_config(
             max_clones: opts.max_clones,
             max_tree_clones: opts.max_tree_clones,
             prime: saved.prime,
+            working_set_mib: opts.working_set_mib,
         },
         invoke: InvokePolicy {
             template: saved.template,

@@ -84,6 +84,6 @@ pub use packages::{
     GUEST_PYTHON,
 };
 pub use program::guest_file;
-pub use template::{Ready, Template, TemplateSpec};
+pub use template::{Ready, Template, TemplateSpec, REHEARSALS};
 pub use vm_clone::{ExecOutput, VmClone};
 pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache, PACKAGE_SLOT};

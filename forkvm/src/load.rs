@@ -112,6 +112,10 @@ pub struct Load {
     pub handler: Option<String>,
     /// Events the handler is called with once each, in order, before the template
     /// pauses (what they leave behind is in every clone; a failing one fails the load).
+    /// [`crate::ZygoteCache::function`] then runs them again in
+    /// [`crate::REHEARSALS`] fresh clones of the new template, answers dropped
+    /// ([`crate::Template::rehearse`]), so that its warm clones copy its working set
+    /// ahead before the first request.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub warmup: Vec<Event>,
     /// Variables set in the guest's `os.environ` before anything else of the load runs

@@ -17,6 +17,10 @@ use crate::options::VmmOptions;
 use crate::owner::{Kind, Owner};
 use crate::Error;
 
+/// How many fresh clones [`Template::rehearse`] runs: as many as a template's VMM
+/// learns its working set from (the first three invocation clones).
+pub const REHEARSALS: usize = 3;
+
 /// How to start a template: the guest and the `vmm run` options.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -502,6 +506,31 @@ impl Template {
         options: &InvokeOptions,
     ) -> Result<Reply, Error> {
         self.ep.invoke(payload.into(), options).await
+    }
+
+    /// Runs `events` (in turn, again from the first if they are fewer) through the
+    /// handler in [`REHEARSALS`] fresh clones (or one per event, if more), their answers dropped: a template's VMM
+    /// learns its working set from its first invocation clones (`vmm run
+    /// --working-set-mib`, docs/invoke.md), and its warm clones made after copy it
+    /// ahead, so these pay for learning it instead of a caller's first requests. Each
+    /// clone ends with its answer, so a caller's request never runs where one of these
+    /// did; but what the handler does outside its VM (a network call) it does each time.
+    /// Returns the first failure; nothing with no events.
+    #[tracing::instrument(level = "debug", name = "template.rehearse", skip_all, fields(pid = self.pid()))]
+    pub async fn rehearse(
+        &self,
+        events: &[crate::Event],
+        options: &InvokeOptions,
+    ) -> Result<(), Error> {
+        let runs = match events.len() {
+            0 => 0,
+            n => n.max(REHEARSALS),
+        };
+        for e in events.iter().cycle().take(runs) {
+            self.invoke(Bytes::copy_from_slice(e.as_bytes()), options)
+                .await?;
+        }
+        Ok(())
     }
 
     /// Stops the VMM (`PUT /actions` shutdown: its clones, and the templates derived

@@ -559,6 +559,16 @@ impl ZygoteCache {
         let made = slot
             .get_or_try_init(|| async {
                 let (t, _) = from.derive(load.payload(), &options).await?;
+                // A function's first requests would learn its working set otherwise.
+                if let (Key::Function(name), false) = (&key, load.warmup.is_empty()) {
+                    let run = InvokeOptions {
+                        timeout_ms: Some(self.policy().load_timeout_ms),
+                        ..Default::default()
+                    };
+                    if let Err(e) = t.rehearse(&load.warmup, &run).await {
+                        tracing::warn!("function {name}: rehearsing its warm-up failed: {e}");
+                    }
+                }
                 let own = t.status().await?.invoke.own_memory_kib.unwrap_or(0);
                 let mut s = self.lock();
                 if let Some(e) = s.entries.get_mut(&key) {

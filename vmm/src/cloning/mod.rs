@@ -594,8 +594,11 @@ impl Cloner {
         self.table.reap(self.cgroups.as_mut(), |pid, status| {
             warm.reaped(pid, status)
         });
-        // A clone reports its working set before it exits.
-        self.working.take_reports();
+        // A clone reports its working set before it exits. The warm clones there were
+        // when the first report came copied nothing ahead: they are made again.
+        if self.working.take_reports() {
+            self.warm.remake();
+        }
     }
 
     /// The streams of clones made with a handover that ended since last asked, each

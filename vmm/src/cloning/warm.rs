@@ -251,6 +251,14 @@ impl WarmPool {
         }
     }
 
+    /// Discards every warm clone, keeping the captured state: the template is the same,
+    /// but clones made now would be made otherwise (it learned its working set).
+    pub(super) fn remake(&mut self) {
+        let epoch = self.epoch.take();
+        self.discard();
+        self.epoch = epoch;
+    }
+
     /// The warm clones killed or ended and not reaped yet.
     pub(super) fn dying(&self) -> impl Iterator<Item = i32> + '_ {
         self.dying.iter().map(|&(pid, _)| pid)

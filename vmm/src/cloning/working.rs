@@ -19,7 +19,8 @@
 //! - **Writing ahead**: each warm clone forked after that faults the set's pages in
 //!   writable (`MADV_POPULATE_WRITE`, which copies them and changes no byte) before its
 //!   prime, off the request's path. Its request then writes them at the cost of the
-//!   VM's mapping alone.
+//!   VM's mapping alone. The warm clones a template has when its first report comes
+//!   copied nothing ahead: they are discarded and made again.
 //!
 //! The price is memory: each warm clone owns a copy of the set's pages (charged to its
 //! cgroup) while it waits, where it would have copied those its request writes anyway,
@@ -337,10 +338,11 @@ impl WorkingSet {
     }
 
     /// Merges the reports that came since last asked (a clone sends its report before
-    /// it exits: so all of those reaped).
-    pub fn take_reports(&mut self) {
+    /// it exits: so all of those reaped). Returns whether the set was empty before and
+    /// is not now: warm clones made before copied nothing ahead.
+    pub fn take_reports(&mut self) -> bool {
         let Some((ours, _)) = &self.channel else {
-            return;
+            return false;
         };
         let mut buf = vec![0u8; 16 * MAX_REPORT_RANGES];
         let before = self.set.pages();
@@ -362,6 +364,7 @@ impl WorkingSet {
                 self.reports
             );
         }
+        before == 0 && after > 0
     }
 
     /// The set now.
@@ -460,7 +463,8 @@ mod tests {
             status,
             nix::sys::wait::WaitStatus::Exited(nix::unistd::Pid::from_raw(pid), 0)
         );
-        w.take_reports();
+        assert!(w.take_reports(), "the first report fills the set");
+        assert!(!w.take_reports(), "no report came since");
         assert_eq!(w.set(), &PageSet::from_frames([3, 4]));
         assert_eq!(w.for_child().unwrap().set.pages(), 2);
     }

@@ -14,10 +14,12 @@ handler (x-forkvm-handler-us), total (x-forkvm-total-us).
 --compare-vmm-arg ARG starts a second gateway whose VMMs take ARG too, deploys each
 function with its warm-up there as well, and interleaves its requests with the others':
 an A/B of a VMM option in the same run (--compare-vmm-arg=--working-set-mib=0: without
-the warm clones' working set).
+the warm clones' working set). --compare-rootfs IMAGE does the same with the second
+gateway's guests on another root image (the Python runtime before a change).
 
 usage: benches/functions.py [--runs N] [--only a,b] [--warm N] [--bin-dir DIR]
                             [--base-snapshot DIR] [--compare-vmm-arg ARG ...]
+                            [--compare-rootfs IMAGE]
                             [--json OUT] [--plot PNG]
 
 --json writes every sample; --plot draws the medians and p99s (matplotlib,
@@ -263,12 +265,13 @@ def run(a):
     if a.base_snapshot:
         extra += ["--base-snapshot", a.base_snapshot]
     gw = Gateway(extra, warm=a.warm)
-    # The same functions on a second gateway whose VMMs take more arguments, deployed
-    # with the warm-up too, its requests interleaved with the others'.
+    # The same functions on a second gateway whose VMMs take more arguments or boot
+    # another image, deployed with the warm-up too, its requests interleaved with the
+    # others'.
     other = None
-    if a.compare_vmm_arg:
+    if a.compare_vmm_arg or a.compare_rootfs:
         other = Gateway(extra + [x for v in a.compare_vmm_arg for x in ("--vmm-arg", v)],
-                        warm=a.warm)
+                        warm=a.warm, rootfs=a.compare_rootfs)
     results = {}
     tmp = tempfile.mkdtemp(prefix="forkvm-functions-")
     try:
@@ -315,7 +318,7 @@ def report(name, series):
     head("path", "min", "median", "p99", "vs host", "clone p50", "handler p50", "total p50")
     for mode, label in (("cold", "fresh clone, no warm-up"),
                         ("warm", "fresh clone, one warm-up event"),
-                        ("other", "the same, VMM with --compare-vmm-arg"),
+                        ("other", "the same, compared gateway"),
                         ("host", "host Python zygote, fork per request")):
         if mode not in client:
             continue
@@ -389,6 +392,9 @@ def main():
                     help="also run each function, with its warm-up, on a second gateway "
                     "whose VMMs take ARG (repeat for more), side by side "
                     "(e.g. --compare-vmm-arg=--working-set-mib=0)")
+    ap.add_argument("--compare-rootfs", metavar="IMAGE",
+                    help="the same, with the second gateway's guests on root image IMAGE "
+                    "(a baseline of the Python runtime)")
     ap.add_argument("--json", help="write every sample to this file")
     ap.add_argument("--from-json", help="report and plot a run saved with --json")
     ap.add_argument("--plot", help="draw the figures to this PNG (matplotlib)")

@@ -63,6 +63,7 @@ is due before its limit.
 """
 
 import ctypes
+import gc
 import importlib
 import io
 import random
@@ -413,6 +414,7 @@ def load(spec, handler):
             raise RuntimeError("warm-up event %d failed: %s" % (i, e)) from e
     reply = {"imported": sorted(set(sys.modules) - before), "handler": name,
              "warmed": len(events)}
+    _settle()
     return handler, json.dumps(reply).encode()
 
 
@@ -554,6 +556,18 @@ def _prefault_heap(mib):
     libc.free(p)
 
 
+def _settle():
+    """Before a template pauses: collects the garbage its loading and warm-up left and
+    freezes what remains (``gc.freeze``: the objects move to a generation no collection
+    visits). A clone's request then starts with the collector's counts at zero, and a
+    collection it sets off walks only the request's own objects, not the template's:
+    each object a collection visits has its header written, a page copied in the
+    clone and mapped anew (a 100 KiB JSON handler warmed up took 27.8 ms a request
+    without this, 13.8 ms with the collection alone, docs/invoke.md)."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(handler=None):
     """Serve ``handler(event: bytes) -> bytes | str`` forever (None: a zygote, which
     serves once a load request gave it a handler)."""
@@ -579,6 +593,7 @@ def serve(handler=None):
     random.seed(bytes(32))
     _prefault_heap(_heap_mib())
     ctypes.string_at(lib.forkvm_reply_buffer(None), 0)
+    _settle()
     print("forkvm.serve: ready (%d bytes fit the mailbox)" % capacity, file=sys.stderr, flush=True)
     # A template's warm clones run this loop once before their request (a prime request:
     # all of it but the handler), so the request finds its path in the clone's page tables.

@@ -36,6 +36,20 @@ class Loader(unittest.TestCase):
         self.assertEqual(module.seen, [b"a", b"\x00\xff", b""])
         self.assertEqual(handler(b"x"), b"X")
 
+    def test_a_load_leaves_the_collector_nothing_of_the_template_to_walk(self):
+        import gc
+        gc.unfreeze()
+        # Garbage the warm-up makes (a cycle per event) and objects it keeps.
+        source = SOURCE + "\nkept = []\n_h = handler\ndef handler(event):\n" \
+            "    a = []; a.append(a); kept.append([event])\n    return _h(event)\n"
+        load({"source": source, "warmup": ["a", "b"]})
+        # Collected (no cycle left for a clone's first collection to find), and what is
+        # left frozen: a collection visits none of it, nor writes its headers.
+        self.assertEqual(gc.collect(), 0)
+        self.assertGreater(gc.get_freeze_count(), 0)
+        self.assertFalse(any(o is sys.modules["forkvm_function"].kept for o in gc.get_objects()))
+        gc.unfreeze()
+
     def test_no_warmup_warms_nothing(self):
         _, reply = load({"source": SOURCE})
         self.assertEqual(json.loads(reply)["warmed"], 0)

@@ -66,6 +66,13 @@ for who in Ada Grace Linus; do
     $vmm invoke --api-sock "$tmp/vm.sock" --data "hello from $who" -v
     echo
 done
+echo "-- three more: the clones of the first three told the template which guest pages a request"
+echo "-- writes, and its warm clones made since have copied them ahead (docs/invoke.md)"
+sleep 1
+for who in Barbara Dennis Ken; do
+    $vmm invoke --api-sock "$tmp/vm.sock" --data "hello from $who" -v
+    echo
+done
 echo "-- a handler that raises:"
 $vmm invoke --api-sock "$tmp/vm.sock" --data "raise no luck" || true
 cleanup

@@ -13,7 +13,7 @@
 //!   [`LEARN`] of a template, then one in [`RELEARN_EVERY`]) reads, after it answered,
 //!   which of its guest pages it alone maps (`/proc/self/pagemap`'s exclusive bit: the
 //!   pages it copied on write or took new) and sends those it did not write ahead to
-//!   its template in one datagram ([`Duty::report`]).
+//!   its template in one datagram (`Duty::report`).
 //! - **The set**: the template merges each report into its set, at most `--working-set-mib`
 //!   of pages (those seen first are kept).
 //! - **Writing ahead**: each warm clone forked after that faults the set's pages in

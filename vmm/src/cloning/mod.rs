@@ -567,6 +567,7 @@ impl Cloner {
     pub fn do_due_work(&mut self, vm: &mut Microvm, prime: impl FnOnce(&Microvm) -> Option<u8>) {
         self.table.kill_overdue();
         self.check_starts();
+        self.warm.retire_stale();
         if self.warm.due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
             let lineage = self.lineage();
@@ -595,9 +596,9 @@ impl Cloner {
             warm.reaped(pid, status)
         });
         // A clone reports its working set before it exits. The warm clones there were
-        // when the first report came copied nothing ahead: they are made again.
+        // when the first report came copied nothing ahead: they are replaced.
         if self.working.take_reports() {
-            self.warm.remake();
+            self.warm.mark_stale();
         }
     }
 

@@ -46,6 +46,9 @@ use crate::microvm::Microvm;
 /// with the clone just made and with the answer to its request.
 pub const REFILL_DELAY: Duration = Duration::from_millis(5);
 
+/// How often the event loop looks whether a stale warm clone's replacement is ready.
+const STALE_POLL: Duration = Duration::from_millis(2);
+
 /// A forked, prepared clone waiting for its identity.
 struct WarmClone {
     pid: i32,
@@ -59,6 +62,9 @@ struct WarmClone {
     primed: bool,
     /// Whether it said its prime is done (a byte on its go channel).
     prime_done: bool,
+    /// Made before its template learned its working set: it copied nothing ahead, and
+    /// is replaced once a clone made since is ready.
+    stale: bool,
 }
 
 /// Whether a warm clone can be launched now.
@@ -251,12 +257,31 @@ impl WarmPool {
         }
     }
 
-    /// Discards every warm clone, keeping the captured state: the template is the same,
-    /// but clones made now would be made otherwise (it learned its working set).
-    pub(super) fn remake(&mut self) {
-        let epoch = self.epoch.take();
-        self.discard();
-        self.epoch = epoch;
+    /// The warm clones there are now would be made otherwise now (their template
+    /// learned its working set): each is replaced, one at a time, once a clone made
+    /// since is ready (the pool keeps one more than its target meanwhile, so a request
+    /// never finds fewer ready than before). Those launched first are not replaced.
+    pub(super) fn mark_stale(&mut self) {
+        self.clones.iter_mut().for_each(|c| c.stale = true);
+    }
+
+    fn has_stale(&self) -> bool {
+        self.clones.iter().any(|c| c.stale)
+    }
+
+    /// Discards one stale warm clone (`mark_stale`) when the pool is over its target
+    /// and a clone made since is ready.
+    pub(super) fn retire_stale(&mut self) {
+        let fresh_ready = || self.clones.iter().any(|c| !c.stale && c.ready_now());
+        if self.clones.len() <= self.target || !fresh_ready() {
+            return;
+        }
+        if let Some(i) = self.clones.iter().position(|c| c.stale) {
+            let c = self.clones.remove(i).expect("a position in the pool");
+            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
+            self.discarded += 1;
+            self.dying.push((c.pid, false));
+        }
     }
 
     /// The warm clones killed or ended and not reaped yet.
@@ -313,7 +338,7 @@ impl WarmPool {
     /// Whether the event loop should add a warm clone to `vm`'s pool now.
     pub(super) fn wants_clone(&self, vm: &Microvm) -> bool {
         vm.state() == VmState::Paused
-            && self.clones.len() < self.target
+            && self.clones.len() < self.target + usize::from(self.has_stale())
             && vm.pending_events().is_empty()
     }
 
@@ -322,11 +347,15 @@ impl WarmPool {
     /// requests, closer together than [`REFILL_DELAY`], it would never be, and every
     /// request would wait for a clone forked and rebuilt for it.
     pub(super) fn due_in(&self, vm: &Microvm) -> Option<Duration> {
-        self.wants_clone(vm)
+        let refill = self
+            .wants_clone(vm)
             .then(|| match self.clones.len() * 2 < self.target {
                 true => Duration::ZERO,
                 false => REFILL_DELAY.saturating_sub(self.since_last_launch()),
-            })
+            });
+        // A stale clone waits for the one made to replace it to be ready.
+        let retire = (self.has_stale() && self.clones.len() > self.target).then_some(STALE_POLL);
+        refill.or(retire)
     }
 
     /// The paused VM's state, captured once per pause.
@@ -409,6 +438,7 @@ impl WarmPool {
             cgroup,
             primed: prime.is_some(),
             prime_done: false,
+            stale: false,
         });
         self.primed += u64::from(prime.is_some());
         Ok(())

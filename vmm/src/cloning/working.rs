@@ -20,7 +20,7 @@
 //!   writable (`MADV_POPULATE_WRITE`, which copies them and changes no byte) before its
 //!   prime, off the request's path. Its request then writes them at the cost of the
 //!   VM's mapping alone. The warm clones a template has when its first report comes
-//!   copied nothing ahead: they are discarded and made again.
+//!   copied nothing ahead: they are replaced one at a time (`WarmPool::mark_stale`).
 //!
 //! The price is memory: each warm clone owns a copy of the set's pages (charged to its
 //! cgroup) while it waits, where it would have copied those its request writes anyway,

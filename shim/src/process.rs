@@ -254,45 +254,62 @@ pub async fn forward(
 }
 
 /// Feeds a started process's input from containerd's FIFO `path` (opening it waits
-/// for its writer) until the writer closes it or `close` is notified (`CloseIO`), then
-/// ends the input. It holds the process's control only while it writes: dropping the
-/// control elsewhere still kills the process.
+/// for its writer) until the writer closes it or `close` is notified (`CloseIO`: then
+/// after what the FIFO holds), then ends the input. It holds the process's control
+/// only while it writes: dropping the control elsewhere still kills the process.
 pub async fn feed_stdin(
     path: String,
     control: std::sync::Weak<Mutex<AgentControl>>,
     close: Arc<Notify>,
 ) {
-    let opening = tokio::task::spawn_blocking({
+    let mut opening = tokio::task::spawn_blocking({
         let path = path.clone();
         move || std::fs::File::open(path)
     });
-    let file = tokio::select! {
-        opened = opening => match opened {
-            Ok(Ok(f)) => Some(f),
-            Ok(Err(e)) => {
-                log::warn!("{path}: {e}");
-                None
-            }
-            Err(_) => None,
-        },
+    // `CloseIO` may come while the open still waits, or in the same moment it returns:
+    // what the writer left in the FIFO is still read then, up to what is there.
+    let mut closing = false;
+    let opened = tokio::select! {
+        biased;
+        opened = &mut opening => opened,
         _ = close.notified() => {
+            closing = true;
             // Its open waits for a writer: one that comes and goes lets it return.
             let _ = std::fs::OpenOptions::new()
                 .write(true)
                 .custom_flags(libc::O_NONBLOCK)
                 .open(&path);
-            None
+            opening.await
         }
     };
+    let file = match opened {
+        Ok(Ok(f)) => Some(f),
+        Ok(Err(e)) => {
+            log::warn!("{path}: {e}");
+            None
+        }
+        Err(_) => None,
+    };
     if let Some(file) = file {
+        // The same open FIFO, read directly once closing (non-blocking, as the
+        // receiver makes it): the receiver's readiness may not be known yet then.
+        let direct = file.try_clone().ok();
         match tokio::net::unix::pipe::Receiver::from_file(file) {
             Ok(mut fifo) => {
                 let mut buf = vec![0u8; 65536];
                 loop {
-                    let n = tokio::select! {
-                        biased;
-                        r = fifo.read(&mut buf) => r.unwrap_or(0),
-                        _ = close.notified() => 0,
+                    let n = match (closing, direct.as_ref()) {
+                        // After `CloseIO`: only what is readable now.
+                        (true, Some(mut d)) => std::io::Read::read(&mut d, &mut buf).unwrap_or(0),
+                        (true, None) => 0,
+                        (false, _) => tokio::select! {
+                            biased;
+                            r = fifo.read(&mut buf) => r.unwrap_or(0),
+                            _ = close.notified() => {
+                                closing = true;
+                                continue;
+                            }
+                        },
                     };
                     let Some(control) = control.upgrade() else {
                         return;

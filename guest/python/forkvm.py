@@ -16,8 +16,10 @@ mailbox (libforkvm, through ctypes), then
 waits on the invoke port: in a template the VM pauses there, and each invocation wakes
 a fresh clone with the request already in its memory. The handler gets the payload as
 ``bytes`` and returns ``bytes`` or ``str`` (sent UTF-8). Before each call, Python's
-``random`` is reseeded from the request's fresh host entropy (the kernel RNG is rekeyed
-by the VMM in every clone, so ``os.urandom`` needs nothing). A template's warm clones
+``random`` is reseeded from the request's fresh host entropy, and ``os.urandom`` is
+served from it in user space, with no system call (``_RequestRandom``; the kernel's RNG,
+which the VMM rekeys in every clone, serves the rest of the guest, a child the handler
+forks, and a function whose ``env`` sets ``FORKVM_URANDOM=kernel``). A template's warm clones
 run the loop once ahead of their request without calling the handler (a prime request,
 docs/invoke.md). An exception becomes a 500
 with its traceback; a reply larger than the mailbox becomes a 500 that says so. A clone
@@ -62,16 +64,23 @@ invocation before its limit re-arms. An invocation arms it itself only when no e
 is due before its limit.
 """
 
+import _thread
 import ctypes
 import gc
 import importlib
 import io
+import os
 import random
 import signal
 import sys
 import time
 import traceback
 import types
+
+try:
+    from _sha3 import shake_256
+except ImportError:  # a Python whose SHA-3 is OpenSSL's only
+    from hashlib import shake_256
 
 __all__ = ["serve", "Request"]
 
@@ -381,9 +390,8 @@ def load(spec, handler):
     logs = spec.get("logs", False)
     if not isinstance(logs, bool):
         raise ValueError("logs is true or false")
-    import os
-
     os.environ.update(env)
+    _random.configure(os.environ)
     if logs:
         _capture_logs()
     for slot in _list(spec, "disks"):
@@ -428,8 +436,6 @@ def _mount_slot(slot, wait_s=SLOT_WAIT_S, sys_block="/sys/block", mount=None, ba
     read-only) at ``/run/forkvm/slot<N>`` and puts it first on ``sys.path``. The image
     came with the request (``media``): the slot's capacity shows once the guest's
     driver took the configuration change, so it is waited for."""
-    import os
-
     if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < 8:
         raise ValueError("disks: %r is no disk slot (0 to 7)" % (slot,))
     serial = "forkvm-slot%d" % slot
@@ -461,8 +467,6 @@ def _mount_slot(slot, wait_s=SLOT_WAIT_S, sys_block="/sys/block", mount=None, ba
 
 def _mount(device, target):
     """mount(2) of ext4 ``device`` at ``target``, read-only."""
-    import os
-
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.mount(device.encode(), target.encode(), b"ext4", MS_RDONLY, None) != 0:
         err = ctypes.get_errno()
@@ -515,6 +519,83 @@ def _reply_bytes(out):
     return bytes(out)
 
 
+class _RequestRandom:
+    """``os.urandom`` (and ``random.SystemRandom``, ``secrets``, ``uuid.uuid4``, which
+    call it) served in the guest's user space from the request's fresh host entropy,
+    not by a ``getrandom`` system call each: kernel work, emulated on a PVM host (nine
+    calls, 10 ms of a handler here; docs/invoke.md, "Randomness").
+
+    Keyed at every request with 32 bytes derived from the entropy the VMM wrote into
+    the request header (``getrandom`` on the host, fresh per request, so never the
+    template's nor another clone's). Each call draws ``32 + n`` bytes of SHAKE256 from
+    the key, keeps the first 32 as the next key and returns the rest (fast key erasure:
+    a key is never used twice and what was drawn cannot be computed from the key
+    after). Unkeyed (before the first request, in a process forked by the handler, for
+    lengths from ``KERNEL_FROM`` up, and with ``FORKVM_URANDOM=kernel`` in the
+    function's environment) it is the kernel's ``os.urandom``."""
+
+    # Lengths from here up go to the kernel (SHAKE256's digest length stops at 2**29).
+    KERNEL_FROM = 1 << 28
+    MODES = ("request", "kernel")
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+        self._key = None
+        self._lock = _thread.allocate_lock()
+        self.enabled = True
+        self._installed = False
+
+    def rekey(self, key):
+        with self._lock:
+            self._key = key if self.enabled else None
+
+    def drop(self):
+        """Forget the key (a forked child: it would draw what its parent draws)."""
+        self._key = None
+
+    def urandom(self, n):
+        if type(n) is not int or not 0 <= n < self.KERNEL_FROM:
+            return self._kernel(n)
+        with self._lock:
+            key = self._key
+            if key is None:
+                return self._kernel(n)
+            out = shake_256(key).digest(32 + n)
+            self._key = out[:32]
+        return out[32:]
+
+    def install(self):
+        """Serve ``os.urandom`` and ``random``'s own reference to it, once; a child the
+        handler forks goes back to the kernel's."""
+        if self._installed:
+            return
+        self._installed = True
+        os.urandom = self.urandom
+        random._urandom = self.urandom
+        os.register_at_fork(after_in_child=self.drop)
+
+    def configure(self, environ):
+        """``FORKVM_URANDOM`` from ``environ``: ``request`` (the default) or ``kernel``."""
+        mode = environ.get("FORKVM_URANDOM", "request")
+        if mode not in self.MODES:
+            raise ValueError("FORKVM_URANDOM is request or kernel, not %r" % mode)
+        self.enabled = mode == "request"
+        if not self.enabled:
+            self.drop()
+
+
+_random = _RequestRandom(os.urandom)
+
+
+def _reseed(entropy):
+    """A request's 32 bytes of host entropy: ``random``'s seed and ``os.urandom``'s key,
+    each derived apart (``random``'s Mersenne Twister state can be worked back from its
+    output, so it must not hold the key)."""
+    derived = shake_256(b"forkvm request entropy" + entropy).digest(64)
+    random.seed(derived[:32])
+    _random.rekey(derived[32:])
+
+
 # glibc's mallopt parameters.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -522,8 +603,6 @@ _M_MMAP_MAX = -4
 
 def _heap_mib():
     """The pre-faulted heap's size, ``FORKVM_HEAP_MIB`` (default 32; 0: none)."""
-    import os
-
     text = os.environ.get("FORKVM_HEAP_MIB", "32")
     try:
         mib = int(text)
@@ -590,7 +669,10 @@ def serve(handler=None):
     req = Request()
     # Touch the serving path once in the template (not the handler): a clone then
     # finds it in memory, with no guest page fault on the way to the handler.
-    random.seed(bytes(32))
+    _random.configure(os.environ)
+    _random.install()
+    _reseed(bytes(32))
+    _random.rekey(None)
     _prefault_heap(_heap_mib())
     ctypes.string_at(lib.forkvm_reply_buffer(None), 0)
     _settle()
@@ -605,7 +687,7 @@ def serve(handler=None):
             _fail(lib, "forkvm: " + lib.forkvm_strerror(err).decode())
             continue
         event = ctypes.string_at(req.data, req.len)
-        random.seed(bytes(req.entropy))
+        _reseed(bytes(req.entropy))
         try:
             if req.kind == KIND_LOAD:
                 handler, out = load(event, handler)
@@ -639,8 +721,6 @@ def serve(handler=None):
 
 
 def main(argv):
-    import os
-
     # Python's own allocator takes its arenas straight from mmap and gives empty ones
     # back, so a clone would fault them in anew: run on the C heap, which serve()
     # pre-faults. Set before the interpreter starts, hence the exec (a PYTHONMALLOC the

@@ -415,5 +415,104 @@ class EnvAndLogs(unittest.TestCase):
         self.assertEqual(original.getvalue(), "template talking\n")
 
 
+class RequestRandom(unittest.TestCase):
+    """os.urandom from the request's entropy (forkvm._RequestRandom)."""
+
+    def setUp(self):
+        self.kernel_calls = []
+
+        def kernel(n):
+            self.kernel_calls.append(n)
+            return os.urandom(n)
+
+        self.r = forkvm._RequestRandom(kernel)
+
+    def test_unkeyed_it_is_the_kernels(self):
+        self.assertEqual(len(self.r.urandom(5)), 5)
+        self.assertEqual(self.kernel_calls, [5])
+
+    def test_keyed_it_draws_no_bytes_twice_and_never_calls_the_kernel(self):
+        self.r.rekey(b"k" * 32)
+        drawn = [self.r.urandom(n) for n in [0, 1, 16, 32, 4096, 16]]
+        self.assertEqual([len(d) for d in drawn], [0, 1, 16, 32, 4096, 16])
+        self.assertNotEqual(drawn[2], drawn[5])
+        self.assertEqual(self.kernel_calls, [])
+        # The key moved on: the same key again draws the first bytes again, and only then.
+        again = forkvm._RequestRandom(None)
+        again.rekey(b"k" * 32)
+        self.assertEqual([again.urandom(n) for n in [0, 1, 16]], drawn[:3])
+
+    def test_each_request_key_gives_other_bytes(self):
+        seen = set()
+        for k in range(50):
+            self.r.rekey(bytes([k]) * 32)
+            seen.add(self.r.urandom(16))
+        self.assertEqual(len(seen), 50)
+
+    def test_what_it_cannot_serve_goes_to_the_kernel_with_its_errors(self):
+        self.r.rekey(b"k" * 32)
+        with self.assertRaises(ValueError):
+            self.r.urandom(-1)
+        with self.assertRaises(TypeError):
+            self.r.urandom("3")
+        self.assertEqual(self.kernel_calls, [-1, "3"])
+
+    def test_kernel_mode_and_a_forked_child_use_the_kernel(self):
+        self.r.configure({"FORKVM_URANDOM": "kernel"})
+        self.r.rekey(b"k" * 32)
+        self.r.urandom(4)
+        self.assertEqual(self.kernel_calls, [4])
+        self.r.configure({})
+        self.r.rekey(b"k" * 32)
+        self.r.drop()
+        self.r.urandom(3)
+        self.assertEqual(self.kernel_calls, [4, 3])
+        with self.assertRaisesRegex(ValueError, "FORKVM_URANDOM is request or kernel"):
+            self.r.configure({"FORKVM_URANDOM": "yes"})
+
+    def test_a_load_with_kernel_in_its_env_turns_it_off(self):
+        try:
+            load({"source": SOURCE, "env": {"FORKVM_URANDOM": "kernel"}})
+            self.assertFalse(forkvm._random.enabled)
+            with self.assertRaisesRegex(ValueError, "FORKVM_URANDOM"):
+                load({"source": SOURCE, "env": {"FORKVM_URANDOM": "maybe"}})
+        finally:
+            os.environ.pop("FORKVM_URANDOM", None)
+            forkvm._random.configure(os.environ)
+
+    def test_installed_the_request_reseeds_random_and_urandom_apart_and_a_child_forgets(self):
+        import random
+        import uuid
+
+        kernel_urandom, random_urandom = os.urandom, random._urandom
+        try:
+            forkvm._random.install()
+            forkvm._random.install()
+            self.assertEqual(os.urandom, forkvm._random.urandom)
+            self.assertEqual(random._urandom, forkvm._random.urandom)
+            forkvm._reseed(b"e" * 32)
+            first = (os.urandom(16), random.random(), uuid.uuid4())
+            forkvm._reseed(b"e" * 32)
+            self.assertEqual((os.urandom(16), random.random(), uuid.uuid4()), first)
+            forkvm._reseed(b"f" * 32)
+            self.assertNotEqual(os.urandom(16), first[0])
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.write(w, os.urandom(16))
+                os._exit(0)
+            os.waitpid(pid, 0)
+            child = os.read(r, 16)
+            os.close(r)
+            os.close(w)
+            self.assertEqual(len(child), 16)
+            self.assertNotEqual(child, os.urandom(16))
+            self.assertIsNotNone(forkvm._random._key)
+        finally:
+            os.urandom, random._urandom = kernel_urandom, random_urandom
+            forkvm._random._installed = False
+            forkvm._random.rekey(None)
+
+
 if __name__ == "__main__":
     unittest.main()

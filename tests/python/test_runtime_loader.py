@@ -415,6 +415,58 @@ class EnvAndLogs(unittest.TestCase):
         self.assertEqual(original.getvalue(), "template talking\n")
 
 
+class Premap(unittest.TestCase):
+    MAPS = """\
+55d0c0000000-55d0c0100000 r--p 00000000 fe:00 1234   /usr/bin/python3.11
+55d0c0100000-55d0c0400000 r-xp 00100000 fe:00 1234   /usr/bin/python3.11
+55d0c0400000-55d0c0401000 rw-p 00400000 fe:00 1234   /usr/bin/python3.11
+55d0c0500000-55d0c0600000 rw-p 00000000 00:00 0      [heap]
+7f0000000000-7f0000001000 ---p 00000000 fe:00 99     /usr/lib/x86_64-linux-gnu/libm.so.6
+7f0000001000-7f0000003000 r-xp 00001000 fe:00 99     /usr/lib/x86_64-linux-gnu/libm.so.6
+7f0000010000-7f0000011000 rw-s 1ff00000 00:05 7      /dev/mem
+7f0000020000-7f0000021000 r--s 00000000 00:05 8      /dev/zero
+7f0000030000-7f0000031000 r--p 00000000 fe:00 77     /tmp/gone (deleted)
+7f0000040000-7f0000041000 r-xp 00000000 00:00 0
+7ffd00000000-7ffd00001000 r-xp 00000000 00:00 0      [vdso]
+"""
+
+    def premap(self, results=None):
+        import tempfile
+
+        calls = []
+
+        def madvise(start, length):
+            calls.append((start, length))
+            return (results or {}).get(start, 0)
+
+        with tempfile.NamedTemporaryFile("w", suffix=".maps") as f:
+            f.write(self.MAPS)
+            f.flush()
+            return forkvm._premap(f.name, madvise), calls
+
+    def test_only_read_only_file_mappings_are_mapped(self):
+        mapped, calls = self.premap()
+        self.assertEqual(calls, [(0x55d0c0000000, 0x100000), (0x55d0c0100000, 0x300000),
+                                 (0x7f0000001000, 0x2000)])
+        self.assertEqual(mapped, 0x402000)
+
+    def test_a_refused_mapping_is_not_counted(self):
+        mapped, calls = self.premap({0x55d0c0100000: -1})
+        self.assertEqual(len(calls), 3)
+        self.assertEqual(mapped, 0x102000)
+
+    def test_premap_0_maps_nothing(self):
+        os.environ["FORKVM_PREMAP"] = "0"
+        try:
+            self.assertEqual(self.premap(), (0, []))
+        finally:
+            del os.environ["FORKVM_PREMAP"]
+
+    def test_the_real_process_maps_its_code(self):
+        # This process's own mappings: the interpreter's code at least.
+        self.assertGreater(forkvm._premap(), 1 << 20)
+
+
 class RequestRandom(unittest.TestCase):
     """os.urandom from the request's entropy (forkvm._RequestRandom)."""
 

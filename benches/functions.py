@@ -19,7 +19,7 @@ gateway's guests on another root image (the Python runtime before a change).
 
 usage: benches/functions.py [--runs N] [--only a,b] [--warm N] [--bin-dir DIR]
                             [--base-snapshot DIR] [--compare-vmm-arg ARG ...]
-                            [--compare-rootfs IMAGE]
+                            [--compare-rootfs IMAGE] [--compare-cold]
                             [--json OUT] [--plot PNG]
 
 --json writes every sample; --plot draws the medians and p99s (matplotlib,
@@ -281,6 +281,8 @@ def run(a):
             deploy(gw, name + "-warm", source, packages, event)
             if other:
                 deploy(other, name + "-warm", source, packages, event)
+                if a.compare_cold:
+                    deploy(other, name, source, packages, None)
             host = HostFunction(tmp, name, source, packages)
             try:
                 # The host's reply is the reference for both deployments' (a function
@@ -291,6 +293,9 @@ def run(a):
                 if other:
                     series["other"] = []
                     paths.append(("other", other, name + "-warm"))
+                    if a.compare_cold:
+                        series["other-cold"] = []
+                        paths.append(("other-cold", other, name))
                 for _ in range(a.runs):
                     for mode, g, fname in paths:
                         *times, reply = invoke(g, fname, event)
@@ -319,6 +324,7 @@ def report(name, series):
     for mode, label in (("cold", "fresh clone, no warm-up"),
                         ("warm", "fresh clone, one warm-up event"),
                         ("other", "the same, compared gateway"),
+                        ("other-cold", "no warm-up, compared gateway"),
                         ("host", "host Python zygote, fork per request")):
         if mode not in client:
             continue
@@ -336,8 +342,10 @@ def report(name, series):
 def summary(results):
     print("\nall functions, client side (ms)\n")
     other = any("other" in s for s in results.values())
+    cold = any("other-cold" in s for s in results.values())
     head("function", "no warm-up p50", "p99", "warm-up p50", "p99", "host p50", "p99",
-         "warm-up / host", *(("compared p50", "p99", "compared / warm-up") if other else ()))
+         "warm-up / host", *(("compared p50", "p99", "compared / warm-up") if other else ()),
+         *(("compared no warm-up p50", "p99", "compared / no warm-up") if cold else ()))
     for name, series in results.items():
         c = {m: [s[0] for s in xs] for m, xs in series.items()}
         med = {m: statistics.median(xs) for m, xs in c.items()}
@@ -347,6 +355,9 @@ def summary(results):
         if "other" in c:
             line += (f" {med['other']:.2f} | {pct(c['other'], 0.99):.2f} | "
                      f"{med['other'] / med['warm']:.2f} |")
+        if "other-cold" in c:
+            line += (f" {med['other-cold']:.2f} | {pct(c['other-cold'], 0.99):.2f} | "
+                     f"{med['other-cold'] / med['cold']:.2f} |")
         print(line)
 
 
@@ -395,6 +406,9 @@ def main():
     ap.add_argument("--compare-rootfs", metavar="IMAGE",
                     help="the same, with the second gateway's guests on root image IMAGE "
                     "(a baseline of the Python runtime)")
+    ap.add_argument("--compare-cold", action="store_true",
+                    help="deploy each function without a warm-up on the second gateway "
+                    "too, its requests interleaved as well")
     ap.add_argument("--json", help="write every sample to this file")
     ap.add_argument("--from-json", help="report and plot a run saved with --json")
     ap.add_argument("--plot", help="draw the figures to this PNG (matplotlib)")

@@ -66,11 +66,19 @@ for who in Ada Grace Linus; do
     $vmm invoke --api-sock "$tmp/vm.sock" --data "hello from $who" -v
     echo
 done
-echo "-- three more: the clones of the first three told the template which guest pages a request"
-echo "-- writes, and its warm clones made since have copied them ahead (docs/invoke.md)"
-sleep 1
-for who in Barbara Dennis Ken; do
-    $vmm invoke --api-sock "$tmp/vm.sock" --data "hello from $who" -v
+echo "-- each of those ran the handler for the first time in its clone. A derived template with a"
+echo "-- warm-up event runs it once before it pauses; the clones of its first requests tell it which"
+echo "-- guest pages a request writes, and its warm clones copy them ahead (docs/invoke.md):"
+derived=$($vmm invoke --api-sock "$tmp/vm.sock" --derive -v \
+    --data '{"handler": "forkvm_examples:info", "warmup": ["hello from the warm-up"]}' \
+    2>&1 >/dev/null | sed -n 's/^x-forkvm-socket: //p')
+for _ in $(seq 200); do
+    $vmm status --api-sock "$derived" 2>/dev/null | grep -q '"waiting":true' && break
+    sleep 0.1
+done
+for who in Barbara Dennis Ken Margaret; do
+    sleep 0.3
+    $vmm invoke --api-sock "$derived" --data "hello from $who" -v
     echo
 done
 echo "-- a handler that raises:"

@@ -332,12 +332,28 @@ pub async fn feed_stdin(
 
 /// The guest's processes running on the root file system in slot `slot` of `clone`
 /// (their root is its mount point), by their pids in the guest: one `ls` through the
-/// agent.
+/// agent. An `ls` that died by SIGSEGV runs again, twice at most: on some PVM hosts a
+/// guest process starting up can crash for reasons outside forkvm (docs/guest-kernel.md,
+/// "Known host problems"); its empty listing would read as no processes.
 pub async fn guest_pids(clone: &forkvm::VmClone, slot: u8) -> Result<Vec<u32>, String> {
-    let out = (clone
-        .exec(crate::config::AGENT_PORT, "ls -l /proc/*/root", b"")
-        .await)
-        .map_err(|e| e.to_string())?;
+    const SIGSEGV_STATUS: i32 = 128 + 11;
+    let mut tries = 0;
+    let out = loop {
+        let out = (clone
+            .exec(crate::config::AGENT_PORT, "ls -l /proc/*/root", b"")
+            .await)
+            .map_err(|e| e.to_string())?;
+        tries += 1;
+        match out.status {
+            SIGSEGV_STATUS if tries < 3 => {
+                log::warn!("the guest's `ls -l /proc/*/root` died by SIGSEGV; running it again")
+            }
+            SIGSEGV_STATUS => {
+                return Err("the guest's `ls -l /proc/*/root` died by SIGSEGV 3 times".into())
+            }
+            _ => break out,
+        }
+    };
     Ok(pids_rooted_at(
         &String::from_utf8_lossy(&out.output),
         &format!("/run/forkvm/rootfs{slot}"),

@@ -652,35 +652,62 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     };
     let (pod_id, pod) = run_pod("p1", true);
     // Creates and starts container `name` of pod `pod_id` running `script`; waits for
-    // `line` in its log.
+    // `line` in its log. A container whose shell died by SIGSEGV before it printed is
+    // removed and made again under another name, twice at most, with a warning (the
+    // host problem `again` is for).
     let start_in = |pod_id: &str, pod: &Path, name: &str, script: &str, line: &str| {
-        let container = scratch.path(&format!("{name}.json"));
-        let spec = serde_json::json!({
-            "metadata": {"name": name},
-            "image": {"image": IMAGE},
-            "command": ["sh", "-c", script],
-            "log_path": format!("{name}.log"),
-        });
-        std::fs::write(&container, spec.to_string()).unwrap();
-        let (code, id) = crictl(
-            &c,
-            &[
-                "create",
-                pod_id,
-                container.to_str().unwrap(),
-                pod.to_str().unwrap(),
-            ],
-        );
-        assert_eq!(code, 0, "{id}\n{}", c.log());
-        let id = id.trim().to_string();
-        let (code, text) = crictl(&c, &["start", &id]);
-        assert_eq!(code, 0, "{text}\n{}", c.log());
-        tests::wait_until(
-            &format!("{name}'s line in its log"),
-            Duration::from_secs(120),
-            || crictl(&c, &["logs", &id]).1.contains(line),
-        );
-        id
+        for attempt in 0..3 {
+            let name = match attempt {
+                0 => name.to_string(),
+                n => format!("{name}-again{n}"),
+            };
+            let container = scratch.path(&format!("{name}.json"));
+            let spec = serde_json::json!({
+                "metadata": {"name": name},
+                "image": {"image": IMAGE},
+                "command": ["sh", "-c", script],
+                "log_path": format!("{name}.log"),
+            });
+            std::fs::write(&container, spec.to_string()).unwrap();
+            let (code, id) = crictl(
+                &c,
+                &[
+                    "create",
+                    pod_id,
+                    container.to_str().unwrap(),
+                    pod.to_str().unwrap(),
+                ],
+            );
+            assert_eq!(code, 0, "{id}\n{}", c.log());
+            let id = id.trim().to_string();
+            let (code, text) = crictl(&c, &["start", &id]);
+            assert_eq!(code, 0, "{text}\n{}", c.log());
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            let crashed = loop {
+                if crictl(&c, &["logs", &id]).1.contains(line) {
+                    return id;
+                }
+                let (_, text) = crictl(&c, &["inspect", &id]);
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+                if v["status"]["state"] == "CONTAINER_EXITED" {
+                    break v["status"]["exitCode"] == 139;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "timed out waiting for {name}'s line in its log\n{}",
+                    c.log()
+                );
+                std::thread::sleep(Duration::from_millis(200));
+            };
+            assert!(crashed, "{name} ended before its line\n{}", c.log());
+            eprintln!(
+                "WARNING: {name}'s shell died by SIGSEGV in the guest (known host problem, \
+                 docs/guest-kernel.md); making the container again"
+            );
+            let (code, text) = crictl(&c, &["rm", &id]);
+            assert_eq!(code, 0, "{text}");
+        }
+        panic!("{name}'s shell died by SIGSEGV 3 times\n{}", c.log());
     };
     let start = |name: &str, script: &str, line: &str| start_in(&pod_id, &pod, name, script, line);
     let pid_of = |id: &str| {

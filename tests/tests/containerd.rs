@@ -536,8 +536,6 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     );
 }
 
-/// `crictl` against containerd `c`: its status and stdout (its stderr after a line
-/// `--- stderr` when it failed).
 /// `crictl ARGS` against `c`: its exit status and output; an `exec` whose command died by
 /// SIGSEGV runs again (`again`).
 fn crictl(c: &Containerd, args: &[&str]) -> (i32, String) {
@@ -567,6 +565,8 @@ fn again<T: std::fmt::Debug>(retry: bool, args: &[&str], mut run: impl FnMut() -
     out
 }
 
+/// `crictl` against containerd `c`, once: its status and stdout (its stderr after a line
+/// `--- stderr` when it failed).
 fn crictl_once(c: &Containerd, args: &[&str]) -> (i32, String) {
     let endpoint = format!("unix://{}", c.sock.display());
     let out = Command::new(CRICTL)

@@ -40,14 +40,19 @@ pub const HEADER_STRETCHED_US: &str = "x-forkvm-stretched-us";
 pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
 /// The timeout of an invocation that names none.
 pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
+/// The timeout of a derive request that names none: a load imports packages, which
+/// takes far longer than a handler's run (seconds on a hardware KVM host, a minute or
+/// more where the guest kernel is emulated).
+pub const DEFAULT_DERIVE_TIMEOUT_MS: u64 = 300_000;
 
 /// The options of `POST /invocations`, from its query string
 /// (`?timeout_ms=500&keep_alive=true`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct InvokeOptions {
-    /// How long the handler may take, in milliseconds (default 30000, at most
-    /// 3600000); past it the answer is 504 and the clone is stopped.
+    /// How long the handler may take, in milliseconds (default 30000, 300000 for a
+    /// derive request's load; at most 3600000); past it the answer is 504 and the
+    /// clone is stopped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = MAX_TIMEOUT_MS))]
     pub timeout_ms: Option<u64>,
@@ -126,9 +131,13 @@ impl InvokeOptions {
         self.keep_alive || self.derive
     }
 
-    /// The timeout asked for, or the default.
+    /// The timeout asked for, or the default (a derive request's is longer).
     pub fn timeout_ms(&self) -> u64 {
-        self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS)
+        self.timeout_ms.unwrap_or(if self.derive {
+            DEFAULT_DERIVE_TIMEOUT_MS
+        } else {
+            DEFAULT_TIMEOUT_MS
+        })
     }
 
     /// The per-clone rate limits asked for.
@@ -303,6 +312,13 @@ mod tests {
         let mut o = InvokeOptions::default();
         assert_eq!(o.timeout_ms(), DEFAULT_TIMEOUT_MS);
         assert!(o.check().is_ok());
+        // A load's default is longer; a timeout asked for holds for both.
+        o.derive = true;
+        assert_eq!(o.timeout_ms(), DEFAULT_DERIVE_TIMEOUT_MS);
+        o.timeout_ms = Some(500);
+        assert_eq!(o.timeout_ms(), 500);
+        o.derive = false;
+        assert_eq!(o.timeout_ms(), 500);
         o.timeout_ms = Some(0);
         assert!(o.check().is_err());
         o.timeout_ms = Some(MAX_TIMEOUT_MS + 1);

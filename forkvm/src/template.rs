@@ -318,7 +318,8 @@ impl Template {
     /// instead of its handler and, once its runtime waits again, is a template of its
     /// own, with its own warm clones, serving on its own socket. Returns it with the
     /// loader's reply. `options.timeout_ms` bounds the load (importing packages in a
-    /// guest takes a while; the default is 30 s); `options.derive` is implied.
+    /// guest takes a while; the default is 300 s, not an invocation's 30 s);
+    /// `options.derive` is implied.
     ///
     /// A runtime that loads nothing is refused ([`Error::Refused`], 409); a load that
     /// fails is [`Error::Invocation`] and leaves no clone. The derived template keeps

@@ -125,7 +125,7 @@ struct InvokeArgs {
     /// The payload: text, `@FILE`, or `-` for standard input (default: empty).
     #[arg(long)]
     data: Option<String>,
-    /// How long the handler may take, in milliseconds.
+    /// How long the handler may take, in milliseconds (default 30000; with --derive, 300000).
     #[arg(long)]
     timeout_ms: Option<u64>,
     /// The clone's resource class (with cgroup pools).

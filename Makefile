@@ -39,7 +39,7 @@ test: test-deps guest build
 PREFIX ?= /usr/local
 DESTDIR ?=
 BIN_DIR ?= target/release
-GUEST_FILES = vmlinux bzImage initramfs.cpio.gz rootfs.ext4 python.ext4
+GUEST_FILES = vmlinux bzImage initramfs.cpio rootfs.ext4 python.ext4
 install: release guest
 	$(MAKE) install-files
 
@@ -63,8 +63,8 @@ install-shim: guest
 install-shim-files:
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/forkvm
 	install -m 0755 $(BIN_DIR)/vmm $(BIN_DIR)/containerd-shim-forkvm-v2 $(DESTDIR)$(PREFIX)/bin/
-	cd target/guest && install -m 0644 vmlinux initramfs.cpio.gz $(DESTDIR)$(PREFIX)/share/forkvm/
-	@echo "installed under $(DESTDIR)$(PREFIX): bin/{vmm,containerd-shim-forkvm-v2}, share/forkvm/{vmlinux,initramfs.cpio.gz}"
+	cd target/guest && install -m 0644 vmlinux initramfs.cpio $(DESTDIR)$(PREFIX)/share/forkvm/
+	@echo "installed under $(DESTDIR)$(PREFIX): bin/{vmm,containerd-shim-forkvm-v2}, share/forkvm/{vmlinux,initramfs.cpio}"
 
 uninstall:
 	rm -f $(addprefix $(DESTDIR)$(PREFIX)/bin/,vmm jailer forkvm-gateway containerd-shim-forkvm-v2)

@@ -4,8 +4,11 @@
 # Outputs (in target/guest/):
 #   vmlinux            Linux 6.1 ELF with a PVH entry note
 #   bzImage            the same kernel as a bzImage
-#   initramfs.cpio.gz  busybox-static + forkvm init + guest programs
-#   initramfs.cpio     the same, uncompressed (faster to unpack on PVM hosts)
+#   initramfs.cpio     busybox-static + forkvm init + guest programs (what the
+#                      README, the shim and the tests boot)
+#   initramfs.cpio.gz  the same, compressed: a smaller file, but the guest kernel
+#                      inflates it, which doubles a boot on PVM hosts
+#                      (docs/benchmarks/startup.md)
 #   rootfs.ext4        a read-only ext4 image with the same userland, bootable as root
 #   python.ext4        a read-only root with Debian's Python 3 and numpy, the same
 #                      userland and the forkvm Python module (buildroot/python-image.sh)

@@ -19,7 +19,7 @@ make install DESTDIR="$dest" PREFIX="$prefix"
 root=$dest$prefix
 unit=$root/lib/systemd/system/forkvm-gateway.service
 for f in bin/vmm bin/jailer bin/forkvm-gateway share/forkvm/vmlinux share/forkvm/bzImage \
-    share/forkvm/initramfs.cpio.gz share/forkvm/rootfs.ext4 share/forkvm/python.ext4; do
+    share/forkvm/initramfs.cpio share/forkvm/rootfs.ext4 share/forkvm/python.ext4; do
     [ -f "$root/$f" ] || fail "$prefix/$f was not installed"
 done
 [ -f "$unit" ] || fail "the systemd unit was not installed"
@@ -54,7 +54,7 @@ fi
 # The containerd runtime's files (make install-shim: a release build of its own; its
 # debug build here, which the tests made), then make uninstall takes them too.
 make install-shim-files DESTDIR="$dest" PREFIX="$prefix" BIN_DIR=target/debug
-for f in bin/containerd-shim-forkvm-v2 share/forkvm/initramfs.cpio.gz share/forkvm/vmlinux; do
+for f in bin/containerd-shim-forkvm-v2 share/forkvm/initramfs.cpio share/forkvm/vmlinux; do
     [ -f "$root/$f" ] || fail "make install-shim-files did not install $prefix/$f"
 done
 "$root/bin/containerd-shim-forkvm-v2" -v >/dev/null || fail "containerd-shim-forkvm-v2 -v failed"

@@ -23,7 +23,7 @@ pub struct ShimConfig {
     /// The guest kernel (`FORKVM_SHIM_KERNEL`; default `vmlinux` in `../share/forkvm`
     /// beside the shim when installed there, else in `target/guest`).
     pub kernel: PathBuf,
-    /// The guest's initramfs with the agent (`FORKVM_SHIM_INITRD`; `initramfs.cpio.gz`,
+    /// The guest's initramfs with the agent (`FORKVM_SHIM_INITRD`; `initramfs.cpio`,
     /// found as the kernel).
     pub initrd: PathBuf,
     /// Where the template's snapshot, the root file system images and the clones'
@@ -48,7 +48,7 @@ impl ShimConfig {
         let mib = std::env::var("FORKVM_SHIM_IMAGES_MIB").ok();
         Self {
             kernel: var("FORKVM_SHIM_KERNEL").unwrap_or_else(|| guest_file("vmlinux")),
-            initrd: (var("FORKVM_SHIM_INITRD")).unwrap_or_else(|| guest_file("initramfs.cpio.gz")),
+            initrd: (var("FORKVM_SHIM_INITRD")).unwrap_or_else(|| guest_file("initramfs.cpio")),
             dir: var("FORKVM_SHIM_DIR").unwrap_or_else(|| "/var/lib/forkvm/shim".into()),
             images_budget: mib.and_then(|m| m.parse::<u64>().ok()).unwrap_or(16 << 10) << 20,
             run_dir: var("FORKVM_SHIM_RUN_DIR").unwrap_or_else(|| "/run/forkvm/shim".into()),

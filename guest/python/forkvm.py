@@ -8,8 +8,8 @@ or, from the command line (the image's init runs this with ``forkvm.run=``):
     python3 -m forkvm MODULE:FUNCTION
     python3 -m forkvm              # a zygote: no handler until one is loaded
 
-``serve`` grows the C heap by ``FORKVM_HEAP_MIB`` MiB (default 32; 0: none), touches
-it and keeps it (no trimming, no allocation mapped on its own), so that a request's
+``serve`` grows the C heap by ``FORKVM_HEAP_MIB`` MiB (default 64, at most a quarter of
+the guest's memory; 0: none), touches it and keeps it (no trimming, no allocation mapped on its own), so that a request's
 allocations in a clone take no guest page fault; ``python3 -m forkvm`` also runs Python
 on that heap (``PYTHONMALLOC=malloc``, unless set). It maps every page of the code and
 read-only data its modules brought into its page tables (``_premap``; again after each
@@ -604,9 +604,19 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 
 
-def _heap_mib():
-    """The pre-faulted heap's size, ``FORKVM_HEAP_MIB`` (default 32; 0: none)."""
-    text = os.environ.get("FORKVM_HEAP_MIB", "32")
+# The pre-faulted heap's default size, in MiB, and the share of the guest's memory it
+# takes at most.
+_HEAP_MIB = 64
+_HEAP_SHARE = 4
+
+
+def _heap_mib(meminfo="/proc/meminfo"):
+    """The pre-faulted heap's size, ``FORKVM_HEAP_MIB`` (0: none); by default 64 MiB, or a
+    quarter of the guest's memory where that is less (a 32 MiB allocation then fits in a
+    256 MiB guest with what the interpreter holds already)."""
+    text = os.environ.get("FORKVM_HEAP_MIB")
+    if text is None:
+        return min(_HEAP_MIB, _mem_total_mib(meminfo) // _HEAP_SHARE)
     try:
         mib = int(text)
     except ValueError:
@@ -614,6 +624,19 @@ def _heap_mib():
     if not 0 <= mib <= 65536:
         raise ValueError("FORKVM_HEAP_MIB is a number of MiB from 0 to 65536, not %r" % text)
     return mib
+
+
+def _mem_total_mib(meminfo):
+    """The memory the kernel manages (``MemTotal``), in MiB; the default heap's when
+    the file cannot tell."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) >> 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return _HEAP_MIB * _HEAP_SHARE
 
 
 def _prefault_heap(mib):

@@ -4,6 +4,7 @@ needed to load a handler and warm it up. Run by tests/tests/python_runtime.rs.""
 import json
 import os
 import sys
+import tempfile
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "guest", "python"))
@@ -142,7 +143,18 @@ class Heap(unittest.TestCase):
     def test_the_heap_size_comes_from_the_environment_and_bad_ones_say_why(self):
         old = os.environ.pop("FORKVM_HEAP_MIB", None)
         try:
-            self.assertEqual(forkvm._heap_mib(), 32)
+            # 64 MiB, or a quarter of the guest's memory where that is less; a
+            # meminfo that cannot be read gives the default.
+            with tempfile.TemporaryDirectory() as d:
+                meminfo = os.path.join(d, "meminfo")
+                for kib, mib in [(262144 - 6000, 62), (1 << 20, 64), (131072, 32)]:
+                    with open(meminfo, "w") as f:
+                        f.write("MemTotal:       %d kB\nMemFree: 1 kB\n" % kib)
+                    self.assertEqual(forkvm._heap_mib(meminfo), mib)
+                self.assertEqual(forkvm._heap_mib(os.path.join(d, "none")), 64)
+                with open(meminfo, "w") as f:
+                    f.write("MemTotal: lots\n")
+                self.assertEqual(forkvm._heap_mib(meminfo), 64)
             for text, mib in [("0", 0), ("128", 128)]:
                 os.environ["FORKVM_HEAP_MIB"] = text
                 self.assertEqual(forkvm._heap_mib(), mib)

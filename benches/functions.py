@@ -246,12 +246,13 @@ def deploy(gw, name, source, packages, warmup):
 
 
 def invoke(gw, name, event):
-    """(client ms, clone ms, handler ms, total ms, reply)."""
+    """(client ms, clone ms, handler ms, total ms, 1 if its clone was primed else 0,
+    reply)."""
     status, h, data, t = gw.request("POST", f"/functions/{name}", event)
     if status != 200:
         sys.exit(f"invoke {name}: {status} {data[:400]!r}")
     us = [int(h.get(f"x-forkvm-{k}-us", 0)) / 1e3 for k in ("clone", "handler", "total")]
-    return (t * 1e3, *us, data)
+    return (t * 1e3, *us, int(h.get("x-forkvm-primed") == "true"), data)
 
 
 def run(a):
@@ -303,7 +304,7 @@ def run(a):
                         if not same:
                             sys.exit(f"{fname} answered {reply[:200]!r}, the host {want[:200]!r}")
                         series[mode].append(times)
-                    series["host"].append([host.call(event)[0] * 1e3, 0, 0, 0])
+                    series["host"].append([host.call(event)[0] * 1e3, 0, 0, 0, 0])
             finally:
                 host.stop()
             results[name] = series
@@ -320,7 +321,8 @@ def report(name, series):
     client = {m: [s[0] for s in xs] for m, xs in series.items()}
     base = statistics.median(client["host"])
     print(f"\n{name}: {len(client['host'])} requests of each, interleaved (ms)\n")
-    head("path", "min", "median", "p99", "vs host", "clone p50", "handler p50", "total p50")
+    head("path", "min", "median", "p99", "vs host", "clone p50", "handler p50", "total p50",
+         "primed")
     for mode, label in (("cold", "fresh clone, no warm-up"),
                         ("warm", "fresh clone, one warm-up event"),
                         ("other", "the same, compared gateway"),
@@ -332,10 +334,13 @@ def report(name, series):
         line = (f"| {label} | {min(xs):.2f} | {statistics.median(xs):.2f} | "
                 f"{pct(xs, 0.99):.2f} | {statistics.median(xs) / base:.1f}x |")
         if mode == "host":
-            line += " - | - | - |"
+            line += " - | - | - | - |"
         else:
             split = [statistics.median(s[k] for s in series[mode]) for k in (1, 2, 3)]
             line += "".join(f" {v:.2f} |" for v in split)
+            # Requests whose clone was a primed warm clone (x-forkvm-primed).
+            primed = [s[4] for s in series[mode] if len(s) > 4]
+            line += f" {100 * sum(primed) / max(len(primed), 1):.0f}% |"
         print(line, flush=True)
 
 

@@ -254,10 +254,6 @@ const VMM: &[i64] = &[
     libc::SYS_kill,
     libc::SYS_getppid,
     libc::SYS_prlimit64,
-    // A warm clone prepared at the lowest priority, then launched at the template's
-    // (`vmm::cloning::background`).
-    libc::SYS_getpriority,
-    libc::SYS_setpriority,
     libc::SYS_close_range,
     libc::SYS_set_tid_address,
     libc::SYS_uname,

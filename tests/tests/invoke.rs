@@ -918,60 +918,6 @@ fn a_derived_template_serves_fresh_clones_of_what_it_loaded_and_goes_with_its_pa
     echoed(&invoke(&vm.sock, b"served on"), b"served on");
 }
 
-/// The nice value of every thread of process `pid` (`stat`'s 19th field).
-fn nice_of_threads(pid: u32) -> Vec<i64> {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
-    (tasks.flatten())
-        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
-        .map(|stat| {
-            // After the command name, which may hold spaces: state is the 3rd field.
-            let rest = &stat[stat.rfind(')').unwrap() + 2..];
-            rest.split_whitespace().nth(16).unwrap().parse().unwrap()
-        })
-        .collect()
-}
-
-#[test]
-fn warm_clones_are_made_at_the_lowest_priority_and_serve_at_the_templates() {
-    if !kvm_available("invoke_warm_nice") {
-        return;
-    }
-    let scratch = Scratch::new("invoke-nice");
-    for (extra, waiting) in [(&[][..], 19), (&["--warm-nice", "0"][..], 0)] {
-        let mut args = vec!["--warm-clones", "1"];
-        args.extend_from_slice(extra);
-        let vm = template(&scratch, &args);
-        // Run as root (the tests are), the VMM may take its priority back.
-        let own = 0;
-        assert!(nice_of_threads(vm.child.id()).iter().all(|&n| n == own));
-        let mut warm = 0;
-        wait_until("one ready warm clone", || {
-            let ready = describe_at(&vm.sock)["warm_clones"]["ready"].as_u64() == Some(1);
-            let children = children_of(vm.child.id());
-            warm = children.first().copied().unwrap_or(0);
-            ready && children.len() == 1
-        });
-        assert_eq!(nice_of_threads(warm), [waiting], "{extra:?}");
-        // Launched, it serves at the template's priority, every thread of it.
-        let keep = InvokeOptions {
-            keep_alive: true,
-            ..Default::default()
-        };
-        let r = invoke_with(&vm.sock, &keep, b"now");
-        echoed(&r, b"now");
-        let threads = nice_of_threads(warm);
-        assert!(threads.len() > 1, "{threads:?}");
-        assert!(threads.iter().all(|&n| n == own), "{extra:?}: {threads:?}");
-        drop(vm);
-    }
-    let r = std::process::Command::new(tests::workspace_bin("vmm"))
-        .args(["run", "--kernel", "x", "--warm-nice", "20"])
-        .output()
-        .unwrap();
-    assert!(!r.status.success());
-    assert!(String::from_utf8_lossy(&r.stderr).contains("--warm-nice"));
-}
-
 /// KiB of memory process `pid` alone holds (`Private_Clean` + `Private_Dirty` of its
 /// `smaps_rollup`).
 fn private_kib(pid: u32) -> u64 {

@@ -101,12 +101,6 @@ struct RestoreArgs {
     /// its request comes, in MiB (0: none; at most 16384; docs/invoke.md).
     #[arg(long, default_value_t = vmm::config::DEFAULT_WORKING_SET_MIB)]
     working_set_mib: u64,
-    /// The nice value a template's warm clones are prepared at (forked, written ahead,
-    /// primed), so that requests in flight get the CPUs first; each takes the VMM's own
-    /// priority back when launched (0 to 19; 0 or the VMM's own: no change; needs
-    /// CAP_SYS_NICE or an RLIMIT_NICE that allows the way back, else it is not done).
-    #[arg(long, default_value_t = vmm::config::DEFAULT_WARM_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
-    warm_nice: i32,
     /// The host tap of the network card (default: the snapshot's).
     #[arg(long)]
     tap: Option<String>,
@@ -316,12 +310,6 @@ struct RunArgs {
     /// its request comes, in MiB (0: none; at most 16384; docs/invoke.md).
     #[arg(long, default_value_t = vmm::config::DEFAULT_WORKING_SET_MIB)]
     working_set_mib: u64,
-    /// The nice value a template's warm clones are prepared at (forked, written ahead,
-    /// primed), so that requests in flight get the CPUs first; each takes the VMM's own
-    /// priority back when launched (0 to 19; 0 or the VMM's own: no change; needs
-    /// CAP_SYS_NICE or an RLIMIT_NICE that allows the way back, else it is not done).
-    #[arg(long, default_value_t = vmm::config::DEFAULT_WARM_NICE, value_parser = clap::value_parser!(i32).range(0..=19))]
-    warm_nice: i32,
     #[command(flatten)]
     cgroups: CgroupArgs,
     /// The invocation mailbox's size in MiB (0: none; 1 to 256): the largest request
@@ -636,7 +624,6 @@ fn main() -> ExitCode {
                     max_tree_clones: a.max_tree_clones,
                     prime: !a.no_prime,
                     working_set_mib: a.working_set_mib,
-                    warm_nice: a.warm_nice,
                 },
                 invoke: InvokePolicy {
                     template: a.template,
@@ -666,7 +653,6 @@ fn main() -> ExitCode {
                 max_clones: a.max_clones,
                 max_tree_clones: a.max_tree_clones,
                 working_set_mib: a.working_set_mib,
-                warm_nice: a.warm_nice,
                 cgroups: a.cgroups.config(),
                 seccomp: a.seccomp,
                 tap: a.tap,

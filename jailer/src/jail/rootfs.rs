@@ -338,11 +338,6 @@ impl Plan {
         if let Some(fsize) = self.rlimit_fsize {
             setrlimit(Resource::RLIMIT_FSIZE, fsize, fsize).map_err(err("setrlimit(FSIZE)"))?;
         }
-        // The VMM prepares warm clones at the lowest priority and takes the priority it
-        // was started at back for their requests: allowed down to that nice value and
-        // no further (RLIMIT_NICE's ceiling is 20 - limit).
-        let nice = nice_limit();
-        setrlimit(Resource::RLIMIT_NICE, nice, nice).map_err(err("setrlimit(NICE)"))?;
         let (uid, gid) = (Uid::from_raw(self.uid), Gid::from_raw(self.gid));
         nix::unistd::setgroups(&[]).map_err(err("setgroups"))?;
         nix::unistd::setresgid(gid, gid, gid).map_err(err("setresgid"))?;
@@ -449,13 +444,4 @@ fn pivot_into(root: &Path) -> Result<(), String> {
     nix::mount::umount2(".", MntFlags::MNT_DETACH)
         .map_err(|e| format!("detaching the old root: {e}"))?;
     std::env::set_current_dir("/").map_err(|e| format!("chdir /: {e}"))
-}
-
-/// The `RLIMIT_NICE` that lets a process return to its present nice value and no lower
-/// (its ceiling is 20 minus the limit): 20 at nice 0.
-fn nice_limit() -> u64 {
-    // SAFETY: reads the calling thread's nice value; no memory is passed. A -1 that is
-    // an error (it is also a value) reads as -1 all the same: a limit of 21, nice -1.
-    let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
-    (20 - nice.clamp(-20, 19)) as u64
 }

@@ -38,7 +38,6 @@ use std::time::Instant;
 
 use clone::MicrovmState;
 
-use super::background::Background;
 use super::cgroups::{place_self, Placement};
 use super::request::Identity;
 use super::wire::{report_primed, wait_for_go, Go, LaunchError, ReadyMark};
@@ -378,9 +377,6 @@ fn prepare_warm(
     if let Some(p) = cgroup {
         place_self(p).map_err(ChildError::Cgroup)?;
     }
-    // Made ahead of any request: at the lowest priority until launched, so that requests
-    // in flight get the CPUs first (`background`).
-    let background = Background::enter(plan.template.config().clones.warm_nice);
     // Before the prime, which then finds those pages its own too.
     let ahead = match &plan.working {
         Some(w) if !w.set.is_empty() => {
@@ -417,10 +413,6 @@ fn prepare_warm(
         return Ok(None);
     };
     marks.done("go");
-    // The template's priority back, before the request's threads start.
-    if let Some(Err(e)) = background.map(Background::leave) {
-        tracing::warn!("cannot take the template's priority back: {e}");
-    }
     if let Some(p) = &id.cgroup {
         place_self(p).map_err(ChildError::Cgroup)?;
         marks.done("placed");

@@ -32,7 +32,6 @@
 //! loop, taking up a [`Handover`], a warm clone's prime), what they hand a clone as an
 //! opaque [`Handover`].
 
-mod background;
 mod capture;
 pub mod cgroups;
 mod child;

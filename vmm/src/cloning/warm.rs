@@ -159,10 +159,6 @@ impl WarmPool {
     pub fn new(target: usize) -> Self {
         let mut pool = Self::default();
         pool.target = target.min(MAX_WARM_CLONES);
-        if pool.target > 0 {
-            // Tried here, once: the clones forked from this process inherit the answer.
-            super::background::available();
-        }
         pool
     }
 

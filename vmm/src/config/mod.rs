@@ -66,9 +66,6 @@ impl VmConfig {
         if self.clones.working_set_mib > MAX_WORKING_SET_MIB {
             return Err(ConfigError::WorkingSet(self.clones.working_set_mib));
         }
-        if !(0..=19).contains(&self.clones.warm_nice) {
-            return Err(ConfigError::WarmNice(self.clones.warm_nice));
-        }
         if usize::from(self.machine.disk_slots) > api_types::MAX_DISK_SLOTS {
             return Err(ConfigError::DiskSlots(self.machine.disk_slots));
         }
@@ -135,9 +132,6 @@ pub enum ConfigError {
     /// `--working-set-mib` out of range.
     #[error("--working-set-mib {0} is more than {max}", max = MAX_WORKING_SET_MIB)]
     WorkingSet(u64),
-    /// `--warm-nice` out of range.
-    #[error("--warm-nice {0}: a nice value from 0 to 19")]
-    WarmNice(i32),
     /// `--disk-slots` out of range.
     #[error("disk slots must be 0 to {max}, not {0}", max = api_types::MAX_DISK_SLOTS)]
     DiskSlots(u8),

@@ -19,9 +19,6 @@ pub const MAX_WARM_CLONES: usize = 256;
 pub const DEFAULT_WORKING_SET_MIB: u64 = 64;
 /// Most `--working-set-mib`.
 pub const MAX_WORKING_SET_MIB: u64 = 16 * 1024;
-/// The nice value a template's warm clones are prepared at by default (the lowest
-/// priority: `cloning::background`).
-pub const DEFAULT_WARM_NICE: i32 = 19;
 
 /// How long an idle runtime waits before it is refreshed unless told otherwise, in ms.
 pub const DEFAULT_REFRESH_IDLE_MS: u64 = 0;
@@ -159,9 +156,6 @@ pub struct ClonePolicy {
     /// The most of a template's working set, learned from its invocation clones, that
     /// each warm clone writes ahead, in MiB (0: none; `cloning::working`).
     pub working_set_mib: u64,
-    /// The nice value warm clones are prepared at, until launched (0 to 19; at or below
-    /// the template's own: its own; `cloning::background`).
-    pub warm_nice: i32,
 }
 
 impl Default for ClonePolicy {
@@ -172,7 +166,6 @@ impl Default for ClonePolicy {
             max_tree_clones: MAX_LIVE_CLONES,
             prime: true,
             working_set_mib: DEFAULT_WORKING_SET_MIB,
-            warm_nice: DEFAULT_WARM_NICE,
         }
     }
 }

@@ -54,8 +54,6 @@ pub struct RestoreOptions {
     pub max_tree_clones: usize,
     /// The most of its working set its warm clones write ahead, in MiB (0: none).
     pub working_set_mib: u64,
-    /// The nice value its warm clones are prepared at.
-    pub warm_nice: i32,
     /// Pooled cgroups for its clones.
     pub cgroups: Option<CgroupConfig>,
     /// Seccomp mode.
@@ -212,7 +210,6 @@ pub fn restored_config(
             max_tree_clones: opts.max_tree_clones,
             prime: saved.prime,
             working_set_mib: opts.working_set_mib,
-            warm_nice: opts.warm_nice,
         },
         invoke: InvokePolicy {
             template: saved.template,

@@ -338,9 +338,10 @@ def report(name, series):
         else:
             split = [statistics.median(s[k] for s in series[mode]) for k in (1, 2, 3)]
             line += "".join(f" {v:.2f} |" for v in split)
-            # Requests whose clone was a primed warm clone (x-forkvm-primed).
+            # Requests whose clone was a primed warm clone (x-forkvm-primed); a run saved
+            # before the column was added has none.
             primed = [s[4] for s in series[mode] if len(s) > 4]
-            line += f" {100 * sum(primed) / max(len(primed), 1):.0f}% |"
+            line += f" {100 * sum(primed) / len(primed):.0f}% |" if primed else " - |"
         print(line, flush=True)
 
 

@@ -59,6 +59,22 @@ impl VcpuState {
             None => false,
         }
     }
+
+    /// This state's timer deadline (IA32_TSC_DEADLINE), when it has one.
+    pub fn timer_deadline(&self) -> Option<u64> {
+        find(&self.msrs, MSR_IA32_TSC_DEADLINE)
+    }
+
+    /// Puts the timer deadline back to `before` where it still reads `set`, the value a
+    /// deferral wrote: the guest did not arm its timer again since (its own value is
+    /// kept). Returns whether it did.
+    pub fn undo_deferral(&mut self, set: u64, before: u64) -> bool {
+        let entry = self
+            .msrs
+            .iter_mut()
+            .find(|m| m.index == MSR_IA32_TSC_DEADLINE && m.data == set);
+        entry.map(|m| m.data = before).is_some()
+    }
 }
 
 /// Defers the timer deadline of a live, stopped vCPU to `ns` after its TSC now
@@ -130,6 +146,27 @@ mod tests {
         assert_eq!(retimed(1_100, 1_000, 300, 500), Some(1_300), "pushed on");
         assert_eq!(retimed(1_600, 1_000, 200, 500), None, "beyond the horizon");
         assert_eq!(retimed(0, 1_000, 200, 500), None, "disarmed");
+    }
+
+    #[test]
+    fn a_deferral_is_undone_only_where_the_guest_left_it() {
+        let mut state = crate::state::sample_state(Some(1_000));
+        let before = state.vcpus[0].timer_deadline().expect("a deadline");
+        // 10 ms at 1,000 kHz: 10,000 cycles after the TSC (1,000), past the deadline.
+        assert!(state.vcpus[0].defer_timer(10_000_000));
+        let set = state.vcpus[0].timer_deadline().expect("a deadline");
+        assert_eq!((before, set), (5_000, 11_000));
+        assert!(state.vcpus[0].undo_deferral(set, before));
+        assert_eq!(state.vcpus[0].timer_deadline(), Some(before));
+        // The guest armed its timer again: its value stays.
+        assert!(state.vcpus[0].defer_timer(10_000_000));
+        for m in &mut state.vcpus[0].msrs {
+            if m.index == MSR_IA32_TSC_DEADLINE {
+                m.data = 7_777;
+            }
+        }
+        assert!(!state.vcpus[0].undo_deferral(set, before));
+        assert_eq!(state.vcpus[0].timer_deadline(), Some(7_777));
     }
 
     #[test]

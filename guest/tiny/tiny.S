@@ -42,7 +42,10 @@
  *   prime=N   with invoke=1, declare prime requests in a wait header before each
  *             wait; 1: answer a prime request at once (no handler); 2: write the
  *             serial port first (a prime that leaves the serving path, for tests);
- *             3: never answer it (a prime that runs out of time, for tests)
+ *             3: never answer it (a prime that runs out of time, for tests); 4: arm
+ *             the timer in TSC-deadline mode before the first wait, spin 400M cycles
+ *             in the prime counting timer interrupts (a "tick" request returns that
+ *             count and the count over such a spin of its own)
  *   hostile_virtio=N  after the checks, the BSP drives every virtio-mmio device
  *             badly for N rounds (needs 64 MiB of memory; see hostile_virtio below),
  *             then prints "tiny: hostile virtio done" and beats on
@@ -358,6 +361,20 @@ probe_spin:
 invoke_loop:
     movl $LAPIC, %ebx
     movl $(TIMER_VECTOR | (1 << 16)), LAPIC_LVT_TIMER(%rbx)
+    cmpq $4, opt_prime(%rip)
+    jne  1f
+    /* prime=4: the timer in TSC-deadline mode, unmasked, due 100M cycles from now:
+       armed when the template pauses, and due by the time its clones run. */
+    movl $(TIMER_VECTOR | (2 << 17)), LAPIC_LVT_TIMER(%rbx)
+    rdtsc
+    shlq $32, %rdx
+    orq  %rdx, %rax
+    addq $100000000, %rax
+    movq %rax, %rdx
+    shrq $32, %rdx
+    movl $0x6e0, %ecx               /* IA32_TSC_DEADLINE */
+    wrmsr
+1:
     movl $MAILBOX_ADDR_PORT, %edx
     inl  %dx, %eax
     movl %eax, %r15d
@@ -411,6 +428,8 @@ invoke_loop:
     je   inv_done
     cmpl $0x776f6873, %eax          /* "show": the loaded 8 bytes */
     je   inv_show
+    cmpl $0x6b636974, %eax          /* "tick": timer interrupts in the prime, then here */
+    je   inv_tick
     /* Echo: the payload stays where it is; the trailer goes after it. */
     leaq 64(%r15,%rcx), %rdi
     movl $IDENTITY_PORT, %edx
@@ -446,12 +465,25 @@ inv_show:
     movl $8, %ecx
     xorl %eax, %eax
     jmp  inv_reply
+inv_tick:                           /* 16 bytes: those of the prime, those of a spin */
+    call tick_spin
+    movq %rax, 72(%r15)
+    movq prime_ticks(%rip), %rax
+    movq %rax, 64(%r15)
+    movl $16, %ecx
+    xorl %eax, %eax
+    jmp  inv_reply
 inv_prime:
     cmpq $3, opt_prime(%rip)        /* prime=3: spin until the prime's time is up */
     jne  6f
 8:  pause
     jmp  8b
-6:  cmpq $2, opt_prime(%rip)
+6:  cmpq $4, opt_prime(%rip)        /* prime=4: spin, counting timer interrupts */
+    jne  9f
+    call tick_spin
+    movq %rax, prime_ticks(%rip)
+    jmp  7f
+9:  cmpq $2, opt_prime(%rip)
     jne  7f
     movb $'!', %al                  /* prime=2: a port the prime may not use */
     movw $COM1, %dx
@@ -515,6 +547,28 @@ rewait_spin:
     cmpq %r8, %rax
     jb   1b
 2:  ret
+
+/*
+ * tick_spin: spins 400M TSC cycles with interrupts on (prime=4's tests: longer than a
+ * request's timer deferral, shorter than a prime's limit); returns in rax the timer
+ * interrupts this CPU took meanwhile. Clobbers rdx, rcx, r8, r9.
+ */
+tick_spin:
+    movq ticks(%rip), %r9           /* the BSP's count (invocations run on it) */
+    rdtsc
+    shlq $32, %rdx
+    orq  %rdx, %rax
+    leaq 400000000(%rax), %r8
+    sti
+1:  pause
+    rdtsc
+    shlq $32, %rdx
+    orq  %rdx, %rax
+    cmpq %r8, %rax
+    jb   1b
+    movq ticks(%rip), %rax
+    subq %r9, %rax
+    ret
 
 /*
  * dirty=M: rewrites M MiB from MEMTEST_BASE every beat with the pass number and prints
@@ -960,6 +1014,7 @@ opt_load:    .quad 0
 opt_hostile: .quad 0
 opt_hostile_virtio: .quad 0
 loaded:      .quad 0
+prime_ticks: .quad 0
 idt_ready:   .long 0
 cpus_done:   .long 0
 serial_lock: .long 0

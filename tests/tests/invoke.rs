@@ -788,6 +788,41 @@ fn primes_that_run_out_of_time_pause_priming_which_comes_back_after_the_pause() 
     drop(vm);
 }
 
+#[test]
+fn a_prime_takes_no_timer_interrupt_and_leaves_the_timer_as_the_template_had_it() {
+    // prime=4: the runtime armed its timer (TSC-deadline mode) before its first wait,
+    // due 100M cycles later, so it is due in every clone; the prime spins 400M cycles
+    // with interrupts on, a prime that ran long (as one waiting for a busy host's CPU).
+    // The prime runs with the timer deferred past its limit: it takes no interrupt.
+    // The clone the request launches has the template's deadline back, deferred only
+    // by the request's 10 ms: a spin as long in the request takes it, once.
+    if !kvm_available("invoke_prime_timer") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-prime-timer");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=4",
+        &["--warm-clones", "1"],
+    );
+    for i in 0..3 {
+        wait_until("a primed warm clone", || {
+            vm.describe()["warm_clones"]["ready"] == 1
+        });
+        let r = invoke(&vm.sock, b"tick");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-forkvm-primed"), Some("true"), "invocation {i}");
+        assert_eq!(r.bytes.len(), 16, "{}", r.body);
+        let count = |at: usize| u64::from_le_bytes(r.bytes[at..at + 8].try_into().unwrap());
+        assert_eq!(
+            (count(0), count(8)),
+            (0, 1),
+            "timer interrupts taken in the prime and in the request, invocation {i}"
+        );
+    }
+    drop(vm);
+}
+
 /// `GET /vm` on socket `sock`.
 fn describe_at(sock: &Path) -> Value {
     let (code, body) = tests::api_request(sock, "GET", "/vm", None);

@@ -15,11 +15,12 @@ handler (x-forkvm-handler-us), total (x-forkvm-total-us).
 function with its warm-up there as well, and interleaves its requests with the others':
 an A/B of a VMM option in the same run (--compare-vmm-arg=--working-set-mib=0: without
 the warm clones' working set). --compare-rootfs IMAGE does the same with the second
-gateway's guests on another root image (the Python runtime before a change).
+gateway's guests on another root image (the Python runtime before a change), and
+--compare-vmm PATH with its VMMs run from PATH (another build's `vmm`).
 
 usage: benches/functions.py [--runs N] [--only a,b] [--warm N] [--bin-dir DIR]
                             [--base-snapshot DIR] [--compare-vmm-arg ARG ...]
-                            [--compare-rootfs IMAGE] [--compare-cold]
+                            [--compare-rootfs IMAGE] [--compare-vmm PATH] [--compare-cold]
                             [--json OUT] [--plot PNG]
 
 --json writes every sample; --plot draws the medians and p99s (matplotlib,
@@ -270,9 +271,11 @@ def run(a):
     # another image, deployed with the warm-up too, its requests interleaved with the
     # others'.
     other = None
-    if a.compare_vmm_arg or a.compare_rootfs:
-        other = Gateway(extra + [x for v in a.compare_vmm_arg for x in ("--vmm-arg", v)],
-                        warm=a.warm, rootfs=a.compare_rootfs)
+    if a.compare_vmm_arg or a.compare_rootfs or a.compare_vmm:
+        more = [x for v in a.compare_vmm_arg for x in ("--vmm-arg", v)]
+        if a.compare_vmm:
+            more += ["--vmm", a.compare_vmm]
+        other = Gateway(extra + more, warm=a.warm, rootfs=a.compare_rootfs)
     results = {}
     tmp = tempfile.mkdtemp(prefix="forkvm-functions-")
     try:
@@ -412,6 +415,9 @@ def main():
     ap.add_argument("--compare-rootfs", metavar="IMAGE",
                     help="the same, with the second gateway's guests on root image IMAGE "
                     "(a baseline of the Python runtime)")
+    ap.add_argument("--compare-vmm", metavar="PATH",
+                    help="the same, with the second gateway's VMMs run from PATH (the "
+                    "`vmm` of another build: an A/B of a change)")
     ap.add_argument("--compare-cold", action="store_true",
                     help="deploy each function without a warm-up on the second gateway "
                     "too, its requests interleaved as well")

@@ -534,8 +534,27 @@ inv_done:
 rewait_spin:
     movq opt_rewait(%rip), %r8
     testq %r8, %r8
-    jz   2f
+    jz   1f
     imulq $1000000, %r8, %r8
+    jmp  spin_cycles
+1:  ret
+
+/*
+ * tick_spin: spins 400M TSC cycles with interrupts on (prime=4's tests: longer than a
+ * request's timer deferral, shorter than a prime's limit); returns in rax the timer
+ * interrupts this CPU took meanwhile. Clobbers rdx, r8, r9.
+ */
+tick_spin:
+    movq ticks(%rip), %r9           /* the BSP's count (invocations run on it) */
+    movq $400000000, %r8
+    sti
+    call spin_cycles
+    movq ticks(%rip), %rax
+    subq %r9, %rax
+    ret
+
+/* spin_cycles: spins r8 TSC cycles. Clobbers rax, rdx, r8. */
+spin_cycles:
     rdtsc
     shlq $32, %rdx
     orq  %rdx, %rax
@@ -546,28 +565,6 @@ rewait_spin:
     orq  %rdx, %rax
     cmpq %r8, %rax
     jb   1b
-2:  ret
-
-/*
- * tick_spin: spins 400M TSC cycles with interrupts on (prime=4's tests: longer than a
- * request's timer deferral, shorter than a prime's limit); returns in rax the timer
- * interrupts this CPU took meanwhile. Clobbers rdx, rcx, r8, r9.
- */
-tick_spin:
-    movq ticks(%rip), %r9           /* the BSP's count (invocations run on it) */
-    rdtsc
-    shlq $32, %rdx
-    orq  %rdx, %rax
-    leaq 400000000(%rax), %r8
-    sti
-1:  pause
-    rdtsc
-    shlq $32, %rdx
-    orq  %rdx, %rax
-    cmpq %r8, %rax
-    jb   1b
-    movq ticks(%rip), %rax
-    subq %r9, %rax
     ret
 
 /*

@@ -40,8 +40,9 @@ pub const PRIME_LIMIT: Duration = Duration::from_millis(500);
 /// otherwise meet the interrupt and the guest kernel's catch-up on all the time since
 /// the template paused, which under shadow paging is tens of milliseconds of emulated
 /// kernel work that makes the prime wait longer still: with 8 warm clones priming at
-/// once on 2 cores, primes took 76 ms at the median and 314 ms at p90 (about 2-5 ms
-/// without). The primed state gets the template's deadline back afterwards.
+/// once on 2 cores, primes took 24 ms at the median and 424 ms at p90, some failing at
+/// the limit (7.8 and 16.8 ms with this deferral). The primed state gets the
+/// template's deadline back afterwards.
 const PRIME_DEFER: Duration = Duration::from_millis(1_000);
 
 /// Why a prime failed (the warm clone ends).

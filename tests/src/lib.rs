@@ -215,36 +215,6 @@ impl Netns {
     }
 }
 
-/// A TCP sink (it reads and discards) listening on `addr:port` inside a namespace,
-/// stopped on drop.
-pub struct TcpSink(Child);
-
-impl TcpSink {
-    /// Starts the sink (python3 in `ip netns exec`).
-    pub fn start(ns: &Netns, addr: &str, port: u16) -> Self {
-        let code = format!(
-            "import socket,threading\n\
-             s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n\
-             s.bind(('{addr}',{port}));s.listen(16)\n\
-             def d(c):\n  while c.recv(65536):pass\n\
-             while True:\n  c,_=s.accept();threading.Thread(target=d,args=(c,),daemon=True).start()\n"
-        );
-        let child = Command::new("ip")
-            .args(["netns", "exec", &ns.0, "python3", "-c", &code])
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("python3 sink");
-        Self(child)
-    }
-}
-
-impl Drop for TcpSink {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = Command::new("ip").args(["netns", "del", &self.0]).output();

@@ -919,11 +919,7 @@ fn linux_clone_throughput_holds_the_rate_limit_with_1_and_8_clones_sending() {
     vm.wait_console("net-configured", LINUX_BOOT);
     // Paused while sending: once its tap (up, so that it counts) has had more than its
     // bucket.
-    let up = (std::process::Command::new("ip")
-        .args(["link", "set", &tap, "up"])
-        .status())
-    .unwrap();
-    assert!(up.success());
+    tests::ip(&["link", "set", &tap, "up"]);
     let rx = format!("/sys/class/net/{tap}/statistics/rx_bytes");
     let start = std::time::Instant::now();
     while std::fs::read_to_string(&rx).map_or(0, |s| s.trim().parse::<u64>().unwrap()) <= BUCKET {

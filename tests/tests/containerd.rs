@@ -740,7 +740,8 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     );
     assert!(
         code == 0 && text.contains("hello from a pod"),
-        "{code} {text}"
+        "{code} {text}\n{}",
+        c.log()
     );
     // Each on its own root file system.
     let (code, text) = crictl(&c, &["exec", "-s", &id, "sh", "-c", "echo one > /tmp/f"]);

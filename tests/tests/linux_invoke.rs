@@ -538,36 +538,41 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
 
     // Clones made through the API of the running VM: mostly inside a read, which the
     // kernel draws again when the VMM's reseed moved its generation.
-    // Once per run, a batch whose clone point fell on a read's way back is made again.
+    // A batch whose clone point fell on a read's way back is made again, once for each
+    // kind of batch.
     let mut excused = 0;
-    let mut batch = |vm: &Vm, pause: bool, what: &str| loop {
-        if pause {
-            // The VM paused: warm clones (prepared ahead), then clones forked from it.
-            assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
-            wait_until("4 warm clones", LINUX_BOOT, || {
-                vm.describe()["warm_clones"]["ready"] == 4
-            });
+    let mut batch = |vm: &Vm, pause: bool, what: &str| {
+        let mut again = false;
+        loop {
+            if pause {
+                // The VM paused: warm clones (prepared ahead), then clones forked from it.
+                assert_eq!(vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#)).0, 204);
+                wait_until("4 warm clones", LINUX_BOOT, || {
+                    vm.describe()["warm_clones"]["ready"] == 4
+                });
+            }
+            let clones = clones_of(vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
+            assert_eq!(clones.len(), CLONES);
+            if pause {
+                assert!(vm.describe()["warm_clones"]["launched"].as_u64().unwrap() >= 4);
+            }
+            let ticks = clone_ticks(vm, &clones);
+            if pause {
+                assert_eq!(
+                    vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#)).0,
+                    204
+                );
+            }
+            if !again && returning_at_clone_point(&ticks) {
+                eprintln!(
+                    "linux_crng_reseed: {what}: the clone point fell on a read's way back; again"
+                );
+                again = true;
+                excused += 1;
+                continue;
+            }
+            break assert_own_bytes(&ticks, what);
         }
-        let clones = clones_of(vm, Some(&format!(r#"{{"count":{CLONES}}}"#)));
-        assert_eq!(clones.len(), CLONES);
-        if pause {
-            assert!(vm.describe()["warm_clones"]["launched"].as_u64().unwrap() >= 4);
-        }
-        let ticks = clone_ticks(vm, &clones);
-        if pause {
-            assert_eq!(
-                vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#)).0,
-                204
-            );
-        }
-        if excused == 0 && returning_at_clone_point(&ticks) {
-            eprintln!(
-                "linux_crng_reseed: {what}: the clone point fell on a read's way back; again"
-            );
-            excused += 1;
-            continue;
-        }
-        break assert_own_bytes(&ticks, what);
     };
     let api_inside = batch(&vm, false, "API clones' first random bytes");
     let paused_inside = batch(&vm, true, "warm and paused-VM clones' first random bytes");
@@ -589,17 +594,18 @@ fn linux_every_kind_of_clone_reads_its_own_kernel_random_bytes_from_the_first_re
     first_ticks(&inherited);
     let consoles: Vec<String> = inherited.iter().map(clone_console).collect();
     let ticks = clone_ticks(&off, &inherited);
-    // Most of them, not all: the guest kernel itself reseeds from its input pool when
+    // Some of them, not all: the guest kernel itself reseeds from its input pool when
     // a read finds the seed older than an interval (uptime/2 in early boot, then 60 s),
     // and a clone whose first read crossed that deadline reads fresh bytes by chance
-    // (the CI saw 1 of 3 do so). The registration is what makes it certain.
+    // (the CI saw 1 of 3 do so). Two clones with the same 16 bytes cannot be chance;
+    // the registration is what makes every clone's its own.
     let shared = ticks
         .iter()
         .map(|t| ticks.iter().filter(|u| u.rand == t.rand).count())
         .max()
         .unwrap_or(0);
     assert!(
-        shared >= 3 && ticks.iter().all(|t| !t.straddled),
+        shared >= 2 && ticks.iter().all(|t| !t.straddled),
         "clones of a kernel that did not register read different bytes: {ticks:?}\n\
          parent:\n{}\nclones:\n{consoles:#?}",
         off.console_text()

@@ -83,7 +83,7 @@ pub use packages::{
     PackageCache, PackageError, PackageHold, PackageSet, PackageSource, DEFAULT_PYTHON,
     GUEST_PYTHON,
 };
-pub use program::guest_file;
+pub use program::{guest_file, vmm_state_id, StateIdError};
 pub use template::{Ready, Template, TemplateSpec, REHEARSALS};
 pub use vm_clone::{ExecOutput, VmClone};
 pub use zygote::{CachePolicy, CacheStats, Packages, Tier, ZygoteCache, PACKAGE_SLOT};

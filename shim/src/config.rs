@@ -69,11 +69,12 @@ impl ShimConfig {
     }
 
     /// Where the template's snapshot of these guest files and this `vmm` is: named by
-    /// their paths, sizes and modification times (a new kernel, image or monitor boots
-    /// and saves anew).
-    fn snapshot(&self, vmm: &Path) -> PathBuf {
+    /// the guest files' paths, sizes and modification times and the `vmm`'s saved-state
+    /// id (a new kernel or image, or a `vmm` whose saved state differs, boots and saves
+    /// anew; a `vmm` rebuilt with the same id restores the saved one).
+    fn snapshot(&self, vmm: &Path) -> Result<PathBuf, TemplateError> {
         let mut h = Sha256::new();
-        for f in [&self.kernel, &self.initrd, &vmm.to_path_buf()] {
+        for f in [&self.kernel, &self.initrd] {
             h.update(f.display().to_string().as_bytes());
             if let Ok(m) = std::fs::metadata(f) {
                 h.update(m.len().to_le_bytes());
@@ -82,10 +83,11 @@ impl ShimConfig {
             }
             h.update(b"\0");
         }
+        h.update(forkvm::vmm_state_id(vmm)?.as_bytes());
         h.update(CMDLINE.as_bytes());
         h.update(format!("\0slots={SLOTS},net").as_bytes());
         let hex = hex(&h.finalize());
-        self.dir.join(format!("template-{}", &hex[..16]))
+        Ok(self.dir.join(format!("template-{}", &hex[..16])))
     }
 }
 
@@ -115,6 +117,9 @@ pub enum TemplateError {
     /// The VMM failed.
     #[error(transparent)]
     Vmm(#[from] forkvm::Error),
+    /// The `vmm` did not tell its saved-state id.
+    #[error(transparent)]
+    StateId(#[from] forkvm::StateIdError),
 }
 
 pub fn dir_error(path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError + '_ {
@@ -154,7 +159,7 @@ pub async fn base(cfg: &ShimConfig) -> Result<PathBuf, TemplateError> {
     if cfg.boot_each {
         return Ok(PathBuf::new());
     }
-    let snapshot = cfg.snapshot(&TemplateSpec::new("").vmm);
+    let snapshot = cfg.snapshot(&TemplateSpec::new("").vmm)?;
     if !snapshot.join("state").exists() {
         let _lock = lock(&cfg.dir.join("template.lock"))?;
         if !snapshot.join("state").exists() {
@@ -251,7 +256,8 @@ async fn boot_and_save(cfg: &ShimConfig, snapshot: &Path) -> Result<(), Template
         let stale_template = name.starts_with("template-") && e.path() != snapshot;
         let stale_image = name.starts_with("prepared-") && !name.contains(&hash);
         if stale_template || stale_image {
-            let _ = std::fs::remove_dir_all(e.path());
+            // An image template's lock file goes with it.
+            let _ = std::fs::remove_dir_all(e.path()).or_else(|_| std::fs::remove_file(e.path()));
         }
     }
     let _ = std::fs::remove_file(&boot_vsock);

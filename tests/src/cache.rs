@@ -97,15 +97,12 @@ pub fn image(path: &Path) -> String {
         std::fs::copy(path, &tmp).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         std::fs::rename(&tmp, &copy).unwrap();
     }
-    // Recently used: kept by the pruning. Touched at most daily, so that a program
-    // that remembers the file's hash by its modification time (the gateway's
-    // `--base-snapshot`) does not hash it again at every use.
-    let stale = (std::fs::metadata(&copy).and_then(|m| m.modified()).ok())
-        .and_then(|t| SystemTime::now().duration_since(t).ok())
-        .is_none_or(|age| age > Duration::from_secs(24 * 3600));
-    if stale {
-        let _ = std::fs::File::open(&copy).and_then(|f| f.set_modified(SystemTime::now()));
-    }
+    // Recently used: kept by the pruning. Its access time says so, not its
+    // modification time, which programs that key what they saved by the file's path,
+    // size and modification time (the containerd shim's template; the gateway's memo
+    // of its hash) keep seeing unchanged.
+    let _ = std::fs::File::open(&copy)
+        .and_then(|f| f.set_times(std::fs::FileTimes::new().set_accessed(SystemTime::now())));
     copy.display().to_string()
 }
 
@@ -177,7 +174,12 @@ fn prune(dir: &Path) {
             if e.file_name() == "images" {
                 continue;
             }
-            let old = (e.metadata().and_then(|m| m.modified()).ok())
+            // Last used: the later of its modification and access times.
+            let used = e.metadata().ok().and_then(|m| {
+                let modified = m.modified().ok()?;
+                Some(m.accessed().map_or(modified, |a| a.max(modified)))
+            });
+            let old = used
                 .and_then(|t| SystemTime::now().duration_since(t).ok())
                 .is_some_and(|age| age > MAX_AGE);
             if old {

@@ -412,3 +412,20 @@ fn a_template_snapshot_restores_as_a_template_that_serves_invocations() {
     }
     t.shutdown(Duration::from_secs(10));
 }
+
+/// `vmm state-id` prints this build's saved-state id, which the library reads as the
+/// caches of saved VMs (the containerd shim's template, the gateway's base snapshot) do.
+#[test]
+fn the_vmm_tells_its_saved_state_id() {
+    let vmm = tests::workspace_bin("vmm");
+    let out = Command::new(&vmm).arg("state-id").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text, format!("{}\n", vmm::SAVED_STATE_ID));
+    assert_eq!(forkvm::vmm_state_id(&vmm).unwrap(), vmm::SAVED_STATE_ID);
+    let id = vmm::SAVED_STATE_ID;
+    assert!(
+        id.len() == 16 && id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{id}"
+    );
+}

@@ -59,6 +59,9 @@ enum Command {
     Restore(Box<RestoreArgs>),
     /// Print the control API's OpenAPI description (YAML; docs/api/openapi.yaml).
     Openapi,
+    /// Print this build's saved-state id (16 hex digits): builds with the same id
+    /// restore each other's snapshots (docs/snapshots.md).
+    StateId,
 }
 
 #[derive(clap::Args)]
@@ -663,6 +666,10 @@ fn main() -> ExitCode {
         }
         Command::Openapi => {
             print!("{}", vmm_api::spec::openapi_yaml());
+            ExitCode::SUCCESS
+        }
+        Command::StateId => {
+            println!("{}", vmm::SAVED_STATE_ID);
             ExitCode::SUCCESS
         }
         Command::Shutdown(s) => print_answer(client::shutdown(&s.api_sock)),

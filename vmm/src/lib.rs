@@ -22,6 +22,12 @@ pub mod signals;
 pub mod snapshot;
 pub mod vstate;
 
+/// This build's saved-state id: 16 hexadecimal digits of a SHA-256 over the sources
+/// that decide what a saved or cloned VM holds and how it is restored (the build
+/// script lists them). Builds with the same id restore each other's snapshots; `vmm
+/// state-id` prints it, and caches of saved VMs are keyed by it.
+pub const SAVED_STATE_ID: &str = env!("FORKVM_SAVED_STATE_ID");
+
 use builder::{build_microvm, BuildError};
 use cloning::cgroups::CgroupSetupError;
 use cloning::Cloner;

@@ -5,11 +5,13 @@
 //! snapshot directory, the gateway restores the base template from the snapshot made
 //! of the same inputs, or boots it and saves one there for the next start (and for the
 //! supervisor's restarts). A snapshot is named by a SHA-256 over its inputs: the bytes
-//! of the kernel, the root image and the `vmm` program (what a guest was shown, CPUID
-//! among it, decided how its kernel set itself up at boot, so a new `vmm` boots and
-//! saves anew), the guest's command line, its memory, and the further `vmm run`
-//! options. Hashing a file is remembered in `DIR/inputs.json` by its path, size, inode
-//! and modification time, so a restart with the same files does not read them again.
+//! of the kernel and the root image, the `vmm` program's saved-state id (`vmm
+//! state-id`: what a guest was shown, CPUID among it, decided how its kernel set itself
+//! up at boot, so a `vmm` whose saved state differs boots and saves anew, and one
+//! rebuilt without such a change restores), the guest's command line, its memory, and
+//! the further `vmm run` options. Hashing a file is remembered in `DIR/inputs.json` by
+//! its path, size, inode and modification time, so a restart with the same files does
+//! not read them again.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -49,6 +51,9 @@ pub enum SnapshotDirError {
         /// Why.
         source: std::io::Error,
     },
+    /// The `vmm` did not tell its saved-state id.
+    #[error(transparent)]
+    StateId(#[from] forkvm::StateIdError),
     /// An input file could not be read to hash it.
     #[error("cannot read {path} to name its snapshot: {source}")]
     Input {
@@ -122,8 +127,7 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
         .unwrap_or_default();
     let remembered = memo.clone();
     let mut h = Sha256::new();
-    let vmm = program_path(&inputs.vmm);
-    for path in [&inputs.kernel, &inputs.rootfs, &vmm] {
+    for path in [&inputs.kernel, &inputs.rootfs] {
         let sha = file_hash(path, &mut memo).map_err(|source| SnapshotDirError::Input {
             path: path.clone(),
             source,
@@ -131,6 +135,8 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
         h.update(sha.as_bytes());
         h.update(b"\0");
     }
+    h.update(forkvm::vmm_state_id(&program_path(&inputs.vmm))?.as_bytes());
+    h.update(b"\0");
     h.update(inputs.cmdline.as_bytes());
     h.update(b"\0");
     h.update(inputs.mem_mib.to_le_bytes());
@@ -311,7 +317,7 @@ mod tests {
         std::fs::write(&kernel, b"kernel bytes").unwrap();
         std::fs::write(&rootfs, b"rootfs bytes").unwrap();
         let vmm = dir.join("vmm");
-        std::fs::write(&vmm, b"vmm bytes").unwrap();
+        fake_vmm(&vmm, "0123456789abcdef");
         Inputs {
             kernel,
             rootfs,
@@ -322,8 +328,22 @@ mod tests {
         }
     }
 
+    /// A program at `path` that answers `state-id` with `id`.
+    fn fake_vmm(path: &Path, id: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        // Written aside and renamed: a program being written cannot be executed.
+        let tmp = path.with_extension("tmp");
+        std::fs::write(
+            &tmp,
+            format!("#!/bin/sh\n[ \"$1\" = state-id ] && echo {id}\n"),
+        )
+        .unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
+    }
+
     #[test]
-    fn a_snapshot_is_named_by_its_inputs_bytes_and_options() {
+    fn a_snapshot_is_named_by_its_inputs_bytes_the_vmms_state_id_and_options() {
         let files = tempfile::tempdir().unwrap();
         let dir = files.path().join("snapshots");
         let i = inputs(files.path());
@@ -334,7 +354,7 @@ mod tests {
         assert_eq!(mode, 0o700);
         let memo: BTreeMap<PathBuf, Hashed> =
             serde_json::from_slice(&std::fs::read(dir.join(MEMO)).unwrap()).unwrap();
-        assert_eq!(memo.len(), 3);
+        assert_eq!(memo.len(), 2);
         // Named again from the memo, which is not written again.
         let written = std::fs::metadata(dir.join(MEMO)).unwrap().ino();
         assert_eq!(snapshot_name(&dir, &i).unwrap(), name);
@@ -351,11 +371,24 @@ mod tests {
             ..i.clone()
         };
         assert_ne!(snapshot_name(&dir, &other).unwrap(), name);
-        // Another vmm program: another snapshot (what it shows a guest may differ).
+        // A vmm whose saved state differs: another snapshot (what it shows a guest may
+        // differ); one rebuilt with the same saved state (other bytes, the same id): the
+        // same snapshot.
         let vmm = files.path().join("vmm2");
-        std::fs::write(&vmm, b"vmm BYTES").unwrap();
+        fake_vmm(&vmm, "fedcba9876543210");
         let other = Inputs { vmm, ..i.clone() };
         assert_ne!(snapshot_name(&dir, &other).unwrap(), name);
+        let vmm = files.path().join("vmm3");
+        fake_vmm(&vmm, "0123456789abcdef\n# rebuilt");
+        let rebuilt = Inputs { vmm, ..i.clone() };
+        assert_eq!(snapshot_name(&dir, &rebuilt).unwrap(), name);
+        // A vmm that does not tell its id: an error naming it.
+        let mute = Inputs {
+            vmm: files.path().join("kernel"),
+            ..i.clone()
+        };
+        let e = snapshot_name(&dir, &mute).unwrap_err();
+        assert!(e.to_string().contains("kernel"), "{e}");
         std::fs::write(&i.rootfs, b"rootfs BYTES").unwrap();
         let later = std::time::SystemTime::now() + std::time::Duration::from_secs(1);
         let f = std::fs::File::options()

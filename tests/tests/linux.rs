@@ -42,8 +42,10 @@ fn linux_smp_pvh_boot_runs_userspace_command_and_reads_the_disk() {
         &initrd,
         "--rootfs",
         &rootfs,
+        // 128 MiB, not 256: the kernel sets up and frees half as many pages (emulated
+        // here): a boot 0.92x as long, measured side by side.
         "--mem-mib",
-        "256",
+        "128",
         "--vcpus",
         "2",
         "--cmdline",

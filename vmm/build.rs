@@ -2,9 +2,10 @@
 //! hexadecimal digits of a SHA-256 over the sources that decide what a saved or cloned
 //! VM holds and how it is restored (the state types and their capture and restore, the
 //! device models, the devices' wiring, what the guest is shown at boot: CPUID, MSRs,
-//! host quirks, the memory layout). Two `vmm` builds with the same id restore each
-//! other's snapshots; a snapshot cache keyed by it (the containerd shim's template, the
-//! gateway's base snapshot) survives a rebuild that changed nothing of those.
+//! host quirks, the memory layout) and the dependencies' versions (`Cargo.lock`). Two
+//! `vmm` builds with the same id restore each other's snapshots; a snapshot cache keyed
+//! by it (the containerd shim's template, the gateway's base snapshot) survives a
+//! rebuild that changed nothing of those.
 
 use std::path::{Path, PathBuf};
 
@@ -43,6 +44,11 @@ fn main() {
         rs_files(&dir, &mut files);
     }
     files.sort();
+    // The dependencies' versions too (kvm-bindings' state structures, the virtio queue
+    // crate's): the lock file, whole.
+    let lock = root.join("Cargo.lock");
+    println!("cargo:rerun-if-changed={}", lock.display());
+    files.push(lock);
     let mut h = Sha256::new();
     for f in &files {
         let rel = f.strip_prefix(root).expect("under the workspace");

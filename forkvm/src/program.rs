@@ -71,11 +71,8 @@ pub fn vmm_state_id(vmm: &Path) -> Result<String, StateIdError> {
         return Ok(id);
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let parts = [id.as_str(), stderr.trim()];
-    let output: String = (parts.iter().filter(|p| !p.is_empty()))
-        .copied()
-        .collect::<Vec<_>>()
-        .join(" ")
+    let output = format!("{id} {}", stderr.trim())
+        .trim()
         .chars()
         .take(400)
         .collect();

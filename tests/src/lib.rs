@@ -513,7 +513,8 @@ impl Vm {
         v["state"] == "paused" && v["invoke"]["waiting"] == true
     }
 
-    fn kill(&mut self) {
+    /// Kills the VMM and reaps it.
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -49,8 +49,7 @@ fn wait_exit_unless_stalled(vm: &mut Vm) -> Option<std::process::ExitStatus> {
             (seen, since) = (console.len(), std::time::Instant::now());
         }
         if console.contains(RCU_STALL) && since.elapsed() > STALL_HUNG {
-            let _ = vm.child.kill();
-            let _ = vm.child.wait();
+            vm.kill();
             return None;
         }
         if start.elapsed() > LINUX_BOOT {

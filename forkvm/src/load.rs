@@ -127,6 +127,12 @@ pub struct Load {
     /// it, in an envelope ([`crate::Envelope`]) the caller unpacks.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub logs: bool,
+    /// Whether the imports inside the handler module's functions are left to their
+    /// calls. By default (false) the loader runs them in the template, so that every
+    /// clone finds those modules loaded and an import at call time costs it a lookup;
+    /// their import side effects then happen once, in the template.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub lazy_imports: bool,
     /// Disk slots whose images come with the derivation (`InvokeOptions::media`; a
     /// [`crate::PackageSet`]'s image): the loader mounts each read-only first on
     /// `sys.path` before the imports, and the derived template's clones keep them.
@@ -185,14 +191,17 @@ mod tests {
         assert!(v.get("handler").is_none());
         assert!(v.get("warmup").is_none());
         assert!(v.get("env").is_none() && v.get("logs").is_none());
+        assert!(v.get("lazy_imports").is_none());
         let l = Load {
             env: BTreeMap::from([("A".into(), "b".into())]),
             logs: true,
+            lazy_imports: true,
             ..l
         };
         let v: serde_json::Value = serde_json::from_slice(&l.payload()).unwrap();
         assert_eq!(v["env"], serde_json::json!({"A": "b"}));
         assert_eq!(v["logs"], true);
+        assert_eq!(v["lazy_imports"], true);
         let l = Load {
             warmup: vec!["{}".into(), vec![0, 0xff].into()],
             ..l

@@ -37,9 +37,13 @@ set in ``os.environ`` before anything else runs (strings; the function's configu
 and secrets); ``logs``, true to capture what each invocation prints; ``disks``, disk
 slots (numbers) whose images came with the request (``media``): each one's ext4 file
 system is mounted read-only at ``/run/forkvm/slot<N>`` and put first on ``sys.path``
-before the imports (packages of the function's own). Each is optional.
-The reply is a JSON object: the modules that were newly imported, the handler now
-served and the warm-up events run. A failure is a 500 with its traceback, and the
+before the imports (packages of the function's own); ``lazy_imports``, true to leave
+the imports inside the functions of ``source`` (of a ``MODULE:FUNCTION`` handler: inside
+that function) to their calls (by default the loader runs them in the template,
+``_preimport``, so that a clone finds those modules loaded; ``python3 -m forkvm
+MODULE:FUNCTION`` does the same unless ``FORKVM_LAZY_IMPORTS=1``).
+Each is optional. The reply is a JSON object: the modules that were newly imported, the
+handler now served, the warm-up events run and the modules pre-imported. A failure is a 500 with its traceback, and the
 clone is then no template.
 
 **With logs** (``"logs": true``), what the handler writes to ``sys.stdout`` and
@@ -385,7 +389,8 @@ def load(spec, handler):
     if "requirements" in spec:
         raise ValueError("requirements are resolved on the host (forkvm.ZygoteCache with a "
                          "package cache): the loader takes their image as disks")
-    unknown = set(spec) - {"imports", "source", "handler", "warmup", "env", "logs", "disks"}
+    unknown = set(spec) - {"imports", "source", "handler", "warmup", "env", "logs", "disks",
+                           "lazy_imports"}
     if unknown:
         raise ValueError("unknown keys in the load request: %s" % ", ".join(sorted(unknown)))
     events = [_warmup_event(i, e) for i, e in enumerate(_list(spec, "warmup"))]
@@ -393,6 +398,9 @@ def load(spec, handler):
     logs = spec.get("logs", False)
     if not isinstance(logs, bool):
         raise ValueError("logs is true or false")
+    lazy = spec.get("lazy_imports", False)
+    if not isinstance(lazy, bool):
+        raise ValueError("lazy_imports is true or false")
     os.environ.update(env)
     _random.configure(os.environ)
     if logs:
@@ -410,12 +418,15 @@ def load(spec, handler):
         exec(compile(source, "<forkvm_function>", "exec"), module.__dict__)
         if name is None:
             name = "handler"
+    preimported = []
     if name is not None:
         modname, _, attr = name.rpartition(":")
         module = importlib.import_module(modname or "forkvm_function")
         handler = getattr(module, attr)
         if not callable(handler):
             raise TypeError("%s is not callable" % name)
+        if not lazy:
+            preimported = _preimport(module, None if modname else source, attr)
     if events and handler is _no_handler:
         raise ValueError("warm-up events need a handler to call")
     for i, event in enumerate(events):
@@ -424,9 +435,99 @@ def load(spec, handler):
         except Exception as e:
             raise RuntimeError("warm-up event %d failed: %s" % (i, e)) from e
     reply = {"imported": sorted(set(sys.modules) - before), "handler": name,
-             "warmed": len(events)}
+             "warmed": len(events), "preimported": preimported}
     _settle()
     return handler, json.dumps(reply).encode()
+
+
+def _nested_imports(source, package=None, only=None):
+    """The modules that ``import`` statements inside the functions of ``source`` (or of
+    its top-level function ``only`` alone) name, in order, without repeats: what those
+    functions would import when called, each as ``(name, maybe)``. For ``from X import a``, ``(X, False)`` and then ``(X.a, True)``:
+    a submodule if X is a package with one, else a name in X. Relative names are
+    resolved in ``package`` (left out without one). Module-level imports ran when the
+    source did, so they are not listed."""
+    import ast
+    import importlib.util
+
+    names = []
+
+    def add(name, maybe=False):
+        if all(n != name for n, _ in names):
+            names.append((name, maybe))
+
+    def resolve(node):
+        if not node.level:
+            return node.module
+        if not package:
+            return None
+        try:
+            return importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+        except ImportError:
+            return None
+
+    tree = ast.parse(source)
+    if only is None:
+        tops = ast.walk(tree)
+    else:
+        tops = [n for n in tree.body if getattr(n, "name", None) == only]
+    for top in tops:
+        if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        for node in ast.walk(top):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                base = resolve(node)
+                if base is None:
+                    continue
+                add(base)
+                for alias in node.names:
+                    if alias.name != "*":
+                        add(base + "." + alias.name, True)
+    return names
+
+
+def _preimport(module, source=None, function=None):
+    """Imports what the functions of the handler's ``module`` import when called, so
+    that an import at call time finds its module loaded in every clone (a dictionary
+    lookup) instead of reading and running it there: in a fresh clone that is the guest
+    kernel's file work and the module's own code on every request. ``source`` is the
+    module's source when it was given with the load (the function's own: all its
+    functions count); otherwise the module is an installed one, whose file is read, and
+    only the handler, its top-level function ``function``, counts (a module without
+    source: nothing is imported). A name that is no module (``from X import
+    function``), or whose import fails, is left for the call to meet as it would have;
+    the module's import side effects happen once, in the template. Returns the names
+    newly imported."""
+    import importlib.util
+
+    if source is None:
+        try:
+            source = importlib.util.find_spec(module.__name__).loader.get_source(module.__name__)
+        except Exception:
+            return []
+        if source is None:
+            return []
+    else:
+        function = None
+    try:
+        names = _nested_imports(source, getattr(module, "__package__", None), function)
+    except SyntaxError:
+        return []
+    done = []
+    for name, maybe in names:
+        if name in sys.modules:
+            continue
+        if maybe and not hasattr(sys.modules.get(name.rpartition(".")[0]), "__path__"):
+            continue  # ``from X import a`` where X is no package: a is a name in X
+        try:
+            importlib.import_module(name)
+        except Exception:
+            continue
+        done.append(name)
+    return done
 
 
 # How long the loader waits for an inserted disk slot's capacity to show.
@@ -803,7 +904,10 @@ def main(argv):
         print("usage: python3 -m forkvm [MODULE:FUNCTION]", file=sys.stderr)
         return 2
     module, function = argv[1].split(":", 1)
-    serve(getattr(importlib.import_module(module), function))
+    module = importlib.import_module(module)
+    if os.environ.get("FORKVM_LAZY_IMPORTS") != "1":
+        _preimport(module, function=function)
+    serve(getattr(module, function))
     return 0
 
 

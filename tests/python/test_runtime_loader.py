@@ -32,7 +32,8 @@ def load(spec, handler=forkvm._no_handler):
 class Loader(unittest.TestCase):
     def test_warmup_events_run_in_order_before_the_reply(self):
         handler, reply = load({"source": SOURCE, "warmup": ["a", {"base64": "AP8="}, ""]})
-        self.assertEqual(json.loads(reply), {"imported": [], "handler": "handler", "warmed": 3})
+        self.assertEqual(json.loads(reply), {"imported": [], "handler": "handler", "warmed": 3,
+                                             "preimported": []})
         module = sys.modules["forkvm_function"]
         self.assertEqual(module.seen, [b"a", b"\x00\xff", b""])
         self.assertEqual(handler(b"x"), b"X")
@@ -137,6 +138,101 @@ class Loader(unittest.TestCase):
     def test_requirements_are_the_hosts_to_resolve(self):
         with self.assertRaisesRegex(ValueError, "resolved on the host"):
             load({"source": SOURCE, "requirements": ["pyyaml"]})
+
+
+class Preimport(unittest.TestCase):
+    """Imports inside the handler module's functions are run by the loader, in the
+    template, unless the load says ``lazy_imports``."""
+
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.tag = "fkpre%d_%d" % (os.getpid(), id(self))
+        files = {
+            "mod.py": "LOADED = True\n",
+            "pkg/__init__.py": "",
+            "pkg/sub.py": "",
+            "plain.py": "def f():\n    return 1\n",
+            "meth.py": "",
+            "raises.py": "raise RuntimeError('not importable')\n",
+            "rel/__init__.py": "",
+            "rel/dep.py": "",
+            "rel/h.py": "def handler(e):\n    from . import dep\n    return b'r'\n"
+                        "def other(e):\n    from . import other\n",
+            "rel/other.py": "",
+        }
+        for name, text in files.items():
+            path = os.path.join(self.dir.name, self.tag, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        with open(os.path.join(self.dir.name, self.tag, "__init__.py"), "w"):
+            pass
+        sys.path.insert(0, self.dir.name)
+
+    def tearDown(self):
+        sys.path.remove(self.dir.name)
+        for name in [m for m in sys.modules if m.startswith(self.tag)]:
+            del sys.modules[name]
+        self.dir.cleanup()
+
+    def source(self):
+        t = self.tag
+        return (
+            "import json\n"
+            "def handler(event):\n"
+            "    import %s.mod\n"
+            "    from %s.pkg import sub\n"
+            "    from %s.plain import f\n"
+            "    if event == b'missing':\n"
+            "        import %s.missing\n"
+            "    if event == b'raises':\n"
+            "        import %s.raises\n"
+            "    return b'ok'\n"
+            "class C:\n"
+            "    def m(self):\n"
+            "        import %s.meth\n" % ((t,) * 6))
+
+    def test_imports_inside_functions_are_imported_at_load(self):
+        t = self.tag
+        handler, reply = load({"source": self.source()})
+        reply = json.loads(reply)
+        for name in ("mod", "pkg", "pkg.sub", "plain", "meth"):
+            self.assertIn("%s.%s" % (t, name), sys.modules)
+        self.assertEqual(reply["preimported"], [t + ".mod", t + ".pkg", t + ".pkg.sub",
+                                                t + ".plain", t + ".meth"])
+        self.assertTrue(sys.modules[t + ".mod"].LOADED)
+        # A name that is no module, one that does not exist and one whose import fails
+        # are left to the call, which meets them as it would have.
+        self.assertNotIn(t + ".plain.f", sys.modules)
+        self.assertNotIn(t + ".missing", sys.modules)
+        self.assertNotIn(t + ".raises", sys.modules)
+        self.assertEqual(handler(b"x"), b"ok")
+        with self.assertRaises(ModuleNotFoundError):
+            handler(b"missing")
+        with self.assertRaisesRegex(RuntimeError, "not importable"):
+            handler(b"raises")
+
+    def test_lazy_imports_leaves_them_to_the_call(self):
+        handler, reply = load({"source": self.source(), "lazy_imports": True})
+        self.assertEqual(json.loads(reply)["preimported"], [])
+        self.assertNotIn(self.tag + ".mod", sys.modules)
+        self.assertEqual(handler(b"x"), b"ok")
+        self.assertIn(self.tag + ".mod", sys.modules)
+        with self.assertRaisesRegex(ValueError, "lazy_imports is true or false"):
+            load({"source": self.source(), "lazy_imports": "yes"})
+
+    def test_a_named_module_is_read_from_its_file_relative_names_in_its_package(self):
+        t = self.tag
+        _, reply = load({"handler": t + ".rel.h:handler"})
+        # Of an installed module, the handler's own imports only.
+        self.assertEqual(json.loads(reply)["preimported"], [t + ".rel.dep"])
+        self.assertIn(t + ".rel.dep", sys.modules)
+        self.assertNotIn(t + ".rel.other", sys.modules)
+
+    def test_relative_imports_of_source_without_a_package_are_left_out(self):
+        self.assertEqual(forkvm._nested_imports("def h():\n    from . import x\n    import a.b\n"),
+                         [("a.b", False)])
+        self.assertEqual(forkvm._nested_imports("import top\nh = lambda: __import__('x')\n"), [])
 
 
 class Heap(unittest.TestCase):

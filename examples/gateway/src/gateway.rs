@@ -62,6 +62,11 @@ pub struct FunctionSpec {
     /// every clone's memory. Their side effects are in every clone too.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warmup: Vec<Event>,
+    /// True to leave the imports inside its source's functions to their calls. By
+    /// default the template runs them before it pauses, so that a request's clone finds
+    /// those modules loaded ([`Load::lazy_imports`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lazy_imports: bool,
     /// Its limits.
     #[serde(default)]
     pub limits: Limits,
@@ -291,6 +296,7 @@ fn function_of(
     load.source = Some(spec.source.clone());
     load.handler = spec.handler.clone();
     load.warmup = spec.warmup.clone();
+    load.lazy_imports = spec.lazy_imports;
     load.env = env;
     load.logs = true;
     load.requirements = spec.requirements.clone();
@@ -809,6 +815,13 @@ mod tests {
         assert_eq!(f.options.timeout_ms, Some(500));
         assert_eq!(f.load.handler, None);
         assert!(f.load.warmup.is_empty());
+        assert!(
+            !f.load.lazy_imports,
+            "nested imports run in the template by default"
+        );
+        let lazy: FunctionSpec =
+            serde_json::from_str(r#"{"source": "x", "lazy_imports": true}"#).unwrap();
+        assert!(function_of(&[], false, lazy).unwrap().load.lazy_imports);
         let warm: FunctionSpec = serde_json::from_str(
             r#"{"source": "x", "warmup": ["{\"n\": 1}", {"base64": "AAE="}]}"#,
         )

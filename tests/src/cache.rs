@@ -9,9 +9,9 @@
 //!   name that holds the hash of its bytes, and the arguments name that copy, so the key
 //!   does not depend on where the checkout is (a clean clone in another directory finds
 //!   the same entries) and a rebuilt image with other bytes gets entries of its own;
-//! - the sources of the device models, of the saved state's types and of the snapshot
-//!   code (a change there may change what a state means), by their paths in the
-//!   repository;
+//! - the build's saved-state id ([`vmm::SAVED_STATE_ID`]: the sources of the device
+//!   models, of the saved state's types and of the snapshot code, where a change may
+//!   change what a state means, and the dependencies' versions);
 //! - the host CPU model.
 //!
 //! A test asks for a guest in a given state ([`CachedBoot`]); the first run boots it,
@@ -30,7 +30,7 @@ use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 
-use crate::{repo_root, Scratch, Vm};
+use crate::{Scratch, Vm};
 
 /// In [`CachedBoot::run_args`]: the vsock device's host socket, a path of the boot's own
 /// (a restore gives its own with `--vsock`).
@@ -111,24 +111,6 @@ pub fn guest_image(name: &str) -> String {
     image(&crate::guest_file(name))
 }
 
-fn hash_sources(h: &mut Sha256, root: &Path, dir: &Path) {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            hash_sources(h, root, &p);
-        } else if p.extension().is_some_and(|e| e == "rs") {
-            let rel = p.strip_prefix(root).expect("under the repository");
-            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-            h.update(format!("{}\0{}\0", rel.display(), bytes.len()));
-            h.update(&bytes);
-        }
-    }
-}
-
 fn cpu_model() -> String {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = info.lines().find(|l| l.starts_with("model name"));
@@ -146,18 +128,9 @@ pub fn entry(boot: &CachedBoot<'_>) -> PathBuf {
     for a in boot.run_args {
         h.update(format!("{}\0{a}\0", a.len()));
     }
-    let root = repo_root();
-    for dir in [
-        "devices/src",
-        "clone/src",
-        "vmm/src/device_manager",
-        "vmm/src/snapshot",
-        // What a booted guest was shown (CPUID, MSRs) decides how its kernel patched
-        // itself at boot (docs/guest-kernel.md): a change there needs new snapshots.
-        "vmm/src/arch",
-    ] {
-        hash_sources(&mut h, &root, &root.join(dir));
-    }
+    // The build's saved-state id (vmm/build.rs: the sources that decide what a saved VM
+    // holds and how it restores, and Cargo.lock): a change there needs new snapshots.
+    h.update(format!("state {}\0", vmm::SAVED_STATE_ID));
     h.update(cpu_model());
     let digest = hex(&h.finalize());
     cache_dir().join(format!("{}-{}", boot.name, &digest[..16]))

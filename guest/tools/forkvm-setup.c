@@ -10,9 +10,11 @@
  *                   the data disk /dev/vda read-only at /mnt/disk when there is one
  *                   and it is not the root already
  *
- * What is mounted already is left as it is, so running it again (init does, when it
- * died by SIGSEGV: docs/guest-kernel.md, "Known host problems") is safe. Exit status 0,
- * or 1 when a mount of the basics failed (each failure is printed).
+ * Running it again is safe (init does, when it died by SIGSEGV: docs/guest-kernel.md,
+ * "Known host problems"): the data disk, mounted already, is left as it is (EBUSY), and
+ * proc, sysfs and the tmpfs mounts are made again over the first ones, which hold
+ * nothing yet at that point. Exit status 0, or 1 when a mount of the basics failed
+ * (each failure is printed).
  */
 #define _GNU_SOURCE
 #include "forkvm-adopt.h" /* sync_clock */
@@ -20,7 +22,7 @@
 #include <sys/mount.h>
 #include <sys/stat.h>
 
-/* mount(2), where a file system already mounted there (EBUSY) counts as done. */
+/* mount(2), where a device already mounted there (EBUSY) counts as done. */
 static int mount_once(const char *src, const char *target, const char *type,
                       unsigned long flags)
 {

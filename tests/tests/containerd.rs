@@ -310,10 +310,11 @@ fn survives_a_restart(c: &mut Containerd) {
     assert_eq!(
         String::from_utf8_lossy(&exec.stdout),
         "still here\n",
-        "{exec:?}"
+        "{exec:?}\n{}",
+        c.log()
     );
     let killed = c.ctr(&["task", "kill", "-s", "SIGKILL", "five"]);
-    assert!(killed.status.success(), "{killed:?}");
+    assert!(killed.status.success(), "{killed:?}\n{}", c.log());
     tests::wait_until("the task to stop", Duration::from_secs(30), || {
         c.task_status("five") == "STOPPED"
     });

@@ -568,6 +568,40 @@ pub fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool)
     }
 }
 
+/// The CPU time process `pid` (all its threads) has used, in clock ticks (`utime` plus
+/// `stime` of `/proc/PID/stat`); None once it is gone.
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which may hold spaces: state is the first.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let field = |n: usize| fields.get(n)?.parse::<u64>().ok();
+    Some(field(11)? + field(12)?)
+}
+
+/// Waits (at most `timeout`) until the VM of VMM process `pid` is idle: its process used
+/// at most 2 clock ticks (20 ms) in each of two half seconds in a row, as a guest whose
+/// processes all sleep does. Its guest's processes are past their start-up then: on the
+/// AMD PVM host a process running beside another's start-up can die by SIGSEGV
+/// (docs/guest-kernel.md, "Known host problems"), so a test that starts a second one
+/// waits for this first.
+pub fn wait_until_vm_idle(pid: u32, timeout: Duration) {
+    let start = Instant::now();
+    let (mut last, mut quiet) = (cpu_ticks(pid), 0);
+    while quiet < 2 {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out waiting for VM process {pid} to be idle"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        let now = cpu_ticks(pid);
+        quiet = match (last, now) {
+            (Some(a), Some(b)) if b.saturating_sub(a) <= 2 => quiet + 1,
+            _ => 0,
+        };
+        last = now;
+    }
+}
+
 /// Entries in directory `path` (0 if it cannot be read): a process's `/proc/PID/fd` or
 /// `/proc/PID/task`, say.
 pub fn count_dir(path: impl AsRef<Path>) -> usize {

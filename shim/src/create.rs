@@ -37,9 +37,12 @@ impl Service {
         };
         let slot = place.as_ref().map_or(0, |p| p.slot);
         let sandbox = place.as_ref().map(|p| p.sandbox.clone());
-        let command = oci_command(process, spec.hostname().as_deref(), slot)?;
-        let command = with_mounts(command, &spec);
-        let made = self.make_rootfs(req, &spec, process, command, place).await;
+        let command = oci_command(process, spec.hostname().as_deref(), slot)
+            .and_then(|c| with_mounts(c, &spec).map_err(|e| e.to_string()));
+        let made = match command {
+            Ok(command) => self.make_rootfs(req, &spec, process, command, place).await,
+            Err(e) => Err(e),
+        };
         if let (Err(_), Some(sandbox)) = (&made, sandbox) {
             self.pods.free(&sandbox, slot).await;
         }

@@ -71,8 +71,39 @@ pub fn rootfs_key(mounts: &[api::Mount]) -> String {
     format!("rootfs-{}", &config::hex(&h.finalize())[..32])
 }
 
-/// Host files larger than this are not copied into a container (`--file`).
-const MAX_FILE: u64 = 1 << 20;
+/// The longest argument a program started in the guest may have, its NUL left out
+/// (Linux's `MAX_ARG_STRLEN`, 32 pages): a `--file PATH=HEX` must fit, so a bound file
+/// is copied only up to about 64 KiB.
+const MAX_ARG: usize = 32 * 4096 - 1;
+
+/// The most content of bound files copied into one container, all together: in hex
+/// twice that, in an argv that Linux limits to a quarter of the stack limit (2 MiB of
+/// the guest's 8).
+const MAX_FILES_TOTAL: usize = 512 << 10;
+
+/// The most `--tmpfs` mounts, and the most `--file` copies, `forkvm-oci` takes
+/// (`OCI_MAX_MOUNTS`).
+const MAX_MOUNTS: usize = 32;
+
+/// Why the spec's mounts cannot be given to the guest.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    /// A bound host file that does not fit a `--file` argument.
+    #[error(
+        "mount {dest}: a host file of {len} bytes; forkvm copies a file bound in into the \
+         guest only up to {max} bytes at that path (docs/containerd.md)"
+    )]
+    FileTooLarge { dest: String, len: u64, max: usize },
+    /// More content of bound files than one container's start can carry.
+    #[error("the files bound in hold more than {MAX_FILES_TOTAL} bytes in all (at {dest})")]
+    FilesTooLarge { dest: String },
+    /// More tmpfs mounts or copied files than `forkvm-oci` takes.
+    #[error("more than {MAX_MOUNTS} {what} (at {dest})")]
+    TooMany { what: &'static str, dest: String },
+    /// A bound host file that cannot be read.
+    #[error("mount {dest}: {error}")]
+    Read { dest: String, error: std::io::Error },
+}
 
 /// `command` (a `forkvm-oci` argv) with what the guest can be given of the spec's
 /// mounts, before its `--`: each tmpfs mount as `--tmpfs DIR`, and each host file bound
@@ -80,10 +111,16 @@ const MAX_FILE: u64 = 1 << 20;
 /// copy of its content (the container's changes to it stay in the guest). `/proc`,
 /// `/sys`, `/dev` and `/dev/pts` are the guest's own, which `forkvm-oci` mounts; a bound
 /// directory at `/dev/shm` (CRI's pod-wide one) becomes a tmpfs of the container's; the
-/// rest (other bound directories, `mqueue`, larger files) is not applied, and the log
-/// says so.
-pub fn with_mounts(mut command: Vec<String>, spec: &oci_spec::runtime::Spec) -> Vec<String> {
+/// rest (other bound directories, `mqueue`) is not applied, and the log says so. A
+/// bound file too large to copy (about 64 KiB each, [`MAX_FILES_TOTAL`] in all), or
+/// more than [`MAX_MOUNTS`] of either kind, is an error: the container would not start
+/// in the guest, or would start without it.
+pub fn with_mounts(
+    mut command: Vec<String>,
+    spec: &oci_spec::runtime::Spec,
+) -> Result<Vec<String>, MountError> {
     let mut extra = Vec::new();
+    let (mut tmpfs, mut files, mut total) = (0, 0, 0);
     for m in spec.mounts().iter().flatten() {
         let dest = m.destination().display().to_string();
         let typ = m.typ().as_deref().unwrap_or_default();
@@ -95,20 +132,40 @@ pub fn with_mounts(mut command: Vec<String>, spec: &oci_spec::runtime::Spec) -> 
         }
         let source = m.source().as_ref();
         let meta = source.and_then(|s| std::fs::metadata(s).ok());
-        match (typ, bind, &meta) {
-            ("tmpfs", _, _) => extra.extend(["--tmpfs".to_string(), dest]),
-            (_, true, Some(meta)) if meta.is_dir() && dest == "/dev/shm" => {
-                extra.extend(["--tmpfs".to_string(), dest])
+        let is_tmpfs = typ == "tmpfs"
+            || (bind && meta.as_ref().is_some_and(|m| m.is_dir()) && dest == "/dev/shm");
+        if is_tmpfs {
+            tmpfs += 1;
+            if tmpfs > MAX_MOUNTS {
+                return Err(MountError::TooMany {
+                    what: "tmpfs mounts",
+                    dest,
+                });
             }
-            (_, true, Some(meta)) if meta.is_file() && meta.len() <= MAX_FILE => {
-                match source.map(std::fs::read) {
-                    Some(Ok(bytes)) => {
-                        let file = format!("{dest}={}", config::hex(&bytes));
-                        extra.extend(["--file".to_string(), file]);
-                    }
-                    Some(Err(e)) => log::warn!("mount {dest}: not applied: {e}"),
-                    None => {}
+            extra.extend(["--tmpfs".to_string(), dest]);
+            continue;
+        }
+        match (bind, &meta, source) {
+            (true, Some(meta), Some(source)) if meta.is_file() => {
+                let max = MAX_ARG.saturating_sub(dest.len() + 1) / 2;
+                if meta.len() > max as u64 {
+                    let len = meta.len();
+                    return Err(MountError::FileTooLarge { dest, len, max });
                 }
+                let bytes = std::fs::read(source).map_err(|error| MountError::Read {
+                    dest: dest.clone(),
+                    error,
+                })?;
+                (files, total) = (files + 1, total + bytes.len());
+                if files > MAX_MOUNTS {
+                    let what = "files bound in";
+                    return Err(MountError::TooMany { what, dest });
+                }
+                if total > MAX_FILES_TOTAL {
+                    return Err(MountError::FilesTooLarge { dest });
+                }
+                let file = format!("{dest}={}", config::hex(&bytes));
+                extra.extend(["--file".to_string(), file]);
             }
             _ => log::warn!(
                 "mount {dest} ({typ}{}): not applied in the guest",
@@ -121,7 +178,7 @@ pub fn with_mounts(mut command: Vec<String>, spec: &oci_spec::runtime::Spec) -> 
         .position(|a| a == "--")
         .unwrap_or(command.len());
     command.splice(at..at, extra);
-    command
+    Ok(command)
 }
 
 #[cfg(test)]
@@ -150,7 +207,7 @@ mod tests {
         }))
         .unwrap();
         let command = vec!["forkvm-oci".to_string(), "--".into(), "sh".into()];
-        let got = with_mounts(command, &spec);
+        let got = with_mounts(command, &spec).unwrap();
         assert_eq!(
             got,
             [
@@ -168,6 +225,51 @@ mod tests {
                 "sh"
             ]
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_bound_file_too_large_for_the_guests_argv_is_an_error_that_names_it() {
+        let dir = std::env::temp_dir().join(format!("forkvm-shim-big-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let spec_of = |files: &[(&str, usize)]| -> oci_spec::runtime::Spec {
+            let mounts: Vec<_> = (files.iter())
+                .map(|(dest, len)| {
+                    let src = dir.join(dest.trim_start_matches('/').replace('/', "_"));
+                    std::fs::write(&src, vec![b'x'; *len]).unwrap();
+                    serde_json::json!({"destination": dest, "type": "bind",
+                                       "source": src, "options": ["rbind", "ro"]})
+                })
+                .collect();
+            serde_json::from_value(serde_json::json!({"ociVersion": "1.0.2", "mounts": mounts}))
+                .unwrap()
+        };
+        let command = || vec!["forkvm-oci".to_string(), "--".into(), "sh".into()];
+        // The largest that fits one argument with its path, and one byte more.
+        let dest = "/etc/app.conf";
+        let max = (MAX_ARG - dest.len() - 1) / 2;
+        let got = with_mounts(command(), &spec_of(&[(dest, max)])).unwrap();
+        let arg = got[2].len();
+        assert!(
+            arg <= MAX_ARG && arg + 2 > MAX_ARG,
+            "--file {dest}=HEX fills one argument"
+        );
+        let e = with_mounts(command(), &spec_of(&[(dest, max + 1)])).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains(dest) && text.contains(&format!("{}", max + 1)),
+            "{text}"
+        );
+        // Files that fit one by one but not all together.
+        let many: Vec<(String, usize)> = (0..10).map(|i| (format!("/etc/f{i}"), 60_000)).collect();
+        let many: Vec<(&str, usize)> = many.iter().map(|(d, l)| (d.as_str(), *l)).collect();
+        let e = with_mounts(command(), &spec_of(&many)).unwrap_err();
+        assert!(matches!(e, MountError::FilesTooLarge { .. }), "{e}");
+        // More files than forkvm-oci takes.
+        let many: Vec<(String, usize)> = (0..33).map(|i| (format!("/etc/g{i}"), 1)).collect();
+        let many: Vec<(&str, usize)> = many.iter().map(|(d, l)| (d.as_str(), *l)).collect();
+        let e = with_mounts(command(), &spec_of(&many)).unwrap_err();
+        assert!(matches!(e, MountError::TooMany { .. }), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

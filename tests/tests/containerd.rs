@@ -879,7 +879,7 @@ impl Drop for Bridge {
 }
 
 #[test]
-fn linux_ctr_reports_a_template_or_an_image_that_cannot_be_had_and_leaves_nothing() {
+fn linux_ctr_reports_a_template_an_image_or_a_mount_that_cannot_be_had_and_leaves_nothing() {
     if !ready("containerd_errors", false) {
         return;
     }
@@ -887,6 +887,14 @@ fn linux_ctr_reports_a_template_or_an_image_that_cannot_be_had_and_leaves_nothin
     let archive = scratch.path("busybox.tar");
     tests::oci::busybox_image(&archive, IMAGE, &["sh", "echo"]);
     let shim_dir = scratch.path("shim").display().to_string();
+    // A bound host file too large to be copied into the guest (its copy travels as one
+    // argument of forkvm-oci, which Linux limits to 128 KiB in hex).
+    let big = scratch.path("big.conf");
+    std::fs::write(&big, vec![b'x'; 100 << 10]).unwrap();
+    let mount = format!(
+        "type=bind,src={},dst=/etc/big.conf,options=rbind:ro",
+        big.display()
+    );
     let cases = [
         (
             "template",
@@ -898,6 +906,7 @@ fn linux_ctr_reports_a_template_or_an_image_that_cannot_be_had_and_leaves_nothin
                 ("FORKVM_SHIM_DIR", shim_dir.clone()),
             ],
             "the template:",
+            vec![],
         ),
         (
             "image",
@@ -906,14 +915,21 @@ fn linux_ctr_reports_a_template_or_an_image_that_cannot_be_had_and_leaves_nothin
                 ("FORKVM_SHIM_DIR", shim_dir.clone()),
             ],
             "the root file system's image:",
+            vec![],
+        ),
+        (
+            "mount",
+            vec![("FORKVM_SHIM_DIR", shim_dir.clone())],
+            "mount /etc/big.conf: a host file of 102400 bytes",
+            vec!["--mount", mount.as_str()],
         ),
     ];
-    for (name, env, says) in cases {
+    for (name, env, says, extra) in cases {
         let dir = Scratch::new(&format!("containerd-errors-{name}"));
         let c = Containerd::start_env(&dir, false, &env);
         let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
         assert!(out.status.success(), "{out:?}");
-        let (code, out, err) = c.run(name, &[], &["echo", "never"]);
+        let (code, out, err) = c.run(name, &extra, &["echo", "never"]);
         assert_ne!(code, 0, "{out}{err}");
         assert!(err.contains(says), "{name}: {err}\n{}", c.log());
         assert!(!out.contains("never"), "{out}");

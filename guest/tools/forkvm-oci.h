@@ -29,6 +29,16 @@
  * the OCI spec's tmpfs mounts and the host files it binds in (the CRI's hosts,
  * hostname and resolv.conf), for a container's first process.
  *
+ * --unpack reads an archive from its input, after changing root and before dropping
+ * to UID:GID, and makes what it lists in the root file system: the host directories
+ * and larger files the spec binds in (volumes), copied. Each entry is a 16-byte head
+ * (a kind byte, 3 zero bytes, then the mode, the path's length and the data's length
+ * as little-endian 32-bit numbers), the path (absolute, in the container) and the
+ * data: kind 'D' a directory (its parents made), 'F' a file of the data's bytes, 'L' a
+ * symbolic link to the data, 'E' the end. Symbolic links in the paths resolve inside
+ * the container. The input is read exactly to the end entry: what follows it is
+ * PROGRAM's input.
+ *
  *   forkvm-oci [--slot N] --release
  *
  * Unmounts slot N's root file system and everything under it (lazily: what a process
@@ -75,7 +85,7 @@ static void oci_usage(void)
 {
     fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--prepare] [--timeout-s S] "
                     "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
-                    "[--tmpfs DIR]... [--file PATH=HEX]... "
+                    "[--tmpfs DIR]... [--file PATH=HEX]... [--unpack] "
                     "-- PROGRAM [ARG]...\n"
                     "       forkvm-oci [--slot N] --release\n");
     exit(125);
@@ -316,9 +326,88 @@ static void oci_put_file(const char *root, const char *arg)
     close(fd);
 }
 
+/* Reads exactly `len` bytes of the input into `buf`. */
+static void oci_read_input(void *buf, size_t len)
+{
+    for (size_t done = 0; done < len;) {
+        ssize_t n = read(0, (char *)buf + done, len - done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            oci_fail("--unpack", "the archive ended early: %s", n < 0 ? strerror(errno) : "EOF");
+        done += (size_t)n;
+    }
+}
+
+/* --unpack: the archive on the input, made in the (already changed) root. */
+static void oci_unpack(void)
+{
+    static char buf[65536];
+    for (;;) {
+        unsigned char head[16];
+        oci_read_input(head, sizeof head);
+        unsigned int v[3];
+        for (int k = 0; k < 3; k++)
+            v[k] = (unsigned)head[4 + 4 * k] | (unsigned)head[5 + 4 * k] << 8 |
+                   (unsigned)head[6 + 4 * k] << 16 | (unsigned)head[7 + 4 * k] << 24;
+        unsigned int mode = v[0] & 07777, plen = v[1], dlen = v[2];
+        char kind = (char)head[0];
+        if (kind == 'E')
+            return;
+        char path[PATH_MAX];
+        if (plen == 0 || plen >= sizeof path)
+            oci_fail("--unpack", "an entry's path of %u bytes", plen);
+        oci_read_input(path, plen);
+        path[plen] = 0;
+        if (!oci_path_ok(path, plen) || strlen(path) != plen)
+            oci_fail("--unpack", "%.64s is no absolute path", path);
+        char *slash = strrchr(path, '/');
+        if (slash != path) {
+            *slash = 0;
+            oci_mkdirs(path);
+            *slash = '/';
+        }
+        if (kind == 'D') {
+            if (dlen)
+                oci_fail("--unpack", "%s: a directory with data", path);
+            if ((mkdir(path, mode) != 0 && errno != EEXIST) || chmod(path, mode) != 0)
+                oci_fail("--unpack", "%s: %s", path, strerror(errno));
+        } else if (kind == 'L') {
+            char target[PATH_MAX];
+            if (dlen == 0 || dlen >= sizeof target)
+                oci_fail("--unpack", "%s: a link target of %u bytes", path, dlen);
+            oci_read_input(target, dlen);
+            target[dlen] = 0;
+            unlink(path);
+            if (symlink(target, path) != 0)
+                oci_fail("--unpack", "%s: %s", path, strerror(errno));
+        } else if (kind == 'F') {
+            int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode);
+            if (fd < 0 || fchmod(fd, mode) != 0)
+                oci_fail("--unpack", "%s: %s", path, strerror(errno));
+            for (unsigned int left = dlen; left > 0;) {
+                size_t n = left < sizeof buf ? left : sizeof buf;
+                oci_read_input(buf, n);
+                for (size_t done = 0; done < n;) {
+                    ssize_t w = write(fd, buf + done, n - done);
+                    if (w < 0 && errno == EINTR)
+                        continue;
+                    if (w <= 0)
+                        oci_fail("--unpack", "%s: %s", path, strerror(errno));
+                    done += (size_t)w;
+                }
+                left -= (unsigned int)n;
+            }
+            close(fd);
+        } else {
+            oci_fail("--unpack", "an entry of kind %d", head[0]);
+        }
+    }
+}
+
 static int oci_main(int argc, char **argv)
 {
-    int slot = 0, readonly = 0, prepare = 0, release = 0, timeout_s = 30, nenv = 0;
+    int slot = 0, readonly = 0, prepare = 0, release = 0, unpack = 0, timeout_s = 30, nenv = 0;
     int have_path = 0;
     const char *hostname = NULL, *cwd = "/";
     unsigned long uid = 0, gid = 0;
@@ -340,6 +429,9 @@ static int oci_main(int argc, char **argv)
             continue;
         } else if (strcmp(a, "--release") == 0) {
             release = 1;
+            continue;
+        } else if (strcmp(a, "--unpack") == 0) {
+            unpack = 1;
             continue;
         }
         if (!v)
@@ -445,6 +537,8 @@ static int oci_main(int argc, char **argv)
         oci_fail("hostname", "%s", strerror(errno));
     if (chdir(root) != 0 || chroot(".") != 0 || chdir("/") != 0)
         oci_fail("chroot", "%s: %s", root, strerror(errno));
+    if (unpack)
+        oci_unpack();
     if (setgroups(0, NULL) != 0 || setgid((gid_t)gid) != 0 || setuid((uid_t)uid) != 0)
         oci_fail("user", "%lu:%lu: %s", uid, gid, strerror(errno));
     if (chdir(cwd) != 0)

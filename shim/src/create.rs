@@ -16,7 +16,7 @@ use crate::net;
 use crate::pod::Place;
 use crate::prepared;
 use crate::process::{oci_command, Proc};
-use crate::spec::{is_sandbox, limits, rootfs_key, sandbox_id, with_mounts};
+use crate::spec::{is_sandbox, limits, rootfs_key, sandbox_id, with_mounts, Mounted};
 use crate::task::{Container, Service};
 
 impl Service {
@@ -37,10 +37,18 @@ impl Service {
         };
         let slot = place.as_ref().map_or(0, |p| p.slot);
         let sandbox = place.as_ref().map(|p| p.sandbox.clone());
-        let command = oci_command(process, spec.hostname().as_deref(), slot)
-            .and_then(|c| with_mounts(c, &spec).map_err(|e| e.to_string()));
-        let made = match command {
-            Ok(command) => self.make_rootfs(req, &spec, process, command, place).await,
+        let mounted = oci_command(process, spec.hostname().as_deref(), slot)
+            .and_then(|c| with_mounts(c, &spec).map_err(|e| e.to_string()))
+            .and_then(|m| match req.terminal && !m.archive.is_empty() {
+                true => Err(
+                    "volumes bound in for a process on a terminal: forkvm copies \
+                             them through its input, which the terminal takes"
+                        .to_string(),
+                ),
+                false => Ok(m),
+            });
+        let made = match mounted {
+            Ok(mounted) => self.make_rootfs(req, &spec, process, mounted, place).await,
             Err(e) => Err(e),
         };
         if let (Err(_), Some(sandbox)) = (&made, sandbox) {
@@ -91,9 +99,10 @@ impl Service {
         req: &api::CreateTaskRequest,
         spec: &oci_spec::runtime::Spec,
         process: &oci_spec::runtime::Process,
-        command: Vec<String>,
+        mounted: Mounted,
         place: Option<Place>,
     ) -> Result<Container, String> {
+        let Mounted { command, archive } = mounted;
         let bundle = Path::new(&req.bundle);
         let rootfs = bundle.join("rootfs");
         let t0 = Instant::now();
@@ -132,7 +141,8 @@ impl Service {
                 template: None,
                 clone: Some(clone),
                 init: Proc::new(command, &req.stdout, &req.stderr)
-                    .with_input(&req.stdin, req.terminal),
+                    .with_input(&req.stdin, req.terminal)
+                    .with_preamble(archive),
                 execs: HashMap::new(),
                 paused: false,
                 sandbox: false,
@@ -190,7 +200,9 @@ impl Service {
             clone_id: clone.id().to_string(),
             template: Some(template),
             clone: Some(Arc::new(clone)),
-            init: Proc::new(command, &req.stdout, &req.stderr).with_input(&req.stdin, req.terminal),
+            init: Proc::new(command, &req.stdout, &req.stderr)
+                .with_input(&req.stdin, req.terminal)
+                .with_preamble(archive),
             execs: HashMap::new(),
             paused: false,
             sandbox: false,

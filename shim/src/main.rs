@@ -18,6 +18,7 @@ mod prepared;
 mod process;
 mod spec;
 mod task;
+mod volumes;
 
 use containerd_shim::asynchronous::run;
 use containerd_shim::Config;

@@ -30,6 +30,9 @@ pub struct Proc {
     /// Whether it runs on a terminal in the guest (`-t`): its output, both streams,
     /// goes to `stdout`.
     pub terminal: bool,
+    /// What its input starts with, before its own: the archive of volumes
+    /// `forkvm-oci --unpack` reads (empty: none; never on a terminal).
+    pub preamble: Vec<u8>,
     /// Ends its input before its FIFO's writer has (`CloseIO`).
     pub close_stdin: Arc<Notify>,
     /// Its signals, once started (None: not yet, or it could not start).
@@ -48,6 +51,7 @@ impl Proc {
             stderr: stderr.into(),
             stdin: String::new(),
             terminal: false,
+            preamble: Vec::new(),
             close_stdin: Arc::default(),
             control: None,
             started: false,
@@ -60,6 +64,12 @@ impl Proc {
     pub fn with_input(mut self, stdin: &str, terminal: bool) -> Self {
         self.stdin = stdin.into();
         self.terminal = terminal;
+        self
+    }
+
+    /// The same, its input starting with `preamble` (the volumes' archive).
+    pub fn with_preamble(mut self, preamble: Vec<u8>) -> Self {
+        self.preamble = preamble;
         self
     }
 

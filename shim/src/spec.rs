@@ -6,6 +6,7 @@ use containerd_shim_protos::api;
 use sha2::{Digest, Sha256};
 
 use crate::config;
+use crate::volumes::{Archive, VolumeError};
 
 /// Whether `spec` is a pod's sandbox container (CRI's annotation).
 pub fn is_sandbox(spec: &oci_spec::runtime::Spec) -> bool {
@@ -103,23 +104,40 @@ pub enum MountError {
     /// A bound host file that cannot be read.
     #[error("mount {dest}: {error}")]
     Read { dest: String, error: std::io::Error },
+    /// A volume that cannot be copied.
+    #[error(transparent)]
+    Volume(#[from] VolumeError),
+}
+
+/// What the guest is given of the spec's mounts: the `forkvm-oci` argv, and the archive
+/// of volumes its first process's input starts with (empty: none).
+#[derive(Debug)]
+pub struct Mounted {
+    /// The argv.
+    pub command: Vec<String>,
+    /// The archive (`forkvm-oci --unpack`, [`crate::volumes`]).
+    pub archive: Vec<u8>,
 }
 
 /// `command` (a `forkvm-oci` argv) with what the guest can be given of the spec's
-/// mounts, before its `--`: each tmpfs mount as `--tmpfs DIR`, and each host file bound
-/// in (CRI's `/etc/hosts`, `/etc/hostname`, `/etc/resolv.conf`) as `--file PATH=HEX`, a
-/// copy of its content (the container's changes to it stay in the guest). `/proc`,
-/// `/sys`, `/dev` and `/dev/pts` are the guest's own, which `forkvm-oci` mounts; a bound
-/// directory at `/dev/shm` (CRI's pod-wide one) becomes a tmpfs of the container's; the
-/// rest (other bound directories, `mqueue`) is not applied, and the log says so. A
-/// bound file too large to copy (about 64 KiB each, [`MAX_FILES_TOTAL`] in all), or
-/// more than [`MAX_MOUNTS`] of either kind, is an error: the container would not start
-/// in the guest, or would start without it.
+/// mounts, before its `--`: each tmpfs mount as `--tmpfs DIR`, each small host file
+/// bound in (CRI's `/etc/hosts`, `/etc/hostname`, `/etc/resolv.conf`) as `--file
+/// PATH=HEX`, a copy of its content, and host directories and larger files bound in
+/// (volumes) copied through an archive on the process's input (`--unpack`,
+/// [`crate::volumes`]). The container's changes to its copies stay in the guest.
+/// `/proc`, `/sys`, `/dev` and `/dev/pts` are the guest's own, which `forkvm-oci`
+/// mounts; a bound directory at `/dev/shm` (CRI's pod-wide one) becomes a tmpfs of the
+/// container's; `mqueue` is not applied, and the log says so. A process on a terminal
+/// (`terminal` in the spec) reads its input there, so it gets no archive: its bound
+/// directories are not applied (the log says so), and a bound file too large for a
+/// `--file` argument is an error, as is anything past the limits.
 pub fn with_mounts(
     mut command: Vec<String>,
     spec: &oci_spec::runtime::Spec,
-) -> Result<Vec<String>, MountError> {
+) -> Result<Mounted, MountError> {
+    let terminal = (spec.process().as_ref()).is_some_and(|p| p.terminal().unwrap_or(false));
     let mut extra = Vec::new();
+    let mut archive = Archive::default();
     let (mut tmpfs, mut files, mut total) = (0, 0, 0);
     for m in spec.mounts().iter().flatten() {
         let dest = m.destination().display().to_string();
@@ -148,6 +166,13 @@ pub fn with_mounts(
         match (bind, &meta, source) {
             (true, Some(meta), Some(source)) if meta.is_file() => {
                 let max = MAX_ARG.saturating_sub(dest.len() + 1) / 2;
+                let fits = meta.len() <= max as u64
+                    && files < MAX_MOUNTS
+                    && total + meta.len() as usize <= MAX_FILES_TOTAL;
+                if !fits && !terminal {
+                    archive.add_file(source, &dest)?;
+                    continue;
+                }
                 if meta.len() > max as u64 {
                     let len = meta.len();
                     return Err(MountError::FileTooLarge { dest, len, max });
@@ -167,18 +192,31 @@ pub fn with_mounts(
                 let file = format!("{dest}={}", config::hex(&bytes));
                 extra.extend(["--file".to_string(), file]);
             }
+            (true, Some(meta), Some(source)) if meta.is_dir() && !terminal => {
+                archive.add_dir(source, &dest)?;
+            }
             _ => log::warn!(
                 "mount {dest} ({typ}{}): not applied in the guest",
-                if bind { ", bound from the host" } else { "" }
+                match (bind, terminal) {
+                    (true, true) => ", bound from the host, for a process on a terminal",
+                    (true, false) => ", bound from the host",
+                    _ => "",
+                }
             ),
         }
+    }
+    if !archive.is_empty() {
+        extra.push("--unpack".into());
     }
     let at = command
         .iter()
         .position(|a| a == "--")
         .unwrap_or(command.len());
     command.splice(at..at, extra);
-    Ok(command)
+    Ok(Mounted {
+        command,
+        archive: archive.finish(),
+    })
 }
 
 #[cfg(test)]
@@ -186,7 +224,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tmpfs_and_small_bound_files_reach_the_guest_the_rest_is_left() {
+    fn tmpfs_small_files_and_volumes_reach_the_guest_the_rest_is_left() {
         let dir = std::env::temp_dir().join(format!("forkvm-shim-mounts-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("resolv.conf"), "nameserver 10.0.0.53\n").unwrap();
@@ -209,7 +247,7 @@ mod tests {
         let command = vec!["forkvm-oci".to_string(), "--".into(), "sh".into()];
         let got = with_mounts(command, &spec).unwrap();
         assert_eq!(
-            got,
+            got.command,
             [
                 "forkvm-oci",
                 "--tmpfs",
@@ -221,54 +259,86 @@ mod tests {
                 ),
                 "--tmpfs",
                 "/dev/shm",
+                "--unpack",
                 "--",
                 "sh"
             ]
         );
+        // The directory at /data, in the archive: itself, then its file.
+        let mut want = Archive::default();
+        want.add_dir(&dir, "/data").unwrap();
+        assert_eq!(got.archive, want.finish());
+        assert!(got.archive.len() > 2 * 16 + "/data/resolv.conf".len());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    fn spec_binding(
+        dir: &std::path::Path,
+        files: &[(&str, usize)],
+        terminal: bool,
+    ) -> oci_spec::runtime::Spec {
+        let mounts: Vec<_> = (files.iter())
+            .map(|(dest, len)| {
+                let src = dir.join(dest.trim_start_matches('/').replace('/', "_"));
+                std::fs::write(&src, vec![b'x'; *len]).unwrap();
+                serde_json::json!({"destination": dest, "type": "bind",
+                                   "source": src, "options": ["rbind", "ro"]})
+            })
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "ociVersion": "1.0.2",
+            "process": {"terminal": terminal, "cwd": "/", "args": ["sh"],
+                        "user": {"uid": 0, "gid": 0}},
+            "mounts": mounts,
+        }))
+        .unwrap()
+    }
+
     #[test]
-    fn a_bound_file_too_large_for_the_guests_argv_is_an_error_that_names_it() {
+    fn bound_files_past_an_argument_go_in_the_archive_and_on_a_terminal_are_errors() {
         let dir = std::env::temp_dir().join(format!("forkvm-shim-big-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let spec_of = |files: &[(&str, usize)]| -> oci_spec::runtime::Spec {
-            let mounts: Vec<_> = (files.iter())
-                .map(|(dest, len)| {
-                    let src = dir.join(dest.trim_start_matches('/').replace('/', "_"));
-                    std::fs::write(&src, vec![b'x'; *len]).unwrap();
-                    serde_json::json!({"destination": dest, "type": "bind",
-                                       "source": src, "options": ["rbind", "ro"]})
-                })
-                .collect();
-            serde_json::from_value(serde_json::json!({"ociVersion": "1.0.2", "mounts": mounts}))
-                .unwrap()
-        };
         let command = || vec!["forkvm-oci".to_string(), "--".into(), "sh".into()];
-        // The largest that fits one argument with its path, and one byte more.
+        // The largest that fits one argument with its path; one byte more is archived.
         let dest = "/etc/app.conf";
         let max = (MAX_ARG - dest.len() - 1) / 2;
-        let got = with_mounts(command(), &spec_of(&[(dest, max)])).unwrap();
-        let arg = got[2].len();
+        let got = with_mounts(command(), &spec_binding(&dir, &[(dest, max)], false)).unwrap();
+        let arg = got.command[2].len();
         assert!(
             arg <= MAX_ARG && arg + 2 > MAX_ARG,
             "--file {dest}=HEX fills one argument"
         );
-        let e = with_mounts(command(), &spec_of(&[(dest, max + 1)])).unwrap_err();
+        assert!(got.archive.is_empty());
+        let got = with_mounts(command(), &spec_binding(&dir, &[(dest, max + 1)], false)).unwrap();
+        assert_eq!(got.command, ["forkvm-oci", "--unpack", "--", "sh"]);
+        assert_eq!(got.archive.len(), 16 + dest.len() + max + 1 + 16);
+        // On a terminal (no archive): an error that names it.
+        let spec = spec_binding(&dir, &[(dest, max + 1)], true);
+        let e = with_mounts(command(), &spec).unwrap_err();
         let text = e.to_string();
         assert!(
             text.contains(dest) && text.contains(&format!("{}", max + 1)),
             "{text}"
         );
-        // Files that fit one by one but not all together.
+        // Files that fit one by one but not all together: the rest archived, or an
+        // error on a terminal.
         let many: Vec<(String, usize)> = (0..10).map(|i| (format!("/etc/f{i}"), 60_000)).collect();
         let many: Vec<(&str, usize)> = many.iter().map(|(d, l)| (d.as_str(), *l)).collect();
-        let e = with_mounts(command(), &spec_of(&many)).unwrap_err();
+        let got = with_mounts(command(), &spec_binding(&dir, &many, false)).unwrap();
+        let files = got.command.iter().filter(|a| *a == "--file").count();
+        assert_eq!(files, MAX_FILES_TOTAL / 60_000);
+        assert!(got.command.contains(&"--unpack".to_string()));
+        let e = with_mounts(command(), &spec_binding(&dir, &many, true)).unwrap_err();
         assert!(matches!(e, MountError::FilesTooLarge { .. }), "{e}");
-        // More files than forkvm-oci takes.
+        // More files than forkvm-oci takes as arguments.
         let many: Vec<(String, usize)> = (0..33).map(|i| (format!("/etc/g{i}"), 1)).collect();
         let many: Vec<(&str, usize)> = many.iter().map(|(d, l)| (d.as_str(), *l)).collect();
-        let e = with_mounts(command(), &spec_of(&many)).unwrap_err();
+        let got = with_mounts(command(), &spec_binding(&dir, &many, false)).unwrap();
+        assert_eq!(
+            got.command.iter().filter(|a| *a == "--file").count(),
+            MAX_MOUNTS
+        );
+        let e = with_mounts(command(), &spec_binding(&dir, &many, true)).unwrap_err();
         assert!(matches!(e, MountError::TooMany { .. }), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -248,7 +248,7 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::StartRequest,
     ) -> TtrpcResult<api::StartResponse> {
-        let (clone, command, (stdout, stderr, stdin), mode, close_stdin, exit, pid) = {
+        let (clone, (command, preamble), (stdout, stderr, stdin), mode, close_stdin, exit, pid) = {
             let mut all = self.containers.lock().await;
             let c = all.get_mut(&req.id).ok_or_else(|| not_found(&req.id))?;
             if c.sandbox && req.exec_id.is_empty() && !c.init.started {
@@ -273,7 +273,7 @@ impl Task for Service {
             let close = p.close_stdin.clone();
             (
                 clone,
-                p.command.clone(),
+                (p.command.clone(), std::mem::take(&mut p.preamble)),
                 fifos,
                 p.mode(),
                 close,
@@ -282,7 +282,16 @@ impl Task for Service {
             )
         };
         let since = Instant::now();
-        let started = clone.spawn_with(AGENT_PORT, &command, mode).await;
+        // The volumes' archive first (`forkvm-oci --unpack`): the whole input of a process
+        // whose input is not fed, or its first bytes.
+        let started = match (mode.stdin, preamble.is_empty()) {
+            (false, false) => clone.spawn(AGENT_PORT, &command, &preamble).await,
+            (true, false) => match clone.spawn_with(AGENT_PORT, &command, mode).await {
+                Ok(mut p) => (p.control.write_input(&preamble).await).map(|()| p),
+                Err(e) => Err(e),
+            },
+            (_, true) => clone.spawn_with(AGENT_PORT, &command, mode).await,
+        };
         let process = match started {
             Ok(p) => p,
             Err(e) => {
@@ -292,6 +301,7 @@ impl Task for Service {
                     .and_then(|c| c.process_mut(&req.exec_id).ok())
                 {
                     p.started = false;
+                    p.preamble = preamble;
                 }
                 return Err(rpc_error(
                     Code::UNAVAILABLE,

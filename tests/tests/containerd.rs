@@ -452,7 +452,7 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     let scratch = Scratch::new("containerd");
     let archive = scratch.path("busybox.tar");
     let applets = [
-        "sh", "echo", "cat", "id", "pwd", "hostname", "ls", "sleep", "tty",
+        "sh", "echo", "cat", "id", "pwd", "hostname", "ls", "sleep", "tty", "wc",
     ];
     tests::oci::busybox_image(&archive, IMAGE, &applets);
     let c = Containerd::start(&scratch);
@@ -475,9 +475,21 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     assert_eq!(code, 3, "{out}{err}\n{}", c.log());
     assert_eq!(out, "hi in /tmp as 0\nfrom the image\nmine\n", "{err}");
     assert!(err.contains("oops\n"), "{err}");
-    // stdin: the process reads what ctr is given on its stdin, to its end.
+    // A host directory bound in (a volume): copied into the guest.
+    let volume = configmap_volume(&scratch.path("volume"));
+    let bind = format!(
+        "type=bind,src={},dst=/etc/config,options=rbind:ro",
+        volume.display()
+    );
+    let mount = ["--mount", bind.as_str()];
+    // stdin: the process reads what ctr is given on its stdin, to its end (after the
+    // volume's copy, which comes first on the same input).
     let mut run = c
-        .run_command("in1", &[], &["sh", "-c", "cat; echo read all"])
+        .run_command(
+            "in1",
+            &mount,
+            &["sh", "-c", "cat; echo read all; cat /etc/config/app.conf"],
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -492,7 +504,7 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     assert_eq!(out.status.code(), Some(0), "{out:?}\n{}", c.log());
     assert_eq!(
         String::from_utf8_lossy(&out.stdout),
-        "hello\nworld\nread all\n"
+        "hello\nworld\nread all\nport=8080\n"
     );
     // -t: the process runs on a terminal in the guest (ctr needs one of its own, which
     // `script` gives it); its output and exit status come back through it.
@@ -509,9 +521,14 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert_eq!(out.status.code(), Some(4), "{text}\n{}", c.log());
     assert!(text.contains("/dev/pts/"), "{text}");
-    // Another container of the same image: its own root file system.
-    let (code, out, err) = c.run("two", &[], &["sh", "-c", "cat /tmp/f 2>&1; ls /"]);
+    // Another container of the same image: its own root file system; and the volume.
+    let script = "cat /etc/config/app.conf; wc -c < /etc/config/sub/big; \
+                  ls /etc/config/..data/; cat /tmp/f 2>&1; ls /";
+    let (code, out, err) = c.run("two", &mount, &["sh", "-c", script]);
     assert_eq!(code, 0, "{out}{err}");
+    let volume_seen = "port=8080\n102400\napp.conf\nsub\n";
+    assert!(out.starts_with(volume_seen), "{out}{err}\n{}", c.log());
+    let out = out[volume_seen.len()..].to_string();
     assert!(
         out.starts_with("cat: can't open '/tmp/f'"),
         "{out}{err}\n{}",
@@ -552,6 +569,20 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
         "{:?}",
         processes_naming(&scratch.path("").display().to_string())
     );
+}
+
+/// A host directory at `dir` in the shape of a Kubernetes ConfigMap volume's: its keys
+/// (`app.conf`, `sub/big`, a file larger than a `forkvm-oci` argument) are links into
+/// `..data`, itself a link to a dated directory.
+fn configmap_volume(dir: &Path) -> PathBuf {
+    let dated = dir.join("..2026_12_03");
+    std::fs::create_dir_all(dated.join("sub")).unwrap();
+    std::fs::write(dated.join("app.conf"), "port=8080\n").unwrap();
+    std::fs::write(dated.join("sub/big"), vec![b'v'; 100 << 10]).unwrap();
+    std::os::unix::fs::symlink("..2026_12_03", dir.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/app.conf", dir.join("app.conf")).unwrap();
+    std::os::unix::fs::symlink("..data/sub", dir.join("sub")).unwrap();
+    dir.to_path_buf()
 }
 
 /// `crictl ARGS` against `c`: its exit status and output; an `exec` whose command died by
@@ -674,6 +705,7 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     // `line` in its log. A container whose shell died by SIGSEGV before it printed is
     // removed and made again under another name, twice at most, with a warning (the
     // host problem `again` is for).
+    let volume = configmap_volume(&scratch.path("volume"));
     let start_in = |pod_id: &str, pod: &Path, name: &str, script: &str, line: &str| {
         for attempt in 0..3 {
             let name = match attempt {
@@ -686,6 +718,8 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
                 "image": {"image": IMAGE},
                 "command": ["sh", "-c", script],
                 "log_path": format!("{name}.log"),
+                "mounts": [{"container_path": "/etc/config",
+                            "host_path": volume, "readonly": true}],
             });
             std::fs::write(&container, spec.to_string()).unwrap();
             let (code, id) = crictl(
@@ -740,7 +774,14 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
         &format!("echo hello from a pod; {forever}"),
         "hello from a pod",
     );
-    let id2 = start("c2", &format!("echo second here; {forever}"), "second here");
+    // The pod's volume, copied into each container's file system.
+    let id2 = start(
+        "c2",
+        &format!("cat /etc/config/app.conf; echo second here; {forever}"),
+        "second here",
+    );
+    let (_, logs) = crictl(&c, &["logs", &id2]);
+    assert!(logs.contains("port=8080\nsecond here"), "{logs}");
     // One VM: the same pid (its VMM's), and each sees the other's processes.
     assert_eq!(pid_of(&id), pid_of(&id2));
     assert!(pid_of(&id) > 0);

@@ -443,18 +443,15 @@ def load(spec, handler):
 def _nested_imports(source, package=None, only=None):
     """The modules that ``import`` statements inside the functions of ``source`` (or of
     its top-level function ``only`` alone) name, in order, without repeats: what those
-    functions would import when called, each as ``(name, maybe)``. For ``from X import a``, ``(X, False)`` and then ``(X.a, True)``:
-    a submodule if X is a package with one, else a name in X. Relative names are
-    resolved in ``package`` (left out without one). Module-level imports ran when the
-    source did, so they are not listed."""
+    functions would import when called, each as ``(name, maybe)``. For ``from X import
+    a``, ``(X, False)`` and then ``(X.a, True)``: a submodule if X is a package with one,
+    else a name in X. Relative names are resolved in ``package`` (left out without one).
+    Module-level imports ran when the source did, so they are not listed."""
     import ast
     import importlib.util
 
-    names = []
-
-    def add(name, maybe=False):
-        if all(n != name for n, _ in names):
-            names.append((name, maybe))
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    names = {}  # name -> maybe, in the order first met
 
     def resolve(node):
         if not node.level:
@@ -466,27 +463,29 @@ def _nested_imports(source, package=None, only=None):
         except ImportError:
             return None
 
+    def visit(node, inside):
+        # Each node once: an import counts inside a function at any depth.
+        for child in ast.iter_child_nodes(node):
+            if inside and isinstance(child, ast.Import):
+                for alias in child.names:
+                    names.setdefault(alias.name, False)
+            elif inside and isinstance(child, ast.ImportFrom):
+                base = resolve(child)
+                if base is not None:
+                    names.setdefault(base, False)
+                    for alias in child.names:
+                        if alias.name != "*":
+                            names.setdefault(base + "." + alias.name, True)
+            visit(child, inside or isinstance(child, functions))
+
     tree = ast.parse(source)
     if only is None:
-        tops = ast.walk(tree)
+        visit(tree, False)
     else:
-        tops = [n for n in tree.body if getattr(n, "name", None) == only]
-    for top in tops:
-        if not isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            continue
-        for node in ast.walk(top):
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    add(alias.name)
-            elif isinstance(node, ast.ImportFrom):
-                base = resolve(node)
-                if base is None:
-                    continue
-                add(base)
-                for alias in node.names:
-                    if alias.name != "*":
-                        add(base + "." + alias.name, True)
-    return names
+        for top in tree.body:
+            if isinstance(top, functions[:2]) and top.name == only:
+                visit(top, True)
+    return list(names.items())
 
 
 def _preimport(module, source=None, function=None):

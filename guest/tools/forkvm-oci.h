@@ -289,6 +289,19 @@ static int oci_hex(char c)
     return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
 }
 
+/* Writes all `len` bytes of `buf` to `fd`, the file `path` (for option `what`'s error). */
+static void oci_write_all(int fd, const char *buf, size_t len, const char *what, const char *path)
+{
+    for (size_t done = 0; done < len;) {
+        ssize_t n = write(fd, buf + done, len - done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            oci_fail(what, "%s: %s", path, strerror(errno));
+        done += (size_t)n;
+    }
+}
+
 /* Writes --file PATH=HEX under `root`. */
 static void oci_put_file(const char *root, const char *arg)
 {
@@ -312,14 +325,7 @@ static void oci_put_file(const char *root, const char *arg)
             oci_fail("--file", "%s: the content is not lower-case hex", path);
         buf[k++] = (char)(hi << 4 | lo);
         if (k == sizeof buf || !h[2]) {
-            for (size_t done = 0; done < k;) {
-                ssize_t n = write(fd, buf + done, k - done);
-                if (n < 0 && errno == EINTR)
-                    continue;
-                if (n <= 0)
-                    oci_fail("--file", "%s: %s", path, strerror(errno));
-                done += (size_t)n;
-            }
+            oci_write_all(fd, buf, k, "--file", path);
             k = 0;
         }
     }
@@ -388,14 +394,7 @@ static void oci_unpack(void)
             for (unsigned int left = dlen; left > 0;) {
                 size_t n = left < sizeof buf ? left : sizeof buf;
                 oci_read_input(buf, n);
-                for (size_t done = 0; done < n;) {
-                    ssize_t w = write(fd, buf + done, n - done);
-                    if (w < 0 && errno == EINTR)
-                        continue;
-                    if (w <= 0)
-                        oci_fail("--unpack", "%s: %s", path, strerror(errno));
-                    done += (size_t)w;
-                }
+                oci_write_all(fd, buf, n, "--unpack", path);
                 left -= (unsigned int)n;
             }
             close(fd);

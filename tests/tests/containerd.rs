@@ -928,10 +928,13 @@ fn linux_ctr_reports_a_template_an_image_or_a_mount_that_cannot_be_had_and_leave
     let archive = scratch.path("busybox.tar");
     tests::oci::busybox_image(&archive, IMAGE, &["sh", "echo"]);
     let shim_dir = scratch.path("shim").display().to_string();
-    // A bound host file too large to be copied into the guest (its copy travels as one
-    // argument of forkvm-oci, which Linux limits to 128 KiB in hex).
+    // A bound host file too large to be copied into the guest (volumes travel on the
+    // first process's input, at most 15 MiB; this one is sparse).
     let big = scratch.path("big.conf");
-    std::fs::write(&big, vec![b'x'; 100 << 10]).unwrap();
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
     let mount = format!(
         "type=bind,src={},dst=/etc/big.conf,options=rbind:ro",
         big.display()
@@ -961,7 +964,7 @@ fn linux_ctr_reports_a_template_an_image_or_a_mount_that_cannot_be_had_and_leave
         (
             "mount",
             vec![("FORKVM_SHIM_DIR", shim_dir.clone())],
-            "mount /etc/big.conf: a host file of 102400 bytes",
+            "the volumes bound in hold more than 15728640 bytes or 4096 entries (at /etc/big.conf)",
             vec!["--mount", mount.as_str()],
         ),
     ];

@@ -21,11 +21,17 @@ Then:
   the first output after the agent is asked to start the process, which is the guest's
   work: forkvm-oci's mounts, chroot and exec in the guest kernel).
 
+With --volume a third row alternates with the two: forkvm with a host directory bound
+in (`--mount`, in a Kubernetes ConfigMap volume's shape: a small file and a 100 KiB one,
+--volume-kib, behind `..data` links), which the shim copies into the container at its start
+(docs/containerd.md, "Volumes are copies"); the shim's account then covers both forkvm
+rows.
+
 Needs root, containerd, ctr and runc (scripts/install-deps.sh test), the release
 binaries (cargo build --release --workspace --bins) and the guest (make guest).
 
 usage: benches/containerd.py [--runs N] [--boot-runs N] [--concurrent N]
-                             [--memory-containers N] [--dir DIR]
+                             [--memory-containers N] [--volume] [--dir DIR]
 """
 import argparse
 import hashlib
@@ -149,10 +155,10 @@ class Containerd:
             self.p.wait()
 
 
-def run_once(c, runtime, cid, script="echo ready"):
-    """`ctr run --rm` to the first line and to the exit, in ms."""
+def run_once(c, runtime, cid, script="echo ready", extra=()):
+    """`ctr run --rm` (with `extra` options) to the first line and to the exit, in ms."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(c.argv("run", "--rm", "--runtime", runtime, IMAGE, cid,
+    p = subprocess.Popen(c.argv("run", "--rm", "--runtime", runtime, *extra, IMAGE, cid,
                                 "sh", "-c", script),
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE)
@@ -164,6 +170,21 @@ def run_once(c, runtime, cid, script="echo ready"):
         sys.exit(f"{runtime} {cid}: status {p.returncode}, output {line + rest!r}, "
                  f"{err.decode()}\n{c.log()[-3000:]}")
     return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+
+def configmap_volume(path, kib=100):
+    """A host directory in a Kubernetes ConfigMap volume's shape at `path` (its larger
+    file `kib` KiB); returns the `ctr run --mount` options that bind it at /etc/config."""
+    dated = os.path.join(path, "..2026_12_03")
+    os.makedirs(os.path.join(dated, "sub"))
+    with open(os.path.join(dated, "app.conf"), "w") as f:
+        f.write("port=8080\n")
+    with open(os.path.join(dated, "sub", "big"), "wb") as f:
+        f.write(b"v" * (kib << 10))
+    os.symlink("..2026_12_03", os.path.join(path, "..data"))
+    os.symlink("..data/app.conf", os.path.join(path, "app.conf"))
+    os.symlink("..data/sub", os.path.join(path, "sub"))
+    return ["--mount", f"type=bind,src={path},dst=/etc/config,options=rbind:ro"]
 
 
 def stats(xs):
@@ -273,6 +294,10 @@ def main():
     ap.add_argument("--concurrent", type=int, default=20)
     ap.add_argument("--memory-containers", type=int, default=5)
     ap.add_argument("--log", help="append containerd's logs (the shim's lines among them) here")
+    ap.add_argument("--volume", action="store_true",
+                    help="also forkvm with a ConfigMap-shaped host directory bound in")
+    ap.add_argument("--volume-kib", type=int, default=100,
+                    help="the size of the volume's larger file, KiB")
     ap.add_argument("--dir", default="/var/tmp/forkvm-bench-shim",
                     help="the shim's directory (its saved template is kept between runs)")
     a = ap.parse_args()
@@ -296,10 +321,16 @@ def main():
         for runtime in [FORKVM, RUNC]:
             run_once(c, runtime, "warmup-" + runtime.split(".")[2])
         skip = len(shim_phases(c.log())[0])
-        rows = {FORKVM: [], RUNC: []}
+        # (label, runtime, ctr options) per row, alternating run by run.
+        kinds = [(FORKVM, FORKVM, []), (RUNC, RUNC, [])]
+        if a.volume:
+            mount = configmap_volume(os.path.join(tmp, "volume"), a.volume_kib)
+            kinds.insert(1, ("volume", FORKVM, mount))
+        rows = {label: [] for label, _, _ in kinds}
         for i in range(a.runs):
-            for runtime in ([FORKVM, RUNC] if i % 2 == 0 else [RUNC, FORKVM]):
-                rows[runtime].append(run_once(c, runtime, f"r{i}-{runtime.split('.')[2]}"))
+            for label, runtime, extra in (kinds if i % 2 == 0 else kinds[::-1]):
+                cid = f"r{i}-{label.split('.')[-2] if '.' in label else label}"
+                rows[label].append(run_once(c, runtime, cid, extra=extra))
         created, began = shim_phases(c.log())
         created, began = created[skip:], began[skip:]
 
@@ -312,10 +343,12 @@ def main():
         b.stop()
 
         print(f"\n`ctr run --rm IMAGE ID sh -c 'echo ready'`, ms, min / median / p99 "
-              f"({a.runs} runs each, forkvm and runc alternating; {a.boot_runs} boot runs):\n")
+              f"({a.runs} runs each, the rows alternating run by run; {a.boot_runs} boot runs):\n")
         head("runtime", "to the first line", "to ctr's exit", "median first line / forkvm's")
         med = statistics.median([x[0] for x in rows[FORKVM]])
         for label, xs in [("forkvm (a clone of the saved template)", rows[FORKVM]),
+                          ("forkvm with a ConfigMap-shaped volume bound in (copied in)",
+                           rows.get("volume", [])),
                           ("runc (no VM)", rows[RUNC]),
                           ("a VM booted per container (forkvm's shim, FORKVM_SHIM_BOOT_EACH=1)",
                            boot)]:

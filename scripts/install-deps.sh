@@ -87,3 +87,22 @@ if [ ! -x "$crictl" ] || [ "$(cat "$crictl.version" 2>/dev/null)" != "$crictl_ve
         echo "install-deps: no Go toolchain: crictl is not built (the CRI test needs it)" >&2
     fi
 fi
+# containerd 2.x and its ctr (from the Go module proxy; Debian 12 ships 1.6), for the
+# test that runs the shim under it, built like crictl into /var/cache/forkvm/bin/containerd2.
+containerd2_version=v2.4.2
+containerd2=/var/cache/forkvm/bin/containerd2
+if [ ! -x "$containerd2/containerd" ] || [ ! -x "$containerd2/ctr" ] ||
+    [ "$(cat "$containerd2/version" 2>/dev/null)" != "$containerd2_version" ]; then
+    go=$(command -v go || echo /usr/local/go/bin/go)
+    if [ -x "$go" ]; then
+        echo "install-deps: building containerd $containerd2_version (a few minutes)" >&2
+        rm -rf "$containerd2"
+        mkdir -p "$containerd2"
+        GOBIN=$containerd2 "$go" install \
+            "github.com/containerd/containerd/v2/cmd/containerd@$containerd2_version" \
+            "github.com/containerd/containerd/v2/cmd/ctr@$containerd2_version"
+        echo "$containerd2_version" > "$containerd2/version"
+    else
+        echo "install-deps: no Go toolchain: containerd 2.x is not built (a containerd test needs it)" >&2
+    fi
+fi

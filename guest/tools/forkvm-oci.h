@@ -12,8 +12,8 @@
  *
  * Waits up to S seconds (default 30) for disk slot N's medium (default slot 0; the
  * device whose serial is forkvm-slotN) to show its capacity, mounts its ext4 file
- * system at /run/forkvm/rootfs<N> (noatime; read-write unless --readonly; already mounted, by an
- * earlier forkvm-oci of the same container, it is used as it is), and in it proc,
+ * system at /run/forkvm/rootfs<N> (noatime; already mounted, by an earlier forkvm-oci of
+ * the same container, it is used as it is), and in it proc,
  * sysfs (read-only) and the guest's /dev (a bind mount); sets the hostname; changes
  * root into it; drops to UID:GID (default 0:0) with no supplementary groups; replaces
  * the environment with the --env values (PATH, unless given, the OCI default); changes
@@ -38,6 +38,12 @@
  * symbolic link to the data, 'E' the end. Symbolic links in the paths resolve inside
  * the container. The input is read exactly to the end entry: what follows it is
  * PROGRAM's input.
+ *
+ * --ro PATH and --rw PATH (repeated; paths in the container, after the unpacking) make
+ * PATH a mount of its own (bound onto itself), read-only or writable: the spec's mount
+ * options for what was copied in. --readonly then makes the root file system's mount
+ * read-only (the spec's root.readonly): the mounts above keep their own flags, and the
+ * medium itself stays writable for the container's other mounts of it.
  *
  *   forkvm-oci [--slot N] --release
  *
@@ -85,7 +91,8 @@ static void oci_usage(void)
 {
     fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--prepare] [--timeout-s S] "
                     "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
-                    "[--tmpfs DIR]... [--file PATH=HEX]... [--unpack] "
+                    "[--tmpfs DIR]... [--file PATH=HEX]... [--unpack] [--ro PATH]... "
+                    "[--rw PATH]... "
                     "-- PROGRAM [ARG]...\n"
                     "       forkvm-oci [--slot N] --release\n");
     exit(125);
@@ -404,6 +411,16 @@ static void oci_unpack(void)
     }
 }
 
+/* Makes `path` (in the root file system, which is the process's root now) a mount of its
+ * own, read-only if `ro`. */
+static void oci_bind(const char *path, int ro)
+{
+    if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) != 0)
+        oci_fail(ro ? "--ro" : "--rw", "%s: %s", path, strerror(errno));
+    if (ro && mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0)
+        oci_fail("--ro", "%s: %s", path, strerror(errno));
+}
+
 static int oci_main(int argc, char **argv)
 {
     int slot = 0, readonly = 0, prepare = 0, release = 0, unpack = 0, timeout_s = 30, nenv = 0;
@@ -411,8 +428,8 @@ static int oci_main(int argc, char **argv)
     const char *hostname = NULL, *cwd = "/";
     unsigned long uid = 0, gid = 0;
     char *env[OCI_MAX_ENV + 2];
-    const char *tmpfs[OCI_MAX_MOUNTS], *files[OCI_MAX_MOUNTS];
-    int ntmpfs = 0, nfiles = 0;
+    const char *tmpfs[OCI_MAX_MOUNTS], *files[OCI_MAX_MOUNTS], *binds[2 * OCI_MAX_MOUNTS];
+    int ntmpfs = 0, nfiles = 0, nbinds = 0, bind_ro[2 * OCI_MAX_MOUNTS];
     int i = 1;
     for (; i < argc; i++) {
         const char *a = argv[i];
@@ -461,6 +478,11 @@ static int oci_main(int argc, char **argv)
             if (!oci_path_ok(v, strlen(v)) || ntmpfs == OCI_MAX_MOUNTS)
                 oci_fail("--tmpfs", "%s is no absolute path, or one too many", v);
             tmpfs[ntmpfs++] = v;
+        } else if (strcmp(a, "--ro") == 0 || strcmp(a, "--rw") == 0) {
+            if (!oci_path_ok(v, strlen(v)) || nbinds == 2 * OCI_MAX_MOUNTS)
+                oci_fail(a, "%s is no absolute path, or one too many", v);
+            bind_ro[nbinds] = a[3] == 'o';
+            binds[nbinds++] = v;
         } else if (strcmp(a, "--file") == 0) {
             if (nfiles == OCI_MAX_MOUNTS)
                 oci_fail("--file", "more than %d files", OCI_MAX_MOUNTS);
@@ -510,7 +532,7 @@ static int oci_main(int argc, char **argv)
         oci_fail("/run/forkvm", "%s", strerror(errno));
     snprintf(root, sizeof root, "/run/forkvm/rootfs%d", slot);
     snprintf(device, sizeof device, "/dev/%s", dev);
-    oci_mount_once(device, root, "ext4", MS_NOATIME | (readonly ? MS_RDONLY : 0));
+    oci_mount_once(device, root, "ext4", MS_NOATIME);
     snprintf(sub, sizeof sub, "%s/proc/self", root);
     if (access(sub, F_OK) != 0) {
         snprintf(sub, sizeof sub, "%s/proc", root);
@@ -538,6 +560,11 @@ static int oci_main(int argc, char **argv)
         oci_fail("chroot", "%s: %s", root, strerror(errno));
     if (unpack)
         oci_unpack();
+    for (int k = 0; k < nbinds; k++)
+        oci_bind(binds[k], bind_ro[k]);
+    /* Per mount: the medium's other mounts (a pod's later processes) are not affected. */
+    if (readonly && mount(NULL, "/", NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) != 0)
+        oci_fail("--readonly", "%s", strerror(errno));
     if (setgroups(0, NULL) != 0 || setgid((gid_t)gid) != 0 || setuid((uid_t)uid) != 0)
         oci_fail("user", "%lu:%lu: %s", uid, gid, strerror(errno));
     if (chdir(cwd) != 0)

@@ -86,6 +86,9 @@ const MAX_FILES_TOTAL: usize = 512 << 10;
 /// (`OCI_MAX_MOUNTS`).
 const MAX_MOUNTS: usize = 32;
 
+/// The most `--ro` and `--rw` mounts `forkvm-oci` takes (twice `OCI_MAX_MOUNTS`).
+const MAX_BINDS: usize = 2 * MAX_MOUNTS;
+
 /// Why the spec's mounts cannot be given to the guest.
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
@@ -130,13 +133,17 @@ pub struct Mounted {
 /// container's; `mqueue` is not applied, and the log says so. A process on a terminal
 /// (`terminal` in the spec) reads its input there, so it gets no archive: its bound
 /// directories are not applied (the log says so), and a bound file too large for a
-/// `--file` argument is an error, as is anything past the limits.
+/// `--file` argument is an error, as is anything past the limits. A mount whose options
+/// say `ro` is made read-only (`--ro DIR`); the spec's `root.readonly` makes the root
+/// file system read-only (`--readonly`), the other mounts writable (`--rw DIR`) unless
+/// they say `ro`.
 pub fn with_mounts(
     mut command: Vec<String>,
     spec: &oci_spec::runtime::Spec,
 ) -> Result<Mounted, MountError> {
     let terminal = (spec.process().as_ref()).is_some_and(|p| p.terminal().unwrap_or(false));
-    let mut extra = Vec::new();
+    let readonly = (spec.root().as_ref()).is_some_and(|r| r.readonly().unwrap_or(false));
+    let (mut extra, mut binds) = (Vec::new(), Vec::new());
     let mut archive = Archive::default();
     let (mut tmpfs, mut files, mut total) = (0, 0, 0);
     for m in spec.mounts().iter().flatten() {
@@ -150,6 +157,14 @@ pub fn with_mounts(
         }
         let source = m.source().as_ref();
         let meta = source.and_then(|s| std::fs::metadata(s).ok());
+        // Its flag, for what is applied: a mount of its own, read-only or writable
+        // (writable only needs one where the root becomes read-only; a tmpfs is one).
+        let flag = match (options.iter().any(|o| o == "ro"), readonly) {
+            (true, _) => Some("--ro"),
+            (false, true) => Some("--rw"),
+            (false, false) => None,
+        };
+        let flag = flag.map(|f| [f.to_string(), dest.clone()]);
         let is_tmpfs = typ == "tmpfs"
             || (bind && meta.as_ref().is_some_and(|m| m.is_dir()) && dest == "/dev/shm");
         if is_tmpfs {
@@ -161,6 +176,7 @@ pub fn with_mounts(
                 });
             }
             extra.extend(["--tmpfs".to_string(), dest]);
+            binds.extend(flag.filter(|f| f[0] == "--ro"));
             continue;
         }
         match (bind, &meta, source) {
@@ -171,6 +187,7 @@ pub fn with_mounts(
                     && total + meta.len() as usize <= MAX_FILES_TOTAL;
                 if !fits && !terminal {
                     archive.add_file(source, &dest)?;
+                    binds.extend(flag);
                     continue;
                 }
                 if meta.len() > max as u64 {
@@ -191,9 +208,11 @@ pub fn with_mounts(
                 }
                 let file = format!("{dest}={}", config::hex(&bytes));
                 extra.extend(["--file".to_string(), file]);
+                binds.extend(flag);
             }
             (true, Some(meta), Some(source)) if meta.is_dir() && !terminal => {
                 archive.add_dir(source, &dest)?;
+                binds.extend(flag);
             }
             _ => log::warn!(
                 "mount {dest} ({typ}{}): not applied in the guest",
@@ -207,6 +226,15 @@ pub fn with_mounts(
     }
     if !archive.is_empty() {
         extra.push("--unpack".into());
+    }
+    if binds.len() > MAX_BINDS {
+        let dest = binds.swap_remove(MAX_BINDS)[1].clone();
+        let what = "mounts read-only or writable apart from the root";
+        return Err(MountError::TooMany { what, dest });
+    }
+    extra.extend(binds.into_iter().flatten());
+    if readonly {
+        extra.push("--readonly".into());
     }
     let at = command
         .iter()
@@ -260,10 +288,33 @@ mod tests {
                 "--tmpfs",
                 "/dev/shm",
                 "--unpack",
+                "--ro",
+                "/etc/resolv.conf",
                 "--",
                 "sh"
             ]
         );
+        // A read-only root: the other mounts it copies into stay writable, unless `ro`.
+        let mut readonly = spec.clone();
+        let root = oci_spec::runtime::RootBuilder::default()
+            .path("rootfs")
+            .readonly(true)
+            .build()
+            .unwrap();
+        readonly.set_root(Some(root));
+        let command = vec!["forkvm-oci".to_string(), "--".into(), "sh".into()];
+        let got_ro = with_mounts(command, &readonly).unwrap();
+        let tail = [
+            "--ro",
+            "/etc/resolv.conf",
+            "--rw",
+            "/data",
+            "--readonly",
+            "--",
+        ];
+        let at = got_ro.command.iter().position(|a| a == "--unpack").unwrap() + 1;
+        assert_eq!(got_ro.command[at..at + tail.len()], tail);
+        assert_eq!(got_ro.archive, got.archive);
         // The directory at /data, in the archive: itself, then its file.
         let mut want = Archive::default();
         want.add_dir(&dir, "/data").unwrap();
@@ -310,7 +361,8 @@ mod tests {
         );
         assert!(got.archive.is_empty());
         let got = with_mounts(command(), &spec_binding(&dir, &[(dest, max + 1)], false)).unwrap();
-        assert_eq!(got.command, ["forkvm-oci", "--unpack", "--", "sh"]);
+        let want = ["forkvm-oci", "--unpack", "--ro", dest, "--", "sh"];
+        assert_eq!(got.command, want);
         assert_eq!(got.archive.len(), 16 + dest.len() + max + 1 + 16);
         // On a terminal (no archive): an error that names it.
         let spec = spec_binding(&dir, &[(dest, max + 1)], true);
@@ -340,6 +392,11 @@ mod tests {
         );
         let e = with_mounts(command(), &spec_binding(&dir, &many, true)).unwrap_err();
         assert!(matches!(e, MountError::TooMany { .. }), "{e}");
+        // More read-only mounts than forkvm-oci makes.
+        let many: Vec<(String, usize)> = (0..65).map(|i| (format!("/etc/h{i}"), 1)).collect();
+        let many: Vec<(&str, usize)> = many.iter().map(|(d, l)| (d.as_str(), *l)).collect();
+        let e = with_mounts(command(), &spec_binding(&dir, &many, false)).unwrap_err();
+        assert!(e.to_string().contains("/etc/h64"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

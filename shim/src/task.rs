@@ -177,6 +177,10 @@ impl Shim for Service {
                 return Ok(address);
             }
         }
+        keep_legacy_start_input().map_err(|err| Error::IoError {
+            context: "the start's input".into(),
+            err,
+        })?;
         let address = spawn(opts, &grouping, Vec::new()).await?;
         // In the bundle (the working directory): a restarted containerd reconnects to
         // the shim at this address.
@@ -664,4 +668,38 @@ impl Task for Service {
         }
         Ok(api::Empty::default())
     }
+}
+
+/// Leaves on the shim's stdin only what `spawn` can read there. containerd 1.x writes the
+/// runtime's options (a protobuf `Any` of runc's `Options`, often nothing), whose
+/// `shim_cgroup` `spawn` applies to the serving shim; containerd 2.x writes its
+/// bootstrap parameters instead (the same ids and addresses as the arguments and
+/// environment), which `spawn` would fail to read as options: the shim then reads
+/// nothing there.
+fn keep_legacy_start_input() -> std::io::Result<()> {
+    use containerd_shim_protos::protobuf::{well_known_types::any::Any, Message};
+    use containerd_shim_protos::shim::oci::Options;
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let mut data = Vec::new();
+    std::io::stdin().read_to_end(&mut data)?;
+    let legacy = data.is_empty()
+        || Any::parse_from_bytes(&data)
+            .and_then(|any| Options::parse_from_bytes(&any.value))
+            .is_ok();
+    let (reader, mut writer) = std::os::unix::net::UnixStream::pair()?;
+    if legacy {
+        // At most a few hundred bytes: the socket holds them without a reader.
+        writer.write_all(&data)?;
+    } else {
+        let len = data.len();
+        log::info!("start: containerd's bootstrap parameters on stdin ({len} bytes)");
+    }
+    drop(writer);
+    // SAFETY: dup2 onto fd 0 of a socket's end this function owns; it closes and
+    // replaces the shim's stdin, which nothing else holds a handle to at this point.
+    if unsafe { libc::dup2(reader.as_raw_fd(), 0) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -25,6 +25,8 @@ struct Containerd {
     sock: PathBuf,
     log: PathBuf,
     namespace: &'static str,
+    /// The `ctr` that speaks to it.
+    ctr: PathBuf,
     /// Starts containerd again as it was started.
     command: Box<dyn Fn() -> Child>,
 }
@@ -67,6 +69,19 @@ impl Containerd {
 
     /// [`Containerd::start_with`], the shim's environment changed by `env`.
     fn start_env(scratch: &Scratch, cri: bool, env: &[(&str, String)]) -> Containerd {
+        Self::start_bin(scratch, cri, env, None)
+    }
+
+    /// [`Containerd::start_env`], with the `containerd` and `ctr` in directory `bin`
+    /// (else Debian's, on `PATH`).
+    fn start_bin(
+        scratch: &Scratch,
+        cri: bool,
+        env: &[(&str, String)],
+        bin: Option<&Path>,
+    ) -> Containerd {
+        let program = |name: &str| bin.map_or(PathBuf::from(name), |b| b.join(name));
+        let containerd = program("containerd");
         let sock = scratch.path("containerd.sock");
         let plugins = match cri {
             false => "disabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n".to_string(),
@@ -103,7 +118,7 @@ impl Containerd {
             .collect();
         let log_file = log.clone();
         let command = move || {
-            Command::new("containerd")
+            Command::new(&containerd)
                 .arg("--config")
                 .arg(&config_path)
                 .env("PATH", &path)
@@ -132,6 +147,7 @@ impl Containerd {
             sock,
             log,
             namespace,
+            ctr: program("ctr"),
             command: Box::new(command),
         };
         c.wait_serving();
@@ -176,7 +192,7 @@ impl Containerd {
     }
 
     fn ctr_command(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new("ctr");
+        let mut cmd = Command::new(&self.ctr);
         cmd.arg("--address")
             .arg(&self.sock)
             .args(["--namespace", self.namespace])
@@ -522,10 +538,28 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     assert_eq!(out.status.code(), Some(4), "{text}\n{}", c.log());
     assert!(text.contains("/dev/pts/"), "{text}");
     // Another container of the same image: its own root file system; and the volume.
+    // Its root is read-only (`--read-only`): the volume (`ro`) is too, a writable
+    // volume and the spec's /run tmpfs are not.
     let script = "cat /etc/config/app.conf; wc -c < /etc/config/sub/big; \
-                  ls /etc/config/..data/; cat /tmp/f 2>&1; ls /";
-    let (code, out, err) = c.run("two", &mount, &["sh", "-c", script]);
+                  ls /etc/config/..data/; cat /tmp/f 2>&1; ls /; \
+                  echo x > /x || echo root ro; echo y > /etc/config/app.conf || echo volume ro; \
+                  echo z > /data/f && cat /data/f; echo w > /run/w && cat /run/w";
+    let data = scratch.path("data");
+    std::fs::create_dir(&data).unwrap();
+    let writable = format!(
+        "type=bind,src={},dst=/data,options=rbind:rw",
+        data.display()
+    );
+    let args = [mount[0], mount[1], "--mount", &writable, "--read-only"];
+    let (code, out, err) = c.run("two", &args, &["sh", "-c", script]);
     assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.ends_with("root ro\nvolume ro\nz\nw\n") && err.contains("Read-only file system"),
+        "{out}{err}\n{}",
+        c.log()
+    );
+    // The writable volume is a copy: the host directory is untouched.
+    assert!(!data.join("f").exists());
     let volume_seen = "port=8080\n102400\napp.conf\nsub\n";
     assert!(out.starts_with(volume_seen), "{out}{err}\n{}", c.log());
     let out = out[volume_seen.len()..].to_string();
@@ -569,6 +603,50 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
         "{:?}",
         processes_naming(&scratch.path("").display().to_string())
     );
+}
+
+/// Where `scripts/install-deps.sh test` builds containerd 2.x and its `ctr` (from the Go
+/// module proxy).
+const CONTAINERD2: &str = "/var/cache/forkvm/bin/containerd2";
+
+/// containerd 2.x runs the same shim (task API v2, which containerd 2.x still speaks
+/// to a shim that offers it): output, status, exec, ps, metrics, pause, kill, nothing
+/// left.
+#[test]
+fn linux_containerd_2_runs_containers_in_clones_through_the_same_shim() {
+    if !ready("containerd 2", false) {
+        return;
+    }
+    let bin = Path::new(CONTAINERD2);
+    if !bin.join("containerd").exists() || !bin.join("ctr").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI needs containerd 2.x in {CONTAINERD2} (scripts/install-deps.sh test)"
+        );
+        eprintln!("SKIPPED: no containerd 2.x in {CONTAINERD2} (scripts/install-deps.sh test)");
+        return;
+    }
+    let scratch = Scratch::new("containerd2");
+    let archive = scratch.path("busybox.tar");
+    tests::oci::busybox_image(&archive, IMAGE, &["sh", "echo", "sleep"]);
+    let c = Containerd::start_bin(&scratch, false, &[], Some(bin));
+    let version = c.ctr(&["version"]);
+    let text = String::from_utf8_lossy(&version.stdout).into_owned();
+    let server = text.split("Server:").nth(1).unwrap_or_default();
+    assert!(server.contains(" 2.") || server.contains(" v2."), "{text}");
+    let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let script = "echo $GREETING; echo oops >&2; exit 3";
+    let (code, out, err) = c.run("one", &["--env", "GREETING=hi"], &["sh", "-c", script]);
+    assert_eq!((code, out.as_str()), (3, "hi\n"), "{err}\n{}", c.log());
+    assert!(err.contains("oops\n"), "{err}");
+    running_container(&c);
+    let tasks = c.ctr(&["task", "ls", "-q"]);
+    assert_eq!(String::from_utf8_lossy(&tasks.stdout), "");
+    c.assert_shims_gone_and_unmounted(&scratch.path(""));
+    drop(c);
+    let left = processes_naming(&scratch.path("").display().to_string());
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// A host directory at `dir` in the shape of a Kubernetes ConfigMap volume's: its keys

@@ -25,13 +25,15 @@ With --volume a third row alternates with the two: forkvm with a host directory 
 in (`--mount`, in a Kubernetes ConfigMap volume's shape: a small file and a 100 KiB one,
 --volume-kib, behind `..data` links), which the shim copies into the container at its start
 (docs/containerd.md, "Volumes are copies"); the shim's account then covers both forkvm
-rows.
+rows. `--containerd2 DIR` adds forkvm's row again under the containerd 2.x and ctr in DIR
+(a containerd of its own, the same shim and template), alternating with the others.
 
 Needs root, containerd, ctr and runc (scripts/install-deps.sh test), the release
 binaries (cargo build --release --workspace --bins) and the guest (make guest).
 
 usage: benches/containerd.py [--runs N] [--boot-runs N] [--concurrent N]
-                             [--memory-containers N] [--volume] [--dir DIR]
+                             [--memory-containers N] [--volume] [--containerd2 DIR]
+                             [--dir DIR]
 """
 import argparse
 import hashlib
@@ -108,7 +110,8 @@ def busybox_archive(path):
 class Containerd:
     """A containerd of the bench's own in `tmp`, with the shim on its PATH."""
 
-    def __init__(self, tmp, name, shim_dir, env_extra):
+    def __init__(self, tmp, name, shim_dir, env_extra, bin_dir=None):
+        self.bin = (lambda tool: os.path.join(bin_dir, tool)) if bin_dir else (lambda t: t)
         self.dir = os.path.join(tmp, name)
         os.makedirs(self.dir)
         self.sock = os.path.join(self.dir, "containerd.sock")
@@ -128,7 +131,7 @@ class Containerd:
             "FORKVM_SHIM_DIR": shim_dir,
         })
         env.update(env_extra)
-        self.p = subprocess.Popen(["containerd", "--config", cfg], env=env,
+        self.p = subprocess.Popen([self.bin("containerd"), "--config", cfg], env=env,
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                   stderr=open(self.log_path, "w"))
         deadline = time.time() + 30
@@ -141,7 +144,7 @@ class Containerd:
         return open(self.log_path).read()
 
     def argv(self, *args):
-        return ["ctr", "--address", self.sock, "--namespace", NAMESPACE, *args]
+        return [self.bin("ctr"), "--address", self.sock, "--namespace", NAMESPACE, *args]
 
     def ctr(self, *args):
         return subprocess.run(self.argv(*args), capture_output=True, text=True)
@@ -298,6 +301,10 @@ def main():
                     help="also forkvm with a ConfigMap-shaped host directory bound in")
     ap.add_argument("--volume-kib", type=int, default=100,
                     help="the size of the volume's larger file, KiB")
+    ap.add_argument("--containerd2", metavar="DIR",
+                    help="also forkvm under the containerd (2.x) and ctr in DIR, alternating "
+                         "with the other rows (scripts/install-deps.sh test builds one in "
+                         "/var/cache/forkvm/bin/containerd2)")
     ap.add_argument("--dir", default="/var/tmp/forkvm-bench-shim",
                     help="the shim's directory (its saved template is kept between runs)")
     a = ap.parse_args()
@@ -321,16 +328,24 @@ def main():
         for runtime in [FORKVM, RUNC]:
             run_once(c, runtime, "warmup-" + runtime.split(".")[2])
         skip = len(shim_phases(c.log())[0])
-        # (label, runtime, ctr options) per row, alternating run by run.
-        kinds = [(FORKVM, FORKVM, []), (RUNC, RUNC, [])]
+        # (label, runtime, ctr options, containerd) per row, alternating run by run.
+        kinds = [(FORKVM, FORKVM, [], c), (RUNC, RUNC, [], c)]
         if a.volume:
             mount = configmap_volume(os.path.join(tmp, "volume"), a.volume_kib)
-            kinds.insert(1, ("volume", FORKVM, mount))
-        rows = {label: [] for label, _, _ in kinds}
+            kinds.insert(1, ("volume", FORKVM, mount, c))
+        if a.containerd2:
+            c2 = Containerd(tmp, "containerd2", a.dir, {}, bin_dir=a.containerd2)
+            started.append(c2)
+            imp = c2.ctr("image", "import", archive)
+            if imp.returncode != 0:
+                sys.exit(imp.stderr)
+            run_once(c2, FORKVM, "warmup-2")
+            kinds.insert(1, ("containerd2", FORKVM, [], c2))
+        rows = {label: [] for label, _, _, _ in kinds}
         for i in range(a.runs):
-            for label, runtime, extra in (kinds if i % 2 == 0 else kinds[::-1]):
+            for label, runtime, extra, on in (kinds if i % 2 == 0 else kinds[::-1]):
                 cid = f"r{i}-{label.split('.')[-2] if '.' in label else label}"
-                rows[label].append(run_once(c, runtime, cid, extra=extra))
+                rows[label].append(run_once(on, runtime, cid, extra=extra))
         created, began = shim_phases(c.log())
         created, began = created[skip:], began[skip:]
 
@@ -349,6 +364,8 @@ def main():
         for label, xs in [("forkvm (a clone of the saved template)", rows[FORKVM]),
                           ("forkvm with a ConfigMap-shaped volume bound in (copied in)",
                            rows.get("volume", [])),
+                          ("forkvm under containerd 2.x (`--containerd2`)",
+                           rows.get("containerd2", [])),
                           ("runc (no VM)", rows[RUNC]),
                           ("a VM booted per container (forkvm's shim, FORKVM_SHIM_BOOT_EACH=1)",
                            boot)]:

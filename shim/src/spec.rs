@@ -157,14 +157,7 @@ pub fn with_mounts(
         }
         let source = m.source().as_ref();
         let meta = source.and_then(|s| std::fs::metadata(s).ok());
-        // Its flag, for what is applied: a mount of its own, read-only or writable
-        // (writable only needs one where the root becomes read-only; a tmpfs is one).
-        let flag = match (options.iter().any(|o| o == "ro"), readonly) {
-            (true, _) => Some("--ro"),
-            (false, true) => Some("--rw"),
-            (false, false) => None,
-        };
-        let flag = flag.map(|f| [f.to_string(), dest.clone()]);
+        let ro = options.iter().any(|o| o == "ro");
         let is_tmpfs = typ == "tmpfs"
             || (bind && meta.as_ref().is_some_and(|m| m.is_dir()) && dest == "/dev/shm");
         if is_tmpfs {
@@ -175,10 +168,12 @@ pub fn with_mounts(
                     dest,
                 });
             }
+            // A tmpfs is a mount of its own: writable, it needs no `--rw`.
+            binds.extend(bind_flag(ro, false, &dest));
             extra.extend(["--tmpfs".to_string(), dest]);
-            binds.extend(flag.filter(|f| f[0] == "--ro"));
             continue;
         }
+        let flag = bind_flag(ro, readonly, &dest);
         match (bind, &meta, source) {
             (true, Some(meta), Some(source)) if meta.is_file() => {
                 let max = MAX_ARG.saturating_sub(dest.len() + 1) / 2;
@@ -245,6 +240,17 @@ pub fn with_mounts(
         command,
         archive: archive.finish(),
     })
+}
+
+/// The `forkvm-oci` flag that makes a copy at `dest` a mount of its own: read-only if
+/// its options say `ro`, writable if it must stay so under a read-only root; none
+/// otherwise.
+fn bind_flag(ro: bool, readonly_root: bool, dest: &str) -> Option<[String; 2]> {
+    match (ro, readonly_root) {
+        (true, _) => Some(["--ro".into(), dest.into()]),
+        (false, true) => Some(["--rw".into(), dest.into()]),
+        (false, false) => None,
+    }
 }
 
 #[cfg(test)]

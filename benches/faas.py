@@ -78,13 +78,14 @@ def importer(packages):
 
 
 class Gateway:
-    def __init__(self, extra=(), warm=2, rootfs=None):
+    def __init__(self, extra=(), warm=2, rootfs=None, kernel=None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         rootfs = rootfs or os.path.join(GUEST, "python.ext4")
+        kernel = kernel or os.path.join(GUEST, "vmlinux")
         cmd = [GATEWAY, "--listen", f"127.0.0.1:{self.port}", "--warm-clones", str(warm),
-               "--kernel", os.path.join(GUEST, "vmlinux"), "--rootfs", rootfs, *extra]
+               "--kernel", kernel, "--rootfs", rootfs, *extra]
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                   env={**os.environ, "RUST_LOG": "warn"})
         line = self.p.stdout.readline().decode()

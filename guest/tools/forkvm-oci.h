@@ -39,6 +39,15 @@
  * the container. The input is read exactly to the end entry: what follows it is
  * PROGRAM's input.
  *
+ * --cgroup FILE=VALUE (repeated) puts the container in a cgroup of its own, the guest's
+ * cgroup v2 group forkvm-slot<N> (cgroup2 mounted at /sys/fs/cgroup if it is not, the
+ * controller FILE names enabled for the root's children), and writes VALUE to its
+ * FILE: the spec's limits inside the guest, as pids.max=N. A later forkvm-oci of the
+ * same slot (an exec'd process) joins that group when it exists, so the limits count
+ * it too. A guest kernel without the controller fails the start with the reason.
+ * --mqueue DIR mounts the guest's POSIX message queue file system at DIR (the spec's
+ * mqueue mount, /dev/mqueue).
+ *
  * --ro PATH and --rw PATH (repeated; paths in the container, after the unpacking) make
  * PATH a mount of its own (bound onto itself), read-only or writable: the spec's mount
  * options for what was copied in. --readonly then makes the root file system's mount
@@ -47,7 +56,8 @@
  *
  *   forkvm-oci [--slot N] --release
  *
- * Unmounts slot N's root file system and everything under it (lazily: what a process
+ * Kills what is left in slot N's cgroup (if it has one) and removes the group, and
+ * unmounts slot N's root file system and everything under it (lazily: what a process
  * still holds goes when it lets go), so that the slot's medium can be ejected and
  * another inserted (a pod's container that ended). Nothing mounted is no error.
  */
@@ -69,12 +79,16 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 
 #define OCI_MAX_MOUNTS 32
 #define OCI_DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define OCI_MAX_ENV 256
+#define OCI_MAX_CGROUP 8
+#define OCI_CGROUP_FS "/sys/fs/cgroup"
+#define OCI_CGROUP2_MAGIC 0x63677270
 
 static void oci_fail(const char *what, const char *fmt, ...)
 {
@@ -92,7 +106,7 @@ static void oci_usage(void)
     fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--prepare] [--timeout-s S] "
                     "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
                     "[--tmpfs DIR]... [--file PATH=HEX]... [--unpack] [--ro PATH]... "
-                    "[--rw PATH]... "
+                    "[--rw PATH]... [--cgroup FILE=VALUE]... [--mqueue DIR] "
                     "-- PROGRAM [ARG]...\n"
                     "       forkvm-oci [--slot N] --release\n");
     exit(125);
@@ -421,11 +435,91 @@ static void oci_bind(const char *path, int ro)
         oci_fail("--ro", "%s: %s", path, strerror(errno));
 }
 
+/* Writes `value` to file `path`; 0, or -1 with errno. */
+static int oci_write_file(const char *path, const char *value)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = write(fd, value, strlen(value));
+    int e = errno;
+    close(fd);
+    errno = e;
+    return n == (ssize_t)strlen(value) ? 0 : -1;
+}
+
+/* Slot `slot`'s cgroup directory into `dir`; whether cgroup v2 is mounted there. */
+static int oci_cgroup_dir(int slot, char *dir, size_t len)
+{
+    struct statfs fs;
+    snprintf(dir, len, OCI_CGROUP_FS "/forkvm-slot%d", slot);
+    return statfs(OCI_CGROUP_FS, &fs) == 0 && fs.f_type == OCI_CGROUP2_MAGIC;
+}
+
+/* --cgroup: slot `slot`'s cgroup made with `n` FILE=VALUE settings, and this process in
+ * it. */
+static void oci_cgroup_make(int slot, const char **set, int n)
+{
+    char dir[PATH_MAX], path[PATH_MAX + 64], ctl[32];
+    if (!oci_cgroup_dir(slot, dir, sizeof dir) &&
+        mount("cgroup2", OCI_CGROUP_FS, "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
+        oci_fail("--cgroup", "cannot mount cgroup2 at " OCI_CGROUP_FS " (a guest kernel "
+                 "without CONFIG_CGROUPS?): %s", strerror(errno));
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        oci_fail("--cgroup", "%s: %s", dir, strerror(errno));
+    for (int k = 0; k < n; k++) {
+        const char *eq = strchr(set[k], '=');
+        size_t dot = strcspn(set[k], ".");
+        snprintf(ctl, sizeof ctl, "+%.*s", (int)(dot < sizeof ctl - 2 ? dot : sizeof ctl - 2),
+                 set[k]);
+        if (oci_write_file(OCI_CGROUP_FS "/cgroup.subtree_control", ctl) != 0)
+            oci_fail("--cgroup", "%s: the guest kernel has no %s controller: %s", set[k],
+                     ctl + 1, strerror(errno));
+        snprintf(path, sizeof path, "%s/%.*s", dir, (int)(eq - set[k]), set[k]);
+        if (oci_write_file(path, eq + 1) != 0)
+            oci_fail("--cgroup", "%s: %s", set[k], strerror(errno));
+    }
+    snprintf(path, sizeof path, "%s/cgroup.procs", dir);
+    if (oci_write_file(path, "0") != 0)
+        oci_fail("--cgroup", "%s: %s", path, strerror(errno));
+}
+
+/* An exec'd process of slot `slot`: into the slot's cgroup, if the container has one. */
+static void oci_cgroup_join(int slot)
+{
+    char dir[PATH_MAX], path[PATH_MAX + 64];
+    if (!oci_cgroup_dir(slot, dir, sizeof dir) || access(dir, F_OK) != 0)
+        return;
+    snprintf(path, sizeof path, "%s/cgroup.procs", dir);
+    if (oci_write_file(path, "0") != 0)
+        oci_fail("cgroup", "%s: %s", path, strerror(errno));
+}
+
+/* --release: what is left in slot `slot`'s cgroup killed, and the group removed (once
+ * its processes have exited: up to a second). */
+static void oci_cgroup_remove(int slot)
+{
+    char dir[PATH_MAX], path[PATH_MAX + 64];
+    if (!oci_cgroup_dir(slot, dir, sizeof dir) || access(dir, F_OK) != 0)
+        return;
+    snprintf(path, sizeof path, "%s/cgroup.kill", dir);
+    if (oci_write_file(path, "1") != 0)
+        oci_fail("release", "%s: %s", path, strerror(errno));
+    for (int waited_ms = 0; rmdir(dir) != 0; waited_ms += 10) {
+        if (errno != EBUSY || waited_ms >= 1000)
+            oci_fail("release", "%s: %s", dir, strerror(errno));
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 static int oci_main(int argc, char **argv)
 {
     int slot = 0, readonly = 0, prepare = 0, release = 0, unpack = 0, timeout_s = 30, nenv = 0;
     int have_path = 0;
-    const char *hostname = NULL, *cwd = "/";
+    const char *hostname = NULL, *cwd = "/", *mqueue = NULL;
+    const char *cgroup[OCI_MAX_CGROUP];
+    int ncgroup = 0;
     unsigned long uid = 0, gid = 0;
     char *env[OCI_MAX_ENV + 2];
     const char *tmpfs[OCI_MAX_MOUNTS], *files[OCI_MAX_MOUNTS], *binds[2 * OCI_MAX_MOUNTS];
@@ -483,6 +577,19 @@ static int oci_main(int argc, char **argv)
                 oci_fail(a, "%s is no absolute path, or one too many", v);
             bind_ro[nbinds] = a[3] == 'o';
             binds[nbinds++] = v;
+        } else if (strcmp(a, "--cgroup") == 0) {
+            const char *eq = strchr(v, '=');
+            size_t name = eq ? (size_t)(eq - v) : 0;
+            if (!eq || name == 0 || name > 64 || memchr(v, '/', name) || v[0] == '.' ||
+                !memchr(v, '.', name))
+                oci_fail("--cgroup", "%s is not FILE=VALUE (as pids.max=64)", v);
+            if (ncgroup == OCI_MAX_CGROUP)
+                oci_fail("--cgroup", "more than %d settings", OCI_MAX_CGROUP);
+            cgroup[ncgroup++] = v;
+        } else if (strcmp(a, "--mqueue") == 0) {
+            if (!oci_path_ok(v, strlen(v)))
+                oci_fail("--mqueue", "%s is no absolute path", v);
+            mqueue = v;
         } else if (strcmp(a, "--file") == 0) {
             if (nfiles == OCI_MAX_MOUNTS)
                 oci_fail("--file", "more than %d files", OCI_MAX_MOUNTS);
@@ -499,6 +606,7 @@ static int oci_main(int argc, char **argv)
         }
     }
     if (release) {
+        oci_cgroup_remove(slot);
         char root[64];
         snprintf(root, sizeof root, "/run/forkvm/rootfs%d", slot);
         /* Detaching the root detaches its proc, sysfs and /dev mounts with it. */
@@ -546,6 +654,10 @@ static int oci_main(int argc, char **argv)
         oci_warm(root, argv[i], env);
         return 0;
     }
+    if (ncgroup)
+        oci_cgroup_make(slot, cgroup, ncgroup);
+    else
+        oci_cgroup_join(slot);
     for (int k = 0; k < ntmpfs; k++) {
         snprintf(sub, sizeof sub, "%s%s", root, tmpfs[k]);
         oci_mkdirs(sub);
@@ -554,6 +666,13 @@ static int oci_main(int argc, char **argv)
     }
     for (int k = 0; k < nfiles; k++)
         oci_put_file(root, files[k]);
+    if (mqueue) {
+        snprintf(sub, sizeof sub, "%s%s", root, mqueue);
+        oci_mkdirs(sub);
+        if (mount("mqueue", sub, "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
+            oci_fail("--mqueue", "%s: %s (a guest kernel without CONFIG_POSIX_MQUEUE?)", sub,
+                     strerror(errno));
+    }
     if (hostname && sethostname(hostname, strlen(hostname)) != 0)
         oci_fail("hostname", "%s", strerror(errno));
     if (chdir(root) != 0 || chroot(".") != 0 || chdir("/") != 0)

@@ -16,7 +16,9 @@ use crate::net;
 use crate::pod::Place;
 use crate::prepared;
 use crate::process::{oci_command, Proc};
-use crate::spec::{is_sandbox, limits, rootfs_key, sandbox_id, with_mounts, Mounted};
+use crate::spec::{
+    is_sandbox, limits, rootfs_key, sandbox_id, with_guest_limits, with_mounts, Mounted,
+};
 use crate::task::{Container, Service};
 
 impl Service {
@@ -38,6 +40,7 @@ impl Service {
         let slot = place.as_ref().map_or(0, |p| p.slot);
         let sandbox = place.as_ref().map(|p| p.sandbox.clone());
         let mounted = oci_command(process, spec.hostname().as_deref(), slot)
+            .map(|c| with_guest_limits(c, &spec))
             .and_then(|c| with_mounts(c, &spec).map_err(|e| e.to_string()))
             .and_then(|m| match req.terminal && !m.archive.is_empty() {
                 true => Err(

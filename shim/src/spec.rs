@@ -24,8 +24,9 @@ pub fn sandbox_id(spec: &oci_spec::runtime::Spec) -> Option<String> {
 }
 
 /// The OCI spec's CPU and memory limits as a resource class's (`cpu=CPUS,memory=BYTES`;
-/// empty without them). The pids limit is not applied: the clone's cgroup counts the
-/// VMM's threads, not the guest's processes.
+/// empty without them), for the clone's cgroup on the host. The pids limit is the
+/// guest's ([`guest_limits`]): the clone's cgroup counts the VMM's threads, not the
+/// guest's processes.
 pub fn limits(spec: &oci_spec::runtime::Spec) -> String {
     let resources = spec.linux().as_ref().and_then(|l| l.resources().as_ref());
     let Some(r) = resources else {
@@ -45,12 +46,35 @@ pub fn limits(spec: &oci_spec::runtime::Spec) -> String {
             limits.push(format!("memory={}K", (bytes as u64 / 1024).max(4096)));
         }
     }
-    if r.pids().is_some() {
-        log::warn!(
-            "the spec's pids limit is not applied (the guest's processes are not the host's)"
-        );
-    }
     limits.join(",")
+}
+
+/// `command` (a `forkvm-oci` argv) with the flags that apply the spec's limits inside
+/// the guest, to the container's processes in a cgroup of their own there: its pids
+/// limit (`--cgroup pids.max=N`), as the spec's `pids` or its `unified` `pids.max`.
+pub fn with_guest_limits(command: Vec<String>, spec: &oci_spec::runtime::Spec) -> Vec<String> {
+    flags_before_program(command, guest_limits(spec))
+}
+
+fn guest_limits(spec: &oci_spec::runtime::Spec) -> Vec<String> {
+    let resources = spec.linux().as_ref().and_then(|l| l.resources().as_ref());
+    let mut flags = Vec::new();
+    if let Some(pids) = resources.and_then(|r| r.pids().as_ref()) {
+        // Zero or less is no limit (runc's reading).
+        if pids.limit() > 0 {
+            flags.extend(["--cgroup".to_string(), format!("pids.max={}", pids.limit())]);
+        }
+    }
+    // cgroup v2 settings by file (CRI's `unified`), after the above as runc does: the
+    // guest's kernel has the pids controller only (docs/guest-kernel.md).
+    let unified = resources.and_then(|r| r.unified().as_ref());
+    for (file, value) in unified.into_iter().flatten() {
+        match file.as_str() {
+            "pids.max" => flags.extend(["--cgroup".to_string(), format!("{file}={value}")]),
+            _ => log::warn!("the spec's cgroup setting {file} is not applied in the guest"),
+        }
+    }
+    flags
 }
 
 /// The image key of a root file system's mounts: its layers (the overlay's lower
@@ -130,7 +154,9 @@ pub struct Mounted {
 /// [`crate::volumes`]). The container's changes to its copies stay in the guest.
 /// `/proc`, `/sys`, `/dev` and `/dev/pts` are the guest's own, which `forkvm-oci`
 /// mounts; a bound directory at `/dev/shm` (CRI's pod-wide one) becomes a tmpfs of the
-/// container's; `mqueue` is not applied, and the log says so. A process on a terminal
+/// container's; an `mqueue` mount, the guest's message queues (`--mqueue DIR`: one IPC
+/// namespace per VM, so a pod's containers share them, as a pod shares its IPC
+/// namespace). A process on a terminal
 /// (`terminal` in the spec) reads its input there, so it gets no archive: its bound
 /// directories are not applied (the log says so), and a bound file too large for a
 /// `--file` argument is an error, as is anything past the limits. A mount whose options
@@ -138,7 +164,7 @@ pub struct Mounted {
 /// file system read-only (`--readonly`), the other mounts writable (`--rw DIR`) unless
 /// they say `ro`.
 pub fn with_mounts(
-    mut command: Vec<String>,
+    command: Vec<String>,
     spec: &oci_spec::runtime::Spec,
 ) -> Result<Mounted, MountError> {
     let terminal = (spec.process().as_ref()).is_some_and(|p| p.terminal().unwrap_or(false));
@@ -171,6 +197,10 @@ pub fn with_mounts(
             // A tmpfs is a mount of its own: writable, it needs no `--rw`.
             binds.extend(bind_flag(ro, false, &dest));
             extra.extend(["--tmpfs".to_string(), dest]);
+            continue;
+        }
+        if typ == "mqueue" {
+            extra.extend(["--mqueue".to_string(), dest]);
             continue;
         }
         let flag = bind_flag(ro, readonly, &dest);
@@ -231,15 +261,20 @@ pub fn with_mounts(
     if readonly {
         extra.push("--readonly".into());
     }
+    Ok(Mounted {
+        command: flags_before_program(command, extra),
+        archive: archive.finish(),
+    })
+}
+
+/// `command` (a `forkvm-oci` argv) with `flags` put before its `--`.
+fn flags_before_program(mut command: Vec<String>, flags: Vec<String>) -> Vec<String> {
     let at = command
         .iter()
         .position(|a| a == "--")
         .unwrap_or(command.len());
-    command.splice(at..at, extra);
-    Ok(Mounted {
-        command,
-        archive: archive.finish(),
-    })
+    command.splice(at..at, flags);
+    command
 }
 
 /// The `forkvm-oci` flag that makes a copy at `dest` a mount of its own: read-only if
@@ -293,6 +328,8 @@ mod tests {
                 ),
                 "--tmpfs",
                 "/dev/shm",
+                "--mqueue",
+                "/dev/mqueue",
                 "--unpack",
                 "--ro",
                 "/etc/resolv.conf",
@@ -327,6 +364,36 @@ mod tests {
         assert_eq!(got.archive, want.finish());
         assert!(got.archive.len() > 2 * 16 + "/data/resolv.conf".len());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_pids_limit_becomes_the_guest_cgroups_and_none_is_no_flag() {
+        let spec = |pids: serde_json::Value| -> oci_spec::runtime::Spec {
+            serde_json::from_value(serde_json::json!({
+                "ociVersion": "1.0.2",
+                "linux": {"resources": {"pids": pids}},
+            }))
+            .unwrap()
+        };
+        let command = || vec!["forkvm-oci".to_string(), "--".into(), "sh".into()];
+        let got = with_guest_limits(command(), &spec(serde_json::json!({"limit": 64})));
+        assert_eq!(got, ["forkvm-oci", "--cgroup", "pids.max=64", "--", "sh"]);
+        for none in [0, -1] {
+            let got = with_guest_limits(command(), &spec(serde_json::json!({"limit": none})));
+            assert_eq!(got, command(), "a limit of {none}");
+        }
+        let plain: oci_spec::runtime::Spec =
+            serde_json::from_value(serde_json::json!({"ociVersion": "1.0.2"})).unwrap();
+        assert_eq!(with_guest_limits(command(), &plain), command());
+        // CRI's unified settings: pids.max passed on, the rest (no such controller in
+        // the guest) left.
+        let unified: oci_spec::runtime::Spec = serde_json::from_value(serde_json::json!({
+            "ociVersion": "1.0.2",
+            "linux": {"resources": {"unified": {"pids.max": "max", "memory.high": "1G"}}},
+        }))
+        .unwrap();
+        let got = with_guest_limits(command(), &unified);
+        assert_eq!(got, ["forkvm-oci", "--cgroup", "pids.max=max", "--", "sh"]);
     }
 
     fn spec_binding(

@@ -747,7 +747,8 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     });
     std::fs::write(scratch.path("cni/10-forkvm-test.conflist"), cni.to_string()).unwrap();
     let archive = scratch.path("busybox.tar");
-    tests::oci::busybox_image(&archive, IMAGE, &["sh", "echo", "sleep", "cat", "ping"]);
+    let applets = ["sh", "echo", "sleep", "cat", "ping", "setsid"];
+    tests::oci::busybox_image(&archive, IMAGE, &applets);
     let c = Containerd::start_with(&scratch, true);
     let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
     assert!(out.status.success(), "{out:?}");
@@ -784,14 +785,20 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     // removed and made again under another name, twice at most, with a warning (the
     // host problem `again` is for).
     let volume = configmap_volume(&scratch.path("volume"));
-    let start_in = |pod_id: &str, pod: &Path, name: &str, script: &str, line: &str| {
+    // `unified`: the container's cgroup v2 settings (CRI's `unified` resources), or null.
+    let start_in = |pod_id: &str,
+                    pod: &Path,
+                    name: &str,
+                    script: &str,
+                    line: &str,
+                    unified: serde_json::Value| {
         for attempt in 0..3 {
             let name = match attempt {
                 0 => name.to_string(),
                 n => format!("{name}-again{n}"),
             };
             let container = scratch.path(&format!("{name}.json"));
-            let spec = serde_json::json!({
+            let mut spec = serde_json::json!({
                 "metadata": {"name": name},
                 "image": {"image": IMAGE},
                 "command": ["sh", "-c", script],
@@ -799,6 +806,9 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
                 "mounts": [{"container_path": "/etc/config",
                             "host_path": volume, "readonly": true}],
             });
+            if !unified.is_null() {
+                spec["linux"] = serde_json::json!({"resources": {"unified": unified}});
+            }
             std::fs::write(&container, spec.to_string()).unwrap();
             let (code, id) = crictl(
                 &c,
@@ -840,7 +850,9 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
         }
         panic!("{name}'s shell died by SIGSEGV 3 times\n{}", c.log());
     };
-    let start = |name: &str, script: &str, line: &str| start_in(&pod_id, &pod, name, script, line);
+    let start = |name: &str, script: &str, line: &str| {
+        start_in(&pod_id, &pod, name, script, line, serde_json::Value::Null)
+    };
     let pid_of = |id: &str| {
         let (_, text) = crictl(&c, &["inspect", id]);
         let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
@@ -902,11 +914,47 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
         "{text}"
     );
     // Its slot serves the next container of the pod, which starts on a clean image.
+    // This one has a pids limit (CRI's unified `pids.max`; the spec's pids limit is
+    // the same flag): its processes are in a cgroup of the guest's that holds them to
+    // it (the shell, a sleep in a session of its own, a subshell, 3 of the 8 sleeps it
+    // starts; the error on the log's output, which is what `crictl` gives here), and
+    // the spec's mqueue mount is the guest's message queues.
     let (code, text) = crictl(&c, &["rm", &id]);
     assert_eq!(code, 0, "{text}\n{}", c.log());
-    let id3 = start("c3", "ls /tmp; echo third done", "third done");
+    let script = "[ -e /tmp/f ] && echo c1 file seen; cat /proc/self/cgroup; \
+                  while read -r dev at fs rest; do [ $fs = mqueue ] && echo mq at $at; done \
+                  < /proc/mounts; setsid sleep 61 & (i=0; while [ $i -lt 8 ]; do sleep 60 & i=$((i+1)); done) 2>&1; \
+                  echo third done";
+    let pids = serde_json::json!({"pids.max": "6"});
+    let id3 = start_in(&pod_id, &pod, "c3", script, "third done", pids);
     let (_, text) = crictl(&c, &["logs", &id3]);
-    assert!(!text.contains('f'), "c1's /tmp/f: {text}");
+    assert!(!text.contains("c1 file seen"), "c1's /tmp/f: {text}");
+    assert!(
+        text.contains("0::/forkvm-slot")
+            && text.contains("mq at /dev/mqueue")
+            && text.contains("can't fork"),
+        "{text}\n{}",
+        c.log()
+    );
+    // Removed (its shell may still be ending): its leftover sleeps are killed, the one
+    // out of its process group too (with its cgroup).
+    let (code, text) = crictl(&c, &["rm", "-f", &id3]);
+    assert_eq!(code, 0, "{text}\n{}", c.log());
+    let (code, text) = crictl(
+        &c,
+        &[
+            "exec",
+            "-s",
+            &id2,
+            "sh",
+            "-c",
+            "cat /proc/[0-9]*/cmdline 2>/dev/null; exit 0",
+        ],
+    );
+    assert!(
+        code == 0 && !text.contains("sleep\u{0}60") && !text.contains("sleep\u{0}61"),
+        "{code} {text:?}"
+    );
     // Two pods on CNI's network: each VM takes its pod's address, and they reach each
     // other, and the host (the bridge) reaches them, over those addresses.
     let (p2, p2_file) = run_pod("p2", false);
@@ -924,8 +972,23 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
         ip2.starts_with("10.89.0.") && ip3.starts_with("10.89.0."),
         "{ip2} {ip3}"
     );
-    let a = start_in(&p2, &p2_file, "a", &format!("echo a up; {forever}"), "a up");
-    let b = start_in(&p3, &p3_file, "b", &format!("echo b up; {forever}"), "b up");
+    let null = serde_json::Value::Null;
+    let a = start_in(
+        &p2,
+        &p2_file,
+        "a",
+        &format!("echo a up; {forever}"),
+        "a up",
+        null.clone(),
+    );
+    let b = start_in(
+        &p3,
+        &p3_file,
+        "b",
+        &format!("echo b up; {forever}"),
+        "b up",
+        null,
+    );
     let (code, text) = crictl(&c, &["exec", "-s", &b, "ping", "-c", "2", "-W", "10", &ip2]);
     assert!(
         code == 0 && text.contains("2 packets received"),

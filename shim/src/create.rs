@@ -41,15 +41,7 @@ impl Service {
         let sandbox = place.as_ref().map(|p| p.sandbox.clone());
         let mounted = oci_command(process, spec.hostname().as_deref(), slot)
             .map(|c| with_guest_limits(c, &spec))
-            .and_then(|c| with_mounts(c, &spec).map_err(|e| e.to_string()))
-            .and_then(|m| match req.terminal && !m.archive.is_empty() {
-                true => Err(
-                    "volumes bound in for a process on a terminal: forkvm copies \
-                             them through its input, which the terminal takes"
-                        .to_string(),
-                ),
-                false => Ok(m),
-            });
+            .and_then(|c| with_mounts(c, &spec, req.terminal).map_err(|e| e.to_string()));
         let made = match mounted {
             Ok(mounted) => self.make_rootfs(req, &spec, process, mounted, place).await,
             Err(e) => Err(e),

@@ -157,7 +157,8 @@ pub struct Mounted {
 /// container's; an `mqueue` mount, the guest's message queues (`--mqueue DIR`: one IPC
 /// namespace per VM, so a pod's containers share them, as a pod shares its IPC
 /// namespace). A process on a terminal
-/// (`terminal` in the spec) reads its input there, so it gets no archive: its bound
+/// (`terminal`: the create request's, with which containerd sets up its input) reads
+/// its input there, so it gets no archive: its bound
 /// directories are not applied (the log says so), and a bound file too large for a
 /// `--file` argument is an error, as is anything past the limits. A mount whose options
 /// say `ro` is made read-only (`--ro DIR`); the spec's `root.readonly` makes the root
@@ -166,8 +167,8 @@ pub struct Mounted {
 pub fn with_mounts(
     command: Vec<String>,
     spec: &oci_spec::runtime::Spec,
+    terminal: bool,
 ) -> Result<Mounted, MountError> {
-    let terminal = (spec.process().as_ref()).is_some_and(|p| p.terminal().unwrap_or(false));
     let readonly = (spec.root().as_ref()).is_some_and(|r| r.readonly().unwrap_or(false));
     let (mut extra, mut binds) = (Vec::new(), Vec::new());
     let mut archive = Archive::default();
@@ -314,7 +315,7 @@ mod tests {
         }))
         .unwrap();
         let command = vec!["forkvm-oci".to_string(), "--".into(), "sh".into()];
-        let got = with_mounts(command, &spec).unwrap();
+        let got = with_mounts(command, &spec, false).unwrap();
         assert_eq!(
             got.command,
             [
@@ -346,7 +347,7 @@ mod tests {
             .unwrap();
         readonly.set_root(Some(root));
         let command = vec!["forkvm-oci".to_string(), "--".into(), "sh".into()];
-        let got_ro = with_mounts(command, &readonly).unwrap();
+        let got_ro = with_mounts(command, &readonly, false).unwrap();
         let tail = [
             "--ro",
             "/etc/resolv.conf",
@@ -396,11 +397,7 @@ mod tests {
         assert_eq!(got, ["forkvm-oci", "--cgroup", "pids.max=max", "--", "sh"]);
     }
 
-    fn spec_binding(
-        dir: &std::path::Path,
-        files: &[(&str, usize)],
-        terminal: bool,
-    ) -> oci_spec::runtime::Spec {
+    fn spec_binding(dir: &std::path::Path, files: &[(&str, usize)]) -> oci_spec::runtime::Spec {
         let mounts: Vec<_> = (files.iter())
             .map(|(dest, len)| {
                 let src = dir.join(dest.trim_start_matches('/').replace('/', "_"));
@@ -411,7 +408,7 @@ mod tests {
             .collect();
         serde_json::from_value(serde_json::json!({
             "ociVersion": "1.0.2",
-            "process": {"terminal": terminal, "cwd": "/", "args": ["sh"],
+            "process": {"cwd": "/", "args": ["sh"],
                         "user": {"uid": 0, "gid": 0}},
             "mounts": mounts,
         }))
@@ -426,20 +423,20 @@ mod tests {
         // The largest that fits one argument with its path; one byte more is archived.
         let dest = "/etc/app.conf";
         let max = (MAX_ARG - dest.len() - 1) / 2;
-        let got = with_mounts(command(), &spec_binding(&dir, &[(dest, max)], false)).unwrap();
+        let got = with_mounts(command(), &spec_binding(&dir, &[(dest, max)]), false).unwrap();
         let arg = got.command[2].len();
         assert!(
             arg <= MAX_ARG && arg + 2 > MAX_ARG,
             "--file {dest}=HEX fills one argument"
         );
         assert!(got.archive.is_empty());
-        let got = with_mounts(command(), &spec_binding(&dir, &[(dest, max + 1)], false)).unwrap();
+        let got = with_mounts(command(), &spec_binding(&dir, &[(dest, max + 1)]), false).unwrap();
         let want = ["forkvm-oci", "--unpack", "--ro", dest, "--", "sh"];
         assert_eq!(got.command, want);
         assert_eq!(got.archive.len(), 16 + dest.len() + max + 1 + 16);
         // On a terminal (no archive): an error that names it.
-        let spec = spec_binding(&dir, &[(dest, max + 1)], true);
-        let e = with_mounts(command(), &spec).unwrap_err();
+        let spec = spec_binding(&dir, &[(dest, max + 1)]);
+        let e = with_mounts(command(), &spec, true).unwrap_err();
         let text = e.to_string();
         assert!(
             text.contains(dest) && text.contains(&format!("{}", max + 1)),
@@ -449,26 +446,26 @@ mod tests {
         // error on a terminal.
         let many: Vec<(String, usize)> = (0..10).map(|i| (format!("/etc/f{i}"), 60_000)).collect();
         let many: Vec<(&str, usize)> = many.iter().map(|(d, l)| (d.as_str(), *l)).collect();
-        let got = with_mounts(command(), &spec_binding(&dir, &many, false)).unwrap();
+        let got = with_mounts(command(), &spec_binding(&dir, &many), false).unwrap();
         let files = got.command.iter().filter(|a| *a == "--file").count();
         assert_eq!(files, MAX_FILES_TOTAL / 60_000);
         assert!(got.command.contains(&"--unpack".to_string()));
-        let e = with_mounts(command(), &spec_binding(&dir, &many, true)).unwrap_err();
+        let e = with_mounts(command(), &spec_binding(&dir, &many), true).unwrap_err();
         assert!(matches!(e, MountError::FilesTooLarge { .. }), "{e}");
         // More files than forkvm-oci takes as arguments.
         let many: Vec<(String, usize)> = (0..33).map(|i| (format!("/etc/g{i}"), 1)).collect();
         let many: Vec<(&str, usize)> = many.iter().map(|(d, l)| (d.as_str(), *l)).collect();
-        let got = with_mounts(command(), &spec_binding(&dir, &many, false)).unwrap();
+        let got = with_mounts(command(), &spec_binding(&dir, &many), false).unwrap();
         assert_eq!(
             got.command.iter().filter(|a| *a == "--file").count(),
             MAX_MOUNTS
         );
-        let e = with_mounts(command(), &spec_binding(&dir, &many, true)).unwrap_err();
+        let e = with_mounts(command(), &spec_binding(&dir, &many), true).unwrap_err();
         assert!(matches!(e, MountError::TooMany { .. }), "{e}");
         // More read-only mounts than forkvm-oci makes.
         let many: Vec<(String, usize)> = (0..65).map(|i| (format!("/etc/h{i}"), 1)).collect();
         let many: Vec<(&str, usize)> = many.iter().map(|(d, l)| (d.as_str(), *l)).collect();
-        let e = with_mounts(command(), &spec_binding(&dir, &many, false)).unwrap_err();
+        let e = with_mounts(command(), &spec_binding(&dir, &many), false).unwrap_err();
         assert!(e.to_string().contains("/etc/h64"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

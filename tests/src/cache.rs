@@ -93,7 +93,11 @@ pub fn image(path: &Path) -> String {
     let copy = dir.join(format!("{}-{name}", &file_digest(path)[..16]));
     if !copy.exists() {
         std::fs::create_dir_all(&dir).unwrap();
-        let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+        // Per process and per call: tests of one binary may run as threads of one
+        // process, and two of them copy the same image at once.
+        static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.join(format!(".{name}.tmp-{}-{call}", std::process::id()));
         std::fs::copy(path, &tmp).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         std::fs::rename(&tmp, &copy).unwrap();
     }

@@ -226,30 +226,46 @@ static ssize_t oci_read_all(const char *path, char *head, size_t len)
     return first < 0 ? 0 : first;
 }
 
+/* The file program `prog` is, as the root file system at `root` ("" once changed
+ * into) would run it, into `file`: `prog` itself if it has a slash, else the first
+ * regular file with an execute bit that `prog` names in a directory of PATH (from
+ * `env`, the OCI default without). Returns 0, or -1 (ENOENT) if none. A stat per
+ * directory, where an exec tried in each (execvp) would make and free a process's
+ * address space for every miss: milliseconds each in an emulated guest kernel. */
+static int oci_lookup(const char *root, const char *prog, char **env, char *file, size_t len)
+{
+    const char *path = OCI_DEFAULT_PATH;
+    for (int k = 0; env[k]; k++)
+        if (strncmp(env[k], "PATH=", 5) == 0)
+            path = env[k] + 5;
+    if (strchr(prog, '/')) {
+        snprintf(file, len, "%s%s%s", root, prog[0] == '/' || !root[0] ? "" : "/", prog);
+        return 0;
+    }
+    for (const char *p = path; *p;) {
+        size_t n = strcspn(p, ":");
+        struct stat st;
+        /* An empty entry is the working directory, as execvp reads it. */
+        snprintf(file, len, "%s%.*s/%s", root, (int)n, n ? p : ".", prog);
+        if (stat(file, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 0111))
+            return 0;
+        p += n + (p[n] == ':');
+    }
+    errno = ENOENT;
+    return -1;
+}
+
 /* Warms the guest's page cache with program `prog` as the root file system at `root`
  * would run it: the file PATH (from `env`) finds, and its interpreter (an ELF's
  * PT_INTERP, a script's #! line), so that a clone of this VM runs it without reading
  * its disk. Nothing found is no error. */
 static void oci_warm(const char *root, const char *prog, char **env)
 {
-    const char *path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-    for (int k = 0; env[k]; k++)
-        if (strncmp(env[k], "PATH=", 5) == 0)
-            path = env[k] + 5;
     char file[PATH_MAX];
     char head[4096];
     ssize_t got = -1;
-    if (strchr(prog, '/')) {
-        snprintf(file, sizeof file, "%s/%s", root, prog);
+    if (oci_lookup(root, prog, env, file, sizeof file) == 0)
         got = oci_read_all(file, head, sizeof head);
-    } else {
-        for (const char *p = path; got < 0 && *p;) {
-            size_t n = strcspn(p, ":");
-            snprintf(file, sizeof file, "%s/%.*s/%s", root, (int)n, p, prog);
-            got = oci_read_all(file, head, sizeof head);
-            p += n + (p[n] == ':');
-        }
-    }
     char interp[PATH_MAX] = "";
     if (got > 2 && head[0] == '#' && head[1] == '!') {
         size_t k = 2, o = 0;
@@ -693,7 +709,14 @@ static int oci_main(int argc, char **argv)
     for (int k = 0; env[k]; k++)
         if (putenv(env[k]) != 0)
             oci_fail("env", "%s: %s", env[k], strerror(errno));
-    execvp(argv[i], &argv[i]);
+    char file[PATH_MAX];
+    if (oci_lookup("", argv[i], env, file, sizeof file) == 0) {
+        execv(file, &argv[i]);
+        /* What execvp would do further: a file with no #! line run by the shell, or
+         * a later directory of PATH tried. */
+        if (errno == ENOEXEC || errno == EACCES)
+            execvp(argv[i], &argv[i]);
+    }
     int e = errno;
     fprintf(stderr, "forkvm-oci: %s: %s\n", argv[i], strerror(e));
     return e == ENOENT ? 127 : 126;

@@ -13,7 +13,8 @@
  * Waits up to S seconds (default 30) for disk slot N's medium (default slot 0; the
  * device whose serial is forkvm-slotN) to show its capacity, mounts its ext4 file
  * system at /run/forkvm/rootfs<N> (noatime; already mounted, by an earlier forkvm-oci of
- * the same container, it is used as it is), and in it proc,
+ * the same container or in the image's template, it is used as it is, and the slot is
+ * not looked at), and in it proc,
  * sysfs (read-only) and the guest's /dev (a bind mount); sets the hostname; changes
  * root into it; drops to UID:GID (default 0:0) with no supplementary groups; replaces
  * the environment with the --env values (PATH, unless given, the OCI default); changes
@@ -308,9 +309,12 @@ static int oci_path_ok(const char *path, size_t len)
     return 1;
 }
 
-/* Makes directory `path` and its parents; ones that exist are fine. */
+/* Makes directory `path` and its parents; ones that exist are fine. The parents only
+ * when the directory itself cannot be made for want of them. */
 static void oci_mkdirs(char *path)
 {
+    if (mkdir(path, 0755) == 0 || errno != ENOENT)
+        return;
     for (char *p = path + 1; *p; p++) {
         if (*p != '/')
             continue;
@@ -636,29 +640,31 @@ static int oci_main(int argc, char **argv)
         env[nenv++] = "PATH=" OCI_DEFAULT_PATH;
     env[nenv] = NULL;
 
-    /* The slot's device, once the guest's driver has read the medium's capacity. */
-    char dev[NAME_MAX + 1], path[PATH_MAX], size[32];
-    if (oci_find_slot(slot, dev, sizeof dev) != 0)
-        oci_fail("disk slot", "the VM has no disk slot %d (vmm run --disk-slots)", slot);
-    snprintf(path, sizeof path, "/sys/block/%s/size", dev);
-    for (int waited_ms = 0;; waited_ms += 10) {
-        if (oci_read_line(path, size, sizeof size) == 0 && strtoull(size, NULL, 10) > 0)
-            break;
-        if (waited_ms >= timeout_s * 1000)
-            oci_fail("disk slot", "slot %d is empty after %d s (insert the root file system "
-                              "with the clone request: media)", slot, timeout_s);
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
-
-    char root[64], device[NAME_MAX + 8], sub[PATH_MAX];
-    if (mkdir("/run/forkvm", 0755) != 0 && errno != EEXIST)
-        oci_fail("/run/forkvm", "%s", strerror(errno));
+    /* Mounted already (by an earlier forkvm-oci of this container, or in the image's
+     * template): used as it is, with no look at the slot, its device or the mounts, each
+     * a system call or a few in an emulated guest kernel. */
+    char root[64], sub[PATH_MAX];
     snprintf(root, sizeof root, "/run/forkvm/rootfs%d", slot);
-    snprintf(device, sizeof device, "/dev/%s", dev);
-    oci_mount_once(device, root, "ext4", MS_NOATIME);
     snprintf(sub, sizeof sub, "%s/proc/self", root);
     if (access(sub, F_OK) != 0) {
+        /* The slot's device, once the guest's driver has read the medium's capacity. */
+        char dev[NAME_MAX + 1], path[PATH_MAX], size[32], device[NAME_MAX + 8];
+        if (oci_find_slot(slot, dev, sizeof dev) != 0)
+            oci_fail("disk slot", "the VM has no disk slot %d (vmm run --disk-slots)", slot);
+        snprintf(path, sizeof path, "/sys/block/%s/size", dev);
+        for (int waited_ms = 0;; waited_ms += 10) {
+            if (oci_read_line(path, size, sizeof size) == 0 && strtoull(size, NULL, 10) > 0)
+                break;
+            if (waited_ms >= timeout_s * 1000)
+                oci_fail("disk slot", "slot %d is empty after %d s (insert the root file "
+                                      "system with the clone request: media)", slot, timeout_s);
+            struct timespec ts = {0, 10 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+        if (mkdir("/run/forkvm", 0755) != 0 && errno != EEXIST)
+            oci_fail("/run/forkvm", "%s", strerror(errno));
+        snprintf(device, sizeof device, "/dev/%s", dev);
+        oci_mount_once(device, root, "ext4", MS_NOATIME);
         snprintf(sub, sizeof sub, "%s/proc", root);
         oci_mount_once("proc", sub, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC);
         snprintf(sub, sizeof sub, "%s/sys", root);

@@ -25,7 +25,7 @@ pub fn sandbox_id(spec: &oci_spec::runtime::Spec) -> Option<String> {
 
 /// The OCI spec's CPU and memory limits as a resource class's (`cpu=CPUS,memory=BYTES`;
 /// empty without them), for the clone's cgroup on the host. The pids limit is the
-/// guest's ([`guest_limits`]): the clone's cgroup counts the VMM's threads, not the
+/// guest's ([`with_guest_limits`]): the clone's cgroup counts the VMM's threads, not the
 /// guest's processes.
 pub fn limits(spec: &oci_spec::runtime::Spec) -> String {
     let resources = spec.linux().as_ref().and_then(|l| l.resources().as_ref());

@@ -17,10 +17,13 @@ Needs root, perf (Debian's linux-perf), containerd and ctr, the release binaries
 the guest (as benches/containerd.py).
 
 usage: benches/trace_container.py [--script 'echo ready'] [--runs N] [--vmlinux PATH]
-                                  [--top N] [--other N] [--sequence FILE] [--dir DIR]
+                                  [--initrd PATH] [--env NAME=VALUE]... [--top N]
+                                  [--other N] [--sequence FILE] [--dir DIR]
 
---vmlinux is also the kernel the shim's template boots (default: target/guest/vmlinux),
-so another kernel build can be traced as it is.
+--vmlinux is also the kernel the shim's template boots (default: target/guest/vmlinux)
+and --initrd its initramfs (default: target/guest/initramfs.cpio), so another build
+of either can be traced as it is; --env is given to `ctr run` (the image's own
+environment is PATH=/bin).
 """
 import argparse
 import collections
@@ -38,7 +41,7 @@ from containerd import FORKVM, Containerd, busybox_archive, run_once
 from trace_functions import Symbols, analyse, kind_of, report
 
 
-def traced_run(c, cid, script, tmp):
+def traced_run(c, cid, script, extra, tmp):
     """One `ctr run` with perf recording every VM on the host; (first line ms, exit ms,
     the events of the process that ran the most guest kernel code, the instruction count
     of the others, perf's complaints about lost events)."""
@@ -48,7 +51,7 @@ def traced_run(c, cid, script, tmp):
          "-e", "kvmmmu:kvm_mmu_set_spte"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.5)  # perf has no ready signal
-    first, done = run_once(c, FORKVM, cid, script)
+    first, done = run_once(c, FORKVM, cid, script, extra)
     perf.send_signal(signal.SIGINT)
     _, err = perf.communicate()
     if perf.returncode not in (0, -signal.SIGINT):
@@ -105,6 +108,10 @@ def main():
     ap.add_argument("--runs", type=int, default=2, help="traced runs")
     ap.add_argument("--vmlinux", default=os.path.join(containerd.REPO, "target", "guest",
                                                       "vmlinux"))
+    ap.add_argument("--initrd", default=os.path.join(containerd.REPO, "target", "guest",
+                                                     "initramfs.cpio"))
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable of the container (repeated)")
     ap.add_argument("--top", type=int, default=12, help="kernel functions listed per run")
     ap.add_argument("--sequence", metavar="FILE",
                     help="write the clone's guest kernel functions in the order they ran "
@@ -123,16 +130,19 @@ def main():
     try:
         archive = os.path.join(tmp, "busybox.tar")
         busybox_archive(archive)
-        c = Containerd(tmp, "main", a.dir, {"FORKVM_SHIM_KERNEL": os.path.abspath(a.vmlinux)})
+        c = Containerd(tmp, "main", a.dir, {"FORKVM_SHIM_KERNEL": os.path.abspath(a.vmlinux),
+                                            "FORKVM_SHIM_INITRD": os.path.abspath(a.initrd)})
         imp = c.ctr("image", "import", archive)
         if imp.returncode != 0:
             sys.exit(imp.stderr)
         # Not counted: the shim's template (and the image's) made if they are not.
-        run_once(c, FORKVM, "warmup", a.script)
+        extra = [arg for e in a.env for arg in ("--env", e)]
+        run_once(c, FORKVM, "warmup", a.script, extra)
         for i in range(a.runs):
-            untraced = run_once(c, FORKVM, f"plain{i}", a.script)
+            untraced = run_once(c, FORKVM, f"plain{i}", a.script, extra)
             time.sleep(1.0)
-            first, done, events, others, lost = traced_run(c, f"traced{i}", a.script, tmp)
+            first, done, events, others, lost = traced_run(c, f"traced{i}", a.script, extra,
+                                                           tmp)
             counts = analyse(events, syms)
             counts.update(other_process_insns=others, lost=lost,
                           handler_ms_untraced=untraced[0], handler_ms_traced=first)

@@ -84,6 +84,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "forkvm-file.h"
+
 #define OCI_MAX_MOUNTS 32
 #define OCI_DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define OCI_MAX_ENV 256
@@ -455,25 +457,27 @@ static void oci_bind(const char *path, int ro)
         oci_fail("--ro", "%s: %s", path, strerror(errno));
 }
 
-/* Writes `value` to file `path`; 0, or -1 with errno. */
-static int oci_write_file(const char *path, const char *value)
-{
-    int fd = open(path, O_WRONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -1;
-    ssize_t n = write(fd, value, strlen(value));
-    int e = errno;
-    close(fd);
-    errno = e;
-    return n == (ssize_t)strlen(value) ? 0 : -1;
-}
-
 /* Slot `slot`'s cgroup directory into `dir`; whether cgroup v2 is mounted there. */
 static int oci_cgroup_dir(int slot, char *dir, size_t len)
 {
     struct statfs fs;
     snprintf(dir, len, OCI_CGROUP_FS "/forkvm-slot%d", slot);
     return statfs(OCI_CGROUP_FS, &fs) == 0 && fs.f_type == OCI_CGROUP2_MAGIC;
+}
+
+/* Whether slot `slot` has a cgroup (its directory into `dir`). */
+static int oci_cgroup_found(int slot, char *dir, size_t len)
+{
+    return oci_cgroup_dir(slot, dir, len) && access(dir, F_OK) == 0;
+}
+
+/* This process into the cgroup at `dir` (`what`: the step an error names). */
+static void oci_cgroup_enter(const char *dir, const char *what)
+{
+    char path[PATH_MAX + 64];
+    snprintf(path, sizeof path, "%s/cgroup.procs", dir);
+    if (forkvm_write_file(path, "0") != 0)
+        oci_fail(what, "%s: %s", path, strerror(errno));
 }
 
 /* --cgroup: slot `slot`'s cgroup made with `n` FILE=VALUE settings, and this process in
@@ -492,27 +496,22 @@ static void oci_cgroup_make(int slot, const char **set, int n)
         size_t dot = strcspn(set[k], ".");
         snprintf(ctl, sizeof ctl, "+%.*s", (int)(dot < sizeof ctl - 2 ? dot : sizeof ctl - 2),
                  set[k]);
-        if (oci_write_file(OCI_CGROUP_FS "/cgroup.subtree_control", ctl) != 0)
+        if (forkvm_write_file(OCI_CGROUP_FS "/cgroup.subtree_control", ctl) != 0)
             oci_fail("--cgroup", "%s: the guest kernel has no %s controller: %s", set[k],
                      ctl + 1, strerror(errno));
         snprintf(path, sizeof path, "%s/%.*s", dir, (int)(eq - set[k]), set[k]);
-        if (oci_write_file(path, eq + 1) != 0)
+        if (forkvm_write_file(path, eq + 1) != 0)
             oci_fail("--cgroup", "%s: %s", set[k], strerror(errno));
     }
-    snprintf(path, sizeof path, "%s/cgroup.procs", dir);
-    if (oci_write_file(path, "0") != 0)
-        oci_fail("--cgroup", "%s: %s", path, strerror(errno));
+    oci_cgroup_enter(dir, "--cgroup");
 }
 
 /* An exec'd process of slot `slot`: into the slot's cgroup, if the container has one. */
 static void oci_cgroup_join(int slot)
 {
-    char dir[PATH_MAX], path[PATH_MAX + 64];
-    if (!oci_cgroup_dir(slot, dir, sizeof dir) || access(dir, F_OK) != 0)
-        return;
-    snprintf(path, sizeof path, "%s/cgroup.procs", dir);
-    if (oci_write_file(path, "0") != 0)
-        oci_fail("cgroup", "%s: %s", path, strerror(errno));
+    char dir[PATH_MAX];
+    if (oci_cgroup_found(slot, dir, sizeof dir))
+        oci_cgroup_enter(dir, "cgroup");
 }
 
 /* --release: what is left in slot `slot`'s cgroup killed, and the group removed (once
@@ -520,10 +519,10 @@ static void oci_cgroup_join(int slot)
 static void oci_cgroup_remove(int slot)
 {
     char dir[PATH_MAX], path[PATH_MAX + 64];
-    if (!oci_cgroup_dir(slot, dir, sizeof dir) || access(dir, F_OK) != 0)
+    if (!oci_cgroup_found(slot, dir, sizeof dir))
         return;
     snprintf(path, sizeof path, "%s/cgroup.kill", dir);
-    if (oci_write_file(path, "1") != 0)
+    if (forkvm_write_file(path, "1") != 0)
         oci_fail("release", "%s: %s", path, strerror(errno));
     for (int waited_ms = 0; rmdir(dir) != 0; waited_ms += 10) {
         if (errno != EBUSY || waited_ms >= 1000)

@@ -46,6 +46,7 @@
 #include <unistd.h>
 
 #include "forkvm-abi.h"
+#include "forkvm-file.h"
 
 #define KIB 1024u
 #define RINGS 0u
@@ -292,18 +293,6 @@ static int device_name(uint64_t base, char *name, size_t len)
     return found;
 }
 
-static int sysfs_write(const char *path, const char *value)
-{
-    int fd = open(path, O_WRONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -1;
-    ssize_t n = write(fd, value, strlen(value));
-    int err = errno;
-    close(fd);
-    errno = err;
-    return n == (ssize_t)strlen(value) ? 0 : -1;
-}
-
 static void sleep_us(long us)
 {
     struct timespec t = {us / 1000000, (us % 1000000) * 1000};
@@ -401,7 +390,7 @@ int main(int argc, char **argv)
     /* Linux's driver lets go of the device (it resets it). */
     snprintf(path, sizeof path, "/sys/bus/platform/devices/%s/driver", name);
     if (access(path, F_OK) == 0 &&
-        sysfs_write("/sys/bus/platform/drivers/virtio-mmio/unbind", name) != 0) {
+        forkvm_write_file("/sys/bus/platform/drivers/virtio-mmio/unbind", name) != 0) {
         fprintf(stderr, "forkvm-rogue: unbind %s: %s\n", name, strerror(errno));
         return 2;
     }
@@ -441,7 +430,7 @@ int main(int argc, char **argv)
     if (!reset_ok)
         return 1;
     if (rebind) {
-        if (sysfs_write("/sys/bus/platform/drivers/virtio-mmio/bind", name) != 0) {
+        if (forkvm_write_file("/sys/bus/platform/drivers/virtio-mmio/bind", name) != 0) {
             fprintf(stderr, "forkvm-rogue: bind %s: %s\n", name, strerror(errno));
             return 1;
         }

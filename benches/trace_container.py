@@ -28,17 +28,15 @@ environment is PATH=/bin).
 import argparse
 import collections
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
 import containerd
 from containerd import FORKVM, Containerd, busybox_archive, run_once
-from trace_functions import Symbols, analyse, kind_of, report
+from trace_functions import (KERNEL, Symbols, analyse, emulated_rips, kind_of, perf_events,
+                             perf_record, report)
 
 
 def traced_run(c, cid, script, extra, tmp):
@@ -46,40 +44,15 @@ def traced_run(c, cid, script, extra, tmp):
     the events of the process that ran the most guest kernel code, the instruction count
     of the others, perf's complaints about lost events)."""
     data = os.path.join(tmp, "perf.data")
-    perf = subprocess.Popen(
-        ["perf", "record", "-a", "-m", "16M", "-o", data, "-e", "kvm:kvm_emulate_insn",
-         "-e", "kvmmmu:kvm_mmu_set_spte"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.5)  # perf has no ready signal
+    perf = perf_record(["-a"], data)
     first, done = run_once(c, FORKVM, cid, script, extra)
-    perf.send_signal(signal.SIGINT)
-    _, err = perf.communicate()
-    if perf.returncode not in (0, -signal.SIGINT):
-        sys.exit(f"perf record failed ({perf.returncode}): {err.decode()[-400:]}")
-    script_out = subprocess.run(["perf", "script", "-i", data, "-F", "pid,event,trace"],
-                                capture_output=True, text=True)
-    per_pid = collections.defaultdict(list)
-    for line in script_out.stdout.splitlines():
-        m = re.match(r"\s*(\d+)\s+kvm(?:mmu)?:(\w+):\s*(.*)", line)
-        if m:
-            per_pid[int(m.group(1))].append((m.group(2), m.group(3)))
+    per_pid, lost = perf_events(perf, data)
     if not per_pid:
         sys.exit("perf recorded no KVM event")
     clone = max(per_pid, key=lambda p: sum(ev == "kvm_emulate_insn" for ev, _ in per_pid[p]))
     mine = per_pid.pop(clone)
     others = sum(ev == "kvm_emulate_insn" for evs in per_pid.values() for ev, _ in evs)
-    lost = [ln for ln in (err.decode() + script_out.stderr).splitlines()
-            if "lost" in ln.lower()]
     return first, done, mine, others, lost
-
-
-def kernel_rips(events):
-    """The guest kernel addresses of the emulated instructions among `events`."""
-    for ev, text in events:
-        if ev == "kvm_emulate_insn":
-            rip = int(text.split(":")[1].split()[0], 16)
-            if rip >= 0xFFFF800000000000:
-                yield rip
 
 
 def write_sequence(path, events, syms):
@@ -88,11 +61,8 @@ def write_sequence(path, events, syms):
     "COUNT [user]")."""
     with open(path, "w") as f:
         last, n = None, 0
-        for ev, text in events:
-            if ev != "kvm_emulate_insn":
-                continue
-            rip = int(text.split(":")[1].split()[0], 16)
-            fn = syms.name(rip) if rip >= 0xFFFF800000000000 else "[user]"
+        for rip in emulated_rips(events):
+            fn = syms.name(rip) if rip >= KERNEL else "[user]"
             if fn != last and last is not None:
                 f.write(f"{n} {last}\n")
                 n = 0
@@ -153,7 +123,7 @@ def main():
                 write_sequence(f"{a.sequence}.{i}", events, syms)
             if a.other:
                 rest = collections.Counter(
-                    syms.name(rip) for rip in kernel_rips(events))
+                    syms.name(rip) for rip in emulated_rips(events) if rip >= KERNEL)
                 rest = [(fn, n) for fn, n in rest.most_common() if kind_of(fn) == "other"]
                 print("  other: " + ", ".join(f"{fn} {n}" for fn, n in rest[:a.other]))
     finally:

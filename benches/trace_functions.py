@@ -137,20 +137,43 @@ def traced_invoke(gw, name, event, tmp):
     time.sleep(1.0)  # the warm pool refilled after the previous request
     pids = descendants(gw.p.pid)
     data = os.path.join(tmp, "perf.data")
-    perf = subprocess.Popen(
-        ["perf", "record", "-m", "16M", "-o", data, "-e", "kvm:kvm_emulate_insn",
-         "-e", "kvmmmu:kvm_mmu_set_spte", "-p", ",".join(map(str, pids))],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.5)  # perf has no ready signal; attaching many threads takes a moment
+    perf = perf_record(["-p", ",".join(map(str, pids))], data)
     status, headers, body, _ = gw.request("POST", f"/functions/{name}", event)
     deadline = time.monotonic() + 5
     while not ended(pids) and time.monotonic() < deadline:
         time.sleep(0.02)
     served = ended(pids)
+    def answered():
+        if status != 200:
+            sys.exit(f"invoke {name}: {status} {body[:300]!r}")
+
+    per_pid, lost = perf_events(perf, data, answered)
+    if len(served) != 1:
+        sys.exit(f"{name}: {len(served)} of the gateway's processes ended with the "
+                 "request, not one")
+    mine = per_pid.pop(served.pop(), [])
+    others = sum(len(evs) for evs in per_pid.values())
+    return headers, mine, others, lost
+
+
+def perf_record(target, data):
+    """perf recording the KVM tracepoints into file `data` for `target` (perf's `-a`, or
+    `-p PIDS`), once it has had a moment to attach (perf has no ready signal)."""
+    perf = subprocess.Popen(
+        ["perf", "record", *target, "-m", "16M", "-o", data, "-e", "kvm:kvm_emulate_insn",
+         "-e", "kvmmmu:kvm_mmu_set_spte"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.5)
+    return perf
+
+
+def perf_events(perf, data, check=lambda: None):
+    """Stops `perf` (perf_record's) and reads what it recorded in `data`: each process's
+    events, {pid: [(event, its text)]}, and perf's complaints about lost events.
+    `check` runs once perf has stopped, before perf's own failure is looked at."""
     perf.send_signal(signal.SIGINT)
     _, err = perf.communicate()
-    if status != 200:
-        sys.exit(f"invoke {name}: {status} {body[:300]!r}")
+    check()
     if perf.returncode not in (0, -signal.SIGINT):
         sys.exit(f"perf record failed ({perf.returncode}): {err.decode()[-400:]}")
     script = subprocess.run(["perf", "script", "-i", data, "-F", "pid,event,trace"],
@@ -160,13 +183,8 @@ def traced_invoke(gw, name, event, tmp):
         m = re.match(r"\s*(\d+)\s+kvm(?:mmu)?:(\w+):\s*(.*)", line)
         if m:
             per_pid[int(m.group(1))].append((m.group(2), m.group(3)))
-    if len(served) != 1:
-        sys.exit(f"{name}: {len(served)} of the gateway's processes ended with the "
-                 "request, not one")
-    mine = per_pid.pop(served.pop(), [])
-    others = sum(len(evs) for evs in per_pid.values())
     lost = [ln for ln in (err.decode() + script.stderr).splitlines() if "lost" in ln.lower()]
-    return headers, mine, others, lost
+    return per_pid, lost
 
 
 # Kernel functions whose first instruction counts an event: a system call (the PVM
@@ -177,26 +195,34 @@ ENTRIES = {"syscalls": "do_syscall_64", "page faults": "handle_mm_fault",
            "schedules": "__schedule"}
 
 
+# Where the guest kernel's addresses begin (x86-64's upper half).
+KERNEL = 0xFFFF800000000000
+
+
+def emulated_rips(events):
+    """The guest addresses of the emulated instructions among `events`, in order."""
+    for ev, text in events:
+        if ev == "kvm_emulate_insn":
+            yield int(text.split(":")[1].split()[0], 16)
+
+
 def analyse(events, syms):
     """Counts of one request's events: emulated instructions (kernel, user), by kind
     and by function; entries to ENTRIES' functions; shadow page-table entries set."""
     by_fn, kinds = collections.Counter(), collections.Counter()
-    user = sptes = 0
+    user = 0
     starts = {syms.addr(fn): what for what, fn in ENTRIES.items()}
     entries = collections.Counter({what: 0 for what in ENTRIES})
-    for ev, text in events:
-        if ev == "kvm_emulate_insn":
-            rip = int(text.split(":")[1].split()[0], 16)
-            if rip < 0xFFFF800000000000:
-                user += 1
-                continue
-            if rip in starts:
-                entries[starts[rip]] += 1
-            fn = syms.name(rip)
-            by_fn[fn] += 1
-            kinds[kind_of(fn)] += 1
-        elif ev == "kvm_mmu_set_spte":
-            sptes += 1
+    for rip in emulated_rips(events):
+        if rip < KERNEL:
+            user += 1
+            continue
+        if rip in starts:
+            entries[starts[rip]] += 1
+        fn = syms.name(rip)
+        by_fn[fn] += 1
+        kinds[kind_of(fn)] += 1
+    sptes = sum(ev == "kvm_mmu_set_spte" for ev, _ in events)
     return {"kernel_insns": sum(by_fn.values()), "user_insns": user, "sptes": sptes,
             "entries": dict(entries),
             "kinds": dict(kinds.most_common()), "functions": dict(by_fn.most_common(40))}

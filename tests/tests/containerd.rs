@@ -875,19 +875,14 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     // One VM: the same pid (its VMM's), and each sees the other's processes.
     assert_eq!(pid_of(&id), pid_of(&id2));
     assert!(pid_of(&id) > 0);
-    let (code, text) = crictl(
-        &c,
-        &[
-            "exec",
-            "-s",
-            &id2,
-            "sh",
-            "-c",
-            // A process may end between the glob and the read (cat fails: not
-            // this test's concern); cat killed by a signal (the host problem `again`
-            // runs it again for) is passed on.
-            "cat /proc/[0-9]*/cmdline 2>/dev/null; s=$?; [ $s -gt 128 ] && exit $s; exit 0",
-        ],
+    // `sh -c script` run in container `id` (`crictl exec -s`): its status and output.
+    let sh = |id: &str, script: &str| crictl(&c, &["exec", "-s", id, "sh", "-c", script]);
+    let (code, text) = sh(
+        &id2,
+        // A process may end between the glob and the read (cat fails: not this test's
+        // concern); cat killed by a signal (the host problem `again` runs it again for)
+        // is passed on.
+        "cat /proc/[0-9]*/cmdline 2>/dev/null; s=$?; [ $s -gt 128 ] && exit $s; exit 0",
     );
     assert!(
         code == 0 && text.contains("hello from a pod"),
@@ -895,14 +890,11 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
         c.log()
     );
     // Each on its own root file system.
-    let (code, text) = crictl(&c, &["exec", "-s", &id, "sh", "-c", "echo one > /tmp/f"]);
+    let (code, text) = sh(&id, "echo one > /tmp/f");
     assert_eq!(code, 0, "{text}");
     let (code, text) = crictl(&c, &["exec", "-s", &id2, "cat", "/tmp/f"]);
     assert!(code != 0 && text.contains("/tmp/f"), "{code} {text}");
-    let (code, text) = crictl(
-        &c,
-        &["exec", "-s", &id, "sh", "-c", "echo from exec; exit 3"],
-    );
+    let (code, text) = sh(&id, "echo from exec; exit 3");
     assert!(text.contains("from exec"), "{code} {text}\n{}", c.log());
     assert!(code != 0 && text.contains("exited with 3"), "{code} {text}");
     // Stopped: SIGTERM reaches its trap; the exit reaches CRI (the shim's event).
@@ -940,17 +932,7 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     // out of its process group too (with its cgroup).
     let (code, text) = crictl(&c, &["rm", "-f", &id3]);
     assert_eq!(code, 0, "{text}\n{}", c.log());
-    let (code, text) = crictl(
-        &c,
-        &[
-            "exec",
-            "-s",
-            &id2,
-            "sh",
-            "-c",
-            "cat /proc/[0-9]*/cmdline 2>/dev/null; exit 0",
-        ],
-    );
+    let (code, text) = sh(&id2, "cat /proc/[0-9]*/cmdline 2>/dev/null; exit 0");
     assert!(
         code == 0 && !text.contains("sleep\u{0}60") && !text.contains("sleep\u{0}61"),
         "{code} {text:?}"
@@ -1001,17 +983,7 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     );
     // The files CRI binds in (resolv.conf from the pod's DNS config, its hostname) are
     // in the container, and /dev/shm is a tmpfs.
-    let (code, text) = crictl(
-        &c,
-        &[
-            "exec",
-            "-s",
-            &a,
-            "sh",
-            "-c",
-            "cat /etc/resolv.conf /etc/hostname; cat /proc/mounts",
-        ],
-    );
+    let (code, text) = sh(&a, "cat /etc/resolv.conf /etc/hostname; cat /proc/mounts");
     assert_eq!(code, 0, "{text}");
     assert!(
         text.contains("nameserver 10.89.0.53")

@@ -288,6 +288,7 @@ def run(a):
                 if a.compare_cold:
                     deploy(other, name, source, packages, None)
             host = HostFunction(tmp, name, source, packages)
+            time.sleep(a.age)
             try:
                 # The host's reply is the reference for both deployments' (a function
                 # with randomness in its reply is only checked for its length).
@@ -421,6 +422,9 @@ def main():
     ap.add_argument("--compare-cold", action="store_true",
                     help="deploy each function without a warm-up on the second gateway "
                     "too, its requests interleaved as well")
+    ap.add_argument("--age", type=float, default=0,
+                    help="seconds to wait after deploying a function, before its first "
+                    "request (its templates paused that long)")
     ap.add_argument("--json", help="write every sample to this file")
     ap.add_argument("--from-json", help="report and plot a run saved with --json")
     ap.add_argument("--plot", help="draw the figures to this PNG (matplotlib)")

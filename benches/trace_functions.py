@@ -236,6 +236,10 @@ def main():
     ap.add_argument("--vmlinux", default=os.path.join(GUEST, "vmlinux"))
     ap.add_argument("--top", type=int, default=6, help="kernel functions listed per row")
     ap.add_argument("--json", help="write every count to this file")
+    ap.add_argument("--age", type=float, default=0,
+                    help="seconds to wait after the first request, before the traced "
+                    "one (the template paused that long: what a clone of an idle "
+                    "template catches up on)")
     a = ap.parse_args()
     names = a.only.split(",") if a.only else list(functions.FUNCTIONS)
     if a.bin_dir:
@@ -254,6 +258,10 @@ def main():
                                         ("warm-up", name + "-warm", event)):
                 functions.deploy(gw, fname, source, packages, warmup)
                 untraced = functions.invoke(gw, fname, event)[2]
+                if a.age:
+                    time.sleep(a.age)
+                    untraced = functions.invoke(gw, fname, event)[2]
+                    time.sleep(a.age)
                 headers, events, others, lost = traced_invoke(gw, fname, event, tmp)
                 counts = analyse(events, syms)
                 counts["other_process_insns"] = others

@@ -633,6 +633,91 @@ fn an_idle_runtime_is_refreshed_and_serves_throughout() {
 }
 
 #[test]
+fn a_template_paused_half_a_minute_is_refreshed_without_being_asked() {
+    if !kvm_available("invoke_template_age") {
+        return;
+    }
+    // Its clones' kernels would catch up on all the time since it paused: a template is
+    // refreshed after 30 s paused (vmm::invoke::IDLE_CATCH_UP_AFTER) with idle refresh
+    // off (the default), busy or not. A keep-alive clone that waits is refreshed once a
+    // second after a delivery deferred its timer (CATCH_UP_AFTER), then not again
+    // before it waited 30 s: not once a second while it waits.
+    let scratch = Scratch::new("invoke-template-age");
+    let vm = template(&scratch, &["--warm-clones", "1"]);
+    assert_eq!(vm.describe()["invoke"]["refresh_idle_ms"], 0);
+    let keep = InvokeOptions {
+        keep_alive: true,
+        ..Default::default()
+    };
+    let r = invoke_with(&vm.sock, &keep, b"stay");
+    let sock = std::path::PathBuf::from(r.header("x-forkvm-socket").unwrap());
+    let start = Instant::now();
+    let mut served = 0u8;
+    while invoke_figure(&vm.sock, "refreshes") == 0 {
+        let elapsed = start.elapsed();
+        assert!(
+            elapsed < Duration::from_secs(60),
+            "no refresh in {elapsed:?}"
+        );
+        echoed(&invoke(&vm.sock, &[b'a', served]), &[b'a', served]);
+        served = served.wrapping_add(1);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        start.elapsed() > Duration::from_secs(25),
+        "{:?}",
+        start.elapsed()
+    );
+    let in_place = invoke_figure(&sock, "refreshes");
+    assert!(
+        (1..=2).contains(&in_place),
+        "the waiting clone was refreshed {in_place} times"
+    );
+    echoed(&invoke(&sock, b"end"), b"end");
+    echoed(&invoke(&vm.sock, b"after"), b"after");
+    drop(vm);
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty()
+    });
+}
+
+#[test]
+fn a_request_that_meets_a_refresh_is_served_by_a_warm_clone_made_before_it() {
+    if !kvm_available("invoke_refresh_warm") {
+        return;
+    }
+    // A refresh only lets the template's kernel catch up: its warm clones are clones of
+    // it still, so a request held while it runs (its runtime takes 100 ms to wait again
+    // here) is served by one of them once it pauses, not by a clone forked for it.
+    let scratch = Scratch::new("invoke-refresh-warm");
+    let cmdline = "ticks=1 invoke=1 rewait=100";
+    let vm = template_with(
+        &scratch,
+        cmdline,
+        &["--warm-clones", "2", "--refresh-idle-ms", "300"],
+    );
+    let launched = || vm.describe()["warm_clones"]["launched"].as_u64().unwrap();
+    for i in 0..3u8 {
+        wait_until("two warm clones", || {
+            vm.waits_as_template() && vm.describe()["warm_clones"]["ready"] == 2
+        });
+        wait_until("a refresh", || vm.describe()["state"] == "running");
+        let before = launched();
+        echoed(&invoke(&vm.sock, &[b'h', i]), &[b'h', i]);
+        assert_eq!(
+            launched(),
+            before + 1,
+            "request {i} was not served by a warm clone"
+        );
+    }
+    assert!(invoke_figure(&vm.sock, "refreshes") >= 3);
+    drop(vm);
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty()
+    });
+}
+
+#[test]
 fn a_busy_keep_alive_runtime_is_refreshed_when_its_timer_was_deferred_too_long() {
     if !kvm_available("invoke_busy_refresh") {
         return;

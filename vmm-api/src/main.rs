@@ -324,9 +324,9 @@ struct RunArgs {
     #[arg(long)]
     template: bool,
     /// Refresh a runtime that has waited this long for a request (ms; 0, the default:
-    /// never): it reads "no request" and waits again, so the guest kernel catches up on
-    /// the time that passed before the next request rather than on its path; a template
-    /// pauses again and makes new warm clones (docs/invoke.md).
+    /// only after 30 s): it reads "no request" and waits again, so the guest kernel
+    /// catches up on the time that passed before the next request rather than on its
+    /// path; a template pauses again and replaces its warm clones (docs/invoke.md).
     #[arg(long, default_value_t = vmm::config::DEFAULT_REFRESH_IDLE_MS)]
     refresh_idle_ms: u64,
     /// When a request is delivered, move a guest timer interrupt already due (or due

@@ -270,7 +270,8 @@ impl<E: Edge> Vmm<E> {
 
     /// Refreshes the idle runtime (`invoke`): it reads "no request" and waits again,
     /// the guest kernel catching up meanwhile on the time it did not run. A template
-    /// runs again until then, and its warm clones, made from the stale state, go.
+    /// runs again until then, and its warm clones, made from the older state, are
+    /// replaced once it pauses again.
     fn refresh(&mut self) {
         let Some(vcpu) = self.invoker.refreshing() else {
             return;
@@ -283,7 +284,9 @@ impl<E: Edge> Vmm<E> {
             },
         };
         match resumed {
-            Ok(()) => self.clones.discard_warm_clones(),
+            // A refreshed runtime reads "no request" and waits again: the template
+            // pauses as it was, only its clock caught up.
+            Ok(()) => self.clones.age_warm_clones(),
             Err(e) => {
                 tracing::error!("cannot refresh the runtime on vCPU {vcpu}: {e}");
                 // It still waits; it is tried again after another idle period.

@@ -25,10 +25,10 @@
 //! vCPU), so the handler runs before the kernel catches up on the time that passed.
 //!
 //! A runtime can be **refreshed** ([`Invoker::refresh_due`]): once it has waited for
-//! `--refresh-idle-ms`, or (in place) once its timer has been deferred for
-//! [`CATCH_UP_AFTER`], the controller lets it read "no request" and wait again, so that
-//! the guest kernel's catch-up runs then, not on a request's path; a template pauses
-//! again and makes new warm clones.
+//! `--refresh-idle-ms` or [`IDLE_CATCH_UP_AFTER`], or (in place) once its timer has been
+//! deferred for [`CATCH_UP_AFTER`], the controller lets it read "no request" and wait
+//! again, so that the guest kernel's catch-up runs then, not on a request's path; a
+//! template pauses again, and its warm clones are replaced by new ones.
 //!
 //! Nothing here knows HTTP: the controller hands a [`Finished`] to the edge
 //! (`Edge::answer`, one layer up), which answers the caller.
@@ -282,10 +282,11 @@ pub struct Invoker {
     refreshes: u64,
     /// How far a due timer interrupt is moved on at delivery, in ns (`clone::timer`).
     tick_defer_ns: u64,
-    /// When the guest kernel last had its due timer interrupts: a refresh, or a
-    /// delivery that deferred none (with deferral, a busy runtime's kernel would get
-    /// none otherwise: every delivery moves them on again).
-    caught_up_at: Instant,
+    /// When a delivery first deferred the guest's due timer interrupts since its kernel
+    /// last had them (a refresh, or a delivery that deferred none); None: none did. With
+    /// deferral, a busy runtime's kernel would get none otherwise: every delivery moves
+    /// them on again.
+    deferred_since: Option<Instant>,
     /// Whether a template's warm clones may be primed (`--no-prime` not given).
     prime: bool,
     /// This process's own memory when it last paused as a template, in KiB.
@@ -295,6 +296,17 @@ pub struct Invoker {
 /// How long a runtime served in place may go with its timer deferred at every delivery
 /// before it is refreshed at its next wait, its kernel then catching up.
 pub const CATCH_UP_AFTER: Duration = Duration::from_secs(1);
+
+/// How long a runtime waits, its guest not running, before it is refreshed whatever
+/// `--refresh-idle-ms` says. A guest catches up, at its first timer interrupt, on the time
+/// it did not run (timekeeping's accumulation loops about once per second of it), and so
+/// does every clone of a template at its own first one, from the template's pause: a
+/// template serving requests never runs itself, so without this a handler that meets the
+/// interrupt pays more the older its template is (on the PVM development host about 160
+/// emulated instructions per second: 0.1-0.2 s for a template 20 minutes old). Refreshed,
+/// the kernel catches up once, and a template's warm clones are replaced
+/// (docs/invoke.md, "A guest that did not run").
+pub const IDLE_CATCH_UP_AFTER: Duration = Duration::from_secs(30);
 
 /// Most requests a template holds while its runtime is on its way back to the port
 /// (a VM that is no template holds one).
@@ -362,7 +374,7 @@ impl Invoker {
             waiting_since: None,
             refreshes: 0,
             tick_defer_ns: config.invoke.tick_defer_ns(),
-            caught_up_at: Instant::now(),
+            deferred_since: None,
             prime: config.clones.prime,
             own_memory_kib: None,
         }
@@ -433,15 +445,19 @@ impl Invoker {
     }
 
     /// When the runtime is to be refreshed: it waits, in a paused template or a running
-    /// VM that is no template, nothing held for it; once it waited the refresh period,
-    /// or (in place, with deferral) once its kernel went [`CATCH_UP_AFTER`] without its
-    /// timer interrupts.
+    /// VM that is no template, nothing held for it; once it waited the refresh period or
+    /// [`IDLE_CATCH_UP_AFTER`], or (in place) once its kernel's timer interrupts were
+    /// deferred for [`CATCH_UP_AFTER`].
     fn refresh_at(&self, vm: &Microvm) -> Option<Instant> {
         let since = self.waiting_since?;
         let idle_due = self.refresh_after.map(|after| since + after);
-        let deferred = !self.template && self.tick_defer_ns > 0;
-        let catch_up_due = deferred.then(|| self.caught_up_at + CATCH_UP_AFTER);
-        let at = idle_due.into_iter().chain(catch_up_due).min()?;
+        let deferred_due = (self.deferred_since)
+            .filter(|_| !self.template)
+            .map(|d| d + CATCH_UP_AFTER);
+        let at = [idle_due, deferred_due, Some(since + IDLE_CATCH_UP_AFTER)]
+            .into_iter()
+            .flatten()
+            .min()?;
         let idle = self.waiting.is_some() && self.in_flight.is_none() && self.held.is_empty();
         let state = match self.template {
             true => VmState::Paused,
@@ -461,7 +477,7 @@ impl Invoker {
         let vcpu = self.waiting?;
         self.resumed();
         self.refreshes += 1;
-        self.caught_up_at = Instant::now();
+        self.deferred_since = None;
         Some(vcpu)
     }
 
@@ -545,8 +561,9 @@ impl Invoker {
         self.started += 1;
         self.waiting = None;
         self.waiting_since = None;
-        if self.tick_defer_ns == 0 {
-            self.caught_up_at = Instant::now();
+        match self.tick_defer_ns {
+            0 => self.deferred_since = None,
+            _ => _ = self.deferred_since.get_or_insert_with(Instant::now),
         }
         self.in_flight = Some(InFlight {
             conn: inv.conn,

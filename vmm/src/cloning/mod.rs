@@ -545,6 +545,15 @@ impl Cloner {
         self.warm.discard();
     }
 
+    /// The template runs to be refreshed and pauses again as it was, its clock caught
+    /// up: its warm clones are clones of it still (only older), so they serve on until
+    /// new ones replace them, one at a time (a request never finds the pool empty for
+    /// a refresh).
+    pub fn age_warm_clones(&mut self) {
+        self.warm.forget_epoch();
+        self.warm.mark_stale();
+    }
+
     /// Time until the event loop has work here (zero: now): a warm clone to fork,
     /// spare overlay files to make, cgroup pools to refill. None: nothing due.
     pub fn due_in(&self, vm: &Microvm) -> Option<Duration> {

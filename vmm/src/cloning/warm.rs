@@ -62,8 +62,8 @@ struct WarmClone {
     primed: bool,
     /// Whether it said its prime is done (a byte on its go channel).
     prime_done: bool,
-    /// Made before its template learned its working set: it copied nothing ahead, and
-    /// is replaced once a clone made since is ready.
+    /// Made before its template learned its working set (it copied nothing ahead) or
+    /// was refreshed (its clock is older): replaced once a clone made since is ready.
     stale: bool,
 }
 
@@ -257,8 +257,14 @@ impl WarmPool {
         }
     }
 
+    /// Forgets the captured state (the template is to run): the next warm clone is made
+    /// from the state it pauses with next.
+    pub(super) fn forget_epoch(&mut self) {
+        self.epoch = None;
+    }
+
     /// The warm clones there are now would be made otherwise now (their template
-    /// learned its working set): each is replaced, one at a time, once a clone made
+    /// learned its working set, or was refreshed): each is replaced, one at a time, once a clone made
     /// since is ready (the pool keeps one more than its target meanwhile, so a request
     /// never finds fewer ready than before). Those launched first are not replaced.
     pub(super) fn mark_stale(&mut self) {

@@ -619,7 +619,10 @@ impl Invoker {
         primed: bool,
     ) -> Result<Self, InvokeError> {
         let mut me = Self::new(config, window);
-        // A clone's first request.
+        // A clone's first request, its timer deferred as any delivery's.
+        if me.tick_defer_ns > 0 {
+            me.deferred_since = Some(Instant::now());
+        }
         let sequence = 1;
         write(mem, me.window, d, sequence, payload)?;
         me.started = 1;

@@ -11,6 +11,7 @@
 //! numbers), the path in the container, and the data: `D` a directory, `F` a file, `L`
 //! a symbolic link (the data its target), `E` the end.
 
+use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
@@ -92,12 +93,14 @@ impl Archive {
 
     /// Adds host file `host` at `dest` in the container.
     pub fn add_file(&mut self, host: &Path, dest: &str) -> Result<(), VolumeError> {
-        let meta = read(host, std::fs::metadata(host))?;
-        if self.bytes.len() + meta.len() as usize > MAX_ARCHIVE {
-            return Err(VolumeError::TooLarge(dest.to_string()));
-        }
-        let data = read(host, std::fs::read(host))?;
-        self.push(b'F', meta.permissions().mode(), dest, &data)
+        let file = read(host, std::fs::File::open(host))?;
+        let mode = read(host, file.metadata())?.permissions().mode();
+        // At most what still fits, and a byte more to tell a file that does not (it may
+        // have grown since it was looked at): a large file is never read whole.
+        let room = MAX_ARCHIVE.saturating_sub(self.bytes.len()) as u64;
+        let mut data = Vec::new();
+        read(host, file.take(room + 1).read_to_end(&mut data))?;
+        self.push(b'F', mode, dest, &data)
     }
 
     fn push(&mut self, kind: u8, mode: u32, path: &str, data: &[u8]) -> Result<(), VolumeError> {
@@ -216,5 +219,22 @@ mod tests {
         assert!(matches!(e, VolumeError::TooLarge(_)), "{e}");
         let e = a.push(b'F', 0o644, "relative", &[]).unwrap_err();
         assert!(matches!(e, VolumeError::Path(_)), "{e}");
+        // A file larger than what is left is refused, read only that far (a sparse
+        // 64 GiB file here: reading it whole would take the memory).
+        let big = std::env::temp_dir().join(format!("forkvm-shim-big-{}", std::process::id()));
+        std::fs::File::create(&big)
+            .unwrap()
+            .set_len(64 << 30)
+            .unwrap();
+        let mut a = Archive::default();
+        a.push(b'F', 0o644, "/some", &vec![1; 4096]).unwrap();
+        let e = a.add_file(&big, "/big").unwrap_err();
+        std::fs::remove_file(&big).unwrap();
+        assert!(
+            matches!(e, VolumeError::TooLarge(ref at) if at == "/big"),
+            "{e}"
+        );
+        let e = a.add_file(&big, "/gone").unwrap_err();
+        assert!(matches!(e, VolumeError::Read { .. }), "{e}");
     }
 }

@@ -25,7 +25,8 @@ pub struct VmmOptions {
     /// zero: none). Whole milliseconds.
     pub tick_defer: Option<Duration>,
     /// How long a waiting runtime is left before it is refreshed (`--refresh-idle-ms`;
-    /// None: never). Whole milliseconds.
+    /// None: the VMM's default, 30 s, which also bounds a longer one). Whole
+    /// milliseconds.
     pub refresh_idle: Option<Duration>,
     /// Warm clones are primed (false: `--no-prime`).
     pub prime: bool,

@@ -682,6 +682,34 @@ fn a_template_paused_half_a_minute_is_refreshed_without_being_asked() {
 }
 
 #[test]
+fn a_snapshot_asked_during_a_refresh_is_of_the_template_paused_again() {
+    if !kvm_available("invoke_refresh_snapshot") {
+        return;
+    }
+    // The template runs for each refresh (its runtime takes 100 ms to wait again here):
+    // a snapshot asked for then waits for it to pause, where it was refused as of a VM
+    // not paused.
+    let scratch = Scratch::new("invoke-refresh-snapshot");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 rewait=100",
+        &["--refresh-idle-ms", "300"],
+    );
+    for i in 0..2 {
+        wait_until("a refresh", || vm.describe()["state"] == "running");
+        let snap = scratch.path(&format!("snap{i}"));
+        let (code, answer) = vm.snapshot(&snap);
+        assert_eq!(code, 201, "{answer}");
+        assert!(snap.join("state").exists());
+        std::fs::remove_dir_all(&snap).unwrap();
+    }
+    drop(vm);
+    wait_until("every clone to be reaped", || {
+        leftovers(&scratch).is_empty()
+    });
+}
+
+#[test]
 fn a_request_that_meets_a_refresh_is_served_by_a_warm_clone_made_before_it() {
     if !kvm_available("invoke_refresh_warm") {
         return;

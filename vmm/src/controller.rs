@@ -11,6 +11,7 @@ use std::io::Read;
 use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use nix::sys::signalfd::SignalFd;
 
@@ -61,8 +62,16 @@ pub struct Vmm<E: Edge> {
     invoker: Invoker,
     /// Deletions waiting for their clone to be gone: its pid, and where the answer goes.
     stops: Vec<(i32, Replier)>,
+    /// Snapshots asked for while the template runs on its way back to its runtime's
+    /// wait (a refresh), each with where the answer goes and how long it may wait.
+    held_snapshots: Vec<(VmmAction, Replier, Instant)>,
     edge: PhantomData<fn() -> E>,
 }
+
+/// How long a snapshot asked for while its template is refreshed waits for the template
+/// to pause again: a runtime comes back in milliseconds (microseconds on hardware KVM);
+/// after that, it is answered as for a VM that is not paused.
+const SNAPSHOT_HOLD: Duration = Duration::from_secs(5);
 
 const TOKEN_RESET: u64 = 1;
 const TOKEN_VCPU_EXIT: u64 = 2;
@@ -86,6 +95,7 @@ impl<E: Edge> Vmm<E> {
             clones,
             invoker,
             stops: Vec::new(),
+            held_snapshots: Vec::new(),
             edge: PhantomData,
         }
     }
@@ -99,7 +109,35 @@ impl<E: Edge> Vmm<E> {
                 Some(pid) => self.stops.push((pid, replier)),
                 None => replier.send(Err(VmmActionError::NoSuchClone(id))),
             },
+            // A template runs only to come back to its runtime's wait and pause again:
+            // the snapshot is of that pause.
+            VmmAction::Snapshot(_) if self.template_returning() => {
+                let until = Instant::now() + SNAPSHOT_HOLD;
+                self.held_snapshots.push((action, replier, until));
+            }
             action => replier.send(self.handle(action)),
+        }
+    }
+
+    /// Whether this is a template that runs on its way back to its runtime's wait (a
+    /// refresh, or a resume), to pause again there.
+    fn template_returning(&self) -> bool {
+        self.invoker.is_template()
+            && self.invoker.is_returning()
+            && self.vm.state() == VmState::Running
+    }
+
+    /// Takes the held snapshots: all of them once the template paused again (or is no
+    /// longer on its way back), else those whose time is up.
+    fn take_held_snapshots(&mut self) {
+        let now = Instant::now();
+        let returning = self.template_returning();
+        let (due, held) = std::mem::take(&mut self.held_snapshots)
+            .into_iter()
+            .partition(|h| !returning || h.2 <= now);
+        self.held_snapshots = held;
+        for (action, replier, _) in due {
+            replier.send(self.handle(action));
         }
     }
 
@@ -333,6 +371,7 @@ impl<E: Edge> Vmm<E> {
                     }
                 }
                 self.serve_held();
+                self.take_held_snapshots();
                 None
             }
             VcpuEvent::InvokeReply(len) => match self.invoker.runtime_replied(&self.vm, id, len) {
@@ -399,7 +438,13 @@ impl<E: Edge> Vmm<E> {
             // upkeep) waits a moment after the last request: fork() holds this process's
             // memory map, so the answer to that request, still being written by the API
             // thread, would wait for it.
-            let due = [self.clones.due_in(&self.vm), self.invoker.due_in(&self.vm)];
+            let held = (self.held_snapshots.iter().map(|h| h.2).min())
+                .map(|t| t.saturating_duration_since(Instant::now()));
+            let due = [
+                self.clones.due_in(&self.vm),
+                self.invoker.due_in(&self.vm),
+                held,
+            ];
             let timeout = due.into_iter().flatten().min().map_or(-1, wait_ms);
             let n = match epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
@@ -417,6 +462,7 @@ impl<E: Edge> Vmm<E> {
             if self.invoker.refresh_due(&self.vm) {
                 self.refresh();
             }
+            self.take_held_snapshots();
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_RESET => {

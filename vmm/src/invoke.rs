@@ -399,7 +399,13 @@ impl Invoker {
         self.waiting.filter(|_| ready && declared())
     }
 
-    /// Whether the VM is a template.
+    /// Whether the runtime is on its way back to its wait (it replied to a keep-alive
+    /// request, or the VM was resumed while it waited: a refresh, or from outside).
+    pub fn is_returning(&self) -> bool {
+        self.returning
+    }
+
+    /// Whether this VM is a template.
     pub fn is_template(&self) -> bool {
         self.template
     }

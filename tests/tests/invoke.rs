@@ -682,13 +682,13 @@ fn a_template_paused_half_a_minute_is_refreshed_without_being_asked() {
 }
 
 #[test]
-fn a_snapshot_asked_during_a_refresh_is_of_the_template_paused_again() {
+fn a_snapshot_or_pause_asked_during_a_refresh_waits_for_the_template_to_pause_again() {
     if !kvm_available("invoke_refresh_snapshot") {
         return;
     }
     // The template runs for each refresh (its runtime takes 100 ms to wait again here):
     // a snapshot asked for then waits for it to pause, where it was refused as of a VM
-    // not paused.
+    // not paused; a pause waits for the same.
     let scratch = Scratch::new("invoke-refresh-snapshot");
     let vm = template_with(
         &scratch,
@@ -703,6 +703,12 @@ fn a_snapshot_asked_during_a_refresh_is_of_the_template_paused_again() {
         assert!(snap.join("state").exists());
         std::fs::remove_dir_all(&snap).unwrap();
     }
+    // So does a pause: the one it makes at its runtime's wait, not one in mid-run.
+    wait_until("a refresh", || vm.describe()["state"] == "running");
+    let (code, answer) = vm.api("PATCH", "/vm", Some(r#"{"state":"paused"}"#));
+    assert_eq!(code, 204, "{answer}");
+    assert!(vm.waits_as_template(), "{}", vm.describe());
+    echoed(&invoke(&vm.sock, b"after"), b"after");
     drop(vm);
     wait_until("every clone to be reaped", || {
         leftovers(&scratch).is_empty()

@@ -62,16 +62,18 @@ pub struct Vmm<E: Edge> {
     invoker: Invoker,
     /// Deletions waiting for their clone to be gone: its pid, and where the answer goes.
     stops: Vec<(i32, Replier)>,
-    /// Snapshots asked for while the template runs on its way back to its runtime's
-    /// wait (a refresh), each with where the answer goes and how long it may wait.
-    held_snapshots: Vec<(VmmAction, Replier, Instant)>,
+    /// Snapshots and pauses asked for while the template runs on its way back to its
+    /// runtime's wait (a refresh), each with where the answer goes and how long it may
+    /// wait.
+    held_until_paused: Vec<(VmmAction, Replier, Instant)>,
     edge: PhantomData<fn() -> E>,
 }
 
-/// How long a snapshot asked for while its template is refreshed waits for the template
-/// to pause again: a runtime comes back in milliseconds (microseconds on hardware KVM);
-/// after that, it is answered as for a VM that is not paused.
-const SNAPSHOT_HOLD: Duration = Duration::from_secs(5);
+/// How long a snapshot or a pause asked for while its template is refreshed waits for the
+/// template to pause again at its runtime's wait: a runtime comes back in milliseconds
+/// (microseconds on hardware KVM); after that, it is taken as asked (a snapshot is
+/// refused as of a VM not paused, a pause pauses the template where it is).
+const PAUSE_HOLD: Duration = Duration::from_secs(5);
 
 const TOKEN_RESET: u64 = 1;
 const TOKEN_VCPU_EXIT: u64 = 2;
@@ -95,7 +97,7 @@ impl<E: Edge> Vmm<E> {
             clones,
             invoker,
             stops: Vec::new(),
-            held_snapshots: Vec::new(),
+            held_until_paused: Vec::new(),
             edge: PhantomData,
         }
     }
@@ -110,10 +112,12 @@ impl<E: Edge> Vmm<E> {
                 None => replier.send(Err(VmmActionError::NoSuchClone(id))),
             },
             // A template runs only to come back to its runtime's wait and pause again:
-            // the snapshot is of that pause.
-            VmmAction::Snapshot(_) if self.template_returning() => {
-                let until = Instant::now() + SNAPSHOT_HOLD;
-                self.held_snapshots.push((action, replier, until));
+            // the snapshot is of that pause, and a pause is that one.
+            VmmAction::Snapshot(_) | VmmAction::SetState(TargetState::Paused)
+                if self.template_returning() =>
+            {
+                let until = Instant::now() + PAUSE_HOLD;
+                self.held_until_paused.push((action, replier, until));
             }
             action => replier.send(self.handle(action)),
         }
@@ -127,17 +131,24 @@ impl<E: Edge> Vmm<E> {
             && self.vm.state() == VmState::Running
     }
 
-    /// Takes the held snapshots: all of them once the template paused again (or is no
-    /// longer on its way back), else those whose time is up.
-    fn take_held_snapshots(&mut self) {
+    /// Takes the actions held until the template pauses: all of them once it paused
+    /// again (or is no longer on its way back), else those whose time is up.
+    fn take_held_until_paused(&mut self) {
         let now = Instant::now();
         let returning = self.template_returning();
-        let (due, held) = std::mem::take(&mut self.held_snapshots)
+        let (due, held) = std::mem::take(&mut self.held_until_paused)
             .into_iter()
             .partition(|h| !returning || h.2 <= now);
-        self.held_snapshots = held;
+        self.held_until_paused = held;
         for (action, replier, _) in due {
-            replier.send(self.handle(action));
+            let answer = match action {
+                // Paused, as asked.
+                VmmAction::SetState(TargetState::Paused) if self.vm.state() == VmState::Paused => {
+                    Ok(VmmData::Empty)
+                }
+                action => self.handle(action),
+            };
+            replier.send(answer);
         }
     }
 
@@ -371,7 +382,7 @@ impl<E: Edge> Vmm<E> {
                     }
                 }
                 self.serve_held();
-                self.take_held_snapshots();
+                self.take_held_until_paused();
                 None
             }
             VcpuEvent::InvokeReply(len) => match self.invoker.runtime_replied(&self.vm, id, len) {
@@ -438,7 +449,7 @@ impl<E: Edge> Vmm<E> {
             // upkeep) waits a moment after the last request: fork() holds this process's
             // memory map, so the answer to that request, still being written by the API
             // thread, would wait for it.
-            let held = (self.held_snapshots.iter().map(|h| h.2).min())
+            let held = (self.held_until_paused.iter().map(|h| h.2).min())
                 .map(|t| t.saturating_duration_since(Instant::now()));
             let due = [
                 self.clones.due_in(&self.vm),
@@ -462,7 +473,7 @@ impl<E: Edge> Vmm<E> {
             if self.invoker.refresh_due(&self.vm) {
                 self.refresh();
             }
-            self.take_held_snapshots();
+            self.take_held_until_paused();
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_RESET => {

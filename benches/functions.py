@@ -263,6 +263,14 @@ def run(a):
         sys.exit(f"no such function: {unknown}; there are {list(FUNCTIONS)}")
     if a.bin_dir:
         faas.GATEWAY = os.path.join(a.bin_dir, "forkvm-gateway")
+    # The host zygotes import the functions' packages: checked before anything runs,
+    # so that a missing one (numpy) does not end a long run half way.
+    packages = sorted({p for n in names for p in FUNCTIONS[n][2]})
+    check = subprocess.run([HOST_PYTHON, "-c", "import " + ", ".join(packages or ["os"])],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        sys.exit(f"{HOST_PYTHON} cannot import {packages} for the host zygotes "
+                 f"(`make bench` installs python3-numpy):\n{check.stderr.strip()[-400:]}")
     extra = ["--load-timeout-s", "1800"]
     if a.base_snapshot:
         extra += ["--base-snapshot", a.base_snapshot]

@@ -264,9 +264,10 @@ impl WarmPool {
     }
 
     /// The warm clones there are now would be made otherwise now (their template
-    /// learned its working set, or was refreshed): each is replaced, one at a time, once a clone made
-    /// since is ready (the pool keeps one more than its target meanwhile, so a request
-    /// never finds fewer ready than before). Those launched first are not replaced.
+    /// learned its working set, or was refreshed): each is replaced, one at a time, once
+    /// a clone made since is ready (the pool keeps one more than its target meanwhile,
+    /// so a request never finds fewer ready than before). Those launched first are not
+    /// replaced.
     pub(super) fn mark_stale(&mut self) {
         self.clones.iter_mut().for_each(|c| c.stale = true);
     }

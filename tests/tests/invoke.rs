@@ -675,7 +675,6 @@ fn a_template_paused_half_a_minute_is_refreshed_without_being_asked() {
     );
     echoed(&invoke(&sock, b"end"), b"end");
     echoed(&invoke(&vm.sock, b"after"), b"after");
-    drop(vm);
     wait_until("every clone to be reaped", || {
         leftovers(&scratch).is_empty()
     });
@@ -709,7 +708,6 @@ fn a_snapshot_or_pause_asked_during_a_refresh_waits_for_the_template_to_pause_ag
     assert_eq!(code, 204, "{answer}");
     assert!(vm.waits_as_template(), "{}", vm.describe());
     echoed(&invoke(&vm.sock, b"after"), b"after");
-    drop(vm);
     wait_until("every clone to be reaped", || {
         leftovers(&scratch).is_empty()
     });
@@ -745,7 +743,6 @@ fn a_request_that_meets_a_refresh_is_served_by_a_warm_clone_made_before_it() {
         );
     }
     assert!(invoke_figure(&vm.sock, "refreshes") >= 3);
-    drop(vm);
     wait_until("every clone to be reaped", || {
         leftovers(&scratch).is_empty()
     });

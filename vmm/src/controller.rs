@@ -134,6 +134,9 @@ impl<E: Edge> Vmm<E> {
     /// Takes the actions held until the template pauses: all of them once it paused
     /// again (or is no longer on its way back), else those whose time is up.
     fn take_held_until_paused(&mut self) {
+        if self.held_until_paused.is_empty() {
+            return;
+        }
         let now = Instant::now();
         let returning = self.template_returning();
         let (due, held) = std::mem::take(&mut self.held_until_paused)

@@ -567,10 +567,7 @@ impl Invoker {
         self.started += 1;
         self.waiting = None;
         self.waiting_since = None;
-        match self.tick_defer_ns {
-            0 => self.deferred_since = None,
-            _ => _ = self.deferred_since.get_or_insert_with(Instant::now),
-        }
+        self.delivered();
         self.in_flight = Some(InFlight {
             conn: inv.conn,
             vcpu,
@@ -626,9 +623,7 @@ impl Invoker {
     ) -> Result<Self, InvokeError> {
         let mut me = Self::new(config, window);
         // A clone's first request, its timer deferred as any delivery's.
-        if me.tick_defer_ns > 0 {
-            me.deferred_since = Some(Instant::now());
-        }
+        me.delivered();
         let sequence = 1;
         write(mem, me.window, d, sequence, payload)?;
         me.started = 1;
@@ -645,6 +640,16 @@ impl Invoker {
             sequence,
         });
         Ok(me)
+    }
+
+    /// A request was delivered: with deferral, it moved the guest's due timer
+    /// interrupts on (counted from the first such delivery since they were had);
+    /// without, the kernel had them.
+    fn delivered(&mut self) {
+        match self.tick_defer_ns {
+            0 => self.deferred_since = None,
+            _ => _ = self.deferred_since.get_or_insert_with(Instant::now),
+        }
     }
 
     fn finish(&mut self, outcome: Outcome, body: Vec<u8>, vcpu: Option<u8>) -> Option<Finished> {

@@ -221,7 +221,7 @@ mod tests {
         assert!(matches!(e, VolumeError::Path(_)), "{e}");
         // A file larger than what is left is refused, read only that far (a sparse
         // 64 GiB file here: reading it whole would take the memory).
-        let big = std::env::temp_dir().join(format!("forkvm-shim-big-{}", std::process::id()));
+        let big = std::env::temp_dir().join(format!("forkvm-shim-sparse-{}", std::process::id()));
         std::fs::File::create(&big)
             .unwrap()
             .set_len(64 << 30)

@@ -107,12 +107,23 @@ static inline int clock_offset(int mode, int64_t *off, int64_t *window)
     return 0;
 }
 
-/* Shifts the guest's wall clock onto the host's by *off ns: 0; -1 when the host clock
+/* How far off the host's a clone's wall clock may be for adopt() to leave it (its
+ * clocks continue from its template's, docs/cloning.md, so it usually is within the
+ * reading's own uncertainty): setting it is a guest kernel path of tens of thousands of
+ * instructions, emulated on a PVM host. */
+#define CLOCK_TOLERANCE_NS 100000
+
+/* Shifts the guest's wall clock onto the host's by *off ns, unless it is off by no
+ * more than `tolerance` ns or the reading's uncertainty (a negative `tolerance`:
+ * always): 0; -1 when the host clock
  * cannot be read, -2 when the guest's cannot be set. */
-static inline int sync_clock(int mode, int64_t *off, int64_t *window)
+static inline int sync_clock_beyond(int mode, int64_t *off, int64_t *window, int64_t tolerance)
 {
     if (clock_offset(mode, off, window) != 0)
         return -1;
+    int64_t mag = *off < 0 ? -*off : *off;
+    if (tolerance >= 0 && (mag <= tolerance || mag <= *window))
+        return 0;
     struct timex tx = {0};
     tx.modes = ADJ_SETOFFSET | ADJ_NANO;
     tx.time.tv_sec = *off / 1000000000;
@@ -126,6 +137,12 @@ static inline int sync_clock(int mode, int64_t *off, int64_t *window)
         return -2;
     }
     return 0;
+}
+
+/* Shifts the guest's wall clock onto the host's by *off ns, whatever it is. */
+static inline int sync_clock(int mode, int64_t *off, int64_t *window)
+{
+    return sync_clock_beyond(mode, off, window, -1);
 }
 
 /*
@@ -211,15 +228,16 @@ static inline int apply_net(int mode, FILE *f)
     return 0;
 }
 
-/* Everything a clone does after the clone point, what the network step set printed to
- * `f` (none when NULL); 0, or the status of the first failure (3: reseeding or the
+/* Everything a clone does after the clone point (the wall clock set only when it is
+ * more than CLOCK_TOLERANCE_NS off), what the network step set printed to `f` (none
+ * when NULL); 0, or the status of the first failure (3: reseeding or the
  * clock, 4: the network identity). */
 static inline int adopt(int mode, FILE *f)
 {
     if (reseed(mode) != 0 || drain_hwrng() != 0)
         return 3;
     int64_t off, window;
-    if (sync_clock(mode, &off, &window) != 0)
+    if (sync_clock_beyond(mode, &off, &window, CLOCK_TOLERANCE_NS) != 0)
         return 3;
     int rc = apply_net(mode, f);
     if (f)

@@ -151,6 +151,17 @@ impl AgentOutput {
         Some(r)
     }
 
+    /// Waits, after the command's end, until the agent closes the connection: the
+    /// guest process that served it has ended (its files closed at its exit). What
+    /// comes before the close is dropped.
+    pub async fn closed(&mut self) -> Result<(), Error> {
+        let mut rest = Vec::new();
+        let read = self.read.read_to_end(&mut rest).await;
+        read.map_err(socket_error(&self.vsock))?;
+        self.ended = true;
+        Ok(())
+    }
+
     async fn read_event(&mut self) -> Result<ProcessEvent, Error> {
         let io = socket_error(&self.vsock);
         let mut line = String::new();

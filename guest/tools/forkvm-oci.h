@@ -21,9 +21,13 @@
  * to DIR (default /); and executes PROGRAM, looked up on that PATH. Its exit status is
  * forkvm-oci's. A failure before the exec prints "forkvm-oci: WHAT: WHY" and exits 125;
  * a PROGRAM that is not found exits 127, one that cannot be executed 126 (as a shell).
- * With --prepare it stops after the mounts: it reads PROGRAM (found on PATH in the root
- * file system) and its interpreter into the page cache and exits 0, so that a snapshot
- * of this VM has the root file system mounted and the program warm for its clones.
+ * With --prepare it stops after the mounts: it makes the mount points --tmpfs and
+ * --mqueue name that the root file system lacks (printing "made DIR" for each), reads
+ * PROGRAM (found on PATH in the root file system) and its interpreter into the page
+ * cache, writes what it changed to the disk, and exits 0, so that a snapshot of this
+ * VM has the root file system mounted, its mount points made and the program warm for
+ * its clones. --rmdir DIR (repeated) removes such a directory again, if it is empty,
+ * before the mounts: for a container of that image which does not mount there.
  *
  * --tmpfs DIR (repeated) mounts a tmpfs at DIR in the root file system, and --file
  * PATH=HEX (repeated) writes the bytes HEX encodes to PATH in it, its directories made:
@@ -109,7 +113,7 @@ static void oci_usage(void)
     fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--prepare] [--timeout-s S] "
                     "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
                     "[--tmpfs DIR]... [--file PATH=HEX]... [--unpack] [--ro PATH]... "
-                    "[--rw PATH]... [--cgroup FILE=VALUE]... [--mqueue DIR] "
+                    "[--rw PATH]... [--cgroup FILE=VALUE]... [--mqueue DIR] [--rmdir DIR]... "
                     "-- PROGRAM [ARG]...\n"
                     "       forkvm-oci [--slot N] --release\n");
     exit(125);
@@ -199,13 +203,14 @@ static int oci_find_slot(int slot, char *dev, size_t len)
     return found;
 }
 
-/* Mounts `source` on `target` unless that is done already (EBUSY). */
+/* Mounts `source` on `target` (options `data`, may be NULL) unless that is done
+ * already (EBUSY). */
 static void oci_mount_once(const char *source, const char *target, const char *type,
-                       unsigned long flags)
+                           unsigned long flags, const char *data)
 {
     if (mkdir(target, 0755) != 0 && errno != EEXIST)
         oci_fail(target, "cannot make the mount point: %s", strerror(errno));
-    if (mount(source, target, type, flags, NULL) != 0 && errno != EBUSY)
+    if (mount(source, target, type, flags, data) != 0 && errno != EBUSY)
         oci_fail(target, "cannot mount %s: %s", source, strerror(errno));
 }
 
@@ -543,6 +548,8 @@ static int oci_main(int argc, char **argv)
     char *env[OCI_MAX_ENV + 2];
     const char *tmpfs[OCI_MAX_MOUNTS], *files[OCI_MAX_MOUNTS], *binds[2 * OCI_MAX_MOUNTS];
     int ntmpfs = 0, nfiles = 0, nbinds = 0, bind_ro[2 * OCI_MAX_MOUNTS];
+    const char *rmdirs[OCI_MAX_MOUNTS];
+    int nrmdir = 0;
     int i = 1;
     for (; i < argc; i++) {
         const char *a = argv[i];
@@ -591,6 +598,10 @@ static int oci_main(int argc, char **argv)
             if (!oci_path_ok(v, strlen(v)) || ntmpfs == OCI_MAX_MOUNTS)
                 oci_fail("--tmpfs", "%s is no absolute path, or one too many", v);
             tmpfs[ntmpfs++] = v;
+        } else if (strcmp(a, "--rmdir") == 0) {
+            if (!oci_path_ok(v, strlen(v)) || nrmdir == OCI_MAX_MOUNTS)
+                oci_fail("--rmdir", "%s is no absolute path, or one too many", v);
+            rmdirs[nrmdir++] = v;
         } else if (strcmp(a, "--ro") == 0 || strcmp(a, "--rw") == 0) {
             if (!oci_path_ok(v, strlen(v)) || nbinds == 2 * OCI_MAX_MOUNTS)
                 oci_fail(a, "%s is no absolute path, or one too many", v);
@@ -663,17 +674,47 @@ static int oci_main(int argc, char **argv)
         if (mkdir("/run/forkvm", 0755) != 0 && errno != EEXIST)
             oci_fail("/run/forkvm", "%s", strerror(errno));
         snprintf(device, sizeof device, "/dev/%s", dev);
-        oci_mount_once(device, root, "ext4", MS_NOATIME);
+        /* No block bitmaps read ahead in the background: in an image's template that
+         * work was left to every clone (ext4's lazy-init thread, tens of thousands of
+         * emulated instructions each); a bitmap is read when a block is allocated. */
+        oci_mount_once(device, root, "ext4", MS_NOATIME, "no_prefetch_block_bitmaps");
         snprintf(sub, sizeof sub, "%s/proc", root);
-        oci_mount_once("proc", sub, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC);
+        oci_mount_once("proc", sub, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
         snprintf(sub, sizeof sub, "%s/sys", root);
-        oci_mount_once("sysfs", sub, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC);
+        oci_mount_once("sysfs", sub, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                       NULL);
         snprintf(sub, sizeof sub, "%s/dev", root);
-        oci_mount_once("/dev", sub, NULL, MS_BIND | MS_REC);
+        oci_mount_once("/dev", sub, NULL, MS_BIND | MS_REC, NULL);
     }
     if (prepare) {
+        /* The mount points the container will need, made here once for every clone
+         * (a directory made on ext4 is tens of thousands of emulated instructions);
+         * each one made is printed, so the host can have it removed again for a
+         * container that does not mount there (--rmdir). */
+        for (int k = 0; k < ntmpfs + (mqueue != NULL); k++) {
+            snprintf(sub, sizeof sub, "%s%s", root, k < ntmpfs ? tmpfs[k] : mqueue);
+            struct stat st;
+            if (lstat(sub, &st) == 0)
+                continue;
+            oci_mkdirs(sub);
+            if (lstat(sub, &st) == 0 && S_ISDIR(st.st_mode))
+                printf("made %s\n", k < ntmpfs ? tmpfs[k] : mqueue);
+        }
         oci_warm(root, argv[i], env);
+        /* What mounting and making wrote reaches the disk now, not in each clone. */
+        int fd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (fd < 0 || syncfs(fd) != 0)
+            oci_fail("--prepare", "syncing %s: %s", root, strerror(errno));
+        close(fd);
+        fflush(stdout);
         return 0;
+    }
+    /* Mount points the image's template made that this container does not mount
+     * (empty directories the image does not have): removed. */
+    for (int k = 0; k < nrmdir; k++) {
+        snprintf(sub, sizeof sub, "%s%s", root, rmdirs[k]);
+        if (rmdir(sub) != 0 && errno != ENOENT && errno != ENOTEMPTY && errno != EEXIST)
+            oci_fail("--rmdir", "%s: %s", sub, strerror(errno));
     }
     if (ncgroup)
         oci_cgroup_make(slot, cgroup, ncgroup);

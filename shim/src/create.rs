@@ -17,7 +17,7 @@ use crate::pod::Place;
 use crate::prepared;
 use crate::process::{oci_command, Proc};
 use crate::spec::{
-    is_sandbox, limits, rootfs_key, sandbox_id, with_guest_limits, with_mounts, Mounted,
+    self, is_sandbox, limits, rootfs_key, sandbox_id, with_guest_limits, with_mounts, Mounted,
 };
 use crate::task::{Container, Service};
 
@@ -97,7 +97,10 @@ impl Service {
         mounted: Mounted,
         place: Option<Place>,
     ) -> Result<Container, String> {
-        let Mounted { command, archive } = mounted;
+        let Mounted {
+            mut command,
+            archive,
+        } = mounted;
         let bundle = Path::new(&req.bundle);
         let rootfs = bundle.join("rootfs");
         let t0 = Instant::now();
@@ -152,12 +155,17 @@ impl Service {
         let from_image = match self.cfg.boot_each {
             true => None,
             false => {
-                prepared::template(&self.cfg, &base, &key, &image, process, &vsock, &limits).await
+                let mounts = spec::mount_points(&command);
+                let (cfg, limits) = (&self.cfg, &limits);
+                prepared::template(cfg, &base, &key, &image, process, &mounts, &vsock, limits).await
             }
         };
         let prepared = from_image.is_some();
         let (template, media) = match from_image {
-            Some(t) => (t, Vec::new()),
+            Some((t, made)) => {
+                command = spec::without_unused_mount_points(command, &made);
+                (t, Vec::new())
+            }
             None => {
                 let t = config::template(&self.cfg, &base, &vsock, &limits)
                     .await

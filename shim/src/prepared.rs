@@ -65,8 +65,15 @@ fn prune(cfg: &ShimConfig) {
     }
 }
 
+/// The file in an image's template that lists the mount points it made (one a line).
+const MADE: &str = "made-mount-points";
+
+/// How long the agent may take to close the connection after `--prepare` ended.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Image `key`'s template (`image` in slot 0, writable), made now if there is none
-/// (one shim at a time: a lock file), warmed for `program` run with environment `env`.
+/// (one shim at a time: a lock file), warmed for `program` run with environment `env`,
+/// with the mount points `mounts` made in its root file system.
 pub async fn prepared(
     cfg: &ShimConfig,
     base: &Path,
@@ -74,6 +81,7 @@ pub async fn prepared(
     image: &Path,
     program: &str,
     env: &[String],
+    mounts: &[String],
 ) -> Result<PathBuf, PrepareError> {
     let dir = path(cfg, base, key);
     if dir.join("state").exists() {
@@ -105,6 +113,9 @@ pub async fn prepared(
         for e in env {
             argv.extend(["--env".into(), e.clone()]);
         }
+        for m in mounts {
+            argv.extend(["--tmpfs".into(), m.clone()]);
+        }
         argv.extend(["--".into(), program.to_string()]);
         let mut process = clone.spawn(AGENT_PORT, &argv, b"").await?;
         let mut output = Vec::new();
@@ -117,16 +128,26 @@ pub async fn prepared(
                 None => break 255,
             }
         };
+        let output = String::from_utf8_lossy(&output).into_owned();
         if status != 0 {
-            return Err(PrepareError::Guest {
-                status,
-                output: String::from_utf8_lossy(&output).into_owned(),
-            });
+            return Err(PrepareError::Guest { status, output });
+        }
+        // The guest process that ran it gone before the pause, so that no clone
+        // finishes its exit (tens of thousands of emulated instructions each here).
+        if tokio::time::timeout(CLOSE_WAIT, process.output.closed())
+            .await
+            .is_err()
+        {
+            log::warn!("image {key}: the agent kept the connection past the preparation");
         }
         clone.pause().await?;
         let tmp = dir.with_extension(format!("saving-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         clone.snapshot(&tmp).await?;
+        let made: String = (output.lines().filter_map(|l| l.strip_prefix("made ")))
+            .map(|d| format!("{d}\n"))
+            .collect();
+        std::fs::write(tmp.join(MADE), made).map_err(dir_error(&tmp))?;
         let _ = clone.delete().await;
         std::fs::rename(&tmp, &dir).map_err(dir_error(&dir))?;
         Ok(())
@@ -142,22 +163,26 @@ pub async fn prepared(
     Ok(dir)
 }
 
-/// The template of image `image` (key `key`) for a container running `process`,
-/// restored from its snapshot, made now if there is none ([`prepared()`]). None if it
-/// cannot be had: the container then starts from the shim's template (a snapshot
-/// that cannot be restored, its image rebuilt or gone, is removed).
+/// The template of image `image` (key `key`) for a container running `process` with
+/// mount points `mounts`, restored from its snapshot, made now if there is none
+/// ([`prepared()`]), and the mount points it made in the root file system (its first
+/// container's). None if it cannot be had: the container then starts from the shim's
+/// template (a snapshot that cannot be restored, its image rebuilt or gone, is
+/// removed).
+#[allow(clippy::too_many_arguments)]
 pub async fn template(
     cfg: &ShimConfig,
     base: &Path,
     key: &str,
     image: &Path,
     process: &oci_spec::runtime::Process,
+    mounts: &[String],
     vsock: &Path,
     limits: &str,
-) -> Option<Template> {
+) -> Option<(Template, Vec<String>)> {
     let program = process.args().as_ref()?.first()?;
     let env = process.env().clone().unwrap_or_default();
-    let made = prepared(cfg, base, key, image, program, &env).await;
+    let made = prepared(cfg, base, key, image, program, &env, mounts).await;
     let dir = match made {
         Ok(dir) => dir,
         Err(e) => {
@@ -165,8 +190,10 @@ pub async fn template(
             return None;
         }
     };
+    let made = std::fs::read_to_string(dir.join(MADE)).unwrap_or_default();
+    let made = made.lines().map(String::from).collect();
     match config::template(cfg, &dir, vsock, limits).await {
-        Ok(t) => Some(t),
+        Ok(t) => Some((t, made)),
         Err(e) => {
             log::warn!(
                 "image {key}: its template {} is removed: {e}",

@@ -278,6 +278,37 @@ fn flags_before_program(mut command: Vec<String>, flags: Vec<String>) -> Vec<Str
     command
 }
 
+/// The directories a `forkvm-oci` argv mounts a file system of the guest's at (its
+/// `--tmpfs` and `--mqueue` values): the mount points an image's template makes ahead.
+pub fn mount_points(command: &[String]) -> Vec<String> {
+    // Its flags (after the program name) up to `--`: each takes a value but these.
+    const ALONE: [&str; 4] = ["--readonly", "--prepare", "--release", "--unpack"];
+    let mut dirs = Vec::new();
+    let mut args = command.iter().skip(1).take_while(|a| *a != "--");
+    while let Some(flag) = args.next() {
+        if ALONE.contains(&flag.as_str()) {
+            continue;
+        }
+        match args.next() {
+            Some(dir) if flag == "--tmpfs" || flag == "--mqueue" => dirs.push(dir.clone()),
+            _ => {}
+        }
+    }
+    dirs
+}
+
+/// `command` with `--rmdir DIR` for each of `made` (the mount points an image's
+/// template made) that it does not mount at itself: a container sees no directory its
+/// image lacks that its own spec did not ask for.
+pub fn without_unused_mount_points(command: Vec<String>, made: &[String]) -> Vec<String> {
+    let used = mount_points(&command);
+    let unused = made.iter().filter(|d| !used.contains(d));
+    let flags = unused
+        .flat_map(|d| ["--rmdir".to_string(), d.clone()])
+        .collect();
+    flags_before_program(command, flags)
+}
+
 /// The `forkvm-oci` flag that makes a copy at `dest` a mount of its own: read-only if
 /// its options say `ro`, writable if it must stay so under a read-only root; none
 /// otherwise.
@@ -338,6 +369,17 @@ mod tests {
                 "sh"
             ]
         );
+        assert_eq!(
+            mount_points(&got.command),
+            ["/run", "/dev/shm", "/dev/mqueue"]
+        );
+        let made = ["/run".to_string(), "/tmp/x".into()];
+        let pruned = without_unused_mount_points(got.command.clone(), &made);
+        assert_eq!(
+            pruned[pruned.len() - 4..],
+            ["--rmdir", "/tmp/x", "--", "sh"]
+        );
+        assert_eq!(pruned.len(), got.command.len() + 2);
         // A read-only root: the other mounts it copies into stay writable, unless `ro`.
         let mut readonly = spec.clone();
         let root = oci_spec::runtime::RootBuilder::default()

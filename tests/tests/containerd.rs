@@ -479,17 +479,26 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    // The first container (the shim's template is booted and saved the first time):
-    // its output, environment, directory and exit status.
+    // The first container (the shim's template is booted and saved the first time; the
+    // image's template is made for it, with the mount points of its spec): its output,
+    // environment, directory and exit status, and a tmpfs of its own at /scratch.
     let script = "echo $GREETING in $(pwd) as $(id -u); cat /etc/motd; \
-                  echo mine > /tmp/f; cat /tmp/f; echo oops >&2; exit 3";
+                  echo mine > /tmp/f; cat /tmp/f; echo s > /scratch/s; cat /scratch/s; \
+                  echo oops >&2; exit 3";
     let (code, out, err) = c.run(
         "one",
-        &["--env", "GREETING=hi", "--cwd", "/tmp"],
+        &[
+            "--env",
+            "GREETING=hi",
+            "--cwd",
+            "/tmp",
+            "--mount",
+            "type=tmpfs,src=tmpfs,dst=/scratch",
+        ],
         &["sh", "-c", script],
     );
     assert_eq!(code, 3, "{out}{err}\n{}", c.log());
-    assert_eq!(out, "hi in /tmp as 0\nfrom the image\nmine\n", "{err}");
+    assert_eq!(out, "hi in /tmp as 0\nfrom the image\nmine\ns\n", "{err}");
     assert!(err.contains("oops\n"), "{err}");
     // A host directory bound in (a volume): copied into the guest.
     let volume = configmap_volume(&scratch.path("volume"));
@@ -560,6 +569,10 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     );
     // The writable volume is a copy: the host directory is untouched.
     assert!(!data.join("f").exists());
+    // The image's template made /scratch for the first container; this one mounts
+    // nothing there, so its root has no such directory (the image has none).
+    assert!(out.lines().any(|l| l == "bin"), "{out}");
+    assert!(!out.lines().any(|l| l == "scratch"), "{out}");
     let volume_seen = "port=8080\n102400\napp.conf\nsub\n";
     assert!(out.starts_with(volume_seen), "{out}{err}\n{}", c.log());
     let out = out[volume_seen.len()..].to_string();

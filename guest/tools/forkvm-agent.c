@@ -3,14 +3,18 @@
  *
  *   forkvm-agent [--background] [--no-adopt] [PORT]
  *                           listen on vsock port PORT (default 1024), one process per
- *                           connection; prints "forkvm-agent: listening on port PORT".
+ *                           connection, forked before the connection comes (a spare
+ *                           waiting in accept, the next one forked at the lowest
+ *                           priority once it took one); prints "forkvm-agent:
+ *                           listening on port PORT".
  *                           With --background it returns once listening and serves from
  *                           a child (init uses it: see docs/guest-kernel.md on why the
  *                           guest's command must not start while the agent starts).
  *
  * In a new clone (the identity block's generation changed since the agent last looked),
- * the agent adopts the clone's identity in its own process before serving the
- * connection, as `forkvm-clone --adopt` would (forkvm-adopt.h): reseed the RNG, drain
+ * the agent adopts the clone's identity in the connection's process before serving the
+ * connection (once per clone: the generation adopted is kept in memory its processes
+ * share), as `forkvm-clone --adopt` would (forkvm-adopt.h): reseed the RNG, drain
  * /dev/hwrng, sync the clock, take the clone's network identity. --no-adopt leaves that
  * to the host.
  *
@@ -49,10 +53,13 @@
 #include <termios.h>
 #include <signal.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <linux/futex.h>
 #include <linux/vm_sockets.h>
 
 #define MAX_IN (16u << 20)
@@ -271,9 +278,11 @@ static int control(int conn, pid_t group, struct input *in)
 
 /* Runs argv `words` (cmdlen bytes, each word ended by a NUL) with input `infd` as the
  * process this is: forkvm-oci in it, anything else executed. Never returns. */
+static char *argv_words[MAX_ARGS + 1];
+
 static void run_argv(char *words, unsigned long cmdlen, int infd)
 {
-    static char *argv[MAX_ARGS + 1];
+    char **argv = argv_words;
     int argc = 0;
     for (unsigned long i = 0; i < cmdlen && argc < MAX_ARGS; argc++) {
         argv[argc] = words + i;
@@ -293,6 +302,202 @@ static void run_argv(char *words, unsigned long cmdlen, int infd)
     int e = errno;
     fprintf(stderr, "forkvm-agent: %s: %s\n", argv[0], strerror(e));
     _exit(e == ENOENT ? 127 : 126);
+}
+
+/* What the agent's processes share (a page mapped shared before they are forked): the
+ * identity block generation the last adoption took, a lock so that one process adopts
+ * at a time, and how many spare connection processes wait in accept (a futex: a spare
+ * wakes those waiting for one as it starts to wait). */
+struct shared {
+    uint64_t generation;
+    int lock;
+    int ready;
+};
+static struct shared *shared;
+
+static void futex_wait(int *word, int value, int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+    syscall(SYS_futex, word, FUTEX_WAIT, value, &ts, NULL, 0);
+}
+
+static void futex_wake(int *word)
+{
+    syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* In a spare connection process, the main process's end of the pipe on which it says
+ * it needs the guest's CPU no more than a running command does (-1 once said). */
+static int release_fd = -1;
+
+/* Tells the main process that this connection's start is over (its command's first
+ * output or its end, or a second passed), so it may fork the next spare now: forked
+ * sooner, at whatever priority, it takes the guest's one CPU in the waits of the
+ * start (the host's answers) and holds it past them (a guest kernel path is not
+ * preempted). */
+static void release(void)
+{
+    if (release_fd < 0)
+        return;
+    ssize_t told = write(release_fd, "r", 1);
+    (void)told;
+    close(release_fd);
+    release_fd = -1;
+}
+
+/* How long a stream's start holds back the next spare at most, ms. */
+#define START_MS 1000
+
+/* What a command's process does once it knows its command `cmd` (cmdlen bytes, argv
+ * words) and its files: fds[0] its input, fds[1] and fds[2] its output and error, or
+ * with `tty` fds[0] the terminal. Never returns. */
+static void become_command(char *cmd, unsigned long cmdlen, int tty, const int fds[3])
+{
+    if (tty) {
+        /* A session of its own, the terminal its controlling one. */
+        setsid();
+        int t = fds[0];
+        if (ioctl(t, TIOCSCTTY, 0) != 0) {
+            fprintf(stderr, "forkvm-agent: the terminal: %s\n", strerror(errno));
+            _exit(255);
+        }
+        dup2(t, 1);
+        dup2(t, 2);
+        if (t != 0)
+            dup2(t, 0);
+        if (t > 2)
+            close(t);
+        run_argv(cmd, cmdlen, 0);
+    }
+    setpgid(0, 0);
+    dup2(fds[1], 1);
+    dup2(fds[2], 2);
+    run_argv(cmd, cmdlen, fds[0]);
+}
+
+/* A command's process forked ahead, in a spare before its connection: its pid and the
+ * socket on which it waits for its command (-1: none). */
+static pid_t ahead_pid = -1;
+static int ahead_chan = -1;
+
+/* The head of what a command's process forked ahead is sent: then cmdlen bytes. */
+struct command_head {
+    uint32_t flags;
+    uint32_t nfds;
+    uint64_t cmdlen;
+};
+
+/* A command's process forked ahead: it writes the memory a command's start writes
+ * (its stack, its heap, the argv table), so that in a clone of a VM holding it none of
+ * that is copied on the first write (a guest page fault each, emulated on the PVM
+ * host), then waits on `chan` for its command and its files and becomes it. Nothing
+ * sent (its spare served no command, or ended) ends it. */
+static void command_ahead(int chan)
+{
+    /* What forkvm-oci's start uses: a few pages of each (more would be unmapped again
+     * by the exec, at a cost too). */
+    volatile char stack[16 << 10];
+    for (size_t k = 0; k < sizeof stack; k += 4096)
+        stack[k] = 0;
+    char *heap = malloc(16 << 10);
+    if (heap) {
+        memset(heap, 0, 16 << 10);
+        free(heap);
+    }
+    memset(argv_words, 0, 4096);
+    setpriority(PRIO_PROCESS, 0, 0);
+    /* Ready: its spare waits for this before it counts itself ready. */
+    if (write(chan, "a", 1) != 1)
+        _exit(0);
+    struct command_head head;
+    int fds[3] = {-1, -1, -1};
+    char space[CMSG_SPACE(sizeof fds)];
+    struct iovec iov = {.iov_base = &head, .iov_len = sizeof head};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = space,
+                       .msg_controllen = sizeof space};
+    ssize_t got;
+    do {
+        got = recvmsg(chan, &m, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    } while (got < 0 && errno == EINTR);
+    if (got != (ssize_t)sizeof head)
+        _exit(0);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    if (!c || c->cmsg_type != SCM_RIGHTS || head.nfds > 3 ||
+        c->cmsg_len != CMSG_LEN(head.nfds * sizeof(int)))
+        _exit(255);
+    memcpy(fds, CMSG_DATA(c), head.nfds * sizeof(int));
+    char *cmd = malloc(head.cmdlen + 1);
+    if (!cmd || read_full(chan, cmd, head.cmdlen) != 0)
+        _exit(255);
+    cmd[head.cmdlen] = 0;
+    close(chan);
+    become_command(cmd, head.cmdlen, (head.flags & STREAM_TTY) != 0, fds);
+}
+
+/* Forks the command's process ahead (command_ahead), unless one waits already, and
+ * returns once it waits; it closes the spare's listening socket `s` and its pipe
+ * `notify`. */
+static void fork_command_ahead(int s, int notify)
+{
+    if (ahead_pid > 0)
+        return;
+    int chan[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, chan) != 0)
+        return;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(chan[0]);
+        close(s);
+        close(notify);
+        command_ahead(chan[1]);
+    }
+    close(chan[1]);
+    char ready;
+    if (pid < 0 || read(chan[0], &ready, 1) != 1) {
+        close(chan[0]);
+        if (pid > 0)
+            waitpid(pid, NULL, 0);
+        return;
+    }
+    ahead_pid = pid;
+    ahead_chan = chan[0];
+}
+
+/* Hands command `cmd` and its files `fds` (nfds of them) to the process forked ahead:
+ * its pid, or -1 if there is none or it cannot take it (it is let go either way). */
+static pid_t command_to_ahead(char *cmd, unsigned long cmdlen, int flags, const int *fds,
+                              int nfds)
+{
+    pid_t pid = ahead_pid;
+    int chan = ahead_chan;
+    ahead_pid = -1;
+    ahead_chan = -1;
+    if (pid <= 0)
+        return -1;
+    struct command_head head = {.flags = (uint32_t)flags, .nfds = (uint32_t)nfds,
+                                .cmdlen = cmdlen};
+    char space[CMSG_SPACE(3 * sizeof(int))];
+    memset(space, 0, sizeof space);
+    struct iovec iov = {.iov_base = &head, .iov_len = sizeof head};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = space,
+                       .msg_controllen = CMSG_SPACE(nfds * sizeof(int))};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+    memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
+    ssize_t sent;
+    do {
+        sent = sendmsg(chan, &m, MSG_NOSIGNAL);
+    } while (sent < 0 && errno == EINTR);
+    int ok = sent == (ssize_t)sizeof head && send_full(chan, cmd, cmdlen) == 0;
+    close(chan);
+    if (!ok) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return -1;
+    }
+    return pid;
 }
 
 /* Runs argv `cmd` in a group of its own with input `infd` (or input the host feeds,
@@ -319,30 +524,24 @@ static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd, in
         send_full(conn, "exit 255\n", 9);
         return;
     }
-    pid_t pid = fork();
-    if (pid == 0) {
-        if (in.tty) {
-            /* A session of its own, the terminal its controlling one. */
-            setsid();
-            int t = open(slave, O_RDWR);
-            if (t < 0 || ioctl(t, TIOCSCTTY, 0) != 0) {
-                fprintf(stderr, "forkvm-agent: the terminal %s: %s\n", slave, strerror(errno));
-                _exit(255);
-            }
-            dup2(t, 1);
-            dup2(t, 2);
-            if (t != 0)
-                dup2(t, 0);
-            if (t > 2)
-                close(t);
-            run_argv(cmd, cmdlen, 0);
+    int fds[3] = {feed_pipe[0] >= 0 ? feed_pipe[0] : infd, out[1], err[1]}, nfds = 3;
+    if (in.tty) {
+        fds[0] = open(slave, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        nfds = 1;
+        if (fds[0] < 0) {
+            send_full(conn, "exit 255\n", 9);
+            return;
         }
-        setpgid(0, 0);
-        dup2(out[1], 1);
-        dup2(err[1], 2);
-        run_argv(cmd, cmdlen, feed_pipe[0] >= 0 ? feed_pipe[0] : infd);
+    }
+    /* The process forked ahead takes it, or one is forked now. */
+    pid_t pid = command_to_ahead(cmd, cmdlen, flags, fds, nfds);
+    if (pid < 0) {
+        pid = fork();
+        if (pid == 0)
+            become_command(cmd, cmdlen, in.tty, fds);
     }
     if (in.tty) {
+        close(fds[0]);
         /* The terminal's output is the command's stdout and stderr both. */
         out[0] = master;
         in.fd = dup(master);
@@ -369,6 +568,8 @@ static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd, in
         fcntl(in.fd, F_SETFL, O_NONBLOCK);
     int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
     int gone = 0, out_open = 1, err_open = err[0] >= 0, running = 1, status = 255;
+    struct timespec begun;
+    clock_gettime(CLOCK_MONOTONIC, &begun);
     while (running || (pidfd < 0 && (out_open || err_open))) {
         /* Input the command has not taken: nothing more is read from the host until
          * it has. */
@@ -380,11 +581,23 @@ static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd, in
             {.fd = pidfd, .events = POLLIN},
             {.fd = waiting ? in.fd : -1, .events = POLLOUT},
         };
-        if (poll(p, 5, -1) < 0) {
+        int timeout = -1;
+        if (release_fd >= 0) {
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            long ms = (now.tv_sec - begun.tv_sec) * 1000 + (now.tv_nsec - begun.tv_nsec) / 1000000;
+            timeout = ms >= START_MS ? 0 : (int)(START_MS - ms);
+            if (timeout == 0)
+                release();
+        }
+        int ready = poll(p, 5, release_fd >= 0 ? timeout : -1);
+        if (ready < 0) {
             if (errno == EINTR)
                 continue;
             break;
         }
+        if (p[0].revents || p[1].revents || p[3].revents)
+            release();
         /* A terminal whose last user has gone reads EIO: its end. */
         if (p[0].revents && forward(out[0], "out", conn, &gone) != 0)
             out_open = 0;
@@ -444,6 +657,8 @@ static void serve(int conn)
         if (infd >= 0)
             unlink(path);
     }
+    if (!stream)
+        release();
     if (stream) {
         if (infd < 0)
             send_full(conn, "exit 255\n", 9);
@@ -508,6 +723,83 @@ static void adopt_here(int ports)
         fprintf(stderr, "forkvm-agent: adopting the clone's identity failed (status %d)\n", rc);
 }
 
+/* Adopts the clone's identity (adopt_here) unless one of the agent's processes did in
+ * this clone already; returns once it is adopted. */
+static void adopt_once(int ports)
+{
+    struct shared *sh = shared;
+    uint64_t now = ports_generation(ports);
+    if (__atomic_load_n(&sh->generation, __ATOMIC_ACQUIRE) == now)
+        return;
+    /* One at a time; a holder that died is waited for 2 s at most. */
+    for (int waited_ms = 0; __atomic_exchange_n(&sh->lock, 1, __ATOMIC_ACQUIRE) &&
+                            waited_ms < 2000;
+         waited_ms++) {
+        struct timespec ts = {0, 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (__atomic_load_n(&sh->generation, __ATOMIC_ACQUIRE) != now) {
+        adopt_here(ports);
+        __atomic_store_n(&sh->generation, now, __ATOMIC_RELEASE);
+    }
+    __atomic_store_n(&sh->lock, 0, __ATOMIC_RELEASE);
+}
+
+/* A connection's process, forked before its connection comes: it says so on `notify`
+ * ('w') as it starts to wait in accept, takes the next connection on `s` itself, adopts
+ * a new clone's identity if no process of the agent has yet, serves the connection,
+ * says when its start is over ('r', release) so that the main process forks the next
+ * spare, and keeps the connection open until that one waits in accept (a second at
+ * most), so that a VM paused or snapshotted once its last command's connection closed
+ * holds a spare. Then the first request in each clone of it is served with no fork
+ * (tens of thousands of emulated guest kernel instructions on the PVM host). */
+static void spare(int s, int notify, int ports)
+{
+    signal(SIGCHLD, SIG_DFL);
+    /* Its command's process forked ahead too. */
+    fork_command_ahead(s, notify);
+    /* Made at the main process's lowest priority; a connection is served at the
+     * normal one. */
+    setpriority(PRIO_PROCESS, 0, 0);
+    __atomic_add_fetch(&shared->ready, 1, __ATOMIC_RELEASE);
+    futex_wake(&shared->ready);
+    ssize_t told = write(notify, "w", 1);
+    (void)told;
+    int c;
+    while ((c = accept4(s, NULL, NULL, SOCK_CLOEXEC)) < 0) {
+        if (errno == EINTR || errno == ECONNRESET || errno == ECONNABORTED)
+            continue;
+        perror("forkvm-agent: accept");
+        sleep(1);
+    }
+    __atomic_sub_fetch(&shared->ready, 1, __ATOMIC_RELEASE);
+    close(s);
+    release_fd = notify;
+    if (ports >= 0)
+        adopt_once(ports);
+    serve(c);
+    release();
+    /* A command's process forked ahead and not used: ended and reaped here. */
+    if (ahead_pid > 0) {
+        close(ahead_chan);
+        waitpid(ahead_pid, NULL, 0);
+    }
+    struct timespec begun, now;
+    clock_gettime(CLOCK_MONOTONIC, &begun);
+    for (;;) {
+        int ready = __atomic_load_n(&shared->ready, __ATOMIC_ACQUIRE);
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long ms = (now.tv_sec - begun.tv_sec) * 1000 + (now.tv_nsec - begun.tv_nsec) / 1000000;
+        if (ready > 0 || ms >= 1000)
+            break;
+        futex_wait(&shared->ready, ready, (int)(1000 - ms));
+    }
+    /* The connection closes as this process exits, after its memory is gone: a host
+     * that waits for the close before it pauses or snapshots the VM leaves no exit
+     * half done in it. */
+    _exit(0);
+}
+
 int main(int argc, char **argv)
 {
     int background = 0, do_adopt = 1;
@@ -522,7 +814,13 @@ int main(int argc, char **argv)
         argv++;
     }
     int ports = do_adopt ? ports_open() : -1;
-    uint64_t generation = ports >= 0 ? ports_generation(ports) : 0;
+    shared = mmap(NULL, sizeof(struct shared), PROT_READ | PROT_WRITE,
+                  MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (shared == MAP_FAILED) {
+        perror("forkvm-agent: mmap");
+        return 1;
+    }
+    shared->generation = ports >= 0 ? ports_generation(ports) : 0;
     unsigned port = argc > 1 ? (unsigned)strtoul(argv[1], NULL, 0) : 1024;
     /* The disk slots' devices, recorded once for forkvm-oci (forkvm-oci.h). */
     oci_map_slots();
@@ -532,7 +830,9 @@ int main(int argc, char **argv)
         .svm_port = port,
         .svm_cid = VMADDR_CID_ANY,
     };
-    if (s < 0 || bind(s, (struct sockaddr *)&addr, sizeof(addr)) != 0 || listen(s, 64) != 0) {
+    int notify[2];
+    if (s < 0 || bind(s, (struct sockaddr *)&addr, sizeof(addr)) != 0 || listen(s, 64) != 0 ||
+        pipe2(notify, O_CLOEXEC) != 0) {
         perror("forkvm-agent");
         return 1;
     }
@@ -549,28 +849,71 @@ int main(int argc, char **argv)
         if (pid > 0)
             _exit(0);
     }
+    /* A spare connection process waiting in accept: the first forked now, each next
+     * one once the last one's start is over (at the lowest priority: 'r'), or at once
+     * (at the normal one) when a connection waits and no spare does. One is forked at
+     * a time: the next not before this one said it waits ('w') or ended. */
+    int need = 1, nice = 0, pidfd = -1;
     for (;;) {
-        int c = accept4(s, NULL, NULL, SOCK_CLOEXEC);
-        if (c < 0) {
-            if (errno == EINTR || errno == ECONNRESET || errno == ECONNABORTED)
+        if (need && pidfd < 0 && __atomic_load_n(&shared->ready, __ATOMIC_ACQUIRE) <= 0) {
+            setpriority(PRIO_PROCESS, 0, nice);
+            pid_t pid = fork();
+            if (pid == 0) {
+                close(notify[0]);
+                spare(s, notify[1], ports);
+            }
+            if (pid < 0) {
+                perror("forkvm-agent: fork");
+                sleep(1);
                 continue;
-            perror("forkvm-agent: accept");
-            sleep(1);
-            continue;
-        }
-        if (ports >= 0) {
-            uint64_t now = ports_generation(ports);
-            if (now != generation) {
-                adopt_here(ports);
-                generation = now;
+            }
+            need = 0;
+            pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+            if (pidfd < 0) {
+                perror("forkvm-agent: pidfd_open");
+                pidfd = -1;
             }
         }
-        pid_t pid = fork();
-        if (pid == 0) {
-            signal(SIGCHLD, SIG_DFL);
-            serve(c);
-            _exit(0);
+        struct pollfd p[3] = {
+            {.fd = notify[0], .events = POLLIN},
+            {.fd = pidfd, .events = POLLIN},
+            {.fd = s, .events = POLLIN},
+        };
+        if (poll(p, 3, -1) < 0) {
+            if (errno != EINTR) {
+                perror("forkvm-agent: poll");
+                sleep(1);
+            }
+            continue;
         }
-        close(c);
+        if (p[0].revents) {
+            char said[64];
+            ssize_t n = read(notify[0], said, sizeof said);
+            for (ssize_t k = 0; k < n; k++) {
+                if (said[k] == 'r') {
+                    need = 1;
+                    nice = 19;
+                } else if (said[k] == 'w' && pidfd >= 0) {
+                    close(pidfd);
+                    pidfd = -1;
+                }
+            }
+        }
+        if (pidfd >= 0 && p[1].revents) {
+            /* It ended before it waited: another is forked. */
+            close(pidfd);
+            pidfd = -1;
+            need = 1;
+        }
+        if (p[2].revents) {
+            if (__atomic_load_n(&shared->ready, __ATOMIC_ACQUIRE) <= 0 && pidfd < 0) {
+                need = 1;
+                nice = 0;
+            } else {
+                /* A spare is taking it, or about to wait. */
+                struct timespec ts = {0, 1000 * 1000};
+                nanosleep(&ts, NULL);
+            }
+        }
     }
 }

@@ -27,13 +27,17 @@ in (`--mount`, in a Kubernetes ConfigMap volume's shape: a small file and a 100 
 (docs/containerd.md, "Volumes are copies"); the shim's account then covers both forkvm
 rows. `--containerd2 DIR` adds forkvm's row again under the containerd 2.x and ctr in DIR
 (a containerd of its own, the same shim and template), alternating with the others.
+`--compare-build DIR` adds it again from another build: DIR holds that build's
+`containerd-shim-forkvm-v2` and `vmm`, and `guest/vmlinux` and `guest/initramfs.cpio`
+(an A/B of a change to the shim or the guest), under a containerd of its own whose shim
+keeps its templates in --dir with `-compare` appended.
 
 Needs root, containerd, ctr and runc (scripts/install-deps.sh test), the release
 binaries (cargo build --release --workspace --bins) and the guest (make guest).
 
 usage: benches/containerd.py [--runs N] [--boot-runs N] [--concurrent N]
                              [--memory-containers N] [--volume] [--containerd2 DIR]
-                             [--dir DIR]
+                             [--compare-build DIR] [--dir DIR]
 """
 import argparse
 import hashlib
@@ -305,6 +309,10 @@ def main():
                     help="also forkvm under the containerd (2.x) and ctr in DIR, alternating "
                          "with the other rows (scripts/install-deps.sh test builds one in "
                          "/var/cache/forkvm/bin/containerd2)")
+    ap.add_argument("--compare-build", metavar="DIR",
+                    help="also forkvm from another build: DIR has its "
+                         "containerd-shim-forkvm-v2, vmm, guest/vmlinux and "
+                         "guest/initramfs.cpio; its row alternates with the others")
     ap.add_argument("--dir", default="/var/tmp/forkvm-bench-shim",
                     help="the shim's directory (its saved template is kept between runs)")
     a = ap.parse_args()
@@ -341,6 +349,25 @@ def main():
                 sys.exit(imp.stderr)
             run_once(c2, FORKVM, "warmup-2")
             kinds.insert(1, ("containerd2", FORKVM, [], c2))
+        if a.compare_build:
+            d = os.path.abspath(a.compare_build)
+            missing = [f for f in ["containerd-shim-forkvm-v2", "vmm", "guest/vmlinux",
+                                   "guest/initramfs.cpio"]
+                       if not os.path.exists(os.path.join(d, f))]
+            if missing:
+                sys.exit(f"--compare-build {d} lacks {missing}")
+            cb = Containerd(tmp, "compare", a.dir.rstrip("/") + "-compare", {
+                "PATH": d + ":" + os.environ.get("PATH", ""),
+                "FORKVM_VMM": os.path.join(d, "vmm"),
+                "FORKVM_SHIM_KERNEL": os.path.join(d, "guest", "vmlinux"),
+                "FORKVM_SHIM_INITRD": os.path.join(d, "guest", "initramfs.cpio"),
+            })
+            started.append(cb)
+            imp = cb.ctr("image", "import", archive)
+            if imp.returncode != 0:
+                sys.exit(imp.stderr)
+            run_once(cb, FORKVM, "warmup-compare")
+            kinds.insert(1, ("compare", FORKVM, [], cb))
         rows = {label: [] for label, _, _, _ in kinds}
         for i in range(a.runs):
             for label, runtime, extra, on in (kinds if i % 2 == 0 else kinds[::-1]):
@@ -366,6 +393,8 @@ def main():
                            rows.get("volume", [])),
                           ("forkvm under containerd 2.x (`--containerd2`)",
                            rows.get("containerd2", [])),
+                          ("forkvm, the build compared (`--compare-build`)",
+                           rows.get("compare", [])),
                           ("runc (no VM)", rows[RUNC]),
                           ("a VM booted per container (forkvm's shim, FORKVM_SHIM_BOOT_EACH=1)",
                            boot)]:

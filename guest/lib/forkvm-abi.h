@@ -18,5 +18,6 @@
 #define MAILBOX_ADDR_PORT 0xf84
 #define MAILBOX_SIZE_PORT 0xf88
 #define INVOKE_VERSION_PORT 0xf8c
+#define CRNG_PORT 0xf90 /* reads 1 once the kernel's CRNG is registered for rekeying */
 
 #endif

@@ -20,7 +20,18 @@
 
 #define RESEED_BYTES 64
 
-/* Reseeds the kernel CRNG with host entropy; returns 0 or -1 (reason on stderr). */
+/* Whether this VM's kernel CRNG is registered with the VMM (the CRNG port reads 1),
+ * which then rekeys it in every clone before the clone runs (docs/clone-uniqueness.md).
+ * Only looked at with ioperm: /dev/port reads ports a byte at a time. */
+static inline int crng_rekeyed_by_vmm(int mode)
+{
+    return mode == PORTS_IOPERM && inl(CRNG_PORT) == 1;
+}
+
+/* Reseeds the kernel CRNG with host entropy: into the input pool, so that every later
+ * reseed of the clone's differs from its siblings', and the CRNG reseeded from it at
+ * once unless the VMM rekeyed it already (a reseed forced here is about 29,000 emulated
+ * guest kernel instructions on the PVM host); returns 0 or -1 (reason on stderr). */
 static inline int reseed(int mode)
 {
     struct {
@@ -47,7 +58,8 @@ static inline int reseed(int mode)
     pool.entropy_count = RESEED_BYTES * 8;
     pool.buf_size = RESEED_BYTES;
     int fd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
-    if (fd < 0 || ioctl(fd, RNDADDENTROPY, &pool) != 0 || ioctl(fd, RNDRESEEDCRNG) != 0) {
+    if (fd < 0 || ioctl(fd, RNDADDENTROPY, &pool) != 0 ||
+        (!crng_rekeyed_by_vmm(mode) && ioctl(fd, RNDRESEEDCRNG) != 0)) {
         perror("forkvm: reseeding the kernel RNG");
         if (fd >= 0)
             close(fd);

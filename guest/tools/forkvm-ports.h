@@ -18,7 +18,8 @@
 
 #include "forkvm-abi.h" /* guest/lib: the port numbers */
 
-#define PORTS_END (IDENTITY_BLOCK + IDENTITY_BLOCK_LEN)
+/* Through the CRNG registration port (read by forkvm-adopt.h). */
+#define PORTS_END (CRNG_PORT + 8)
 
 /* Access modes. */
 #define PORTS_IOPERM 0

@@ -596,13 +596,14 @@ static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd, in
                 continue;
             break;
         }
-        if (p[0].revents || p[1].revents || p[3].revents)
-            release();
         /* A terminal whose last user has gone reads EIO: its end. */
         if (p[0].revents && forward(out[0], "out", conn, &gone) != 0)
             out_open = 0;
         if (p[1].revents && forward(err[0], "err", conn, &gone) != 0)
             err_open = 0;
+        /* Its first output on its way to the host (or its end): the start is over. */
+        if (p[0].revents || p[1].revents || p[3].revents)
+            release();
         if (p[2].revents && control(conn, pid, &in) != 0)
             gone = 1;
         if (p[4].revents)

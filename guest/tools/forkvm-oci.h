@@ -22,12 +22,15 @@
  * forkvm-oci's. A failure before the exec prints "forkvm-oci: WHAT: WHY" and exits 125;
  * a PROGRAM that is not found exits 127, one that cannot be executed 126 (as a shell).
  * With --prepare it stops after the mounts: it makes the mount points --tmpfs and
- * --mqueue name that the root file system lacks (printing "made DIR" for each), reads
+ * --mqueue name that the root file system lacks (printing "made DIR" for each) and
+ * mounts those file systems there ("mounted tmpfs DIR", "mounted mqueue DIR"), reads
  * PROGRAM (found on PATH in the root file system) and its interpreter into the page
  * cache, writes what it changed to the disk, and exits 0, so that a snapshot of this
- * VM has the root file system mounted, its mount points made and the program warm for
- * its clones. --rmdir DIR (repeated) removes such a directory again, if it is empty,
- * before the mounts: for a container of that image which does not mount there.
+ * VM has the root file system mounted, with the container's mounts, and the program
+ * warm for its clones (each clone's tmpfs is its own copy, empty). For a container of
+ * that image whose mounts differ, --umount DIR (repeated) unmounts such a mount and
+ * --rmdir DIR (repeated) removes such a directory again, if it is empty, before the
+ * mounts.
  *
  * --tmpfs DIR (repeated) mounts a tmpfs at DIR in the root file system, and --file
  * PATH=HEX (repeated) writes the bytes HEX encodes to PATH in it, its directories made:
@@ -113,7 +116,8 @@ static void oci_usage(void)
     fprintf(stderr, "usage: forkvm-oci [--slot N] [--readonly] [--prepare] [--timeout-s S] "
                     "[--hostname NAME] [--cwd DIR] [--user UID:GID] [--env NAME=VALUE]... "
                     "[--tmpfs DIR]... [--file PATH=HEX]... [--unpack] [--ro PATH]... "
-                    "[--rw PATH]... [--cgroup FILE=VALUE]... [--mqueue DIR] [--rmdir DIR]... "
+                    "[--rw PATH]... [--cgroup FILE=VALUE]... [--mqueue DIR] [--umount DIR]... "
+                    "[--rmdir DIR]... "
                     "-- PROGRAM [ARG]...\n"
                     "       forkvm-oci [--slot N] --release\n");
     exit(125);
@@ -332,6 +336,18 @@ static void oci_mkdirs(char *path)
     mkdir(path, 0755);
 }
 
+/* A container's tmpfs mounted at `path`: 0, or -1 (errno). */
+static int oci_tmpfs(const char *path)
+{
+    return mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+}
+
+/* The guest's POSIX message queues mounted at `path`: 0, or -1 (errno). */
+static int oci_mqueue(const char *path)
+{
+    return mount("mqueue", path, "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+}
+
 static int oci_hex(char c)
 {
     return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
@@ -548,8 +564,8 @@ static int oci_main(int argc, char **argv)
     char *env[OCI_MAX_ENV + 2];
     const char *tmpfs[OCI_MAX_MOUNTS], *files[OCI_MAX_MOUNTS], *binds[2 * OCI_MAX_MOUNTS];
     int ntmpfs = 0, nfiles = 0, nbinds = 0, bind_ro[2 * OCI_MAX_MOUNTS];
-    const char *rmdirs[OCI_MAX_MOUNTS];
-    int nrmdir = 0;
+    const char *rmdirs[OCI_MAX_MOUNTS], *umounts[OCI_MAX_MOUNTS];
+    int nrmdir = 0, numount = 0;
     int i = 1;
     for (; i < argc; i++) {
         const char *a = argv[i];
@@ -598,6 +614,10 @@ static int oci_main(int argc, char **argv)
             if (!oci_path_ok(v, strlen(v)) || ntmpfs == OCI_MAX_MOUNTS)
                 oci_fail("--tmpfs", "%s is no absolute path, or one too many", v);
             tmpfs[ntmpfs++] = v;
+        } else if (strcmp(a, "--umount") == 0) {
+            if (!oci_path_ok(v, strlen(v)) || numount == OCI_MAX_MOUNTS)
+                oci_fail("--umount", "%s is no absolute path, or one too many", v);
+            umounts[numount++] = v;
         } else if (strcmp(a, "--rmdir") == 0) {
             if (!oci_path_ok(v, strlen(v)) || nrmdir == OCI_MAX_MOUNTS)
                 oci_fail("--rmdir", "%s is no absolute path, or one too many", v);
@@ -692,13 +712,22 @@ static int oci_main(int argc, char **argv)
          * each one made is printed, so the host can have it removed again for a
          * container that does not mount there (--rmdir). */
         for (int k = 0; k < ntmpfs + (mqueue != NULL); k++) {
-            snprintf(sub, sizeof sub, "%s%s", root, k < ntmpfs ? tmpfs[k] : mqueue);
+            const char *dir = k < ntmpfs ? tmpfs[k] : mqueue;
+            snprintf(sub, sizeof sub, "%s%s", root, dir);
             struct stat st;
-            if (lstat(sub, &st) == 0)
-                continue;
-            oci_mkdirs(sub);
-            if (lstat(sub, &st) == 0 && S_ISDIR(st.st_mode))
-                printf("made %s\n", k < ntmpfs ? tmpfs[k] : mqueue);
+            if (lstat(sub, &st) != 0) {
+                oci_mkdirs(sub);
+                if (lstat(sub, &st) == 0 && S_ISDIR(st.st_mode))
+                    printf("made %s\n", dir);
+            }
+            /* Mounted too: each clone has its own copy of what a file system of the
+             * guest's memory holds, empty here, so it is the container's own (a mount
+             * is tens of thousands of emulated instructions). Printed, so that the
+             * host can leave it out of a container that mounts it too, and have it
+             * unmounted (--umount) for one that does not. */
+            int done = k < ntmpfs ? oci_tmpfs(sub) : oci_mqueue(sub);
+            if (done == 0)
+                printf("mounted %s %s\n", k < ntmpfs ? "tmpfs" : "mqueue", dir);
         }
         oci_warm(root, argv[i], env);
         /* What mounting and making wrote reaches the disk now, not in each clone. */
@@ -709,8 +738,13 @@ static int oci_main(int argc, char **argv)
         fflush(stdout);
         return 0;
     }
-    /* Mount points the image's template made that this container does not mount
-     * (empty directories the image does not have): removed. */
+    /* What the image's template mounted and made that this container does not mount
+     * (empty directories the image does not have): unmounted and removed. */
+    for (int k = 0; k < numount; k++) {
+        snprintf(sub, sizeof sub, "%s%s", root, umounts[k]);
+        if (umount2(sub, MNT_DETACH) != 0 && errno != EINVAL && errno != ENOENT)
+            oci_fail("--umount", "%s: %s", sub, strerror(errno));
+    }
     for (int k = 0; k < nrmdir; k++) {
         snprintf(sub, sizeof sub, "%s%s", root, rmdirs[k]);
         if (rmdir(sub) != 0 && errno != ENOENT && errno != ENOTEMPTY && errno != EEXIST)
@@ -723,7 +757,7 @@ static int oci_main(int argc, char **argv)
     for (int k = 0; k < ntmpfs; k++) {
         snprintf(sub, sizeof sub, "%s%s", root, tmpfs[k]);
         oci_mkdirs(sub);
-        if (mount("tmpfs", sub, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") != 0)
+        if (oci_tmpfs(sub) != 0)
             oci_fail("--tmpfs", "%s: %s", sub, strerror(errno));
     }
     for (int k = 0; k < nfiles; k++)
@@ -731,7 +765,7 @@ static int oci_main(int argc, char **argv)
     if (mqueue) {
         snprintf(sub, sizeof sub, "%s%s", root, mqueue);
         oci_mkdirs(sub);
-        if (mount("mqueue", sub, "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0)
+        if (oci_mqueue(sub) != 0)
             oci_fail("--mqueue", "%s: %s (a guest kernel without CONFIG_POSIX_MQUEUE?)", sub,
                      strerror(errno));
     }

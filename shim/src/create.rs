@@ -155,7 +155,7 @@ impl Service {
         let from_image = match self.cfg.boot_each {
             true => None,
             false => {
-                let mounts = spec::mount_points(&command);
+                let mounts = spec::guest_mounts(&command);
                 let (cfg, limits) = (&self.cfg, &limits);
                 prepared::template(cfg, &base, &key, &image, process, &mounts, &vsock, limits).await
             }
@@ -163,7 +163,7 @@ impl Service {
         let prepared = from_image.is_some();
         let (template, media) = match from_image {
             Some((t, made)) => {
-                command = spec::without_unused_mount_points(command, &made);
+                command = spec::with_template_mounts(command, &made.dirs, &made.mounts);
                 (t, Vec::new())
             }
             None => {

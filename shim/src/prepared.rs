@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use forkvm::{CreateClones, InsertMedium, ProcessEvent, Template};
 
 use crate::config::{self, dir_error, ShimConfig, TemplateError, AGENT_PORT};
+use crate::spec::GuestMount;
 
 /// Why an image's template could not be made (the container then starts from the
 /// shim's template, its image inserted into its clone).
@@ -65,15 +66,45 @@ fn prune(cfg: &ShimConfig) {
     }
 }
 
-/// The file in an image's template that lists the mount points it made (one a line).
+/// The file in an image's template that lists the mount points it made and the file
+/// systems it mounted there, as `forkvm-oci --prepare` printed them ("made DIR",
+/// "mounted tmpfs DIR", "mounted mqueue DIR"), one a line.
 const MADE: &str = "made-mount-points";
+
+/// What an image's template made for its first container: the mount points, and the
+/// file systems of the guest's mounted there.
+#[derive(Debug, Default)]
+pub struct Made {
+    /// The directories made in its root file system.
+    pub dirs: Vec<String>,
+    /// The mounts (`forkvm-oci` flag, directory).
+    pub mounts: Vec<GuestMount>,
+}
+
+impl Made {
+    /// What `forkvm-oci --prepare` printed.
+    fn parse(text: &str) -> Self {
+        let mut made = Made::default();
+        for line in text.lines() {
+            let mut words = line.split(' ');
+            match (words.next(), words.next(), words.next()) {
+                (Some("made"), Some(dir), None) => made.dirs.push(dir.into()),
+                (Some("mounted"), Some(kind @ ("tmpfs" | "mqueue")), Some(dir)) => {
+                    made.mounts.push((format!("--{kind}"), dir.into()))
+                }
+                _ => {}
+            }
+        }
+        made
+    }
+}
 
 /// How long the agent may take to close the connection after `--prepare` ended.
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Image `key`'s template (`image` in slot 0, writable), made now if there is none
 /// (one shim at a time: a lock file), warmed for `program` run with environment `env`,
-/// with the mount points `mounts` made in its root file system.
+/// with the file systems `mounts` mounted (their mount points made) in its root.
 pub async fn prepared(
     cfg: &ShimConfig,
     base: &Path,
@@ -81,7 +112,7 @@ pub async fn prepared(
     image: &Path,
     program: &str,
     env: &[String],
-    mounts: &[String],
+    mounts: &[GuestMount],
 ) -> Result<PathBuf, PrepareError> {
     let dir = path(cfg, base, key);
     if dir.join("state").exists() {
@@ -113,8 +144,8 @@ pub async fn prepared(
         for e in env {
             argv.extend(["--env".into(), e.clone()]);
         }
-        for m in mounts {
-            argv.extend(["--tmpfs".into(), m.clone()]);
+        for (flag, dir) in mounts {
+            argv.extend([flag.clone(), dir.clone()]);
         }
         argv.extend(["--".into(), program.to_string()]);
         let mut process = clone.spawn(AGENT_PORT, &argv, b"").await?;
@@ -144,8 +175,9 @@ pub async fn prepared(
         let tmp = dir.with_extension(format!("saving-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         clone.snapshot(&tmp).await?;
-        let made: String = (output.lines().filter_map(|l| l.strip_prefix("made ")))
-            .map(|d| format!("{d}\n"))
+        let made: String = (output.lines())
+            .filter(|l| l.starts_with("made ") || l.starts_with("mounted "))
+            .map(|l| format!("{l}\n"))
             .collect();
         std::fs::write(tmp.join(MADE), made).map_err(dir_error(&tmp))?;
         let _ = clone.delete().await;
@@ -164,9 +196,9 @@ pub async fn prepared(
 }
 
 /// The template of image `image` (key `key`) for a container running `process` with
-/// mount points `mounts`, restored from its snapshot, made now if there is none
-/// ([`prepared()`]), and the mount points it made in the root file system (its first
-/// container's). None if it cannot be had: the container then starts from the shim's
+/// the guest's file systems `mounts`, restored from its snapshot, made now if there is
+/// none ([`prepared()`]), and what it made in the root file system (for its first
+/// container). None if it cannot be had: the container then starts from the shim's
 /// template (a snapshot that cannot be restored, its image rebuilt or gone, is
 /// removed).
 #[allow(clippy::too_many_arguments)]
@@ -176,10 +208,10 @@ pub async fn template(
     key: &str,
     image: &Path,
     process: &oci_spec::runtime::Process,
-    mounts: &[String],
+    mounts: &[GuestMount],
     vsock: &Path,
     limits: &str,
-) -> Option<(Template, Vec<String>)> {
+) -> Option<(Template, Made)> {
     let program = process.args().as_ref()?.first()?;
     let env = process.env().clone().unwrap_or_default();
     let made = prepared(cfg, base, key, image, program, &env, mounts).await;
@@ -190,8 +222,7 @@ pub async fn template(
             return None;
         }
     };
-    let made = std::fs::read_to_string(dir.join(MADE)).unwrap_or_default();
-    let made = made.lines().map(String::from).collect();
+    let made = Made::parse(&std::fs::read_to_string(dir.join(MADE)).unwrap_or_default());
     match config::template(cfg, &dir, vsock, limits).await {
         Ok(t) => Some((t, made)),
         Err(e) => {

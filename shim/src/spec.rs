@@ -278,35 +278,70 @@ fn flags_before_program(mut command: Vec<String>, flags: Vec<String>) -> Vec<Str
     command
 }
 
-/// The directories a `forkvm-oci` argv mounts a file system of the guest's at (its
-/// `--tmpfs` and `--mqueue` values): the mount points an image's template makes ahead.
-pub fn mount_points(command: &[String]) -> Vec<String> {
-    // Its flags (after the program name) up to `--`: each takes a value but these.
-    const ALONE: [&str; 4] = ["--readonly", "--prepare", "--release", "--unpack"];
-    let mut dirs = Vec::new();
+/// A file system of the guest's that a `forkvm-oci` argv mounts: its flag (`--tmpfs` or
+/// `--mqueue`) and its directory.
+pub type GuestMount = (String, String);
+
+/// The `forkvm-oci` flags that take no value.
+const ALONE: [&str; 4] = ["--readonly", "--prepare", "--release", "--unpack"];
+
+/// The flags of a `forkvm-oci` argv (after the program name, up to `--`), each with its
+/// value (none for those that take none).
+fn flags(command: &[String]) -> Vec<(&String, Option<&String>)> {
+    let mut out = Vec::new();
     let mut args = command.iter().skip(1).take_while(|a| *a != "--");
     while let Some(flag) = args.next() {
-        if ALONE.contains(&flag.as_str()) {
-            continue;
-        }
-        match args.next() {
-            Some(dir) if flag == "--tmpfs" || flag == "--mqueue" => dirs.push(dir.clone()),
-            _ => {}
-        }
+        let value = match ALONE.contains(&flag.as_str()) {
+            true => None,
+            false => args.next(),
+        };
+        out.push((flag, value));
     }
-    dirs
+    out
 }
 
-/// `command` with `--rmdir DIR` for each of `made` (the mount points an image's
-/// template made) that it does not mount at itself: a container sees no directory its
+/// The file systems of the guest's a `forkvm-oci` argv mounts (its `--tmpfs` and
+/// `--mqueue` values): what an image's template mounts ahead.
+pub fn guest_mounts(command: &[String]) -> Vec<GuestMount> {
+    (flags(command).into_iter())
+        .filter(|(flag, _)| *flag == "--tmpfs" || *flag == "--mqueue")
+        .filter_map(|(flag, dir)| Some((flag.clone(), dir?.clone())))
+        .collect()
+}
+
+/// `command` for a clone of an image's template that made the mount points `made`
+/// and mounted `mounted`: a mount it has already is left out, one it does not want is
+/// unmounted (`--umount DIR`), and a directory made that it mounts nothing at is
+/// removed (`--rmdir DIR`), so that a container sees no mount and no directory its
 /// image lacks that its own spec did not ask for.
-pub fn without_unused_mount_points(command: Vec<String>, made: &[String]) -> Vec<String> {
-    let used = mount_points(&command);
-    let unused = made.iter().filter(|d| !used.contains(d));
-    let flags = unused
-        .flat_map(|d| ["--rmdir".to_string(), d.clone()])
-        .collect();
-    flags_before_program(command, flags)
+pub fn with_template_mounts(
+    command: Vec<String>,
+    made: &[String],
+    mounted: &[GuestMount],
+) -> Vec<String> {
+    let wanted = guest_mounts(&command);
+    let mut extra = Vec::new();
+    for (_, dir) in mounted.iter().filter(|m| !wanted.contains(m)) {
+        extra.extend(["--umount".to_string(), dir.clone()]);
+    }
+    for dir in made.iter().filter(|d| !wanted.iter().any(|(_, w)| w == *d)) {
+        extra.extend(["--rmdir".to_string(), dir.clone()]);
+    }
+    let mut kept = command[..1.min(command.len())].to_vec();
+    for (flag, value) in flags(&command) {
+        let pair = value.map(|v| (flag.clone(), v.clone()));
+        if pair.as_ref().is_some_and(|p| mounted.contains(p)) {
+            continue;
+        }
+        kept.push(flag.clone());
+        kept.extend(value.cloned());
+    }
+    let rest = command
+        .iter()
+        .position(|a| a == "--")
+        .unwrap_or(command.len());
+    kept.extend_from_slice(&command[rest..]);
+    flags_before_program(kept, extra)
 }
 
 /// The `forkvm-oci` flag that makes a copy at `dest` a mount of its own: read-only if
@@ -369,17 +404,51 @@ mod tests {
                 "sh"
             ]
         );
+        let m = |f: &str, d: &str| (f.to_string(), d.to_string());
         assert_eq!(
-            mount_points(&got.command),
-            ["/run", "/dev/shm", "/dev/mqueue"]
+            guest_mounts(&got.command),
+            [
+                m("--tmpfs", "/run"),
+                m("--tmpfs", "/dev/shm"),
+                m("--mqueue", "/dev/mqueue")
+            ]
         );
-        let made = ["/run".to_string(), "/tmp/x".into()];
-        let pruned = without_unused_mount_points(got.command.clone(), &made);
+        // A template that made /run and /x and mounted a tmpfs at /run, /x and
+        // /dev/mqueue: /run is left out, /x unmounted and removed, /dev/mqueue (a tmpfs
+        // there, where this one wants the message queues) unmounted and mounted again.
+        let made = ["/run".to_string(), "/x".into()];
+        let mounted = [
+            m("--tmpfs", "/run"),
+            m("--tmpfs", "/x"),
+            m("--tmpfs", "/dev/mqueue"),
+        ];
+        let cmd = with_template_mounts(got.command.clone(), &made, &mounted);
         assert_eq!(
-            pruned[pruned.len() - 4..],
-            ["--rmdir", "/tmp/x", "--", "sh"]
+            guest_mounts(&cmd),
+            [m("--tmpfs", "/dev/shm"), m("--mqueue", "/dev/mqueue")]
         );
-        assert_eq!(pruned.len(), got.command.len() + 2);
+        let tail = [
+            "--umount",
+            "/x",
+            "--umount",
+            "/dev/mqueue",
+            "--rmdir",
+            "/x",
+            "--",
+            "sh",
+        ];
+        assert_eq!(cmd[cmd.len() - tail.len()..], tail);
+        assert_eq!(cmd.len(), got.command.len() - 2 + 6);
+        // The other flags are kept as they were.
+        assert!(cmd.iter().any(|a| a == "--unpack"));
+        assert!(cmd
+            .windows(2)
+            .any(|w| w[0] == "--ro" && w[1] == "/etc/resolv.conf"));
+        // A template with nothing: the command as it was.
+        assert_eq!(
+            with_template_mounts(got.command.clone(), &[], &[]),
+            got.command
+        );
         // A read-only root: the other mounts it copies into stay writable, unless `ro`.
         let mut readonly = spec.clone();
         let root = oci_spec::runtime::RootBuilder::default()

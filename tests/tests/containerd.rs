@@ -590,6 +590,19 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
         created.is_some_and(|l| l.contains("the image's: true")),
         "{created:?}\n{log}"
     );
+    // A third with a tmpfs at /scratch as the first had: the image's template mounted
+    // one there for the first, and each clone's is its own, empty (not the first's).
+    let (code, out, err) = c.run(
+        "three",
+        &["--mount", "type=tmpfs,src=tmpfs,dst=/scratch"],
+        &[
+            "sh",
+            "-c",
+            "ls -a /scratch; echo t > /scratch/t && cat /scratch/t",
+        ],
+    );
+    assert_eq!(code, 0, "{out}{err}\n{}", c.log());
+    assert_eq!(out, ".\n..\nt\n", "{err}");
     // An id as long as Kubernetes gives (64 characters): the bundle's path is then
     // longer than a socket's may be, and the shim keeps its sockets elsewhere.
     let long_id = "3".repeat(64);

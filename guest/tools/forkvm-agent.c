@@ -907,9 +907,14 @@ int main(int argc, char **argv)
             need = 1;
         }
         if (p[2].revents) {
+            /* Woken with the spare that takes the connection: only a connection still
+             * waiting once no spare is left needs one forked now. */
+            struct pollfd again = {.fd = s, .events = POLLIN};
             if (__atomic_load_n(&shared->ready, __ATOMIC_ACQUIRE) <= 0 && pidfd < 0) {
-                need = 1;
-                nice = 0;
+                if (poll(&again, 1, 0) == 1) {
+                    need = 1;
+                    nice = 0;
+                }
             } else {
                 /* A spare is taking it, or about to wait. */
                 struct timespec ts = {0, 1000 * 1000};

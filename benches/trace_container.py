@@ -28,6 +28,7 @@ environment is PATH=/bin).
 import argparse
 import collections
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -58,17 +59,33 @@ def traced_run(c, cid, script, extra, tmp):
 def write_sequence(path, events, syms):
     """The guest kernel functions of `events` in the order they ran, consecutive
     instructions of one function as one line: "COUNT FUNCTION" (user-mode stretches as
-    "COUNT [user]")."""
+    "COUNT [user]"); and in PATH.steps the same split at each system call's entry: a line
+    per system call, "INSTRUCTIONS NAME", with everything that ran until the next one (its
+    page faults, interrupts, and other processes after a switch)."""
+    runs = []
+    last, n = None, 0
+    for rip in emulated_rips(events):
+        fn = syms.name(rip) if rip >= KERNEL else "[user]"
+        if fn != last and last is not None:
+            runs.append((n, last))
+            n = 0
+        last, n = fn, n + 1
+    if last is not None:
+        runs.append((n, last))
     with open(path, "w") as f:
-        last, n = None, 0
-        for rip in emulated_rips(events):
-            fn = syms.name(rip) if rip >= KERNEL else "[user]"
-            if fn != last and last is not None:
-                f.write(f"{n} {last}\n")
-                n = 0
-            last, n = fn, n + 1
-        if last is not None:
-            f.write(f"{n} {last}\n")
+        f.writelines(f"{n} {fn}\n" for n, fn in runs)
+    # A step starts where do_syscall_64 is followed by a system call's own function.
+    steps, name, count, entered = [], "(before the first system call)", 0, False
+    for n, fn in runs:
+        if fn == "do_syscall_64":
+            entered = True
+        elif entered and re.match(r"__(x64|do)_sys_", fn):
+            steps.append((count, name))
+            name, count, entered = re.sub(r"^__(x64|do)_sys_", "", fn), 0, False
+        count += n
+    steps.append((count, name))
+    with open(path + ".steps", "w") as f:
+        f.writelines(f"{n} {name}\n" for n, name in steps)
 
 
 def main():
@@ -86,7 +103,8 @@ def main():
     ap.add_argument("--sequence", metavar="FILE",
                     help="write the clone's guest kernel functions in the order they ran "
                          "(a line per run of one function, with its instruction count) "
-                         "to FILE.N for traced run N")
+                         "to FILE.N for traced run N, and to FILE.N.steps the same split "
+                         "at each system call (what ran from its entry to the next one's)")
     ap.add_argument("--other", type=int, default=0,
                     help="also list this many functions of the kind 'other' per run")
     ap.add_argument("--dir", default="/var/tmp/forkvm-bench-shim",

@@ -505,6 +505,24 @@ fn linux_vsock_exec_reaches_the_template_and_every_clone_on_its_own_socket() {
         "{err}"
     );
     hosts_that_close_mid_stream_leave_nothing_behind(&vm, &vsock);
+    // Connections at once: the agent has one spare process forked ahead, and the others
+    // wait for the next ones it forks; each is served, with its own command.
+    let replies: Vec<_> = std::thread::scope(|s| {
+        let calls: Vec<_> = (0..4)
+            .map(|i| {
+                let sock = &vm.sock;
+                s.spawn(move || vmm_exec(sock, &["--", &format!("echo at-once-{i}")], b""))
+            })
+            .collect();
+        calls.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    for (i, (code, out, err)) in replies.iter().enumerate() {
+        assert_eq!(
+            (*code, out.as_str()),
+            (Some(0), format!("at-once-{i}\n").as_str()),
+            "{err}"
+        );
+    }
     // Output of many pipe reads comes through intact. On the PVM host the agent's copy of
     // each read (a user-space memcpy) once lost about 1% of lines to 16-byte runs of
     // zeros (docs/guest-kernel.md); it now reads into the reply directly.

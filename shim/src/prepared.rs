@@ -236,3 +236,23 @@ pub async fn template(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_prepare_printed_is_read_back_and_the_rest_is_left() {
+        let made = Made::parse(
+            "made /run\nmounted tmpfs /run\nmounted mqueue /dev/mqueue\nwarming sh\n\
+             mounted proc /proc\nmade\nmade /a b\n",
+        );
+        assert_eq!(made.dirs, ["/run"]);
+        let m = |f: &str, d: &str| (f.to_string(), d.to_string());
+        assert_eq!(
+            made.mounts,
+            [m("--tmpfs", "/run"), m("--mqueue", "/dev/mqueue")]
+        );
+        assert!(Made::parse("").dirs.is_empty());
+    }
+}

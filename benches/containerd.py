@@ -162,6 +162,17 @@ class Containerd:
             self.p.wait()
 
 
+def with_image(started, archive, *args, **kwargs):
+    """A Containerd(*args, **kwargs), added to `started`, with the image of `archive`
+    imported (the run ends with ctr's complaint if it cannot be)."""
+    c = Containerd(*args, **kwargs)
+    started.append(c)
+    imp = c.ctr("image", "import", archive)
+    if imp.returncode != 0:
+        sys.exit(imp.stderr)
+    return c
+
+
 def run_once(c, runtime, cid, script="echo ready", extra=()):
     """`ctr run --rm` (with `extra` options) to the first line and to the exit, in ms."""
     t0 = time.perf_counter()
@@ -327,11 +338,7 @@ def main():
     try:
         archive = os.path.join(tmp, "busybox.tar")
         busybox_archive(archive)
-        c = Containerd(tmp, "main", a.dir, {})
-        started.append(c)
-        imp = c.ctr("image", "import", archive)
-        if imp.returncode != 0:
-            sys.exit(imp.stderr)
+        c = with_image(started, archive, tmp, "main", a.dir, {})
         # Warm-up, not counted: the shim's template is booted and saved if it is not.
         for runtime in [FORKVM, RUNC]:
             run_once(c, runtime, "warmup-" + runtime.split(".")[2])
@@ -342,11 +349,8 @@ def main():
             mount = configmap_volume(os.path.join(tmp, "volume"), a.volume_kib)
             kinds.insert(1, ("volume", FORKVM, mount, c))
         if a.containerd2:
-            c2 = Containerd(tmp, "containerd2", a.dir, {}, bin_dir=a.containerd2)
-            started.append(c2)
-            imp = c2.ctr("image", "import", archive)
-            if imp.returncode != 0:
-                sys.exit(imp.stderr)
+            c2 = with_image(started, archive, tmp, "containerd2", a.dir, {},
+                            bin_dir=a.containerd2)
             run_once(c2, FORKVM, "warmup-2")
             kinds.insert(1, ("containerd2", FORKVM, [], c2))
         if a.compare_build:
@@ -356,16 +360,11 @@ def main():
                        if not os.path.exists(os.path.join(d, f))]
             if missing:
                 sys.exit(f"--compare-build {d} lacks {missing}")
-            cb = Containerd(tmp, "compare", a.dir.rstrip("/") + "-compare", {
-                "PATH": d + ":" + os.environ.get("PATH", ""),
-                "FORKVM_VMM": os.path.join(d, "vmm"),
-                "FORKVM_SHIM_KERNEL": os.path.join(d, "guest", "vmlinux"),
-                "FORKVM_SHIM_INITRD": os.path.join(d, "guest", "initramfs.cpio"),
-            })
-            started.append(cb)
-            imp = cb.ctr("image", "import", archive)
-            if imp.returncode != 0:
-                sys.exit(imp.stderr)
+            cb = with_image(started, archive, tmp, "compare", a.dir.rstrip("/") + "-compare",
+                            {"PATH": d + ":" + os.environ.get("PATH", ""),
+                             "FORKVM_VMM": os.path.join(d, "vmm"),
+                             "FORKVM_SHIM_KERNEL": os.path.join(d, "guest", "vmlinux"),
+                             "FORKVM_SHIM_INITRD": os.path.join(d, "guest", "initramfs.cpio")})
             run_once(cb, FORKVM, "warmup-compare")
             kinds.insert(1, ("compare", FORKVM, [], cb))
         rows = {label: [] for label, _, _, _ in kinds}
@@ -376,11 +375,7 @@ def main():
         created, began = shim_phases(c.log())
         created, began = created[skip:], began[skip:]
 
-        b = Containerd(tmp, "boot", a.dir, {"FORKVM_SHIM_BOOT_EACH": "1"})
-        started.append(b)
-        imp = b.ctr("image", "import", archive)
-        if imp.returncode != 0:
-            sys.exit(imp.stderr)
+        b = with_image(started, archive, tmp, "boot", a.dir, {"FORKVM_SHIM_BOOT_EACH": "1"})
         boot = [run_once(b, FORKVM, f"boot{i}") for i in range(a.boot_runs)]
         b.stop()
 

@@ -106,6 +106,17 @@ static void release(void)
 /* How long a stream's start holds back the next spare at most, ms. */
 #define START_MS 1000
 
+/* How long a connection's process waits, at its end, for the next spare, ms. */
+#define SPARE_WAIT_MS 1000
+
+/* Milliseconds since `t` (CLOCK_MONOTONIC). */
+static long ms_since(const struct timespec *t)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (now.tv_sec - t->tv_sec) * 1000 + (now.tv_nsec - t->tv_nsec) / 1000000;
+}
+
 /* Runs argv `cmd` in a group of its own with input `infd` (or input the host feeds,
  * or on a terminal, as `flags` say), its stdout and stderr sent as they come, then its
  * exit status (the streaming protocol above). */
@@ -189,9 +200,7 @@ static void serve_stream(int conn, char *cmd, unsigned long cmdlen, int infd, in
         };
         int timeout = -1;
         if (release_fd >= 0) {
-            struct timespec now;
-            clock_gettime(CLOCK_MONOTONIC, &now);
-            long ms = (now.tv_sec - begun.tv_sec) * 1000 + (now.tv_nsec - begun.tv_nsec) / 1000000;
+            long ms = ms_since(&begun);
             timeout = ms >= START_MS ? 0 : (int)(START_MS - ms);
             if (timeout == 0)
                 release();
@@ -391,15 +400,14 @@ static void spare(int s, int notify, int ports)
         close(ahead_chan);
         waitpid(ahead_pid, NULL, 0);
     }
-    struct timespec begun, now;
+    struct timespec begun;
     clock_gettime(CLOCK_MONOTONIC, &begun);
     for (;;) {
         int ready = __atomic_load_n(&shared->ready, __ATOMIC_ACQUIRE);
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        long ms = (now.tv_sec - begun.tv_sec) * 1000 + (now.tv_nsec - begun.tv_nsec) / 1000000;
-        if (ready > 0 || ms >= 1000)
+        long ms = ms_since(&begun);
+        if (ready > 0 || ms >= SPARE_WAIT_MS)
             break;
-        futex_wait(&shared->ready, ready, (int)(1000 - ms));
+        futex_wait(&shared->ready, ready, (int)(SPARE_WAIT_MS - ms));
     }
     /* The connection closes as this process exits, after its memory is gone: a host
      * that waits for the close before it pauses or snapshots the VM leaves no exit

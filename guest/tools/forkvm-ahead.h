@@ -12,7 +12,6 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 
-
 /* What a command's process does once it knows its command `cmd` (cmdlen bytes, argv
  * words) and its files: fds[0] its input, fds[1] and fds[2] its output and error, or
  * with `tty` fds[0] the terminal. Never returns. */

@@ -56,6 +56,9 @@ pub(crate) enum Kind {
         id: String,
         console: PathBuf,
     },
+    /// A clone `id` of a template another process owns (and reaps it), its console in
+    /// `console`.
+    Attached { id: String, console: PathBuf },
 }
 
 /// A pidfd for `pid` (`pidfd_open`).
@@ -129,6 +132,17 @@ impl Owner {
         })
     }
 
+    /// Owns clone `id` of a template another process owns: process `pid`, console
+    /// `console` (host paths).
+    pub fn attached(id: String, pid: u32, console: PathBuf) -> Result<Self, Error> {
+        Ok(Self {
+            pid,
+            pidfd: pidfd_open(pid).map_err(Error::Process)?,
+            kind: Kind::Attached { id, console },
+            jail: None,
+        })
+    }
+
     /// The host's path of a path the VMM named (in a jail, a jail path).
     pub fn host_path(&self, p: &Path) -> PathBuf {
         match &self.jail {
@@ -147,7 +161,7 @@ impl Owner {
         match &self.kind {
             Kind::Spawned { .. } if self.jail.is_some() => self.host_path(CONSOLE.as_ref()),
             Kind::Spawned { dir, .. } => dir.path().join("console"),
-            Kind::Derived { console, .. } => console.clone(),
+            Kind::Derived { console, .. } | Kind::Attached { console, .. } => console.clone(),
             Kind::Gone => PathBuf::new(),
         }
     }
@@ -158,7 +172,8 @@ impl Owner {
         match &self.kind {
             Kind::Spawned { dir, .. } => dir.path().join("stderr"),
             Kind::Derived { parent, .. } => parent.log_file(),
-            Kind::Gone => PathBuf::new(),
+            // Its template's owner has the log.
+            Kind::Attached { .. } | Kind::Gone => PathBuf::new(),
         }
     }
 
@@ -190,6 +205,7 @@ impl Owner {
                 }
             }
             Kind::Derived { id, .. } => format!("clone {id} of its parent template ended"),
+            Kind::Attached { id, .. } => format!("clone {id} ended"),
             Kind::Gone => "stopped".into(),
         }
     }

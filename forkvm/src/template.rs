@@ -459,7 +459,7 @@ impl Template {
     pub fn clone_id(&self) -> Option<&str> {
         match &self.owner.kind {
             Kind::Derived { id, .. } => Some(id),
-            Kind::Spawned { .. } | Kind::Gone => None,
+            Kind::Spawned { .. } | Kind::Attached { .. } | Kind::Gone => None,
         }
     }
 

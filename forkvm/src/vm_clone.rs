@@ -2,9 +2,10 @@
 //! which serves invocations in place and commands through its guest agent.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use api_types::vm::VirtioKind;
-use api_types::{CloneStatus, CreateClones, InvokeOptions, VmInfo};
+use api_types::{CloneInfo, CloneStatus, CreateClones, InvokeOptions, VmInfo};
 use bytes::Bytes;
 
 use crate::agent::{agent_exchange, AgentProcess, StreamMode};
@@ -72,6 +73,35 @@ impl Template {
 }
 
 impl VmClone {
+    /// A handle on clone `info` of a template that another process owns and keeps (a
+    /// service that serves several processes' clones of its templates, as the
+    /// containerd shim's does): its socket and console as `info` names them (host
+    /// paths), its process through a pidfd, each call bounded by `call_timeout`. It
+    /// is stopped as any clone when dropped or deleted (its template's owner reaps
+    /// it), and dies with its template's VMM, which this handle does not keep alive.
+    /// A clone `info` does not say is running is [`Error::Exited`].
+    pub fn attach(info: &CloneInfo, call_timeout: Duration) -> Result<VmClone, Error> {
+        if info.status != CloneStatus::Running {
+            return Err(Error::Exited {
+                status: format!("clone {} is {:?}", info.id, info.status),
+                console: String::new(),
+            });
+        }
+        let pid = u32::try_from(info.pid).map_err(|_| Error::Exited {
+            status: format!("clone {} has no process ({})", info.id, info.pid),
+            console: String::new(),
+        })?;
+        let owner = Owner::attached(info.id.clone(), pid, info.console.clone())?;
+        Ok(VmClone {
+            ep: Endpoint {
+                sock: info.api_sock.clone(),
+                call_timeout,
+            },
+            owner,
+            id: info.id.clone(),
+        })
+    }
+
     /// Its id in its template's clone table.
     pub fn id(&self) -> &str {
         &self.id

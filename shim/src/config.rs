@@ -14,6 +14,9 @@ use sha2::{Digest, Sha256};
 pub const AGENT_PORT: u32 = 1024;
 /// What the guest's init prints once its agent serves.
 const SERVING: &str = "forkvm-init: serving on vsock port 1024";
+/// How long a call to a template's or a clone's VMM may take (a restore on a busy host
+/// takes a while).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// The template's kernel command line.
 const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet forkvm.agent=1024";
 
@@ -39,6 +42,12 @@ pub struct ShimConfig {
     /// (`FORKVM_SHIM_BOOT_EACH=1`): what a runtime that boots a VM per container pays,
     /// for comparison (`benches/containerd.py`).
     pub boot_each: bool,
+    /// Warm clones each image's template keeps in the template service
+    /// (`FORKVM_SHIM_WARM_CLONES`; 1).
+    pub warm_clones: u32,
+    /// How long the template service keeps an image's template that no container
+    /// uses, and itself runs with none (`FORKVM_SHIM_TEMPLATE_IDLE_S`; 300 s).
+    pub template_idle: Duration,
 }
 
 impl ShimConfig {
@@ -53,7 +62,34 @@ impl ShimConfig {
             images_budget: mib.and_then(|m| m.parse::<u64>().ok()).unwrap_or(16 << 10) << 20,
             run_dir: var("FORKVM_SHIM_RUN_DIR").unwrap_or_else(|| "/run/forkvm/shim".into()),
             boot_each: std::env::var("FORKVM_SHIM_BOOT_EACH").is_ok_and(|v| v == "1"),
+            warm_clones: number("FORKVM_SHIM_WARM_CLONES").unwrap_or(1.0) as u32,
+            template_idle: Duration::from_secs_f64(
+                number("FORKVM_SHIM_TEMPLATE_IDLE_S").unwrap_or(300.0),
+            ),
         }
+    }
+
+    /// The template service's socket for this configuration (its files beside it:
+    /// `.lock`, `.pid`, `.log`): named by what the service is started with (this
+    /// program, the guest, the directories, the `vmm`, the warm clones and the idle
+    /// time), so shims configured otherwise (another containerd's, another build's)
+    /// have a service of their own.
+    pub fn service_socket(&self) -> PathBuf {
+        let exe = std::env::current_exe().unwrap_or_default();
+        let vmm = TemplateSpec::new("").vmm;
+        let text = format!(
+            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{:?}",
+            exe.display(),
+            vmm.display(),
+            self.kernel.display(),
+            self.initrd.display(),
+            self.dir.display(),
+            self.run_dir.display(),
+            self.warm_clones,
+            self.template_idle
+        );
+        self.run_dir
+            .join(format!("{}.sock", digest_name("templates-", &text, 12)))
     }
 
     /// The host socket of the vsock device of the template for the container whose
@@ -89,6 +125,13 @@ impl ShimConfig {
         let hex = hex(&h.finalize());
         Ok(self.dir.join(format!("template-{}", &hex[..16])))
     }
+}
+
+/// Environment variable `name` as a number that is not negative (None when unset or
+/// not one).
+fn number(name: &str) -> Option<f64> {
+    let v: f64 = std::env::var(name).ok()?.trim().parse().ok()?;
+    (v.is_finite() && v >= 0.0).then_some(v)
 }
 
 /// `prefix` and the first `len` hexadecimal digits of the SHA-256 of `text`: a short
@@ -170,14 +213,15 @@ pub async fn base(cfg: &ShimConfig) -> Result<PathBuf, TemplateError> {
 }
 
 /// The template for a container, its vsock device's host socket at `vsock`, with one
-/// resource class (`CLASS`, limits `limits`: `cpu=..,memory=..`, or none): restored
-/// from `snapshot` (the shim's template's, [`base`], or one of an image's), or booted
-/// with `FORKVM_SHIM_BOOT_EACH`.
+/// resource class (`CLASS`, limits `limits`: `cpu=..,memory=..`, or none) and
+/// `warm_clones` warm clones: restored from `snapshot` (the shim's template's,
+/// [`base`], or one of an image's), or booted with `FORKVM_SHIM_BOOT_EACH`.
 pub async fn template(
     cfg: &ShimConfig,
     snapshot: &Path,
     vsock: &Path,
     limits: &str,
+    warm_clones: u32,
 ) -> Result<Template, TemplateError> {
     let class = match limits {
         "" => CLASS.to_string(),
@@ -189,9 +233,9 @@ pub async fn template(
         return Ok(Template::start(spec).await?);
     }
     let mut spec = TemplateSpec::new("unused: the snapshot's guest runs");
-    spec.warm_clones = 0;
+    spec.warm_clones = warm_clones;
     spec.ready = Ready::Console(SERVING.into());
-    spec.call_timeout = Duration::from_secs(120);
+    spec.call_timeout = CALL_TIMEOUT;
     spec.args = vec![
         "--vsock".into(),
         vsock.display().to_string(),

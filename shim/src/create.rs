@@ -9,17 +9,17 @@ use std::time::Instant;
 
 use containerd_shim::mount::{mount_rootfs, umount_recursive};
 use containerd_shim_protos::api;
-use forkvm::{CreateClones, ImageCache, InsertMedium};
+use forkvm::{CreateClones, ImageCache, InsertMedium, Template, VmClone};
 
 use crate::config;
 use crate::net;
 use crate::pod::Place;
-use crate::prepared;
+use crate::prepared::{self, Lent};
 use crate::process::{oci_command, Proc};
 use crate::spec::{
     self, is_sandbox, limits, rootfs_key, sandbox_id, with_guest_limits, with_mounts, Mounted,
 };
-use crate::task::{Container, Service};
+use crate::task::{Container, Keeper, Service};
 
 impl Service {
     /// Makes container `req.id`'s clone: its root file system as an image in slot 0,
@@ -76,7 +76,7 @@ impl Service {
             bundle: req.bundle.clone(),
             pid: clone.pid(),
             clone_id: clone.id().to_string(),
-            template: Some(template),
+            keeper: Some(Keeper::Template(template)),
             clone: Some(clone),
             init: Proc::new(Vec::new(), &req.stdout, &req.stderr),
             execs: HashMap::new(),
@@ -136,7 +136,7 @@ impl Service {
                 bundle: req.bundle.clone(),
                 pid: clone.pid(),
                 clone_id: clone.id().to_string(),
-                template: None,
+                keeper: None,
                 clone: Some(clone),
                 init: Proc::new(command, &req.stdout, &req.stderr)
                     .with_input(&req.stdin, req.terminal)
@@ -152,46 +152,58 @@ impl Service {
         let vsock = self.cfg.vsock(&req.bundle);
         let base = (config::base(&self.cfg).await).map_err(|e| format!("the template: {e}"))?;
         // Booting a VM per container (for comparison) has no snapshots to restore.
-        let from_image = match self.cfg.boot_each {
+        let snapshot = match self.cfg.boot_each {
             true => None,
             false => {
                 let mounts = spec::guest_mounts(&command);
-                let (cfg, limits) = (&self.cfg, &limits);
-                prepared::template(cfg, &base, &key, &image, process, &mounts, &vsock, limits).await
+                prepared::snapshot(&self.cfg, &base, &key, &image, process, &mounts).await
             }
         };
-        let prepared = from_image.is_some();
-        let (template, media) = match from_image {
-            Some((t, made)) => {
+        let t2 = Instant::now();
+        let ms = |from: Instant, to: Instant| (to - from).as_secs_f64() * 1e3;
+        let from_image = match snapshot {
+            Some((dir, made)) => prepared::lend(&self.cfg, &key, &dir, &vsock, &limits)
+                .await
+                .map(|lent| (lent, made)),
+            None => None,
+        };
+        let (clone, keeper, how) = match from_image {
+            Some((lent, made)) => {
                 command = spec::with_template_mounts(command, &made.dirs, &made.mounts);
-                (t, Vec::new())
+                match lent {
+                    Lent::Service(clone, lease) => (
+                        *clone,
+                        Keeper::Lease(lease),
+                        "lent by the template service".into(),
+                    ),
+                    Lent::Own(t) => {
+                        let restored = ms(t2, Instant::now());
+                        let clone = clone_of(&t, Vec::new()).await?;
+                        let how =
+                            format!("of the image's template, restored here in {restored:.1} ms");
+                        (clone, Keeper::Template(t), how)
+                    }
+                }
             }
             None => {
-                let t = config::template(&self.cfg, &base, &vsock, &limits)
+                let t3 = Instant::now();
+                let t = config::template(&self.cfg, &base, &vsock, &limits, 0)
                     .await
                     .map_err(|e| format!("the template: {e}"))?;
+                let restored = ms(t3, Instant::now());
                 let medium = InsertMedium {
                     slot: 0,
                     path: image,
                     writable: true,
                 };
-                (t, vec![medium])
+                let clone = clone_of(&t, vec![medium]).await?;
+                let how = format!("of the shim's template, restored here in {restored:.1} ms");
+                (clone, Keeper::Template(t), how)
             }
         };
-        let t2 = Instant::now();
-        let request = CreateClones {
-            resource_class: Some(config::CLASS.into()),
-            media,
-            ..Default::default()
-        };
-        let clone = (template.create_clones(&request).await)
-            .map_err(|e| format!("the container's clone: {e}"))?
-            .pop()
-            .ok_or("no clone was made")?;
-        let ms = |from: Instant, to: Instant| (to - from).as_secs_f64() * 1e3;
         log::info!(
-            "{}: created: image {:.1} ms (built: {made}), template {:.1} ms (the image's: \
-             {prepared}), clone {:.1} ms",
+            "{}: created: image {:.1} ms (built: {made}), image's template {:.1} ms, clone \
+             {:.1} ms ({how})",
             req.id,
             ms(t0, t1),
             ms(t1, t2),
@@ -201,7 +213,7 @@ impl Service {
             bundle: req.bundle.clone(),
             pid: clone.pid(),
             clone_id: clone.id().to_string(),
-            template: Some(template),
+            keeper: Some(keeper),
             clone: Some(Arc::new(clone)),
             init: Proc::new(command, &req.stdout, &req.stderr)
                 .with_input(&req.stdin, req.terminal)
@@ -213,4 +225,17 @@ impl Service {
             slot: 0,
         })
     }
+}
+
+/// A clone of `template` (a container's: its resource class) with `media` in its slots.
+async fn clone_of(template: &Template, media: Vec<InsertMedium>) -> Result<VmClone, String> {
+    let request = CreateClones {
+        resource_class: Some(config::CLASS.into()),
+        media,
+        ..Default::default()
+    };
+    (template.create_clones(&request).await)
+        .map_err(|e| format!("the container's clone: {e}"))?
+        .pop()
+        .ok_or_else(|| "no clone was made".into())
 }

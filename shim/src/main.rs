@@ -18,6 +18,7 @@ mod prepared;
 mod process;
 mod spec;
 mod task;
+mod templates;
 mod volumes;
 
 use containerd_shim::asynchronous::run;
@@ -30,6 +31,9 @@ async fn main() {
     if let Some("-v" | "--version" | "-version") = std::env::args().nth(1).as_deref() {
         println!("containerd-shim-forkvm-v2 {}", env!("CARGO_PKG_VERSION"));
         return;
+    }
+    if std::env::args().nth(1).as_deref() == Some(templates::SUBCOMMAND) {
+        std::process::exit(templates::server::run().await);
     }
     // The shim reaps nothing it did not start: the forkvm library waits for its VMMs
     // (through pidfds) and tokio for the commands it runs (mkfs.ext4), and a reaper of

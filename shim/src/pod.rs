@@ -47,7 +47,7 @@ impl Pods {
         pod_net: Option<&PodNet>,
     ) -> Result<(Template, Arc<VmClone>), String> {
         let base = (config::base(cfg).await).map_err(|e| format!("the template: {e}"))?;
-        let template = config::template(cfg, &base, vsock, limits)
+        let template = config::template(cfg, &base, vsock, limits, 0)
             .await
             .map_err(|e| format!("the template: {e}"))?;
         // On a network of its own: the pod's address, and a tap named for the pod.

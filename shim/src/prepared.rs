@@ -8,10 +8,11 @@
 
 use std::path::{Path, PathBuf};
 
-use forkvm::{CreateClones, InsertMedium, ProcessEvent, Template};
+use forkvm::{CreateClones, InsertMedium, ProcessEvent, Template, VmClone};
 
 use crate::config::{self, dir_error, ShimConfig, TemplateError, AGENT_PORT};
 use crate::spec::GuestMount;
+use crate::templates::client::{self, Lease, LeaseError};
 
 /// Why an image's template could not be made (the container then starts from the
 /// shim's template, its image inserted into its clone).
@@ -126,7 +127,7 @@ pub async fn prepared(
     prune(cfg);
     let started = std::time::Instant::now();
     let vsock = cfg.vsock(&dir.display().to_string());
-    let template = config::template(cfg, base, &vsock, "").await?;
+    let template = config::template(cfg, base, &vsock, "", 0).await?;
     let request = CreateClones {
         media: vec![InsertMedium {
             slot: 0,
@@ -195,43 +196,71 @@ pub async fn prepared(
     Ok(dir)
 }
 
+/// Where the clone of an image's template for a container comes from ([`lend`]).
+pub enum Lent {
+    /// The template service lent it (its template is the service's).
+    Service(Box<VmClone>, Lease),
+    /// A template of the shim's own, restored here (no service could be had): the
+    /// container's clone is to be made of it.
+    Own(Template),
+}
+
 /// The template of image `image` (key `key`) for a container running `process` with
-/// the guest's file systems `mounts`, restored from its snapshot, made now if there is
-/// none ([`prepared()`]), and what it made in the root file system (for its first
-/// container). None if it cannot be had: the container then starts from the shim's
-/// template (a snapshot that cannot be restored, its image rebuilt or gone, is
-/// removed).
-#[allow(clippy::too_many_arguments)]
-pub async fn template(
+/// the guest's file systems `mounts`: its snapshot, made now if there is none
+/// ([`prepared()`]), and what it made in the root file system (for its first
+/// container). None if it cannot be made: the container then starts from the shim's
+/// template.
+pub async fn snapshot(
     cfg: &ShimConfig,
     base: &Path,
     key: &str,
     image: &Path,
     process: &oci_spec::runtime::Process,
     mounts: &[GuestMount],
-    vsock: &Path,
-    limits: &str,
-) -> Option<(Template, Made)> {
+) -> Option<(PathBuf, Made)> {
     let program = process.args().as_ref()?.first()?;
     let env = process.env().clone().unwrap_or_default();
-    let made = prepared(cfg, base, key, image, program, &env, mounts).await;
-    let dir = match made {
-        Ok(dir) => dir,
+    match prepared(cfg, base, key, image, program, &env, mounts).await {
+        Ok(dir) => {
+            let made = Made::parse(&std::fs::read_to_string(dir.join(MADE)).unwrap_or_default());
+            Some((dir, made))
+        }
         Err(e) => {
             log::warn!("image {key}: no template of its own: {e}");
-            return None;
+            None
+        }
+    }
+}
+
+/// A clone of the image template at `dir` (image `key`) whose cgroup has the limits
+/// `limits`, lent by the template service, or, when no service can be had, the
+/// template itself restored here (its vsock socket at `vsock`). None if the snapshot
+/// cannot be restored (its image rebuilt or gone): it is removed, and the container
+/// starts from the shim's template.
+pub async fn lend(
+    cfg: &ShimConfig,
+    key: &str,
+    dir: &Path,
+    vsock: &Path,
+    limits: &str,
+) -> Option<Lent> {
+    let restored = match client::lease(cfg, dir, limits).await {
+        Ok((clone, lease)) => return Some(Lent::Service(Box::new(clone), lease)),
+        Err(e @ LeaseError::Restore(_)) => Err(e.to_string()),
+        Err(e) => {
+            log::warn!("image {key}: {e}; its template is restored here");
+            (config::template(cfg, dir, vsock, limits, 0).await).map_err(|e| e.to_string())
         }
     };
-    let made = Made::parse(&std::fs::read_to_string(dir.join(MADE)).unwrap_or_default());
-    match config::template(cfg, &dir, vsock, limits).await {
-        Ok(t) => Some((t, made)),
+    match restored {
+        Ok(t) => Some(Lent::Own(t)),
         Err(e) => {
             log::warn!(
                 "image {key}: its template {} is removed: {e}",
                 dir.display()
             );
             let _lock = config::lock(&dir.with_extension("lock")).ok();
-            let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_dir_all(dir);
             None
         }
     }

@@ -31,12 +31,21 @@ use crate::metrics;
 use crate::pod::Pods;
 use crate::process::{self, oci_command, Proc};
 use crate::spec::sandbox_id;
+use crate::templates::client::Lease;
+
+/// What keeps a container's clone: a template of the shim's own (stopped with the
+/// container), or the template service's lease of it (given back with the container).
+pub(crate) enum Keeper {
+    Template(Template),
+    Lease(Lease),
+}
 
 pub(crate) struct Container {
     pub(crate) bundle: String,
     pub(crate) pid: u32,
     pub(crate) clone_id: String,
-    pub(crate) template: Option<Template>,
+    /// What keeps its VM (None: a pod's container, kept by its sandbox's).
+    pub(crate) keeper: Option<Keeper>,
     pub(crate) clone: Option<Arc<VmClone>>,
     /// The spec's process.
     pub(crate) init: Proc,
@@ -513,8 +522,13 @@ impl Task for Service {
         {
             let _ = clone.delete().await;
         }
-        if let Some(t) = c.template.take() {
-            let _ = t.shutdown().await;
+        match c.keeper.take() {
+            Some(Keeper::Template(t)) => {
+                let _ = t.shutdown().await;
+            }
+            // The service stops the clone if it still runs, and keeps the template.
+            Some(Keeper::Lease(lease)) => drop(lease),
+            None => {}
         }
         let _ = std::fs::remove_file(self.cfg.vsock(&c.bundle));
         let (code, at) = c.init.exited().unwrap_or((137, Timestamp::now()));
@@ -544,7 +558,7 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: api::StatsRequest,
     ) -> TtrpcResult<api::StatsResponse> {
-        let (list, clone_id) = {
+        let info = {
             let all = self.containers.lock().await;
             let c = all.get(&req.id).ok_or_else(|| not_found(&req.id))?;
             // A pod's container reports the pod's VM, its sandbox's clone.
@@ -552,13 +566,22 @@ impl Task for Service {
                 Some(sandbox) => all.get(sandbox).ok_or_else(|| not_found(sandbox))?,
                 None => c,
             };
-            let t = owner.template.as_ref().ok_or_else(|| not_found(&req.id))?;
-            (t.clone_table().await, c.clone_id.clone())
+            let unavailable = |e: String| rpc_error(Code::UNAVAILABLE, e);
+            match owner.keeper.as_ref().ok_or_else(|| not_found(&req.id))? {
+                Keeper::Template(t) => (t.clone_table().await)
+                    .map_err(|e| unavailable(e.to_string()))?
+                    .clones
+                    .into_iter()
+                    .find(|i| i.id == c.clone_id),
+                Keeper::Lease(lease) => Some(
+                    lease
+                        .usage()
+                        .await
+                        .map_err(|e| unavailable(e.to_string()))?,
+                ),
+            }
         };
-        let list = list.map_err(|e| rpc_error(Code::UNAVAILABLE, e))?;
-        let cgroup = (list.clones.into_iter())
-            .find(|c| c.id == clone_id)
-            .and_then(|c| c.cgroup)
+        let cgroup = (info.and_then(|i| i.cgroup))
             .ok_or_else(|| rpc_error(Code::NOT_FOUND, "the clone has no cgroup"))?;
         let any = containerd_shim::util::convert_to_any(Box::new(metrics::of(&cgroup)))
             .map_err(|e| rpc_error(Code::INTERNAL, e))?;

@@ -117,6 +117,7 @@ impl Containerd {
             .map(|(k, v)| (k.to_string(), v.clone()))
             .collect();
         let log_file = log.clone();
+        let run_dir = scratch.path("run");
         let command = move || {
             Command::new(&containerd)
                 .arg("--config")
@@ -130,6 +131,9 @@ impl Containerd {
                 // The template's snapshot is kept from run to run (named by its inputs).
                 .env("FORKVM_SHIM_DIR", tests::cache::cache_dir().join("shim"))
                 .env("FORKVM_SHIM_IMAGES_MIB", "256")
+                // A template service of this test's own, which exits soon once idle.
+                .env("FORKVM_SHIM_RUN_DIR", &run_dir)
+                .env("FORKVM_SHIM_TEMPLATE_IDLE_S", "2")
                 .envs(env.iter().map(|(k, v)| (k, v)))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -218,6 +222,52 @@ impl Containerd {
         });
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         assert!(!mounts.contains(&dir.display().to_string()), "{mounts}");
+    }
+
+    /// Waits for the template service of this containerd's shims (its files in
+    /// `dir`/run) to exit once idle, and checks nothing it started is left: no process
+    /// names that directory (its templates' VMMs name their vsock sockets there).
+    fn assert_template_service_gone(&self, dir: &Path) {
+        let run = dir.join("run");
+        let services = || -> Vec<String> {
+            (std::fs::read_dir(&run).into_iter().flatten().flatten())
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".pid"))
+                .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+                .filter(|pid| {
+                    let cmd = std::fs::read(format!("/proc/{}/cmdline", pid.trim()));
+                    String::from_utf8_lossy(&cmd.unwrap_or_default()).contains("templates")
+                })
+                .collect()
+        };
+        let run_dir = run.display().to_string();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !(services().is_empty() && processes_naming(&run_dir).is_empty()) {
+            assert!(
+                Instant::now() < deadline,
+                "the template service did not exit: {:?} {:?}\n{}",
+                services(),
+                processes_naming(&run_dir),
+                Self::template_service_log(dir)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let sockets: Vec<_> = (std::fs::read_dir(&run).into_iter().flatten().flatten())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".sock") || n.ends_with(".vsock"))
+            .collect();
+        assert!(sockets.is_empty(), "{sockets:?}");
+    }
+
+    /// What the template service of this containerd's shims (its files in `dir`/run)
+    /// logged.
+    fn template_service_log(dir: &Path) -> String {
+        (std::fs::read_dir(dir.join("run"))
+            .into_iter()
+            .flatten()
+            .flatten())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".log"))
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .collect()
     }
 
     /// The status `ctr task ls` shows for task `id`.
@@ -583,11 +633,12 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     );
     assert!(out.contains("motd") || out.contains("etc"), "{out}");
     // It started from its image's template (the first container made it): its root
-    // file system mounted there already.
+    // file system mounted there already; the template service, started by the first
+    // shim that asked, lent the clone.
     let log = c.log();
     let created = log.lines().find(|l| l.contains("two: created:"));
     assert!(
-        created.is_some_and(|l| l.contains("the image's: true")),
+        created.is_some_and(|l| l.contains("(lent by the template service)")),
         "{created:?}\n{log}"
     );
     // A third with a tmpfs at /scratch as the first had: the image's template mounted
@@ -623,6 +674,14 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     let containers = c.ctr(&["containers", "ls", "-q"]);
     assert_eq!(String::from_utf8_lossy(&containers.stdout), "");
     c.assert_shims_gone_and_unmounted(&scratch.path(""));
+    // The template service restored the image's template and lent its clones, one a
+    // container (the first made the template); it exits once idle, leaving nothing.
+    let service = Containerd::template_service_log(&scratch.path(""));
+    assert!(service.contains("restored in"), "{service}");
+    let lent = service.matches(" lent\n").count();
+    let given_back = service.matches(" given back\n").count();
+    assert!(lent >= 3 && given_back == lent, "{service}");
+    c.assert_template_service_gone(&scratch.path(""));
     drop(c);
     assert!(
         processes_naming(&scratch.path("").display().to_string()).is_empty(),
@@ -670,6 +729,7 @@ fn linux_containerd_2_runs_containers_in_clones_through_the_same_shim() {
     let tasks = c.ctr(&["task", "ls", "-q"]);
     assert_eq!(String::from_utf8_lossy(&tasks.stdout), "");
     c.assert_shims_gone_and_unmounted(&scratch.path(""));
+    c.assert_template_service_gone(&scratch.path(""));
     drop(c);
     let left = processes_naming(&scratch.path("").display().to_string());
     assert!(left.is_empty(), "{left:?}");
@@ -1036,6 +1096,7 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     let (_, pods) = crictl(&c, &["pods", "-q"]);
     assert_eq!(pods.trim(), "", "{pods}");
     c.assert_shims_gone_and_unmounted(&scratch.path(""));
+    c.assert_template_service_gone(&scratch.path(""));
     drop(c);
     // No tap of a pod's VM is left in the host's namespace.
     let links = Command::new("ip").args(["-o", "link"]).output().unwrap();
@@ -1120,6 +1181,7 @@ fn linux_ctr_reports_a_template_an_image_or_a_mount_that_cannot_be_had_and_leave
         let tasks = c.ctr(&["task", "ls", "-q"]);
         assert_eq!(String::from_utf8_lossy(&tasks.stdout), "");
         c.assert_shims_gone_and_unmounted(&dir.path(""));
+        c.assert_template_service_gone(&dir.path(""));
         assert!(
             processes_naming(&shim_dir).is_empty(),
             "{:?}",

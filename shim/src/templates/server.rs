@@ -1,0 +1,371 @@
+//! The template service's side: the images' templates it keeps, and a task per shim's
+//! connection that lends one clone until the connection closes.
+
+use std::collections::HashMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use forkvm::{CloneInfo, CreateClones, Template, VmClone};
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::Mutex;
+
+use super::{read_line, Answer, Call, Request};
+use crate::config::{self, ShimConfig, TemplateError, CLASS};
+
+/// How long a shim has to send its request once connected.
+const REQUEST_WAIT: Duration = Duration::from_secs(10);
+
+/// An image's template the service keeps.
+struct Kept {
+    template: Option<Template>,
+    /// Its snapshot's `state` file (device, inode) when it was restored: a snapshot
+    /// made again at the same path is restored again.
+    state: (u64, u64),
+    /// Its clones lent now.
+    leases: usize,
+    /// When it was last asked for, or a lease of it ended.
+    used: Instant,
+}
+
+/// What the service holds.
+struct State {
+    cfg: ShimConfig,
+    kept: std::sync::Mutex<HashMap<Request, Arc<Mutex<Kept>>>>,
+    /// Connections open now.
+    open: AtomicUsize,
+    /// When a connection last closed (or the service started).
+    quiet_since: std::sync::Mutex<Instant>,
+}
+
+/// Runs the template service (`containerd-shim-forkvm-v2 templates`) until it has
+/// been idle for `FORKVM_SHIM_TEMPLATE_IDLE_S`, or SIGTERM or SIGINT, which stop its
+/// templates and the clones they lent.
+pub async fn run() -> i32 {
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
+    // Not the bundle directory of the shim that started it.
+    let _ = std::env::set_current_dir("/");
+    match serve(ShimConfig::from_env()).await {
+        Ok(()) => 0,
+        Err(e) => {
+            log::error!("the template service stops: {e}");
+            1
+        }
+    }
+}
+
+async fn serve(cfg: ShimConfig) -> Result<(), TemplateError> {
+    let sock = cfg.service_socket();
+    std::fs::create_dir_all(&cfg.run_dir).map_err(config::dir_error(&cfg.run_dir))?;
+    // One service per socket: the pid file's lock, held for the service's life. One
+    // still on its way out holds it a little longer: waited for.
+    let pid_file = sock.with_extension("pid");
+    let lock = {
+        let pid_file = pid_file.clone();
+        tokio::task::spawn_blocking(move || config::lock(&pid_file))
+            .await
+            .map_err(|e| config::dir_error(&sock)(std::io::Error::other(e)))??
+    };
+    let _ = std::fs::write(&pid_file, format!("{}\n", std::process::id()));
+    let _ = std::fs::remove_file(&sock);
+    let listener = UnixListener::bind(&sock).map_err(config::dir_error(&sock))?;
+    let _ = std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600));
+    log::info!(
+        "serving on {} (pid {}): {} warm clone(s) a template, idle after {:?}",
+        sock.display(),
+        std::process::id(),
+        cfg.warm_clones,
+        cfg.template_idle
+    );
+    let tick = (cfg.template_idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(5));
+    let state = Arc::new(State {
+        cfg,
+        kept: Default::default(),
+        open: AtomicUsize::new(0),
+        quiet_since: std::sync::Mutex::new(Instant::now()),
+    });
+    let signal_error = |e| config::dir_error(Path::new("signal handler"))(e);
+    let mut term = signal(SignalKind::terminate()).map_err(signal_error)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(signal_error)?;
+    let mut ticks = tokio::time::interval(tick);
+    // The idle templates being stopped.
+    let mut stopping = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            conn = listener.accept() => match conn {
+                Ok((stream, _)) => {
+                    state.open.fetch_add(1, Ordering::SeqCst);
+                    tokio::spawn(lend(state.clone(), stream));
+                }
+                Err(e) => log::warn!("accept: {e}"),
+            },
+            _ = ticks.tick() => {
+                for (request, t) in state.evict() {
+                    let state = state.clone();
+                    stopping.spawn(async move { state.shut_down(&request, t).await });
+                }
+                while stopping.try_join_next().is_some() {}
+                if stopping.is_empty() && state.idle() {
+                    log::info!("idle for {:?}: exiting", state.cfg.template_idle);
+                    break;
+                }
+            }
+            _ = term.recv() => { log::info!("SIGTERM: stopping"); break }
+            _ = int.recv() => { log::info!("SIGINT: stopping"); break }
+        }
+    }
+    // No new connection from here on (one not yet accepted is refused: its shim
+    // starts a service again, which waits for this one's lock).
+    let _ = std::fs::remove_file(&sock);
+    drop(listener);
+    let kept: Vec<_> = (state.kept.lock().unwrap_or_else(|p| p.into_inner()).drain()).collect();
+    for (request, kept) in kept {
+        let template = kept.lock().await.template.take();
+        if let Some(t) = template {
+            state.shut_down(&request, t).await;
+        }
+    }
+    stopping.join_all().await;
+    tokio::task::spawn_blocking(|| forkvm::wait_stopped(Duration::from_secs(5)))
+        .await
+        .ok();
+    drop(lock);
+    Ok(())
+}
+
+/// The (device, inode) of a snapshot's `state` file.
+fn state_id(snapshot: &Path) -> std::io::Result<(u64, u64)> {
+    let m = std::fs::metadata(snapshot.join("state"))?;
+    Ok((m.dev(), m.ino()))
+}
+
+impl State {
+    /// The host socket of the vsock device of the template `request` asks for.
+    fn vsock(&self, request: &Request) -> PathBuf {
+        let key = format!("service {} {}", request.snapshot.display(), request.limits);
+        self.cfg.vsock(&key)
+    }
+
+    /// Whether `snapshot` is an image's template in the shim's directory (the only
+    /// snapshots the service restores).
+    fn is_image_template(&self, snapshot: &Path) -> bool {
+        let name = snapshot
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        snapshot.parent() == Some(self.cfg.dir.as_path())
+            && name.is_some_and(|n| n.starts_with("prepared-") && !n.contains('.'))
+    }
+
+    /// A running clone of the template `request` asks for (restored first if the
+    /// service keeps none, or one of an older snapshot at that path), counted as lent,
+    /// with the template.
+    async fn clone_of(&self, request: &Request) -> Result<(Template, VmClone, CloneInfo), Answer> {
+        if !self.is_image_template(&request.snapshot) {
+            return Err(Answer::Error(format!(
+                "{} is not an image's template in {}",
+                request.snapshot.display(),
+                self.cfg.dir.display()
+            )));
+        }
+        let state = state_id(&request.snapshot)
+            .map_err(|e| Answer::Restore(format!("{}: {e}", request.snapshot.display())))?;
+        let kept = (self.kept.lock().unwrap_or_else(|p| p.into_inner()))
+            .entry(request.clone())
+            .or_insert_with(|| {
+                Arc::new(Mutex::new(Kept {
+                    template: None,
+                    state,
+                    leases: 0,
+                    used: Instant::now(),
+                }))
+            })
+            .clone();
+        let template = {
+            let mut k = kept.lock().await;
+            k.used = Instant::now();
+            let usable = (k.template.as_ref()).filter(|t| t.is_alive() && k.state == state);
+            let template = match usable {
+                Some(t) => t.clone(),
+                None => {
+                    if let Some(old) = k.template.take() {
+                        self.shut_down(request, old).await;
+                    }
+                    let started = Instant::now();
+                    let vsock = self.vsock(request);
+                    let warm = self.cfg.warm_clones;
+                    let restored = config::template(
+                        &self.cfg,
+                        &request.snapshot,
+                        &vsock,
+                        &request.limits,
+                        warm,
+                    )
+                    .await
+                    .map_err(|e| Answer::Restore(e.to_string()))?;
+                    log::info!(
+                        "{} ({}): restored in {:.1} ms",
+                        request.snapshot.display(),
+                        request.limits,
+                        started.elapsed().as_secs_f64() * 1e3
+                    );
+                    k.state = state;
+                    k.template = Some(restored.clone());
+                    restored
+                }
+            };
+            k.leases += 1;
+            template
+        };
+        let made = async {
+            let req = CreateClones {
+                resource_class: Some(CLASS.into()),
+                ..Default::default()
+            };
+            let clone = (template.create_clones(&req).await?.pop())
+                .ok_or_else(|| forkvm::Error::Agent("no clone was made".into()))?;
+            let info = (template.clone_table().await?.clones.into_iter())
+                .find(|c| c.id == clone.id())
+                .ok_or_else(|| forkvm::Error::Agent("the clone is not in its table".into()))?;
+            Ok::<_, forkvm::Error>((clone, info))
+        };
+        match made.await {
+            Ok((clone, info)) => Ok((template, clone, info)),
+            Err(e) => {
+                self.release(&kept).await;
+                Err(Answer::Error(format!("the clone: {e}")))
+            }
+        }
+    }
+
+    /// A lease of `kept`'s template has ended.
+    async fn release(&self, kept: &Mutex<Kept>) {
+        let mut k = kept.lock().await;
+        k.leases = k.leases.saturating_sub(1);
+        k.used = Instant::now();
+    }
+
+    /// Stops template `t` (made for `request`) and removes its vsock socket.
+    async fn shut_down(&self, request: &Request, t: Template) {
+        if let Err(e) = t.shutdown().await {
+            log::warn!("{}: its shutdown: {e}", request.snapshot.display());
+        }
+        let _ = std::fs::remove_file(self.vsock(request));
+    }
+
+    /// Takes the templates that lend nothing and were not asked for within the idle
+    /// time, to be stopped, and forgets those that died with nothing lent.
+    fn evict(&self) -> Vec<(Request, Template)> {
+        let idle = self.cfg.template_idle;
+        let mut gone = Vec::new();
+        (self.kept.lock().unwrap_or_else(|p| p.into_inner())).retain(|request, kept| {
+            let Ok(mut k) = kept.try_lock() else {
+                return true;
+            };
+            let dead = !k.template.as_ref().is_some_and(Template::is_alive);
+            let keep = k.leases > 0 || (!dead && k.used.elapsed() < idle);
+            if !keep {
+                log::info!(
+                    "{} ({}): not used for {idle:?}: stopped",
+                    request.snapshot.display(),
+                    request.limits
+                );
+                gone.extend(k.template.take().map(|t| (request.clone(), t)));
+            }
+            keep
+        });
+        gone
+    }
+
+    /// Whether the service keeps no template, serves no connection, and has not for
+    /// the idle time.
+    fn idle(&self) -> bool {
+        let quiet = *self.quiet_since.lock().unwrap_or_else(|p| p.into_inner());
+        (self.kept.lock().unwrap_or_else(|p| p.into_inner())).is_empty()
+            && self.open.load(Ordering::SeqCst) == 0
+            && quiet.elapsed() >= self.cfg.template_idle
+    }
+}
+
+/// Serves one shim's connection: its request, then its calls, until it closes; then
+/// stops the clone lent to it.
+async fn lend(state: Arc<State>, stream: UnixStream) {
+    let (read, mut write) = stream.into_split();
+    let mut read = BufReader::new(read);
+    let request = match tokio::time::timeout(REQUEST_WAIT, read_line(&mut read)).await {
+        Ok(Ok(Some(line))) => serde_json::from_str::<Request>(&line)
+            .map_err(|e| Answer::Error(format!("a request the service cannot read: {e}"))),
+        Ok(Ok(None)) => Err(Answer::Error(String::new())),
+        Ok(Err(e)) => Err(Answer::Error(format!("the request: {e}"))),
+        Err(_) => Err(Answer::Error(format!("no request within {REQUEST_WAIT:?}"))),
+    };
+    let lent = match request {
+        Ok(request) => match state.clone_of(&request).await {
+            Ok(lent) => Ok((request, lent)),
+            Err(answer) => Err(answer),
+        },
+        Err(answer) => Err(answer),
+    };
+    match lent {
+        Err(answer) => {
+            let _ = write.write_all(&answer.line()).await;
+        }
+        Ok((request, (template, clone, info))) => {
+            log::info!(
+                "{}: clone {} (pid {}) lent",
+                request.snapshot.display(),
+                info.id,
+                info.pid
+            );
+            if write.write_all(&Answer::Clone(info).line()).await.is_ok() {
+                serve_calls(&template, clone.id(), &mut read, &mut write).await;
+            }
+            let id = clone.id().to_string();
+            // The shim stops it first, as a rule: then it has ended already.
+            if clone.is_alive() {
+                if let Err(e) = clone.delete().await {
+                    log::warn!("clone {id}: its stop: {e}");
+                }
+            }
+            let kept = (state.kept.lock().unwrap_or_else(|p| p.into_inner()))
+                .get(&request)
+                .cloned();
+            if let Some(kept) = kept {
+                state.release(&kept).await;
+            }
+            log::info!("{}: clone {id} given back", request.snapshot.display());
+        }
+    }
+    *state.quiet_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    state.open.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Answers a lease's calls about clone `id` of `template` until the shim closes the
+/// connection (or sends what the service cannot read).
+async fn serve_calls(
+    template: &Template,
+    id: &str,
+    read: &mut BufReader<tokio::net::unix::OwnedReadHalf>,
+    write: &mut OwnedWriteHalf,
+) {
+    while let Ok(Some(line)) = read_line(read).await {
+        let answer = match serde_json::from_str::<Call>(&line) {
+            Ok(Call::Usage) => match template.clone_table().await {
+                Ok(list) => (list.clones.into_iter().find(|c| c.id == id))
+                    .map_or_else(|| Answer::Error(format!("no clone {id}")), Answer::Usage),
+                Err(e) => Answer::Error(format!("the clone table: {e}")),
+            },
+            Err(e) => Answer::Error(format!("a call the service cannot read: {e}")),
+        };
+        if write.write_all(&answer.line()).await.is_err() {
+            return;
+        }
+    }
+}

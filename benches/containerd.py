@@ -15,9 +15,11 @@ Then:
   and the time until all have exited;
 - memory per running container: --memory-containers containers that print a line and
   sleep, the PSS of everything the runtime runs for them (the shims and their
-  descendants: for forkvm the template's VMM and the clone's, for runc the container's
+  descendants, and for forkvm the template service's process tree: its templates'
+  VMMs, their warm clones and the containers' clones; for runc the container's
   processes), divided by their number;
-- where forkvm's time goes: the shim's log (image, template restore, clone at create;
+- where forkvm's time goes: the shim's log (image, the image's template, the clone
+  the template service lent at create;
   the first output after the agent is asked to start the process, which is the guest's
   work: forkvm-oci's mounts, chroot and exec in the guest kernel).
 
@@ -133,6 +135,8 @@ class Containerd:
             "FORKVM_SHIM_KERNEL": os.path.join(guest, "vmlinux"),
             "FORKVM_SHIM_INITRD": os.path.join(guest, "initramfs.cpio"),
             "FORKVM_SHIM_DIR": shim_dir,
+            # The template service of this containerd's shims, its own.
+            "FORKVM_SHIM_RUN_DIR": os.path.join(self.dir, "run"),
         })
         env.update(env_extra)
         self.p = subprocess.Popen([self.bin("containerd"), "--config", cfg], env=env,
@@ -153,6 +157,22 @@ class Containerd:
     def ctr(self, *args):
         return subprocess.run(self.argv(*args), capture_output=True, text=True)
 
+    def services(self):
+        """The pids of the template services of this containerd's shims (from their
+        pid files) that still run."""
+        run = os.path.join(self.dir, "run")
+        pids = []
+        for name in os.listdir(run) if os.path.isdir(run) else []:
+            if not name.endswith(".pid"):
+                continue
+            try:
+                pid = int(open(os.path.join(run, name)).read())
+                if b"templates" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    pids.append(pid)
+            except (OSError, ValueError):
+                pass
+        return pids
+
     def stop(self):
         self.p.terminate()
         try:
@@ -160,6 +180,12 @@ class Containerd:
         except subprocess.TimeoutExpired:
             self.p.kill()
             self.p.wait()
+        # The template service its shims started (it would exit once idle): stopped.
+        for pid in self.services():
+            os.kill(pid, 15)
+        deadline = time.time() + 20
+        while self.services() and time.time() < deadline:
+            time.sleep(0.1)
 
 
 def with_image(started, archive, *args, **kwargs):
@@ -288,7 +314,9 @@ def memory(c, runtime, binary, n, tag):
         procs.append(p)
     time.sleep(1)
     shims = shims_of(c, binary)
-    pss = tree_pss_kib(shims) / 1024 / n
+    # forkvm's clones are lent by the template service: its process, its templates and
+    # their clones count too.
+    pss = tree_pss_kib(shims + c.services()) / 1024 / n
     for i in range(n):
         c.ctr("task", "kill", "-s", "SIGKILL", f"{tag}-{i}")
     for p in procs:
@@ -297,10 +325,10 @@ def memory(c, runtime, binary, n, tag):
 
 
 def shim_phases(log):
-    """The forkvm shim's own account, from containerd's log: ms of image, template,
-    clone (create) and first output, exit (start)."""
-    created = re.findall(r"created: image ([\d.]+) ms \(built: \w+\), template ([\d.]+) ms "
-                         r"\(the image's: \w+\), clone ([\d.]+) ms", log)
+    """The forkvm shim's own account, from containerd's log: ms of image, the image's
+    template, clone (create) and first output, exit (start)."""
+    created = re.findall(r"created: image ([\d.]+) ms \(built: \w+\), image's template "
+                         r"([\d.]+) ms, clone ([\d.]+) ms", log)
     started = re.findall(r"started: first output ([\d.]+) ms, exit ([\d.]+) ms", log)
     return ([tuple(map(float, x)) for x in created], [tuple(map(float, x)) for x in started])
 
@@ -402,7 +430,8 @@ def main():
         print("\nforkvm's shim's own account of those runs, ms (min / median / p99):\n")
         head("phase", "ms")
         for i, name in enumerate(["image (cached: the snapshotter's mounts, the key)",
-                                  "template (the image's, restored from its snapshot)", "clone"]):
+                                  "the image's template (made once, then found)",
+                                  "clone (lent by the template service)"]):
             print(f"| create: {name} | {stats([x[i] for x in created])} |")
         print(f"| start: agent asked to its first output (the guest: forkvm-oci's mounts, "
               f"exec) | {stats([x[0] for x in began])} |")

@@ -48,6 +48,10 @@ pub struct ShimConfig {
     /// How long the template service keeps an image's template that no container
     /// uses, and itself runs with none (`FORKVM_SHIM_TEMPLATE_IDLE_S`; 300 s).
     pub template_idle: Duration,
+    /// The most clones a template lends at once (`FORKVM_SHIM_CLONES_MAX`, 1 to 2000;
+    /// 256): its cgroup pool's maximum (`vmm restore --cgroup-pool-max`). A container
+    /// past it fails with the reason.
+    pub clones_max: u32,
 }
 
 impl ShimConfig {
@@ -66,19 +70,21 @@ impl ShimConfig {
             template_idle: Duration::from_secs_f64(
                 number("FORKVM_SHIM_TEMPLATE_IDLE_S").unwrap_or(300.0),
             ),
+            clones_max: number("FORKVM_SHIM_CLONES_MAX")
+                .map_or(256, |n| n.clamp(1.0, 2000.0) as u32),
         }
     }
 
     /// The template service's socket for this configuration (its files beside it:
     /// `.lock`, `.pid`, `.log`): named by what the service is started with (this
-    /// program, the guest, the directories, the `vmm`, the warm clones and the idle
-    /// time), so shims configured otherwise (another containerd's, another build's)
+    /// program, the guest, the directories, the `vmm`, the warm clones, the idle time
+    /// and the clones' maximum), so shims configured otherwise (another containerd's, another build's)
     /// have a service of their own.
     pub fn service_socket(&self) -> PathBuf {
         let exe = std::env::current_exe().unwrap_or_default();
         let vmm = TemplateSpec::new("").vmm;
         let text = format!(
-            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{:?}",
+            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{:?}\0{}",
             exe.display(),
             vmm.display(),
             self.kernel.display(),
@@ -86,7 +92,8 @@ impl ShimConfig {
             self.dir.display(),
             self.run_dir.display(),
             self.warm_clones,
-            self.template_idle
+            self.template_idle,
+            self.clones_max
         );
         self.run_dir
             .join(format!("{}.sock", digest_name("templates-", &text, 12)))
@@ -245,6 +252,10 @@ pub async fn template(
         cfg.overlays().display().to_string(),
         "--cgroup-class".into(),
         class,
+        "--cgroup-pool-max".into(),
+        cfg.clones_max.to_string(),
+        "--cgroup-pool-size".into(),
+        cfg.clones_max.min(4).to_string(),
     ];
     Ok(Template::restore(snapshot, spec).await?)
 }

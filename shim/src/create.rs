@@ -162,8 +162,8 @@ impl Service {
         let t2 = Instant::now();
         let ms = |from: Instant, to: Instant| (to - from).as_secs_f64() * 1e3;
         let from_image = match snapshot {
-            Some((dir, made)) => prepared::lend(&self.cfg, &key, &dir, &vsock, &limits)
-                .await
+            Some((dir, made)) => (prepared::lend(&self.cfg, &key, &dir, &vsock, &limits).await)
+                .map_err(|e| format!("the container's clone: {e}"))?
                 .map(|lent| (lent, made)),
             None => None,
         };

@@ -233,27 +233,29 @@ pub async fn snapshot(
 }
 
 /// A clone of the image template at `dir` (image `key`) whose cgroup has the limits
-/// `limits`, lent by the template service, or, when no service can be had, the
-/// template itself restored here (its vsock socket at `vsock`). None if the snapshot
-/// cannot be restored (its image rebuilt or gone): it is removed, and the container
-/// starts from the shim's template.
+/// `limits`, lent by the template service, or, when no service can be reached or
+/// started, the template itself restored here (its vsock socket at `vsock`). None if
+/// the snapshot cannot be restored (its image rebuilt or gone): it is removed, and the
+/// container starts from the shim's template. An error if the service refused (its
+/// template's cgroup pool exhausted, say): the container's creation fails with it.
 pub async fn lend(
     cfg: &ShimConfig,
     key: &str,
     dir: &Path,
     vsock: &Path,
     limits: &str,
-) -> Option<Lent> {
+) -> Result<Option<Lent>, String> {
     let restored = match client::lease(cfg, dir, limits).await {
-        Ok((clone, lease)) => return Some(Lent::Service(Box::new(clone), lease)),
+        Ok((clone, lease)) => return Ok(Some(Lent::Service(Box::new(clone), lease))),
         Err(e @ LeaseError::Restore(_)) => Err(e.to_string()),
-        Err(e) => {
+        Err(e @ LeaseError::Unreachable { .. }) => {
             log::warn!("image {key}: {e}; its template is restored here");
             (config::template(cfg, dir, vsock, limits, 0).await).map_err(|e| e.to_string())
         }
+        Err(e @ (LeaseError::Refused(_) | LeaseError::Clone(_))) => return Err(e.to_string()),
     };
     match restored {
-        Ok(t) => Some(Lent::Own(t)),
+        Ok(t) => Ok(Some(Lent::Own(t))),
         Err(e) => {
             log::warn!(
                 "image {key}: its template {} is removed: {e}",
@@ -261,7 +263,7 @@ pub async fn lend(
             );
             let _lock = config::lock(&dir.with_extension("lock")).ok();
             let _ = std::fs::remove_dir_all(dir);
-            None
+            Ok(None)
         }
     }
 }

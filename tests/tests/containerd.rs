@@ -690,6 +690,68 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     );
 }
 
+/// With a template that lends one clone at a time (`FORKVM_SHIM_CLONES_MAX=1`), a
+/// second container of the image while the first runs fails with the template's cgroup
+/// pool exhausted; once the template service is killed, the first container's clone
+/// dies with it (its task stops) and the next container starts a service again; nothing
+/// is left.
+fn exhausted_pool_and_a_killed_service(archive: &Path) {
+    let dir = Scratch::new("containerd-errors-pool");
+    let c = Containerd::start_env(&dir, false, &[("FORKVM_SHIM_CLONES_MAX", "1".into())]);
+    let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let run_detached = |id: &str| {
+        c.ctr(&[
+            "run",
+            "-d",
+            "--runtime",
+            "io.containerd.forkvm.v2",
+            IMAGE,
+            id,
+            "sleep",
+            "1000000",
+        ])
+    };
+    let out = run_detached("held");
+    assert!(out.status.success(), "{out:?}\n{}", c.log());
+    let (code, out, err) = c.run("over", &[], &["echo", "never"]);
+    assert_ne!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("cgroup pool container exhausted: all 1 cgroups are in use"),
+        "{err}\n{}",
+        c.log()
+    );
+    // The template service killed: the clone it lent dies with its template.
+    let run = dir.path("run");
+    let pid: i32 = (std::fs::read_dir(&run).unwrap().flatten())
+        .find(|e| e.file_name().to_string_lossy().ends_with(".pid"))
+        .and_then(|e| std::fs::read_to_string(e.path()).ok())
+        .and_then(|p| p.trim().parse().ok())
+        .expect("the template service's pid file");
+    // SAFETY: signals the template service this test's containerd's shim started, by
+    // the pid it wrote.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    tests::wait_until(
+        "the lent clone's task to stop",
+        Duration::from_secs(30),
+        || c.task_status("held") == "STOPPED",
+    );
+    let (code, out, err) = c.run("after", &[], &["echo", "served again"]);
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "served again\n"),
+        "{err}\n{}",
+        c.log()
+    );
+    for args in [["task", "delete", "held"], ["container", "delete", "held"]] {
+        let out = c.ctr(&args);
+        assert!(out.status.success(), "{out:?}");
+    }
+    c.assert_shims_gone_and_unmounted(&dir.path(""));
+    c.assert_template_service_gone(&dir.path(""));
+    drop(c);
+}
+
 /// Where `scripts/install-deps.sh test` builds containerd 2.x and its `ctr` (from the Go
 /// module proxy).
 const CONTAINERD2: &str = "/var/cache/forkvm/bin/containerd2";
@@ -1189,6 +1251,7 @@ fn linux_ctr_reports_a_template_an_image_or_a_mount_that_cannot_be_had_and_leave
         );
         drop(c);
     }
+    exhausted_pool_and_a_killed_service(&archive);
     let left: Vec<String> = std::fs::read_dir(&shim_dir)
         .unwrap()
         .flatten()

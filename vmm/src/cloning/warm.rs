@@ -134,7 +134,20 @@ pub struct WarmPool {
     /// VM teardown), and the event loop's reaping takes them when they are gone (their
     /// cgroups go back to the pool then).
     dying: Vec<(i32, bool)>,
+    /// Warm clones that could not be made in a row (a cgroup pool exhausted, the host
+    /// out of memory or processes).
+    add_failures: u32,
+    /// No warm clone is tried until then, after such a failure.
+    add_retry_at: Option<Instant>,
 }
+
+/// How long the pool waits to try again after a warm clone could not be made, the first
+/// time; each failure in a row doubles it, up to [`ADD_RETRY_MAX`]. A failure is most
+/// often passing (every cgroup of the pool in use, the host short of memory): the pool
+/// keeps its target and grows back when it can.
+pub const ADD_RETRY_FIRST: Duration = Duration::from_secs(1);
+/// See [`ADD_RETRY_FIRST`].
+pub const ADD_RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// Primed warm clones that may end before their launch in a row before priming is
 /// turned off. More than one: a runtime that fails its prime once may have been unlucky.
@@ -342,11 +355,28 @@ impl WarmPool {
         found
     }
 
-    /// Whether the event loop should add a warm clone to `vm`'s pool now.
+    /// Whether the event loop should add a warm clone to `vm`'s pool (once a failure's
+    /// wait is over).
     pub(super) fn wants_clone(&self, vm: &Microvm) -> bool {
         vm.state() == VmState::Paused
             && self.clones.len() < self.target + usize::from(self.has_stale())
             && vm.pending_events().is_empty()
+    }
+
+    /// How long until a warm clone may be tried again after a failure (zero: now).
+    fn add_wait(&self, now: Instant) -> Duration {
+        (self.add_retry_at).map_or(Duration::ZERO, |t| t.saturating_duration_since(now))
+    }
+
+    /// A warm clone could not be made at `now`: the next try waits (doubling in a
+    /// row). Returns the wait.
+    fn add_failed(&mut self, now: Instant) -> Duration {
+        let wait = ADD_RETRY_FIRST
+            .saturating_mul(1 << self.add_failures.min(16))
+            .min(ADD_RETRY_MAX);
+        self.add_failures = self.add_failures.saturating_add(1);
+        self.add_retry_at = Some(now + wait);
+        wait
     }
 
     /// Time until a warm clone is due (zero: now); None when none is wanted. A pool
@@ -354,12 +384,13 @@ impl WarmPool {
     /// requests, closer together than [`REFILL_DELAY`], it would never be, and every
     /// request would wait for a clone forked and rebuilt for it.
     pub(super) fn due_in(&self, vm: &Microvm) -> Option<Duration> {
-        let refill = self
-            .wants_clone(vm)
-            .then(|| match self.clones.len() * 2 < self.target {
+        let refill = self.wants_clone(vm).then(|| {
+            let due = match self.clones.len() * 2 < self.target {
                 true => Duration::ZERO,
                 false => REFILL_DELAY.saturating_sub(self.since_last_launch()),
-            });
+            };
+            due.max(self.add_wait(Instant::now()))
+        });
         // A stale clone waits for the one made to replace it to be ready.
         let retire = (self.has_stale() && self.clones.len() > self.target).then_some(STALE_POLL);
         refill.or(retire)
@@ -379,8 +410,8 @@ impl WarmPool {
     }
 
     /// Forks one warm clone, to be primed on vCPU `prime` (where the template's
-    /// runtime waits) when given. Errors are logged; the pool stops growing until the
-    /// VM is paused again.
+    /// runtime waits) when given. Errors are logged, and the next is tried later
+    /// ([`ADD_RETRY_FIRST`]).
     pub(super) fn add(
         &mut self,
         vm: &mut Microvm,
@@ -390,12 +421,18 @@ impl WarmPool {
     ) {
         let prime = prime.filter(|_| self.may_prime(Instant::now()));
         self.priming = prime.is_some();
-        if let Err(e) = self.try_add(vm, pools, lineage, prime) {
-            tracing::warn!(
-                "cannot make a warm clone: {e}; keeping {}",
-                self.clones.len()
-            );
-            self.target = self.clones.len();
+        match self.try_add(vm, pools, lineage, prime) {
+            Ok(()) => {
+                self.add_failures = 0;
+                self.add_retry_at = None;
+            }
+            Err(e) => {
+                let wait = self.add_failed(Instant::now());
+                tracing::warn!(
+                    "cannot make a warm clone: {e}; keeping {}, trying again in {wait:?}",
+                    self.clones.len()
+                );
+            }
         }
     }
 
@@ -530,6 +567,23 @@ impl Spares {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_warm_clone_that_cannot_be_made_is_tried_again_later_and_later() {
+        let mut pool = WarmPool::new(2);
+        let t0 = Instant::now();
+        assert_eq!(pool.add_wait(t0), Duration::ZERO);
+        assert_eq!(pool.add_failed(t0), ADD_RETRY_FIRST);
+        assert_eq!(pool.add_wait(t0), ADD_RETRY_FIRST);
+        assert_eq!(pool.add_wait(t0 + ADD_RETRY_FIRST), Duration::ZERO);
+        assert_eq!(pool.add_failed(t0), 2 * ADD_RETRY_FIRST);
+        for _ in 0..40 {
+            pool.add_failed(t0);
+        }
+        assert_eq!(pool.add_wait(t0), ADD_RETRY_MAX);
+        // The target stays: the pool grows back once a clone can be made.
+        assert_eq!(pool.report().target, 2);
+    }
 
     #[test]
     fn primes_that_run_out_of_time_pause_priming_and_failed_ones_end_it() {

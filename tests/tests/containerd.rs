@@ -131,9 +131,14 @@ impl Containerd {
                 // The template's snapshot is kept from run to run (named by its inputs).
                 .env("FORKVM_SHIM_DIR", tests::cache::cache_dir().join("shim"))
                 .env("FORKVM_SHIM_IMAGES_MIB", "256")
-                // A template service of this test's own, which exits soon once idle.
+                // A template service of this test's own, which exits soon once idle
+                // and logs each clone it lends and gets back.
                 .env("FORKVM_SHIM_RUN_DIR", &run_dir)
                 .env("FORKVM_SHIM_TEMPLATE_IDLE_S", "2")
+                .env(
+                    "FORKVM_SHIM_LOG",
+                    "info,containerd_shim_forkvm_v2::templates=debug",
+                )
                 .envs(env.iter().map(|(k, v)| (k, v)))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -676,12 +681,17 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
     c.assert_shims_gone_and_unmounted(&scratch.path(""));
     // The template service restored the image's template and lent its clones, one a
     // container (the first made the template); it exits once idle, leaving nothing.
+    c.assert_template_service_gone(&scratch.path(""));
     let service = Containerd::template_service_log(&scratch.path(""));
     assert!(service.contains("restored in"), "{service}");
     let lent = service.matches(" lent\n").count();
     let given_back = service.matches(" given back\n").count();
     assert!(lent >= 3 && given_back == lent, "{service}");
-    c.assert_template_service_gone(&scratch.path(""));
+    let counted: u64 = (service.lines())
+        .filter_map(|l| l.split("stopped after lending ").nth(1))
+        .filter_map(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(counted, lent as u64, "{service}");
     drop(c);
     assert!(
         processes_naming(&scratch.path("").display().to_string()).is_empty(),

@@ -29,6 +29,8 @@ struct Kept {
     state: (u64, u64),
     /// Its clones lent now.
     leases: usize,
+    /// Its clones lent since it was restored.
+    lent: u64,
     /// When it was last asked for, or a lease of it ended.
     used: Instant,
 }
@@ -47,7 +49,10 @@ struct State {
 /// been idle for `FORKVM_SHIM_TEMPLATE_IDLE_S`, or SIGTERM or SIGINT, which stop its
 /// templates and the clones they lent.
 pub async fn run() -> i32 {
+    // What it restores and stops; each lease too with FORKVM_SHIM_LOG=debug.
+    let filter = std::env::var("FORKVM_SHIM_LOG").unwrap_or_else(|_| "info".into());
     let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .try_init();
@@ -128,8 +133,16 @@ async fn serve(cfg: ShimConfig) -> Result<(), TemplateError> {
     drop(listener);
     let kept: Vec<_> = (state.kept.lock().unwrap_or_else(|p| p.into_inner()).drain()).collect();
     for (request, kept) in kept {
-        let template = kept.lock().await.template.take();
+        let (template, lent, leases) = {
+            let mut k = kept.lock().await;
+            (k.template.take(), k.lent, k.leases)
+        };
         if let Some(t) = template {
+            log::info!(
+                "{} ({}): stopped after lending {lent} clone(s), {leases} of them still lent",
+                request.snapshot.display(),
+                request.limits
+            );
             state.shut_down(&request, t).await;
         }
     }
@@ -184,6 +197,7 @@ impl State {
                     template: None,
                     state,
                     leases: 0,
+                    lent: 0,
                     used: Instant::now(),
                 }))
             })
@@ -217,11 +231,13 @@ impl State {
                         started.elapsed().as_secs_f64() * 1e3
                     );
                     k.state = state;
+                    k.lent = 0;
                     k.template = Some(restored.clone());
                     restored
                 }
             };
             k.leases += 1;
+            k.lent += 1;
             template
         };
         let made = async {
@@ -273,9 +289,10 @@ impl State {
             let keep = k.leases > 0 || (!dead && k.used.elapsed() < idle);
             if !keep {
                 log::info!(
-                    "{} ({}): not used for {idle:?}: stopped",
+                    "{} ({}): not used for {idle:?}: stopped after lending {} clone(s)",
                     request.snapshot.display(),
-                    request.limits
+                    request.limits,
+                    k.lent
                 );
                 gone.extend(k.template.take().map(|t| (request.clone(), t)));
             }
@@ -340,7 +357,7 @@ async fn lend(state: Arc<State>, stream: UnixStream) {
             if let Some(kept) = kept {
                 state.release(&kept).await;
             }
-            log::info!("{}: clone {id} given back", request.snapshot.display());
+            log::debug!("{}: clone {id} given back", request.snapshot.display());
         }
     }
     *state.quiet_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();

@@ -10,6 +10,7 @@
 //! The CRI plugin runs a pod with `crictl`; a template or image that cannot be had
 //! fails `ctr run` with its reason. Needs Debian's containerd (`scripts/install-deps.sh test`).
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -646,6 +647,12 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
         created.is_some_and(|l| l.contains("(lent by the template service)")),
         "{created:?}\n{log}"
     );
+    // Its socket is root's alone: no access for the group or others.
+    let modes: Vec<u32> = (std::fs::read_dir(scratch.path("run")).unwrap().flatten())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".sock"))
+        .map(|e| e.metadata().unwrap().permissions().mode() & 0o077)
+        .collect();
+    assert_eq!(modes, [0]);
     // A third with a tmpfs at /scratch as the first had: the image's template mounted
     // one there for the first, and each clone's is its own, empty (not the first's).
     let (code, out, err) = c.run(

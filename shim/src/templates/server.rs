@@ -2,7 +2,7 @@
 //! connection that lends one clone until the connection closes.
 
 use std::collections::HashMap;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -58,6 +58,10 @@ pub async fn run() -> i32 {
         .try_init();
     // Not the bundle directory of the shim that started it.
     let _ = std::env::set_current_dir("/");
+    // Its socket, and what its VMMs make (their sockets, consoles), are root's alone
+    // from the start (no window between a bind and a chmod).
+    // SAFETY: umask only sets this process's file mode mask.
+    unsafe { libc::umask(0o077) };
     match serve(ShimConfig::from_env()).await {
         Ok(()) => 0,
         Err(e) => {
@@ -82,7 +86,6 @@ async fn serve(cfg: ShimConfig) -> Result<(), TemplateError> {
     let _ = std::fs::write(&pid_file, format!("{}\n", std::process::id()));
     let _ = std::fs::remove_file(&sock);
     let listener = UnixListener::bind(&sock).map_err(config::dir_error(&sock))?;
-    let _ = std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600));
     log::info!(
         "serving on {} (pid {}): {} warm clone(s) a template, idle after {:?}",
         sock.display(),

@@ -19,7 +19,8 @@ use crate::process::{oci_command, Proc};
 use crate::spec::{
     self, is_sandbox, limits, rootfs_key, sandbox_id, with_guest_limits, with_mounts, Mounted,
 };
-use crate::task::{Container, Keeper, Service};
+use crate::task::{Container, Service};
+use crate::templates::client::Keeper;
 
 impl Service {
     /// Makes container `req.id`'s clone: its root file system as an image in slot 0,
@@ -71,12 +72,12 @@ impl Service {
         let made = self
             .pods
             .make(&self.cfg, &req.id, &vsock, &limits, pod_net.as_ref());
-        let (template, clone) = made.await?;
+        let (keeper, clone) = made.await?;
         Ok(Container {
             bundle: req.bundle.clone(),
             pid: clone.pid(),
             clone_id: clone.id().to_string(),
-            keeper: Some(Keeper::Template(template)),
+            keeper: Some(keeper),
             clone: Some(clone),
             init: Proc::new(Vec::new(), &req.stdout, &req.stderr),
             execs: HashMap::new(),

@@ -8,11 +8,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use api_types::CloneAddresses;
-use forkvm::{CreateClones, Template, VmClone};
+use forkvm::{CreateClones, VmClone};
 use tokio::sync::Mutex;
 
 use crate::config::{self, ShimConfig, AGENT_PORT};
 use crate::net::{self, PodNet};
+use crate::templates::client::{self, Keeper, LeaseError};
 
 /// A pod's VM and which of its disk slots hold a container's root file system.
 struct Pod {
@@ -35,9 +36,10 @@ pub struct Place {
 pub struct Pods(Mutex<HashMap<String, Pod>>);
 
 impl Pods {
-    /// Makes pod `id`'s VM (its vsock socket at `vsock`, limits `limits`), on the pod's
-    /// network `pod_net` if it has one of its own, and keeps it; returns its template
-    /// and the clone.
+    /// Makes pod `id`'s VM (limits `limits`), on the pod's network `pod_net` if it has
+    /// one of its own, and keeps it; returns what keeps it (the template service's
+    /// lease, or the shim's own template restored here, its vsock socket at `vsock`,
+    /// when no service can be had) and the clone.
     pub async fn make(
         &self,
         cfg: &ShimConfig,
@@ -45,33 +47,28 @@ impl Pods {
         vsock: &Path,
         limits: &str,
         pod_net: Option<&PodNet>,
-    ) -> Result<(Template, Arc<VmClone>), String> {
+    ) -> Result<(Keeper, Arc<VmClone>), String> {
         let base = (config::base(cfg).await).map_err(|e| format!("the template: {e}"))?;
-        let template = config::template(cfg, &base, vsock, limits, 0)
-            .await
-            .map_err(|e| format!("the template: {e}"))?;
         // On a network of its own: the pod's address, and a tap named for the pod.
         let tap = config::digest_name("fvp", id, 12);
-        let request = CreateClones {
-            resource_class: Some(config::CLASS.into()),
-            addresses: (pod_net.iter())
-                .map(|n| CloneAddresses {
-                    ipv4: n.ipv4,
-                    gateway: n.gateway,
-                })
-                .collect(),
-            taps: pod_net.iter().map(|_| tap.clone()).collect(),
-            ..Default::default()
-        };
-        let made = template.create_clones(&request).await;
-        let clone = match made.map(|mut c| c.pop()) {
-            Ok(Some(c)) => Arc::new(c),
-            Ok(None) => return Err("no clone was made".into()),
-            Err(e) => {
-                let _ = template.shutdown().await;
-                return Err(format!("the pod's clone: {e}"));
+        let addresses = pod_net.map(|n| CloneAddresses {
+            ipv4: n.ipv4,
+            gateway: n.gateway,
+        });
+        let net = addresses.map(|a| (tap.clone(), a));
+        let (keeper, clone) = match client::lease(cfg, &base, limits, net).await {
+            Ok((clone, lease)) => {
+                log::info!("{id}: the pod's VM lent by the template service");
+                (Keeper::Lease(lease), clone)
             }
+            Err(e @ LeaseError::Unreachable { .. }) => {
+                log::warn!("pod {id}: {e}; its template is restored here");
+                own_clone(cfg, &base, vsock, limits, &tap, addresses).await?
+            }
+            Err(e @ LeaseError::Restore(_)) => return Err(format!("the template: {e}")),
+            Err(e) => return Err(format!("the pod's clone: {e}")),
         };
+        let clone = Arc::new(clone);
         if let Some(n) = pod_net {
             // The guest takes its address before the agent's first command.
             let joined = match net::join(n, &tap).await {
@@ -80,7 +77,7 @@ impl Pods {
             };
             if let Err(e) = joined {
                 drop(clone);
-                let _ = template.shutdown().await;
+                keeper.stop().await;
                 return Err(format!("the pod's network: {e}"));
             }
             log::info!("{id}: the pod's VM is at {} on {tap}", n.ipv4);
@@ -91,7 +88,7 @@ impl Pods {
         };
         self.0.lock().await.insert(id.to_string(), pod);
         log::info!("{id}: the pod's VM is clone {}", clone.id());
-        Ok((template, clone))
+        Ok((keeper, clone))
     }
 
     /// Forgets pod `id` (its sandbox is deleted).
@@ -145,5 +142,36 @@ impl Pods {
             log::warn!("pod {sandbox}: slot {slot}: {e}");
         }
         self.free(sandbox, slot).await;
+    }
+}
+
+/// A pod's VM as a clone of the shim's template restored here (snapshot `base`, its
+/// vsock socket at `vsock`), on tap `tap` with the guest's `addresses` when given.
+async fn own_clone(
+    cfg: &ShimConfig,
+    base: &Path,
+    vsock: &Path,
+    limits: &str,
+    tap: &str,
+    addresses: Option<CloneAddresses>,
+) -> Result<(Keeper, VmClone), String> {
+    let template = config::template(cfg, base, vsock, limits, 0)
+        .await
+        .map_err(|e| format!("the template: {e}"))?;
+    let request = CreateClones {
+        resource_class: Some(config::CLASS.into()),
+        addresses: addresses.into_iter().collect(),
+        taps: addresses.map(|_| tap.to_string()).into_iter().collect(),
+        ..Default::default()
+    };
+    match template.create_clones(&request).await.map(|mut c| c.pop()) {
+        Ok(Some(c)) => Ok((Keeper::Template(template), c)),
+        made => {
+            let _ = template.shutdown().await;
+            Err(match made {
+                Err(e) => format!("the pod's clone: {e}"),
+                _ => "no clone was made".into(),
+            })
+        }
     }
 }

@@ -245,7 +245,7 @@ pub async fn lend(
     vsock: &Path,
     limits: &str,
 ) -> Result<Option<Lent>, String> {
-    let restored = match client::lease(cfg, dir, limits).await {
+    let restored = match client::lease(cfg, dir, limits, None).await {
         Ok((clone, lease)) => return Ok(Some(Lent::Service(Box::new(clone), lease))),
         Err(e @ LeaseError::Restore(_)) => Err(e.to_string()),
         Err(e @ LeaseError::Unreachable { .. }) => {

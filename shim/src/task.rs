@@ -22,7 +22,7 @@ use containerd_shim_protos::protobuf::MessageField;
 use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim_protos::ttrpc::{Code, Status as RpcStatus};
-use forkvm::{Template, VmClone};
+use forkvm::VmClone;
 use tokio::sync::Mutex;
 
 use crate::config::{ShimConfig, AGENT_PORT};
@@ -31,14 +31,7 @@ use crate::metrics;
 use crate::pod::Pods;
 use crate::process::{self, oci_command, Proc};
 use crate::spec::sandbox_id;
-use crate::templates::client::Lease;
-
-/// What keeps a container's clone: a template of the shim's own (stopped with the
-/// container), or the template service's lease of it (given back with the container).
-pub(crate) enum Keeper {
-    Template(Template),
-    Lease(Lease),
-}
+use crate::templates::client::Keeper;
 
 pub(crate) struct Container {
     pub(crate) bundle: String,
@@ -522,13 +515,8 @@ impl Task for Service {
         {
             let _ = clone.delete().await;
         }
-        match c.keeper.take() {
-            Some(Keeper::Template(t)) => {
-                let _ = t.shutdown().await;
-            }
-            // The service stops the clone if it still runs, and keeps the template.
-            Some(Keeper::Lease(lease)) => drop(lease),
-            None => {}
+        if let Some(keeper) = c.keeper.take() {
+            keeper.stop().await;
         }
         let _ = std::fs::remove_file(self.cfg.vsock(&c.bundle));
         let (code, at) = c.init.exited().unwrap_or((137, Timestamp::now()));

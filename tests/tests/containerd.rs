@@ -1176,6 +1176,15 @@ fn linux_crictl_runs_a_pod_as_one_clone_with_a_root_file_system_per_container() 
     assert_eq!(pods.trim(), "", "{pods}");
     c.assert_shims_gone_and_unmounted(&scratch.path(""));
     c.assert_template_service_gone(&scratch.path(""));
+    // Each pod's VM was lent by the template service (the shim's template, restored
+    // there), the two on CNI's network on taps of their own in their namespaces.
+    let service = Containerd::template_service_log(&scratch.path(""));
+    let lent: u64 = (service.lines())
+        .filter(|l| l.contains("/template-"))
+        .filter_map(|l| l.split("stopped after lending ").nth(1))
+        .filter_map(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(lent, 3, "{service}");
     drop(c);
     // No tap of a pod's VM is left in the host's namespace.
     let links = Command::new("ip").args(["-o", "link"]).output().unwrap();

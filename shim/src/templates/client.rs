@@ -6,13 +6,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use forkvm::{CloneInfo, VmClone};
+use api_types::CloneAddresses;
+use forkvm::{CloneInfo, Template, VmClone};
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 use tokio::sync::Mutex;
 
-use super::{read_line, Answer, Call, Request, SUBCOMMAND};
+use super::{read_line, Answer, Call, Request, TemplateKey, SUBCOMMAND};
 use crate::config::{self, ShimConfig, CALL_TIMEOUT};
 
 /// How long a service just started has to take connections.
@@ -62,6 +63,29 @@ impl Lease {
     }
 }
 
+/// What keeps a container's (or a pod's) clone: a template of the shim's own, or the
+/// template service's lease of it.
+pub enum Keeper {
+    /// The shim's own template (no service could be had).
+    Template(Template),
+    /// The service's lease.
+    Lease(Lease),
+}
+
+impl Keeper {
+    /// Lets the clone go: the shim's own template is stopped (its clones with it); a
+    /// lease is given back (the service stops the clone if it still runs, and keeps
+    /// the template).
+    pub async fn stop(self) {
+        match self {
+            Keeper::Template(t) => {
+                let _ = t.shutdown().await;
+            }
+            Keeper::Lease(lease) => drop(lease),
+        }
+    }
+}
+
 fn refused(e: impl std::fmt::Display) -> LeaseError {
     LeaseError::Refused(e.to_string())
 }
@@ -76,17 +100,25 @@ async fn answer(read: &mut BufReader<OwnedReadHalf>) -> Result<Answer, LeaseErro
     }
 }
 
-/// A clone of the template restored from image template `snapshot`, its cgroup's
-/// limits `limits`, lent by the service (started if none serves), and its lease.
+/// A clone of the template restored from `snapshot` (the shim's template's or an
+/// image's), its cgroup's limits `limits`, on its own tap `net.0` with the guest's
+/// addresses `net.1` when given, lent by the service (started if none serves), and its
+/// lease.
 pub async fn lease(
     cfg: &ShimConfig,
     snapshot: &Path,
     limits: &str,
+    net: Option<(String, CloneAddresses)>,
 ) -> Result<(VmClone, Lease), LeaseError> {
     let socket = cfg.service_socket();
+    let (tap, addresses) = net.unzip();
     let request = Request {
-        snapshot: snapshot.to_path_buf(),
-        limits: limits.to_string(),
+        template: TemplateKey {
+            snapshot: snapshot.to_path_buf(),
+            limits: limits.to_string(),
+        },
+        tap,
+        addresses,
     };
     let mut line = serde_json::to_vec(&request).map_err(refused)?;
     line.push(b'\n');

@@ -21,7 +21,7 @@ pub mod server;
 
 use std::path::PathBuf;
 
-use api_types::CloneInfo;
+use api_types::{CloneAddresses, CloneInfo};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt};
 
@@ -52,15 +52,36 @@ async fn read_line<R: AsyncBufRead + Unpin>(reader: &mut R) -> std::io::Result<O
     Ok(Some(line))
 }
 
-/// A shim's request: a clone of the template restored from `snapshot` (an image's,
-/// in the shim's directory) whose clones' cgroups have the limits `limits`
+/// A template the service keeps: restored from `snapshot` (the shim's template's, or an
+/// image's, in the shim's directory), its clones' cgroups with the limits `limits`
 /// (`cpu=..,memory=..`, or empty).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Request {
+pub struct TemplateKey {
     /// The template's snapshot.
     pub snapshot: PathBuf,
     /// Its clones' resource limits.
     pub limits: String,
+}
+
+impl std::fmt::Display for TemplateKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.snapshot.display(), self.limits)
+    }
+}
+
+/// A shim's request: a clone of `template`, on a tap of its own with the guest's
+/// addresses when given (a pod on a network of its own).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    /// The template.
+    #[serde(flatten)]
+    pub template: TemplateKey,
+    /// The clone's tap (made by its VMM under this name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tap: Option<String>,
+    /// The guest's addresses in the clone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addresses: Option<CloneAddresses>,
 }
 
 /// What a shim asks on its lease once it has its clone.
@@ -103,10 +124,25 @@ mod tests {
 
     #[test]
     fn requests_and_answers_read_back_as_written() {
-        let r = Request {
-            snapshot: "/var/lib/forkvm/shim/prepared-a-b".into(),
-            limits: "cpu=1.50".into(),
+        let mut r = Request {
+            template: TemplateKey {
+                snapshot: "/var/lib/forkvm/shim/prepared-a-b".into(),
+                limits: "cpu=1.50".into(),
+            },
+            tap: None,
+            addresses: None,
         };
+        let text = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            text,
+            r#"{"snapshot":"/var/lib/forkvm/shim/prepared-a-b","limits":"cpu=1.50"}"#
+        );
+        assert_eq!(serde_json::from_str::<Request>(&text).unwrap(), r);
+        r.tap = Some("fvp0123".into());
+        r.addresses = Some(CloneAddresses {
+            ipv4: "10.88.0.5/16".parse().unwrap(),
+            gateway: Some("10.88.0.1".parse().unwrap()),
+        });
         let text = serde_json::to_string(&r).unwrap();
         assert_eq!(serde_json::from_str::<Request>(&text).unwrap(), r);
         let a = Answer::Restore("no such file".into());

@@ -15,7 +15,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::Mutex;
 
-use super::{read_line, Answer, Call, Request};
+use super::{read_line, Answer, Call, Request, TemplateKey};
 use crate::config::{self, ShimConfig, TemplateError, CLASS};
 
 /// How long a shim has to send its request once connected.
@@ -38,7 +38,7 @@ struct Kept {
 /// What the service holds.
 struct State {
     cfg: ShimConfig,
-    kept: std::sync::Mutex<HashMap<Request, Arc<Mutex<Kept>>>>,
+    kept: std::sync::Mutex<HashMap<TemplateKey, Arc<Mutex<Kept>>>>,
     /// Connections open now.
     open: AtomicUsize,
     /// When a connection last closed (or the service started).
@@ -116,9 +116,9 @@ async fn serve(cfg: ShimConfig) -> Result<(), TemplateError> {
                 Err(e) => log::warn!("accept: {e}"),
             },
             _ = ticks.tick() => {
-                for (request, t) in state.evict() {
+                for (key, t) in state.evict() {
                     let state = state.clone();
-                    stopping.spawn(async move { state.shut_down(&request, t).await });
+                    stopping.spawn(async move { state.shut_down(&key, t).await });
                 }
                 while stopping.try_join_next().is_some() {}
                 if stopping.is_empty() && state.idle() {
@@ -135,18 +135,14 @@ async fn serve(cfg: ShimConfig) -> Result<(), TemplateError> {
     let _ = std::fs::remove_file(&sock);
     drop(listener);
     let kept: Vec<_> = (state.kept.lock().unwrap_or_else(|p| p.into_inner()).drain()).collect();
-    for (request, kept) in kept {
+    for (key, kept) in kept {
         let (template, lent, leases) = {
             let mut k = kept.lock().await;
             (k.template.take(), k.lent, k.leases)
         };
         if let Some(t) = template {
-            log::info!(
-                "{} ({}): stopped after lending {lent} clone(s), {leases} of them still lent",
-                request.snapshot.display(),
-                request.limits
-            );
-            state.shut_down(&request, t).await;
+            log::info!("{key}: stopped after lending {lent} clone(s), {leases} of them still lent");
+            state.shut_down(&key, t).await;
         }
     }
     stopping.join_all().await;
@@ -164,37 +160,38 @@ fn state_id(snapshot: &Path) -> std::io::Result<(u64, u64)> {
 }
 
 impl State {
-    /// The host socket of the vsock device of the template `request` asks for.
-    fn vsock(&self, request: &Request) -> PathBuf {
-        let key = format!("service {} {}", request.snapshot.display(), request.limits);
+    /// The host socket of the vsock device of template `key`.
+    fn vsock(&self, key: &TemplateKey) -> PathBuf {
+        let key = format!("service {} {}", key.snapshot.display(), key.limits);
         self.cfg.vsock(&key)
     }
 
-    /// Whether `snapshot` is an image's template in the shim's directory (the only
-    /// snapshots the service restores).
-    fn is_image_template(&self, snapshot: &Path) -> bool {
-        let name = snapshot
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned());
+    /// Whether `snapshot` is the shim's template or an image's in the shim's directory
+    /// (the only snapshots the service restores).
+    fn is_template(&self, snapshot: &Path) -> bool {
+        let name = snapshot.file_name().map(|n| n.to_string_lossy().into_owned());
         snapshot.parent() == Some(self.cfg.dir.as_path())
-            && name.is_some_and(|n| n.starts_with("prepared-") && !n.contains('.'))
+            && name.is_some_and(|n| {
+                (n.starts_with("prepared-") || n.starts_with("template-")) && !n.contains('.')
+            })
     }
 
     /// A running clone of the template `request` asks for (restored first if the
     /// service keeps none, or one of an older snapshot at that path), counted as lent,
     /// with the template.
     async fn clone_of(&self, request: &Request) -> Result<(Template, VmClone, CloneInfo), Answer> {
-        if !self.is_image_template(&request.snapshot) {
+        let key = &request.template;
+        if !self.is_template(&key.snapshot) {
             return Err(Answer::Error(format!(
-                "{} is not an image's template in {}",
-                request.snapshot.display(),
+                "{} is not a template in {}",
+                key.snapshot.display(),
                 self.cfg.dir.display()
             )));
         }
-        let state = state_id(&request.snapshot)
-            .map_err(|e| Answer::Restore(format!("{}: {e}", request.snapshot.display())))?;
+        let state = state_id(&key.snapshot)
+            .map_err(|e| Answer::Restore(format!("{}: {e}", key.snapshot.display())))?;
         let kept = (self.kept.lock().unwrap_or_else(|p| p.into_inner()))
-            .entry(request.clone())
+            .entry(key.clone())
             .or_insert_with(|| {
                 Arc::new(Mutex::new(Kept {
                     template: None,
@@ -213,24 +210,22 @@ impl State {
                 Some(t) => t.clone(),
                 None => {
                     if let Some(old) = k.template.take() {
-                        self.shut_down(request, old).await;
+                        self.shut_down(key, old).await;
                     }
                     let started = Instant::now();
-                    let vsock = self.vsock(request);
+                    let vsock = self.vsock(key);
                     let warm = self.cfg.warm_clones;
                     let restored = config::template(
                         &self.cfg,
-                        &request.snapshot,
+                        &key.snapshot,
                         &vsock,
-                        &request.limits,
+                        &key.limits,
                         warm,
                     )
                     .await
                     .map_err(|e| Answer::Restore(e.to_string()))?;
                     log::info!(
-                        "{} ({}): restored in {:.1} ms",
-                        request.snapshot.display(),
-                        request.limits,
+                        "{key}: restored in {:.1} ms",
                         started.elapsed().as_secs_f64() * 1e3
                     );
                     k.state = state;
@@ -246,6 +241,8 @@ impl State {
         let made = async {
             let req = CreateClones {
                 resource_class: Some(CLASS.into()),
+                taps: request.tap.iter().cloned().collect(),
+                addresses: request.addresses.iter().copied().collect(),
                 ..Default::default()
             };
             let clone = (template.create_clones(&req).await?.pop())
@@ -271,20 +268,20 @@ impl State {
         k.used = Instant::now();
     }
 
-    /// Stops template `t` (made for `request`) and removes its vsock socket.
-    async fn shut_down(&self, request: &Request, t: Template) {
+    /// Stops template `t` (`key`) and removes its vsock socket.
+    async fn shut_down(&self, key: &TemplateKey, t: Template) {
         if let Err(e) = t.shutdown().await {
-            log::warn!("{}: its shutdown: {e}", request.snapshot.display());
+            log::warn!("{key}: its shutdown: {e}");
         }
-        let _ = std::fs::remove_file(self.vsock(request));
+        let _ = std::fs::remove_file(self.vsock(key));
     }
 
     /// Takes the templates that lend nothing and were not asked for within the idle
     /// time, to be stopped, and forgets those that died with nothing lent.
-    fn evict(&self) -> Vec<(Request, Template)> {
+    fn evict(&self) -> Vec<(TemplateKey, Template)> {
         let idle = self.cfg.template_idle;
         let mut gone = Vec::new();
-        (self.kept.lock().unwrap_or_else(|p| p.into_inner())).retain(|request, kept| {
+        (self.kept.lock().unwrap_or_else(|p| p.into_inner())).retain(|key, kept| {
             let Ok(mut k) = kept.try_lock() else {
                 return true;
             };
@@ -292,12 +289,10 @@ impl State {
             let keep = k.leases > 0 || (!dead && k.used.elapsed() < idle);
             if !keep {
                 log::info!(
-                    "{} ({}): not used for {idle:?}: stopped after lending {} clone(s)",
-                    request.snapshot.display(),
-                    request.limits,
+                    "{key}: not used for {idle:?}: stopped after lending {} clone(s)",
                     k.lent
                 );
-                gone.extend(k.template.take().map(|t| (request.clone(), t)));
+                gone.extend(k.template.take().map(|t| (key.clone(), t)));
             }
             keep
         });
@@ -338,12 +333,7 @@ async fn lend(state: Arc<State>, stream: UnixStream) {
             let _ = write.write_all(&answer.line()).await;
         }
         Ok((request, (template, clone, info))) => {
-            log::info!(
-                "{}: clone {} (pid {}) lent",
-                request.snapshot.display(),
-                info.id,
-                info.pid
-            );
+            log::debug!("{}: clone {} (pid {}) lent", request.template, info.id, info.pid);
             if write.write_all(&Answer::Clone(info).line()).await.is_ok() {
                 serve_calls(&template, clone.id(), &mut read, &mut write).await;
             }
@@ -355,12 +345,12 @@ async fn lend(state: Arc<State>, stream: UnixStream) {
                 }
             }
             let kept = (state.kept.lock().unwrap_or_else(|p| p.into_inner()))
-                .get(&request)
+                .get(&request.template)
                 .cloned();
             if let Some(kept) = kept {
                 state.release(&kept).await;
             }
-            log::debug!("{}: clone {id} given back", request.snapshot.display());
+            log::debug!("{}: clone {id} given back", request.template);
         }
     }
     *state.quiet_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();

@@ -169,7 +169,9 @@ impl State {
     /// Whether `snapshot` is the shim's template or an image's in the shim's directory
     /// (the only snapshots the service restores).
     fn is_template(&self, snapshot: &Path) -> bool {
-        let name = snapshot.file_name().map(|n| n.to_string_lossy().into_owned());
+        let name = snapshot
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
         snapshot.parent() == Some(self.cfg.dir.as_path())
             && name.is_some_and(|n| {
                 (n.starts_with("prepared-") || n.starts_with("template-")) && !n.contains('.')
@@ -215,15 +217,10 @@ impl State {
                     let started = Instant::now();
                     let vsock = self.vsock(key);
                     let warm = self.cfg.warm_clones;
-                    let restored = config::template(
-                        &self.cfg,
-                        &key.snapshot,
-                        &vsock,
-                        &key.limits,
-                        warm,
-                    )
-                    .await
-                    .map_err(|e| Answer::Restore(e.to_string()))?;
+                    let restored =
+                        config::template(&self.cfg, &key.snapshot, &vsock, &key.limits, warm)
+                            .await
+                            .map_err(|e| Answer::Restore(e.to_string()))?;
                     log::info!(
                         "{key}: restored in {:.1} ms",
                         started.elapsed().as_secs_f64() * 1e3
@@ -333,7 +330,12 @@ async fn lend(state: Arc<State>, stream: UnixStream) {
             let _ = write.write_all(&answer.line()).await;
         }
         Ok((request, (template, clone, info))) => {
-            log::debug!("{}: clone {} (pid {}) lent", request.template, info.id, info.pid);
+            log::debug!(
+                "{}: clone {} (pid {}) lent",
+                request.template,
+                info.id,
+                info.pid
+            );
             if write.write_all(&Answer::Clone(info).line()).await.is_ok() {
                 serve_calls(&template, clone.id(), &mut read, &mut write).await;
             }

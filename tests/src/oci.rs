@@ -1,5 +1,6 @@
 //! OCI image archives the containerd tests build themselves (no registry is reached):
-//! one layer of Debian's static busybox, for `ctr image import`.
+//! one layer of Debian's static busybox, or of the Python guest's root file system, for
+//! `ctr image import`.
 
 use std::path::Path;
 
@@ -58,12 +59,50 @@ fn busybox_layer(applets: &[&str]) -> Vec<u8> {
 /// An OCI image archive at `out` named `name` (`docker.io/forkvm/busybox:1`): busybox
 /// with `applets`, `PATH=/bin`, default command `sh`.
 pub fn busybox_image(out: &Path, name: &str, applets: &[&str]) {
-    let layer = busybox_layer(applets);
+    archive(out, name, &busybox_layer(applets), "PATH=/bin", "sh");
+}
+
+/// An OCI image archive at `out` named `name`: the Python guest's root file system
+/// (`target/guest/python.ext4`: Debian's Python 3 and numpy, busybox), read from a
+/// read-only loop mount of it (needs root) into one layer; `PATH=/usr/bin:/bin`,
+/// default command `python3`.
+pub fn python_image(out: &Path, name: &str) {
+    let ext4 = crate::guest_file("python.ext4");
+    let mnt = out.with_extension("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let run = |cmd: &mut std::process::Command| {
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{cmd:?}: {o:?}");
+        o.stdout
+    };
+    run(std::process::Command::new("mount")
+        .args(["-o", "loop,ro"])
+        .arg(&ext4)
+        .arg(&mnt));
+    let layer = std::process::Command::new("tar")
+        .arg("-C")
+        .arg(&mnt)
+        .args(["--numeric-owner", "--exclude=./lost+found", "-cf", "-", "."])
+        .output();
+    run(std::process::Command::new("umount").arg(&mnt));
+    let _ = std::fs::remove_dir(&mnt);
+    let layer = layer.unwrap();
+    assert!(
+        layer.status.success(),
+        "tar of {}: {layer:?}",
+        ext4.display()
+    );
+    archive(out, name, &layer.stdout, "PATH=/usr/bin:/bin", "python3");
+}
+
+/// An OCI image archive at `out` named `name`, of one layer (an uncompressed tar),
+/// with environment `env` and default command `cmd`.
+fn archive(out: &Path, name: &str, layer: &[u8], env: &str, cmd: &str) {
     let config = serde_json::json!({
         "architecture": "amd64",
         "os": "linux",
-        "config": {"Cmd": ["sh"], "Env": ["PATH=/bin"]},
-        "rootfs": {"type": "layers", "diff_ids": [digest(&layer)]},
+        "config": {"Cmd": [cmd], "Env": [env]},
+        "rootfs": {"type": "layers", "diff_ids": [digest(layer)]},
     })
     .to_string()
     .into_bytes();
@@ -77,7 +116,7 @@ pub fn busybox_image(out: &Path, name: &str, applets: &[&str]) {
         },
         "layers": [{
             "mediaType": "application/vnd.oci.image.layer.v1.tar",
-            "digest": digest(&layer),
+            "digest": digest(layer),
             "size": layer.len(),
         }],
     })
@@ -106,7 +145,7 @@ pub fn busybox_image(out: &Path, name: &str, applets: &[&str]) {
         0o644,
     );
     file(&mut t, "index.json", &index, 0o644);
-    for blob in [&layer, &config, &manifest] {
+    for blob in [layer, &config, &manifest] {
         let d = digest(blob);
         let path = format!("blobs/sha256/{}", d.trim_start_matches("sha256:"));
         file(&mut t, &path, blob, 0o644);

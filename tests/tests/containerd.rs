@@ -302,9 +302,13 @@ impl Containerd {
     /// The `ctr run --rm` of the busybox image as container `id` with the forkvm runtime,
     /// with options `extra`, running `cmd`.
     fn run_command(&self, id: &str, extra: &[&str], cmd: &[&str]) -> Command {
+        self.run_command_of(IMAGE, id, extra, cmd)
+    }
+
+    fn run_command_of(&self, image: &str, id: &str, extra: &[&str], cmd: &[&str]) -> Command {
         let mut args = vec!["run", "--rm", "--runtime", "io.containerd.forkvm.v2"];
         args.extend_from_slice(extra);
-        args.extend([IMAGE, id]);
+        args.extend([image, id]);
         args.extend_from_slice(cmd);
         self.ctr_command(&args)
     }
@@ -312,7 +316,12 @@ impl Containerd {
     /// `ctr run --rm` of the busybox image as container `id` with the forkvm runtime:
     /// its exit status and output.
     fn run(&self, id: &str, extra: &[&str], cmd: &[&str]) -> (i32, String, String) {
-        let out = self.run_command(id, extra, cmd).output().expect("ctr");
+        self.run_of(IMAGE, id, extra, cmd)
+    }
+
+    /// [`Containerd::run`] of image `image`.
+    fn run_of(&self, image: &str, id: &str, extra: &[&str], cmd: &[&str]) -> (i32, String, String) {
+        let out = (self.run_command_of(image, id, extra, cmd).output()).expect("ctr");
         (
             out.status.code().unwrap_or(-1),
             String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -767,6 +776,46 @@ fn exhausted_pool_and_a_killed_service(archive: &Path) {
     c.assert_shims_gone_and_unmounted(&dir.path(""));
     c.assert_template_service_gone(&dir.path(""));
     drop(c);
+}
+
+/// The Python image (the Python guest's root file system as one layer: Debian's Python
+/// 3 and numpy): a container runs Python code and prints its result; a second, from the
+/// image's template the first made (its clone lent by the template service), imports
+/// numpy; nothing is left.
+#[test]
+fn linux_ctr_runs_python_containers_in_clones() {
+    if !ready("python containers", false) {
+        return;
+    }
+    const PYTHON: &str = "docker.io/forkvm/python:1";
+    let scratch = Scratch::new("containerd-python");
+    let archive = scratch.path("python.tar");
+    tests::oci::python_image(&archive, PYTHON);
+    let c = Containerd::start(&scratch);
+    let out = c.ctr(&["image", "import", archive.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let script = "import json, sys; print(json.dumps({'sum': 1 + 1, 'v': sys.version_info[0]}))";
+    let (code, out, err) = c.run_of(PYTHON, "py1", &[], &["python3", "-c", script]);
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "{\"sum\": 2, \"v\": 3}\n"),
+        "{err}\n{}",
+        c.log()
+    );
+    let script = "import numpy; print(int(numpy.arange(4).sum()))";
+    let (code, out, err) = c.run_of(PYTHON, "py2", &[], &["python3", "-c", script]);
+    assert_eq!((code, out.as_str()), (0, "6\n"), "{err}\n{}", c.log());
+    let log = c.log();
+    let created = log.lines().find(|l| l.contains("py2: created:"));
+    assert!(
+        created.is_some_and(|l| l.contains("(lent by the template service)")),
+        "{created:?}\n{log}"
+    );
+    c.assert_shims_gone_and_unmounted(&scratch.path(""));
+    c.assert_template_service_gone(&scratch.path(""));
+    drop(c);
+    let left = processes_naming(&scratch.path("").display().to_string());
+    assert!(left.is_empty(), "{left:?}");
 }
 
 /// Where `scripts/install-deps.sh test` builds containerd 2.x and its `ctr` (from the Go

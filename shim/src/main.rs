@@ -5,8 +5,11 @@
 //! A container's root file system (the snapshotter's mounts) becomes an ext4 image kept
 //! by its content ([`forkvm::ImageCache`]), inserted writable into disk slot 0 of the
 //! clone: the container's writes go to the clone's own overlay. The template is a Linux
-//! guest with forkvm's agent, restored from a snapshot the first shim saves; in the
-//! clone, the agent runs `forkvm-oci` with the process the OCI spec asks for.
+//! guest with forkvm's agent, restored from a snapshot the first shim saves (and each
+//! image's, with its root file system mounted), kept by the template service
+//! (`containerd-shim-forkvm-v2 templates`, [`templates`]), which lends the shims their
+//! clones; in the clone, the agent runs `forkvm-oci` with the process the OCI spec asks
+//! for.
 
 mod config;
 mod create;

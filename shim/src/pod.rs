@@ -56,17 +56,25 @@ impl Pods {
             gateway: n.gateway,
         });
         let net = addresses.map(|a| (tap.clone(), a));
-        let (keeper, clone) = match client::lease(cfg, &base, limits, net).await {
-            Ok((clone, lease)) => {
+        // Booting a VM per pod (for comparison) has no snapshot to lend clones of.
+        let lent = match cfg.boot_each {
+            true => None,
+            false => Some(client::lease(cfg, &base, limits, net).await),
+        };
+        let (keeper, clone) = match lent {
+            Some(Ok((clone, lease))) => {
                 log::info!("{id}: the pod's VM lent by the template service");
                 (Keeper::Lease(lease), clone)
             }
-            Err(e @ LeaseError::Unreachable { .. }) => {
+            Some(Err(e @ LeaseError::Restore(_))) => return Err(format!("the template: {e}")),
+            Some(Err(e @ (LeaseError::Refused(_) | LeaseError::Clone(_)))) => {
+                return Err(format!("the pod's clone: {e}"))
+            }
+            Some(Err(e @ LeaseError::Unreachable { .. })) => {
                 log::warn!("pod {id}: {e}; its template is restored here");
                 own_clone(cfg, &base, vsock, limits, &tap, addresses).await?
             }
-            Err(e @ LeaseError::Restore(_)) => return Err(format!("the template: {e}")),
-            Err(e) => return Err(format!("the pod's clone: {e}")),
+            None => own_clone(cfg, &base, vsock, limits, &tap, addresses).await?,
         };
         let clone = Arc::new(clone);
         if let Some(n) = pod_net {
@@ -146,7 +154,8 @@ impl Pods {
 }
 
 /// A pod's VM as a clone of the shim's template restored here (snapshot `base`, its
-/// vsock socket at `vsock`), on tap `tap` with the guest's `addresses` when given.
+/// vsock socket at `vsock`; booted with `FORKVM_SHIM_BOOT_EACH`), on tap `tap` with the
+/// guest's `addresses` when given.
 async fn own_clone(
     cfg: &ShimConfig,
     base: &Path,

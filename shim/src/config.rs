@@ -52,6 +52,9 @@ pub struct ShimConfig {
     /// 256): its cgroup pool's maximum (`vmm restore --cgroup-pool-max`). A container
     /// past it fails with the reason.
     pub clones_max: u32,
+    /// The most templates the template service keeps (`FORKVM_SHIM_TEMPLATES_MAX`; 16):
+    /// past it the least recently used that lends no clone is stopped.
+    pub templates_max: usize,
 }
 
 impl ShimConfig {
@@ -72,19 +75,20 @@ impl ShimConfig {
             ),
             clones_max: number("FORKVM_SHIM_CLONES_MAX")
                 .map_or(256, |n| n.clamp(1.0, 2000.0) as u32),
+            templates_max: number("FORKVM_SHIM_TEMPLATES_MAX").map_or(16, |n| n.max(1.0) as usize),
         }
     }
 
     /// The template service's socket for this configuration (its files beside it:
     /// `.lock`, `.pid`, `.log`): named by what the service is started with (this
     /// program, the guest, the directories, the `vmm`, the warm clones, the idle time
-    /// and the clones' maximum), so shims configured otherwise (another containerd's, another build's)
+    /// and the maximums), so shims configured otherwise (another containerd's, another build's)
     /// have a service of their own.
     pub fn service_socket(&self) -> PathBuf {
         let exe = std::env::current_exe().unwrap_or_default();
         let vmm = TemplateSpec::new("").vmm;
         let text = format!(
-            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{:?}\0{}",
+            "{}\0{}\0{}\0{}\0{}\0{}\0{}\0{:?}\0{}\0{}",
             exe.display(),
             vmm.display(),
             self.kernel.display(),
@@ -93,7 +97,8 @@ impl ShimConfig {
             self.run_dir.display(),
             self.warm_clones,
             self.template_idle,
-            self.clones_max
+            self.clones_max,
+            self.templates_max
         );
         self.run_dir
             .join(format!("{}.sock", digest_name("templates-", &text, 12)))

@@ -274,25 +274,35 @@ impl State {
     }
 
     /// Takes the templates that lend nothing and were not asked for within the idle
-    /// time, to be stopped, and forgets those that died with nothing lent.
+    /// time, and while more than `FORKVM_SHIM_TEMPLATES_MAX` are kept the least
+    /// recently used that lend nothing, to be stopped; forgets those that died with
+    /// nothing lent.
     fn evict(&self) -> Vec<(TemplateKey, Template)> {
-        let idle = self.cfg.template_idle;
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        // Those being lent from now are not looked at (they are in use).
+        let seen: Vec<Seen> = (kept.iter())
+            .filter_map(|(key, k)| {
+                let k = k.try_lock().ok()?;
+                Some(Seen {
+                    key: key.clone(),
+                    leases: k.leases,
+                    used: k.used,
+                    alive: k.template.as_ref().is_some_and(Template::is_alive),
+                })
+            })
+            .collect();
+        let now = Instant::now();
         let mut gone = Vec::new();
-        (self.kept.lock().unwrap_or_else(|p| p.into_inner())).retain(|key, kept| {
-            let Ok(mut k) = kept.try_lock() else {
-                return true;
+        for (key, why) in to_stop(seen, now, self.cfg.template_idle, self.cfg.templates_max) {
+            let Some(k) = kept.remove(&key) else {
+                continue;
             };
-            let dead = !k.template.as_ref().is_some_and(Template::is_alive);
-            let keep = k.leases > 0 || (!dead && k.used.elapsed() < idle);
-            if !keep {
-                log::info!(
-                    "{key}: not used for {idle:?}: stopped after lending {} clone(s)",
-                    k.lent
-                );
-                gone.extend(k.template.take().map(|t| (key.clone(), t)));
-            }
-            keep
-        });
+            let Ok(mut k) = k.try_lock() else {
+                continue;
+            };
+            log::info!("{key}: {why}: stopped after lending {} clone(s)", k.lent);
+            gone.extend(k.template.take().map(|t| (key, t)));
+        }
         gone
     }
 
@@ -379,5 +389,103 @@ async fn serve_calls(
         if write.write_all(&answer.line()).await.is_err() {
             return;
         }
+    }
+}
+
+/// A kept template as [`to_stop`] weighs it.
+struct Seen {
+    key: TemplateKey,
+    leases: usize,
+    used: Instant,
+    alive: bool,
+}
+
+/// Which of the templates `seen` to stop at `now`, and why: those that lend nothing and
+/// died or were not used within `idle`, then, while more than `max` remain, the least
+/// recently used of those that lend nothing.
+fn to_stop(
+    mut seen: Vec<Seen>,
+    now: Instant,
+    idle: Duration,
+    max: usize,
+) -> Vec<(TemplateKey, String)> {
+    let mut stop = Vec::new();
+    seen.retain(|s| {
+        let unused = s.leases == 0 && (!s.alive || now.duration_since(s.used) >= idle);
+        if unused {
+            let why = match s.alive {
+                true => format!("not used for {idle:?}"),
+                false => "its VMM ended".to_string(),
+            };
+            stop.push((s.key.clone(), why));
+        }
+        !unused
+    });
+    seen.sort_by_key(|s| s.used);
+    let mut over = seen.len().saturating_sub(max);
+    for s in seen.into_iter().filter(|s| s.leases == 0) {
+        if over == 0 {
+            break;
+        }
+        stop.push((
+            s.key,
+            format!("more than {max} templates kept, the least recently used"),
+        ));
+        over -= 1;
+    }
+    stop
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(name: &str, leases: usize, used: Instant, alive: bool) -> Seen {
+        Seen {
+            key: TemplateKey {
+                snapshot: name.into(),
+                limits: String::new(),
+            },
+            leases,
+            used,
+            alive,
+        }
+    }
+
+    fn names(stop: &[(TemplateKey, String)]) -> Vec<String> {
+        (stop.iter())
+            .map(|(k, _)| k.snapshot.display().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn idle_dead_and_least_recently_used_templates_go_and_lent_ones_stay() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let idle = 10 * s;
+        let now = t0 + 20 * s;
+        let all = || {
+            vec![
+                seen("idle", 0, t0, true),
+                seen("idle-but-lent", 2, t0, true),
+                seen("dead", 0, t0 + 19 * s, false),
+                seen("old", 0, t0 + 12 * s, true),
+                seen("older-but-lent", 1, t0 + 11 * s, true),
+                seen("new", 0, t0 + 18 * s, true),
+            ]
+        };
+        // Under the cap: only the idle one and the dead one.
+        assert_eq!(names(&to_stop(all(), now, idle, 8)), ["idle", "dead"]);
+        // Three kept at most of the four left: the least recently used that lends
+        // nothing goes ("older-but-lent" is older, but lends a clone).
+        assert_eq!(
+            names(&to_stop(all(), now, idle, 3)),
+            ["idle", "dead", "old"]
+        );
+        // One at most: every one that lends nothing goes; lent ones stay over the cap.
+        assert_eq!(
+            names(&to_stop(all(), now, idle, 1)),
+            ["idle", "dead", "old", "new"]
+        );
     }
 }

@@ -719,8 +719,9 @@ fn linux_ctr_runs_each_container_in_a_fresh_clone() {
 /// With a template that lends one clone at a time (`FORKVM_SHIM_CLONES_MAX=1`), a
 /// second container of the image while the first runs fails with the template's cgroup
 /// pool exhausted; once the template service is killed, the first container's clone
-/// dies with it (its task stops) and the next container starts a service again; nothing
-/// is left.
+/// dies with it (its task stops) and the next container starts a service again; a
+/// container whose shim is killed has its clone stopped by the service; nothing is
+/// left.
 fn exhausted_pool_and_a_killed_service(archive: &Path) {
     let dir = Scratch::new("containerd-errors-pool");
     let c = Containerd::start_env(&dir, false, &[("FORKVM_SHIM_CLONES_MAX", "1".into())]);
@@ -773,6 +774,25 @@ fn exhausted_pool_and_a_killed_service(archive: &Path) {
         let out = c.ctr(&args);
         assert!(out.status.success(), "{out:?}");
     }
+    // A shim killed while its container runs: its lease closes, and the service stops
+    // the clone it lent.
+    let out = run_detached("orphan");
+    assert!(out.status.success(), "{out:?}\n{}", c.log());
+    let clone = c.task_pid("orphan");
+    let shims: Vec<i32> = (processes_naming(&c.sock.display().to_string()).iter())
+        .filter(|p| p.contains("containerd-shim-forkvm-v2") && p.contains(" orphan "))
+        .filter_map(|p| p.split(':').next()?.parse().ok())
+        .collect();
+    assert_eq!(shims.len(), 1, "{shims:?}");
+    // SAFETY: signals the shim this test's containerd started for "orphan", by pid.
+    unsafe { libc::kill(shims[0], libc::SIGKILL) };
+    tests::wait_until(
+        "the orphaned clone to be stopped",
+        Duration::from_secs(30),
+        || !Path::new(&format!("/proc/{clone}")).exists(),
+    );
+    let _ = c.ctr(&["task", "delete", "orphan"]);
+    let _ = c.ctr(&["container", "delete", "orphan"]);
     c.assert_shims_gone_and_unmounted(&dir.path(""));
     c.assert_template_service_gone(&dir.path(""));
     drop(c);

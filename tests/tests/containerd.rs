@@ -755,6 +755,13 @@ fn exhausted_pool_and_a_killed_service(archive: &Path) {
         .and_then(|e| std::fs::read_to_string(e.path()).ok())
         .and_then(|p| p.trim().parse().ok())
         .expect("the template service's pid file");
+    // The clone's VMM and its parent, the template's: the killed template's cgroup
+    // pools are left to the next VMM that makes pools, once its clone has gone.
+    let clone = c.task_pid("held");
+    let stat = std::fs::read_to_string(format!("/proc/{clone}/stat")).unwrap();
+    let template: u32 = (stat.rsplit_once(')').unwrap().1.split_whitespace().nth(1))
+        .and_then(|p| p.parse().ok())
+        .unwrap();
     // SAFETY: signals the template service this test's containerd's shim started, by
     // the pid it wrote.
     unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -763,6 +770,9 @@ fn exhausted_pool_and_a_killed_service(archive: &Path) {
         Duration::from_secs(30),
         || c.task_status("held") == "STOPPED",
     );
+    tests::wait_until("the lent clone to end", Duration::from_secs(30), || {
+        !Path::new(&format!("/proc/{clone}")).exists()
+    });
     let (code, out, err) = c.run("after", &[], &["echo", "served again"]);
     assert_eq!(
         (code, out.as_str()),
@@ -770,6 +780,14 @@ fn exhausted_pool_and_a_killed_service(archive: &Path) {
         "{err}\n{}",
         c.log()
     );
+    // The new service's template swept the killed one's cgroup pools.
+    let pools: Vec<PathBuf> = (std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten())
+        .map(|h| h.path())
+        .chain([PathBuf::from("/sys/fs/cgroup")])
+        .map(|h| h.join(format!("forkvm/vmm-{template}")))
+        .filter(|p| p.exists())
+        .collect();
+    assert!(pools.is_empty(), "{pools:?}");
     for args in [["task", "delete", "held"], ["container", "delete", "held"]] {
         let out = c.ctr(&args);
         assert!(out.status.success(), "{out:?}");

@@ -40,6 +40,10 @@ use crate::config::CgroupConfig;
 
 /// How often the event loop refills and shrinks the pools.
 pub(crate) const UPKEEP_PERIOD: Duration = Duration::from_millis(20);
+/// How often a VMM with pools sweeps the pools that killed VMMs left ([`sweep_dead_vmms`]),
+/// besides once at its start: a VMM that started while a killed one's clones were still
+/// ending found those pools busy, and no other VMM may start after it.
+pub(crate) const SWEEP_PERIOD: Duration = Duration::from_secs(60);
 /// Idle cgroups beyond the pool size are removed after this long.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -120,6 +124,10 @@ pub struct ClonePools {
     /// Cgroups of live clones, by pid.
     leases: HashMap<i32, (usize, Lease)>,
     last_upkeep: Instant,
+    /// The hierarchy and the directory every VMM's pools are under (`vmm-<pid>`), and
+    /// when they were last swept of killed VMMs' pools.
+    top: (Option<CgroupVersion>, String),
+    last_sweep: Instant,
     /// Files of the cgroup each pool hands out next, opened ahead, by name (v2: the
     /// directory for clone3; v1: the files a clone moves itself in with), so that
     /// neither the parent nor the clone opens them on the clone path.
@@ -141,13 +149,13 @@ pub struct ClonePools {
 /// Removes the pools that VMMs killed before they could remove them (SIGKILL, OOM
 /// kill) left under the same parent: a `vmm-<pid>` whose process is gone and whose
 /// cgroups are empty. Failure only warns: those pools cost this VMM nothing.
-fn sweep_dead_vmms(cfg: &CgroupConfig) {
+fn sweep_dead_vmms(version: Option<CgroupVersion>, parent: &str) {
     let alive = |pid: i32| {
         // Signal 0 checks that the pid exists; EPERM means it does (not ours).
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
             .map_or_else(|e| e != nix::errno::Errno::ESRCH, |()| true)
     };
-    let swept = CgroupFs::host(cfg.version, &cfg.parent)
+    let swept = CgroupFs::host(version, parent)
         .and_then(|top| jailer::cgroup::pool::sweep_dead_vmms(&top, alive));
     match swept {
         Ok(s) if s.is_empty() => {}
@@ -155,7 +163,7 @@ fn sweep_dead_vmms(cfg: &CgroupConfig) {
             "removed cgroup pools of VMMs that are gone: {}",
             s.join(", ")
         ),
-        Err(e) => tracing::warn!("sweeping dead VMMs' cgroup pools under {}: {e}", cfg.parent),
+        Err(e) => tracing::warn!("sweeping dead VMMs' cgroup pools under {parent}: {e}"),
     }
 }
 
@@ -182,6 +190,8 @@ impl ClonePools {
             pools: Vec::with_capacity(cfg.classes.len()),
             leases: HashMap::new(),
             last_upkeep: Instant::now(),
+            top: (cfg.version, cfg.parent.clone()),
+            last_sweep: Instant::now(),
             opened: Mutex::new(HashMap::new()),
             spent: Vec::new(),
             forker: None,
@@ -204,7 +214,7 @@ impl ClonePools {
                 Err(e) => tracing::warn!("cgroup forker: {e}; v1 clones move themselves in"),
             }
         }
-        sweep_dead_vmms(cfg);
+        sweep_dead_vmms(cfg.version, &cfg.parent);
         made.open_ahead();
         made.reseat();
         tracing::info!(
@@ -474,10 +484,15 @@ impl ClonePools {
         self.pools[*pool].usage(lease).ok()
     }
 
-    /// Refills and shrinks the pools when `UPKEEP_PERIOD` has passed (event loop).
+    /// Refills and shrinks the pools when `UPKEEP_PERIOD` has passed, and sweeps killed
+    /// VMMs' pools every [`SWEEP_PERIOD`] (event loop).
     pub(crate) fn upkeep(&mut self) {
         self.close_spent();
-        if self.upkeep_due_in() != Some(Duration::ZERO) {
+        if self.last_sweep.elapsed() >= SWEEP_PERIOD {
+            self.last_sweep = Instant::now();
+            sweep_dead_vmms(self.top.0, &self.top.1);
+        }
+        if self.maintenance_due_in() != Some(Duration::ZERO) {
             return;
         }
         self.last_upkeep = Instant::now();
@@ -490,9 +505,15 @@ impl ClonePools {
         self.reseat();
     }
 
-    /// Time until the next upkeep is due; None while no pool needs one (the event
-    /// loop then sleeps until something happens).
+    /// Time until the next upkeep is due: the pools' maintenance while one needs it,
+    /// else the next sweep.
     pub(crate) fn upkeep_due_in(&self) -> Option<Duration> {
+        let sweep = SWEEP_PERIOD.saturating_sub(self.last_sweep.elapsed());
+        Some(self.maintenance_due_in().map_or(sweep, |m| m.min(sweep)))
+    }
+
+    /// Time until the pools' maintenance is due; None while no pool needs it.
+    fn maintenance_due_in(&self) -> Option<Duration> {
         self.pools
             .iter()
             .any(CgroupPool::needs_maintenance)

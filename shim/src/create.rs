@@ -9,18 +9,18 @@ use std::time::Instant;
 
 use containerd_shim::mount::{mount_rootfs, umount_recursive};
 use containerd_shim_protos::api;
-use forkvm::{CreateClones, ImageCache, InsertMedium, Template, VmClone};
+use forkvm::{CreateClones, ImageCache, InsertMedium};
 
 use crate::config;
 use crate::net;
 use crate::pod::Place;
-use crate::prepared::{self, Lent};
+use crate::prepared;
 use crate::process::{oci_command, Proc};
 use crate::spec::{
     self, is_sandbox, limits, rootfs_key, sandbox_id, with_guest_limits, with_mounts, Mounted,
 };
 use crate::task::{Container, Service};
-use crate::templates::client::Keeper;
+use crate::templates::client::{self, Keeper};
 
 impl Service {
     /// Makes container `req.id`'s clone: its root file system as an image in slot 0,
@@ -168,38 +168,29 @@ impl Service {
                 .map(|lent| (lent, made)),
             None => None,
         };
-        let (clone, keeper, how) = match from_image {
+        let ((keeper, clone), how) = match from_image {
             Some((lent, made)) => {
                 command = spec::with_template_mounts(command, &made.dirs, &made.mounts);
-                match lent {
-                    Lent::Service(clone, lease) => (
-                        *clone,
-                        Keeper::Lease(lease),
-                        "lent by the template service".into(),
-                    ),
-                    Lent::Own(t) => {
-                        let restored = ms(t2, Instant::now());
-                        let clone = clone_of(&t, Vec::new()).await?;
-                        let how =
-                            format!("of the image's template, restored here in {restored:.1} ms");
-                        (clone, Keeper::Template(t), how)
-                    }
-                }
+                let how = match lent.0 {
+                    Keeper::Lease(_) => "lent by the template service",
+                    Keeper::Template(_) => "of the image's template, restored here",
+                };
+                (lent, how)
             }
             None => {
-                let t3 = Instant::now();
                 let t = config::template(&self.cfg, &base, &vsock, &limits, 0)
                     .await
                     .map_err(|e| format!("the template: {e}"))?;
-                let restored = ms(t3, Instant::now());
-                let medium = InsertMedium {
-                    slot: 0,
-                    path: image,
-                    writable: true,
+                let request = CreateClones {
+                    media: vec![InsertMedium {
+                        slot: 0,
+                        path: image,
+                        writable: true,
+                    }],
+                    ..Default::default()
                 };
-                let clone = clone_of(&t, vec![medium]).await?;
-                let how = format!("of the shim's template, restored here in {restored:.1} ms");
-                (clone, Keeper::Template(t), how)
+                let lent = client::own_clone(t, request, "the container's clone").await?;
+                (lent, "of the shim's template, restored here")
             }
         };
         log::info!(
@@ -226,17 +217,4 @@ impl Service {
             slot: 0,
         })
     }
-}
-
-/// A clone of `template` (a container's: its resource class) with `media` in its slots.
-async fn clone_of(template: &Template, media: Vec<InsertMedium>) -> Result<VmClone, String> {
-    let request = CreateClones {
-        resource_class: Some(config::CLASS.into()),
-        media,
-        ..Default::default()
-    };
-    (template.create_clones(&request).await)
-        .map_err(|e| format!("the container's clone: {e}"))?
-        .pop()
-        .ok_or_else(|| "no clone was made".into())
 }

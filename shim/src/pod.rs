@@ -168,19 +168,9 @@ async fn own_clone(
         .await
         .map_err(|e| format!("the template: {e}"))?;
     let request = CreateClones {
-        resource_class: Some(config::CLASS.into()),
         addresses: addresses.into_iter().collect(),
         taps: addresses.map(|_| tap.to_string()).into_iter().collect(),
         ..Default::default()
     };
-    match template.create_clones(&request).await.map(|mut c| c.pop()) {
-        Ok(Some(c)) => Ok((Keeper::Template(template), c)),
-        made => {
-            let _ = template.shutdown().await;
-            Err(match made {
-                Err(e) => format!("the pod's clone: {e}"),
-                _ => "no clone was made".into(),
-            })
-        }
-    }
+    client::own_clone(template, request, "the pod's clone").await
 }

@@ -8,11 +8,11 @@
 
 use std::path::{Path, PathBuf};
 
-use forkvm::{CreateClones, InsertMedium, ProcessEvent, Template, VmClone};
+use forkvm::{CreateClones, InsertMedium, ProcessEvent, VmClone};
 
 use crate::config::{self, dir_error, ShimConfig, TemplateError, AGENT_PORT};
 use crate::spec::GuestMount;
-use crate::templates::client::{self, Lease, LeaseError};
+use crate::templates::client::{self, Keeper, LeaseError};
 
 /// Why an image's template could not be made (the container then starts from the
 /// shim's template, its image inserted into its clone).
@@ -196,15 +196,6 @@ pub async fn prepared(
     Ok(dir)
 }
 
-/// Where the clone of an image's template for a container comes from ([`lend`]).
-pub enum Lent {
-    /// The template service lent it (its template is the service's).
-    Service(Box<VmClone>, Lease),
-    /// A template of the shim's own, restored here (no service could be had): the
-    /// container's clone is to be made of it.
-    Own(Template),
-}
-
 /// The template of image `image` (key `key`) for a container running `process` with
 /// the guest's file systems `mounts`: its snapshot, made now if there is none
 /// ([`prepared()`]), and what it made in the root file system (for its first
@@ -234,7 +225,8 @@ pub async fn snapshot(
 
 /// A clone of the image template at `dir` (image `key`) whose cgroup has the limits
 /// `limits`, lent by the template service, or, when no service can be reached or
-/// started, the template itself restored here (its vsock socket at `vsock`). None if
+/// started, of the template restored here (its vsock socket at `vsock`), and what keeps
+/// it. None if
 /// the snapshot cannot be restored (its image rebuilt or gone): it is removed, and the
 /// container starts from the shim's template. An error if the service refused (its
 /// template's cgroup pool exhausted, say): the container's creation fails with it.
@@ -244,9 +236,9 @@ pub async fn lend(
     dir: &Path,
     vsock: &Path,
     limits: &str,
-) -> Result<Option<Lent>, String> {
+) -> Result<Option<(Keeper, VmClone)>, String> {
     let restored = match client::lease(cfg, dir, limits, None).await {
-        Ok((clone, lease)) => return Ok(Some(Lent::Service(Box::new(clone), lease))),
+        Ok((clone, lease)) => return Ok(Some((Keeper::Lease(lease), clone))),
         Err(e @ LeaseError::Restore(_)) => Err(e.to_string()),
         Err(e @ LeaseError::Unreachable { .. }) => {
             log::warn!("image {key}: {e}; its template is restored here");
@@ -255,7 +247,9 @@ pub async fn lend(
         Err(e @ (LeaseError::Refused(_) | LeaseError::Clone(_))) => return Err(e.to_string()),
     };
     match restored {
-        Ok(t) => Ok(Some(Lent::Own(t))),
+        Ok(t) => client::own_clone(t, CreateClones::default(), "the container's clone")
+            .await
+            .map(Some),
         Err(e) => {
             log::warn!(
                 "image {key}: its template {} is removed: {e}",

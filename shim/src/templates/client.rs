@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use api_types::CloneAddresses;
-use forkvm::{CloneInfo, Template, VmClone};
+use forkvm::{CloneInfo, CreateClones, Template, VmClone};
 use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
@@ -82,6 +82,30 @@ impl Keeper {
                 let _ = t.shutdown().await;
             }
             Keeper::Lease(lease) => drop(lease),
+        }
+    }
+}
+
+/// One clone of `template`, the shim's own (restored here), made by `request` with a
+/// container's resource class, and what keeps it; `what` names it in an error (the
+/// template is stopped then).
+pub async fn own_clone(
+    template: Template,
+    request: CreateClones,
+    what: &str,
+) -> Result<(Keeper, VmClone), String> {
+    let request = CreateClones {
+        resource_class: Some(config::CLASS.into()),
+        ..request
+    };
+    match template.create_clones(&request).await.map(|mut c| c.pop()) {
+        Ok(Some(c)) => Ok((Keeper::Template(template), c)),
+        made => {
+            let _ = template.shutdown().await;
+            Err(match made {
+                Err(e) => format!("{what}: {e}"),
+                _ => "no clone was made".into(),
+            })
         }
     }
 }

@@ -33,10 +33,12 @@ static int read_full(int fd, char *buf, size_t len)
     return 0;
 }
 
-static int write_full(int fd, const char *buf, size_t len)
+/* Writes all of `buf` to `fd`, on a socket with send(MSG_NOSIGNAL) (`sock`): -1 once
+ * it fails (on a socket, once the host has gone, with no SIGPIPE). */
+static int put_full(int fd, const char *buf, size_t len, int sock)
 {
     while (len > 0) {
-        ssize_t n = write(fd, buf, len);
+        ssize_t n = sock ? send(fd, buf, len, MSG_NOSIGNAL) : write(fd, buf, len);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
@@ -45,6 +47,11 @@ static int write_full(int fd, const char *buf, size_t len)
         len -= (size_t)n;
     }
     return 0;
+}
+
+static int write_full(int fd, const char *buf, size_t len)
+{
+    return put_full(fd, buf, len, 0);
 }
 
 /* Streaming request flags. */
@@ -111,16 +118,7 @@ static int read_request_line(int fd, unsigned long *cmdlen, unsigned long *inlen
 /* Sends all of `buf` on the connection; -1 once the host has gone (no SIGPIPE). */
 static int send_full(int fd, const char *buf, size_t len)
 {
-    while (len > 0) {
-        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        buf += n;
-        len -= (size_t)n;
-    }
-    return 0;
+    return put_full(fd, buf, len, 1);
 }
 
 /* Sends what pipe `fd` holds now as "<kind> <len>" frames; 1 at its end, 0 when it

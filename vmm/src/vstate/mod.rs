@@ -5,3 +5,4 @@ pub mod memory;
 pub mod memory_file;
 pub mod vcpu;
 pub mod vm;
+pub mod written;

@@ -101,12 +101,12 @@ def invoke(sock, payload, query="", expect=None):
     return elapsed, headers
 
 
-def start_template(tmp, name, mem, warm, vmm=None):
+def start_template(tmp, name, mem, warm, vmm=None, extra=()):
     sock = os.path.join(tmp, name + ".sock")
     console = sock + ".console"
     cmd = [vmm or VMM, "run", "--kernel", TINY, "--ap-boot", "direct", "--mem-mib", str(mem),
            "--cmdline", "ticks=1 invoke=1", "--console", console, "--api-sock", sock,
-           "--template", "--warm-clones", str(warm), "--prefault"]
+           "--template", "--warm-clones", str(warm), "--prefault", *extra]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     wait_vm(p, sock, lambda v: v["state"] == "paused" and
             (warm == 0 or v["warm_clones"]["ready"] == warm), timeout=60)
@@ -267,6 +267,8 @@ THROUGHPUT_HEAD = ("| clients | invocations/s | median ms | p99 ms | "
 def throughput(a):
     clients = load.parse_clients(a.clients)
     builds = [("forkvm", VMM)] + ([("baseline", a.baseline)] if a.baseline else [])
+    if a.rewind:
+        builds.append(("rewind", VMM))
     label, guest, expect, handler = GUESTS[a.guest]
     print(f"\nThroughput on {load.cores()} cores, {label}, "
           f"{a.mem if a.guest == 'tiny' else 256} MiB template, "
@@ -282,7 +284,9 @@ def throughput(a):
     series["SOCK"] = []
     with tempfile.TemporaryDirectory(prefix="forkvm-invoke-", dir="/dev/shm") as tmp:
         if a.guest == "tiny":
-            vms = [(n, *start_template(tmp, n, a.mem, a.warm, vmm)) for n, vmm in builds]
+            vms = [(n, *start_template(tmp, n, a.mem, a.warm, vmm,
+                                       ["--rewind"] if n == "rewind" else []))
+                   for n, vmm in builds]
         else:
             run, root = guest
             warm = ["--template", "--warm-clones", str(a.warm)]
@@ -594,6 +598,8 @@ def main():
     tp.add_argument("--guest", choices=["tiny", "c", "python"], default="tiny",
                     help="tiny guest echo, C runtime echo, or Python no-op (Linux, 256 MiB)")
     tp.add_argument("--baseline", help="another build's vmm binary, run beside this one")
+    tp.add_argument("--rewind", action="store_true",
+                    help="also this build with --rewind (tiny guest): rewound clones")
     tp.add_argument("--plot", help="draw invocations/s against clients to this PNG")
     rt = sub.add_parser("runtimes")
     rt.add_argument("--runs", type=int, default=50)

@@ -257,6 +257,8 @@ const VMM: &[i64] = &[
     libc::SYS_close_range,
     libc::SYS_set_tid_address,
     libc::SYS_uname,
+    // A rewound clone tracks the guest memory it writes (`vmm::vstate::written`).
+    libc::SYS_userfaultfd,
 ];
 
 /// Whether `kind` may make Unix sockets only (`socket(AF_UNIX, ...)`: the vsock device

@@ -220,6 +220,71 @@ fn eight_callers_at_once_each_get_their_own_clone() {
     assert_eq!(vm.describe()["invoke"]["started"], 201);
 }
 
+/// `--rewind`: an invocation clone that answered is put back in its template's state
+/// and serves another request in the same process. Eight callers at once: every reply
+/// comes from a VM whose guest memory is the template's again (the guest's own request
+/// count is 1 each time, as in a fresh clone), under an id of its own and with entropy
+/// of its own; rewound clones rejoin the pool, and nothing is left.
+#[test]
+fn rewound_clones_serve_eight_callers_as_fresh_ones_and_leak_nothing() {
+    if !kvm_available("invoke_rewind") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-rewind");
+    let vm = template(&scratch, &["--warm-clones", "4", "--rewind"]);
+    let pid = vm.child.id();
+    let settled = || {
+        let warm = &vm.describe()["warm_clones"];
+        let ready = warm["ready"].as_u64().unwrap_or(0);
+        (4..=5).contains(&ready)
+            && children_of(pid).len() as u64 == ready
+            && leftovers(&scratch).is_empty()
+    };
+    echoed(&invoke(&vm.sock, b"warm up"), b"warm up");
+    wait_until("the clone to come back and the pool to settle", settled);
+    let sock = vm.sock.clone();
+    let callers: Vec<_> = (0..8u8)
+        .map(|t| {
+            let sock = sock.clone();
+            std::thread::spawn(move || {
+                (0..20u8)
+                    .map(|i| {
+                        let payload = [b'r', t, b'i', i];
+                        let (clone, seq, entropy) = echoed(&invoke(&sock, &payload), &payload);
+                        assert_eq!(seq, 1, "clone {clone}: the guest's memory was not rewound");
+                        (clone, entropy)
+                    })
+                    .collect::<Vec<(u64, Vec<u8>)>>()
+            })
+        })
+        .collect();
+    let (mut clones, mut entropy) = (HashSet::new(), HashSet::new());
+    for c in callers {
+        for (clone, e) in c.join().unwrap() {
+            assert!(clones.insert(clone), "clone id {clone} served twice");
+            assert!(entropy.insert(e), "two requests got the same entropy");
+        }
+    }
+    assert_eq!(clones.len(), 160);
+    wait_until("the clones to come back and the pool to settle", settled);
+    // One at a time, the same processes serve: each request's clone comes back and no
+    // clone is forked.
+    let rewound = || vm.describe()["warm_clones"]["rewound"].as_u64().unwrap();
+    let (before, processes) = (rewound(), children_of(pid));
+    let fds = tests::fds_at_rest(pid);
+    for i in 0..10u8 {
+        let (_, seq, _) = echoed(&invoke(&vm.sock, &[i]), &[i]);
+        assert_eq!(seq, 1);
+        wait_until("the clone to come back", settled);
+    }
+    assert_eq!(rewound(), before + 10);
+    assert_eq!(children_of(pid), processes, "a clone was forked or lost");
+    assert_eq!(fds_of(pid, fds), fds, "fds leaked:\n{}", fd_targets(pid));
+    let (_, body) = vm.api("GET", "/clones", None);
+    let list: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(list["clones"].as_array().unwrap().len(), 0, "{body}");
+}
+
 /// The template does not wait for an invocation clone to start: a clone that is slow
 /// to (stopped here, as a loaded host may leave it unscheduled) holds up no other
 /// request, and is listed as starting until it runs.

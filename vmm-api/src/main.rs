@@ -334,6 +334,13 @@ struct RunArgs {
     /// time the guest did not run (0: deliver it at once; at most 1000).
     #[arg(long, default_value_t = vmm::config::DEFAULT_TICK_DEFER_MS)]
     tick_defer_ms: u64,
+    /// A template's invocation clones, once they answered, are rewound to the
+    /// template's state (the guest memory they wrote copied back, vCPUs restored) and
+    /// serve another request in the same host process and KVM VM, instead of ending
+    /// (docs/invoke.md, "Rewound clones": what it keeps and what it costs). Only for a
+    /// VM with no virtio devices and no cgroup pools yet; otherwise clones end as before.
+    #[arg(long)]
+    rewind: bool,
     /// Do not prime a template's warm clones (by default each runs its runtime's serving
     /// path once, without the handler, before its request comes, when the runtime
     /// declares it can: docs/invoke.md).
@@ -632,6 +639,7 @@ fn main() -> ExitCode {
                     template: a.template,
                     refresh_idle_ms: a.refresh_idle_ms,
                     tick_defer_ms: a.tick_defer_ms,
+                    rewind: a.rewind,
                 },
             };
             finish(vmm::run::<HttpEdge>(config))

@@ -81,6 +81,7 @@ const TOKEN_API: u64 = 3;
 const TOKEN_SIGNAL: u64 = 4;
 const TOKEN_STDIN: u64 = 5;
 const TOKEN_STARTS: u64 = 6;
+const TOKEN_BACK: u64 = 7;
 
 /// An epoll timeout for `d`, rounded up: rounded down, the loop would wake before the
 /// time and spin with timeout 0 until it.
@@ -404,10 +405,22 @@ impl<E: Edge> Vmm<E> {
     /// clone. Actions come from `actions` (dropped, refusing whatever is still queued,
     /// when the loop ends); shutdown signals and SIGCHLD from `signals`.
     pub fn run(
-        mut self,
+        self,
         actions: Option<ActionReceiver>,
         signals: Option<&SignalFd>,
     ) -> Result<RunOutcome, RunError> {
+        self.run_keeping(actions, signals, false).map(|(o, _)| o)
+    }
+
+    /// [`Vmm::run`]; with `keep`, a VM that served its invocation and ended
+    /// ([`RunOutcome::Invoked`]) is given back as it stopped, its vCPU threads parked
+    /// (a clone to be rewound takes it apart: `Microvm::into_kept`).
+    pub fn run_keeping(
+        mut self,
+        actions: Option<ActionReceiver>,
+        signals: Option<&SignalFd>,
+        keep: bool,
+    ) -> Result<(RunOutcome, Option<Microvm>), RunError> {
         let epoll = Epoll::new().map_err(RunError::EventLoop)?;
         let add = |fd: RawFd, token: u64| {
             epoll
@@ -430,6 +443,13 @@ impl<E: Edge> Vmm<E> {
         match self.clones.starts_fd() {
             Ok(fd) => add(fd, TOKEN_STARTS)?,
             Err(e) => tracing::warn!("invocation clones' starts are waited for: {e}"),
+        }
+        // Rewound clones coming back (`--rewind`).
+        if self.vm.config().invoke.rewind {
+            match self.clones.back_fd() {
+                Ok(fd) => add(fd, TOKEN_BACK)?,
+                Err(e) => tracing::warn!("rewound clones cannot come back: {e}"),
+            }
         }
         // Host input reaches the guest's serial port when the console is the terminal
         // (or pipe) the VMM runs on. Lines arrive as the terminal delivers them; stdin
@@ -505,6 +525,7 @@ impl<E: Edge> Vmm<E> {
                         }
                     }
                     TOKEN_STARTS => self.clones.check_starts(),
+                    TOKEN_BACK => self.clones.take_back(&self.vm),
                     TOKEN_STDIN => {
                         if self.vm.forward_input(stdin_fd) == Input::Closed {
                             // End of input or an error: stop watching stdin.
@@ -543,14 +564,17 @@ impl<E: Edge> Vmm<E> {
         // Actions still queued are refused ("shutting down") rather than left waiting.
         drop(actions);
         self.clones.discard_warm_clones();
-        self.vm.stop();
+        let keep = keep && outcome == RunOutcome::Invoked;
+        if !keep {
+            self.vm.stop();
+        }
         self.clones.shut_down();
         self.answer_orphans();
         // Deletions of clones that were reaped get their records; any other is answered
         // "shutting down" as its replier drops.
         self.answer_stopped();
         self.stops.clear();
-        Ok(outcome)
+        Ok((outcome, keep.then_some(self.vm)))
     }
 }
 
@@ -608,8 +632,11 @@ fn describe_outcome(outcome: &RunOutcome) -> String {
 /// tells its parent it is up, starts its device workers (threads that install their
 /// seccomp filters first: the guest's notifications wait in the queue eventfds and host
 /// vsock connections in the listening socket's backlog meanwhile), then runs its event
-/// loop until it stops.
-pub fn serve_clone<E: Edge>(clone: RebuiltClone) -> Result<RunOutcome, ServeError> {
+/// loop until it stops. A clone to be rewound ([`RebuiltClone::keep`]) that served its
+/// invocation gets its VM back, stopped.
+pub fn serve_clone<E: Edge>(
+    clone: RebuiltClone,
+) -> Result<(RunOutcome, Option<Microvm>), ServeError> {
     let (sender, actions) = crate::rpc::channel()?;
     let api = serve_socket::<E>(&clone.api_sock, sender, clone.vm.config())?;
     clone.ready.send()?;
@@ -619,7 +646,7 @@ pub fn serve_clone<E: Edge>(clone: RebuiltClone) -> Result<RunOutcome, ServeErro
     if let Some(invoker) = clone.taken.and_then(|t| t.downcast::<Invoker>().ok()) {
         vmm.invoker = *invoker;
     }
-    let outcome = vmm.run(Some(actions), Some(&clone.signals))?;
+    let ended = vmm.run_keeping(Some(actions), Some(&clone.signals), clone.keep)?;
     drop(api);
-    Ok(outcome)
+    Ok(ended)
 }

@@ -23,7 +23,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::config::VmConfig;
 use crate::device_manager::DeviceManager;
 use crate::vstate::kvm::KvmContext;
-use crate::vstate::vcpu::{StartedVcpus, VcpuError, VcpuEvent, VcpuExitReason, VcpuHandle};
+use crate::vstate::vcpu::{StartedVcpus, Vcpu, VcpuError, VcpuEvent, VcpuExitReason, VcpuHandle};
 
 /// Why the VMM stopped.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,6 +128,19 @@ pub struct VmParts {
     pub capture_spec: Arc<CaptureSpec>,
     /// Size of a vCPU's kvm_run mapping.
     pub kvm_run_size: usize,
+}
+
+/// What a rewound clone keeps of its VM ([`Microvm::into_kept`]): the KVM objects,
+/// restored in place for its next request.
+pub struct Kept {
+    /// The KVM VM, its memory slots, irqchip and PIT.
+    pub vm: VmFd,
+    /// Its vCPUs, their threads joined.
+    pub vcpus: Vec<Vcpu>,
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// /dev/kvm.
+    pub kvm: KvmContext,
 }
 
 /// A running VM.
@@ -372,6 +385,27 @@ impl Microvm {
     /// Takes the oldest pending vCPU event.
     pub fn next_event(&mut self) -> Option<(u8, VcpuEvent)> {
         self.pending_events.pop_front()
+    }
+
+    /// Takes the stopped VM apart for a rewind (`cloning/rewind.rs`): every vCPU
+    /// thread is stopped and joined and its vCPU kept, with the KVM VM, /dev/kvm and
+    /// guest memory; the devices and everything else are dropped. None if a vCPU thread
+    /// was gone (it panicked).
+    pub fn into_kept(self) -> Option<Kept> {
+        let Self {
+            vm,
+            mem,
+            kvm,
+            vcpus,
+            ..
+        } = self;
+        let vcpus: Option<Vec<Vcpu>> = vcpus.into_iter().map(VcpuHandle::into_vcpu).collect();
+        Some(Kept {
+            vm,
+            vcpus: vcpus?,
+            mem,
+            kvm,
+        })
     }
 
     /// Stops the VM for good: every vCPU thread is stopped and joined, and the disks

@@ -82,6 +82,27 @@ pub fn prepare(
     })
 }
 
+/// [`prepare`], or with `reuse`, a rewound clone's VM (`cloning/rewind.rs`): its
+/// vCPUs restored from `state` in place.
+pub fn prepare_or_reuse(
+    kvm: &KvmContext,
+    state: &MicrovmState,
+    mem: &GuestMemoryMmap,
+    mailbox: devices::mailbox::MailboxWindow,
+    reuse: Option<Prepared>,
+) -> Result<Prepared, RebuildError> {
+    let Some(mut prepared) = reuse else {
+        return prepare(kvm, state, mem, mailbox);
+    };
+    for (i, (v, s)) in prepared.vcpus.iter_mut().zip(&state.vcpus).enumerate() {
+        let skipped = v.restore(s, mailbox)?;
+        if i == 0 {
+            prepared.skipped_msrs = skipped;
+        }
+    }
+    Ok(prepared)
+}
+
 /// What a rebuilt VM's devices and vCPUs start from.
 pub struct StartFrom<'a> {
     /// Its guest memory.

@@ -40,10 +40,13 @@ use clone::MicrovmState;
 
 use super::cgroups::{place_self, Placement};
 use super::request::Identity;
-use super::wire::{report_primed, wait_for_go, Go, LaunchError, ReadyMark};
+use super::rewind::{RewindError, Rewinder};
+use super::wire::{report_back, report_primed, wait_for_go, Go, LaunchError, ReadyMark};
 use super::working::{populate, Duty, ForChild, PageSet};
 use super::Cloner;
-use crate::builder::rebuild::{prepare, start_rebuilt, Prepared, RebuildError, StartFrom};
+use crate::builder::rebuild::{
+    prepare, prepare_or_reuse, start_rebuilt, Prepared, RebuildError, StartFrom,
+};
 use crate::config::{keep_overlays, ConsoleSink, NoSuchDevice, VmConfig};
 use crate::device_manager::Inserted;
 use crate::errno::errno_of;
@@ -65,6 +68,9 @@ pub(crate) enum Start {
         cgroup: Option<Placement>,
         /// The vCPU to prime it on (the hooks' `prime`), if it is primed.
         prime: Option<u8>,
+        /// The template's memory (`rewind::open_own_memory`), when its invocation
+        /// clones are rewound.
+        rewind: Option<RawFd>,
     },
 }
 
@@ -112,6 +118,9 @@ pub struct RebuiltClone {
     pub ready: ReadyMark,
     /// What the hooks' `take` made of the clone's handover, if it had one.
     pub taken: Option<Box<dyn Any>>,
+    /// Whether `serve` gives the VM back once it served its invocation (the clone is
+    /// rewound: `rewind.rs`).
+    pub keep: bool,
 }
 
 /// What the layers above cloning do in a clone, given to the [`Cloner`] as plain
@@ -131,17 +140,25 @@ pub struct CloneHooks {
     pub prime: PrimeClone,
 }
 
-/// Serves a rebuilt clone until it stops (the controller's event loop).
-pub type ServeClone = fn(RebuiltClone) -> Result<RunOutcome, ServeError>;
+/// Serves a rebuilt clone until it stops (the controller's event loop); gives the VM
+/// back, stopped, when the clone is to be rewound ([`RebuiltClone::keep`]) and it
+/// served its invocation.
+pub type ServeClone = fn(RebuiltClone) -> Result<(RunOutcome, Option<Microvm>), ServeError>;
 
 /// Takes up a handover in the clone, before its vCPUs run.
 /// `template` is the VM the clone's is rebuilt from, on its memory (the clone's own, copy
 /// on write, from the fork).
 pub type TakeHandover = fn(HandedOver, &VmConfig, &Microvm) -> Result<Box<dyn Any>, ServeError>;
 
-/// Primes a warm clone of `template`, captured as the state given, on the vCPU given.
-pub type PrimeClone =
-    fn(&KvmContext, &Microvm, &MicrovmState, u8) -> Result<(MicrovmState, Prepared), PrimeFailure>;
+/// Primes a warm clone of `template`, captured as the state given, on the vCPU given;
+/// in the VM given when it has one (a rewound clone's), else in a new one.
+pub type PrimeClone = fn(
+    &KvmContext,
+    &Microvm,
+    &MicrovmState,
+    u8,
+    Option<Prepared>,
+) -> Result<(MicrovmState, Prepared), PrimeFailure>;
 
 /// Why serving a clone, or a hook, failed.
 pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
@@ -207,6 +224,9 @@ pub enum ChildError {
     /// The clone's handover could not be taken up.
     #[error("cannot take up the clone's handover: {0}")]
     Take(ServeError),
+    /// The clone could not be rewound after its request (it ends).
+    #[error("cannot rewind: {0}")]
+    Rewind(#[from] RewindError),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -255,7 +275,10 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
     keep.push(std::os::fd::AsRawFd::as_raw_fd(&plan.template.kvm().kvm));
     keep.extend(plan.working.iter().map(|w| w.report));
     match &plan.start {
-        Start::Warm { go, .. } => keep.push(*go),
+        Start::Warm { go, rewind, .. } => {
+            keep.push(*go);
+            keep.extend(rewind);
+        }
         Start::Now(id) => {
             keep.extend(id.cgroup.iter().flat_map(|p| p.fds.iter().copied()));
             keep.extend(id.carried.iter().map(|c| c.stream.as_raw_fd()));
@@ -367,19 +390,23 @@ type Warmed = (MicrovmState, Prepared, Go, Arc<PageSet>);
 
 /// A warm clone: into the default class's cgroup, its template's working set written
 /// ahead, its VM prepared (and primed on vCPU `prime`, when given), then it waits for
-/// its identity and re-times its vCPUs to the launch. None: discarded unlaunched.
+/// its identity and re-times its vCPUs to the launch. A rewound clone (`reuse`: its VM)
+/// has its cgroup and its pages already: it is prepared (and primed) again in its VM,
+/// then tells its template it is back. None: discarded unlaunched.
 fn prepare_warm(
     kvm: &KvmContext,
     plan: &ChildPlan<'_>,
     (go, cgroup, prime): (RawFd, Option<&Placement>, Option<u8>),
     marks: &mut StageTimer,
+    reuse: Option<Prepared>,
 ) -> Result<Option<Warmed>, ChildError> {
-    if let Some(p) = cgroup {
+    let rewound = reuse.is_some();
+    if let (Some(p), false) = (cgroup, rewound) {
         place_self(p).map_err(ChildError::Cgroup)?;
     }
     // Before the prime, which then finds those pages its own too.
     let ahead = match &plan.working {
-        Some(w) if !w.set.is_empty() => {
+        Some(w) if !w.set.is_empty() && !rewound => {
             if let Err(e) = populate(plan.template.memory(), &w.set) {
                 tracing::warn!("cannot write the working set ahead: {e}");
             }
@@ -390,9 +417,12 @@ fn prepare_warm(
     };
     let (base, prepared) = match prime {
         Some(vcpu) => {
-            let (state, prepared) = (plan.hooks.prime)(kvm, plan.template, plan.state, vcpu)?;
+            let (state, prepared) =
+                (plan.hooks.prime)(kvm, plan.template, plan.state, vcpu, reuse)?;
             // Tells the parent it may launch this clone (`warm::WarmClone::launchable`).
-            report_primed(go).map_err(ChildError::ReportPrime)?;
+            if !rewound {
+                report_primed(go).map_err(ChildError::ReportPrime)?;
+            }
             (Cow::Owned(state), prepared)
         }
         None => {
@@ -400,7 +430,7 @@ fn prepare_warm(
             let window = plan.template.mailbox();
             (
                 Cow::Borrowed(plan.state),
-                prepare(kvm, plan.state, mem, window)?,
+                prepare_or_reuse(kvm, plan.state, mem, window, reuse)?,
             )
         }
     };
@@ -409,6 +439,9 @@ fn prepare_warm(
     } else {
         "prepared"
     });
+    if rewound {
+        report_back(go).map_err(ChildError::ReportPrime)?;
+    }
     let Some((id, carried)) = wait_for_go(go)? else {
         return Ok(None);
     };
@@ -509,11 +542,10 @@ fn run_clone(
     mark: ReadyMark,
     name: &mut String,
 ) -> Result<RunOutcome, ChildError> {
-    let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
     // SAFETY: the parent's KvmContext in this process is never dropped (see child_main).
     let kvm = unsafe { plan.template.kvm().inherited() };
     let mut marks = StageTimer::new();
-    let (state, prepared, (identity, carried), ahead) = match &plan.start {
+    let (go, cgroup, prime, rewind) = match &plan.start {
         Start::Now(id) => {
             let (state, prepared) = prepare_now(&kvm, plan, id, &mut marks)?;
             let carried = (id.carried.as_ref()).map(|c| {
@@ -523,81 +555,185 @@ fn run_clone(
                 let fd = unsafe { OwnedFd::from_raw_fd(c.stream.as_raw_fd()) };
                 (Cow::Borrowed(c.payload.as_slice()), fd)
             });
-            (
+            let life = Life {
                 state,
-                prepared,
-                (Identity::clone(id), carried),
-                Arc::default(),
-            )
-        }
-        Start::Warm { go, cgroup, prime } => {
-            let start = (*go, cgroup.as_ref(), *prime);
-            match prepare_warm(&kvm, plan, start, &mut marks)? {
-                Some((state, prepared, (id, carried), ahead)) => {
-                    let carried = carried.map(|(p, fd)| (Cow::Owned(p), fd));
-                    (state, prepared, (id, carried), ahead)
-                }
-                None => return Ok(RunOutcome::ApiShutdown),
-            }
-        }
-    };
-    name.clone_from(&identity.id);
-    crate::logging::set_tag(&format!("clone {}", identity.id));
-    // Before any of them exists: a parent killed with SIGKILL cannot remove them. Its
-    // sockets, and the console of a clone handed something (an invocation's): what the
-    // parent removes when it reaps such a clone (other clones' consoles are kept for
-    // reading).
-    let transient = carried.is_some() && identity.console != Path::new("/dev/null");
-    let console = transient.then_some(&identity.console);
-    let files = [Some(&identity.api_sock), console, identity.vsock.as_ref()];
-    crate::signals::remove_at_parent_death(files.into_iter().flatten().map(PathBuf::as_path));
-    let launched = Instant::now();
-    marks.done("vcpus");
-    let config = clone_config(plan.template.config(), &identity)?;
-    // The guest reads the last part of its id ("2.1" -> 1) from the identity port.
-    let seq = (identity.id.rsplit('.').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0);
-    // The handover is taken up before the vCPUs run (an invocation's request goes
-    // into the clone's copy of the mailbox; its port read already has the length,
-    // `guest_result`).
-    let taken = match (&identity.note, carried) {
-        (Some(note), Some((payload, stream))) => {
-            let handed = HandedOver {
-                note,
-                payload: &payload,
-                stream: stream.into(),
-                primed: matches!(plan.start, Start::Warm { prime: Some(_), .. }),
+                identity: Identity::clone(id),
+                carried,
+                ahead: Arc::default(),
+                primed: false,
             };
-            Some((plan.hooks.take)(handed, &config, plan.template).map_err(ChildError::Take)?)
+            let run = life.run(
+                plan,
+                (kvm, prepared),
+                (ready, mark),
+                name,
+                &mut marks,
+                false,
+            );
+            return run.map(|(outcome, _)| outcome);
         }
-        _ => None,
+        Start::Warm {
+            go,
+            cgroup,
+            prime,
+            rewind,
+        } => (*go, cgroup.as_ref(), *prime, *rewind),
     };
-    let media = inserted_media(&identity).map_err(ChildError::Media)?;
-    let parts = launch(
-        plan,
-        (kvm, prepared),
-        (&state, config, seq),
-        (ready, &media),
-        &mut marks,
-    )?;
-    tracing::info!(
-        "clone {} (pid {}) running {} us after launch",
-        identity.id,
-        std::process::id(),
-        launched.elapsed().as_micros()
-    );
-    tracing::debug!("clone {} stages: {}", identity.id, marks.report());
-    let duty = (plan.working.as_ref())
-        .filter(|_| identity.record_working_set)
-        .map(|w| Duty::new(w, ahead));
-    let rebuilt = RebuiltClone {
-        vm: Microvm::new(parts),
-        cloner: Cloner::for_clone(identity.id, plan.hooks, duty),
-        api_sock: identity.api_sock,
-        signals,
-        ready: mark,
-        taken,
-    };
-    (plan.hooks.serve)(rebuilt).map_err(ChildError::Serve)
+    // Before anything writes guest memory: the prime, the working set written ahead.
+    let mut rewinder = rewind.and_then(|fd| {
+        Rewinder::new(fd, plan.template.memory(), kvm.host)
+            .map_err(|e| tracing::warn!("this clone will not be rewound: {e}"))
+            .ok()
+    });
+    let mut kvm = kvm;
+    let mut reuse = None;
+    let mut first = Some((ready, mark));
+    loop {
+        let start = (go, cgroup, prime);
+        let Some((state, prepared, (mut identity, carried), ahead)) =
+            prepare_warm(&kvm, plan, start, &mut marks, reuse.take())?
+        else {
+            return Ok(RunOutcome::ApiShutdown);
+        };
+        // The first launch reports on the pipe inherited from the fork; a rewound
+        // clone's on the one its launch message brought (the template answers once
+        // every write end is closed: none may stay in the identity).
+        let sent = identity.ready.take().and_then(|f| Arc::try_unwrap(f).ok());
+        let pipe = match (first.take(), sent) {
+            (Some(pipe), _) => pipe,
+            (None, Some(f)) => {
+                let mark = ReadyMark::new(f.try_clone().map_err(ChildError::ReadyPipe)?);
+                (f, mark)
+            }
+            (None, None) => {
+                return Err(ChildError::Launch(LaunchError::new(
+                    "a rewound clone's launch without a ready pipe",
+                )))
+            }
+        };
+        let carried = carried.map(|(p, fd)| (Cow::Owned(p), fd));
+        let life = Life {
+            state,
+            identity,
+            carried,
+            ahead,
+            primed: prime.is_some(),
+        };
+        let keep = rewinder.is_some();
+        let (outcome, vm) = life.run(plan, (kvm, prepared), pipe, name, &mut marks, keep)?;
+        let (Some(vm), Some(r)) = (vm, rewinder.as_mut()) else {
+            return Ok(outcome);
+        };
+        let rewind_started = Instant::now();
+        let (k, prepared, pages) = r.rewind(vm)?;
+        tracing::info!(
+            "rewound ({}): {} bytes in {} ranges copied back in {} us",
+            r.count,
+            pages.bytes,
+            pages.ranges,
+            rewind_started.elapsed().as_micros()
+        );
+        crate::logging::set_tag(&format!("clone pid {} (rewound)", std::process::id()));
+        name.clone_from(&String::from("(rewound)"));
+        marks = StageTimer::new();
+        kvm = k;
+        reuse = Some(prepared);
+    }
+}
+
+/// One request's life in a clone: from its identity to the end of its event loop.
+struct Life<'a> {
+    /// The state it is launched from.
+    state: MicrovmState,
+    identity: Identity,
+    /// A handover's payload and stream.
+    carried: Option<(Cow<'a, [u8]>, OwnedFd)>,
+    /// The pages it wrote ahead.
+    ahead: Arc<PageSet>,
+    /// Whether it is a primed warm clone.
+    primed: bool,
+}
+
+impl Life<'_> {
+    /// Launches the prepared VM with this identity and serves it until it stops;
+    /// with `keep`, gives the VM back when it served its invocation.
+    fn run(
+        self,
+        plan: &ChildPlan<'_>,
+        (kvm, prepared): (KvmContext, Prepared),
+        (ready, mark): (File, ReadyMark),
+        name: &mut String,
+        marks: &mut StageTimer,
+        keep: bool,
+    ) -> Result<(RunOutcome, Option<Microvm>), ChildError> {
+        let Life {
+            state,
+            identity,
+            carried,
+            ahead,
+            primed,
+        } = self;
+        let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
+        name.clone_from(&identity.id);
+        crate::logging::set_tag(&format!("clone {}", identity.id));
+        // Before any of them exists: a parent killed with SIGKILL cannot remove them.
+        // Its sockets, and the console of a clone handed something (an invocation's):
+        // what the parent removes when it reaps such a clone (other clones' consoles are
+        // kept for reading).
+        let transient = carried.is_some() && identity.console != Path::new("/dev/null");
+        let console = transient.then_some(&identity.console);
+        let files = [Some(&identity.api_sock), console, identity.vsock.as_ref()];
+        crate::signals::remove_at_parent_death(files.into_iter().flatten().map(PathBuf::as_path));
+        let launched = Instant::now();
+        marks.done("vcpus");
+        let config = clone_config(plan.template.config(), &identity)?;
+        // The guest reads the last part of its id ("2.1" -> 1) from the identity port.
+        let seq = (identity.id.rsplit('.').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        // The handover is taken up before the vCPUs run (an invocation's request goes
+        // into the clone's copy of the mailbox; its port read already has the length,
+        // `guest_result`).
+        let taken = match (&identity.note, carried) {
+            (Some(note), Some((payload, stream))) => {
+                let handed = HandedOver {
+                    note,
+                    payload: &payload,
+                    stream: stream.into(),
+                    primed,
+                };
+                let t = (plan.hooks.take)(handed, &config, plan.template);
+                Some(t.map_err(ChildError::Take)?)
+            }
+            _ => None,
+        };
+        let media = inserted_media(&identity).map_err(ChildError::Media)?;
+        let parts = launch(
+            plan,
+            (kvm, prepared),
+            (&state, config, seq),
+            (ready, &media),
+            marks,
+        )?;
+        tracing::info!(
+            "clone {} (pid {}) running {} us after launch",
+            identity.id,
+            std::process::id(),
+            launched.elapsed().as_micros()
+        );
+        tracing::debug!("clone {} stages: {}", identity.id, marks.report());
+        let duty = (plan.working.as_ref())
+            .filter(|_| identity.record_working_set)
+            .map(|w| Duty::new(w, ahead));
+        let rebuilt = RebuiltClone {
+            vm: Microvm::new(parts),
+            cloner: Cloner::for_clone(identity.id, plan.hooks, duty),
+            api_sock: identity.api_sock,
+            signals,
+            ready: mark,
+            taken,
+            keep,
+        };
+        (plan.hooks.serve)(rebuilt).map_err(ChildError::Serve)
+    }
 }

@@ -39,6 +39,7 @@ mod fork;
 mod forker;
 mod quiesce;
 mod request;
+mod rewind;
 mod starting;
 mod table;
 mod tree;
@@ -579,6 +580,10 @@ impl Cloner {
         self.warm.retire_stale();
         if self.warm.due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
+            if vm.config().invoke.rewind && vm.config().invoke.template {
+                let why_not = rewind::unsupported(vm, self.cgroups.is_some());
+                self.warm.rewind_clones(why_not);
+            }
             let lineage = self.lineage();
             self.warm.add(vm, self.cgroups.as_mut(), &lineage, prime);
         }
@@ -592,6 +597,22 @@ impl Cloner {
         }
         if let Some(c) = self.cgroups.as_mut() {
             c.upkeep();
+        }
+    }
+
+    /// The descriptor the event loop watches for rewound clones coming back
+    /// ([`Cloner::take_back`]).
+    pub fn back_fd(&mut self) -> std::io::Result<std::os::fd::RawFd> {
+        self.warm.back_fd()
+    }
+
+    /// Takes back the invocation clones that came back rewound: their requests'
+    /// records end (as at an exit with status 0) and they join the warm pool.
+    pub fn take_back(&mut self, vm: &Microvm) {
+        // Their starts first: a record ends only once started.
+        self.check_starts();
+        for pid in self.warm.take_back(vm) {
+            self.table.rewound(pid);
         }
     }
 

@@ -193,6 +193,14 @@ pub(crate) struct Identity {
     /// the images.
     #[serde(skip)]
     pub overlay_files: Vec<Arc<std::fs::File>>,
+    /// The write end of a new ready pipe, sent first with the launch message to a
+    /// rewound clone (its first launch used the pipe it inherited): `ready_attached`
+    /// says it was sent.
+    #[serde(skip)]
+    pub ready: Option<Arc<std::fs::File>>,
+    /// Whether `ready` travels with the launch message.
+    #[serde(default)]
+    pub ready_attached: bool,
 }
 
 /// A handover's payload and stream, on their way to a clone.
@@ -383,6 +391,8 @@ pub(super) fn identities(
             media: media.clone(),
             media_files: media_files.clone(),
             overlay_files: overlay_files(config, &writable)?,
+            ready: None,
+            ready_attached: false,
         });
     }
     Ok(identities)

@@ -213,6 +213,13 @@ impl CloneTable {
         Some(c.clone())
     }
 
+    /// Ends the record of clone `pid`, which came back rewound (`rewind.rs`), as at an
+    /// exit with status 0: the process lives on as a warm clone. Without cgroup pools
+    /// (a rewound clone has none).
+    pub(super) fn rewound(&mut self, pid: i32) {
+        self.reaped(None, pid, WaitStatus::Exited(Pid::from_raw(pid), 0));
+    }
+
     /// Reaps every exited child without blocking: a clone's record gets its status; a
     /// child that is no clone (a warm clone, which `is_warm` takes back with its exit
     /// status) only returns its cgroup.

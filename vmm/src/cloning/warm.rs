@@ -19,7 +19,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 
 use std::time::{Duration, Instant};
@@ -30,6 +30,7 @@ use clone::MicrovmState;
 use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::capture::capture;
 use super::cgroups::{placement_of, started_in, ClonePools};
@@ -54,8 +55,9 @@ struct WarmClone {
     pid: i32,
     /// The parent's end of its go channel.
     go: std::os::unix::net::UnixStream,
-    /// Read end of its ready pipe.
-    ready: File,
+    /// Read end of its ready pipe; None for a rewound clone (a new pipe goes with its
+    /// launch message).
+    ready: Option<File>,
     /// The cgroup (of the first class) it already sits in, with cgroup pools.
     cgroup: Option<CloneCgroup>,
     /// Whether it primes itself (the hooks' `prime`).
@@ -139,6 +141,28 @@ pub struct WarmPool {
     add_failures: u32,
     /// No warm clone is tried until then, after such a failure.
     add_retry_at: Option<Instant>,
+    /// Launched clones that may come back rewound (`rewind.rs`), by pid.
+    out: Vec<Out>,
+    /// Watches the go channels of `out` (made when the event loop asks for it).
+    back: Option<Epoll>,
+    /// Bumped whenever the template is to run: a clone launched in an older one
+    /// copied its memory back from memory that changed, and is ended when it comes
+    /// back.
+    generation: u64,
+    /// Clones that came back rewound and joined the pool.
+    rewound: u64,
+    /// The template's memory as its clones read it, when they are rewound
+    /// (`rewind::open_own_memory`; None: not rewound).
+    rewind_from: Option<File>,
+}
+
+/// A launched clone that may come back rewound.
+struct Out {
+    pid: i32,
+    go: std::os::unix::net::UnixStream,
+    /// The generation it was launched in.
+    generation: u64,
+    primed: bool,
 }
 
 /// How long the pool waits to try again after a warm clone could not be made, the first
@@ -184,6 +208,7 @@ impl WarmPool {
             discarded: self.discarded,
             priming: self.priming && self.may_prime(Instant::now()),
             primed: self.primed,
+            rewound: self.rewound,
         }
     }
 
@@ -202,6 +227,12 @@ impl WarmPool {
     /// good (their stderr says why), so that the pool does not fork one failing prime
     /// after another; as many that ran out of time pause it ([`PRIME_PAUSE_FIRST`]).
     pub(super) fn reaped(&mut self, pid: i32, status: &WaitStatus) -> bool {
+        // A launched clone that ended instead of coming back: its record is the
+        // table's.
+        if let Some(i) = self.out.iter().position(|o| o.pid == pid) {
+            self.forget_out(i);
+            return false;
+        }
         if let Some(i) = self.dying.iter().position(|&(p, _)| p == pid) {
             if self.dying.swap_remove(i).1 {
                 self.prime_ended(pid, prime_timed_out(status), Instant::now());
@@ -263,6 +294,7 @@ impl WarmPool {
     /// state is forgotten.
     pub(super) fn discard(&mut self) {
         self.epoch = None;
+        self.generation += 1;
         for c in self.clones.drain(..) {
             let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
             self.discarded += 1;
@@ -274,6 +306,96 @@ impl WarmPool {
     /// from the state it pauses with next.
     pub(super) fn forget_epoch(&mut self) {
         self.epoch = None;
+        self.generation += 1;
+    }
+
+    /// Rewinds the invocation clones launched from now on (`rewind.rs`), when `why_not`
+    /// says nothing against it; logs why not once otherwise.
+    pub(super) fn rewind_clones(&mut self, why_not: Option<&str>) {
+        if self.rewind_from.is_some() {
+            return;
+        }
+        if let Some(why) = why_not {
+            tracing::warn!("--rewind: invocation clones end as before: {why}");
+            return;
+        }
+        match super::rewind::open_own_memory() {
+            Ok(f) => self.rewind_from = Some(f),
+            Err(e) => tracing::warn!("--rewind: cannot open this process's memory: {e}"),
+        }
+    }
+
+    /// The descriptor that is readable while a launched clone says it is back (or
+    /// ended); made on the first call.
+    pub(super) fn back_fd(&mut self) -> std::io::Result<RawFd> {
+        let epoll = match &self.back {
+            Some(e) => e,
+            None => self.back.insert(Epoll::new()?),
+        };
+        Ok(epoll.as_raw_fd())
+    }
+
+    fn forget_out(&mut self, i: usize) {
+        let o = self.out.swap_remove(i);
+        if let Some(e) = &self.back {
+            let _ = e.ctl(
+                ControlOperation::Delete,
+                o.go.as_raw_fd(),
+                EpollEvent::default(),
+            );
+        }
+    }
+
+    /// Takes back the launched clones that say they are rewound: those launched in
+    /// this generation of a paused template join the pool, the others are killed.
+    /// Returns the pids that came back (their requests' records end).
+    pub(super) fn take_back(&mut self, vm: &Microvm) -> Vec<i32> {
+        let mut back = Vec::new();
+        let mut i = 0;
+        while i < self.out.len() {
+            let o = &self.out[i];
+            let mut byte = [0u8; 1];
+            let got = nix::sys::socket::recv(
+                o.go.as_raw_fd(),
+                &mut byte,
+                nix::sys::socket::MsgFlags::MSG_DONTWAIT,
+            );
+            match got {
+                Err(nix::errno::Errno::EAGAIN) => i += 1,
+                Ok(1) if byte[0] == super::rewind::BACK => {
+                    let o = self.out.swap_remove(i);
+                    if let Some(e) = &self.back {
+                        let _ = e.ctl(
+                            ControlOperation::Delete,
+                            o.go.as_raw_fd(),
+                            EpollEvent::default(),
+                        );
+                    }
+                    back.push(o.pid);
+                    let current = o.generation == self.generation && vm.state() == VmState::Paused;
+                    // One more than the target at most (a refill made while it was out).
+                    if !current || self.clones.len() > self.target {
+                        let _ = kill(Pid::from_raw(o.pid), Signal::SIGKILL);
+                        self.discarded += 1;
+                        self.dying.push((o.pid, false));
+                        continue;
+                    }
+                    self.rewound += 1;
+                    self.clones.push_back(WarmClone {
+                        pid: o.pid,
+                        go: o.go,
+                        ready: None,
+                        cgroup: None,
+                        primed: o.primed,
+                        prime_done: true,
+                        stale: false,
+                    });
+                }
+                // Ended (or said something else): the reaping takes it.
+                _ => self.forget_out(i),
+            }
+        }
+        back
     }
 
     /// The warm clones there are now would be made otherwise now (their template
@@ -358,8 +480,9 @@ impl WarmPool {
     /// Whether the event loop should add a warm clone to `vm`'s pool (once a failure's
     /// wait is over).
     pub(super) fn wants_clone(&self, vm: &Microvm) -> bool {
+        // Launched clones that will come back rewound count: they refill the pool.
         vm.state() == VmState::Paused
-            && self.clones.len() < self.target + usize::from(self.has_stale())
+            && self.clones.len() + self.out.len() < self.target + usize::from(self.has_stale())
             && vm.pending_events().is_empty()
     }
 
@@ -456,6 +579,7 @@ impl WarmPool {
             go: go_read.as_raw_fd(),
             cgroup: placement,
             prime,
+            rewind: self.rewind_from.as_ref().map(AsRawFd::as_raw_fd),
         };
         // The VM is paused: every vCPU is parked.
         let forked = fork_child(
@@ -478,7 +602,7 @@ impl WarmPool {
         self.clones.push_back(WarmClone {
             pid,
             go: go_write,
-            ready: File::from(ready_read),
+            ready: Some(File::from(ready_read)),
             cgroup,
             primed: prime.is_some(),
             prime_done: false,
@@ -497,12 +621,50 @@ impl WarmPool {
     ) -> Option<(i32, File, Option<CloneCgroup>)> {
         loop {
             let c = self.take(pools.as_deref_mut())?;
-            if send_go(&c.go, identity).is_ok() {
-                return Some((c.pid, c.ready, c.cgroup));
+            let WarmClone {
+                pid,
+                go,
+                ready,
+                cgroup,
+                primed,
+                ..
+            } = c;
+            // A rewound clone's launch brings it a new ready pipe.
+            let launched = match ready {
+                Some(ready) => send_go(&go, identity).map(|()| ready),
+                None => pipe().and_then(|(read_end, write_end)| {
+                    let mut id = identity.clone();
+                    id.ready = Some(Arc::new(File::from(write_end)));
+                    id.ready_attached = true;
+                    send_go(&go, &id).map(|()| File::from(read_end))
+                }),
+            };
+            if let Ok(ready) = launched {
+                if self.rewind_from.is_some() {
+                    self.watch_out(pid, go, primed);
+                }
+                return Some((pid, ready, cgroup));
             }
             // The warm clone died: reap it (or leave it to be) and try the next.
-            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
-            self.reap_or_leave(c.pid, false, pools.as_deref_mut());
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            self.reap_or_leave(pid, false, pools.as_deref_mut());
+        }
+    }
+
+    /// Watches launched clone `pid`'s go channel for its coming back rewound.
+    fn watch_out(&mut self, pid: i32, go: std::os::unix::net::UnixStream, primed: bool) {
+        let watched = self.back.as_ref().is_some_and(|e| {
+            let event = EpollEvent::new(EventSet::IN, pid as u64);
+            e.ctl(ControlOperation::Add, go.as_raw_fd(), event).is_ok()
+        });
+        if watched {
+            let generation = self.generation;
+            self.out.push(Out {
+                pid,
+                go,
+                generation,
+                primed,
+            });
         }
     }
 }

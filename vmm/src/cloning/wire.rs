@@ -29,6 +29,13 @@ use super::request::Identity;
 #[error("{0}")]
 pub struct LaunchError(String);
 
+impl LaunchError {
+    /// An error saying `why`.
+    pub(super) fn new(why: &str) -> Self {
+        Self(why.to_string())
+    }
+}
+
 // The ready pipe.
 
 /// What a clone that failed before it was ready writes to its ready pipe, followed by
@@ -200,24 +207,32 @@ pub(super) fn go_channel() -> std::io::Result<(OwnedFd, std::os::unix::net::Unix
     Ok((child, parent))
 }
 
-/// Sends a warm clone its launch message: the identity (JSON, after its length as 4
-/// bytes) with a handover's stream attached, then the handover's payload. The
-/// clone reads to the end, which closing the channel marks. The identity fits the
-/// socket's buffer; a payload larger than it is written as the clone reads it (it waits
-/// for this message), within the channel's send timeout.
+/// Sends a warm clone its launch message: the identity's length (4 bytes) and the
+/// payload's (8 bytes), the identity (JSON) with a handover's stream attached, then the
+/// handover's payload. The lengths delimit it: the channel stays open after it (a
+/// rewound clone comes back on it, `rewind.rs`). The identity fits the socket's buffer;
+/// a payload larger than it is written as the clone reads it (it waits for this
+/// message), within the channel's send timeout.
 pub(super) fn send_go(
     go: &std::os::unix::net::UnixStream,
     identity: &Identity,
 ) -> std::io::Result<()> {
     use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
     let json = serde_json::to_vec(identity).map_err(std::io::Error::other)?;
-    let len = (json.len() as u32).to_le_bytes();
+    let payload = identity
+        .carried
+        .as_ref()
+        .map_or(&[][..], |c| &c.payload[..]);
+    let mut len = [0u8; HEADER];
+    len[..4].copy_from_slice(&(json.len() as u32).to_le_bytes());
+    len[4..].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    let ready = identity.ready.as_ref().map(|f| f.as_raw_fd());
     let conn = identity.carried.as_ref().map(|c| c.stream.as_raw_fd());
-    // The handover's stream first, then the slots' images in order, then the writable
-    // ones' overlay files.
+    // A new ready pipe first (a rewound clone's), the handover's stream, then the
+    // slots' images in order, then the writable ones' overlay files.
     let media = identity.media_files.iter().map(|f| f.as_raw_fd());
     let overlays = identity.overlay_files.iter().map(|f| f.as_raw_fd());
-    let fds: Vec<i32> = conn.into_iter().chain(media).chain(overlays).collect();
+    let fds: Vec<i32> = (ready.into_iter().chain(conn).chain(media).chain(overlays)).collect();
     let cmsgs: Vec<ControlMessage<'_>> = match fds.is_empty() {
         true => Vec::new(),
         false => vec![ControlMessage::ScmRights(&fds)],
@@ -227,31 +242,34 @@ pub(super) fn send_go(
     let mut w = go;
     let whole: Vec<u8> = len.iter().chain(json.iter()).copied().collect();
     w.write_all(&whole[sent..])?;
-    if let Some(c) = &identity.carried {
-        w.write_all(&c.payload)?;
-    }
+    w.write_all(payload)?;
     Ok(())
 }
+
+/// The launch message's header: the identity's length (u32) and the payload's (u64).
+const HEADER: usize = 12;
 
 /// What a warm clone receives: its identity, and a handover's payload and stream.
 pub(super) type Go = (Identity, Option<(Vec<u8>, OwnedFd)>);
 
-/// Reads the launch message from the go channel (`warm::send_go`): the identity's
-/// length (4 bytes), the identity (JSON) with a handover's stream attached, then the
-/// handover's payload to the end. None when the parent closed the channel without
-/// launching (the warm clone is discarded).
+/// Reads the launch message from the go channel (`send_go`): the identity's and the
+/// payload's lengths, the identity (JSON) with a handover's stream attached, then the
+/// handover's payload. None when the parent closed the channel without launching (the
+/// warm clone is discarded). The channel stays open.
 pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     use std::io::Read;
     let bad = |e: &dyn std::fmt::Display| LaunchError(e.to_string());
-    // SAFETY: the go channel's end, kept open by close_all_but, owned from here on.
-    let mut f = unsafe { std::os::unix::net::UnixStream::from_raw_fd(go) };
-    // The first part on the stack, the rest read into a vector that grows as needed,
-    // not a 64 KiB zeroed buffer on the heap: a clone's heap is its template's, copied
-    // on write, so every heap page it touches is a page fault (the zeroing took 12 of
-    // about 90 a launch; some of them moved to the next large allocation).
+    // SAFETY: the go channel's end, kept open by close_all_but; borrowed for this call
+    // (ManuallyDrop: its owner closes it).
+    let mut f =
+        std::mem::ManuallyDrop::new(unsafe { std::os::unix::net::UnixStream::from_raw_fd(go) });
+    // The first part on the stack, the rest read into a vector of the size the header
+    // says, not a 64 KiB zeroed buffer on the heap: a clone's heap is its template's,
+    // copied on write, so every heap page it touches is a page fault (the zeroing took
+    // 12 of about 90 a launch; some of them moved to the next large allocation).
     let mut first = [0u8; 4096];
-    let mut space = nix::cmsg_space!([RawFd; 1 + 2 * api_types::MAX_DISK_SLOTS]);
+    let mut space = nix::cmsg_space!([RawFd; 2 + 2 * api_types::MAX_DISK_SLOTS]);
     let (got, mut fds) = loop {
         let mut iov = [std::io::IoSliceMut::new(&mut first)];
         let msg = match recvmsg::<()>(go, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
@@ -273,17 +291,33 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
         return Ok(None);
     }
     let mut buf = first[..got].to_vec();
-    f.read_to_end(&mut buf).map_err(|e| bad(&e))?;
-    if buf.len() < 4 {
-        return Err(LaunchError("launch message cut short".into()));
+    if buf.len() < HEADER {
+        let mut rest = vec![0u8; HEADER - buf.len()];
+        f.read_exact(&mut rest).map_err(|e| bad(&e))?;
+        buf.extend_from_slice(&rest);
     }
     let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    let mut payload_len = [0u8; 8];
+    payload_len.copy_from_slice(&buf[4..HEADER]);
+    let total = HEADER + len + u64::from_le_bytes(payload_len) as usize;
+    if buf.len() < total {
+        let have = buf.len();
+        buf.resize(total, 0);
+        f.read_exact(&mut buf[have..]).map_err(|e| bad(&e))?;
+    }
     let json = buf
-        .get(4..4 + len)
+        .get(HEADER..HEADER + len)
         .ok_or_else(|| bad(&"identity cut short"))?;
     let mut identity: Identity = serde_json::from_slice(json).map_err(|e| bad(&e))?;
-    let payload = buf.split_off(4 + len);
-    // The handover's stream comes first, then the slots' images, then the overlays.
+    let payload = buf.split_off(HEADER + len);
+    // A new ready pipe comes first, then the handover's stream, then the slots'
+    // images, then the overlays.
+    if identity.ready_attached {
+        let fd = fds
+            .next()
+            .ok_or_else(|| bad(&"a ready pipe said to be attached is not"))?;
+        identity.ready = Some(Arc::new(std::fs::File::from(fd)));
+    }
     let carried = match identity.note {
         Some(_) => {
             let missing = || LaunchError("a handover without its stream".into());
@@ -311,6 +345,13 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
 /// Tells the parent, on the go channel, that this warm clone's prime is done.
 pub(super) fn report_primed(go: RawFd) -> nix::Result<()> {
     nix::sys::socket::send(go, &[1], nix::sys::socket::MsgFlags::MSG_NOSIGNAL).map(drop)
+}
+
+/// Tells the parent, on the go channel, that this clone is rewound and may be launched
+/// again (`rewind.rs`).
+pub(super) fn report_back(go: RawFd) -> nix::Result<()> {
+    let back = [super::rewind::BACK];
+    nix::sys::socket::send(go, &back, nix::sys::socket::MsgFlags::MSG_NOSIGNAL).map(drop)
 }
 
 /// Where a primed warm clone's prime stands, as its go channel says (without waiting).

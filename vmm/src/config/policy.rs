@@ -182,6 +182,9 @@ pub struct InvokePolicy {
     /// How far a guest timer interrupt already due when a request is delivered is
     /// moved on, in ms (0: not; `clone::timer`).
     pub tick_defer_ms: u64,
+    /// A template's invocation clones are rewound to its state once they answered and
+    /// serve another request, instead of ending (`cloning/rewind.rs`; `--rewind`).
+    pub rewind: bool,
 }
 
 impl Default for InvokePolicy {
@@ -190,6 +193,7 @@ impl Default for InvokePolicy {
             template: false,
             refresh_idle_ms: DEFAULT_REFRESH_IDLE_MS,
             tick_defer_ms: DEFAULT_TICK_DEFER_MS,
+            rewind: false,
         }
     }
 }

@@ -356,6 +356,11 @@ impl DeviceManager {
         Ok(())
     }
 
+    /// Whether the VM has any virtio device.
+    pub fn has_virtio(&self) -> bool {
+        !self.virtio.is_empty()
+    }
+
     /// The virtio devices as `GET /vm` shows them: type, MMIO base, GSI, whether the
     /// driver started it, and its own settings.
     pub fn describe_virtio(&self) -> Vec<VirtioDeviceInfo> {

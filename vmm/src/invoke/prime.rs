@@ -25,7 +25,7 @@ use clone::MicrovmState;
 use devices::mailbox::{read_reply, ReplyStatus};
 
 use super::{write_prime, InvokeError};
-use crate::builder::rebuild::{prepare, Prepared, RebuildError};
+use crate::builder::rebuild::{prepare_or_reuse, Prepared, RebuildError};
 use crate::cloning::PrimeFailure;
 use crate::microvm::Microvm;
 use crate::vstate::kvm::KvmContext;
@@ -65,14 +65,15 @@ pub enum PrimeFailed {
 /// Primes a warm clone of `template`, captured as `template_state`, on vCPU `vcpu`,
 /// where the template's runtime waits (cloning's `prime` hook). Returns the state the
 /// clone is to be launched from (the template's, with that vCPU's as the prime left it)
-/// and its VM, prepared and primed.
+/// and its VM, prepared and primed (`reuse`, a rewound clone's VM, or a new one).
 pub fn prime(
     kvm: &KvmContext,
     template: &Microvm,
     template_state: &MicrovmState,
     vcpu: u8,
+    reuse: Option<Prepared>,
 ) -> Result<(MicrovmState, Prepared), PrimeFailure> {
-    primed(kvm, template, template_state, vcpu).map_err(|e| PrimeFailure {
+    primed(kvm, template, template_state, vcpu, reuse).map_err(|e| PrimeFailure {
         timed_out: matches!(e, PrimeFailed::Run(PrimeError::Timeout(_))),
         error: Box::new(e),
     })
@@ -83,6 +84,7 @@ fn primed(
     template: &Microvm,
     template_state: &MicrovmState,
     vcpu: u8,
+    reuse: Option<Prepared>,
 ) -> Result<(MicrovmState, Prepared), PrimeFailed> {
     let config = template.config();
     let mem = template.memory();
@@ -102,7 +104,7 @@ fn primed(
     let deferred_to = now.vcpus[index].timer_deadline();
     now.vcpus[index].regs.rax = 0;
     let window = template.mailbox();
-    let mut prepared = prepare(kvm, &now, mem, window)?;
+    let mut prepared = prepare_or_reuse(kvm, &now, mem, window, reuse)?;
     clone::vm::restore_vm(&prepared.vm, &now.vm)?;
     write_prime(mem, window, PRIME_LIMIT.as_millis() as u64).map_err(InvokeError::from)?;
     // A runtime that fails its prime would fail requests the same way: not primed.

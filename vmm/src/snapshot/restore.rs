@@ -212,6 +212,7 @@ pub fn restored_config(
             working_set_mib: opts.working_set_mib,
         },
         invoke: InvokePolicy {
+            rewind: false,
             template: saved.template,
             refresh_idle_ms: saved.refresh_idle_ms,
             tick_defer_ms: saved.tick_defer_ms,

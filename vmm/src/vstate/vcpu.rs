@@ -190,6 +190,20 @@ impl Vcpu {
         Ok((Self::new(id, fd, control), skipped))
     }
 
+    /// Restores this vCPU, which has run, to `state` (a rewound clone's vCPU, its
+    /// thread joined: `VcpuHandle::into_vcpu`); returns the MSRs the host refused.
+    pub fn restore(
+        &mut self,
+        state: &VcpuState,
+        mailbox: MailboxWindow,
+    ) -> Result<Vec<u32>, VcpuError> {
+        self.fd.set_kvm_immediate_exit(0);
+        let skipped = restore_vcpu(&self.fd, state)?;
+        let Ok(control) = ControlPorts::restore(mailbox, &state.control);
+        self.control = control;
+        Ok(skipped)
+    }
+
     /// The CPUID this vCPU has in effect (`KVM_GET_CPUID2`): what was set, except on a
     /// host that does not fully honour it (PVM, where the host CPU's own features show).
     pub fn effective_cpuid(&self) -> Result<kvm_bindings::CpuId, kvm_ioctls::Error> {
@@ -679,6 +693,15 @@ impl VcpuHandle {
     /// Host address of this vCPU's kvm_run mapping (a forked child unmaps it).
     pub fn kvm_run_base(&self) -> usize {
         self.run_base
+    }
+
+    /// Stops the thread, joins it and gives its vCPU back (a rewound clone runs it
+    /// again); None if the thread was stopped already or panicked.
+    pub fn into_vcpu(mut self) -> Option<Vcpu> {
+        let thread = self.thread.take()?;
+        let _ = self.cmd_tx.send(Command::Stop);
+        self.kick();
+        thread.join().ok()
     }
 
     /// Stops the thread and joins it. Idempotent.

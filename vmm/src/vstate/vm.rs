@@ -72,3 +72,25 @@ pub fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmError> 
     }
     Ok(())
 }
+
+/// Removes every memory slot of `mem` and registers it again: KVM drops every mapping
+/// it built for the guest (shadow pages included), as a rewound clone on a host with
+/// shadow paging needs (`cloning/rewind.rs`: its guest page tables were rewritten from
+/// the host, which shadow paging does not notice). About 70 us here for 256 MiB; the
+/// first removal in a VM about 5.7 ms.
+pub fn reregister_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+    for (slot, region) in mem.iter().enumerate() {
+        let slot = slot as u32;
+        let r = kvm_userspace_memory_region {
+            slot,
+            guest_phys_addr: region.start_addr().0,
+            memory_size: 0,
+            userspace_addr: 0,
+            flags: 0,
+        };
+        // SAFETY: a slot of size 0 removes the slot; no memory is mapped.
+        unsafe { vm.set_user_memory_region(r) }
+            .map_err(|source| VmError::MemorySlot { slot, source })?;
+    }
+    register_memory(vm, mem)
+}

@@ -144,10 +144,6 @@ pub struct WarmReport {
     /// Warm clones forked to be primed so far.
     #[serde(default)]
     pub primed: u64,
-    /// Invocation clones rewound so far, each back in the pool for another request
-    /// (`--rewind`).
-    #[serde(default)]
-    pub rewound: u64,
 }
 
 /// The live clones of a VM's whole tree (its original, every clone, their clones), in

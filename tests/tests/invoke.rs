@@ -269,15 +269,15 @@ fn rewound_clones_serve_eight_callers_as_fresh_ones_and_leak_nothing() {
     wait_until("the clones to come back and the pool to settle", settled);
     // One at a time, the same processes serve: each request's clone comes back and no
     // clone is forked.
-    let rewound = || vm.describe()["warm_clones"]["rewound"].as_u64().unwrap();
-    let (before, processes) = (rewound(), children_of(pid));
+    let launched = || vm.describe()["warm_clones"]["launched"].as_u64().unwrap();
+    let (before, processes) = (launched(), children_of(pid));
     let fds = tests::fds_at_rest(pid);
     for i in 0..10u8 {
         let (_, seq, _) = echoed(&invoke(&vm.sock, &[i]), &[i]);
         assert_eq!(seq, 1);
         wait_until("the clone to come back", settled);
     }
-    assert_eq!(rewound(), before + 10);
+    assert_eq!(launched(), before + 10, "each request took a warm clone");
     assert_eq!(children_of(pid), processes, "a clone was forked or lost");
     assert_eq!(fds_of(pid, fds), fds, "fds leaked:\n{}", fd_targets(pid));
     let (_, body) = vm.api("GET", "/clones", None);

@@ -440,6 +440,7 @@ fn prepare_warm(
         "prepared"
     });
     if rewound {
+        tracing::debug!("rewound: {}", marks.report());
         report_back(go).map_err(ChildError::ReportPrime)?;
     }
     let Some((id, carried)) = wait_for_go(go)? else {
@@ -581,7 +582,7 @@ fn run_clone(
     };
     // Before anything writes guest memory: the prime, the working set written ahead.
     let mut rewinder = rewind.and_then(|fd| {
-        Rewinder::new(fd, plan.template.memory(), kvm.host)
+        Rewinder::new(fd, plan.template.memory(), kvm.host, plan.state)
             .map_err(|e| tracing::warn!("this clone will not be rewound: {e}"))
             .ok()
     });
@@ -624,18 +625,18 @@ fn run_clone(
         let (Some(vm), Some(r)) = (vm, rewinder.as_mut()) else {
             return Ok(outcome);
         };
-        let rewind_started = Instant::now();
-        let (k, prepared, pages) = r.rewind(vm)?;
-        tracing::info!(
-            "rewound ({}): {} bytes in {} ranges copied back in {} us",
+        marks = StageTimer::new();
+        let (k, prepared, pages) = r.rewind(vm, &mut marks)?;
+        tracing::debug!(
+            "rewind {} ({} with the memory slots registered again): {} bytes in {} ranges \
+             copied back",
             r.count,
+            r.zaps,
             pages.bytes,
-            pages.ranges,
-            rewind_started.elapsed().as_micros()
+            pages.ranges
         );
         crate::logging::set_tag(&format!("clone pid {} (rewound)", std::process::id()));
         name.clone_from(&String::from("(rewound)"));
-        marks = StageTimer::new();
         kvm = k;
         reuse = Some(prepared);
     }

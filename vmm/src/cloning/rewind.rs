@@ -14,8 +14,17 @@
 //!   (irqchip, PIT, clock) and the devices, made new at the next launch as in a warm
 //!   clone;
 //! - on a host with **shadow paging** (PVM, or KVM without EPT/NPT), KVM's shadow
-//!   pages: the copy rewrote guest page tables behind KVM's back, so every memory slot
-//!   is removed and registered again (`vstate::vm::reregister_memory`).
+//!   pages, when the copy rewrote a guest page table behind KVM's back: every memory
+//!   slot is removed and registered again (`vstate::vm::reregister_memory`, about
+//!   0.2 ms here, more under load: most of a rewind). Not needed when no page written
+//!   holds a table reachable from the template's CR3s (`arch::x86_64::paging`, walked
+//!   once per clone) and every vCPU's CR3 is the template's: a guest with one address
+//!   space that maps nothing new in a request, as the tiny guest. A guest that ran
+//!   another address space in a request, whose tables it wrote and which the template
+//!   does not reach, could meet KVM's shadow of them again in a later request; the
+//!   memory it maps is the template's again all the same (every written page was copied
+//!   back), so no request's data reaches another, but that guest could misbehave. Linux
+//!   guests, which do that, are not rewound yet (virtio devices, below).
 //!
 //! Then the clone primes itself again when its template primes, tells its template it
 //! is back on its go channel (a byte, [`BACK`]), and waits for its next launch as any
@@ -31,16 +40,21 @@
 //! pools (the clone's cgroup would have to be given back and taken again): their
 //! clones end as before.
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::ops::Range;
 use std::os::fd::{FromRawFd, RawFd};
 
 use api_types::vm::HostKind;
+use clone::MicrovmState;
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
+use crate::arch::x86_64::paging::table_pages;
 use crate::builder::rebuild::Prepared;
+use crate::logging::StageTimer;
 use crate::microvm::{Kept, Microvm};
 use crate::vstate::kvm::KvmContext;
+use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{reregister_memory, VmError};
 use crate::vstate::written::{copy_back, WriteTracker, WrittenError};
 
@@ -92,9 +106,129 @@ fn shadow_paging(host: HostKind) -> bool {
 pub(super) struct Rewinder {
     tracker: WriteTracker,
     template_mem: File,
-    shadow: bool,
+    /// Under shadow paging: the template's page-table pages (guest page numbers) and
+    /// its vCPUs' CR3s; a rewind that rewrote none and finds every CR3 the same keeps
+    /// KVM's shadow pages. None without shadow paging.
+    shadow: Option<ShadowCheck>,
     /// Rewinds so far.
     pub count: u64,
+    /// Of those, the ones that registered the memory slots again.
+    pub zaps: u64,
+}
+
+/// What tells a rewind under shadow paging whether KVM's shadow pages still hold.
+struct ShadowCheck {
+    /// The guest pages holding the template's page tables; None: unknown (any page
+    /// may be one).
+    tables: Option<HashSet<u64>>,
+    /// Each vCPU's CR3 in the template.
+    cr3s: Vec<u64>,
+}
+
+impl ShadowCheck {
+    fn of(mem: &GuestMemoryMmap, state: &MicrovmState) -> Self {
+        let mut tables = Some(HashSet::new());
+        for v in &state.vcpus {
+            let found = table_pages(mem, &v.sregs);
+            tables = tables.zip(found).map(|(mut all, t)| {
+                all.extend(t);
+                all
+            });
+        }
+        Self {
+            tables,
+            cr3s: state.vcpus.iter().map(|v| v.sregs.cr3).collect(),
+        }
+    }
+
+    /// Whether KVM's shadow pages must go: a page written (`written`, host ranges of
+    /// `mem`) holds a template page table whose entries changed in more than their
+    /// accessed and dirty bits (compared with the template's, read through
+    /// `template_mem`), or a vCPU runs another CR3 now, or it cannot tell.
+    ///
+    /// Accessed and dirty bits alone do not stale a shadow page: KVM sets them in the
+    /// guest's entries as the guest touches pages, and the copy back clears them again;
+    /// every page whose dirty bit a request set was written, so its KVM mapping goes
+    /// when it is protected again after the copy, and the guest's next write sets the
+    /// bit anew. An accessed bit left clear is a hint the guest reads again later.
+    fn must_zap(
+        &self,
+        template_mem: &File,
+        mem: &GuestMemoryMmap,
+        written: &[Range<usize>],
+        vcpus: &[Vcpu],
+    ) -> bool {
+        let Some(tables) = &self.tables else {
+            tracing::debug!("shadow pages dropped: the template's page tables are unknown");
+            return true;
+        };
+        let moved = vcpus
+            .iter()
+            .zip(&self.cr3s)
+            .any(|(v, &cr3)| v.cr3().map_or(true, |now| now != cr3));
+        if moved {
+            tracing::debug!("shadow pages dropped: a vCPU runs another CR3");
+            return true;
+        }
+        for (host, gfn) in written_pages(mem, written) {
+            let changed = match gfn {
+                None => true,
+                Some(g) if tables.contains(&g) => !same_but_accessed_dirty(template_mem, host),
+                Some(_) => false,
+            };
+            if changed {
+                tracing::debug!("shadow pages dropped: page table {gfn:x?} changed");
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// Whether the page-table page at host address `host` (this clone's, not copied back
+/// yet) has the same entries as the template's (read through `template_mem`) but for
+/// their accessed and dirty bits.
+fn same_but_accessed_dirty(template_mem: &File, host: usize) -> bool {
+    use std::os::unix::fs::FileExt;
+    const ACCESSED_DIRTY: u64 = (1 << 5) | (1 << 6);
+    let mut theirs = [0u8; 4096];
+    if template_mem
+        .read_exact_at(&mut theirs, host as u64)
+        .is_err()
+    {
+        return false;
+    }
+    // SAFETY: `host` is a page of this clone's guest memory, mapped and not written
+    // meanwhile (every vCPU thread and device is gone).
+    let ours = unsafe { std::slice::from_raw_parts(host as *const u8, 4096) };
+    let entries = |b: &[u8]| -> Vec<u64> {
+        b.chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) & !ACCESSED_DIRTY)
+            .collect()
+    };
+    entries(&theirs) == entries(ours)
+}
+
+/// The pages in host `ranges` of `mem`: each page's host address and guest page number
+/// (None for a page outside it).
+fn written_pages<'a>(
+    mem: &'a GuestMemoryMmap,
+    ranges: &'a [Range<usize>],
+) -> impl Iterator<Item = (usize, Option<u64>)> + 'a {
+    ranges.iter().flat_map(move |r| {
+        (r.start..r.end).step_by(4096).map(move |host| {
+            let gfn = mem.iter().find_map(|region| {
+                let base = region
+                    .get_host_address(vm_memory::MemoryRegionAddress(0))
+                    .ok()? as usize;
+                let offset = host
+                    .checked_sub(base)
+                    .filter(|&o| (o as u64) < region.len())?;
+                Some((region.start_addr().0 + offset as u64) >> 12)
+            });
+            (host, gfn)
+        })
+    })
 }
 
 impl Rewinder {
@@ -105,6 +239,7 @@ impl Rewinder {
         template_mem: RawFd,
         mem: &GuestMemoryMmap,
         host: HostKind,
+        state: &MicrovmState,
     ) -> Result<Self, RewindError> {
         // SAFETY: the template's memory descriptor, inherited and kept open by
         // close_all_but; its owner in this process (the parent's) is never dropped.
@@ -116,11 +251,13 @@ impl Rewinder {
                 Some(host as usize..host as usize + r.len() as usize)
             })
             .collect();
+        let shadow = shadow_paging(host).then(|| ShadowCheck::of(mem, state));
         Ok(Self {
             tracker: WriteTracker::new(&ranges)?,
             template_mem,
-            shadow: shadow_paging(host),
+            shadow,
             count: 0,
+            zaps: 0,
         })
     }
 
@@ -130,6 +267,7 @@ impl Rewinder {
     pub fn rewind(
         &mut self,
         vm: Microvm,
+        marks: &mut StageTimer,
     ) -> Result<(KvmContext, Prepared, RewoundPages), RewindError> {
         let Kept {
             vm,
@@ -137,15 +275,23 @@ impl Rewinder {
             mem,
             kvm,
         } = vm.into_kept().ok_or(RewindError::VcpuGone)?;
+        marks.done("stopped");
         let written = self.tracker.written()?;
+        marks.done("scanned");
+        // Before the copy: it compares the page tables written with the template's.
+        let zap = (self.shadow.as_ref())
+            .is_some_and(|s| s.must_zap(&self.template_mem, &mem, &written, &vcpus));
         // SAFETY: the ranges are this clone's guest memory, and every vCPU thread and
         // device is gone: nothing else uses it.
         let bytes = unsafe { copy_back(&self.template_mem, &written, 0) }?;
         for r in &written {
             self.tracker.protect(r)?;
         }
-        if self.shadow {
+        marks.done("copied back");
+        if zap {
             reregister_memory(&vm, &mem)?;
+            self.zaps += 1;
+            marks.done("slots");
         }
         self.count += 1;
         let pages = RewoundPages {

@@ -208,7 +208,6 @@ impl WarmPool {
             discarded: self.discarded,
             priming: self.priming && self.may_prime(Instant::now()),
             primed: self.primed,
-            rewound: self.rewound,
         }
     }
 
@@ -381,6 +380,11 @@ impl WarmPool {
                         continue;
                     }
                     self.rewound += 1;
+                    tracing::debug!(
+                        "clone pid {} back, rewound ({} so far)",
+                        o.pid,
+                        self.rewound
+                    );
                     self.clones.push_back(WarmClone {
                         pid: o.pid,
                         go: o.go,

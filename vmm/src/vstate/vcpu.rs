@@ -204,6 +204,17 @@ impl Vcpu {
         Ok(skipped)
     }
 
+    /// The page-table base the vCPU runs with now (its CR3; it is stopped).
+    pub fn cr3(&self) -> Result<u64, VcpuError> {
+        let id = self.id;
+        let sregs = (self.fd.get_sregs()).map_err(|source| VcpuError::Configure {
+            id,
+            what: "sregs",
+            source,
+        })?;
+        Ok(sregs.cr3)
+    }
+
     /// The CPUID this vCPU has in effect (`KVM_GET_CPUID2`): what was set, except on a
     /// host that does not fully honour it (PVM, where the host CPU's own features show).
     pub fn effective_cpuid(&self) -> Result<kvm_bindings::CpuId, kvm_ioctls::Error> {

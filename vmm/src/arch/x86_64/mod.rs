@@ -7,4 +7,5 @@ pub mod gdt;
 pub mod layout;
 pub mod mptable;
 pub mod msr;
+pub mod paging;
 pub mod regs;

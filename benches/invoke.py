@@ -290,7 +290,8 @@ def throughput(a):
         else:
             run, root = guest
             warm = ["--template", "--warm-clones", str(a.warm)]
-            vms = [(n, *linux_vm(tmp, n, root, run, extra=warm, vmm=vmm)[:2])
+            vms = [(n, *linux_vm(tmp, n, root, run, vmm=vmm,
+                                 extra=warm + (["--rewind"] if n == "rewind" else []))[:2])
                    for n, vmm in builds]
             for _, p, sock in vms:
                 wait_vm(p, sock, ready_template(a.warm))
@@ -599,7 +600,7 @@ def main():
                     help="tiny guest echo, C runtime echo, or Python no-op (Linux, 256 MiB)")
     tp.add_argument("--baseline", help="another build's vmm binary, run beside this one")
     tp.add_argument("--rewind", action="store_true",
-                    help="also this build with --rewind (tiny guest): rewound clones")
+                    help="also this build with --rewind: rewound clones")
     tp.add_argument("--plot", help="draw invocations/s against clients to this PNG")
     rt = sub.add_parser("runtimes")
     rt.add_argument("--runs", type=int, default=50)

@@ -113,6 +113,10 @@ struct RestoreArgs {
     /// Where writable disks' and slots' overlays go (default: the snapshot's directories).
     #[arg(long, value_name = "DIR")]
     cow_dir: Option<PathBuf>,
+    /// A template's invocation clones, once they answered, are rewound to its state
+    /// and serve another request instead of ending (as `vmm run --rewind`).
+    #[arg(long)]
+    rewind: bool,
     #[command(flatten)]
     cgroups: CgroupArgs,
     /// Seccomp filters per thread kind (as `run`).
@@ -337,8 +341,9 @@ struct RunArgs {
     /// A template's invocation clones, once they answered, are rewound to the
     /// template's state (the guest memory they wrote copied back, vCPUs restored) and
     /// serve another request in the same host process and KVM VM, instead of ending
-    /// (docs/invoke.md, "Rewound clones": what it keeps and what it costs). Only for a
-    /// VM with no virtio devices and no cgroup pools yet; otherwise clones end as before.
+    /// (docs/invoke.md, "Rewound clones": what it keeps and what it costs). Not yet for
+    /// a VM with a writable disk, disk slots, a network or vsock device, or cgroup
+    /// pools: their clones end as before.
     #[arg(long)]
     rewind: bool,
     /// Do not prime a template's warm clones (by default each runs its runtime's serving
@@ -669,6 +674,7 @@ fn main() -> ExitCode {
                 tap: a.tap,
                 vsock: a.vsock,
                 cow_dir: a.cow_dir,
+                rewind: a.rewind,
             };
             finish(vmm::restore::<HttpEdge>(opts))
         }

@@ -141,6 +141,8 @@ pub struct Kept {
     pub mem: GuestMemoryMmap,
     /// /dev/kvm.
     pub kvm: KvmContext,
+    /// Its virtio devices' queue eventfds, registered in the VM, per device.
+    pub queue_evts: Vec<Vec<EventFd>>,
 }
 
 /// A running VM.
@@ -389,22 +391,41 @@ impl Microvm {
 
     /// Takes the stopped VM apart for a rewind (`cloning/rewind.rs`): every vCPU
     /// thread is stopped and joined and its vCPU kept, with the KVM VM, /dev/kvm and
-    /// guest memory; the devices and everything else are dropped. None if a vCPU thread
-    /// was gone (it panicked).
+    /// guest memory; the devices leave the VM and are dropped, with everything else.
+    /// None if a vCPU thread was gone (it panicked) or a device could not leave.
     pub fn into_kept(self) -> Option<Kept> {
         let Self {
             vm,
             mem,
             kvm,
             vcpus,
+            devices,
             ..
         } = self;
+        let t0 = Instant::now();
         let vcpus: Option<Vec<Vcpu>> = vcpus.into_iter().map(VcpuHandle::into_vcpu).collect();
+        let t1 = Instant::now();
+        let queue_evts = match devices.keep_queue_evts() {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!("cannot keep the devices' queue eventfds: {e}");
+                return None;
+            }
+        };
+        let t2 = Instant::now();
+        drop(devices);
+        tracing::debug!(
+            "taken apart: vCPUs {} us, queue eventfds kept {} us, devices dropped {} us",
+            (t1 - t0).as_micros(),
+            (t2 - t1).as_micros(),
+            t2.elapsed().as_micros()
+        );
         Some(Kept {
             vm,
             vcpus: vcpus?,
             mem,
             kvm,
+            queue_evts,
         })
     }
 

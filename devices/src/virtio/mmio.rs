@@ -291,6 +291,25 @@ impl MmioTransport {
         &self.queue_evts
     }
 
+    /// The transport with `evts` as its queue eventfds instead of those it made: the
+    /// ones a transport before it had in the same VM, registered there already. As
+    /// many as it has queues; a notification left in one reaches the new worker, which
+    /// finds nothing new in its queue.
+    pub fn with_queue_evts(mut self, evts: Vec<EventFd>) -> Result<Self, TransportRestoreError> {
+        if evts.len() != self.queue_evts.len() {
+            return Err(TransportRestoreError::Queue {
+                index: evts.len(),
+                reason: format!(
+                    "{} queue eventfds for {} queues",
+                    evts.len(),
+                    self.queue_evts.len()
+                ),
+            });
+        }
+        self.queue_evts = evts;
+        Ok(self)
+    }
+
     fn selected_queue(&mut self) -> Option<&mut Queue> {
         self.queues.get_mut(self.queue_select as usize)
     }

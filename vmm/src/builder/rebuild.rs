@@ -52,6 +52,9 @@ pub struct Prepared {
     pub vcpus: Vec<Vcpu>,
     /// MSRs the host refused to restore (vCPU 0's).
     pub skipped_msrs: Vec<u32>,
+    /// Queue eventfds its virtio devices registered in it before (a rewound clone's VM:
+    /// `DeviceManager::reuse_queue_evts`); empty for a new VM.
+    pub queue_evts: Vec<Vec<vmm_sys_util::eventfd::EventFd>>,
 }
 
 /// Creates the VM on `mem` (a clone's inherited memory, or a snapshot's) and restores
@@ -79,6 +82,7 @@ pub fn prepare(
         vm,
         vcpus,
         skipped_msrs,
+        queue_evts: Vec::new(),
     })
 }
 
@@ -152,6 +156,7 @@ pub fn start_rebuilt(
     };
     let vm = &prepared.vm;
     let mut devices = DeviceManager::new(vm, config, mem, seq, Some(&state.devices))?;
+    devices.reuse_queue_evts(std::mem::take(&mut prepared.queue_evts));
     devices.add_virtio_devices(vm, mem, config, Some(&restore))?;
     marks.done("devices");
     if let Some(layout) = devices.crng.registration.layout() {

@@ -35,10 +35,20 @@
 //! What a rewound clone shares with the requests before it: its host process (the VMM
 //! heap and threads that served them) and its KVM VM. What it does not: guest memory,
 //! vCPU and device state, all the template's again. docs/threat-model.md says what that
-//! means for isolation. Not built yet: VMs with virtio devices (their ioeventfds would
-//! have to be removed from the VM before the next launch adds them again) and cgroup
-//! pools (the clone's cgroup would have to be given back and taken again): their
-//! clones end as before.
+//! means for isolation.
+//!
+//! Two costs are kept off the next request: the pages written stay writable (copied
+//! back at every rewind whether written again or not, up to [`HOT_BYTES`]), since a page
+//! protected again costs the next request a fault on its first write; and the virtio
+//! devices made at the next launch take the queue eventfds of those before them,
+//! registered in the VM already (`DeviceManager::keep_queue_evts`), since removing an
+//! ioeventfd from a VM and adding it again each waits for an SRCU grace period (3-5 ms
+//! each here).
+//!
+//! Not built yet: writable disks and disk slots (a clone's overlay would have to be
+//! put back too), network and vsock devices (host sides made per identity: a tap, a
+//! socket), cgroup pools (the clone's cgroup would have to be given back and taken
+//! again): such a template's clones end as before, and it says why once.
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -78,8 +88,12 @@ pub enum RewindError {
 
 /// Why a template's clones cannot be rewound (they end as before), if they cannot.
 pub fn unsupported(template: &Microvm, cgroup_pools: bool) -> Option<&'static str> {
-    if template.devices().has_virtio() {
-        return Some("the VM has virtio devices (not built yet)");
+    let m = &template.config().machine;
+    if m.disks.iter().any(|d| d.cow_dir.is_some()) || m.disk_slots > 0 {
+        return Some("the VM has a writable disk or disk slots (not built yet)");
+    }
+    if m.net.is_some() || m.vsock.is_some() {
+        return Some("the VM has a network or vsock device (not built yet)");
     }
     if cgroup_pools {
         return Some("the template has cgroup pools (not built yet)");
@@ -185,12 +199,38 @@ impl ShadowCheck {
     }
 }
 
+impl ShadowCheck {
+    /// The accessed and dirty bits of the entries of each template page-table page in
+    /// `written` (host ranges of `mem`), to be set again after the copy back: with KVM's
+    /// shadow pages kept and the page left writable, a dirty bit cleared would not be set
+    /// again by the guest's next write (its mapping is writable already), and the guest
+    /// would take a written page for a clean one. A bit set that the template had clear
+    /// says no more than that the page was touched (it was, in the request before).
+    fn accessed_dirty(
+        &self,
+        mem: &GuestMemoryMmap,
+        written: &[Range<usize>],
+    ) -> Vec<(usize, Vec<u64>)> {
+        let Some(tables) = &self.tables else {
+            return Vec::new();
+        };
+        written_pages(mem, written)
+            .filter(|(_, gfn)| gfn.is_some_and(|g| tables.contains(&g)))
+            .map(|(host, _)| {
+                // SAFETY: a page of this clone's guest memory, mapped, not written
+                // meanwhile (every vCPU thread and device is gone).
+                let entries = unsafe { std::slice::from_raw_parts(host as *const u64, 512) };
+                (host, entries.iter().map(|e| e & ACCESSED_DIRTY).collect())
+            })
+            .collect()
+    }
+}
+
 /// Whether the page-table page at host address `host` (this clone's, not copied back
 /// yet) has the same entries as the template's (read through `template_mem`) but for
 /// their accessed and dirty bits.
 fn same_but_accessed_dirty(template_mem: &File, host: usize) -> bool {
     use std::os::unix::fs::FileExt;
-    const ACCESSED_DIRTY: u64 = (1 << 5) | (1 << 6);
     let mut theirs = [0u8; 4096];
     if template_mem
         .read_exact_at(&mut theirs, host as u64)
@@ -274,18 +314,31 @@ impl Rewinder {
             vcpus,
             mem,
             kvm,
+            queue_evts,
         } = vm.into_kept().ok_or(RewindError::VcpuGone)?;
         marks.done("stopped");
         let written = self.tracker.written()?;
         marks.done("scanned");
-        // Before the copy: it compares the page tables written with the template's.
-        let zap = (self.shadow.as_ref())
-            .is_some_and(|s| s.must_zap(&self.template_mem, &mem, &written, &vcpus));
+        // Before the copy: it compares the page tables written with the template's, and
+        // keeps their entries' accessed and dirty bits.
+        let shadow = self.shadow.as_ref();
+        let zap = shadow.is_some_and(|s| s.must_zap(&self.template_mem, &mem, &written, &vcpus));
+        let bits = shadow.map(|s| s.accessed_dirty(&mem, &written));
         // SAFETY: the ranges are this clone's guest memory, and every vCPU thread and
         // device is gone: nothing else uses it.
         let bytes = unsafe { copy_back(&self.template_mem, &written, 0) }?;
-        for r in &written {
-            self.tracker.protect(r)?;
+        if let Some(bits) = bits {
+            // SAFETY: as above.
+            unsafe { put_accessed_dirty(&bits) };
+        }
+        // Written pages stay unprotected (copied back at every rewind whether written
+        // again or not), up to HOT_BYTES: a page protected again costs the next request
+        // a fault on its first write to it (for the Python no-op, about 100 pages: 2 ms
+        // of a 3 ms request here).
+        if bytes > HOT_BYTES {
+            for r in &written {
+                self.tracker.protect(r)?;
+            }
         }
         marks.done("copied back");
         if zap {
@@ -302,8 +355,31 @@ impl Rewinder {
             vm,
             vcpus,
             skipped_msrs: Vec::new(),
+            queue_evts,
         };
         Ok((kvm, prepared, pages))
+    }
+}
+
+/// How many bytes of written guest memory a clone leaves unprotected (copied back at
+/// every rewind): past it, every written page is protected again.
+const HOT_BYTES: usize = 4 << 20;
+
+/// Accessed and dirty bits of a page table's entries.
+const ACCESSED_DIRTY: u64 = (1 << 5) | (1 << 6);
+
+/// Sets again, in each page-table page (host address) copied back, the accessed and
+/// dirty bits its entries had before the copy.
+///
+/// # Safety
+/// Each address is a page of this clone's guest memory that nothing else uses.
+unsafe fn put_accessed_dirty(pages: &[(usize, Vec<u64>)]) {
+    for (host, bits) in pages {
+        // SAFETY: the caller's guarantee; the page is 4 KiB, aligned.
+        let entries = unsafe { std::slice::from_raw_parts_mut(*host as *mut u64, 512) };
+        for (e, b) in entries.iter_mut().zip(bits) {
+            *e |= b;
+        }
     }
 }
 

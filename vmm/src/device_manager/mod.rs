@@ -47,6 +47,9 @@ pub enum DeviceError {
     /// An eventfd could not be created.
     #[error("cannot create an eventfd: {0}")]
     EventFd(std::io::Error),
+    /// A clone's inherited disk image descriptor could not be copied.
+    #[error("cannot copy the disk image's descriptor: {0}")]
+    DiskCopy(std::io::Error),
     /// The console file could not be created.
     #[error("cannot open console sink {path}: {source}")]
     Console {
@@ -167,6 +170,10 @@ pub struct DeviceManager {
     /// Each disk slot's medium, its open image's descriptor and path (None: empty), in
     /// slot order (a clone inherits them).
     slot_media: Vec<Option<(RawFd, std::path::PathBuf)>>,
+    /// Queue eventfds registered in the VM already, by virtio device index: the next
+    /// devices made take them instead of registering new ones (a rewound clone's,
+    /// [`DeviceManager::reuse_queue_evts`]).
+    reused_evts: Vec<Vec<vmm_sys_util::eventfd::EventFd>>,
 }
 
 fn console_writer(sink: &ConsoleSink) -> Result<Box<dyn Write + Send>, DeviceError> {
@@ -296,7 +303,16 @@ impl DeviceManager {
             overlays: Vec::new(),
             slots: Vec::new(),
             slot_media: Vec::new(),
+            reused_evts: Vec::new(),
         })
+    }
+
+    /// The virtio devices added next take these queue eventfds (per device, in bus
+    /// order), registered in the VM by devices before them (a rewound clone's:
+    /// [`DeviceManager::keep_queue_evts`]): removing an ioeventfd from a VM and adding it
+    /// again each waits for an SRCU grace period (3-5 ms each here).
+    pub fn reuse_queue_evts(&mut self, evts: Vec<Vec<vmm_sys_util::eventfd::EventFd>>) {
+        self.reused_evts = evts;
     }
 
     /// Every device's state, in bus order: the port devices', then the virtio devices'

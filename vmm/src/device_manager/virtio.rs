@@ -257,10 +257,14 @@ impl DeviceManager {
                     saved: r.disk_fds.len(),
                     configured: i + 1,
                 })?;
+                // A copy of the descriptor: the inherited one stays open for the devices
+                // a rewound clone makes at its next launch (`cloning/rewind.rs`).
                 // SAFETY: a descriptor of the parent's open disk image, kept open across
-                // fork by the clone; the parent's object owning it is never used or
-                // dropped in the child, so this is its only owner here.
-                let file = unsafe { File::from_raw_fd(fd) };
+                // fork by the clone for as long as it lives; borrowed for the copy.
+                let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+                    .try_clone_to_owned()
+                    .map(File::from)
+                    .map_err(DeviceError::DiskCopy)?;
                 let overlay = match (&disk.cow_dir, r.overlays.get(i).and_then(Option::as_ref)) {
                     (Some(dir), Some(s)) => {
                         // SAFETY: the snapshot's descriptor, made by the parent for this
@@ -356,6 +360,23 @@ impl DeviceManager {
         Ok(())
     }
 
+    /// Copies of every virtio device's queue eventfds, registered in the VM, per device
+    /// in bus order: the devices a rewound clone makes at its next launch take them
+    /// ([`DeviceManager::reuse_queue_evts`], `cloning/rewind.rs`). Their interrupts'
+    /// irqfds go when their eventfds close, with the devices.
+    pub fn keep_queue_evts(&self) -> Result<Vec<Vec<EventFd>>, DeviceError> {
+        let copies = self.virtio.iter().map(|t| {
+            let t = lock(t);
+            t.queue_evts()
+                .iter()
+                .map(EventFd::try_clone)
+                .collect::<Result<Vec<_>, _>>()
+        });
+        copies
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(DeviceError::EventFd)
+    }
+
     /// Whether the VM has any virtio device.
     pub fn has_virtio(&self) -> bool {
         !self.virtio.is_empty()
@@ -423,14 +444,28 @@ impl DeviceManager {
                 })?
             }
         };
-        for (i, evt) in transport.queue_evts().iter().enumerate() {
-            vm.register_ioevent(
-                evt,
-                &IoEventAddress::Mmio(base + NOTIFY_REG_OFFSET),
-                i as u32,
-            )
-            .map_err(DeviceError::Ioeventfd)?;
-        }
+        let reused = (self.reused_evts.get_mut(index)).map(std::mem::take);
+        let transport = match reused.filter(|e| !e.is_empty()) {
+            Some(evts) => {
+                transport
+                    .with_queue_evts(evts)
+                    .map_err(|source| DeviceError::Restore {
+                        device: name,
+                        source,
+                    })?
+            }
+            None => {
+                for (i, evt) in transport.queue_evts().iter().enumerate() {
+                    vm.register_ioevent(
+                        evt,
+                        &IoEventAddress::Mmio(base + NOTIFY_REG_OFFSET),
+                        i as u32,
+                    )
+                    .map_err(DeviceError::Ioeventfd)?;
+                }
+                transport
+            }
+        };
         let transport = Arc::new(Mutex::new(transport));
         self.mmio
             .insert(transport.clone(), base, VIRTIO_MMIO_SIZE)?;

@@ -65,6 +65,8 @@ pub struct RestoreOptions {
     /// Where writable disks' and slots' overlays go (default: where the snapshot's
     /// were).
     pub cow_dir: Option<PathBuf>,
+    /// Rewind its invocation clones instead of ending them (`--rewind`).
+    pub rewind: bool,
 }
 
 /// Why a snapshot could not be restored.
@@ -212,7 +214,7 @@ pub fn restored_config(
             working_set_mib: opts.working_set_mib,
         },
         invoke: InvokePolicy {
-            rewind: false,
+            rewind: opts.rewind,
             template: saved.template,
             refresh_idle_ms: saved.refresh_idle_ms,
             tick_defer_ms: saved.tick_defer_ms,

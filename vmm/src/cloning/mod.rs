@@ -578,7 +578,8 @@ impl Cloner {
         self.table.kill_overdue();
         self.check_starts();
         self.warm.retire_stale();
-        if self.warm.due_in(vm) == Some(Duration::ZERO) {
+        self.warm.trim_surplus();
+        if self.warm.refill_due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
             if vm.config().invoke.rewind && vm.config().invoke.template {
                 let why_not = rewind::unsupported(vm, self.cgroups.is_some());

@@ -47,6 +47,11 @@ use crate::microvm::Microvm;
 /// with the clone just made and with the answer to its request.
 pub const REFILL_DELAY: Duration = Duration::from_millis(5);
 
+/// How long a pool grown past its target by rewound clones (`take_back`: up to four
+/// times it, under many requests at once) waits after the last launch before it ends
+/// the surplus, one clone per pass of the event loop.
+pub const SURPLUS_IDLE: Duration = Duration::from_secs(2);
+
 /// How often the event loop looks whether a stale warm clone's replacement is ready.
 const STALE_POLL: Duration = Duration::from_millis(2);
 
@@ -372,8 +377,9 @@ impl WarmPool {
                     }
                     back.push(o.pid);
                     let current = o.generation == self.generation && vm.state() == VmState::Paused;
-                    // One more than the target at most (a refill made while it was out).
-                    if !current || self.clones.len() > self.target {
+                    // The pool grows with the requests in flight (their clones were
+                    // replaced while out), up to four times its target.
+                    if !current || self.clones.len() >= 4 * self.target.max(1) {
                         let _ = kill(Pid::from_raw(o.pid), Signal::SIGKILL);
                         self.discarded += 1;
                         self.dying.push((o.pid, false));
@@ -482,12 +488,15 @@ impl WarmPool {
     }
 
     /// Whether the event loop should add a warm clone to `vm`'s pool (once a failure's
-    /// wait is over).
+    /// wait is over). Launched clones that will come back rewound count toward the
+    /// target (one request at a time then forks none), unless fewer than half the
+    /// target are ready: with more requests at once than the pool holds, it grows (the
+    /// clones coming back are kept, up to four times the target: `take_back`).
     pub(super) fn wants_clone(&self, vm: &Microvm) -> bool {
-        // Launched clones that will come back rewound count: they refill the pool.
-        vm.state() == VmState::Paused
-            && self.clones.len() + self.out.len() < self.target + usize::from(self.has_stale())
-            && vm.pending_events().is_empty()
+        let target = self.target + usize::from(self.has_stale());
+        let short =
+            self.clones.len() + self.out.len() < target || self.clones.len() * 2 < self.target;
+        vm.state() == VmState::Paused && short && vm.pending_events().is_empty()
     }
 
     /// How long until a warm clone may be tried again after a failure (zero: now).
@@ -506,21 +515,45 @@ impl WarmPool {
         wait
     }
 
-    /// Time until a warm clone is due (zero: now); None when none is wanted. A pool
-    /// down to less than half its target is refilled at once: under a steady stream of
-    /// requests, closer together than [`REFILL_DELAY`], it would never be, and every
-    /// request would wait for a clone forked and rebuilt for it.
-    pub(super) fn due_in(&self, vm: &Microvm) -> Option<Duration> {
-        let refill = self.wants_clone(vm).then(|| {
+    /// Time until a warm clone is to be made (zero: now); None when none is wanted. A
+    /// pool down to less than half its target is refilled at once: under a steady
+    /// stream of requests, closer together than [`REFILL_DELAY`], it would never be, and
+    /// every request would wait for a clone forked and rebuilt for it.
+    pub(super) fn refill_due_in(&self, vm: &Microvm) -> Option<Duration> {
+        self.wants_clone(vm).then(|| {
             let due = match self.clones.len() * 2 < self.target {
                 true => Duration::ZERO,
                 false => REFILL_DELAY.saturating_sub(self.since_last_launch()),
             };
             due.max(self.add_wait(Instant::now()))
-        });
+        })
+    }
+
+    /// Time until the pool has work (zero: now): a warm clone to make, a stale one to
+    /// retire, a surplus to end; None: nothing.
+    pub(super) fn due_in(&self, vm: &Microvm) -> Option<Duration> {
         // A stale clone waits for the one made to replace it to be ready.
         let retire = (self.has_stale() && self.clones.len() > self.target).then_some(STALE_POLL);
-        refill.or(retire)
+        // Rewound clones beyond the target go once requests have stopped a while.
+        let surplus = (self.clones.len() > self.target && !self.has_stale())
+            .then(|| SURPLUS_IDLE.saturating_sub(self.since_last_launch()));
+        [self.refill_due_in(vm), retire, surplus]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Ends one warm clone beyond the target (a rewound clone that came back while the
+    /// pool was full: `take_back`) once no clone was launched for [`SURPLUS_IDLE`].
+    pub(super) fn trim_surplus(&mut self) {
+        if self.clones.len() <= self.target || self.since_last_launch() < SURPLUS_IDLE {
+            return;
+        }
+        if let Some(c) = self.clones.pop_back() {
+            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
+            self.discarded += 1;
+            self.dying.push((c.pid, false));
+        }
     }
 
     /// The paused VM's state, captured once per pause.

@@ -328,9 +328,11 @@ def throughput(a):
         print(f"| {c} | {' | '.join(cells)} |")
     if a.plot:
         labels = {"forkvm": "forkvm, fresh clone per request",
-                  "baseline": f"baseline build ({os.path.basename(a.baseline)})",
+                  "baseline": f"baseline build ({os.path.basename(a.baseline or '')})",
+                  "rewind": "forkvm --rewind, rewound clone per request",
                   "SOCK": "host Python zygote, fork per request (SOCK)"}
-        load.plot(a.plot, f"{label}: fresh clone per request, {load.cores()} cores",
+        kind = "a fresh or rewound clone" if a.rewind else "a fresh clone"
+        load.plot(a.plot, f"{label}: {kind} per request, {load.cores()} cores",
                   {labels[k]: v for k, v in series.items()})
 
 

@@ -9,7 +9,7 @@
 //! with the clone's tag ([`set_tag`]).
 
 use std::io::Write;
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 /// A `tracing_subscriber` writer for fd 2 that holds no lock.
 #[derive(Debug, Clone, Copy, Default)]
@@ -43,26 +43,36 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for RawStderr {
     }
 }
 
-/// The tag of this process's VM, `[clone 2.1] `, or null in an original VM. Clones
-/// share their parent's stderr, so every log line a clone writes starts with it.
-static TAG: AtomicPtr<String> = AtomicPtr::new(std::ptr::null_mut());
+/// The tag of this process's VM, `[clone 2.1] `, or empty in an original VM. Clones
+/// share their parent's stderr, so every log line a clone writes starts with it. Kept in
+/// place (no allocation to leak or free under a writer: a rewound clone names itself
+/// at every request); a line written while it changes may show a mixed tag.
+static TAG: [AtomicU8; MAX_TAG] = [const { AtomicU8::new(0) }; MAX_TAG];
+/// The tag's length in [`TAG`].
+static TAG_LEN: AtomicUsize = AtomicUsize::new(0);
+/// The longest tag kept (longer ones are cut).
+const MAX_TAG: usize = 64;
 
 /// From now on, every log line of this process starts with `[<name>] ` (a clone names
 /// itself once forked, `clone pid 123` while it is warm, then `clone 2.1`).
 pub fn set_tag(name: &str) {
-    let tag = Box::into_raw(Box::new(format!("[{name}] ")));
-    // The tag it replaces is left allocated: another thread may be writing it out.
-    // A clone sets two at most.
-    TAG.store(tag, Ordering::Release);
+    let tag = format!("[{name}] ");
+    let bytes = &tag.as_bytes()[..tag.len().min(MAX_TAG)];
+    TAG_LEN.store(0, Ordering::Release);
+    for (slot, b) in TAG.iter().zip(bytes) {
+        slot.store(*b, Ordering::Relaxed);
+    }
+    TAG_LEN.store(bytes.len(), Ordering::Release);
 }
 
-fn tag() -> &'static str {
-    let tag = TAG.load(Ordering::Acquire);
-    if tag.is_null() {
-        return "";
-    }
-    // SAFETY: a non-null TAG comes from Box::into_raw in set_tag and is never freed.
-    unsafe { &*tag }
+/// The tag now (empty before [`set_tag`]).
+fn tag() -> String {
+    let len = TAG_LEN.load(Ordering::Acquire).min(MAX_TAG);
+    let bytes: Vec<u8> = TAG[..len]
+        .iter()
+        .map(|b| b.load(Ordering::Relaxed))
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
 }
 
 /// One log event, collected and written out with the process's tag in one `write(2)`
@@ -84,7 +94,7 @@ impl Write for LogLine {
 impl Drop for LogLine {
     fn drop(&mut self) {
         if !self.0.is_empty() {
-            let _ = RawStderr.write_all(&tagged(tag(), &self.0));
+            let _ = RawStderr.write_all(&tagged(&tag(), &self.0));
         }
     }
 }

@@ -5,7 +5,7 @@
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
@@ -43,6 +43,8 @@ fn parent_death_signal() -> i32 {
 /// The files the handler of [`parent_death_signal`] removes: a leaked
 /// `Box<Vec<CString>>`, or null. Set, never freed: the handler may be reading it.
 static FILES_AT_PARENT_DEATH: AtomicPtr<Vec<CString>> = AtomicPtr::new(std::ptr::null_mut());
+/// Set once the parent-death handler started (it may be reading the list).
+static IN_PARENT_DEATH: AtomicBool = AtomicBool::new(false);
 
 /// Runs on the main thread only: any other thread passes the signal on to it. Only the
 /// main thread may unlink under seccomp, and it is the thread that creates the files, so
@@ -61,9 +63,12 @@ extern "C" fn on_parent_death(num: libc::c_int, _: *mut libc::siginfo_t, _: *mut
         unsafe { libc::syscall(libc::SYS_tgkill, pid, pid, num) };
         return;
     }
-    let files = FILES_AT_PARENT_DEATH.load(Ordering::Acquire);
+    // Before the list is read: a list replaced from now on is not freed.
+    IN_PARENT_DEATH.store(true, Ordering::SeqCst);
+    let files = FILES_AT_PARENT_DEATH.load(Ordering::SeqCst);
     if !files.is_null() {
-        // SAFETY: a pointer from Box::into_raw in `remove_at_parent_death`, never freed.
+        // SAFETY: a pointer from Box::into_raw in `remove_at_parent_death`, freed there
+        // only while this handler has not started (IN_PARENT_DEATH).
         for f in unsafe { &*files } {
             // SAFETY: unlink(2) is async-signal-safe; `f` is a valid C string.
             unsafe { libc::unlink(f.as_ptr()) };
@@ -103,6 +108,13 @@ pub fn remove_at_parent_death<'a>(paths: impl IntoIterator<Item = &'a Path>) {
         .into_iter()
         .filter_map(|p| CString::new(p.as_os_str().as_bytes()).ok())
         .collect();
-    // The list before stays allocated: the handler may run at any moment.
-    FILES_AT_PARENT_DEATH.store(Box::into_raw(Box::new(files)), Ordering::Release);
+    let before = FILES_AT_PARENT_DEATH.swap(Box::into_raw(Box::new(files)), Ordering::SeqCst);
+    // The list before is freed unless the handler started (it may be reading it; the
+    // process ends then): a handler that starts after this load reads the new list. A
+    // rewound clone replaces it at every request.
+    if !before.is_null() && !IN_PARENT_DEATH.load(Ordering::SeqCst) {
+        // SAFETY: from Box::into_raw above (an earlier call), swapped out of the static:
+        // no one else frees it, and the handler, not started, will read the new list.
+        drop(unsafe { Box::from_raw(before) });
+    }
 }

@@ -40,6 +40,11 @@ pub struct VmmOptions {
     /// (`--working-set-mib`; None: the VMM's default, 64; zero: none). Each warm clone
     /// holds that much more memory of its own while it waits (docs/invoke.md).
     pub working_set_mib: Option<u64>,
+    /// Invocation clones that answered are rewound to the template's state and serve
+    /// again instead of ending (`--rewind`; docs/invoke.md, "Rewound clones": what a
+    /// rewound clone shares with the requests before it, and the templates it is not
+    /// built for yet, whose clones end as before).
+    pub rewind: bool,
 }
 
 impl Default for VmmOptions {
@@ -54,6 +59,7 @@ impl Default for VmmOptions {
             cgroup_classes: Vec::new(),
             max_clones: None,
             working_set_mib: None,
+            rewind: false,
         }
     }
 }
@@ -97,6 +103,9 @@ impl VmmOptions {
         if let Some(n) = self.working_set_mib {
             out.extend(["--working-set-mib".to_string(), n.to_string()]);
         }
+        if self.rewind {
+            out.push("--rewind".into());
+        }
         out
     }
 }
@@ -124,17 +133,19 @@ mod tests {
             cgroup_classes: vec![("small".into(), small)],
             max_clones: Some(40),
             working_set_mib: Some(8),
+            rewind: true,
         };
         let run = o.run_args().join(" ");
         assert_eq!(
             run,
             "--vcpus 2 --mailbox-mib 1 --tick-defer-ms 25 --refresh-idle-ms 2000 --rng \
              --no-prime --cgroup-class small:cpu=0.5,memory=64M --max-clones 40 \
-             --working-set-mib 8"
+             --working-set-mib 8 --rewind"
         );
         assert_eq!(
             o.restore_args().join(" "),
-            "--cgroup-class small:cpu=0.5,memory=64M --max-clones 40 --working-set-mib 8"
+            "--cgroup-class small:cpu=0.5,memory=64M --max-clones 40 --working-set-mib 8 \
+             --rewind"
         );
     }
 }

@@ -227,6 +227,9 @@ pub enum ChildError {
     /// The clone could not be rewound after its request (it ends).
     #[error("cannot rewind: {0}")]
     Rewind(#[from] RewindError),
+    /// A rewound clone could not tell its parent it is back (it ends).
+    #[error("cannot tell the parent this rewound clone is back: {0}")]
+    ReportBack(nix::Error),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -441,7 +444,7 @@ fn prepare_warm(
     });
     if rewound {
         tracing::debug!("rewound: {}", marks.report());
-        report_back(go).map_err(ChildError::ReportPrime)?;
+        report_back(go).map_err(ChildError::ReportBack)?;
     }
     let Some((id, carried)) = wait_for_go(go)? else {
         return Ok(None);

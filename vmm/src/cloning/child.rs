@@ -639,7 +639,7 @@ fn run_clone(
             pages.ranges
         );
         crate::logging::set_tag(&format!("clone pid {} (rewound)", std::process::id()));
-        name.clone_from(&String::from("(rewound)"));
+        "(rewound)".clone_into(name);
         kvm = k;
         reuse = Some(prepared);
     }

@@ -37,7 +37,7 @@ use super::cgroups::{placement_of, started_in, ClonePools};
 use super::child::{Lineage, Start, PRIME_TIMEOUT_EXIT};
 use super::fork::{fork_child, pipe};
 use super::request::{give_back, Identity};
-use super::wire::{go_channel, prime_report, send_go, PrimeReport};
+use super::wire::{back_report, go_channel, prime_report, send_go, PrimeReport};
 use super::CloneError;
 use crate::config::MAX_WARM_CLONES;
 use crate::microvm::Microvm;
@@ -234,7 +234,7 @@ impl WarmPool {
         // A launched clone that ended instead of coming back: its record is the
         // table's.
         if let Some(i) = self.out.iter().position(|o| o.pid == pid) {
-            self.forget_out(i);
+            drop(self.forget_out(i));
             return false;
         }
         if let Some(i) = self.dying.iter().position(|&(p, _)| p == pid) {
@@ -299,11 +299,17 @@ impl WarmPool {
     pub(super) fn discard(&mut self) {
         self.epoch = None;
         self.generation += 1;
-        for c in self.clones.drain(..) {
-            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
-            self.discarded += 1;
-            self.dying.push((c.pid, false));
+        for c in std::mem::take(&mut self.clones) {
+            self.discard_one(c.pid);
         }
+    }
+
+    /// Ends warm clone `pid`, unlaunched (or rewound and not taken back): SIGKILL, not
+    /// waited for (the event loop reaps it when it is gone).
+    fn discard_one(&mut self, pid: i32) {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        self.discarded += 1;
+        self.dying.push((pid, false));
     }
 
     /// Forgets the captured state (the template is to run): the next warm clone is made
@@ -339,7 +345,8 @@ impl WarmPool {
         Ok(epoll.as_raw_fd())
     }
 
-    fn forget_out(&mut self, i: usize) {
+    /// Stops watching launched clone `i` and returns it.
+    fn forget_out(&mut self, i: usize) -> Out {
         let o = self.out.swap_remove(i);
         if let Some(e) = &self.back {
             let _ = e.ctl(
@@ -348,6 +355,7 @@ impl WarmPool {
                 EpollEvent::default(),
             );
         }
+        o
     }
 
     /// Takes back the launched clones that say they are rewound: those launched in
@@ -357,32 +365,16 @@ impl WarmPool {
         let mut back = Vec::new();
         let mut i = 0;
         while i < self.out.len() {
-            let o = &self.out[i];
-            let mut byte = [0u8; 1];
-            let got = nix::sys::socket::recv(
-                o.go.as_raw_fd(),
-                &mut byte,
-                nix::sys::socket::MsgFlags::MSG_DONTWAIT,
-            );
-            match got {
-                Err(nix::errno::Errno::EAGAIN) => i += 1,
-                Ok(1) if byte[0] == super::rewind::BACK => {
-                    let o = self.out.swap_remove(i);
-                    if let Some(e) = &self.back {
-                        let _ = e.ctl(
-                            ControlOperation::Delete,
-                            o.go.as_raw_fd(),
-                            EpollEvent::default(),
-                        );
-                    }
+            match back_report(&self.out[i].go) {
+                Ok(false) => i += 1,
+                Ok(true) => {
+                    let o = self.forget_out(i);
                     back.push(o.pid);
                     let current = o.generation == self.generation && vm.state() == VmState::Paused;
                     // The pool grows with the requests in flight (their clones were
                     // replaced while out), up to four times its target.
                     if !current || self.clones.len() >= 4 * self.target.max(1) {
-                        let _ = kill(Pid::from_raw(o.pid), Signal::SIGKILL);
-                        self.discarded += 1;
-                        self.dying.push((o.pid, false));
+                        self.discard_one(o.pid);
                         continue;
                     }
                     self.rewound += 1;
@@ -402,7 +394,7 @@ impl WarmPool {
                     });
                 }
                 // Ended (or said something else): the reaping takes it.
-                _ => self.forget_out(i),
+                Err(()) => drop(self.forget_out(i)),
             }
         }
         back
@@ -430,9 +422,7 @@ impl WarmPool {
         }
         if let Some(i) = self.clones.iter().position(|c| c.stale) {
             let c = self.clones.remove(i).expect("a position in the pool");
-            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
-            self.discarded += 1;
-            self.dying.push((c.pid, false));
+            self.discard_one(c.pid);
         }
     }
 
@@ -550,9 +540,7 @@ impl WarmPool {
             return;
         }
         if let Some(c) = self.clones.pop_back() {
-            let _ = kill(Pid::from_raw(c.pid), Signal::SIGKILL);
-            self.discarded += 1;
-            self.dying.push((c.pid, false));
+            self.discard_one(c.pid);
         }
     }
 

@@ -367,6 +367,27 @@ pub(super) enum PrimeReport {
 /// Reads a warm clone's prime report from the parent's end of its go channel (with
 /// `peek`, leaves it there).
 pub(super) fn prime_report(go: &UnixStream, peek: bool) -> PrimeReport {
+    match report_byte(go, peek) {
+        Ok(Some(_)) => PrimeReport::Done,
+        Ok(None) => PrimeReport::Pending,
+        Err(()) => PrimeReport::Ended,
+    }
+}
+
+/// Whether a launched clone says, on the parent's end of its go channel, that it is
+/// rewound ([`report_back`]): Ok(true) back, Ok(false) not yet, Err: it ended (or said
+/// something else).
+pub(super) fn back_report(go: &UnixStream) -> Result<bool, ()> {
+    match report_byte(go, false)? {
+        Some(b) if b == super::rewind::BACK => Ok(true),
+        Some(_) => Err(()),
+        None => Ok(false),
+    }
+}
+
+/// The next byte a clone wrote on its go channel without waiting (with `peek`, left
+/// there): None when there is none yet, Err when the channel ended or failed.
+fn report_byte(go: &UnixStream, peek: bool) -> Result<Option<u8>, ()> {
     use nix::sys::socket::{recv, MsgFlags};
     let mut byte = [0u8; 1];
     let flags = match peek {
@@ -374,9 +395,9 @@ pub(super) fn prime_report(go: &UnixStream, peek: bool) -> PrimeReport {
         false => MsgFlags::MSG_DONTWAIT,
     };
     match recv(go.as_raw_fd(), &mut byte, flags) {
-        Ok(1) => PrimeReport::Done,
-        Err(nix::errno::Errno::EAGAIN) => PrimeReport::Pending,
-        _ => PrimeReport::Ended,
+        Ok(1) => Ok(Some(byte[0])),
+        Err(nix::errno::Errno::EAGAIN) => Ok(None),
+        _ => Err(()),
     }
 }
 

@@ -549,6 +549,8 @@ fn run_clone(
     // SAFETY: the parent's KvmContext in this process is never dropped (see child_main).
     let kvm = unsafe { plan.template.kvm().inherited() };
     let mut marks = StageTimer::new();
+    // First, off the request's path (a warm clone's launch waits for none of it).
+    let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
     let (go, cgroup, prime, rewind) = match &plan.start {
         Start::Now(id) => {
             let (state, prepared) = prepare_now(&kvm, plan, id, &mut marks)?;
@@ -565,6 +567,7 @@ fn run_clone(
                 carried,
                 ahead: Arc::default(),
                 primed: false,
+                signals,
             };
             let run = life.run(
                 plan,
@@ -590,9 +593,15 @@ fn run_clone(
             .ok()
     });
     let mut kvm = kvm;
+    let mut signals = Some(signals);
     let mut reuse = None;
     let mut first = Some((ready, mark));
     loop {
+        // The first life's was made above; a rewound clone's before it waits again.
+        let signals = match signals.take() {
+            Some(s) => s,
+            None => block_shutdown_signals().map_err(ChildError::Signals)?,
+        };
         let start = (go, cgroup, prime);
         let Some((state, prepared, (mut identity, carried), ahead)) =
             prepare_warm(&kvm, plan, start, &mut marks, reuse.take())?
@@ -622,6 +631,7 @@ fn run_clone(
             carried,
             ahead,
             primed: prime.is_some(),
+            signals,
         };
         let keep = rewinder.is_some();
         let (outcome, vm) = life.run(plan, (kvm, prepared), pipe, name, &mut marks, keep)?;
@@ -656,6 +666,8 @@ struct Life<'a> {
     ahead: Arc<PageSet>,
     /// Whether it is a primed warm clone.
     primed: bool,
+    /// Its signalfd, made before the launch (off the request's path).
+    signals: nix::sys::signalfd::SignalFd,
 }
 
 impl Life<'_> {
@@ -676,8 +688,8 @@ impl Life<'_> {
             carried,
             ahead,
             primed,
+            signals,
         } = self;
-        let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
         name.clone_from(&identity.id);
         crate::logging::set_tag(&format!("clone {}", identity.id));
         // Before any of them exists: a parent killed with SIGKILL cannot remove them.

@@ -1040,6 +1040,65 @@ fn shown(sock: &Path) -> (Vec<u8>, String) {
     (r.bytes.clone(), id)
 }
 
+/// The gateway's shape with `--rewind`: a template with a vsock device whose functions'
+/// templates are derived ones. The derived template's clones come back rewound (the
+/// same processes serve), each with what the load left and a clone id of its own, and
+/// each life's sockets (control and vsock) go with it.
+#[test]
+fn a_derived_template_with_a_vsock_device_rewinds_its_clones() {
+    if !kvm_available("invoke_derive_rewind") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-derive-rewind");
+    let vsock = scratch.path("template.vsock").display().to_string();
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=1 load=1",
+        &["--warm-clones", "2", "--rewind", "--vsock", &vsock],
+    );
+    let (id1, sock1) = derive(&vm.sock, b"numpy\0\0\0");
+    let (_, body) = vm.api("GET", "/clones", None);
+    let list: Value = serde_json::from_str(&body).unwrap();
+    let derived = (list["clones"].as_array().unwrap().iter())
+        .find(|c| c["id"] == id1.as_str())
+        .and_then(|c| c["pid"].as_u64())
+        .unwrap_or_else(|| panic!("{id1} not listed: {body}"));
+    let files = leftovers(&scratch);
+    let settled = || {
+        describe_at(&sock1)["warm_clones"]["ready"] == 2
+            && children_of(derived as u32).len() == 2
+            && leftovers(&scratch) == files
+    };
+    let (mut ids, mut processes) = (HashSet::new(), Vec::new());
+    for i in 0..10 {
+        // The first requests' clones report the working set, and the warm clones
+        // made before are replaced: the processes are taken after three.
+        if i == 3 {
+            let mut last = Vec::new();
+            wait_until("the derived template's pool to settle", || {
+                let now = children_of(derived as u32);
+                let same = now == last && settled();
+                last = now;
+                std::thread::sleep(Duration::from_millis(500));
+                same
+            });
+            processes = last;
+        }
+        let r = invoke(&sock1, b"show");
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.bytes, b"numpy\0\0\0", "invocation {i}");
+        let id = r.header("x-forkvm-clone-id").unwrap().to_string();
+        assert!(id.starts_with(&format!("{id1}.")), "{id}");
+        assert!(ids.insert(id), "a clone id twice");
+        wait_until("the clone to come back", settled);
+    }
+    assert_eq!(
+        children_of(derived as u32),
+        processes,
+        "the derived template's clones were not rewound (forked anew or lost)"
+    );
+}
+
 #[test]
 fn a_derived_template_serves_fresh_clones_of_what_it_loaded_and_goes_with_its_parent() {
     if !kvm_available("invoke_derive") {

@@ -140,7 +140,7 @@ fn snapshot_name(dir: &Path, inputs: &Inputs) -> Result<String, SnapshotDirError
     h.update(inputs.cmdline.as_bytes());
     h.update(b"\0");
     h.update(inputs.mem_mib.to_le_bytes());
-    for a in &inputs.vmm_args {
+    for a in (inputs.vmm_args.iter()).filter(|a| !RESTORE_FLAGS.contains(&a.as_str())) {
         h.update(a.as_bytes());
         h.update(b"\0");
     }
@@ -197,13 +197,23 @@ const RESTORE_OPTIONS: &[&str] = &[
     "--vsock",
 ];
 
+/// The `vmm run` flags (no value) `vmm restore` takes too. They change what the
+/// template does with its clones, not the VM it saves, so they are no part of its
+/// snapshot's name either.
+const RESTORE_FLAGS: &[&str] = &["--rewind"];
+
 /// The options of `run_args` (`vmm run` options) that a restore takes too, in order:
-/// each of [`RESTORE_OPTIONS`], as `--flag VALUE` or `--flag=VALUE`. The others shape the
-/// saved VM (and are part of its snapshot's name).
+/// each of [`RESTORE_OPTIONS`], as `--flag VALUE` or `--flag=VALUE`, and of
+/// [`RESTORE_FLAGS`]. The others shape the saved VM (and are part of its snapshot's
+/// name).
 pub fn restore_args(run_args: &[String]) -> Vec<String> {
     let mut out = Vec::new();
     let mut args = run_args.iter();
     while let Some(a) = args.next() {
+        if RESTORE_FLAGS.contains(&a.as_str()) {
+            out.push(a.clone());
+            continue;
+        }
         let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
         if !RESTORE_OPTIONS.contains(&flag) {
             continue;
@@ -371,6 +381,12 @@ mod tests {
             ..i.clone()
         };
         assert_ne!(snapshot_name(&dir, &other).unwrap(), name);
+        // but not a flag that only the restore takes.
+        let rewound = Inputs {
+            vmm_args: vec!["--rewind".into()],
+            ..i.clone()
+        };
+        assert_eq!(snapshot_name(&dir, &rewound).unwrap(), name);
         // A vmm whose saved state differs: another snapshot (what it shows a guest may
         // differ); one rebuilt with the same saved state (other bytes, the same id): the
         // same snapshot.
@@ -428,6 +444,7 @@ mod tests {
             "--seccomp=log",
             "--vcpus",
             "2",
+            "--rewind",
             "--max-clones",
             "9",
         ]
@@ -439,6 +456,7 @@ mod tests {
                 "--cgroup-class",
                 "small:cpu=1",
                 "--seccomp=log",
+                "--rewind",
                 "--max-clones",
                 "9"
             ]

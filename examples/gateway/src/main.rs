@@ -101,6 +101,11 @@ struct Args {
     /// --find-links DIR`), for hosts that reach none.
     #[arg(long, value_name = "DIR", requires = "package_cache")]
     find_links: Option<PathBuf>,
+    /// Functions' invocation clones, once they answered, are put back in their
+    /// template's state and serve another request instead of ending (`vmm run
+    /// --rewind`; docs/invoke.md, "Rewound clones": what each request still gets).
+    #[arg(long)]
+    rewind: bool,
     /// A further `vmm run` option for the base template (repeatable; `--vmm-arg=--no-prime`).
     #[arg(long = "vmm-arg", allow_hyphen_values = true)]
     vmm_args: Vec<String>,
@@ -173,6 +178,7 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     spec.warm_clones = args.warm_clones;
     spec.start_timeout = Duration::from_secs(args.start_timeout_s);
     spec.options.cgroup_classes.clone_from(&args.classes);
+    spec.options.rewind = args.rewind;
     let mut vmm_args = args.vmm_args.clone();
     let slots_given = (vmm_args.iter()).any(|a| a.split('=').next() == Some("--disk-slots"));
     if args.package_cache.is_some() && !slots_given {

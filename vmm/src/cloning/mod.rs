@@ -149,7 +149,7 @@ impl Cloner {
     /// clones when `config` has classes (without, or when they cannot be made, its
     /// clones stay in its own cgroup, as a clone's do).
     pub fn become_template(&mut self, config: &VmConfig) {
-        self.warm = WarmPool::new(config.clones.warm_clones);
+        self.warm.renew(config.clones.warm_clones);
         self.working = working::WorkingSet::new(config.clones.working_set_mib);
         if self.cgroups.is_none() {
             match config

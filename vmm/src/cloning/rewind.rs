@@ -19,12 +19,13 @@
 //!   0.2 ms here, more under load: most of a rewind). Not needed when no page written
 //!   holds a table reachable from the template's CR3s (`arch::x86_64::paging`, walked
 //!   once per clone) and every vCPU's CR3 is the template's: a guest with one address
-//!   space that maps nothing new in a request, as the tiny guest. A guest that ran
+//!   space that maps nothing new in a request, as the tiny guest and a Linux guest whose
+//!   request runs in the runtime's own process (the Python runtime's). A guest that ran
 //!   another address space in a request, whose tables it wrote and which the template
 //!   does not reach, could meet KVM's shadow of them again in a later request; the
 //!   memory it maps is the template's again all the same (every written page was copied
-//!   back), so no request's data reaches another, but that guest could misbehave. Linux
-//!   guests, which do that, are not rewound yet (virtio devices, below).
+//!   back), so no request's data reaches another, but that guest could misbehave (a
+//!   Linux handler that starts a process does that: docs/invoke.md says so).
 //!
 //! Then the clone primes itself again when its template primes, tells its template it
 //! is back on its go channel (a byte, [`BACK`]), and waits for its next launch as any
@@ -45,9 +46,16 @@
 //! ioeventfd from a VM and adding it again each waits for an SRCU grace period (3-5 ms
 //! each here).
 //!
+//! A vsock device is made per launch as the other devices: its host socket is the
+//! identity's (`<api_sock>.vsock`), bound when the launch's vCPUs run and removed when
+//! the device goes at the end of the life (and by the template, which takes the
+//! clone's record back as at an exit); its connections go with it, and the device made
+//! at the next launch tells the guest, whose memory is the template's again, that
+//! they are gone (a transport reset), as in any warm clone.
+//!
 //! Not built yet: writable disks and disk slots (a clone's overlay would have to be
-//! put back too), network and vsock devices (host sides made per identity: a tap, a
-//! socket), cgroup pools (the clone's cgroup would have to be given back and taken
+//! put back too), network devices (a tap made per identity, which the clone's exit
+//! removes), cgroup pools (the clone's cgroup would have to be given back and taken
 //! again): such a template's clones end as before, and it says why once.
 
 use std::collections::HashSet;
@@ -92,8 +100,8 @@ pub fn unsupported(template: &Microvm, cgroup_pools: bool) -> Option<&'static st
     if m.disks.iter().any(|d| d.cow_dir.is_some()) || m.disk_slots > 0 {
         return Some("the VM has a writable disk or disk slots (not built yet)");
     }
-    if m.net.is_some() || m.vsock.is_some() {
-        return Some("the VM has a network or vsock device (not built yet)");
+    if m.net.is_some() {
+        return Some("the VM has a network device (not built yet)");
     }
     if cgroup_pools {
         return Some("the template has cgroup pools (not built yet)");

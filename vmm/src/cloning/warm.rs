@@ -204,6 +204,15 @@ impl WarmPool {
         pool
     }
 
+    /// Makes this pool, a clone's, its VM's as a template's (`derive`): `target` warm
+    /// clones, and the watch of rewound clones coming back that the event loop
+    /// registered when the clone started.
+    pub(super) fn renew(&mut self, target: usize) {
+        let back = self.back.take();
+        *self = Self::new(target);
+        self.back = back;
+    }
+
     /// The figures for `GET /vm`.
     pub fn report(&self) -> WarmReport {
         WarmReport {

@@ -745,6 +745,45 @@ fn a_template_paused_half_a_minute_is_refreshed_without_being_asked() {
     });
 }
 
+/// A template refreshed while nobody asks replaces its (older) warm clones one at a
+/// time, and then rests: the pool is over its target while a replacement is made, which
+/// must not count as a surplus of clones come back rewound (ended as soon as made, made
+/// again: hundreds of forks a second).
+#[test]
+fn an_idle_template_refreshed_replaces_its_warm_clones_once() {
+    if !kvm_available("invoke_refresh_idle_pool") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-refresh-idle-pool");
+    // prime=4: each warm clone's prime spins about 0.1 s, as a Linux runtime's takes
+    // milliseconds: a replacement is a while from ready.
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=4",
+        &["--warm-clones", "2", "--refresh-idle-ms", "2500"],
+    );
+    let pid = vm.child.id();
+    let warm = |what: &str| vm.describe()["warm_clones"][what].as_u64().unwrap();
+    wait_until("the warm clones", || warm("ready") == 2);
+    let start = Instant::now();
+    while invoke_figure(&vm.sock, "refreshes") < 2 {
+        assert!(start.elapsed() < BOOT, "no two refreshes in {BOOT:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    wait_until("the pool to settle", || {
+        warm("ready") == 2 && children_of(pid).len() == 2
+    });
+    // Each refresh replaces the two clones there are: a few discarded, not hundreds.
+    let refreshes = invoke_figure(&vm.sock, "refreshes");
+    let discarded = warm("discarded");
+    assert!(
+        discarded <= 2 * refreshes + 2,
+        "{discarded} warm clones discarded in {refreshes} refreshes"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(warm("discarded") <= 2 * invoke_figure(&vm.sock, "refreshes") + 2);
+}
+
 #[test]
 fn a_snapshot_or_pause_asked_during_a_refresh_waits_for_the_template_to_pause_again() {
     if !kvm_available("invoke_refresh_snapshot") {

@@ -543,9 +543,13 @@ impl WarmPool {
     }
 
     /// Ends one warm clone beyond the target (a rewound clone that came back while the
-    /// pool was full: `take_back`) once no clone was launched for [`SURPLUS_IDLE`].
+    /// pool was full: `take_back`) once no clone was launched for [`SURPLUS_IDLE`]. Not
+    /// while stale clones are replaced: the one made to replace them, over the target
+    /// until it is ready, is no surplus (ending it, the pool would make another at once,
+    /// and so on: a template refreshed while idle forked hundreds a second).
     pub(super) fn trim_surplus(&mut self) {
-        if self.clones.len() <= self.target || self.since_last_launch() < SURPLUS_IDLE {
+        let idle = self.since_last_launch() >= SURPLUS_IDLE;
+        if self.clones.len() <= self.target || !idle || self.has_stale() {
             return;
         }
         if let Some(c) = self.clones.pop_back() {

@@ -622,6 +622,101 @@ fn an_invocations_clone_gets_the_images_it_asks_for() {
     vm.shutdown(BOOT);
 }
 
+/// With `--rewind`, the clones of a template with a disk slot come back rewound: a
+/// request's own image, and the image of a derived template (the gateway's package
+/// sets), each opened again at every launch, none left open after.
+#[test]
+fn rewound_clones_open_their_images_again_at_each_launch() {
+    if !kvm_available("slots_rewind") {
+        return;
+    }
+    use api_types::{InsertMedium, InvokeOptions};
+    use forkvm_client::api as client;
+    let scratch = Scratch::new("slots-rewind");
+    let image = scratch.path("fn.img");
+    std::fs::write(&image, vec![7u8; 4096]).unwrap();
+    let extra = [
+        "--template",
+        "--disk-slots",
+        "1",
+        "--warm-clones",
+        "2",
+        "--rewind",
+    ];
+    let cmdline = "ticks=1 invoke=1 load=1";
+    let mut vm = tests::tiny_vm_with(&scratch, "64", "1", cmdline, &extra);
+    vm.wait_console("tiny: invoke ready\n", BOOT);
+    tests::wait_until("the template to pause", BOOT, || vm.waits_as_template());
+    let medium = InsertMedium {
+        slot: 0,
+        path: image.clone(),
+        writable: false,
+    };
+    let derive = InvokeOptions {
+        derive: true,
+        media: vec![medium.clone()],
+        ..Default::default()
+    };
+    let r = client::invoke(&vm.sock, &derive, b"pkgs\0\0\0\0").unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let id = r.header("x-forkvm-clone-id").unwrap().to_string();
+    let derived = Path::new(r.header("x-forkvm-socket").unwrap()).to_path_buf();
+    let (_, body) = api_request(&vm.sock, "GET", "/clones", None);
+    let list: Value = serde_json::from_str(&body).unwrap();
+    let dpid = (list["clones"].as_array().unwrap().iter())
+        .find(|c| c["id"] == id.as_str())
+        .and_then(|c| c["pid"].as_u64())
+        .unwrap_or_else(|| panic!("{id} not listed: {body}")) as u32;
+    tests::wait_until("the derived template to pause", BOOT, || {
+        let (_, v) = api_request(&derived, "GET", "/vm", None);
+        let v: Value = serde_json::from_str(&v).unwrap();
+        v["state"] == "paused" && v["invoke"]["template"] == true
+    });
+    assert_eq!(media(&derived), [Some(image.display().to_string())]);
+    let own = InvokeOptions {
+        media: vec![medium],
+        ..Default::default()
+    };
+    // On the derived template its image inherited; on the root the request's own. A
+    // template's warm clones: its children but the derived template.
+    let warm_of = |pid: u32| -> Vec<u32> {
+        (tests::children_of(pid).into_iter())
+            .filter(|&c| c != dpid)
+            .collect()
+    };
+    let root = vm.child.id();
+    for (sock, pid, options) in [
+        (&derived, dpid, InvokeOptions::default()),
+        (&vm.sock, root, own),
+    ] {
+        let ready = || {
+            let (_, v) = api_request(sock, "GET", "/vm", None);
+            let v: Value = serde_json::from_str(&v).unwrap();
+            v["warm_clones"]["ready"] == 2 && warm_of(pid).len() == 2
+        };
+        let mut at_rest = None;
+        for i in 0..8 {
+            let r = client::invoke(sock, &options, b"x").unwrap();
+            assert_eq!(r.status, 200, "{}: {}", sock.display(), r.body);
+            tests::wait_until("the clone to come back", BOOT, ready);
+            // The first requests' clones report the working set, and the warm clones
+            // made before are replaced: the processes are taken after three.
+            if i == 3 {
+                std::thread::sleep(Duration::from_millis(500));
+                tests::wait_until("the pool to settle", BOOT, ready);
+                let warm = warm_of(pid);
+                let fds: Vec<usize> = warm.iter().map(|&w| tests::fds_at_rest(w)).collect();
+                at_rest = Some((warm, fds));
+            }
+        }
+        let (warm, fds) = at_rest.unwrap();
+        assert_eq!(warm_of(pid), warm, "{}: not rewound", sock.display());
+        for (w, n) in warm.into_iter().zip(fds) {
+            assert_eq!(tests::fds_of(w, n), n, "{}", tests::fd_targets(w));
+        }
+    }
+}
+
 /// The snapshot of a Python template (the runtime's zygote, `python3 -m forkvm`) with
 /// one disk slot, paused where its runtime waits: booted once and kept in the snapshot
 /// cache.

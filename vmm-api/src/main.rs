@@ -342,8 +342,8 @@ struct RunArgs {
     /// template's state (the guest memory they wrote copied back, vCPUs restored) and
     /// serve another request in the same host process and KVM VM, instead of ending
     /// (docs/invoke.md, "Rewound clones": what it keeps and what it costs). Not yet for
-    /// a VM with a writable disk, disk slots, a network device, or cgroup pools: their
-    /// clones end as before.
+    /// a VM with a writable disk (or a writable medium of its own in a slot), a network
+    /// device, or cgroup pools: their clones end as before.
     #[arg(long)]
     rewind: bool,
     /// Do not prime a template's warm clones (by default each runs its runtime's serving

@@ -587,6 +587,10 @@ fn run_clone(
         } => (*go, cgroup.as_ref(), *prime, *rewind),
     };
     // Before anything writes guest memory: the prime, the working set written ahead.
+    // A copy of the template's writable disk overlays would keep a request's writes
+    // into the next: such a clone ends as before (`rewind.rs`).
+    let overlays = plan.overlays.iter().any(Option::is_some);
+    let rewind = rewind.filter(|_| !overlays);
     let mut rewinder = rewind.and_then(|fd| {
         Rewinder::new(fd, plan.template.memory(), kvm.host, plan.state)
             .map_err(|e| tracing::warn!("this clone will not be rewound: {e}"))

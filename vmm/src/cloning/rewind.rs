@@ -53,10 +53,15 @@
 //! at the next launch tells the guest, whose memory is the template's again, that
 //! they are gone (a transport reset), as in any warm clone.
 //!
-//! Not built yet: writable disks and disk slots (a clone's overlay would have to be
-//! put back too), network devices (a tap made per identity, which the clone's exit
-//! removes), cgroup pools (the clone's cgroup would have to be given back and taken
-//! again): such a template's clones end as before, and it says why once.
+//! Disk slots too: the images a request inserts are its identity's (a writable one
+//! with an overlay of its own, an anonymous file), and the template's media are
+//! opened again (a copy of the inherited descriptor) at each launch.
+//!
+//! Not built yet: writable disks, and a template's writable medium in a slot (a
+//! clone's copy of the template's overlay would have to be put back too: a clone forked
+//! with one is not rewound), network devices (a tap made per identity, which the
+//! clone's exit removes), cgroup pools (the clone's cgroup would have to be given back
+//! and taken again): such a template's clones end as before, and it says why once.
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -97,8 +102,8 @@ pub enum RewindError {
 /// Why a template's clones cannot be rewound (they end as before), if they cannot.
 pub fn unsupported(template: &Microvm, cgroup_pools: bool) -> Option<&'static str> {
     let m = &template.config().machine;
-    if m.disks.iter().any(|d| d.cow_dir.is_some()) || m.disk_slots > 0 {
-        return Some("the VM has a writable disk or disk slots (not built yet)");
+    if m.disks.iter().any(|d| d.cow_dir.is_some()) {
+        return Some("the VM has a writable disk (not built yet)");
     }
     if m.net.is_some() {
         return Some("the VM has a network device (not built yet)");

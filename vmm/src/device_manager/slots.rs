@@ -162,11 +162,16 @@ impl DeviceManager {
                         (Medium::Inserted(file), Some(m.path.clone()), true, overlay)
                     }
                     (None, Some((fd, path))) => {
+                        // A copy of the descriptor: the inherited one stays open for the
+                        // devices a rewound clone makes at its next launch
+                        // (`cloning/rewind.rs`).
                         // SAFETY: a descriptor of the parent's slot image, inherited by
-                        // fork and kept open by the clone; the parent's object owning it
-                        // is never used or dropped in the child, so this is its only
-                        // owner here.
-                        let file = unsafe { File::from_raw_fd(*fd) };
+                        // fork and kept open by the clone for as long as it lives;
+                        // borrowed for the copy.
+                        let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) }
+                            .try_clone_to_owned()
+                            .map(File::from)
+                            .map_err(DeviceError::Slot)?;
                         let overlay = match r.overlays.get(index).and_then(Option::as_ref) {
                             Some(s) => {
                                 // SAFETY: the snapshot's descriptor, made by the parent

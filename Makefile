@@ -111,4 +111,4 @@ bench: deps guest release
 	python3 benches/clone.py latency --runs 50 --mem 128
 	python3 benches/clone.py fanout --counts 100 --dirs /dev/shm
 	python3 benches/invoke.py latency --runs 50 --rounds 2
-	/usr/bin/python3 benches/functions.py --runs 100 --plot docs/functions.png
+	/usr/bin/python3 benches/functions.py --runs 100 --rewind --plot docs/functions.png

@@ -16,12 +16,15 @@ function with its warm-up there as well, and interleaves its requests with the o
 an A/B of a VMM option in the same run (--compare-vmm-arg=--working-set-mib=0: without
 the warm clones' working set). --compare-rootfs IMAGE does the same with the second
 gateway's guests on another root image (the Python runtime before a change), and
---compare-vmm PATH with its VMMs run from PATH (another build's `vmm`).
+--compare-vmm PATH with its VMMs run from PATH (another build's `vmm`). --rewind makes
+the second gateway's clones rewound ones (`forkvm-gateway --rewind`: a clone that
+answered is put back in its template's state and serves again), each function deployed
+there with and without its warm-up: `make bench` runs it so.
 
 usage: benches/functions.py [--runs N] [--only a,b] [--warm N] [--bin-dir DIR]
                             [--base-snapshot DIR] [--compare-vmm-arg ARG ...]
                             [--compare-rootfs IMAGE] [--compare-vmm PATH] [--compare-cold]
-                            [--json OUT] [--plot PNG]
+                            [--rewind] [--compare-label TEXT] [--json OUT] [--plot PNG]
 
 --json writes every sample; --plot draws the medians and p99s (matplotlib,
 python3-matplotlib), read from the run or from --from-json.
@@ -279,8 +282,10 @@ def run(a):
     # another image, deployed with the warm-up too, its requests interleaved with the
     # others'.
     other = None
-    if a.compare_vmm_arg or a.compare_rootfs or a.compare_vmm:
+    if a.compare_vmm_arg or a.compare_rootfs or a.compare_vmm or a.rewind:
         more = [x for v in a.compare_vmm_arg for x in ("--vmm-arg", v)]
+        if a.rewind:
+            more.append("--rewind")
         if a.compare_vmm:
             more += ["--vmm", a.compare_vmm]
         other = Gateway(extra + more, warm=a.warm, rootfs=a.compare_rootfs)
@@ -320,7 +325,7 @@ def run(a):
             finally:
                 host.stop()
             results[name] = series
-            report(name, series)
+            report(name, series, a.compare_label)
     finally:
         gw.stop()
         if other:
@@ -329,7 +334,7 @@ def run(a):
     return results
 
 
-def report(name, series):
+def report(name, series, label="compared gateway"):
     client = {m: [s[0] for s in xs] for m, xs in series.items()}
     base = statistics.median(client["host"])
     print(f"\n{name}: {len(client['host'])} requests of each, interleaved (ms)\n")
@@ -337,8 +342,8 @@ def report(name, series):
          "primed")
     for mode, label in (("cold", "fresh clone, no warm-up"),
                         ("warm", "fresh clone, one warm-up event"),
-                        ("other", "the same, compared gateway"),
-                        ("other-cold", "no warm-up, compared gateway"),
+                        ("other", f"one warm-up event, {label}"),
+                        ("other-cold", f"no warm-up, {label}"),
                         ("host", "host Python zygote, fork per request")):
         if mode not in client:
             continue
@@ -357,13 +362,14 @@ def report(name, series):
         print(line, flush=True)
 
 
-def summary(results):
+def summary(results, label="compared"):
     print("\nall functions, client side (ms)\n")
     other = any("other" in s for s in results.values())
     cold = any("other-cold" in s for s in results.values())
     head("function", "no warm-up p50", "p99", "warm-up p50", "p99", "host p50", "p99",
-         "warm-up / host", *(("compared p50", "p99", "compared / warm-up") if other else ()),
-         *(("compared no warm-up p50", "p99", "compared / no warm-up") if cold else ()))
+         "warm-up / host",
+         *((f"{label} p50", "p99", f"{label} / warm-up") if other else ()),
+         *((f"{label} no warm-up p50", "p99", f"{label} / no warm-up") if cold else ()))
     for name, series in results.items():
         c = {m: [s[0] for s in xs] for m, xs in series.items()}
         med = {m: statistics.median(xs) for m, xs in c.items()}
@@ -379,19 +385,23 @@ def summary(results):
         print(line)
 
 
-def plot(results, png):
+def plot(results, png, label="compared gateway"):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(results)
-    modes = (("cold", "fresh clone, no warm-up"), ("warm", "fresh clone, warm-up"),
-             ("host", "host zygote, fork"))
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.27
+    modes = [("cold", "fresh clone, no warm-up"), ("warm", "fresh clone, warm-up")]
+    if all("other-cold" in results[n] for n in names):
+        modes.append(("other-cold", f"{label}, no warm-up"))
+    if all("other" in results[n] for n in names):
+        modes.append(("other", f"{label}, warm-up"))
+    modes.append(("host", "host zygote, fork"))
+    fig, ax = plt.subplots(figsize=(11 + 1.5 * (len(modes) - 3), 4.5))
+    width = 0.8 / len(modes)
     for i, (mode, label) in enumerate(modes):
-        xs = [j + (i - 1) * width for j in range(len(names))]
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(names))]
         med = [statistics.median(s[0] for s in results[n][mode]) for n in names]
         p99 = [pct([s[0] for s in results[n][mode]], 0.99) for n in names]
         ax.bar(xs, med, width, label=label)
@@ -401,7 +411,7 @@ def plot(results, png):
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right")
     ax.legend()
-    ax.set_title("Real Python functions: a fresh clone per request vs a host zygote's fork")
+    ax.set_title("Real Python functions: a clone per request vs a host zygote's fork")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"\nplot: {png}")
@@ -430,6 +440,12 @@ def main():
     ap.add_argument("--compare-cold", action="store_true",
                     help="deploy each function without a warm-up on the second gateway "
                     "too, its requests interleaved as well")
+    ap.add_argument("--rewind", action="store_true",
+                    help="the second gateway takes --rewind (its functions' clones are "
+                    "rewound and serve again: docs/invoke.md), each function deployed there "
+                    "with and without its warm-up")
+    ap.add_argument("--compare-label", help="what the second gateway's rows are called "
+                    "(default: 'rewound clone' with --rewind, else 'compared gateway')")
     ap.add_argument("--age", type=float, default=0,
                     help="seconds to wait after deploying a function, before its first "
                     "request (its templates paused that long)")
@@ -437,19 +453,21 @@ def main():
     ap.add_argument("--from-json", help="report and plot a run saved with --json")
     ap.add_argument("--plot", help="draw the figures to this PNG (matplotlib)")
     a = ap.parse_args()
+    a.compare_label = a.compare_label or ("rewound clone" if a.rewind else "compared gateway")
+    a.compare_cold = a.compare_cold or a.rewind
     if a.from_json:
         with open(a.from_json) as f:
             results = json.load(f)
         for name, series in results.items():
-            report(name, series)
+            report(name, series, a.compare_label)
     else:
         results = run(a)
-    summary(results)
+    summary(results, a.compare_label)
     if a.json and not a.from_json:
         with open(a.json, "w") as f:
             json.dump(results, f)
     if a.plot:
-        plot(results, a.plot)
+        plot(results, a.plot, a.compare_label)
 
 
 if __name__ == "__main__":

@@ -1108,7 +1108,7 @@ fn a_derived_template_with_a_vsock_device_rewinds_its_clones() {
             && children_of(derived as u32).len() == 2
             && leftovers(&scratch) == files
     };
-    let (mut ids, mut processes) = (HashSet::new(), Vec::new());
+    let (mut ids, mut processes, mut fds) = (HashSet::new(), Vec::new(), Vec::new());
     for i in 0..10 {
         // The first requests' clones report the working set, and the warm clones
         // made before are replaced: the processes are taken after three.
@@ -1122,6 +1122,7 @@ fn a_derived_template_with_a_vsock_device_rewinds_its_clones() {
                 same
             });
             processes = last;
+            fds = processes.iter().map(|&p| tests::fds_at_rest(p)).collect();
         }
         let r = invoke(&sock1, b"show");
         assert_eq!(r.status, 200, "{}", r.body);
@@ -1136,6 +1137,9 @@ fn a_derived_template_with_a_vsock_device_rewinds_its_clones() {
         processes,
         "the derived template's clones were not rewound (forked anew or lost)"
     );
+    for (p, n) in processes.into_iter().zip(fds) {
+        assert_eq!(fds_of(p, n), n, "fds leaked:\n{}", fd_targets(p));
+    }
 }
 
 #[test]

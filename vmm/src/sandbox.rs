@@ -29,13 +29,17 @@ pub fn init(mode: SeccompMode) -> Result<(), SeccompError> {
 }
 
 /// Installs `kind`'s filter on the calling thread (nothing before [`init`] or when the
-/// mode is off).
+/// mode is off, nor when this thread has it already: a vCPU thread kept for the
+/// vCPU's next run, `vstate/vcpu/thread.rs`).
 pub fn enter(kind: ThreadKind) -> Result<(), SeccompError> {
+    if FILTERED.with(Cell::get) == Some(kind) {
+        return Ok(());
+    }
     let i = ThreadKind::ALL.iter().position(|&k| k == kind).unwrap_or(0);
     match PROGRAMS.get().and_then(|all| all[i].as_ref()) {
         Some(prog) => {
             jailer::seccomp::install(kind, prog)?;
-            FILTERED.with(|f| f.set(true));
+            FILTERED.with(|f| f.set(Some(kind)));
             Ok(())
         }
         None => Ok(()),
@@ -43,8 +47,8 @@ pub fn enter(kind: ThreadKind) -> Result<(), SeccompError> {
 }
 
 thread_local! {
-    /// Whether this thread runs under a seccomp filter.
-    static FILTERED: Cell<bool> = const { Cell::new(false) };
+    /// The filter this thread installed last, if any.
+    static FILTERED: Cell<Option<ThreadKind>> = const { Cell::new(None) };
 }
 
 /// Makes a panic on a filtered thread report itself in one lock-free `write(2)` and
@@ -55,7 +59,7 @@ thread_local! {
 pub fn install_panic_hook() {
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        if FILTERED.with(|f| f.get()) {
+        if FILTERED.with(Cell::get).is_some() {
             let thread = std::thread::current();
             crate::logging::raw_eprintln(&format!(
                 "vmm: thread '{}' {info} (no backtrace under seccomp; --seccomp off for one)",

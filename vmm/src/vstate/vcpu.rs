@@ -7,15 +7,14 @@
 //! thread then reads its command channel.
 
 use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Once};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{kvm_mp_state, CpuId, KVM_MP_STATE_RUNNABLE};
 use kvm_ioctls::{VcpuExit, VcpuFd, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use clone::vcpu::{restore_vcpu, save_vcpu, CaptureSpec};
 use clone::VcpuState;
@@ -30,8 +29,11 @@ use crate::arch::x86_64::msr::{boot_msr_entries, set_msrs_skipping};
 use crate::arch::x86_64::regs::{boot_fpu, boot_regs, setup_sregs, EntryPoint};
 
 mod error;
+mod handle;
 mod prime;
+mod thread;
 pub use error::VcpuError;
+pub use handle::VcpuHandle;
 pub use prime::PrimeError;
 
 /// Why a vCPU stopped running guest code for good.
@@ -114,6 +116,8 @@ pub struct Vcpu {
     fd: VcpuFd,
     /// This vCPU's forkvm control ports (clone, done, invoke).
     control: ControlPorts,
+    /// The thread it ran on last, idle, for its next run (`thread.rs`).
+    thread: Option<thread::KeptThread>,
 }
 
 fn kick_signal() -> i32 {
@@ -134,7 +138,25 @@ fn install_kick_handler() -> Result<(), VcpuError> {
 
 impl Vcpu {
     fn new(id: u8, fd: VcpuFd, control: ControlPorts) -> Self {
-        Self { id, fd, control }
+        Self {
+            id,
+            fd,
+            control,
+            thread: None,
+        }
+    }
+
+    /// The thread this vCPU runs on: the one it ran on last, or a new one.
+    fn take_thread(&mut self) -> Result<thread::KeptThread, VcpuError> {
+        match self.thread.take() {
+            Some(t) => Ok(t),
+            None => thread::KeptThread::spawn(format!("vcpu{}", self.id)).map_err(|source| {
+                VcpuError::Spawn {
+                    id: self.id,
+                    source,
+                }
+            }),
+        }
     }
 
     /// Creates vCPU `id` and configures CPUID, MSRs, LAPIC LINTs and, for
@@ -278,34 +300,36 @@ impl Vcpu {
         let (reply_tx, reply_rx) = channel();
         let tid = Arc::new(AtomicI32::new(0));
         let my_tid = tid.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(move || {
-                // SAFETY: gettid has no arguments and cannot fail.
-                my_tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
-                if let Some(FirstEntry { mut pipe, entered }) = first_entry {
-                    use std::io::Write;
-                    let _ = pipe.write_all(&monotonic_ns().to_le_bytes());
-                    drop(pipe);
-                    let _ = entered.send(());
-                }
-                let reason = self.run_loop(
-                    (&pio, &mmio),
-                    &cmd_rx,
-                    &reply_tx,
-                    (&events, &event_evt),
-                    &crng,
-                );
-                let _ = events.send((id, VcpuEvent::Exited(reason)));
-                let _ = event_evt.write(1);
-                // Returned, not dropped: the kvm_run mapping the handle's kicker writes
-                // to stays mapped until the handle joins this thread.
-                self
-            })
-            .map_err(|source| VcpuError::Spawn { id, source })?;
+        let thread = self.take_thread()?;
+        let (done_tx, done) = channel();
+        let job = move || {
+            // SAFETY: gettid has no arguments and cannot fail.
+            my_tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
+            if let Some(FirstEntry { mut pipe, entered }) = first_entry {
+                use std::io::Write;
+                let _ = pipe.write_all(&monotonic_ns().to_le_bytes());
+                drop(pipe);
+                let _ = entered.send(());
+            }
+            let reason = self.run_loop(
+                (&pio, &mmio),
+                &cmd_rx,
+                &reply_tx,
+                (&events, &event_evt),
+                &crng,
+            );
+            let _ = events.send((id, VcpuEvent::Exited(reason)));
+            let _ = event_evt.write(1);
+            // Sent back, not dropped: the kvm_run mapping the handle's kicker writes to
+            // stays mapped until the handle has it.
+            let _ = done_tx.send(self);
+        };
+        if !thread.run(job) {
+            return Err(VcpuError::Gone(id));
+        }
         Ok(VcpuHandle {
             id,
-            thread: Some(thread),
+            thread: Some((thread, done)),
             cmd_tx,
             reply_rx,
             immediate_exit,
@@ -562,22 +586,6 @@ impl ImmediateExit {
     }
 }
 
-/// The VMM's handle on a running vCPU thread.
-pub struct VcpuHandle {
-    id: u8,
-    thread: Option<JoinHandle<Vcpu>>,
-    cmd_tx: Sender<Command>,
-    reply_rx: Receiver<Reply>,
-    immediate_exit: ImmediateExit,
-    /// Host address of this vCPU's kvm_run mapping.
-    run_base: usize,
-    /// The thread's id (0 until it runs).
-    tid: Arc<AtomicI32>,
-}
-
-const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often a pause kicks a vCPU that has not parked yet.
-const PAUSE_KICK_INTERVAL: Duration = Duration::from_millis(1);
 /// How long a pause waits for the guest kernel to leave its CRNG key code.
 const MAX_PAUSE_DEFERRAL: Duration = Duration::from_millis(500);
 
@@ -588,150 +596,6 @@ struct Kick<'a> {
     crng: &'a CrngWatch,
     /// Since when a pause waits for the guest kernel to leave its CRNG key code.
     deferred: Option<Instant>,
-}
-
-impl VcpuHandle {
-    /// The vCPU index.
-    pub fn id(&self) -> u8 {
-        self.id
-    }
-
-    fn kick(&self) {
-        // Once joined, the Vcpu (and its kvm_run mapping) is gone: nothing to kick.
-        if let Some(t) = &self.thread {
-            self.immediate_exit.set();
-            // The thread may have exited already; then there is nothing to interrupt.
-            let _ = t.kill(kick_signal());
-        }
-    }
-
-    fn reply(&self, what: &'static str) -> Result<Reply, VcpuError> {
-        self.reply_rx
-            .recv_timeout(REPLY_TIMEOUT)
-            .map_err(|e| match e {
-                RecvTimeoutError::Disconnected => VcpuError::Gone(self.id),
-                RecvTimeoutError::Timeout => VcpuError::Timeout {
-                    id: self.id,
-                    what,
-                    ms: REPLY_TIMEOUT.as_millis() as u64,
-                },
-            })
-    }
-
-    fn send(&self, cmd: Command) -> Result<(), VcpuError> {
-        self.cmd_tx.send(cmd).map_err(|_| VcpuError::Gone(self.id))
-    }
-
-    /// Stops the vCPU out of guest mode and waits until it is parked (kicking it again
-    /// while it runs on through a deferred pause, `Vcpu::handle_kick`).
-    pub fn pause(&self) -> Result<(), VcpuError> {
-        self.send(Command::Pause)?;
-        let start = Instant::now();
-        loop {
-            self.kick();
-            match self.reply_rx.recv_timeout(PAUSE_KICK_INTERVAL) {
-                Ok(Reply::Paused) => return Ok(()),
-                Ok(_) | Err(RecvTimeoutError::Disconnected) => {
-                    return Err(VcpuError::Gone(self.id))
-                }
-                Err(RecvTimeoutError::Timeout) if start.elapsed() >= REPLY_TIMEOUT => {
-                    return Err(VcpuError::Timeout {
-                        id: self.id,
-                        what: "pause",
-                        ms: REPLY_TIMEOUT.as_millis() as u64,
-                    })
-                }
-                Err(RecvTimeoutError::Timeout) => {}
-            }
-        }
-    }
-
-    /// Lets a paused vCPU run again.
-    pub fn resume(&self) -> Result<(), VcpuError> {
-        self.send(Command::Resume)?;
-        match self.reply("resume")? {
-            Reply::Resumed => Ok(()),
-            _ => Err(VcpuError::Gone(self.id)),
-        }
-    }
-
-    /// Asks the (paused) vCPU thread to read its state; collect it with
-    /// [`VcpuHandle::collect_capture`]. Lets every vCPU capture at once.
-    pub fn request_capture(&self, spec: Arc<CaptureSpec>) -> Result<(), VcpuError> {
-        self.send(Command::Capture(spec))
-    }
-
-    /// The state asked for by [`VcpuHandle::request_capture`], and the MSRs that could
-    /// not be read.
-    pub fn collect_capture(&self) -> Result<(VcpuState, Vec<u32>), VcpuError> {
-        match self.reply("capture")? {
-            Reply::Captured(Ok((state, skipped))) => Ok((*state, skipped)),
-            Reply::Captured(Err(msg)) => Err(VcpuError::Capture { id: self.id, msg }),
-            _ => Err(VcpuError::Gone(self.id)),
-        }
-    }
-
-    /// Sets the (paused) vCPU's RAX: the result of its clone-port read.
-    pub fn set_rax(&self, value: u64) -> Result<(), VcpuError> {
-        self.set_result(value, 0)
-    }
-
-    /// Sets the (paused) vCPU's RAX and defers a timer interrupt due within `defer_ns`
-    /// to then (`clone::timer`): a request's handler runs before the kernel catches up.
-    pub fn set_result(&self, value: u64, defer_ns: u64) -> Result<(), VcpuError> {
-        self.send(Command::SetRax(value, defer_ns))?;
-        match self.reply("set rax")? {
-            Reply::RaxSet(Ok(())) => Ok(()),
-            Reply::RaxSet(Err(msg)) => Err(VcpuError::Capture { id: self.id, msg }),
-            _ => Err(VcpuError::Gone(self.id)),
-        }
-    }
-
-    /// Re-times a deferred timer interrupt due within `within_ns` to `ns` from now,
-    /// the vCPU running or not (`clone::timer::retime_live`, on the vCPU's thread after
-    /// a kick; no answer).
-    pub fn retime_timer(&self, ns: u64, within_ns: u64) -> Result<(), VcpuError> {
-        self.send(Command::Retime(ns, within_ns))?;
-        self.kick();
-        Ok(())
-    }
-
-    /// The vCPU thread's id; None before it starts.
-    pub fn thread_id(&self) -> Option<i32> {
-        Some(self.tid.load(Ordering::Relaxed)).filter(|&tid| tid != 0)
-    }
-
-    /// Host address of this vCPU's kvm_run mapping (a forked child unmaps it).
-    pub fn kvm_run_base(&self) -> usize {
-        self.run_base
-    }
-
-    /// Stops the thread, joins it and gives its vCPU back (a rewound clone runs it
-    /// again); None if the thread was stopped already or panicked.
-    pub fn into_vcpu(mut self) -> Option<Vcpu> {
-        let thread = self.thread.take()?;
-        let _ = self.cmd_tx.send(Command::Stop);
-        self.kick();
-        thread.join().ok()
-    }
-
-    /// Stops the thread and joins it. Idempotent.
-    pub fn stop(&mut self) {
-        if self.thread.is_none() {
-            return;
-        }
-        let _ = self.cmd_tx.send(Command::Stop);
-        self.kick();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for VcpuHandle {
-    fn drop(&mut self) {
-        self.stop();
-    }
 }
 
 /// Running vCPU threads and where they report their exits.

@@ -1,8 +1,8 @@
 //! Priming: a warm clone's runtime vCPU runs the runtime's serving path once, with a
 //! prime request, before the clone has devices or an identity (`cloning::prime`).
 //!
-//! The vCPU runs on a thread of its own (under the vCPU seccomp filter, as any vCPU
-//! thread) until the runtime has replied and reads the invoke port again; anything
+//! The vCPU runs on its thread (the one it runs on after its launch: `thread.rs`;
+//! under the vCPU seccomp filter, as any vCPU thread) until the runtime has replied and reads the invoke port again; anything
 //! else it does (another port, MMIO, a halt, a shutdown) ends the prime, and so does
 //! the time limit (the waiting thread kicks it). A failed prime leaves the vCPU
 //! somewhere in the guest: the caller discards the clone.
@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use devices::control::{ControlPorts, ControlRequest};
 use kvm_ioctls::VcpuExit;
-use vmm_sys_util::signal::Killable;
 
 use super::{install_kick_handler, kick_signal, ImmediateExit, Vcpu, VcpuError};
 
@@ -49,22 +48,26 @@ impl Vcpu {
         install_kick_handler()?;
         let id = self.id;
         let kicker = ImmediateExit::new(&mut self.fd);
+        // On the thread the vCPU runs on after its launch (`thread.rs`).
+        let thread = self.take_thread()?;
         let (done_tx, done_rx) = channel();
-        let thread = std::thread::Builder::new()
-            .name(format!("prime{id}"))
-            .spawn(move || {
-                let r = self.run_prime(check);
-                let _ = done_tx.send(());
-                (self, r)
-            })
-            .map_err(|source| VcpuError::Spawn { id, source })?;
-        let timed_out = matches!(done_rx.recv_timeout(limit), Err(RecvTimeoutError::Timeout));
+        let job = move || {
+            let r = self.run_prime(check);
+            let _ = done_tx.send((self, r));
+        };
+        if !thread.run(job) {
+            return Err(VcpuError::Gone(id).into());
+        }
+        let mut done = done_rx.recv_timeout(limit);
+        let timed_out = matches!(done, Err(RecvTimeoutError::Timeout));
         if timed_out {
             kicker.set();
-            let _ = thread.kill(kick_signal());
+            thread.kill(kick_signal());
+            done = done_rx.recv().map_err(|_| RecvTimeoutError::Disconnected);
         }
-        let (mut vcpu, r) = thread.join().map_err(|_| VcpuError::Gone(id))?;
+        let (mut vcpu, r) = done.map_err(|_| VcpuError::Gone(id))?;
         vcpu.fd.set_kvm_immediate_exit(0);
+        vcpu.thread = Some(thread);
         match timed_out {
             true => Err(PrimeError::Timeout(limit.as_millis() as u64)),
             false => r.map(|()| vcpu),

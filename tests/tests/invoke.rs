@@ -285,6 +285,59 @@ fn rewound_clones_serve_eight_callers_as_fresh_ones_and_leak_nothing() {
     assert_eq!(list["clones"].as_array().unwrap().len(), 0, "{body}");
 }
 
+/// A rewound clone's control socket is served in every life (its API thread is kept
+/// from one life to the next): `GET /vm` on the socket of a clone whose request is
+/// running (a 400M-cycle spin: prime=4's `tick`) answers with that life's clone id, in
+/// the first life of a process and in its later ones; a clone whose life ended is no
+/// longer listed as running while it rewinds.
+#[test]
+fn a_rewound_clone_serves_its_control_socket_in_every_life() {
+    if !kvm_available("invoke_rewind_api") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-rewind-api");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=4",
+        &["--warm-clones", "2", "--rewind"],
+    );
+    let mut lives: std::collections::HashMap<u64, u32> = Default::default();
+    for i in 0..8 {
+        wait_until("two warm clones", || {
+            vm.describe()["warm_clones"]["ready"] == 2
+        });
+        let sock = vm.sock.clone();
+        let request = std::thread::spawn(move || invoke(&sock, b"tick"));
+        // The running clone, from the template's list, and its own answer.
+        let mut seen = None;
+        while seen.is_none() && !request.is_finished() {
+            let (_, body) = vm.api("GET", "/clones", None);
+            let list: Value = serde_json::from_str(&body).unwrap();
+            // A clone whose life ended is not listed as running (it rewinds): the one
+            // listed is this request's (its socket may be gone a moment later).
+            let running: Vec<&Value> = (list["clones"].as_array().unwrap().iter())
+                .filter(|c| c["status"]["state"] == "running")
+                .collect();
+            assert!(running.len() <= 1, "request {i}: {body}");
+            let own = running
+                .first()
+                .and_then(|c| client::describe_vm(Path::new(c["api_sock"].as_str()?)).ok());
+            if let (Some(c), Some(own)) = (running.first(), own) {
+                assert_eq!(own.clone_id, c["id"].as_str().unwrap(), "request {i}");
+                seen = Some(c["pid"].as_u64().unwrap());
+            }
+        }
+        let r = request.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let pid = seen.unwrap_or_else(|| panic!("request {i}: its clone's socket never answered"));
+        *lives.entry(pid).or_default() += 1;
+    }
+    assert!(
+        lives.values().any(|&n| n >= 2),
+        "no process served two requests (not rewound): {lives:?}"
+    );
+}
+
 /// The template does not wait for an invocation clone to start: a clone that is slow
 /// to (stopped here, as a loaded host may leave it unscheduled) holds up no other
 /// request, and is listed as starting until it runs.
@@ -1122,6 +1175,11 @@ fn a_derived_template_with_a_vsock_device_rewinds_its_clones() {
                 same
             });
             processes = last;
+        }
+        // Their descriptors once each served a life (they take turns): a warm clone
+        // that never served one has fewer (its devices' kept queue eventfds, its API
+        // thread), which its first life adds for good.
+        if i == 5 {
             fds = processes.iter().map(|&p| tests::fds_at_rest(p)).collect();
         }
         let r = invoke(&sock1, b"show");

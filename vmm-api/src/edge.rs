@@ -6,6 +6,7 @@ use std::path::Path;
 
 use vmm::edge::{Edge, EdgeError};
 use vmm::invoke::{Connection, Finished, LiveLog};
+use vmm::kept::KeptThread;
 use vmm::rpc::{ActionSender, VmmActionError};
 
 use crate::http::BodyLimits;
@@ -23,12 +24,17 @@ impl Edge for HttpEdge {
         path: &Path,
         actions: ActionSender,
         max_payload: Option<usize>,
+        thread: Option<KeptThread>,
     ) -> Result<ApiServer, EdgeError> {
         // Without a mailbox, invocations are bounded as other requests are: the VM
         // refuses them (409).
         let limits =
             max_payload.map_or_else(BodyLimits::default, |invocation| BodyLimits { invocation });
-        Ok(ApiServer::start(path, actions, limits)?)
+        Ok(ApiServer::start(path, actions, limits, thread)?)
+    }
+
+    fn keep_thread(server: ApiServer) -> Option<KeptThread> {
+        server.into_thread()
     }
 
     fn answer(

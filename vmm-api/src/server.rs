@@ -11,8 +11,8 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -24,6 +24,7 @@ use crate::conn::{Conn, Next, Shared};
 use crate::ApiReply;
 use forkvm_client::http::BodyLimits;
 use vmm::gate::Pass;
+use vmm::kept::KeptThread;
 use vmm::rpc::ActionSender;
 
 /// Errors starting the API server.
@@ -58,11 +59,14 @@ fn max_buffered(limits: &BodyLimits) -> usize {
     (4 * limits.invocation).max(64 << 20)
 }
 
-/// The running API server. Dropping it stops the thread and removes the socket.
+/// The running API server. Dropping it stops the thread and removes the socket;
+/// [`ApiServer::into_thread`] stops it and gives the thread back, idle.
 pub struct ApiServer {
     path: PathBuf,
     listener_fd: i32,
-    thread: Option<JoinHandle<()>>,
+    thread: Option<KeptThread>,
+    /// Tells when the thread stopped serving.
+    served: Option<Receiver<()>>,
 }
 
 fn bind(path: &Path) -> Result<UnixListener, ApiServerError> {
@@ -85,13 +89,15 @@ fn bind(path: &Path) -> Result<UnixListener, ApiServerError> {
 
 impl ApiServer {
     /// Binds `path` and starts the API thread, which queues each request's action on
-    /// `actions`; bodies within `limits`.
+    /// `actions`; bodies within `limits`. Serves on `thread` when given (a rewound
+    /// clone's, kept from its life before), else on a new one.
     pub fn start(
         path: &Path,
         actions: ActionSender,
         limits: BodyLimits,
+        thread: Option<KeptThread>,
     ) -> Result<Self, ApiServerError> {
-        Self::launch(path, actions, limits, MAX_CONNECTIONS)
+        Self::launch(path, actions, limits, MAX_CONNECTIONS, thread)
     }
 
     /// As [`Self::start`], serving at most `max_connections` at once.
@@ -100,6 +106,7 @@ impl ApiServer {
         actions: ActionSender,
         limits: BodyLimits,
         max_connections: usize,
+        thread: Option<KeptThread>,
     ) -> Result<Self, ApiServerError> {
         let err = |source| ApiServerError::Bind {
             path: path.display().to_string(),
@@ -116,23 +123,53 @@ impl ApiServer {
         };
         watch(listener_fd, TOKEN_LISTENER).map_err(err)?;
         watch(answers.as_raw_fd(), TOKEN_ANSWERS).map_err(err)?;
-        let thread = std::thread::Builder::new()
-            .name("api".into())
-            .spawn(
-                move || match vmm::sandbox::enter(vmm::sandbox::ThreadKind::Api) {
-                    Ok(()) => {
-                        let shared = Shared::new(&actions, answers, limits, max_buffered(&limits));
-                        serve(listener, epoll, shared, max_connections)
-                    }
-                    Err(e) => tracing::error!("API thread: {e}; the control socket is not served"),
-                },
-            )
-            .map_err(err)?;
+        let thread = match thread {
+            Some(t) => t,
+            None => KeptThread::spawn("api".into()).map_err(err)?,
+        };
+        let (done, served) = channel();
+        let job = move || {
+            match vmm::sandbox::enter(vmm::sandbox::ThreadKind::Api) {
+                Ok(()) => {
+                    let shared = Shared::new(&actions, answers, limits, max_buffered(&limits));
+                    serve(listener, epoll, shared, max_connections)
+                }
+                Err(e) => tracing::error!("API thread: {e}; the control socket is not served"),
+            }
+            let _ = done.send(());
+        };
+        if !thread.run(job) {
+            // Its job before panicked (the process would have aborted, but for tests).
+            let _ = std::fs::remove_file(path);
+            return Err(err(std::io::Error::other("the API thread is gone")));
+        }
         Ok(Self {
             path: path.to_path_buf(),
             listener_fd,
             thread: Some(thread),
+            served: Some(served),
         })
+    }
+
+    /// Stops serving (as dropping it does) and gives the thread back, idle, for the
+    /// next [`ApiServer::start`]; None if it ended.
+    pub fn into_thread(mut self) -> Option<KeptThread> {
+        self.stop_serving();
+        self.thread.take()
+    }
+
+    /// Makes the thread's epoll report a hang-up of the listener and waits until it
+    /// stopped serving.
+    fn stop_serving(&mut self) {
+        let Some(served) = self.served.take() else {
+            return;
+        };
+        // SAFETY: the listener fd is owned by the serving job, which is still running
+        // (we wait for it below); shutdown() only makes its epoll report a hang-up.
+        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+        // The event loop dropped its end of the action queue before (refusing what was
+        // queued), so the thread is not waiting out ANSWER_TIMEOUT.
+        let _ = served.recv();
     }
 
     /// The socket path.
@@ -143,14 +180,9 @@ impl ApiServer {
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
-        // SAFETY: the listener fd is owned by the API thread, which is still running (we
-        // join it below); shutdown() only makes its epoll report a hang-up.
-        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
-        // The event loop dropped its end of the action queue before (refusing what was
-        // queued), so the thread is not waiting out ANSWER_TIMEOUT.
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        self.stop_serving();
+        // Joined when dropped (idle now).
+        drop(self.thread.take());
         let _ = std::fs::remove_file(&self.path);
     }
 }
@@ -357,7 +389,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("api.sock");
         let (tx, actions) = vmm::rpc::channel().unwrap();
-        let server = ApiServer::start(&path, tx, BodyLimits::default()).unwrap();
+        let server = ApiServer::start(&path, tx, BodyLimits::default(), None).unwrap();
         let client = {
             let path = path.clone();
             std::thread::spawn(move || {
@@ -400,7 +432,7 @@ mod tests {
             let path = dir.join("api.sock");
             let (tx, actions) = vmm::rpc::channel().unwrap();
             let server =
-                ApiServer::launch(&path, tx, BodyLimits::default(), max_connections).unwrap();
+                ApiServer::launch(&path, tx, BodyLimits::default(), max_connections, None).unwrap();
             let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
             let halt = stop.clone();
             let vmm = std::thread::spawn(move || {

@@ -20,11 +20,12 @@ use api_types::vm::{TargetState, VmInfo, VmState};
 use api_types::{CloneList, CloneStatus};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
-use crate::cloning::{Cloner, OrphanEnd, RebuiltClone, ServeError};
+use crate::cloning::{Cloner, KeptLife, OrphanEnd, RebuiltClone, ServeError};
 use crate::config::ConsoleSink;
 use crate::config::VmConfig;
 use crate::edge::{Edge, EdgeError};
 use crate::invoke::{Connection, Finished, Invocation, InvokeError, Invoker, Route};
+use crate::kept::KeptThread;
 use crate::microvm::{Input, Microvm, RunOutcome};
 use crate::rpc::{
     ActionReceiver, ActionSender, Replier, VmmAction, VmmActionError, VmmData, VmmResponse,
@@ -50,9 +51,15 @@ pub fn serve_socket<E: Edge>(
     path: &Path,
     actions: ActionSender,
     config: &VmConfig,
+    thread: Option<KeptThread>,
 ) -> Result<E::Server, EdgeError> {
     let mailbox = crate::builder::mailbox(&config.machine);
-    E::serve(path, actions, mailbox.exists().then(|| mailbox.capacity()))
+    E::serve(
+        path,
+        actions,
+        mailbox.exists().then(|| mailbox.capacity()),
+        thread,
+    )
 }
 
 /// A VM, its clone side and its invocation side, answering through edge `E`.
@@ -633,12 +640,13 @@ fn describe_outcome(outcome: &RunOutcome) -> String {
 /// seccomp filters first: the guest's notifications wait in the queue eventfds and host
 /// vsock connections in the listening socket's backlog meanwhile), then runs its event
 /// loop until it stops. A clone to be rewound ([`RebuiltClone::keep`]) that served its
-/// invocation gets its VM back, stopped.
+/// invocation gets its VM back, stopped, and its API thread, idle.
 pub fn serve_clone<E: Edge>(
     clone: RebuiltClone,
-) -> Result<(RunOutcome, Option<Microvm>), ServeError> {
+) -> Result<(RunOutcome, Option<KeptLife>), ServeError> {
     let (sender, actions) = crate::rpc::channel()?;
-    let api = serve_socket::<E>(&clone.api_sock, sender, clone.vm.config())?;
+    let config = clone.vm.config();
+    let api = serve_socket::<E>(&clone.api_sock, sender, config, clone.api_thread)?;
     clone.ready.send()?;
     clone.vm.devices().start_restored_virtio()?;
     let mut vmm = Vmm::<E>::new(clone.vm, clone.cloner);
@@ -646,7 +654,11 @@ pub fn serve_clone<E: Edge>(
     if let Some(invoker) = clone.taken.and_then(|t| t.downcast::<Invoker>().ok()) {
         vmm.invoker = *invoker;
     }
-    let ended = vmm.run_keeping(Some(actions), Some(&clone.signals), clone.keep)?;
-    drop(api);
-    Ok(ended)
+    let (outcome, vm) = vmm.run_keeping(Some(actions), Some(&clone.signals), clone.keep)?;
+    let Some(vm) = vm else {
+        drop(api);
+        return Ok((outcome, None));
+    };
+    let api_thread = E::keep_thread(api);
+    Ok((outcome, Some(KeptLife { vm, api_thread })))
 }

@@ -11,6 +11,7 @@
 use std::path::Path;
 
 use crate::invoke::{Connection, Finished, LiveLog};
+use crate::kept::KeptThread;
 use crate::rpc::{ActionSender, VmmActionError};
 
 /// Why the control socket could not be served (the edge's own error, boxed).
@@ -26,12 +27,19 @@ pub trait Edge: 'static {
 
     /// Binds `path` and serves it, queueing each request's action on `actions`.
     /// `max_payload` is the largest invocation payload the VM takes (what its mailbox
-    /// holds); None for a VM with no mailbox, which refuses invocations itself.
+    /// holds); None for a VM with no mailbox, which refuses invocations itself. Serves
+    /// on `thread` when given (a rewound clone's, kept from its life before), else on a
+    /// thread of its own.
     fn serve(
         path: &Path,
         actions: ActionSender,
         max_payload: Option<usize>,
+        thread: Option<KeptThread>,
     ) -> Result<Self::Server, EdgeError>;
+
+    /// Stops serving, as dropping `server` does, and gives its thread back, idle, for
+    /// the next [`Edge::serve`] (None when it ended).
+    fn keep_thread(server: Self::Server) -> Option<KeptThread>;
 
     /// Answers the caller of the finished invocation `f` on its connection, and shuts
     /// the connection down. It ran in the VM with clone id `clone_id` serving on

@@ -14,6 +14,7 @@ pub mod edge;
 mod errno;
 pub mod gate;
 pub mod invoke;
+pub mod kept;
 pub mod logging;
 pub mod microvm;
 pub mod rpc;
@@ -80,7 +81,7 @@ pub fn run<E: Edge>(config: VmConfig) -> Result<RunOutcome, VmmError> {
     sandbox::init(config.host.seccomp)?;
     let (sender, actions) = rpc::channel().map_err(VmmError::Queue)?;
     let api = (config.host.api_sock.as_deref())
-        .map(|path| serve_socket::<E>(path, sender, &config))
+        .map(|path| serve_socket::<E>(path, sender, &config, None))
         .transpose()
         .map_err(VmmError::Api)?;
     let actions = api.is_some().then_some(actions);
@@ -135,7 +136,7 @@ pub fn restore<E: Edge>(opts: snapshot::RestoreOptions) -> Result<RunOutcome, Vm
     sandbox::init(config.host.seccomp)?;
     let (sender, actions) = rpc::channel().map_err(VmmError::Queue)?;
     let api = (config.host.api_sock.as_deref())
-        .map(|path| serve_socket::<E>(path, sender, config))
+        .map(|path| serve_socket::<E>(path, sender, config, None))
         .transpose()
         .map_err(VmmError::Api)?;
     let actions = api.is_some().then_some(actions);

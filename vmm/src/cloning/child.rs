@@ -41,7 +41,9 @@ use clone::MicrovmState;
 use super::cgroups::{place_self, Placement};
 use super::request::Identity;
 use super::rewind::{RewindError, Rewinder};
-use super::wire::{report_back, report_primed, wait_for_go, Go, LaunchError, ReadyMark};
+use super::wire::{
+    report_back, report_life_ended, report_primed, wait_for_go, Go, LaunchError, ReadyMark,
+};
 use super::working::{populate, Duty, ForChild, PageSet};
 use super::Cloner;
 use crate::builder::rebuild::{
@@ -50,6 +52,7 @@ use crate::builder::rebuild::{
 use crate::config::{keep_overlays, ConsoleSink, NoSuchDevice, VmConfig};
 use crate::device_manager::Inserted;
 use crate::errno::errno_of;
+use crate::kept::KeptThread;
 use crate::logging::{raw_eprintln, StageTimer};
 use crate::microvm::{Microvm, RunOutcome, VmParts};
 use crate::signals::block_shutdown_signals;
@@ -121,6 +124,17 @@ pub struct RebuiltClone {
     /// Whether `serve` gives the VM back once it served its invocation (the clone is
     /// rewound: `rewind.rs`).
     pub keep: bool,
+    /// The API thread of its life before, idle (a rewound clone's), for its socket.
+    pub api_thread: Option<KeptThread>,
+}
+
+/// What a rewound clone keeps of a life it served: its VM, stopped, and its API thread,
+/// idle.
+pub struct KeptLife {
+    /// The VM.
+    pub vm: Microvm,
+    /// The thread that served its control socket (None: it ended).
+    pub api_thread: Option<KeptThread>,
 }
 
 /// What the layers above cloning do in a clone, given to the [`Cloner`] as plain
@@ -141,9 +155,9 @@ pub struct CloneHooks {
 }
 
 /// Serves a rebuilt clone until it stops (the controller's event loop); gives the VM
-/// back, stopped, when the clone is to be rewound ([`RebuiltClone::keep`]) and it
-/// served its invocation.
-pub type ServeClone = fn(RebuiltClone) -> Result<(RunOutcome, Option<Microvm>), ServeError>;
+/// back, stopped, with its API thread, when the clone is to be rewound
+/// ([`RebuiltClone::keep`]) and it served its invocation.
+pub type ServeClone = fn(RebuiltClone) -> Result<(RunOutcome, Option<KeptLife>), ServeError>;
 
 /// Takes up a handover in the clone, before its vCPUs run.
 /// `template` is the VM the clone's is rebuilt from, on its memory (the clone's own, copy
@@ -230,6 +244,9 @@ pub enum ChildError {
     /// A rewound clone could not tell its parent it is back (it ends).
     #[error("cannot tell the parent this rewound clone is back: {0}")]
     ReportBack(nix::Error),
+    /// A clone to be rewound could not tell its parent its life ended (it ends).
+    #[error("cannot tell the parent this clone's life ended: {0}")]
+    ReportEnded(nix::Error),
 }
 
 /// Closes every descriptor from 3 up except those in `keep`.
@@ -568,6 +585,7 @@ fn run_clone(
                 ahead: Arc::default(),
                 primed: false,
                 signals,
+                api_thread: None,
             };
             let run = life.run(
                 plan,
@@ -599,6 +617,7 @@ fn run_clone(
     let mut kvm = kvm;
     let mut signals = Some(signals);
     let mut reuse = None;
+    let mut api_thread = None;
     let mut first = Some((ready, mark));
     loop {
         // The first life's was made above; a rewound clone's before it waits again.
@@ -636,14 +655,18 @@ fn run_clone(
             ahead,
             primed: prime.is_some(),
             signals,
+            api_thread: api_thread.take(),
         };
         let keep = rewinder.is_some();
-        let (outcome, vm) = life.run(plan, (kvm, prepared), pipe, name, &mut marks, keep)?;
-        let (Some(vm), Some(r)) = (vm, rewinder.as_mut()) else {
+        let (outcome, kept) = life.run(plan, (kvm, prepared), pipe, name, &mut marks, keep)?;
+        let (Some(kept), Some(r)) = (kept, rewinder.as_mut()) else {
             return Ok(outcome);
         };
+        // The life's sockets are gone: its record ends now, not once it is back.
+        report_life_ended(go).map_err(ChildError::ReportEnded)?;
         marks = StageTimer::new();
-        let (k, prepared, pages) = r.rewind(vm, &mut marks)?;
+        api_thread = kept.api_thread;
+        let (k, prepared, pages) = r.rewind(kept.vm, &mut marks)?;
         tracing::debug!(
             "rewind {} ({} with the memory slots registered again): {} bytes in {} ranges \
              copied back",
@@ -672,11 +695,14 @@ struct Life<'a> {
     primed: bool,
     /// Its signalfd, made before the launch (off the request's path).
     signals: nix::sys::signalfd::SignalFd,
+    /// The API thread of the life before (a rewound clone's).
+    api_thread: Option<KeptThread>,
 }
 
 impl Life<'_> {
     /// Launches the prepared VM with this identity and serves it until it stops;
-    /// with `keep`, gives the VM back when it served its invocation.
+    /// with `keep`, gives the VM back when it served its invocation, with its API
+    /// thread.
     fn run(
         self,
         plan: &ChildPlan<'_>,
@@ -685,7 +711,7 @@ impl Life<'_> {
         name: &mut String,
         marks: &mut StageTimer,
         keep: bool,
-    ) -> Result<(RunOutcome, Option<Microvm>), ChildError> {
+    ) -> Result<(RunOutcome, Option<KeptLife>), ChildError> {
         let Life {
             state,
             identity,
@@ -693,6 +719,7 @@ impl Life<'_> {
             ahead,
             primed,
             signals,
+            api_thread,
         } = self;
         name.clone_from(&identity.id);
         crate::logging::set_tag(&format!("clone {}", identity.id));
@@ -753,6 +780,7 @@ impl Life<'_> {
             ready: mark,
             taken,
             keep,
+            api_thread,
         };
         (plan.hooks.serve)(rebuilt).map_err(ChildError::Serve)
     }

@@ -61,8 +61,8 @@ use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use cgroups::{CgroupSetupError, ClonePools};
 pub use child::{
-    ChildError, CloneHooks, HandedOver, PrimeClone, PrimeFailure, RebuiltClone, ServeClone,
-    ServeError, TakeHandover,
+    ChildError, CloneHooks, HandedOver, KeptLife, PrimeClone, PrimeFailure, RebuiltClone,
+    ServeClone, ServeError, TakeHandover,
 };
 pub use request::{CloneError, Handover, CLONE_FAILED};
 pub use table::{CloneTable, Orphan, OrphanEnd, StartFailure};

@@ -85,6 +85,11 @@ use crate::vstate::written::{copy_back, WriteTracker, WrittenError};
 /// state (primed, when its template primes): it may be launched again.
 pub(super) const BACK: u8 = 2;
 
+/// What a clone to be rewound writes on its go channel when the life it served ended
+/// (its sockets gone), before it rewinds: the template ends the request's record then,
+/// rather than list the clone as running until it is back.
+pub(super) const ENDED: u8 = 3;
+
 /// Errors rewinding a clone (it ends instead).
 #[derive(Debug, thiserror::Error)]
 pub enum RewindError {

@@ -37,7 +37,7 @@ use super::cgroups::{placement_of, started_in, ClonePools};
 use super::child::{Lineage, Start, PRIME_TIMEOUT_EXIT};
 use super::fork::{fork_child, pipe};
 use super::request::{give_back, Identity};
-use super::wire::{back_report, go_channel, prime_report, send_go, PrimeReport};
+use super::wire::{back_report, go_channel, prime_report, send_go, BackReport, PrimeReport};
 use super::CloneError;
 use crate::config::MAX_WARM_CLONES;
 use crate::microvm::Microvm;
@@ -168,6 +168,8 @@ struct Out {
     /// The generation it was launched in.
     generation: u64,
     primed: bool,
+    /// Whether it said the life it served ended (its request's record ended then).
+    life_ended: bool,
 }
 
 /// How long the pool waits to try again after a warm clone could not be made, the first
@@ -369,16 +371,27 @@ impl WarmPool {
 
     /// Takes back the launched clones that say they are rewound: those launched in
     /// this generation of a paused template join the pool, the others are killed.
-    /// Returns the pids that came back (their requests' records end).
+    /// Returns the pids whose lives ended (their requests' records end): those that
+    /// said so, and those that came back without saying it first.
     pub(super) fn take_back(&mut self, vm: &Microvm) -> Vec<i32> {
-        let mut back = Vec::new();
+        let mut ended = Vec::new();
         let mut i = 0;
         while i < self.out.len() {
             match back_report(&self.out[i].go) {
-                Ok(false) => i += 1,
-                Ok(true) => {
+                Ok(BackReport::Nothing) => i += 1,
+                Ok(BackReport::LifeEnded) => {
+                    let o = &mut self.out[i];
+                    tracing::debug!("clone pid {}: its life ended, it rewinds", o.pid);
+                    if !std::mem::replace(&mut o.life_ended, true) {
+                        ended.push(o.pid);
+                    }
+                    // It may have said it is back too: read on.
+                }
+                Ok(BackReport::Back) => {
                     let o = self.forget_out(i);
-                    back.push(o.pid);
+                    if !o.life_ended {
+                        ended.push(o.pid);
+                    }
                     let current = o.generation == self.generation && vm.state() == VmState::Paused;
                     // The pool grows with the requests in flight (their clones were
                     // replaced while out), up to four times its target.
@@ -403,10 +416,13 @@ impl WarmPool {
                     });
                 }
                 // Ended (or said something else): the reaping takes it.
-                Err(()) => drop(self.forget_out(i)),
+                Err(()) => {
+                    let o = self.forget_out(i);
+                    tracing::debug!("clone pid {} ended instead of coming back", o.pid);
+                }
             }
         }
-        back
+        ended
     }
 
     /// The warm clones there are now would be made otherwise now (their template
@@ -702,6 +718,7 @@ impl WarmPool {
                 go,
                 generation,
                 primed,
+                life_ended: false,
             });
         }
     }

@@ -354,6 +354,13 @@ pub(super) fn report_back(go: RawFd) -> nix::Result<()> {
     nix::sys::socket::send(go, &back, nix::sys::socket::MsgFlags::MSG_NOSIGNAL).map(drop)
 }
 
+/// Tells the parent, on the go channel, that the life this clone served ended and it
+/// rewinds now (`rewind.rs`).
+pub(super) fn report_life_ended(go: RawFd) -> nix::Result<()> {
+    let ended = [super::rewind::ENDED];
+    nix::sys::socket::send(go, &ended, nix::sys::socket::MsgFlags::MSG_NOSIGNAL).map(drop)
+}
+
 /// Where a primed warm clone's prime stands, as its go channel says (without waiting).
 pub(super) enum PrimeReport {
     /// Done: it may be launched.
@@ -374,14 +381,24 @@ pub(super) fn prime_report(go: &UnixStream, peek: bool) -> PrimeReport {
     }
 }
 
-/// Whether a launched clone says, on the parent's end of its go channel, that it is
-/// rewound ([`report_back`]): Ok(true) back, Ok(false) not yet, Err: it ended (or said
-/// something else).
-pub(super) fn back_report(go: &UnixStream) -> Result<bool, ()> {
+/// What a launched clone to be rewound said last on its go channel.
+pub(super) enum BackReport {
+    /// Nothing new.
+    Nothing,
+    /// The life it served ended; it rewinds ([`report_life_ended`]).
+    LifeEnded,
+    /// It is rewound and may be launched again ([`report_back`]).
+    Back,
+}
+
+/// What a launched clone says next, on the parent's end of its go channel (without
+/// waiting); Err: it ended (or said something else).
+pub(super) fn back_report(go: &UnixStream) -> Result<BackReport, ()> {
     match report_byte(go, false)? {
-        Some(b) if b == super::rewind::BACK => Ok(true),
+        Some(b) if b == super::rewind::BACK => Ok(BackReport::Back),
+        Some(b) if b == super::rewind::ENDED => Ok(BackReport::LifeEnded),
         Some(_) => Err(()),
-        None => Ok(false),
+        None => Ok(BackReport::Nothing),
     }
 }
 

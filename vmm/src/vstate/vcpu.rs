@@ -27,11 +27,11 @@ use devices::Persist;
 
 use crate::arch::x86_64::msr::{boot_msr_entries, set_msrs_skipping};
 use crate::arch::x86_64::regs::{boot_fpu, boot_regs, setup_sregs, EntryPoint};
+use crate::kept::KeptThread;
 
 mod error;
 mod handle;
 mod prime;
-mod thread;
 pub use error::VcpuError;
 pub use handle::VcpuHandle;
 pub use prime::PrimeError;
@@ -116,8 +116,8 @@ pub struct Vcpu {
     fd: VcpuFd,
     /// This vCPU's forkvm control ports (clone, done, invoke).
     control: ControlPorts,
-    /// The thread it ran on last, idle, for its next run (`thread.rs`).
-    thread: Option<thread::KeptThread>,
+    /// The thread it ran on last, idle, for its next run ([`crate::kept`]).
+    thread: Option<KeptThread>,
 }
 
 fn kick_signal() -> i32 {
@@ -147,15 +147,15 @@ impl Vcpu {
     }
 
     /// The thread this vCPU runs on: the one it ran on last, or a new one.
-    fn take_thread(&mut self) -> Result<thread::KeptThread, VcpuError> {
+    fn take_thread(&mut self) -> Result<KeptThread, VcpuError> {
         match self.thread.take() {
             Some(t) => Ok(t),
-            None => thread::KeptThread::spawn(format!("vcpu{}", self.id)).map_err(|source| {
-                VcpuError::Spawn {
+            None => {
+                KeptThread::spawn(format!("vcpu{}", self.id)).map_err(|source| VcpuError::Spawn {
                     id: self.id,
                     source,
-                }
-            }),
+                })
+            }
         }
     }
 
@@ -320,6 +320,10 @@ impl Vcpu {
             );
             let _ = events.send((id, VcpuEvent::Exited(reason)));
             let _ = event_evt.write(1);
+            // Everything of the run goes before the vCPU is sent back: the buses hold
+            // the devices, whose last owner must not be this thread (a device's drop
+            // does what the vCPU filter forbids: the vsock device unlinks its socket).
+            drop((pio, mmio, cmd_rx, reply_tx, events, event_evt, crng));
             // Sent back, not dropped: the kvm_run mapping the handle's kicker writes to
             // stays mapped until the handle has it.
             let _ = done_tx.send(self);

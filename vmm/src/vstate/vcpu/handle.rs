@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use clone::vcpu::CaptureSpec;
 use clone::VcpuState;
 
-use super::thread::KeptThread;
 use super::{kick_signal, Command, ImmediateExit, Reply, Vcpu, VcpuError};
+use crate::kept::KeptThread;
 
 /// The VMM's handle on a running vCPU thread.
 pub struct VcpuHandle {

@@ -1,7 +1,7 @@
 //! Priming: a warm clone's runtime vCPU runs the runtime's serving path once, with a
 //! prime request, before the clone has devices or an identity (`cloning::prime`).
 //!
-//! The vCPU runs on its thread (the one it runs on after its launch: `thread.rs`;
+//! The vCPU runs on its thread (the one it runs on after its launch: `crate::kept`;
 //! under the vCPU seccomp filter, as any vCPU thread) until the runtime has replied and reads the invoke port again; anything
 //! else it does (another port, MMIO, a halt, a shutdown) ends the prime, and so does
 //! the time limit (the waiting thread kicks it). A failed prime leaves the vCPU
@@ -48,7 +48,7 @@ impl Vcpu {
         install_kick_handler()?;
         let id = self.id;
         let kicker = ImmediateExit::new(&mut self.fd);
-        // On the thread the vCPU runs on after its launch (`thread.rs`).
+        // On the thread the vCPU runs on after its launch (`crate::kept`).
         let thread = self.take_thread()?;
         let (done_tx, done_rx) = channel();
         let job = move || {

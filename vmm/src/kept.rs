@@ -1,12 +1,14 @@
-//! A vCPU's host thread, kept with its [`Vcpu`](super::Vcpu) between runs: a warm
-//! clone's prime and its run after the launch, and a rewound clone's every life
-//! (`cloning/rewind.rs`), take the same thread instead of a new one each.
+//! Threads kept between runs: a vCPU's, kept with its [`Vcpu`](crate::vstate::vcpu::Vcpu)
+//! (a warm clone's prime and its run after the launch, and a rewound clone's every
+//! life, `cloning/rewind.rs`, take the same thread instead of a new one each), and a
+//! rewound clone's API thread, from one life's control socket to the next.
 //!
-//! Starting a thread costs its stack's mapping and, under seccomp, the vCPU filter's
+//! Starting a thread costs its stack's mapping and, under seccomp, its filter's
 //! installation, which the host kernel compiles anew for each thread (its BPF JIT):
-//! about 7% of the host CPU a rewound tiny-guest invocation took (perf, this project's
-//! PVM host). A kept thread has its filter from its first run on (`sandbox::enter`
-//! does nothing for a thread that has its kind's filter already).
+//! the vCPU's and the API thread's were about 7% of the host CPU a rewound tiny-guest
+//! invocation took (perf, this project's PVM host). A kept thread has its filter from
+//! its first job on ([`crate::sandbox::enter`] does nothing for a thread that has its
+//! kind's filter already).
 
 use std::sync::mpsc::{channel, Sender};
 use std::thread::JoinHandle;
@@ -18,14 +20,14 @@ type Job = Box<dyn FnOnce() + Send>;
 
 /// A thread that runs a vCPU's jobs one after another, idle between them; joined when
 /// dropped (after the job it runs, if any, returned).
-pub(crate) struct KeptThread {
+pub struct KeptThread {
     jobs: Option<Sender<Job>>,
     handle: Option<JoinHandle<()>>,
 }
 
 impl KeptThread {
     /// Starts a thread named `name`, idle until it is given a job.
-    pub(crate) fn spawn(name: String) -> std::io::Result<Self> {
+    pub fn spawn(name: String) -> std::io::Result<Self> {
         let (jobs, rx) = channel::<Job>();
         let handle = std::thread::Builder::new().name(name).spawn(move || {
             while let Ok(job) = rx.recv() {
@@ -39,13 +41,13 @@ impl KeptThread {
     }
 
     /// Gives the thread `job`; false if the thread is gone (a job of it panicked).
-    pub(crate) fn run(&self, job: impl FnOnce() + Send + 'static) -> bool {
+    pub fn run(&self, job: impl FnOnce() + Send + 'static) -> bool {
         (self.jobs.as_ref()).is_some_and(|j| j.send(Box::new(job)).is_ok())
     }
 
     /// Sends signal `sig` to the thread (a kick: it interrupts a KVM_RUN; an idle
     /// thread's handler does nothing). Nothing if the thread ended.
-    pub(crate) fn kill(&self, sig: i32) {
+    pub fn kill(&self, sig: i32) {
         if let Some(h) = &self.handle {
             if !h.is_finished() {
                 let _ = h.kill(sig);

@@ -1,4 +1,4 @@
-//! Threads kept between runs: a vCPU's, kept with its [`Vcpu`](crate::vstate::vcpu::Vcpu)
+//! Threads kept between runs: a vCPU's, kept with its `Vcpu` (`vstate::vcpu`)
 //! (a warm clone's prime and its run after the launch, and a rewound clone's every
 //! life, `cloning/rewind.rs`, take the same thread instead of a new one each), and a
 //! rewound clone's API thread, from one life's control socket to the next.
@@ -7,7 +7,7 @@
 //! installation, which the host kernel compiles anew for each thread (its BPF JIT):
 //! the vCPU's and the API thread's were about 7% of the host CPU a rewound tiny-guest
 //! invocation took (perf, this project's PVM host). A kept thread has its filter from
-//! its first job on ([`crate::sandbox::enter`] does nothing for a thread that has its
+//! its first job on (`sandbox::enter` does nothing for a thread that has its
 //! kind's filter already).
 
 use std::sync::mpsc::{channel, Sender};

@@ -30,7 +30,7 @@ pub fn init(mode: SeccompMode) -> Result<(), SeccompError> {
 
 /// Installs `kind`'s filter on the calling thread (nothing before [`init`] or when the
 /// mode is off, nor when this thread has it already: a vCPU thread kept for the
-/// vCPU's next run or an API thread for a rewound clone's next life, `crate::kept`).
+/// vCPU's next run or an API thread for a rewound clone's next life: `kept.rs`).
 pub fn enter(kind: ThreadKind) -> Result<(), SeccompError> {
     if FILTERED.with(Cell::get) == Some(kind) {
         return Ok(());

@@ -302,23 +302,29 @@ fn a_rewound_clone_serves_its_control_socket_in_every_life() {
         &["--warm-clones", "2", "--rewind"],
     );
     let mut lives: std::collections::HashMap<u64, u32> = Default::default();
+    let running = || -> Vec<Value> {
+        let (_, body) = vm.api("GET", "/clones", None);
+        let list: Value = serde_json::from_str(&body).unwrap();
+        (list["clones"].as_array().unwrap().iter())
+            .filter(|c| c["status"]["state"] == "running")
+            .cloned()
+            .collect()
+    };
     for i in 0..8 {
-        wait_until("two warm clones", || {
-            vm.describe()["warm_clones"]["ready"] == 2
+        // The clone before ended its life (it may be in the pool again, or not yet:
+        // warm clones replaced meanwhile).
+        wait_until("two warm clones and no clone running", || {
+            vm.describe()["warm_clones"]["ready"] == 2 && running().is_empty()
         });
         let sock = vm.sock.clone();
         let request = std::thread::spawn(move || invoke(&sock, b"tick"));
         // The running clone, from the template's list, and its own answer.
         let mut seen = None;
         while seen.is_none() && !request.is_finished() {
-            let (_, body) = vm.api("GET", "/clones", None);
-            let list: Value = serde_json::from_str(&body).unwrap();
             // A clone whose life ended is not listed as running (it rewinds): the one
             // listed is this request's (its socket may be gone a moment later).
-            let running: Vec<&Value> = (list["clones"].as_array().unwrap().iter())
-                .filter(|c| c["status"]["state"] == "running")
-                .collect();
-            assert!(running.len() <= 1, "request {i}: {body}");
+            let running = running();
+            assert!(running.len() <= 1, "request {i}: {running:?}");
             let own = running
                 .first()
                 .and_then(|c| client::describe_vm(Path::new(c["api_sock"].as_str()?)).ok());

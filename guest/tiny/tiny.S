@@ -430,7 +430,9 @@ invoke_loop:
     je   inv_show
     cmpl $0x6b636974, %eax          /* "tick": timer interrupts in the prime, then here */
     je   inv_tick
-    /* Echo: the payload stays where it is; the trailer goes after it. */
+    cmpl $0x6c6c6966, %eax          /* "fill": writes memory, then the echo */
+    je   inv_fill
+inv_echo:                           /* the payload stays where it is; the trailer after it */
     leaq 64(%r15,%rcx), %rdi
     movl $IDENTITY_PORT, %edx
     inl  %dx, %eax
@@ -453,6 +455,20 @@ inv_reply:                          /* ecx = length, eax = status */
     movl $INVOKE_PORT, %edx
     outl %eax, %dx                  /* parks until the VMM took the reply */
     jmp  1b
+inv_fill:                           /* "fill" N O: N MiB from MEMTEST_BASE + O MiB */
+    cmpl $6, %ecx
+    jb   inv_echo
+    movq %rcx, %r8
+    movzbl 69(%r15), %edi           /* O */
+    shlq $20, %rdi
+    addq $MEMTEST_BASE, %rdi
+    movzbl 68(%r15), %ecx           /* N */
+    shlq $17, %rcx                  /* MiB -> quadwords */
+    movq 16(%r15), %rax             /* the request's sequence number */
+    cld
+    rep stosq                       /* one instruction: cheap where CPL 0 is emulated */
+    movq %r8, %rcx
+    jmp  inv_echo
 inv_load:
     movq 64(%r15), %rax
     movq %rax, loaded(%rip)

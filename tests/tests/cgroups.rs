@@ -831,3 +831,116 @@ fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
     vm.shutdown(BOOT);
     assert_no_cgroups_left(&parent);
 }
+
+/// `--rewind` with a cgroup pool: a rewound clone keeps its cgroup from one life to
+/// the next (nothing moves, no cgroup is taken per request), and since the pages its
+/// earlier requests wrote stay its own (and charged), its memory limit is raised by
+/// what it keeps, so a request may use what a fresh clone's may; one that keeps more
+/// than its class's whole limit ends and a fresh clone replaces it. Tiny guest: a
+/// "fill N O" request writes N MiB from 16 + O MiB, then echoes. A pool of two
+/// cgroups (the v1 forker's seat holds one) leaves room for a single warm clone, so
+/// every request goes to the same process while it lasts.
+#[test]
+fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
+    use api_types::InvokeOptions;
+    use forkvm_client::api as client;
+    if !kvm_and_root_available("cgroups_rewind") {
+        return;
+    }
+    const MIB: u64 = 1 << 20;
+    let scratch = Scratch::new("cg-rewind");
+    let parent = Parent::new("rewind");
+    let mut vm = template(
+        &scratch,
+        "ticks=1 invoke=1",
+        &[
+            "--template",
+            "--rewind",
+            "--warm-clones",
+            "1",
+            "--cgroup-version",
+            "1",
+            "--cgroup-parent",
+            &parent,
+            "--cgroup-class",
+            "small:memory=64M",
+            "--cgroup-pool-size",
+            "2",
+            "--cgroup-pool-max",
+            "2",
+        ],
+    );
+    vm.wait_console("tiny: invoke ready\n", BOOT);
+    vm.wait_api(BOOT);
+    wait_until("the template to pause", BOOT, || vm.waits_as_template());
+    let pid = vm.child.id();
+    let base = format!("/{}/vmm-{pid}", &*parent);
+    let the_clone = || {
+        let mut ready = None;
+        wait_until("one warm clone ready", BOOT, || {
+            let children = tests::children_of(pid);
+            let warm = vm.describe()["warm_clones"]["ready"].as_u64();
+            ready = (children.len() == 1 && warm == Some(1)).then(|| children[0]);
+            ready.is_some()
+        });
+        i64::from(ready.unwrap())
+    };
+    let memory_file = |cgroup: &str, file: &str| -> u64 {
+        let path = format!("/sys/fs/cgroup/memory{cgroup}/{file}");
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        text.trim().parse().unwrap()
+    };
+    let fill = |n: u8, o: u8| {
+        let payload = [b'f', b'i', b'l', b'l', n, o];
+        let r = client::invoke(&vm.sock, &InvokeOptions::default(), &payload)
+            .unwrap_or_else(|e| panic!("invoke: {e}"));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-forkvm-outcome"), Some("ok"), "{}", r.body);
+        assert!(r.bytes.starts_with(&payload), "{}", r.body);
+        let seq = u64::from_le_bytes(r.bytes[payload.len() + 8..][..8].try_into().unwrap());
+        assert_eq!(seq, 1, "the guest's memory was not rewound");
+    };
+
+    let a = the_clone();
+    let cgroup = cgroup_of(a, "memory");
+    assert!(cgroup.starts_with(&format!("{base}/small-")), "{cgroup}");
+    assert_eq!(memory_file(&cgroup, "memory.limit_in_bytes"), 64 * MIB);
+    // 40 MiB written: the clone comes back rewound, in its cgroup, its limit raised by
+    // at least as much (and by no more than it holds).
+    fill(40, 0);
+    assert_eq!(the_clone(), a, "the clone was not rewound");
+    assert_eq!(cgroup_of(a, "memory"), cgroup, "it left its cgroup");
+    assert!(
+        thread_cgroups(a, "cpuacct").iter().all(|c| *c == cgroup),
+        "a thread left"
+    );
+    let limit = memory_file(&cgroup, "memory.limit_in_bytes");
+    let held = memory_file(&cgroup, "memory.usage_in_bytes");
+    assert!(limit >= 104 * MIB, "limit {limit}, holding {held}");
+    assert!(limit <= 64 * MIB + held, "limit {limit}, holding {held}");
+    // 40 MiB more elsewhere: 80 MiB written in all, past the class's 64 MiB, and the
+    // request is served (a fresh clone's would be charged 40); then it keeps more than
+    // its class allows and ends, and a fresh clone takes its place.
+    fill(40, 40);
+    let b = the_clone();
+    assert_ne!(b, a, "a clone keeping 80 MiB was kept");
+    wait_until("the clone keeping 80 MiB to be gone", BOOT, || {
+        !Path::new(&format!("/proc/{a}")).exists()
+    });
+    // The fresh clone wrote the working set its template learned ahead (the 64 MiB
+    // cap of it: both fills), charged to its cgroup: its limit is raised by as much,
+    // or its own request would meet the class's limit before it wrote a byte.
+    let mut cg_b = String::new();
+    wait_until("the fresh clone in its cgroup", BOOT, || {
+        cg_b = cgroup_of(b, "memory");
+        cg_b.starts_with(&format!("{base}/small-"))
+    });
+    let limit = memory_file(&cg_b, "memory.limit_in_bytes");
+    assert!((104 * MIB..=128 * MIB).contains(&limit), "limit {limit}");
+    fill(1, 0);
+    assert_eq!(the_clone(), b);
+    let stats = pool_stats(&vm, "small");
+    assert_eq!(stats["created"], 2, "no cgroup made per request: {stats}");
+    vm.shutdown(BOOT);
+    assert_no_cgroups_left(&parent);
+}

@@ -398,6 +398,7 @@ impl CgroupFs {
                 ("cgroup.procs", ""),
                 ("tasks", ""),
                 ("memory.limit_in_bytes", "9223372036854771712\n"),
+                ("memory.usage_in_bytes", "0\n"),
                 ("memory.max_usage_in_bytes", "0\n"),
                 (
                     "memory.oom_control",
@@ -600,6 +601,26 @@ impl CgroupFs {
                 cpu_throttled_us: self.read_key("cpu", name, "cpu.stat", "throttled_time ") / 1000,
             },
         })
+    }
+
+    /// Memory charged to cgroup `name` now (v1 `memory.usage_in_bytes`, v2
+    /// `memory.current`).
+    pub fn memory_now(&self, name: &str) -> Result<u64, CgroupError> {
+        match self.version {
+            CgroupVersion::V2 => self.read_u64("", name, "memory.current"),
+            CgroupVersion::V1 => self.read_u64("memory", name, "memory.usage_in_bytes"),
+        }
+    }
+
+    /// Sets cgroup `name`'s memory limit to `bytes` (v1 `memory.limit_in_bytes`, v2
+    /// `memory.max`); [`CgroupFs::set_limits`] writes the class's again.
+    pub fn set_memory_limit(&self, name: &str, bytes: u64) -> Result<(), CgroupError> {
+        match self.version {
+            CgroupVersion::V2 => self.write("", name, "memory.max", &bytes.to_string()),
+            CgroupVersion::V1 => {
+                self.write("memory", name, "memory.limit_in_bytes", &bytes.to_string())
+            }
+        }
     }
 
     /// Resets what can be reset: v1 CPU time and peak memory; v2 peak memory where the

@@ -283,6 +283,37 @@ impl CgroupPool {
         Ok(since(&base, &self.fs.usage(&lease.name)?))
     }
 
+    /// Starts another accounting period for the holder of `lease`, a clone that serves
+    /// one request after another in the same cgroup (a rewound clone): returns its usage
+    /// since the last period began (or since its lease), resets what can be reset (peak
+    /// memory; v1 CPU time) and counts from now.
+    pub fn turn_over(&self, lease: &Lease) -> Result<Usage, PoolError> {
+        let mut st = self.lock();
+        let Some(base) = st.in_use.get(&lease.name).copied() else {
+            return Err(PoolError::NotLeased(lease.name.clone()));
+        };
+        let usage = since(&base, &self.fs.usage(&lease.name)?);
+        self.fs.reset_accounting(&lease.name)?;
+        st.in_use
+            .insert(lease.name.clone(), self.fs.usage(&lease.name)?);
+        Ok(usage)
+    }
+
+    /// Memory charged to `lease`'s cgroup now.
+    pub fn memory_now(&self, lease: &Lease) -> Result<u64, PoolError> {
+        Ok(self.fs.memory_now(&lease.name)?)
+    }
+
+    /// Raises `lease`'s memory limit to the class's plus `extra` bytes (nothing when
+    /// the class sets none); the class's own comes back when the cgroup is released.
+    pub fn allow_memory(&self, lease: &Lease, extra: u64) -> Result<(), PoolError> {
+        if let Some(limit) = self.class.memory_limit {
+            self.fs
+                .set_memory_limit(&lease.name, limit.saturating_add(extra))?;
+        }
+        Ok(())
+    }
+
     /// Gives a cgroup back: kills what is left in it, reads its usage since it was
     /// leased, resets accounting and limits, and makes it ready again. A cgroup that
     /// vanished or cannot be emptied is dropped (a new one replaces it on refill).
@@ -632,6 +663,77 @@ mod tests {
             }),
             Err(PoolError::NotLeased(_))
         ));
+    }
+
+    #[test]
+    fn a_lease_turned_over_reports_each_period_and_its_memory_limit_is_raised_then_reset() {
+        for v in [CgroupVersion::V1, CgroupVersion::V2] {
+            let root = TempRoot::new("turn");
+            let pool = fake_pool(&root, v, cfg(1, 0, 2, WhenExhausted::Fail));
+            let lease = pool.acquire().unwrap();
+            let (cpu_dir, mem_dir, cpu_file, peak_file, now_file, limit_file) = match v {
+                CgroupVersion::V1 => (
+                    root.0.join("cpuacct/forkvm").join(&lease.name),
+                    root.0.join("memory/forkvm").join(&lease.name),
+                    "cpuacct.usage",
+                    "memory.max_usage_in_bytes",
+                    "memory.usage_in_bytes",
+                    "memory.limit_in_bytes",
+                ),
+                CgroupVersion::V2 => {
+                    let dir = root.0.join("forkvm").join(&lease.name);
+                    (
+                        dir.clone(),
+                        dir,
+                        "cpu.stat",
+                        "memory.peak",
+                        "memory.current",
+                        "memory.max",
+                    )
+                }
+            };
+            let ran = |us: u64| {
+                let text = match v {
+                    CgroupVersion::V1 => (us * 1000).to_string(),
+                    CgroupVersion::V2 => format!("usage_usec {us}\nthrottled_usec 0\n"),
+                };
+                std::fs::write(cpu_dir.join(cpu_file), text).unwrap();
+            };
+            let write =
+                |file: &str, value: &str| std::fs::write(mem_dir.join(file), value).unwrap();
+            ran(5000);
+            write(peak_file, "3000000");
+            let first = pool.turn_over(&lease).unwrap();
+            assert_eq!(
+                (first.cpu_us, first.memory_peak),
+                (5000, 3_000_000),
+                "{v:?}"
+            );
+            // Peak memory was reset (the fake files keep what was written: "0").
+            ran(match v {
+                CgroupVersion::V1 => 2000,
+                CgroupVersion::V2 => 7000,
+            });
+            write(peak_file, "1000000");
+            let second = pool.turn_over(&lease).unwrap();
+            assert_eq!(
+                (second.cpu_us, second.memory_peak),
+                (2000, 1_000_000),
+                "{v:?}"
+            );
+            write(now_file, "4096");
+            assert_eq!(pool.memory_now(&lease).unwrap(), 4096);
+            pool.allow_memory(&lease, 1 << 20).unwrap();
+            let limit = std::fs::read_to_string(mem_dir.join(limit_file)).unwrap();
+            assert_eq!(limit, ((64u64 << 20) + (1 << 20)).to_string(), "{v:?}");
+            let name = lease.name.clone();
+            pool.release(lease).unwrap();
+            assert_eq!(pool.fs().limits(&name).unwrap(), class(), "{v:?}");
+            assert!(matches!(
+                pool.turn_over(&Lease { name }),
+                Err(PoolError::NotLeased(_))
+            ));
+        }
     }
 
     #[test]

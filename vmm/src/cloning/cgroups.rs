@@ -484,6 +484,55 @@ impl ClonePools {
         self.pools[*pool].usage(lease).ok()
     }
 
+    /// The life clone `pid` served ended and it rewinds (`rewind.rs`), in the same
+    /// cgroup: returns what it used since it was made or last rewound, and counts
+    /// afresh from now (peak memory reset), so the next life's usage is its own.
+    pub(crate) fn life_ended(&mut self, pid: i32) -> Option<Usage> {
+        let (pool, lease) = self.leases.get(&pid)?;
+        (self.pools[*pool].turn_over(lease))
+            .map_err(|e| tracing::warn!("cgroup of clone pid {pid}: {e}"))
+            .ok()
+    }
+
+    /// Memory charged to clone `pid`'s cgroup now.
+    pub(crate) fn memory_now(&self, pid: i32) -> Option<u64> {
+        let (pool, lease) = self.leases.get(&pid)?;
+        self.pools[*pool].memory_now(lease).ok()
+    }
+
+    /// A warm clone to be forked in `taken` writes `ahead` bytes of its template's
+    /// working set before its request (`working.rs`), charged to that cgroup: its
+    /// memory limit is raised by as much, so that its request may use what one in a
+    /// clone that wrote nothing ahead may (the pages it writes of those cost it nothing
+    /// more). Before the fork: the clone writes them as soon as it is in.
+    pub(crate) fn allow_ahead(&self, taken: &Taken, ahead: u64) {
+        if ahead > 0 {
+            if let Err(e) = self.pools[taken.pool].allow_memory(&taken.lease, ahead) {
+                tracing::warn!("cgroup {}: {e}", taken.lease.name);
+            }
+        }
+    }
+
+    /// Clone `pid`, which wrote `ahead` bytes ahead, came back rewound holding `kept`
+    /// bytes more than at its first launch (pages earlier requests wrote, the
+    /// template's contents again, still its own and charged to its cgroup): its memory
+    /// limit is raised by both, so that its next request may use what a fresh clone's
+    /// may. False when it keeps more than its class's whole limit (it is to end: a
+    /// fresh clone replaces it), or the limit could not be written.
+    pub(crate) fn allow_kept(&self, pid: i32, ahead: u64, kept: u64) -> bool {
+        let Some((pool, lease)) = self.leases.get(&pid) else {
+            return true;
+        };
+        let pool = &self.pools[*pool];
+        if pool.class().memory_limit.is_some_and(|limit| kept > limit) {
+            tracing::debug!("clone pid {pid} keeps {kept} bytes, past its class's limit: it ends");
+            return false;
+        }
+        (pool.allow_memory(lease, ahead.saturating_add(kept)))
+            .map_err(|e| tracing::warn!("cgroup of clone pid {pid}: {e}"))
+            .is_ok()
+    }
+
     /// Refills and shrinks the pools when `UPKEEP_PERIOD` has passed, and sweeps killed
     /// VMMs' pools every [`SWEEP_PERIOD`] (event loop).
     pub(crate) fn upkeep(&mut self) {

@@ -582,7 +582,7 @@ impl Cloner {
         if self.warm.refill_due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
             if vm.config().invoke.rewind && vm.config().invoke.template {
-                let why_not = rewind::unsupported(vm, self.cgroups.is_some());
+                let why_not = rewind::unsupported(vm);
                 self.warm.rewind_clones(why_not);
             }
             let lineage = self.lineage();
@@ -612,8 +612,9 @@ impl Cloner {
     pub fn take_back(&mut self, vm: &Microvm) {
         // Their starts first: a record ends only once started.
         self.check_starts();
-        for pid in self.warm.take_back(vm) {
-            self.table.rewound(pid);
+        for pid in self.warm.take_back(vm, self.cgroups.as_ref()) {
+            let usage = self.cgroups.as_mut().and_then(|p| p.life_ended(pid));
+            self.table.rewound(pid, usage);
         }
     }
 

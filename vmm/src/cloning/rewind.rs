@@ -57,11 +57,16 @@
 //! with an overlay of its own, an anonymous file), and the template's media are
 //! opened again (a copy of the inherited descriptor) at each launch.
 //!
+//! With cgroup pools, a rewound clone keeps its cgroup (warm clones serve the first
+//! class only, and sit in its cgroup already): its usage is counted per life
+//! (`ClonePools::life_ended`), and since the pages earlier requests wrote stay its own
+//! and charged, its memory limit is raised by them when it comes back, or it ends when
+//! they pass its class's limit (`ClonePools::allow_kept`).
+//!
 //! Not built yet: writable disks, and a template's writable medium in a slot (a
 //! clone's copy of the template's overlay would have to be put back too: a clone forked
 //! with one is not rewound), network devices (a tap made per identity, which the
-//! clone's exit removes), cgroup pools (the clone's cgroup would have to be given back
-//! and taken again): such a template's clones end as before, and it says why once.
+//! clone's exit removes): such a template's clones end as before, and it says why once.
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -105,16 +110,13 @@ pub enum RewindError {
 }
 
 /// Why a template's clones cannot be rewound (they end as before), if they cannot.
-pub fn unsupported(template: &Microvm, cgroup_pools: bool) -> Option<&'static str> {
+pub fn unsupported(template: &Microvm) -> Option<&'static str> {
     let m = &template.config().machine;
     if m.disks.iter().any(|d| d.cow_dir.is_some()) {
         return Some("the VM has a writable disk (not built yet)");
     }
     if m.net.is_some() {
         return Some("the VM has a network device (not built yet)");
-    }
-    if cgroup_pools {
-        return Some("the template has cgroup pools (not built yet)");
     }
     None
 }

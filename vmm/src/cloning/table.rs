@@ -13,6 +13,7 @@ use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
 use super::cgroups::ClonePools;
+use jailer::cgroup::Usage;
 
 /// How long a clone has to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(3);
@@ -156,7 +157,14 @@ impl CloneTable {
         pid: i32,
         status: WaitStatus,
     ) -> Option<CloneInfo> {
-        let record = self.record_end(pools, pid, status);
+        let usage = pools.and_then(|p| p.exited(pid));
+        self.ended(pid, status, usage)
+    }
+
+    /// Records the end of `pid`'s record as `status` says, with `usage`; returns the
+    /// clone's final record.
+    fn ended(&mut self, pid: i32, status: WaitStatus, usage: Option<Usage>) -> Option<CloneInfo> {
+        let record = self.record_end(pid, status, usage);
         if let Some(i) = self.stopping.iter().position(|&(p, _)| p == pid) {
             self.stopping.swap_remove(i);
             if let Some(r) = &record {
@@ -166,14 +174,13 @@ impl CloneTable {
         record
     }
 
-    /// [`CloneTable::reaped`]'s bookkeeping of the clone's end.
+    /// [`CloneTable::ended`]'s bookkeeping of the clone's end.
     fn record_end(
         &mut self,
-        pools: Option<&mut ClonePools>,
         pid: i32,
         status: WaitStatus,
+        usage: Option<Usage>,
     ) -> Option<CloneInfo> {
-        let usage = pools.and_then(|p| p.exited(pid));
         super::tree::release(pid);
         // The live record: an ended clone's pid may have been given to a newer one.
         let at = (self.clones.iter()).position(|c| c.pid == pid && c.status.is_live())?;
@@ -213,11 +220,11 @@ impl CloneTable {
         Some(c.clone())
     }
 
-    /// Ends the record of clone `pid`, which came back rewound (`rewind.rs`), as at an
-    /// exit with status 0: the process lives on as a warm clone. Without cgroup pools
-    /// (a rewound clone has none).
-    pub(super) fn rewound(&mut self, pid: i32) {
-        self.reaped(None, pid, WaitStatus::Exited(Pid::from_raw(pid), 0));
+    /// Ends the record of clone `pid`, whose life ended (`rewind.rs`), as at an exit
+    /// with status 0, with `usage`, its cgroup's for that life: the process lives on,
+    /// in the same cgroup, as a warm clone.
+    pub(super) fn rewound(&mut self, pid: i32, usage: Option<Usage>) {
+        self.ended(pid, WaitStatus::Exited(Pid::from_raw(pid), 0), usage);
     }
 
     /// Reaps every exited child without blocking: a clone's record gets its status; a

@@ -19,7 +19,7 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use std::time::{Duration, Instant};
@@ -30,17 +30,21 @@ use clone::MicrovmState;
 use nix::sys::signal::{kill, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::epoll::Epoll;
 
 use super::capture::capture;
 use super::cgroups::{placement_of, started_in, ClonePools};
 use super::child::{Lineage, Start, PRIME_TIMEOUT_EXIT};
 use super::fork::{fork_child, pipe};
 use super::request::{give_back, Identity};
-use super::wire::{back_report, go_channel, prime_report, send_go, BackReport, PrimeReport};
+use super::wire::{go_channel, prime_report, send_go, PrimeReport};
+
+mod back;
+use super::working::PAGE;
 use super::CloneError;
 use crate::config::MAX_WARM_CLONES;
 use crate::microvm::Microvm;
+use back::{Held, Out};
 
 /// How long after a clone request the event loop waits before preparing the next clone
 /// (forking a warm clone, making spare overlay files): work done at once would compete
@@ -72,6 +76,8 @@ struct WarmClone {
     /// Made before its template learned its working set (it copied nothing ahead) or
     /// was refreshed (its clock is older): replaced once a clone made since is ready.
     stale: bool,
+    /// With cgroup pools, what its cgroup is charged for besides its requests.
+    held: Held,
 }
 
 /// Whether a warm clone can be launched now.
@@ -159,17 +165,6 @@ pub struct WarmPool {
     /// The template's memory as its clones read it, when they are rewound
     /// (`rewind::open_own_memory`; None: not rewound).
     rewind_from: Option<File>,
-}
-
-/// A launched clone that may come back rewound.
-struct Out {
-    pid: i32,
-    go: std::os::unix::net::UnixStream,
-    /// The generation it was launched in.
-    generation: u64,
-    primed: bool,
-    /// Whether it said the life it served ended (its request's record ended then).
-    life_ended: bool,
 }
 
 /// How long the pool waits to try again after a warm clone could not be made, the first
@@ -344,85 +339,6 @@ impl WarmPool {
             Ok(f) => self.rewind_from = Some(f),
             Err(e) => tracing::warn!("--rewind: cannot open this process's memory: {e}"),
         }
-    }
-
-    /// The descriptor that is readable while a launched clone says it is back (or
-    /// ended); made on the first call.
-    pub(super) fn back_fd(&mut self) -> std::io::Result<RawFd> {
-        let epoll = match &self.back {
-            Some(e) => e,
-            None => self.back.insert(Epoll::new()?),
-        };
-        Ok(epoll.as_raw_fd())
-    }
-
-    /// Stops watching launched clone `i` and returns it.
-    fn forget_out(&mut self, i: usize) -> Out {
-        let o = self.out.swap_remove(i);
-        if let Some(e) = &self.back {
-            let _ = e.ctl(
-                ControlOperation::Delete,
-                o.go.as_raw_fd(),
-                EpollEvent::default(),
-            );
-        }
-        o
-    }
-
-    /// Takes back the launched clones that say they are rewound: those launched in
-    /// this generation of a paused template join the pool, the others are killed.
-    /// Returns the pids whose lives ended (their requests' records end): those that
-    /// said so, and those that came back without saying it first.
-    pub(super) fn take_back(&mut self, vm: &Microvm) -> Vec<i32> {
-        let mut ended = Vec::new();
-        let mut i = 0;
-        while i < self.out.len() {
-            match back_report(&self.out[i].go) {
-                Ok(BackReport::Nothing) => i += 1,
-                Ok(BackReport::LifeEnded) => {
-                    let o = &mut self.out[i];
-                    tracing::debug!("clone pid {}: its life ended, it rewinds", o.pid);
-                    if !std::mem::replace(&mut o.life_ended, true) {
-                        ended.push(o.pid);
-                    }
-                    // It may have said it is back too: read on.
-                }
-                Ok(BackReport::Back) => {
-                    let o = self.forget_out(i);
-                    if !o.life_ended {
-                        ended.push(o.pid);
-                    }
-                    let current = o.generation == self.generation && vm.state() == VmState::Paused;
-                    // The pool grows with the requests in flight (their clones were
-                    // replaced while out), up to four times its target.
-                    if !current || self.clones.len() >= 4 * self.target.max(1) {
-                        self.discard_one(o.pid);
-                        continue;
-                    }
-                    self.rewound += 1;
-                    tracing::debug!(
-                        "clone pid {} back, rewound ({} so far)",
-                        o.pid,
-                        self.rewound
-                    );
-                    self.clones.push_back(WarmClone {
-                        pid: o.pid,
-                        go: o.go,
-                        ready: None,
-                        cgroup: None,
-                        primed: o.primed,
-                        prime_done: true,
-                        stale: false,
-                    });
-                }
-                // Ended (or said something else): the reaping takes it.
-                Err(()) => {
-                    let o = self.forget_out(i);
-                    tracing::debug!("clone pid {} ended instead of coming back", o.pid);
-                }
-            }
-        }
-        ended
     }
 
     /// The warm clones there are now would be made otherwise now (their template
@@ -629,6 +545,10 @@ impl WarmPool {
             None => None,
         };
         let (placement, cgroup) = placement_of(pools.as_deref(), taken.as_ref());
+        let ahead = (lineage.working.as_ref()).map_or(0, |w| w.set.pages() * PAGE);
+        if let Some((p, t)) = pools.as_deref().zip(taken.as_ref()) {
+            p.allow_ahead(t, ahead);
+        }
         let start = Start::Warm {
             go: go_read.as_raw_fd(),
             cgroup: placement,
@@ -661,6 +581,10 @@ impl WarmPool {
             primed: prime.is_some(),
             prime_done: false,
             stale: false,
+            held: Held {
+                ahead,
+                at_launch: None,
+            },
         });
         self.primed += u64::from(prime.is_some());
         Ok(())
@@ -681,6 +605,7 @@ impl WarmPool {
                 ready,
                 cgroup,
                 primed,
+                mut held,
                 ..
             } = c;
             // A rewound clone's launch brings it a new ready pipe.
@@ -695,31 +620,16 @@ impl WarmPool {
             };
             if let Ok(ready) = launched {
                 if self.rewind_from.is_some() {
-                    self.watch_out(pid, go, primed);
+                    if held.at_launch.is_none() {
+                        held.at_launch = pools.as_deref().and_then(|p| p.memory_now(pid));
+                    }
+                    self.watch_out(pid, go, primed, cgroup.clone(), held);
                 }
                 return Some((pid, ready, cgroup));
             }
             // The warm clone died: reap it (or leave it to be) and try the next.
             let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
             self.reap_or_leave(pid, false, pools.as_deref_mut());
-        }
-    }
-
-    /// Watches launched clone `pid`'s go channel for its coming back rewound.
-    fn watch_out(&mut self, pid: i32, go: std::os::unix::net::UnixStream, primed: bool) {
-        let watched = self.back.as_ref().is_some_and(|e| {
-            let event = EpollEvent::new(EventSet::IN, pid as u64);
-            e.ctl(ControlOperation::Add, go.as_raw_fd(), event).is_ok()
-        });
-        if watched {
-            let generation = self.generation;
-            self.out.push(Out {
-                pid,
-                go,
-                generation,
-                primed,
-                life_ended: false,
-            });
         }
     }
 }

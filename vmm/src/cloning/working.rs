@@ -23,8 +23,9 @@
 //!   copied nothing ahead: they are replaced one at a time (`WarmPool::mark_stale`).
 //!
 //! The price is memory: each warm clone owns a copy of the set's pages (charged to its
-//! cgroup) while it waits, where it would have copied those its request writes anyway,
-//! and about 2 us of host CPU a page to copy them. Clones forked on demand (no warm
+//! cgroup, whose memory limit is raised by as much: `ClonePools::allow_ahead`) while it
+//! waits, where it would have copied those its request writes anyway, and about 2 us of
+//! host CPU a page to copy them. Clones forked on demand (no warm
 //! clone ready) are not written ahead: that would be on their request's path.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};

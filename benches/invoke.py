@@ -269,6 +269,16 @@ def throughput(a):
     builds = [("forkvm", VMM)] + ([("baseline", a.baseline)] if a.baseline else [])
     if a.rewind:
         builds.append(("rewind", VMM))
+    parent = f"forkvm-bench-{os.getpid()}"
+    if a.cgroup_class:
+        # The same builds again with cgroup pools: each clone in a cgroup of the class.
+        builds += [(f"{n}+class", vmm) for n, vmm in builds if n != "baseline"]
+
+    def extra(n):
+        pools = ["--cgroup-class", a.cgroup_class, "--cgroup-parent", parent]
+        return (["--rewind"] if n.startswith("rewind") else []) + \
+            (pools if n.endswith("+class") else [])
+
     label, guest, expect, handler = GUESTS[a.guest]
     print(f"\nThroughput on {load.cores()} cores, {label}, "
           f"{a.mem if a.guest == 'tiny' else 256} MiB template, "
@@ -284,14 +294,12 @@ def throughput(a):
     series["SOCK"] = []
     with tempfile.TemporaryDirectory(prefix="forkvm-invoke-", dir="/dev/shm") as tmp:
         if a.guest == "tiny":
-            vms = [(n, *start_template(tmp, n, a.mem, a.warm, vmm,
-                                       ["--rewind"] if n == "rewind" else []))
+            vms = [(n, *start_template(tmp, n, a.mem, a.warm, vmm, extra(n)))
                    for n, vmm in builds]
         else:
             run, root = guest
             warm = ["--template", "--warm-clones", str(a.warm)]
-            vms = [(n, *linux_vm(tmp, n, root, run, vmm=vmm,
-                                 extra=warm + (["--rewind"] if n == "rewind" else []))[:2])
+            vms = [(n, *linux_vm(tmp, n, root, run, vmm=vmm, extra=warm + extra(n))[:2])
                    for n, vmm in builds]
             for _, p, sock in vms:
                 wait_vm(p, sock, ready_template(a.warm))
@@ -314,6 +322,10 @@ def throughput(a):
                 stop(p, sock)
             zyg_p.kill()
             zyg_p.wait()
+            if a.cgroup_class:
+                jailer = os.path.join(os.path.dirname(VMM), "jailer")
+                subprocess.run([jailer, "cleanup", "--cgroup-parent", parent],
+                               stdout=subprocess.DEVNULL, check=False)
     print("\nWhere the host CPU per invocation goes (ms): the template VMM's own threads, "
           "its clones (reaped children), and the rest (host kernel threads: deferred "
           "teardown, RCU; other processes)\n")
@@ -331,6 +343,8 @@ def throughput(a):
                   "baseline": f"baseline build ({os.path.basename(a.baseline or '')})",
                   "rewind": "forkvm --rewind, rewound clone per request",
                   "SOCK": "host Python zygote, fork per request (SOCK)"}
+        labels.update({f"{n}+class": f"{labels[n]}, in a cgroup of {a.cgroup_class}"
+                       for n in ("forkvm", "rewind")})
         kind = "a fresh or rewound clone" if a.rewind else "a fresh clone"
         load.plot(a.plot, f"{label}: {kind} per request, {load.cores()} cores",
                   {labels[k]: v for k, v in series.items()})
@@ -604,6 +618,9 @@ def main():
     tp.add_argument("--rewind", action="store_true",
                     help="also this build with --rewind: rewound clones")
     tp.add_argument("--plot", help="draw invocations/s against clients to this PNG")
+    tp.add_argument("--class", dest="cgroup_class", metavar="NAME:LIMITS",
+                    help="also each build with cgroup pools of this class (vmm run "
+                         "--cgroup-class; needs root): each clone in a cgroup of it")
     rt = sub.add_parser("runtimes")
     rt.add_argument("--runs", type=int, default=50)
     rt.add_argument("--rounds", type=int, default=4)

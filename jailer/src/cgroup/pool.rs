@@ -20,7 +20,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{CgroupError, CgroupFs, ResourceClass, Usage};
+use super::{CgroupError, CgroupFs, CgroupVersion, ResourceClass, Usage};
 
 /// What `acquire` does when every cgroup is in use and the pool is at `max`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,11 +292,16 @@ impl CgroupPool {
         let Some(base) = st.in_use.get(&lease.name).copied() else {
             return Err(PoolError::NotLeased(lease.name.clone()));
         };
-        let usage = since(&base, &self.fs.usage(&lease.name)?);
+        let now = self.fs.usage(&lease.name)?;
         self.fs.reset_accounting(&lease.name)?;
+        // Counted from here: v1's CPU time restarts from zero; the other counters go on.
+        let cpu_us = match self.fs.version() {
+            CgroupVersion::V1 => 0,
+            CgroupVersion::V2 => now.cpu_us,
+        };
         st.in_use
-            .insert(lease.name.clone(), self.fs.usage(&lease.name)?);
-        Ok(usage)
+            .insert(lease.name.clone(), Usage { cpu_us, ..now });
+        Ok(since(&base, &now))
     }
 
     /// Memory charged to `lease`'s cgroup now.

@@ -513,22 +513,27 @@ impl ClonePools {
         }
     }
 
-    /// Clone `pid`, which wrote `ahead` bytes ahead, came back rewound holding `kept`
-    /// bytes more than at its first launch (pages earlier requests wrote, the
-    /// template's contents again, still its own and charged to its cgroup): its memory
-    /// limit is raised by both, so that its next request may use what a fresh clone's
-    /// may. False when it keeps more than its class's whole limit (it is to end: a
-    /// fresh clone replaces it), or the limit could not be written.
-    pub(crate) fn allow_kept(&self, pid: i32, ahead: u64, kept: u64) -> bool {
-        let Some((pool, lease)) = self.leases.get(&pid) else {
-            return true;
-        };
-        let pool = &self.pools[*pool];
-        if pool.class().memory_limit.is_some_and(|limit| kept > limit) {
-            tracing::debug!("clone pid {pid} keeps {kept} bytes, past its class's limit: it ends");
+    /// Whether clone `pid`, come back rewound, keeps `kept` bytes more than at its first
+    /// launch, past its class's whole memory limit (it is to end: a fresh clone
+    /// replaces it).
+    pub(crate) fn keeps_too_much(&self, pid: i32, kept: u64) -> bool {
+        let Some((pool, _)) = self.leases.get(&pid) else {
             return false;
+        };
+        let too_much = (self.pools[*pool].class().memory_limit).is_some_and(|limit| kept > limit);
+        if too_much {
+            tracing::debug!("clone pid {pid} keeps {kept} bytes, past its class's limit: it ends");
         }
-        (pool.allow_memory(lease, ahead.saturating_add(kept)))
+        too_much
+    }
+
+    /// Sets clone `pid`'s memory limit to its class's plus `extra` bytes; false when it
+    /// could not be written.
+    pub(crate) fn allow_extra(&self, pid: i32, extra: u64) -> bool {
+        let Some((pool, lease)) = self.leases.get(&pid) else {
+            return false;
+        };
+        (self.pools[*pool].allow_memory(lease, extra))
             .map_err(|e| tracing::warn!("cgroup of clone pid {pid}: {e}"))
             .is_ok()
     }

@@ -584,6 +584,7 @@ impl WarmPool {
             held: Held {
                 ahead,
                 at_launch: None,
+                allowed: ahead,
             },
         });
         self.primed += u64::from(prime.is_some());

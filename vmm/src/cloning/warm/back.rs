@@ -14,13 +14,37 @@ use crate::cloning::wire::{back_report, BackReport};
 use crate::microvm::Microvm;
 
 /// With cgroup pools, what a clone's cgroup is charged for besides its requests, by
-/// which its memory limit is raised (`ClonePools::allow_ahead`, `allow_kept`).
+/// which its memory limit is raised (`ClonePools::allow_ahead`, [`Held::allow`]).
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Held {
-    /// The working set it wrote ahead, in bytes.
+    /// The working set it wrote ahead, in bytes (its limit is raised by as much before
+    /// its fork).
     pub ahead: u64,
     /// A clone to be rewound: the memory charged to its cgroup at its first launch.
     pub at_launch: Option<u64>,
+    /// What its limit was last raised by beyond its class's, in bytes.
+    pub allowed: u64,
+}
+
+impl Held {
+    /// Clone `pid` came back rewound, its cgroup charged `first` bytes at its first
+    /// launch: it holds what it held then and the pages its earlier requests wrote (the
+    /// template's contents again, still its own and charged), so its memory limit is
+    /// raised by those beyond what it wrote ahead, rounded up to a MiB (written only
+    /// when that changed), and its next request may use what a fresh clone's may.
+    /// False when it keeps more than its class's whole limit: it is to end.
+    fn allow(&mut self, pools: &ClonePools, pid: i32, first: u64) -> bool {
+        let now = pools.memory_now(pid).unwrap_or(first);
+        let kept = now.saturating_sub(first);
+        if pools.keeps_too_much(pid, kept) {
+            return false;
+        }
+        let extra = self.ahead.saturating_add(kept).next_multiple_of(1 << 20);
+        if extra != self.allowed && pools.allow_extra(pid, extra) {
+            self.allowed = extra;
+        }
+        true
+    }
 }
 
 /// A launched clone that may come back rewound.
@@ -85,17 +109,15 @@ impl WarmPool {
                     // It may have said it is back too: read on.
                 }
                 Ok(BackReport::Back) => {
-                    let o = self.forget_out(i);
+                    let mut o = self.forget_out(i);
                     if !o.life_ended {
                         ended.push(o.pid);
                     }
                     let current = o.generation == self.generation && vm.state() == VmState::Paused;
-                    // Its next request may use the memory a fresh clone's may.
-                    let kept = |p: &ClonePools, first| {
-                        let now = p.memory_now(o.pid).unwrap_or(first);
-                        p.allow_kept(o.pid, o.held.ahead, now.saturating_sub(first))
+                    let fits = match pools.zip(o.held.at_launch) {
+                        Some((p, first)) => o.held.allow(p, o.pid, first),
+                        None => true,
                     };
-                    let fits = pools.zip(o.held.at_launch).is_none_or(|(p, f)| kept(p, f));
                     // The pool grows with the requests in flight (their clones were
                     // replaced while out), up to four times its target.
                     if !current || !fits || self.clones.len() >= 4 * self.target.max(1) {

@@ -901,9 +901,17 @@ fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
         assert_eq!(seq, 1, "the guest's memory was not rewound");
     };
 
+    // A warm clone moves itself into its cgroup once forked, before it rebuilds its VM.
+    let pooled = |pid: i64| {
+        let mut cgroup = String::new();
+        wait_until("the warm clone in its cgroup", BOOT, || {
+            cgroup = cgroup_of(pid, "memory");
+            cgroup.starts_with(&format!("{base}/small-"))
+        });
+        cgroup
+    };
     let a = the_clone();
-    let cgroup = cgroup_of(a, "memory");
-    assert!(cgroup.starts_with(&format!("{base}/small-")), "{cgroup}");
+    let cgroup = pooled(a);
     assert_eq!(memory_file(&cgroup, "memory.limit_in_bytes"), 64 * MIB);
     // 40 MiB written: the clone comes back rewound, in its cgroup, its limit raised by
     // at least as much (and by no more than it holds, rounded up to a MiB).
@@ -930,12 +938,7 @@ fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
     // The fresh clone wrote the working set its template learned ahead (the 64 MiB
     // cap of it: both fills), charged to its cgroup: its limit is raised by as much,
     // or its own request would meet the class's limit before it wrote a byte.
-    let mut cg_b = String::new();
-    wait_until("the fresh clone in its cgroup", BOOT, || {
-        cg_b = cgroup_of(b, "memory");
-        cg_b.starts_with(&format!("{base}/small-"))
-    });
-    let limit = memory_file(&cg_b, "memory.limit_in_bytes");
+    let limit = memory_file(&pooled(b), "memory.limit_in_bytes");
     assert!((104 * MIB..=128 * MIB).contains(&limit), "limit {limit}");
     fill(1, 0);
     assert_eq!(the_clone(), b);

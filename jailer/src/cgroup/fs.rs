@@ -9,6 +9,7 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
+use super::held::HeldFiles;
 use super::{CgroupError, ResourceClass, Usage};
 
 /// cgroup v1 controllers forkvm uses, by hierarchy directory name.
@@ -29,6 +30,8 @@ pub struct CgroupFs {
     fake: bool,
     /// v1: the controllers mounted (looked up once: the clone path asks often).
     controllers: Vec<&'static str>,
+    /// The files of cgroups held open ([`CgroupFs::hold`]).
+    held: HeldFiles,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError + '_ {
@@ -113,6 +116,7 @@ impl CgroupFs {
             parent: parent.to_string(),
             fake: false,
             controllers,
+            held: HeldFiles::default(),
         })
     }
 
@@ -124,6 +128,7 @@ impl CgroupFs {
             parent: parent.to_string(),
             fake: true,
             controllers: V1_CONTROLLERS.to_vec(),
+            held: HeldFiles::default(),
         };
         for dir in fs.parent_dirs() {
             std::fs::create_dir_all(&dir).map_err(io(&dir))?;
@@ -135,6 +140,7 @@ impl CgroupFs {
     pub fn below(&self, name: &str) -> Self {
         Self {
             parent: format!("{}/{name}", self.parent),
+            held: HeldFiles::default(),
             ..self.clone()
         }
     }
@@ -230,12 +236,27 @@ impl CgroupFs {
         value: &str,
     ) -> Result<(), CgroupError> {
         let path = self.dir(controller, name).join(file);
-        std::fs::write(&path, value).map_err(io(&path))
+        (self.held.write(name, &path, value, self.fake))
+            .unwrap_or_else(|| std::fs::write(&path, value))
+            .map_err(io(&path))
     }
 
     fn read(&self, controller: &str, name: &str, file: &str) -> Result<String, CgroupError> {
         let path = self.dir(controller, name).join(file);
-        std::fs::read_to_string(&path).map_err(io(&path))
+        (self.held.read(name, &path))
+            .unwrap_or_else(|| std::fs::read_to_string(&path))
+            .map_err(io(&path))
+    }
+
+    /// Keeps cgroup `name`'s files open once read or written (its accounting is read
+    /// and reset often), until it is let go or removed.
+    pub fn hold(&self, name: &str) {
+        self.held.hold(name);
+    }
+
+    /// Closes the files [`CgroupFs::hold`] kept open for cgroup `name`.
+    pub fn let_go(&self, name: &str) {
+        self.held.let_go(name);
     }
 
     fn read_u64(&self, controller: &str, name: &str, file: &str) -> Result<u64, CgroupError> {
@@ -665,6 +686,7 @@ impl CgroupFs {
 
     /// Removes cgroup `name` (it must be empty).
     pub fn remove(&self, name: &str) -> Result<(), CgroupError> {
+        self.held.let_go(name);
         self.remove_dirs(self.dirs(name))
     }
 

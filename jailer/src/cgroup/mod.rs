@@ -5,6 +5,7 @@
 //! hierarchy and on a fake root in tests (see [`CgroupFs::fake`]).
 
 pub mod fs;
+mod held;
 pub mod pool;
 
 pub use fs::{CgroupFs, CgroupVersion};

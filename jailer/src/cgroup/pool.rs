@@ -292,6 +292,9 @@ impl CgroupPool {
         let Some(base) = st.in_use.get(&lease.name).copied() else {
             return Err(PoolError::NotLeased(lease.name.clone()));
         };
+        // Read and reset at every request's end, and its memory each time it comes
+        // back: its files are kept open until its release.
+        self.fs.hold(&lease.name);
         let now = self.fs.usage(&lease.name)?;
         self.fs.reset_accounting(&lease.name)?;
         // Counted from here: v1's CPU time restarts from zero; the other counters go on.
@@ -329,6 +332,7 @@ impl CgroupPool {
         };
         self.released.notify_one();
         let name = lease.name;
+        self.fs.let_go(&name);
         if !self.fs.exists(&name) {
             // Gone from at least one hierarchy: what is left elsewhere goes too.
             st.stats.vanished += 1;

@@ -344,6 +344,80 @@ fn a_rewound_clone_serves_its_control_socket_in_every_life() {
     );
 }
 
+/// A template with a network card rewinds its clones too: each life has a tap of its
+/// own (`fkvm<pid>`, made at its launch, in the VMM's network namespace), listed with
+/// the running clone and gone when the life ends, before the same process serves the
+/// next request. A tick request (prime=4: a 400M-cycle spin) keeps each life running
+/// long enough to be looked at.
+#[test]
+fn a_rewound_clone_makes_a_tap_for_each_life_and_removes_it_when_the_life_ends() {
+    if !kvm_available("invoke_rewind_tap") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-rewind-tap");
+    let tap = format!("fkw{}", std::process::id() % 100_000_000);
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=4",
+        &["--warm-clones", "2", "--rewind", "--tap", &tap],
+    );
+    let taps = || -> Vec<String> {
+        let mut names: Vec<String> = (std::fs::read_dir("/sys/class/net").unwrap())
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect();
+        names.sort();
+        names
+    };
+    // The clones whose life runs (or starts).
+    let live = || -> Vec<Value> {
+        let (_, body) = vm.api("GET", "/clones", None);
+        let list: Value = serde_json::from_str(&body).unwrap();
+        (list["clones"].as_array().unwrap().iter())
+            .filter(|c| matches!(c["status"]["state"].as_str(), Some("running" | "starting")))
+            .cloned()
+            .collect()
+    };
+    let mut lives: std::collections::HashMap<u64, u32> = Default::default();
+    for i in 0..8 {
+        wait_until("two warm clones, none running", || {
+            vm.describe()["warm_clones"]["ready"] == 2 && live().is_empty()
+        });
+        let sock = vm.sock.clone();
+        let request = std::thread::spawn(move || invoke(&sock, b"tick"));
+        let mut seen = None;
+        while seen.is_none() && !request.is_finished() {
+            if let Some(c) = live().first() {
+                let (pid, name) = (c["pid"].as_u64().unwrap(), c["net"]["tap"].clone());
+                assert_eq!(name, format!("fkvm{pid}"), "request {i}: {c}");
+                // The tap is made once the life's vCPUs run, before its start is told.
+                if c["status"]["state"] == "running" {
+                    let name = name.as_str().unwrap().to_string();
+                    assert!(
+                        taps().contains(&name),
+                        "request {i}: no {name} in {:?}",
+                        taps()
+                    );
+                    seen = Some((pid, name));
+                }
+            }
+        }
+        let r = request.join().unwrap();
+        assert_eq!(r.status, 200, "{}", r.body);
+        let (pid, name) = seen.unwrap_or_else(|| panic!("request {i}: its clone was never seen"));
+        wait_until("the life's tap to go", || !taps().contains(&name));
+        *lives.entry(pid).or_default() += 1;
+    }
+    assert!(
+        lives.values().any(|&n| n >= 2),
+        "no process served two requests (not rewound): {lives:?}"
+    );
+    let pid = vm.child.id();
+    let left: Vec<String> = (taps().into_iter())
+        .filter(|t| children_of(pid).iter().any(|c| *t == format!("fkvm{c}")))
+        .collect();
+    assert!(left.is_empty(), "taps of clones at rest: {left:?}");
+}
+
 /// The template does not wait for an invocation clone to start: a clone that is slow
 /// to (stopped here, as a loaded host may leave it unscheduled) holds up no other
 /// request, and is listed as starting until it runs.

@@ -146,6 +146,13 @@ pub struct Load {
     /// `disks` instead.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub requirements: Vec<String>,
+    /// The resource class (one of the VMM's `--cgroup-class`es) the template is
+    /// derived in by [`crate::ZygoteCache::function`]: its clone runs in a cgroup of
+    /// that class, and its own warm clones, and so the requests that name that class,
+    /// wait in cgroups of it (the VMM makes it the derived template's default class).
+    /// None: the VMM's default class. Not part of the payload.
+    #[serde(skip)]
+    pub class: Option<String>,
 }
 
 impl Load {

@@ -554,6 +554,7 @@ impl ZygoteCache {
         let options = InvokeOptions {
             timeout_ms: Some(self.policy().load_timeout_ms),
             media,
+            resource_class: load.class.clone(),
             ..Default::default()
         };
         let made = slot

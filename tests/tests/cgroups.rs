@@ -947,3 +947,103 @@ fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
     vm.shutdown(BOOT);
     assert_no_cgroups_left(&parent);
 }
+
+/// A template derived by a request that names a resource class takes that class as its
+/// pools' default: its warm clones wait in cgroups of that class, so its requests,
+/// which name it (as the gateway's for a function of that class), are served by warm
+/// (here rewound) clones instead of a fork each; a request naming another class is
+/// forked into a cgroup of that one. The tiny guest's `load=1`: a load request is
+/// kept, and "show" answers with it.
+#[test]
+fn a_template_derived_for_a_class_keeps_its_warm_clones_in_that_class() {
+    use api_types::InvokeOptions;
+    use forkvm_client::api as client;
+    if !kvm_and_root_available("cgroups_derive_class") {
+        return;
+    }
+    let scratch = Scratch::new("cg-derive");
+    let parent = Parent::new("derive");
+    let mut vm = template(
+        &scratch,
+        "ticks=1 invoke=1 load=1",
+        &[
+            "--template",
+            "--rewind",
+            "--warm-clones",
+            "1",
+            "--cgroup-version",
+            "1",
+            "--cgroup-parent",
+            &parent,
+            "--cgroup-class",
+            "small:pids=64",
+            "--cgroup-class",
+            "large:pids=128",
+        ],
+    );
+    vm.wait_console("tiny: invoke ready\n", BOOT);
+    vm.wait_api(BOOT);
+    wait_until("the template to pause", BOOT, || vm.waits_as_template());
+    let options = |class: &str, derive: bool| InvokeOptions {
+        derive,
+        resource_class: Some(class.to_string()),
+        ..Default::default()
+    };
+    let call = |sock: &Path, o: &InvokeOptions, payload: &[u8]| {
+        let r = client::invoke(sock, o, payload).unwrap_or_else(|e| panic!("invoke: {e}"));
+        assert_eq!(r.status, 200, "{}", r.body);
+        r
+    };
+    let derived = call(&vm.sock, &options("large", true), b"large\0\0\0");
+    let sock = PathBuf::from(derived.header("x-forkvm-socket").unwrap());
+    let describe = |sock: &Path| -> Value {
+        let (code, body) = tests::api_request(sock, "GET", "/vm", None);
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    };
+    wait_until("the derived template to pause", BOOT, || {
+        let v = describe(&sock);
+        v["state"] == "paused" && v["invoke"]["template"] == true
+    });
+    let id = derived.header("x-forkvm-clone-id").unwrap();
+    let pid = clone_by_id(&vm, id)["pid"].as_i64().unwrap();
+    // Its warm clone waits in a cgroup of "large", in its own pools.
+    let warm = |pid: i64| -> Vec<String> {
+        (tests::children_of(pid as u32).iter())
+            .map(|&c| cgroup_of(i64::from(c), "pids"))
+            .collect()
+    };
+    let own = format!("/{}/vmm-{pid}/large-", &*parent);
+    wait_until(
+        "the derived template's warm clone in a large cgroup",
+        BOOT,
+        || {
+            let w = warm(pid);
+            describe(&sock)["warm_clones"]["ready"] == 1 && w.len() == 1 && w[0].starts_with(&own)
+        },
+    );
+    let launched = || describe(&sock)["warm_clones"]["launched"].as_u64().unwrap();
+    let before = launched();
+    for i in 0..4 {
+        let r = call(&sock, &options("large", false), b"show");
+        assert_eq!(r.bytes, b"large\0\0\0", "request {i}");
+        wait_until("the clone to come back", BOOT, || {
+            describe(&sock)["warm_clones"]["ready"] == 1 && warm(pid).len() == 1
+        });
+    }
+    assert_eq!(
+        launched(),
+        before + 4,
+        "requests of its class were not served warm"
+    );
+    // One of the other class is forked into a cgroup of that class.
+    let r = call(&sock, &options("small", false), b"show");
+    assert_eq!(r.bytes, b"large\0\0\0");
+    assert_eq!(
+        launched(),
+        before + 4,
+        "a request of another class took a warm clone"
+    );
+    vm.shutdown(BOOT);
+    assert_no_cgroups_left(&parent);
+}

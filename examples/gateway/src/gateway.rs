@@ -300,6 +300,8 @@ fn function_of(
     load.env = env;
     load.logs = true;
     load.requirements = spec.requirements.clone();
+    // Its template's warm clones wait in cgroups of its class.
+    load.class = spec.limits.class.clone();
     Ok(Function {
         spec,
         load,

@@ -493,6 +493,10 @@ fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildErr
         v.uds_path = path.clone();
     }
     config.machine.apply_rate_limits(&id.rate_limits)?;
+    // Should it become a template, its own pools' default class is its request's.
+    if let (Some(cgroups), Some(class)) = (config.host.cgroups.as_mut(), &id.class) {
+        cgroups.make_default(class);
+    }
     // Its own tap and MAC (the tap is created here; it goes when the clone exits).
     let pid = std::process::id() as i32;
     config.machine.disks = keep_overlays(&config.machine.disks, id.keep_overlays);

@@ -166,6 +166,11 @@ pub(crate) struct Identity {
     pub guest_result: Option<(u8, u64)>,
     /// The cgroup it moves itself into before running guest code.
     pub cgroup: Option<Placement>,
+    /// The resource class its request named, with cgroup pools: the default class of
+    /// its own pools should it become a template (`derive`), so that its requests,
+    /// which name that class, are served by its warm clones.
+    #[serde(default)]
+    pub class: Option<String>,
     /// What a layer above tells the clone it hands something over to ([`Handover`]).
     #[serde(default)]
     pub note: Option<serde_json::Value>,
@@ -384,6 +389,7 @@ pub(super) fn identities(
             keep_overlays: req.keep_overlays,
             guest_result: requester.map(|v| (v, u64::from(seq))),
             cgroup: None,
+            class: None,
             note: None,
             defer_timer_ns: 0,
             record_working_set: false,
@@ -412,7 +418,8 @@ pub(super) fn take_cgroups(
         return Ok(identities.into_iter().map(|i| (i, None)).collect());
     };
     let mut clones: Vec<NewClone> = Vec::with_capacity(identities.len());
-    for identity in identities {
+    for mut identity in identities {
+        identity.class = class.map(str::to_string);
         let seat = clones.is_empty().then(|| pools.take_seat(class)).flatten();
         match seat.map_or_else(|| pools.take(class), Ok) {
             Ok(t) => clones.push((identity, Some(t))),

@@ -75,6 +75,15 @@ impl Default for CgroupConfig {
 }
 
 impl CgroupConfig {
+    /// Makes class `name` the default (first) one, the others following in their
+    /// order; nothing when there is no such class.
+    pub fn make_default(&mut self, name: &str) {
+        if let Some(i) = self.classes.iter().position(|(n, _)| n == name) {
+            let class = self.classes.remove(i);
+            self.classes.insert(0, class);
+        }
+    }
+
     /// Checks the classes and pool sizes.
     pub fn check(&self) -> Result<(), String> {
         if self.classes.is_empty() {

@@ -342,6 +342,23 @@ mod tests {
     }
 
     #[test]
+    fn a_class_made_default_goes_first_and_the_others_keep_their_order() {
+        let names = |c: &CgroupConfig| c.classes.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        let mut c = CgroupConfig {
+            classes: ["a", "b", "c"]
+                .map(|n| (n.to_string(), Default::default()))
+                .into(),
+            ..Default::default()
+        };
+        c.make_default("c");
+        assert_eq!(names(&c), ["c", "a", "b"]);
+        c.make_default("x");
+        assert_eq!(names(&c), ["c", "a", "b"], "no such class: nothing moves");
+        c.make_default("c");
+        assert_eq!(names(&c), ["c", "a", "b"]);
+    }
+
+    #[test]
     fn cgroup_pools_are_checked() {
         let mut c = cfg();
         let mut cg = CgroupConfig {

@@ -19,6 +19,9 @@ throughput: invocations per second with 1, 2, 4, ... up to 4x the cores of concu
   zygote forking per request, with the same handler) and, with --baseline VMM, another
   build. --guest c or python: the C runtime's echo or a Python no-op in a 256 MiB Linux
   template instead of the tiny guest. --plot PNG draws invocations/s against clients.
+  --rewind adds this build with `vmm run --rewind` (rewound clones); --class NAME:LIMITS
+  adds each build again with cgroup pools of that class (every clone in a cgroup of
+  it; needs root; the pools' parent is removed at the end).
 
 runtimes: the Linux runtimes, side by side in one run with 256 MiB templates booted at
   once: request to reply for the C runtime's echo (forkvm-fn echo) with the kernel RNG
@@ -41,7 +44,7 @@ usage: benches/invoke.py latency [--runs N] [--rounds R] [--mem MIB] [--payload 
        benches/invoke.py ab --baseline VMM [--runs N] [--rounds R] [--mem MIB]
        benches/invoke.py throughput [--seconds S] [--clients auto|1,2,4,8] [--mem MIB]
                                     [--warm N] [--guest tiny|c|python] [--baseline VMM]
-                                    [--plot PNG]
+                                    [--rewind] [--class NAME:LIMITS] [--plot PNG]
        benches/invoke.py runtimes [--runs N] [--rounds R] [--exec-runs N] [--boots N]
                                   [--seconds S] [--clients 1,2,4,8]
 """

@@ -240,8 +240,10 @@ class HostFunction:
         self.p.wait()
 
 
-def deploy(gw, name, source, packages, warmup):
+def deploy(gw, name, source, packages, warmup, cls=None):
     spec = {"source": source, "packages": list(packages), "limits": {"timeout_ms": 300_000}}
+    if cls:
+        spec["limits"]["class"] = cls
     if warmup is not None:
         spec["warmup"] = [{"base64": __import__("base64").b64encode(warmup).decode()}]
     status, _, data, _ = gw.request("PUT", f"/functions/{name}", json.dumps(spec).encode())

@@ -7,9 +7,13 @@ their descriptors. A leak shows as a count that grows with the rounds.
 
 usage: benches/gateway_soak.py [--functions constant,json,alloc] [--rounds 2500]
                                [--samples 5] [--rewind] [--bin-dir DIR]
-                               [--base-snapshot DIR]
+                               [--base-snapshot DIR] [--class NAME:LIMITS ...]
 
 --rewind gives the gateway --rewind (its functions' clones are rewound and serve again).
+--class (repeatable) gives the gateway resource classes (needs root) and each function
+one of them in turn (the first function the first class, and so on); the cgroup
+directories below the VMMs' parent (`forkvm`, in the memory hierarchy on cgroup v1, else
+the unified one) are counted too.
 """
 import argparse
 import os
@@ -43,7 +47,15 @@ def tree(root):
     return found
 
 
-def sample(gw, rounds, started):
+def cgroups():
+    """Cgroup directories below the VMMs' default parent."""
+    for top in ("/sys/fs/cgroup/memory/forkvm", "/sys/fs/cgroup/forkvm"):
+        if os.path.isdir(top):
+            return sum(len(dirs) for _, dirs, _ in os.walk(top))
+    return 0
+
+
+def sample(gw, rounds, started, classes):
     by = {}
     for depth, _, rss, fds in tree(gw.p.pid):
         s = by.setdefault(depth, [0, 0, 0])
@@ -51,6 +63,8 @@ def sample(gw, rounds, started):
         s[1] += rss
         s[2] += fds
     cells = " | ".join(f"{n} / {rss:,} / {fds}" for _, (n, rss, fds) in sorted(by.items()))
+    if classes:
+        cells += f" | {cgroups()}"
     print(f"| {rounds} | {time.time() - started:.0f} | {cells} |", flush=True)
 
 
@@ -62,6 +76,8 @@ def main():
     ap.add_argument("--rewind", action="store_true")
     ap.add_argument("--bin-dir", default="target/release")
     ap.add_argument("--base-snapshot")
+    ap.add_argument("--class", dest="classes", action="append", default=[],
+                    metavar="NAME:LIMITS", help="a resource class of the gateway (repeatable)")
     a = ap.parse_args()
     names = a.functions.split(",")
     unknown = [n for n in names if n not in functions.FUNCTIONS]
@@ -71,21 +87,26 @@ def main():
     extra = ["--rewind"] if a.rewind else []
     if a.base_snapshot:
         extra += ["--base-snapshot", a.base_snapshot]
+    extra += [x for c in a.classes for x in ("--class", c)]
     gw = faas.Gateway(extra, warm=2)
     try:
-        for name in names:
+        for i, name in enumerate(names):
             source, event, packages = functions.FUNCTIONS[name]
-            functions.deploy(gw, name, source, packages, event)
+            cls = a.classes[i % len(a.classes)].split(":")[0] if a.classes else None
+            functions.deploy(gw, name, source, packages, event, cls)
+            if cls:
+                print(f"{name}: class {cls}")
         print(f"{len(names)} functions, one request each per round; at rest (3 s), per "
               "depth below the gateway: processes / RSS KiB / descriptors\n")
-        print("| rounds | s | " + " | ".join(f"depth {d}" for d in (1, 2, 3)) + " |")
-        print("|---|---|---|---|---|")
+        cg = " cgroups |" if a.classes else ""
+        print("| rounds | s | " + " | ".join(f"depth {d}" for d in (1, 2, 3)) + " |" + cg)
+        print("|---|---|---|---|---|" + ("---|" if a.classes else ""))
         started = time.time()
         every = max(1, a.rounds // a.samples)
         for k in range(a.rounds + 1):
             if k % every == 0 or k == a.rounds:
                 time.sleep(3)
-                sample(gw, k, started)
+                sample(gw, k, started, a.classes)
             if k == a.rounds:
                 break
             for name in names:

@@ -80,6 +80,18 @@ fn v1_template(scratch: &Scratch, parent: &Parent, pool_args: &[&str]) -> (Vm, S
     (vm, base)
 }
 
+/// A tiny template (`--template` and `extra`) whose runtime serves invocations
+/// (`cmdline` has `invoke=1`), returned once it is paused where its runtime waits.
+fn invoke_template(scratch: &Scratch, cmdline: &str, extra: &[&str]) -> Vm {
+    let mut args = vec!["--template"];
+    args.extend_from_slice(extra);
+    let mut vm = template(scratch, cmdline, &args);
+    vm.wait_console("tiny: invoke ready\n", BOOT);
+    vm.wait_api(BOOT);
+    wait_until("the template to pause", BOOT, || vm.waits_as_template());
+    vm
+}
+
 fn fork(vm: &Vm, body: &str) -> Vec<Value> {
     let (code, text) = vm.api("POST", "/clones", Some(body));
     assert_eq!(code, 201, "{text}");
@@ -769,11 +781,10 @@ fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
     }
     let scratch = Scratch::new("cg-invoke");
     let parent = Parent::new("invoke");
-    let mut vm = template(
+    let mut vm = invoke_template(
         &scratch,
         "ticks=1 invoke=1",
         &[
-            "--template",
             "--cgroup-version",
             "1",
             "--cgroup-parent",
@@ -786,9 +797,6 @@ fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
             "1",
         ],
     );
-    vm.wait_console("tiny: invoke ready\n", BOOT);
-    vm.wait_api(BOOT);
-    wait_until("the template to pause", BOOT, || vm.waits_as_template());
     let invoke = |sock: &Path, keep_alive: bool, payload: &[u8]| {
         let opts = InvokeOptions {
             keep_alive,
@@ -850,11 +858,10 @@ fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
     const MIB: u64 = 1 << 20;
     let scratch = Scratch::new("cg-rewind");
     let parent = Parent::new("rewind");
-    let mut vm = template(
+    let mut vm = invoke_template(
         &scratch,
         "ticks=1 invoke=1",
         &[
-            "--template",
             "--rewind",
             "--warm-clones",
             "1",
@@ -870,9 +877,6 @@ fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
             "2",
         ],
     );
-    vm.wait_console("tiny: invoke ready\n", BOOT);
-    vm.wait_api(BOOT);
-    wait_until("the template to pause", BOOT, || vm.waits_as_template());
     let pid = vm.child.id();
     let base = format!("/{}/vmm-{pid}", &*parent);
     let the_clone = || {
@@ -963,11 +967,10 @@ fn a_template_derived_for_a_class_keeps_its_warm_clones_in_that_class() {
     }
     let scratch = Scratch::new("cg-derive");
     let parent = Parent::new("derive");
-    let mut vm = template(
+    let mut vm = invoke_template(
         &scratch,
         "ticks=1 invoke=1 load=1",
         &[
-            "--template",
             "--rewind",
             "--warm-clones",
             "1",
@@ -981,9 +984,6 @@ fn a_template_derived_for_a_class_keeps_its_warm_clones_in_that_class() {
             "large:pids=128",
         ],
     );
-    vm.wait_console("tiny: invoke ready\n", BOOT);
-    vm.wait_api(BOOT);
-    wait_until("the template to pause", BOOT, || vm.waits_as_template());
     let options = |class: &str, derive: bool| InvokeOptions {
         derive,
         resource_class: Some(class.to_string()),

@@ -43,7 +43,10 @@ that function) to their calls (by default the loader runs them in the template,
 ``_preimport``, so that a clone finds those modules loaded; ``python3 -m forkvm
 MODULE:FUNCTION`` does the same unless ``FORKVM_LAZY_IMPORTS=1``).
 Each is optional. The reply is a JSON object: the modules that were newly imported, the
-handler now served, the warm-up events run and the modules pre-imported. A failure is a 500 with its traceback, and the
+handler now served, the warm-up events run, the modules pre-imported and ``touched``: the
+pages the warm-up wrote (and the mailbox's its events and replies take), which each warm
+clone's prime reads so that its request finds them mapped (``forkvm_pages``; off with
+``FORKVM_TOUCH_MIB=0`` in ``env``). A failure is a 500 with its traceback, and the
 clone is then no template.
 
 **With logs** (``"logs": true``), what the handler writes to ``sys.stdout`` and
@@ -81,6 +84,8 @@ import sys
 import time
 import traceback
 import types
+
+import forkvm_pages
 
 try:
     from _sha3 import shake_256
@@ -376,6 +381,13 @@ def _no_handler(event):
                        "with a load request that names one")
 
 
+# What a prime reads: the pages the last warm-up wrote and the mailbox's that its
+# events and replies would take (forkvm_pages), or None.
+_touch = None
+# The request's and reply's place in the mailbox, (address, capacity), once served.
+_mailbox = None
+
+
 def load(spec, handler):
     """Carry out a load request ``spec`` (a JSON object, bytes); return the handler to
     serve from now on and the reply."""
@@ -429,13 +441,22 @@ def load(spec, handler):
             preimported = _preimport(module, None if modname else source, attr)
     if events and handler is _no_handler:
         raise ValueError("warm-up events need a handler to call")
+    global _touch
+    recorder = forkvm_pages.Recorder(os.environ) if events else None
+    if recorder is not None:
+        recorder.start()
     for i, event in enumerate(events):
         try:
-            _reply_bytes(handler(event))
+            reply = _reply_bytes(handler(event))
         except Exception as e:
             raise RuntimeError("warm-up event %d failed: %s" % (i, e)) from e
+        if recorder is not None:
+            recorder.note(event, reply)
+    if recorder is not None:
+        _touch = recorder.finish(_mailbox)
     reply = {"imported": sorted(set(sys.modules) - before), "handler": name,
-             "warmed": len(events), "preimported": preimported}
+             "warmed": len(events), "preimported": preimported,
+             "touched": 0 if _touch is None or not events else _touch.pages}
     _settle()
     return handler, json.dumps(reply).encode()
 
@@ -828,6 +849,8 @@ def serve(handler=None):
     capacity = ctypes.c_size_t()
     lib.forkvm_reply_buffer(ctypes.byref(capacity))
     capacity = capacity.value
+    global _mailbox
+    _mailbox = (lib.forkvm_reply_buffer(None), capacity)
     # The live log's place: the mailbox's last LIVE_REGION bytes, in a mailbox of at
     # least twice that (the header's 64 bytes come before the reply buffer).
     live_base = None
@@ -861,6 +884,10 @@ def serve(handler=None):
                 handler, out = load(event, handler)
             elif req.kind == KIND_PRIME:
                 out = b""
+                if _touch is not None:
+                    # The pages the warm-up wrote, mapped in this clone's VM before
+                    # its request writes them (forkvm_pages).
+                    _touch()
                 if _options["logs"]:
                     # Its path, touched: the envelope, and a live log written with the
                     # prime's sequence (0: the VMM reads one only for its request's), so

@@ -32,8 +32,10 @@ def load(spec, handler=forkvm._no_handler):
 class Loader(unittest.TestCase):
     def test_warmup_events_run_in_order_before_the_reply(self):
         handler, reply = load({"source": SOURCE, "warmup": ["a", {"base64": "AP8="}, ""]})
-        self.assertEqual(json.loads(reply), {"imported": [], "handler": "handler", "warmed": 3,
-                                             "preimported": []})
+        reply = json.loads(reply)
+        self.assertGreater(reply.pop("touched"), 0)
+        self.assertEqual(reply, {"imported": [], "handler": "handler", "warmed": 3,
+                                 "preimported": []})
         module = sys.modules["forkvm_function"]
         self.assertEqual(module.seen, [b"a", b"\x00\xff", b""])
         self.assertEqual(handler(b"x"), b"X")
@@ -521,6 +523,125 @@ class EnvAndLogs(unittest.TestCase):
         sys.stdout.original = original
         print("template talking")
         self.assertEqual(original.getvalue(), "template talking\n")
+
+
+class WarmupPages(unittest.TestCase):
+    """forkvm_pages: the pages a warm-up wrote, kept for the primes."""
+
+    def test_what_a_warmup_writes_is_kept_and_read_again_in_a_prime(self):
+        import ctypes
+        import forkvm_pages
+
+        # A warm-up that fills 1 MiB it keeps: those 256 pages, at least, were written.
+        source = "kept = []\ndef handler(event):\n    kept.append(bytearray(b'x') * (1 << 20))\n" \
+            "    return b''\n"
+        _, reply = load({"source": source, "warmup": ["a"]})
+        touched = json.loads(reply)["touched"]
+        self.assertGreaterEqual(touched, 256)
+        self.assertEqual(forkvm._touch.pages, touched)
+        buf = sys.modules["forkvm_function"].kept[0]
+        start = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+        pages = set()
+        for view in forkvm._touch._read:
+            # Each view reads one byte of each page of its run.
+            base = ctypes.addressof(view.obj)
+            pages.update(base + i * forkvm_pages.PAGE for i in range(len(view)))
+        first = -(-start // forkvm_pages.PAGE) * forkvm_pages.PAGE
+        inside = range(first, start + len(buf) - forkvm_pages.PAGE, forkvm_pages.PAGE)
+        self.assertTrue(set(inside) <= pages)
+        forkvm._touch()
+
+    def test_no_pages_are_kept_when_turned_off_or_without_a_warmup(self):
+        os.environ["FORKVM_TOUCH_MIB"] = "0"
+        try:
+            _, reply = load({"source": SOURCE, "warmup": ["a"]})
+        finally:
+            del os.environ["FORKVM_TOUCH_MIB"]
+        self.assertEqual(json.loads(reply)["touched"], 0)
+        _, reply = load({"source": SOURCE})
+        self.assertEqual(json.loads(reply)["touched"], 0)
+
+    def test_the_mailbox_pages_the_largest_event_or_reply_takes_are_read_too(self):
+        import ctypes
+        import forkvm_pages
+
+        P = forkvm_pages.PAGE
+        self.assertEqual(forkvm_pages.span(P + 64, 0), [])
+        self.assertEqual(forkvm_pages.span(P + 64, 1), [(P, 1)])
+        self.assertEqual(forkvm_pages.span(P + 64, P), [(P, 2)])
+        self.assertEqual(forkvm_pages.span(P, 3 * P), [(P, 3)])
+        box = ctypes.create_string_buffer(8 * P)
+        mailbox = (ctypes.addressof(box) + 64, 8 * P - 64)
+        nothing = forkvm_pages.Recorder({}, regions=lambda: [])
+        nothing.start()
+        self.assertIsNone(nothing.finish(mailbox))
+        rec = forkvm_pages.Recorder({}, regions=lambda: [])
+        rec.start()
+        rec.note(b"e" * (2 * P), b"r")
+        rec.note(b"e", b"r" * (3 * P))
+        touch = rec.finish(mailbox)
+        self.assertEqual(touch.pages, len(range(mailbox[0] // P, (mailbox[0] + 3 * P - 1) // P + 1)))
+        # Its pages are written back as they were.
+        ctypes.memmove(box, bytes(range(256)) * (8 * P // 256), 8 * P)
+        touch()
+        self.assertEqual(box.raw, bytes(range(256)) * (8 * P // 256))
+        # Never past the mailbox's end, whatever the replies' sizes.
+        rec = forkvm_pages.Recorder({}, regions=lambda: [])
+        rec.start()
+        rec.note(b"", b"r" * (100 * P))
+        self.assertLessEqual(rec.finish(mailbox).pages, 9)
+
+    def test_a_bad_limit_is_refused(self):
+        import forkvm_pages
+
+        for bad in ("x", "-1", "65537"):
+            with self.assertRaises(ValueError):
+                forkvm_pages.limit_pages({"FORKVM_TOUCH_MIB": bad})
+        self.assertEqual(forkvm_pages.limit_pages({"FORKVM_TOUCH_MIB": "1"}),
+                         (1 << 20) // forkvm_pages.PAGE)
+
+    def test_written_pages_are_the_changed_and_the_new_in_runs(self):
+        import forkvm_pages
+
+        P = forkvm_pages.PAGE
+
+        def digests(regions, pages):
+            # pages: {address: content}; absent ones are not resident.
+            return forkvm_pages.Digests(
+                regions,
+                resident=lambda s, e: bytes(int(a in pages) for a in range(s, e, P)),
+                read=lambda a: pages[a])
+
+        # The second region grew downwards (a stack) and up; a third one is new.
+        before = digests([(0, 3 * P), (5 * P, 7 * P)],
+                         {0: b"a", P: b"b", 5 * P: b"c", 6 * P: b"d"})
+        after = digests([(0, 3 * P), (4 * P, 8 * P), (9 * P, 10 * P)],
+                        {0: b"a", P: b"B", 2 * P: b"new", 4 * P: b"e", 5 * P: b"c",
+                         6 * P: b"D", 7 * P: b"f", 9 * P: b"g"})
+        import zlib
+        self.assertEqual(before.get(5 * P), zlib.crc32(b"c") + 1)
+        self.assertEqual(before.get(3 * P), 0)
+        self.assertEqual(before.get(-1), 0)
+        addrs = forkvm_pages.written(before, after)
+        self.assertEqual(addrs, [P, 2 * P, 4 * P, 6 * P, 7 * P, 9 * P])
+        self.assertEqual(forkvm_pages.runs(addrs), [(P, 2), (4 * P, 1), (6 * P, 2), (9 * P, 1)])
+
+    def test_only_private_writable_mappings_not_devices_are_read(self):
+        import forkvm_pages
+
+        with tempfile.NamedTemporaryFile("w", delete=False) as f:
+            f.write("1000-3000 rw-p 00000000 00:00 0 \n"
+                    "3000-4000 r--p 00000000 08:01 5 /usr/lib/x.so\n"
+                    "4000-5000 rw-s 00000000 00:05 6 /dev/mem\n"
+                    "5000-6000 rw-p 00000000 00:05 6 /dev/zero\n"
+                    "6000-7000 rw-p 00001000 08:01 5 /usr/bin/python3\n"
+                    "7000-9000 rw-p 00000000 00:00 0 [heap]\n"
+                    "9000-a000 r--p 00000000 00:00 0 [vvar]\n")
+        try:
+            self.assertEqual(forkvm_pages.writable_regions(f.name),
+                             [(0x1000, 0x3000), (0x6000, 0x7000), (0x7000, 0x9000)])
+        finally:
+            os.unlink(f.name)
 
 
 class Premap(unittest.TestCase):

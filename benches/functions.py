@@ -24,7 +24,8 @@ there with and without its warm-up: `make bench` runs it so.
 usage: benches/functions.py [--runs N] [--only a,b] [--warm N] [--bin-dir DIR]
                             [--base-snapshot DIR] [--compare-vmm-arg ARG ...]
                             [--compare-rootfs IMAGE] [--compare-vmm PATH] [--compare-cold]
-                            [--rewind] [--compare-label TEXT] [--json OUT] [--plot PNG]
+                            [--rewind] [--compare-label TEXT] [--age S] [--gap-ms MS]
+                            [--json OUT] [--plot PNG]
 
 --json writes every sample; --plot draws the medians and p99s (matplotlib,
 python3-matplotlib), read from the run or from --from-json.
@@ -318,6 +319,7 @@ def run(a):
                         paths.append(("other-cold", other, name))
                 for _ in range(a.runs):
                     for mode, g, fname in paths:
+                        time.sleep(a.gap_ms / 1e3)
                         *times, reply = invoke(g, fname, event)
                         same = reply == want if name != "random" else len(reply) == len(want)
                         if not same:
@@ -451,6 +453,10 @@ def main():
     ap.add_argument("--age", type=float, default=0,
                     help="seconds to wait after deploying a function, before its first "
                     "request (its templates paused that long)")
+    ap.add_argument("--gap-ms", type=float, default=0,
+                    help="wait this long before each request (the warm clones made after "
+                    "the one before, and their primes, done by then: each request alone "
+                    "on the host)")
     ap.add_argument("--json", help="write every sample to this file")
     ap.add_argument("--from-json", help="report and plot a run saved with --json")
     ap.add_argument("--plot", help="draw the figures to this PNG (matplotlib)")

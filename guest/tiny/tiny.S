@@ -430,6 +430,8 @@ invoke_loop:
     je   inv_show
     cmpl $0x6b636974, %eax          /* "tick": timer interrupts in the prime, then here */
     je   inv_tick
+    cmpl $0x6b636174, %eax          /* "tack": the same over a spin within the deferral */
+    je   inv_tack
     cmpl $0x6c6c6966, %eax          /* "fill": writes memory, then the echo */
     je   inv_fill
 inv_echo:                           /* the payload stays where it is; the trailer after it */
@@ -482,7 +484,11 @@ inv_show:
     xorl %eax, %eax
     jmp  inv_reply
 inv_tick:                           /* 16 bytes: those of the prime, those of a spin */
-    call tick_spin
+    movq $400000000, %r8
+    jmp  2f
+inv_tack:                           /* a spin of 16M cycles: shorter than a deferral */
+    movq $16000000, %r8
+2:  call tick_spin_n
     movq %rax, 72(%r15)
     movq prime_ticks(%rip), %rax
     movq %rax, 64(%r15)
@@ -558,11 +564,12 @@ rewait_spin:
 /*
  * tick_spin: spins 400M TSC cycles with interrupts on (prime=4's tests: longer than a
  * request's timer deferral, shorter than a prime's limit); returns in rax the timer
- * interrupts this CPU took meanwhile. Clobbers rdx, r8, r9.
+ * interrupts this CPU took meanwhile. tick_spin_n spins r8 cycles. Clobbers rdx, r8, r9.
  */
 tick_spin:
-    movq ticks(%rip), %r9           /* the BSP's count (invocations run on it) */
     movq $400000000, %r8
+tick_spin_n:
+    movq ticks(%rip), %r9           /* the BSP's count (invocations run on it) */
     sti
     call spin_cycles
     movq ticks(%rip), %rax

@@ -104,8 +104,9 @@ pub(super) struct Stretch {
     vcpu: u8,
     delivered: Instant,
     defer: Duration,
-    /// The vCPU thread's run time when the watch began (ns).
-    ran0: u64,
+    /// The vCPU thread's run time when the request's run began (ns); for a clone's,
+    /// taken from its run's start at the first check that finds it begun.
+    ran0: Option<u64>,
     /// The deadline set at delivery: delivery + N + [`ROOM`].
     deadline: Instant,
     /// When the counters were read last, and what they were.
@@ -119,8 +120,10 @@ pub(super) struct Stretch {
 impl Stretch {
     /// Watches the deferral of a request delivered to `vcpu` at `delivered`, deferred
     /// by [`initial_ns`]; None when the counters cannot be read (the deferral is then
-    /// `defer` of wall-clock time). `fresh`: the vCPU's thread started after the
-    /// delivery (a clone's), so all its run time counts.
+    /// `defer` of wall-clock time). `fresh`: the vCPU's run began after the delivery (a
+    /// clone's), so its run time counts from the run's start: not all the thread's,
+    /// which a kept thread spent on other runs before (a warm clone's prime, a rewound
+    /// clone's earlier lives: counted, they ended the deferral at its first check).
     pub fn watch(
         vm: &Microvm,
         vcpu: u8,
@@ -135,8 +138,8 @@ impl Stretch {
         // Unreadable now (it should not be): counted from 0, so the first check that
         // reads the thread's run time ends the deferral rather than leaving it long.
         let (ran0, last) = match fresh {
-            true => (0, None),
-            false => (now.map_or(0, |c| c.ran_ns), now),
+            true => (None, None),
+            false => (Some(now.map_or(0, |c| c.ran_ns)), now),
         };
         Some(Self {
             vcpu,
@@ -170,7 +173,13 @@ impl Stretch {
         let counters = Sched::of_vcpu(vm, self.vcpu);
         let idle = Sched::idled(self.last.1, counters);
         self.last = (now, counters);
-        let ran = Duration::from_nanos(counters.map_or(0, |c| c.ran_ns.saturating_sub(self.ran0)));
+        if self.ran0.is_none() {
+            let vcpu = vm.vcpus().get(usize::from(self.vcpu));
+            self.ran0 = vcpu.and_then(|h| h.cpu_at_start_ns());
+        }
+        // A run not begun yet has run nothing.
+        let ran0 = self.ran0.or(counters.map(|c| c.ran_ns)).unwrap_or(0);
+        let ran = Duration::from_nanos(counters.map_or(0, |c| c.ran_ns.saturating_sub(ran0)));
         let due = self.delivered + self.defer;
         match decide(ran, idle, self.defer, self.deadline, now) {
             Decision::Later(after) => self.next = Some(now + after),

@@ -6,7 +6,7 @@
 //! return EINTR at once, after completing any port or MMIO exit in flight. Either way the
 //! thread then reads its command channel.
 
-use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
@@ -22,6 +22,18 @@ use devices::control::{ControlPorts, ControlRequest};
 use devices::crng::CrngWatch;
 use devices::mailbox::MailboxWindow;
 pub use devices::util::monotonic_ns;
+
+/// The calling thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`, the run time its
+/// `schedstat` reports), in ns.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
 use devices::Bus;
 use devices::Persist;
 
@@ -300,9 +312,12 @@ impl Vcpu {
         let (reply_tx, reply_rx) = channel();
         let tid = Arc::new(AtomicI32::new(0));
         let my_tid = tid.clone();
+        let cpu_at_start = Arc::new(AtomicU64::new(u64::MAX));
+        let my_cpu_at_start = cpu_at_start.clone();
         let thread = self.take_thread()?;
         let (done_tx, done) = channel();
         let job = move || {
+            my_cpu_at_start.store(thread_cpu_ns(), Ordering::Release);
             // SAFETY: gettid has no arguments and cannot fail.
             my_tid.store(unsafe { libc::gettid() }, Ordering::Relaxed);
             if let Some(FirstEntry { mut pipe, entered }) = first_entry {
@@ -339,6 +354,7 @@ impl Vcpu {
             immediate_exit,
             run_base,
             tid,
+            cpu_at_start,
         })
     }
 

@@ -1,7 +1,7 @@
 //! The VMM's handle on a running vCPU: commands to its thread (pause, resume, capture,
 //! results), kicks out of guest mode, and its stop.
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +24,10 @@ pub struct VcpuHandle {
     pub(super) run_base: usize,
     /// The thread's id (0 until it runs).
     pub(super) tid: Arc<AtomicI32>,
+    /// The thread's CPU time when this run began, in ns (`u64::MAX` until it begins): a
+    /// kept thread ran other runs before it (a warm clone's prime, a rewound clone's
+    /// earlier lives).
+    pub(super) cpu_at_start: Arc<AtomicU64>,
 }
 
 const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -139,6 +143,12 @@ impl VcpuHandle {
     /// The vCPU thread's id; None before it starts.
     pub fn thread_id(&self) -> Option<i32> {
         Some(self.tid.load(Ordering::Relaxed)).filter(|&tid| tid != 0)
+    }
+
+    /// The thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`) when this run began, in ns;
+    /// None before it begins.
+    pub fn cpu_at_start_ns(&self) -> Option<u64> {
+        Some(self.cpu_at_start.load(Ordering::Acquire)).filter(|&ns| ns != u64::MAX)
     }
 
     /// Host address of this vCPU's kvm_run mapping (a forked child unmaps it).

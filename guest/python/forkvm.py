@@ -45,8 +45,8 @@ MODULE:FUNCTION`` does the same unless ``FORKVM_LAZY_IMPORTS=1``).
 Each is optional. The reply is a JSON object: the modules that were newly imported, the
 handler now served, the warm-up events run, the modules pre-imported and ``touched``: the
 pages the warm-up wrote (and the mailbox's its events and replies take), which each warm
-clone's prime maps so that its request finds them mapped (``forkvm_pages``; off by
-default, on with ``FORKVM_TOUCH_MIB`` in ``env``: 0 otherwise). A failure is a 500 with its traceback, and the
+clone's prime maps so that its request finds them mapped (``forkvm_pages``; off with
+``FORKVM_TOUCH_MIB=0`` in ``env``). A failure is a 500 with its traceback, and the
 clone is then no template.
 
 **With logs** (``"logs": true``), what the handler writes to ``sys.stdout`` and

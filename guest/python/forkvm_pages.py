@@ -23,15 +23,13 @@ import zlib
 
 PAGE = mmap.PAGESIZE
 
-# The pages kept at most by default, in MiB: none (off) until the slow requests it
-# brought in the first measurements are understood (docs/invoke.md). A function turns
-# it on with ``FORKVM_TOUCH_MIB`` in its ``env``; 64 is the VMM's default working set
-# (pages the VMM did not copy ahead cost more to map than they save).
-DEFAULT_MIB = 0
+# The pages kept at most by default, in MiB (the VMM's working set is 64 MiB by default:
+# pages it did not copy ahead cost more to map than they save).
+DEFAULT_MIB = 64
 
 
 def limit_pages(environ=os.environ):
-    """``FORKVM_TOUCH_MIB``: the pages kept at most (0, the default: none, off)."""
+    """``FORKVM_TOUCH_MIB``: the pages kept at most (0: none, off); 64 MiB by default."""
     text = environ.get("FORKVM_TOUCH_MIB")
     if text is None:
         return (DEFAULT_MIB << 20) // PAGE

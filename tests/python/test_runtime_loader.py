@@ -32,8 +32,10 @@ def load(spec, handler=forkvm._no_handler):
 class Loader(unittest.TestCase):
     def test_warmup_events_run_in_order_before_the_reply(self):
         handler, reply = load({"source": SOURCE, "warmup": ["a", {"base64": "AP8="}, ""]})
-        self.assertEqual(json.loads(reply), {"imported": [], "handler": "handler", "warmed": 3,
-                                             "preimported": [], "touched": 0})
+        reply = json.loads(reply)
+        self.assertGreater(reply.pop("touched"), 0)
+        self.assertEqual(reply, {"imported": [], "handler": "handler", "warmed": 3,
+                                 "preimported": []})
         module = sys.modules["forkvm_function"]
         self.assertEqual(module.seen, [b"a", b"\x00\xff", b""])
         self.assertEqual(handler(b"x"), b"X")
@@ -550,9 +552,7 @@ class WarmupPages(unittest.TestCase):
         self.assertTrue(set(inside) <= pages)
         forkvm._touch()
 
-    def test_no_pages_are_kept_by_default_when_turned_off_or_without_a_warmup(self):
-        _, reply = load({"source": SOURCE, "warmup": ["a"]})
-        self.assertEqual(json.loads(reply)["touched"], 0)
+    def test_no_pages_are_kept_when_turned_off_or_without_a_warmup(self):
         os.environ["FORKVM_TOUCH_MIB"] = "0"
         try:
             _, reply = load({"source": SOURCE, "warmup": ["a"]})

@@ -735,15 +735,9 @@ def _heap_mib(meminfo="/proc/meminfo"):
     """The pre-faulted heap's size, ``FORKVM_HEAP_MIB`` (0: none); by default 64 MiB, or a
     quarter of the guest's memory where that is less (a 32 MiB allocation then fits in a
     256 MiB guest with what the interpreter holds already)."""
-    text = os.environ.get("FORKVM_HEAP_MIB")
-    if text is None:
+    mib = forkvm_pages.env_mib(os.environ, "FORKVM_HEAP_MIB")
+    if mib is None:
         return min(_HEAP_MIB, _mem_total_mib(meminfo) // _HEAP_SHARE)
-    try:
-        mib = int(text)
-    except ValueError:
-        mib = -1
-    if not 0 <= mib <= 65536:
-        raise ValueError("FORKVM_HEAP_MIB is a number of MiB from 0 to 65536, not %r" % text)
     return mib
 
 

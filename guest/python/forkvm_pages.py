@@ -28,18 +28,25 @@ PAGE = mmap.PAGESIZE
 DEFAULT_MIB = 64
 
 
-def limit_pages(environ=os.environ):
-    """``FORKVM_TOUCH_MIB``: the pages kept at most (0: none, off); 64 MiB by default."""
-    text = environ.get("FORKVM_TOUCH_MIB")
+def env_mib(environ, name):
+    """Setting ``name`` in ``environ``: a number of MiB from 0 to 65536, or None when
+    unset (the runtime's heap and this module's limit)."""
+    text = environ.get(name)
     if text is None:
-        return (DEFAULT_MIB << 20) // PAGE
+        return None
     try:
         mib = int(text)
     except ValueError:
         mib = -1
     if not 0 <= mib <= 65536:
-        raise ValueError("FORKVM_TOUCH_MIB is a number of MiB from 0 to 65536, not %r" % text)
-    return (mib << 20) // PAGE
+        raise ValueError("%s is a number of MiB from 0 to 65536, not %r" % (name, text))
+    return mib
+
+
+def limit_pages(environ=os.environ):
+    """``FORKVM_TOUCH_MIB``: the pages kept at most (0: none, off); 64 MiB by default."""
+    mib = env_mib(environ, "FORKVM_TOUCH_MIB")
+    return ((DEFAULT_MIB if mib is None else mib) << 20) // PAGE
 
 
 def writable_regions(maps="/proc/self/maps"):

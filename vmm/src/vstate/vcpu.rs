@@ -22,18 +22,7 @@ use devices::control::{ControlPorts, ControlRequest};
 use devices::crng::CrngWatch;
 use devices::mailbox::MailboxWindow;
 pub use devices::util::monotonic_ns;
-
-/// The calling thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`, the run time its
-/// `schedstat` reports), in ns.
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec for clock_gettime to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+use devices::util::thread_cpu_ns;
 use devices::Bus;
 use devices::Persist;
 

@@ -33,7 +33,15 @@ impl Held {
     /// raised by those beyond what it wrote ahead, rounded up to a MiB (written only
     /// when that changed), and its next request may use what a fresh clone's may.
     /// False when it keeps more than its class's whole limit: it is to end.
+    ///
+    /// A warm clone that is not primed may be launched while it still writes ahead
+    /// (it finishes before its request runs): `first`, read at the launch, then lacks
+    /// the rest of those pages, which would count as kept (the whole set, in a clone
+    /// launched at once: one that wrote nothing of its own ended for keeping its
+    /// working set). Once written ahead it holds at least them: `first` is taken as at
+    /// least `ahead` (what it counts too much then is the little it holds besides).
     fn allow(&mut self, pools: &ClonePools, pid: i32, first: u64) -> bool {
+        let first = first.max(self.ahead);
         let now = pools.memory_now(pid).unwrap_or(first);
         let kept = now.saturating_sub(first);
         if pools.keeps_too_much(pid, kept) {

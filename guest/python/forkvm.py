@@ -882,6 +882,10 @@ def serve(handler=None):
                     # The pages the warm-up wrote, mapped in this clone's VM before
                     # its request writes them (forkvm_pages).
                     _touch()
+                # The pages the VMM names: those of the learned working set.
+                named = forkvm_pages.from_prime(event)
+                if named is not None:
+                    named()
                 if _options["logs"]:
                     # Its path, touched: the envelope, and a live log written with the
                     # prime's sequence (0: the VMM reads one only for its request's), so

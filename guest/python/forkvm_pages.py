@@ -159,6 +159,17 @@ class Touch:
             v[:] = v.tobytes()
 
 
+def from_prime(payload):
+    """The ``Touch`` of the pages a prime request names (the VMM's: the runtime's pages
+    whose frames its template's learned working set holds), runs of (first virtual page
+    number, count), little-endian u64 each; only read. None when it names none."""
+    if len(payload) < 16:
+        return None
+    words = memoryview(payload)[:len(payload) // 16 * 16].cast("Q")
+    read = [(words[i] * PAGE, words[i + 1]) for i in range(0, len(words), 2) if words[i + 1]]
+    return Touch(read) if read else None
+
+
 def span(start, length):
     """The run of pages that ``length`` bytes from ``start`` lie in."""
     if length <= 0:

@@ -327,14 +327,16 @@ fn write(
     write_header(mem, window, kind, flags, (sequence, d.timeout_ms), payload)
 }
 
-/// Writes a prime request (no payload, sequence 0) into the mailbox of a warm clone
-/// about to be primed (`cloning::prime`); `timeout_ms` is the prime's time limit.
+/// Writes a prime request (sequence 0) into the mailbox of a warm clone about to be
+/// primed (`cloning::prime`); `timeout_ms` is the prime's time limit, `pages` its
+/// payload (`cloning::prime_pages`: pages for the runtime to map; may be empty).
 pub fn write_prime(
     mem: &GuestMemoryMmap,
     window: MailboxWindow,
     timeout_ms: u64,
+    pages: &[u8],
 ) -> Result<(), ReplyError> {
-    write_header(mem, window, KIND_PRIME, 0, (0, timeout_ms), &[])
+    write_header(mem, window, KIND_PRIME, 0, (0, timeout_ms), pages)
 }
 
 fn write_header(

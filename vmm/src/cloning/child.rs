@@ -165,14 +165,50 @@ pub type ServeClone = fn(RebuiltClone) -> Result<(RunOutcome, Option<KeptLife>),
 pub type TakeHandover = fn(HandedOver, &VmConfig, &Microvm) -> Result<Box<dyn Any>, ServeError>;
 
 /// Primes a warm clone of `template`, captured as the state given, on the vCPU given;
-/// in the VM given when it has one (a rewound clone's), else in a new one.
+/// in the VM given when it has one (a rewound clone's), else in a new one. The bytes
+/// given are the prime request's payload: the runtime's pages to map
+/// ([`prime_pages`]).
 pub type PrimeClone = fn(
     &KvmContext,
     &Microvm,
     &MicrovmState,
     u8,
     Option<Prepared>,
+    &[u8],
 ) -> Result<(MicrovmState, Prepared), PrimeFailure>;
+
+/// Most pages a prime request names (64 MiB of 4 KiB pages).
+const PRIME_PAGES: usize = 16 * 1024;
+
+/// The prime request's payload for a warm clone of a template whose runtime waits on
+/// vCPU `vcpu` (captured in `state`): the virtual pages of the runtime's address space
+/// whose frames the template's learned working set holds, as runs of (first virtual page
+/// number, count), little-endian u64 each. The runtime reads one byte of each in the
+/// prime, so the guest maps them in the clone's VM before the request writes them (the
+/// working set is written ahead, but a page is mapped in a new VM only at the guest's
+/// first touch). Empty without a working set, or when the tables cannot be read.
+pub fn prime_pages(
+    mem: &vm_memory::GuestMemoryMmap,
+    state: &MicrovmState,
+    vcpu: u8,
+    set: &super::working::PageSet,
+) -> Vec<u8> {
+    let Some(v) = state.vcpus.iter().find(|v| v.id == vcpu) else {
+        return Vec::new();
+    };
+    let pages =
+        crate::arch::x86_64::paging::user_pages_of(mem, &v.sregs, |f| set.contains(f), PRIME_PAGES);
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for p in pages.unwrap_or_default() {
+        match runs.last_mut() {
+            Some((first, n)) if *first + *n == p => *n += 1,
+            _ => runs.push((p, 1)),
+        }
+    }
+    runs.iter()
+        .flat_map(|(first, n)| first.to_le_bytes().into_iter().chain(n.to_le_bytes()))
+        .collect()
+}
 
 /// Why serving a clone, or a hook, failed.
 pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
@@ -435,10 +471,18 @@ fn prepare_warm(
         }
         _ => Arc::default(),
     };
+    let touch = match (&plan.working, prime) {
+        (Some(w), Some(vcpu)) if !w.set.is_empty() => {
+            let t = prime_pages(plan.template.memory(), plan.state, vcpu, &w.set);
+            marks.done("pages to map found");
+            t
+        }
+        _ => Vec::new(),
+    };
     let (base, prepared) = match prime {
         Some(vcpu) => {
             let (state, prepared) =
-                (plan.hooks.prime)(kvm, plan.template, plan.state, vcpu, reuse)?;
+                (plan.hooks.prime)(kvm, plan.template, plan.state, vcpu, reuse, &touch)?;
             // Tells the parent it may launch this clone (`warm::WarmClone::launchable`).
             if !rewound {
                 report_primed(go).map_err(ChildError::ReportPrime)?;

@@ -72,8 +72,9 @@ pub fn prime(
     template_state: &MicrovmState,
     vcpu: u8,
     reuse: Option<Prepared>,
+    pages: &[u8],
 ) -> Result<(MicrovmState, Prepared), PrimeFailure> {
-    primed(kvm, template, template_state, vcpu, reuse).map_err(|e| PrimeFailure {
+    primed(kvm, template, template_state, vcpu, reuse, pages).map_err(|e| PrimeFailure {
         timed_out: matches!(e, PrimeFailed::Run(PrimeError::Timeout(_))),
         error: Box::new(e),
     })
@@ -85,6 +86,7 @@ fn primed(
     template_state: &MicrovmState,
     vcpu: u8,
     reuse: Option<Prepared>,
+    pages: &[u8],
 ) -> Result<(MicrovmState, Prepared), PrimeFailed> {
     let config = template.config();
     let mem = template.memory();
@@ -92,7 +94,7 @@ fn primed(
         .ok_or_else(|| PrimeError::Left(format!("no vCPU {vcpu} in the template")))?;
     // The clocks moved on to now, a timer interrupt due deferred as for a request (the
     // runtime's vCPU's past the prime's limit: see PRIME_DEFER), the runtime's read
-    // returning the prime request's length (0).
+    // returning the prime request's length (its payload's: the pages to map).
     let mut now = template_state.clone();
     now.advance_clocks(monotonic_ns().saturating_sub(now.captured_at_ns));
     if config.invoke.tick_defer_ns() > 0 {
@@ -102,11 +104,11 @@ fn primed(
     }
     now.vcpus[index].defer_timer(PRIME_DEFER.as_nanos() as u64);
     let deferred_to = now.vcpus[index].timer_deadline();
-    now.vcpus[index].regs.rax = 0;
+    now.vcpus[index].regs.rax = pages.len() as u64;
     let window = template.mailbox();
     let mut prepared = prepare_or_reuse(kvm, &now, mem, window, reuse)?;
     clone::vm::restore_vm(&prepared.vm, &now.vm)?;
-    write_prime(mem, window, PRIME_LIMIT.as_millis() as u64).map_err(InvokeError::from)?;
+    write_prime(mem, window, PRIME_LIMIT.as_millis() as u64, pages).map_err(InvokeError::from)?;
     // A runtime that fails its prime would fail requests the same way: not primed.
     let reply_mem = mem.clone();
     let check = move |length| match read_reply(&reply_mem, window, length) {

@@ -566,6 +566,25 @@ class WarmupPages(unittest.TestCase):
             del os.environ["FORKVM_TOUCH_MIB"]
         self.assertEqual(json.loads(reply)["touched"], 0)
 
+    def test_the_pages_a_prime_request_names_are_read_and_left_as_they_were(self):
+        import ctypes
+        import struct
+        import forkvm_pages
+
+        P = forkvm_pages.PAGE
+        self.assertIsNone(forkvm_pages.from_prime(b""))
+        self.assertIsNone(forkvm_pages.from_prime(b"\0" * 15))
+        box = ctypes.create_string_buffer(9 * P)
+        first = (ctypes.addressof(box) + P - 1) // P
+        ctypes.memmove(box, bytes(range(256)) * (9 * P // 256), 9 * P)
+        payload = struct.pack("<4Q", first, 3, first + 5, 2)
+        # A trailing partial run and empty runs are ignored.
+        touch = forkvm_pages.from_prime(payload + struct.pack("<2Q", first + 7, 0) + b"x")
+        self.assertEqual(touch.pages, 5)
+        touch()
+        self.assertEqual(box.raw, bytes(range(256)) * (9 * P // 256))
+        self.assertIsNone(forkvm_pages.from_prime(struct.pack("<2Q", first, 0)))
+
     def test_the_mailbox_pages_the_largest_event_or_reply_takes_are_read_too(self):
         import ctypes
         import forkvm_pages

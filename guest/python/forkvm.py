@@ -372,6 +372,17 @@ def clone_seq():
     return _lib.forkvm_clone_seq() if _lib else 0
 
 
+# How many pages the VMM named in this clone's prime (forkvm_pages.from_prime).
+_prime_pages = 0
+
+
+def prime_pages():
+    """How many pages of this process the VMM named in this clone's prime, which the
+    prime read so that the request finds them mapped: those of its template's learned
+    working set (0: not primed, or nothing learned yet)."""
+    return _prime_pages
+
+
 def _fail(lib, text):
     lib.forkvm_fail(text.encode("utf-8", "replace"))
 
@@ -834,7 +845,7 @@ def serve(handler=None):
     serves once a load request gave it a handler)."""
     if handler is None:
         handler = _no_handler
-    global _lib
+    global _lib, _prime_pages
     lib = _library()
     err = lib.forkvm_open()
     if err != 0:
@@ -886,6 +897,7 @@ def serve(handler=None):
                 named = forkvm_pages.from_prime(event)
                 if named is not None:
                     named()
+                    _prime_pages = named.pages
                 if _options["logs"]:
                     # Its path, touched: the envelope, and a live log written with the
                     # prime's sequence (0: the VMM reads one only for its request's), so

@@ -41,6 +41,7 @@ def info(event):
         "input": event.decode("utf-8", "replace"),
         "clone": forkvm.clone_seq(),
         "calls": _calls,
+        "prime_pages": forkvm.prime_pages(),
         "urandom": os.urandom(32).hex(),
         "random": random.random(),
     })

@@ -411,6 +411,7 @@ fn linux_python_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_ever
     // The first in a primed warm clone (the handler not called by the prime).
     wait_primed(&vm);
     let mut seen: [Vec<String>; 3] = Default::default();
+    let mut named = Vec::new();
     for i in 0..CLONES {
         let payload = format!("py {i} \u{e9}");
         let r = invoke(&vm.sock, &payload);
@@ -427,7 +428,26 @@ fn linux_python_runtime_serves_each_invocation_in_a_fresh_clone_and_reports_ever
         for (k, key) in ["clone", "urandom", "random"].iter().enumerate() {
             seen[k].push(v[key].to_string());
         }
+        let pages = v["prime_pages"].as_u64().unwrap_or_else(|| panic!("{v}"));
+        named.push((pages, r.header("x-forkvm-primed") == Some("true")));
     }
+    // The first warm clones were made before the template learned its working set (from
+    // its first clones' requests): no page named in their primes; primed warm clones
+    // made after had the runtime's pages of the set named, and read them in their primes
+    // (docs/invoke.md, "The warm-up's pages, mapped in the prime"). A clone forked for a
+    // request when no warm clone was ready has no prime, and no pages.
+    assert_eq!(
+        named[0].0, 0,
+        "pages named before anything was learned: {named:?}"
+    );
+    assert!(
+        named.iter().any(|&(n, _)| n > 0),
+        "no pages named: {named:?}"
+    );
+    assert!(
+        named.iter().all(|&(n, primed)| n == 0 || primed),
+        "pages named to an unprimed clone: {named:?}"
+    );
     for (k, key) in ["clone numbers", "os.urandom", "random.random()"]
         .iter()
         .enumerate()

@@ -45,7 +45,9 @@ struct forkvm_request {
 /* Request kinds. A prime request comes only to a runtime that enabled FORKVM_PRIME: it
  * is a dry run, before any real request, in a warm clone of a template (docs/invoke.md,
  * "Primed warm clones"). Run the serving path without the handler and reply (anything:
- * the reply is dropped); payload empty. */
+ * the reply is dropped). Its payload (possibly empty) names pages of the runtime's address
+ * space it may read to map them ahead: runs of (first virtual page number, count), two
+ * little-endian u64s each; a runtime may ignore it. */
 #define FORKVM_KIND_INVOKE 1
 #define FORKVM_KIND_PRIME 2
 /* A load request comes only to a runtime that enabled FORKVM_LOAD: its payload is for

@@ -167,7 +167,7 @@ pub type TakeHandover = fn(HandedOver, &VmConfig, &Microvm) -> Result<Box<dyn An
 /// Primes a warm clone of `template`, captured as the state given, on the vCPU given;
 /// in the VM given when it has one (a rewound clone's), else in a new one. The bytes
 /// given are the prime request's payload: the runtime's pages to map
-/// ([`prime_pages`]).
+/// (`prime_pages` in this module).
 pub type PrimeClone = fn(
     &KvmContext,
     &Microvm,

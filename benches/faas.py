@@ -77,6 +77,31 @@ def importer(packages):
     return imports + NOOP
 
 
+def send_all(sock, parts):
+    """Sends `parts` (bytes) in as few `sendmsg` calls as the socket takes them, without
+    joining them."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
+
+
+def recv_into_exact(sock, start, n):
+    """`n` bytes: `start`, then the rest read from `sock` into one buffer."""
+    out = bytearray(n)
+    out[:len(start)] = start
+    view, got = memoryview(out), len(start)
+    while got < n:
+        r = sock.recv_into(view[got:])
+        if not r:
+            sys.exit("the connection closed mid-answer")
+        got += r
+    return out
+
+
 class Gateway:
     def __init__(self, extra=(), warm=2, rootfs=None, kernel=None):
         with socket.socket() as s:
@@ -108,11 +133,16 @@ class Gateway:
 
     def request(self, method, path, body=b""):
         """(status, headers, body, seconds): one HTTP/1.1 exchange on this thread's
-        connection."""
+        connection. The request goes out in one `sendmsg` of its head and body, and the
+        answer's body is read into one buffer of its length: the client copies and
+        faults no more than it must, so a large payload measures the gateway, not this
+        client (joining 64 KiB reads as `bytes` cost 3 ms and 720 page faults of client
+        CPU per 1 MiB echoed)."""
         c = self.conn()
         t0 = time.perf_counter()
-        c.sendall(f"{method} {path} HTTP/1.1\r\nHost: gw\r\nContent-Length: {len(body)}"
-                  "\r\n\r\n".encode() + body)
+        head = (f"{method} {path} HTTP/1.1\r\nHost: gw\r\nContent-Length: {len(body)}"
+                "\r\n\r\n").encode()
+        send_all(c, [head, body])
         buf = self.local.buf
         while b"\r\n\r\n" not in buf:
             chunk = c.recv(1 << 16)
@@ -123,12 +153,11 @@ class Gateway:
         lines = head.decode().split("\r\n")
         headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
         n = int(headers.get("content-length", 0))
-        while len(buf) < n:
-            chunk = c.recv(1 << 16)
-            if not chunk:
-                sys.exit("the gateway closed the connection")
-            buf += chunk
-        data, self.local.buf = buf[:n], buf[n:]
+        if len(buf) >= n:
+            data, self.local.buf = buf[:n], buf[n:]
+        else:
+            data = recv_into_exact(c, buf, n)
+            self.local.buf = b""
         return int(lines[0].split()[1]), headers, data, time.perf_counter() - t0
 
     def deploy(self, name, source, packages=(), requirements=(), answer=False):

@@ -220,7 +220,9 @@ class HostFunction:
         t0 = time.perf_counter()
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(self.path)
-            s.sendall(struct.pack("<I", len(event)) + event)
+            # As the gateway's client does (faas.Gateway.request): one sendmsg, the
+            # answer read into one buffer of its length.
+            faas.send_all(s, [struct.pack("<I", len(event)), event])
             head = b""
             while len(head) < 4:
                 chunk = s.recv(4 - len(head))
@@ -228,13 +230,8 @@ class HostFunction:
                     sys.exit("the host zygote's child died")
                 head += chunk
             (n,) = struct.unpack("<I", head)
-            out = bytearray()
-            while len(out) < n:
-                chunk = s.recv(n - len(out))
-                if not chunk:
-                    sys.exit("the host zygote's child died")
-                out += chunk
-        return time.perf_counter() - t0, bytes(out)
+            out = faas.recv_into_exact(s, b"", n)
+        return time.perf_counter() - t0, out
 
     def stop(self):
         self.p.kill()

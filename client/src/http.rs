@@ -242,6 +242,20 @@ pub fn write_response_with<W: Write>(
     content_type: Option<&str>,
     body: &[u8],
 ) -> std::io::Result<()> {
+    let head = response_head(status, headers, content_type, body.len());
+    w.write_all(head.as_bytes())?;
+    w.write_all(body)?;
+    w.flush()
+}
+
+/// The head of a response with `status`, `headers`, `content_type` and a body of `len`
+/// bytes (`Connection: close`), for a writer that sends the body itself.
+pub fn response_head(
+    status: u16,
+    headers: &[(&str, String)],
+    content_type: Option<&str>,
+    len: usize,
+) -> String {
     let mut head = format!("HTTP/1.1 {status} {}\r\n", reason(status));
     if let Some(kind) = content_type {
         head.push_str(&format!("Content-Type: {kind}\r\n"));
@@ -250,12 +264,9 @@ pub fn write_response_with<W: Write>(
         head.push_str(&format!("{name}: {value}\r\n"));
     }
     head.push_str(&format!(
-        "Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
+        "Content-Length: {len}\r\nConnection: close\r\n\r\n"
     ));
-    w.write_all(head.as_bytes())?;
-    w.write_all(body)?;
-    w.flush()
+    head
 }
 
 /// The head of a request for `method path` with a body of `len` bytes of type

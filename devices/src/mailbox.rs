@@ -115,7 +115,8 @@ impl MailboxWindow {
         (size >= 2 * LIVE_LOG_REGION).then(|| size - LIVE_LOG_REGION)
     }
 
-    fn at(&self, offset: usize) -> GuestAddress {
+    /// The guest address `offset` bytes into the mailbox.
+    pub fn at(&self, offset: usize) -> GuestAddress {
         GuestAddress(u64::from(self.addr) + offset as u64)
     }
 }
@@ -270,7 +271,8 @@ impl ReplyHeader {
 }
 
 /// Writes a request (header and payload) into the mailbox `window` of `mem`. The
-/// caller has checked the payload fits ([`MailboxWindow::capacity`]).
+/// caller has checked the payload fits ([`MailboxWindow::capacity`]); the header's
+/// length may count bytes after `payload` that the caller put in place itself.
 pub fn write_request<M: GuestMemory>(
     mem: &M,
     window: MailboxWindow,
@@ -280,9 +282,12 @@ pub fn write_request<M: GuestMemory>(
     if !window.exists() {
         return Err(ReplyError::NoMailbox);
     }
-    if payload.len() > window.capacity() {
+    // The payload may go on with bytes already in place after it: the header's length
+    // counts them.
+    let length = (header.length as usize).max(payload.len());
+    if length > window.capacity() {
         return Err(ReplyError::TooLarge {
-            length: payload.len() as u32,
+            length: length as u32,
             capacity: window.capacity(),
         });
     }
@@ -293,6 +298,23 @@ pub fn write_request<M: GuestMemory>(
         .map_err(memory)
 }
 
+/// Reads and checks the header of the reply the runtime wrote, `port` being the length
+/// it wrote to the invoke port: its payload, of the length it gives, is at
+/// `window.at(HEADER_BYTES)`.
+pub fn read_reply_header<M: GuestMemory>(
+    mem: &M,
+    window: MailboxWindow,
+    port: u32,
+) -> Result<ReplyHeader, ReplyError> {
+    if !window.exists() {
+        return Err(ReplyError::NoMailbox);
+    }
+    let memory = |e: vm_memory::GuestMemoryError| ReplyError::Memory(e.to_string());
+    let mut raw = [0u8; HEADER_BYTES];
+    mem.read_slice(&mut raw, window.at(0)).map_err(memory)?;
+    ReplyHeader::decode(&raw, port, window.capacity())
+}
+
 /// Reads the reply the runtime wrote, `port` being the length it wrote to the invoke
 /// port: its header and payload.
 pub fn read_reply<M: GuestMemory>(
@@ -300,13 +322,8 @@ pub fn read_reply<M: GuestMemory>(
     window: MailboxWindow,
     port: u32,
 ) -> Result<(ReplyHeader, Vec<u8>), ReplyError> {
-    if !window.exists() {
-        return Err(ReplyError::NoMailbox);
-    }
     let memory = |e: vm_memory::GuestMemoryError| ReplyError::Memory(e.to_string());
-    let mut raw = [0u8; HEADER_BYTES];
-    mem.read_slice(&mut raw, window.at(0)).map_err(memory)?;
-    let header = ReplyHeader::decode(&raw, port, window.capacity())?;
+    let header = read_reply_header(mem, window, port)?;
     let mut payload = vec![0u8; header.length as usize];
     mem.read_slice(&mut payload, window.at(HEADER_BYTES))
         .map_err(memory)?;

@@ -2,6 +2,7 @@
 //! its connection, and the VM that runs the handler answers on that connection with
 //! [`answer`] (docs/invoke.md).
 
+use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use api_types::invoke::{
 use api_types::ErrorBody;
 
 use crate::ApiReply;
-use forkvm_client::http::{self, write_response_with};
+use forkvm_client::http::{self, response_head, write_response_with};
 use vmm::invoke::{Connection, Finished, Invocation, LiveLog};
 
 /// How long the VM that ran the handler may take to write the answer to the caller.
@@ -69,14 +70,18 @@ pub fn answer(
         r
     };
     if f.outcome == Outcome::Ok {
+        // The head, then the reply from where the runtime wrote it (`Body`).
         let kind = Some("application/octet-stream");
-        return done(write_response_with(stream, 200, &headers, kind, &f.body));
+        let head = response_head(200, &headers, kind, f.body.len());
+        let mut w = stream;
+        return done((w.write_all(head.as_bytes())).and_then(|()| f.body.write_to(&mut w)));
     }
+    let text = f.body.bytes();
     let mut error = match f.outcome {
         Outcome::HandlerError => {
-            format!("the handler failed: {}", String::from_utf8_lossy(&f.body))
+            format!("the handler failed: {}", String::from_utf8_lossy(&text))
         }
-        _ => String::from_utf8_lossy(&f.body).into_owned(),
+        _ => String::from_utf8_lossy(&text).into_owned(),
     };
     if let Some(tail) = console.filter(|t| !t.is_empty()) {
         error.push_str("\n--- console tail ---\n");
@@ -123,7 +128,7 @@ mod tests {
         let f = Finished {
             conn: Connection::new(ours),
             outcome,
-            body: body.to_vec(),
+            body: body.to_vec().into(),
             timings: Timings {
                 clone_us: 1,
                 handler_us: 2,

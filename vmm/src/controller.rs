@@ -609,7 +609,9 @@ fn answer_orphan<E: Edge>(conn: Connection, clone_id: &str, how: &str) {
     let f = Finished {
         conn,
         outcome: Outcome::GuestStopped,
-        body: format!("the clone's VMM {how} before it answered").into_bytes(),
+        body: format!("the clone's VMM {how} before it answered")
+            .into_bytes()
+            .into(),
         timings: Default::default(),
         keep_alive: false,
         vcpu: 0,

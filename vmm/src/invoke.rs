@@ -42,9 +42,9 @@ use api_types::invoke::{InvokeOptions, InvokeReport, Outcome};
 use api_types::vm::VmState;
 pub use devices::mailbox::LiveLog;
 use devices::mailbox::{
-    read_live_log, read_reply, runtime_features, write_request, MailboxWindow, ReplyError,
-    ReplyStatus, RequestHeader, ENTROPY_BYTES, FEATURE_LOAD, FEATURE_PRIME, FLAG_ADOPT_NET,
-    FLAG_KEEP_ALIVE, KIND_INVOKE, KIND_LOAD, KIND_PRIME,
+    read_live_log, read_reply, read_reply_header, runtime_features, write_request, MailboxWindow,
+    ReplyError, ReplyStatus, RequestHeader, ENTROPY_BYTES, FEATURE_LOAD, FEATURE_PRIME,
+    FLAG_ADOPT_NET, FLAG_KEEP_ALIVE, HEADER_BYTES, KIND_INVOKE, KIND_LOAD, KIND_PRIME,
 };
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
@@ -53,9 +53,11 @@ use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use crate::vstate::vcpu::{monotonic_ns, VcpuError};
 
+mod body;
 mod handover;
 mod prime;
 mod stretch;
+pub use body::Body;
 pub use handover::take as take_handover;
 pub use prime::{prime as prime_clone, PrimeFailed, PRIME_LIMIT};
 use stretch::Stretch;
@@ -241,8 +243,9 @@ pub struct Finished {
     pub conn: Connection,
     /// How it ended.
     pub outcome: Outcome,
-    /// The handler's reply (ok), or the error's text.
-    pub body: Vec<u8>,
+    /// The handler's reply (ok: in the mailbox, the runtime parked until its caller is
+    /// answered), or the error's text.
+    pub body: Body,
     /// Time spent.
     pub timings: Timings,
     /// Whether the VM serves on: the runtime's vCPU is to be resumed (the VM ends
@@ -313,17 +316,19 @@ pub const IDLE_CATCH_UP_AFTER: Duration = Duration::from_secs(30);
 pub const MAX_HELD: usize = 256;
 
 /// Writes `payload` and a request header (fresh entropy, this VM's `sequence`) into
-/// the mailbox.
+/// the mailbox; the payload goes on with the bytes in place after it (`in_place` of
+/// them, read there by the caller).
 fn write(
     mem: &GuestMemoryMmap,
     window: MailboxWindow,
     d: &Delivery,
     sequence: u64,
-    payload: &[u8],
+    (payload, in_place): (&[u8], usize),
 ) -> Result<(), ReplyError> {
     let flags = if d.keep_alive { FLAG_KEEP_ALIVE } else { 0 }
         | if d.adopt_net { FLAG_ADOPT_NET } else { 0 };
     let kind = if d.derive { KIND_LOAD } else { KIND_INVOKE };
+    let payload = (payload, in_place);
     write_header(mem, window, kind, flags, (sequence, d.timeout_ms), payload)
 }
 
@@ -336,7 +341,7 @@ pub fn write_prime(
     timeout_ms: u64,
     pages: &[u8],
 ) -> Result<(), ReplyError> {
-    write_header(mem, window, KIND_PRIME, 0, (0, timeout_ms), pages)
+    write_header(mem, window, KIND_PRIME, 0, (0, timeout_ms), (pages, 0))
 }
 
 fn write_header(
@@ -345,14 +350,14 @@ fn write_header(
     kind: u16,
     flags: u32,
     (sequence, timeout_ms): (u64, u64),
-    payload: &[u8],
+    (payload, in_place): (&[u8], usize),
 ) -> Result<(), ReplyError> {
     let mut entropy = [0u8; ENTROPY_BYTES];
     devices::util::host_random(&mut entropy).map_err(|e| ReplyError::Memory(e.to_string()))?;
     let header = RequestHeader {
         kind,
         flags,
-        length: payload.len() as u32,
+        length: u32::try_from(payload.len() + in_place).unwrap_or(u32::MAX),
         sequence,
         timeout_ms: u32::try_from(timeout_ms).unwrap_or(u32::MAX),
         entropy,
@@ -560,7 +565,13 @@ impl Invoker {
     /// sets the port read's result, and resumes the vCPU.
     pub fn deliver(&mut self, vm: &Microvm, inv: Invocation, vcpu: u8) -> Result<(), InvokeError> {
         let d = Delivery::of(&inv, vcpu);
-        write(vm.memory(), self.window, &d, self.started + 1, &inv.payload)?;
+        write(
+            vm.memory(),
+            self.window,
+            &d,
+            self.started + 1,
+            (&inv.payload, 0),
+        )?;
         let handle = vm
             .vcpus()
             .get(usize::from(vcpu))
@@ -620,14 +631,14 @@ impl Invoker {
         config: &VmConfig,
         (mem, window): (&GuestMemoryMmap, MailboxWindow),
         d: &Delivery,
-        (payload, conn): (&[u8], Connection),
+        (payload, in_place, conn): (&[u8], usize, Connection),
         primed: bool,
     ) -> Result<Self, InvokeError> {
         let mut me = Self::new(config, window);
         // A clone's first request, its timer deferred as any delivery's.
         me.delivered();
         let sequence = 1;
-        write(mem, me.window, d, sequence, payload)?;
+        write(mem, me.window, d, sequence, (payload, in_place))?;
         me.started = 1;
         me.in_flight = Some(InFlight {
             conn,
@@ -654,7 +665,7 @@ impl Invoker {
         }
     }
 
-    fn finish(&mut self, outcome: Outcome, body: Vec<u8>, vcpu: Option<u8>) -> Option<Finished> {
+    fn finish(&mut self, outcome: Outcome, body: Body, vcpu: Option<u8>) -> Option<Finished> {
         let f = self.in_flight.take()?;
         let now = monotonic_ns();
         let us = |from: u64, to: u64| to.saturating_sub(from) / 1000;
@@ -681,10 +692,24 @@ impl Invoker {
     /// vCPU).
     pub fn runtime_replied(&mut self, vm: &Microvm, vcpu: u8, length: u32) -> Option<Finished> {
         let derive = self.in_flight.as_ref()?.derive;
-        let (outcome, body) = match read_reply(vm.memory(), self.window, length) {
-            Ok((h, payload)) if h.status == ReplyStatus::Ok => (Outcome::Ok, payload),
-            Ok((_, text)) => (Outcome::HandlerError, text),
-            Err(e) => (Outcome::BadReply, e.to_string().into_bytes()),
+        let mem = vm.memory();
+        let (outcome, body) = match read_reply_header(mem, self.window, length) {
+            Ok(h) if h.status == ReplyStatus::Ok => {
+                let (mem, at, len) = (mem.clone(), self.window.at(HEADER_BYTES), h.length);
+                (
+                    Outcome::Ok,
+                    Body::Mailbox {
+                        mem,
+                        at,
+                        len: len as usize,
+                    },
+                )
+            }
+            Ok(_) => match read_reply(mem, self.window, length) {
+                Ok((_, text)) => (Outcome::HandlerError, text.into()),
+                Err(e) => (Outcome::BadReply, e.to_string().into_bytes().into()),
+            },
+            Err(e) => (Outcome::BadReply, e.to_string().into_bytes().into()),
         };
         let mut f = self.finish(outcome, body, Some(vcpu))?;
         // A runtime that cannot write a reply is not trusted with another request, and
@@ -738,7 +763,7 @@ impl Invoker {
             .collect();
         if self.in_flight.as_ref().is_some_and(|f| f.deadline <= now) {
             let text = "the handler did not reply in time".as_bytes().to_vec();
-            done.extend(self.finish(Outcome::Timeout, text, None));
+            done.extend(self.finish(Outcome::Timeout, text.into(), None));
         }
         done
     }
@@ -749,7 +774,7 @@ impl Invoker {
         let mut done: Vec<Finished> = (self.held.drain(..))
             .map(|(inv, _)| unserved(inv, Outcome::GuestStopped, &text))
             .collect();
-        done.extend(self.finish(Outcome::GuestStopped, text.into_bytes(), None));
+        done.extend(self.finish(Outcome::GuestStopped, text.into_bytes().into(), None));
         done
     }
 }
@@ -772,7 +797,7 @@ fn unserved(inv: Invocation, outcome: Outcome, text: &str) -> Finished {
     Finished {
         conn: inv.conn,
         outcome,
-        body: text.as_bytes().to_vec(),
+        body: text.as_bytes().to_vec().into(),
         timings: Timings {
             total_us,
             ..Default::default()

@@ -31,7 +31,7 @@
 use std::any::Any;
 use std::borrow::Cow;
 use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -217,8 +217,12 @@ pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
 pub struct HandedOver<'a> {
     /// What the clone is told (`Handover::note`).
     pub note: &'a serde_json::Value,
-    /// The payload.
+    /// The payload, or its first bytes when `rest` has more.
     pub payload: &'a [u8],
+    /// The rest of the payload, this many bytes still to read from this descriptor (a
+    /// warm clone's go channel: the taker reads them where it wants them, before its
+    /// VM runs), or None.
+    pub rest: Option<(BorrowedFd<'a>, usize)>,
     /// The stream, the clone's own from now on.
     pub stream: std::os::unix::net::UnixStream,
     /// Whether the clone is a primed warm clone.
@@ -624,12 +628,13 @@ fn run_clone(
                 // close_all_but; its owner in this process (the parent's) is never
                 // dropped, so this is its only owner here.
                 let fd = unsafe { OwnedFd::from_raw_fd(c.stream.as_raw_fd()) };
-                (Cow::Borrowed(c.payload.as_slice()), fd)
+                (Cow::Borrowed(c.payload.as_slice()), 0, fd)
             });
             let life = Life {
                 state,
                 identity: Identity::clone(id),
                 carried,
+                go: None,
                 ahead: Arc::default(),
                 primed: false,
                 signals,
@@ -695,11 +700,12 @@ fn run_clone(
                 )))
             }
         };
-        let carried = carried.map(|(p, fd)| (Cow::Owned(p), fd));
+        let carried = carried.map(|(p, unread, fd)| (Cow::Owned(p), unread, fd));
         let life = Life {
             state,
             identity,
             carried,
+            go: Some(go),
             ahead,
             primed: prime.is_some(),
             signals,
@@ -735,8 +741,11 @@ struct Life<'a> {
     /// The state it is launched from.
     state: MicrovmState,
     identity: Identity,
-    /// A handover's payload and stream.
-    carried: Option<(Cow<'a, [u8]>, OwnedFd)>,
+    /// A handover's payload (what is at hand, and how many bytes more are on the go
+    /// channel) and stream.
+    carried: Option<(Cow<'a, [u8]>, usize, OwnedFd)>,
+    /// A warm clone's go channel.
+    go: Option<RawFd>,
     /// The pages it wrote ahead.
     ahead: Arc<PageSet>,
     /// Whether it is a primed warm clone.
@@ -764,6 +773,7 @@ impl Life<'_> {
             state,
             identity,
             carried,
+            go,
             ahead,
             primed,
             signals,
@@ -790,10 +800,20 @@ impl Life<'_> {
         // into the clone's copy of the mailbox; its port read already has the length,
         // `guest_result`).
         let taken = match (&identity.note, carried) {
-            (Some(note), Some((payload, stream))) => {
+            (Some(note), Some((payload, unread, stream))) => {
+                let rest = match go {
+                    Some(fd) if unread > 0 => {
+                        // SAFETY: the go channel's descriptor, open for this process's
+                        // life (close_all_but keeps it; nothing closes it); borrowed
+                        // for the take.
+                        Some((unsafe { BorrowedFd::borrow_raw(fd) }, unread))
+                    }
+                    _ => None,
+                };
                 let handed = HandedOver {
                     note,
                     payload: &payload,
+                    rest,
                     stream: stream.into(),
                     primed,
                 };

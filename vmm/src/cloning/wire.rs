@@ -249,13 +249,17 @@ pub(super) fn send_go(
 /// The launch message's header: the identity's length (u32) and the payload's (u64).
 const HEADER: usize = 12;
 
-/// What a warm clone receives: its identity, and a handover's payload and stream.
-pub(super) type Go = (Identity, Option<(Vec<u8>, OwnedFd)>);
+/// What a warm clone receives: its identity, and a handover's payload (the bytes that
+/// came with the identity, and how many more are still on the go channel) and stream.
+pub(super) type Go = (Identity, Option<(Vec<u8>, usize, OwnedFd)>);
 
 /// Reads the launch message from the go channel (`send_go`): the identity's and the
-/// payload's lengths, the identity (JSON) with a handover's stream attached, then the
-/// handover's payload. None when the parent closed the channel without launching (the
-/// warm clone is discarded). The channel stays open.
+/// payload's lengths, the identity (JSON) with a handover's stream attached, and of
+/// the handover's payload what came with them: the rest is left on the channel for
+/// the handover's taker to read where it wants it (an invocation's into the mailbox,
+/// with no buffer between: in a clone every page of a new buffer is a page fault).
+/// None when the parent closed the channel without launching (the warm clone is
+/// discarded). The channel stays open.
 pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     use std::io::Read;
@@ -299,12 +303,17 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
     let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
     let mut payload_len = [0u8; 8];
     payload_len.copy_from_slice(&buf[4..HEADER]);
-    let total = HEADER + len + u64::from_le_bytes(payload_len) as usize;
-    if buf.len() < total {
+    let payload_len = usize::try_from(u64::from_le_bytes(payload_len))
+        .map_err(|_| bad(&"a payload too large"))?;
+    let identity_end = HEADER + len;
+    if buf.len() < identity_end {
         let have = buf.len();
-        buf.resize(total, 0);
+        buf.resize(identity_end, 0);
         f.read_exact(&mut buf[have..]).map_err(|e| bad(&e))?;
     }
+    let unread = payload_len
+        .checked_sub(buf.len() - identity_end)
+        .ok_or_else(|| bad(&"more payload than the header says"))?;
     let json = buf
         .get(HEADER..HEADER + len)
         .ok_or_else(|| bad(&"identity cut short"))?;
@@ -321,8 +330,9 @@ pub(super) fn wait_for_go(go: RawFd) -> Result<Option<Go>, LaunchError> {
     let carried = match identity.note {
         Some(_) => {
             let missing = || LaunchError("a handover without its stream".into());
-            Some((payload, fds.next().ok_or_else(missing)?))
+            Some((payload, unread, fds.next().ok_or_else(missing)?))
         }
+        None if payload_len > 0 => return Err(bad(&"a payload without a handover")),
         None => None,
     };
     let mut files = fds.map(|fd| Arc::new(std::fs::File::from(fd)));
@@ -421,6 +431,34 @@ fn report_byte(go: &UnixStream, peek: bool) -> Result<Option<u8>, ()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_launch_leaves_the_payloads_rest_on_the_channel_for_the_taker() {
+        use super::super::request::Carried;
+        use std::io::Read;
+        let (child, parent) = go_channel().unwrap();
+        let payload: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let mut id: Identity = serde_json::from_value(serde_json::json!({
+            "id": "1.7", "api_sock": "/nonexistent", "console": "/dev/null", "note": {}
+        }))
+        .unwrap();
+        id.carried = Some(Arc::new(Carried {
+            payload: payload.clone(),
+            stream: Arc::new(ours),
+        }));
+        // Larger than the socket's buffer: the sender waits for the taker's reads.
+        let sender = std::thread::spawn(move || send_go(&parent, &id).map(|()| parent));
+        let (got, carried) = wait_for_go(child.as_raw_fd()).unwrap().unwrap();
+        let (first, unread, _stream) = carried.unwrap();
+        assert_eq!(got.id, "1.7");
+        assert!(unread > 0 && first.len() + unread == payload.len());
+        let mut rest = vec![0u8; unread];
+        let mut from = File::from(child);
+        from.read_exact(&mut rest).unwrap();
+        assert_eq!([first, rest].concat(), payload);
+        let _parent = sender.join().unwrap().unwrap();
+    }
 
     fn ready_bytes(parts: &[u64]) -> Vec<u8> {
         parts.iter().flat_map(|p| p.to_le_bytes()).collect()

@@ -5,8 +5,12 @@
 
 use std::any::Any;
 
+use std::os::fd::BorrowedFd;
+
 use api_types::CreateClones;
+use devices::mailbox::{MailboxWindow, HEADER_BYTES};
 use serde::Deserialize;
+use vm_memory::{Address, Bytes, GuestMemoryMmap};
 
 use super::{initial_defer_ns, Connection, Delivery, Invocation, Invoker};
 use crate::cloning::{HandedOver, Handover, ServeError};
@@ -48,12 +52,50 @@ pub fn take(
     let delivery = Delivery::deserialize(handed.note)
         .map_err(|e| format!("not an invocation's delivery: {e}"))?;
     let conn = Connection::new(handed.stream);
+    let (mem, window) = (template.memory(), template.mailbox());
+    let mut in_place = 0;
+    if let Some((from, count)) = handed.rest {
+        read_rest(mem, window, handed.payload.len(), (from, count))?;
+        in_place = count;
+    }
     let invoker = Invoker::in_clone(
         config,
-        (template.memory(), template.mailbox()),
+        (mem, window),
         &delivery,
-        (handed.payload, conn),
+        (handed.payload, in_place, conn),
         handed.primed,
     )?;
     Ok(Box::new(invoker))
+}
+
+/// Reads the rest of a payload, `count` bytes from `from`, straight into the mailbox
+/// after its first `first` bytes.
+fn read_rest(
+    mem: &GuestMemoryMmap,
+    window: MailboxWindow,
+    first: usize,
+    (mut from, count): (BorrowedFd<'_>, usize),
+) -> Result<(), ServeError> {
+    let total = first.saturating_add(count);
+    if total > window.capacity() {
+        return Err(format!(
+            "a payload of {total} bytes does not fit the mailbox ({})",
+            window.capacity()
+        )
+        .into());
+    }
+    // One read at a time, as the socket gives them (`read_exact_volatile_from` makes
+    // only one).
+    let at = window.at(HEADER_BYTES + first);
+    let mut done = 0;
+    while done < count {
+        let got = mem
+            .read_volatile_from(at.unchecked_add(done as u64), &mut from, count - done)
+            .map_err(|e| format!("the payload's last {} bytes: {e}", count - done))?;
+        if got == 0 {
+            return Err(format!("the payload's channel ended {} bytes short", count - done).into());
+        }
+        done += got;
+    }
+    Ok(())
 }

@@ -42,9 +42,8 @@ use api_types::invoke::{InvokeOptions, InvokeReport, Outcome};
 use api_types::vm::VmState;
 pub use devices::mailbox::LiveLog;
 use devices::mailbox::{
-    read_live_log, read_reply, read_reply_header, runtime_features, write_request, MailboxWindow,
-    ReplyError, ReplyStatus, RequestHeader, ENTROPY_BYTES, FEATURE_LOAD, FEATURE_PRIME,
-    FLAG_ADOPT_NET, FLAG_KEEP_ALIVE, HEADER_BYTES, KIND_INVOKE, KIND_LOAD, KIND_PRIME,
+    read_live_log, read_reply, read_reply_header, runtime_features, MailboxWindow, ReplyError,
+    ReplyStatus, FEATURE_LOAD, FEATURE_PRIME, HEADER_BYTES,
 };
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
@@ -57,11 +56,14 @@ mod body;
 mod handover;
 mod prime;
 mod stretch;
+mod write;
 pub use body::Body;
 pub use handover::take as take_handover;
 pub use prime::{prime as prime_clone, PrimeFailed, PRIME_LIMIT};
 use stretch::Stretch;
 pub use stretch::{initial_ns as initial_defer_ns, ROOM as DEFER_ROOM};
+use write::write;
+pub use write::write_prime;
 
 /// The caller's connection: answered by whichever VMM runs the handler.
 #[derive(Debug, Clone)]
@@ -131,7 +133,7 @@ pub struct Delivery {
     pub received_ns: u64,
     /// The clone has a guest address of its own (`ipv4`): the request header tells the
     /// runtime to take its network identity before the handler runs
-    /// ([`FLAG_ADOPT_NET`]).
+    /// ([`devices::mailbox::FLAG_ADOPT_NET`]).
     #[serde(default)]
     pub adopt_net: bool,
 }
@@ -314,56 +316,6 @@ pub const IDLE_CATCH_UP_AFTER: Duration = Duration::from_secs(30);
 /// Most requests a template holds while its runtime is on its way back to the port
 /// (a VM that is no template holds one).
 pub const MAX_HELD: usize = 256;
-
-/// Writes `payload` and a request header (fresh entropy, this VM's `sequence`) into
-/// the mailbox; the payload goes on with the bytes in place after it (`in_place` of
-/// them, read there by the caller).
-fn write(
-    mem: &GuestMemoryMmap,
-    window: MailboxWindow,
-    d: &Delivery,
-    sequence: u64,
-    (payload, in_place): (&[u8], usize),
-) -> Result<(), ReplyError> {
-    let flags = if d.keep_alive { FLAG_KEEP_ALIVE } else { 0 }
-        | if d.adopt_net { FLAG_ADOPT_NET } else { 0 };
-    let kind = if d.derive { KIND_LOAD } else { KIND_INVOKE };
-    let payload = (payload, in_place);
-    write_header(mem, window, kind, flags, (sequence, d.timeout_ms), payload)
-}
-
-/// Writes a prime request (sequence 0) into the mailbox of a warm clone about to be
-/// primed (`cloning::prime`); `timeout_ms` is the prime's time limit, `pages` its
-/// payload (`cloning::prime_pages`: pages for the runtime to map; may be empty).
-pub fn write_prime(
-    mem: &GuestMemoryMmap,
-    window: MailboxWindow,
-    timeout_ms: u64,
-    pages: &[u8],
-) -> Result<(), ReplyError> {
-    write_header(mem, window, KIND_PRIME, 0, (0, timeout_ms), (pages, 0))
-}
-
-fn write_header(
-    mem: &GuestMemoryMmap,
-    window: MailboxWindow,
-    kind: u16,
-    flags: u32,
-    (sequence, timeout_ms): (u64, u64),
-    (payload, in_place): (&[u8], usize),
-) -> Result<(), ReplyError> {
-    let mut entropy = [0u8; ENTROPY_BYTES];
-    devices::util::host_random(&mut entropy).map_err(|e| ReplyError::Memory(e.to_string()))?;
-    let header = RequestHeader {
-        kind,
-        flags,
-        length: u32::try_from(payload.len() + in_place).unwrap_or(u32::MAX),
-        sequence,
-        timeout_ms: u32::try_from(timeout_ms).unwrap_or(u32::MAX),
-        entropy,
-    };
-    write_request(mem, window, &header, payload)
-}
 
 impl Invoker {
     /// The invocation side of a VM with `config`, whose mailbox is `window`.

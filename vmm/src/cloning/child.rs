@@ -28,7 +28,6 @@
 //! the controller marks it ready once the control socket is up (both on the ready pipe,
 //! `wire.rs`).
 
-use std::any::Any;
 use std::borrow::Cow;
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -39,6 +38,7 @@ use std::time::Instant;
 use clone::MicrovmState;
 
 use super::cgroups::{place_self, Placement};
+use super::hooks::{CloneHooks, HandedOver, KeptLife, PrimeFailure, RebuiltClone, ServeError};
 use super::request::Identity;
 use super::rewind::{RewindError, Rewinder};
 use super::wire::{
@@ -104,139 +104,6 @@ pub(crate) struct ChildPlan<'a> {
     pub run_bases: &'a [usize],
     /// The copies of the parent's disk overlays made for this child, in disk order.
     pub overlays: &'a [Option<devices::virtio::block::overlay::OverlaySnapshot>],
-}
-
-/// A clone's rebuilt VM, running, as the `serve` hook gets it.
-pub struct RebuiltClone {
-    /// The VM: vCPUs running, host endpoints open, device workers not started yet
-    /// (`DeviceManager::start_restored_virtio`).
-    pub vm: Microvm,
-    /// Its own clone state (it may be cloned in turn).
-    pub cloner: Cloner,
-    /// Where its control socket goes.
-    pub api_sock: PathBuf,
-    /// Its signalfd (shutdown signals and SIGCHLD).
-    pub signals: nix::sys::signalfd::SignalFd,
-    /// Tells the parent the clone is up, once its control socket is.
-    pub ready: ReadyMark,
-    /// What the hooks' `take` made of the clone's handover, if it had one.
-    pub taken: Option<Box<dyn Any>>,
-    /// Whether `serve` gives the VM back once it served its invocation (the clone is
-    /// rewound: `rewind.rs`).
-    pub keep: bool,
-    /// The API thread of its life before, idle (a rewound clone's), for its socket.
-    pub api_thread: Option<KeptThread>,
-}
-
-/// What a rewound clone keeps of a life it served: its VM, stopped, and its API thread,
-/// idle.
-pub struct KeptLife {
-    /// The VM.
-    pub vm: Microvm,
-    /// The thread that served its control socket (None: it ended).
-    pub api_thread: Option<KeptThread>,
-}
-
-/// What the layers above cloning do in a clone, given to the [`Cloner`] as plain
-/// functions so that cloning names none of them: the controller's event loop, and the
-/// invocation layer's handover and prime.
-#[derive(Clone, Copy)]
-pub struct CloneHooks {
-    /// Serves the rebuilt clone until it stops.
-    pub serve: ServeClone,
-    /// Takes up a clone's handover before its vCPUs run (`super::Handover`: the
-    /// invocation layer writes the request into the clone's mailbox); what it returns
-    /// reaches `serve` as [`RebuiltClone::taken`].
-    pub take: TakeHandover,
-    /// Runs a warm clone's vCPU once before the clone waits for its launch (a prime:
-    /// the runtime's serving path, docs/invoke.md); returns the state the clone is to
-    /// be launched from and its VM, prepared.
-    pub prime: PrimeClone,
-}
-
-/// Serves a rebuilt clone until it stops (the controller's event loop); gives the VM
-/// back, stopped, with its API thread, when the clone is to be rewound
-/// ([`RebuiltClone::keep`]) and it served its invocation.
-pub type ServeClone = fn(RebuiltClone) -> Result<(RunOutcome, Option<KeptLife>), ServeError>;
-
-/// Takes up a handover in the clone, before its vCPUs run.
-/// `template` is the VM the clone's is rebuilt from, on its memory (the clone's own, copy
-/// on write, from the fork).
-pub type TakeHandover = fn(HandedOver, &VmConfig, &Microvm) -> Result<Box<dyn Any>, ServeError>;
-
-/// Primes a warm clone of `template`, captured as the state given, on the vCPU given;
-/// in the VM given when it has one (a rewound clone's), else in a new one. The bytes
-/// given are the prime request's payload: the runtime's pages to map
-/// (`prime_pages` in this module).
-pub type PrimeClone = fn(
-    &KvmContext,
-    &Microvm,
-    &MicrovmState,
-    u8,
-    Option<Prepared>,
-    &[u8],
-) -> Result<(MicrovmState, Prepared), PrimeFailure>;
-
-/// Most pages a prime request names (64 MiB of 4 KiB pages).
-const PRIME_PAGES: usize = 16 * 1024;
-
-/// The prime request's payload for a warm clone of a template whose runtime waits on
-/// vCPU `vcpu` (captured in `state`): the virtual pages of the runtime's address space
-/// whose frames the template's learned working set holds, as runs of (first virtual page
-/// number, count), little-endian u64 each. The runtime reads one byte of each in the
-/// prime, so the guest maps them in the clone's VM before the request writes them (the
-/// working set is written ahead, but a page is mapped in a new VM only at the guest's
-/// first touch). Empty without a working set, or when the tables cannot be read.
-pub fn prime_pages(
-    mem: &vm_memory::GuestMemoryMmap,
-    state: &MicrovmState,
-    vcpu: u8,
-    set: &super::working::PageSet,
-) -> Vec<u8> {
-    let Some(v) = state.vcpus.iter().find(|v| v.id == vcpu) else {
-        return Vec::new();
-    };
-    let pages =
-        crate::arch::x86_64::paging::user_pages_of(mem, &v.sregs, |f| set.contains(f), PRIME_PAGES);
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for p in pages.unwrap_or_default() {
-        match runs.last_mut() {
-            Some((first, n)) if *first + *n == p => *n += 1,
-            _ => runs.push((p, 1)),
-        }
-    }
-    runs.iter()
-        .flat_map(|(first, n)| first.to_le_bytes().into_iter().chain(n.to_le_bytes()))
-        .collect()
-}
-
-/// Why serving a clone, or a hook, failed.
-pub type ServeError = Box<dyn std::error::Error + Send + Sync>;
-
-/// A handover as the clone receives it.
-pub struct HandedOver<'a> {
-    /// What the clone is told (`Handover::note`).
-    pub note: &'a serde_json::Value,
-    /// The payload, or its first bytes when `rest` has more.
-    pub payload: &'a [u8],
-    /// The rest of the payload, this many bytes still to read from this descriptor (a
-    /// warm clone's go channel: the taker reads them where it wants them, before its
-    /// VM runs), or None.
-    pub rest: Option<(BorrowedFd<'a>, usize)>,
-    /// The stream, the clone's own from now on.
-    pub stream: std::os::unix::net::UnixStream,
-    /// Whether the clone is a primed warm clone.
-    pub primed: bool,
-}
-
-/// Why a warm clone's prime failed (the warm clone ends).
-#[derive(Debug, thiserror::Error)]
-#[error("{error}")]
-pub struct PrimeFailure {
-    /// It ran out of time (the template pauses priming instead of turning it off).
-    pub timed_out: bool,
-    /// Why.
-    pub error: ServeError,
 }
 
 /// Errors rebuilding a VM in a clone.
@@ -477,7 +344,7 @@ fn prepare_warm(
     };
     let touch = match (&plan.working, prime) {
         (Some(w), Some(vcpu)) if !w.set.is_empty() => {
-            let t = prime_pages(plan.template.memory(), plan.state, vcpu, &w.set);
+            let t = super::working::prime_pages(plan.template.memory(), plan.state, vcpu, &w.set);
             marks.done("pages to map found");
             t
         }

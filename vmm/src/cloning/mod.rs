@@ -37,6 +37,7 @@ pub mod cgroups;
 mod child;
 mod fork;
 mod forker;
+mod hooks;
 mod quiesce;
 mod request;
 mod rewind;
@@ -60,9 +61,10 @@ use clone::MicrovmState;
 use crate::config::VmConfig;
 use crate::microvm::Microvm;
 use cgroups::{CgroupSetupError, ClonePools};
-pub use child::{
-    ChildError, CloneHooks, HandedOver, KeptLife, PrimeClone, PrimeFailure, RebuiltClone,
-    ServeClone, ServeError, TakeHandover,
+pub use child::ChildError;
+pub use hooks::{
+    CloneHooks, HandedOver, KeptLife, PrimeClone, PrimeFailure, RebuiltClone, ServeClone,
+    ServeError, TakeHandover,
 };
 pub use request::{CloneError, Handover, CLONE_FAILED};
 pub use table::{CloneTable, Orphan, OrphanEnd, StartFailure};

@@ -374,6 +374,39 @@ impl WorkingSet {
     }
 }
 
+/// Most pages a prime request names (64 MiB of 4 KiB pages).
+const PRIME_PAGES: usize = 16 * 1024;
+
+/// The prime request's payload for a warm clone of a template whose runtime waits on
+/// vCPU `vcpu` (captured in `state`): the virtual pages of the runtime's address space
+/// whose frames the template's learned working set holds, as runs of (first virtual page
+/// number, count), little-endian u64 each. The runtime reads one byte of each in the
+/// prime, so the guest maps them in the clone's VM before the request writes them (the
+/// working set is written ahead, but a page is mapped in a new VM only at the guest's
+/// first touch). Empty without a working set, or when the tables cannot be read.
+pub fn prime_pages(
+    mem: &vm_memory::GuestMemoryMmap,
+    state: &clone::MicrovmState,
+    vcpu: u8,
+    set: &PageSet,
+) -> Vec<u8> {
+    let Some(v) = state.vcpus.iter().find(|v| v.id == vcpu) else {
+        return Vec::new();
+    };
+    let pages =
+        crate::arch::x86_64::paging::user_pages_of(mem, &v.sregs, |f| set.contains(f), PRIME_PAGES);
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for p in pages.unwrap_or_default() {
+        match runs.last_mut() {
+            Some((first, n)) if *first + *n == p => *n += 1,
+            _ => runs.push((p, 1)),
+        }
+    }
+    runs.iter()
+        .flat_map(|(first, n)| first.to_le_bytes().into_iter().chain(n.to_le_bytes()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -42,8 +42,8 @@ use api_types::invoke::{InvokeOptions, InvokeReport, Outcome};
 use api_types::vm::VmState;
 pub use devices::mailbox::LiveLog;
 use devices::mailbox::{
-    read_live_log, read_reply, read_reply_header, runtime_features, MailboxWindow, ReplyError,
-    ReplyStatus, FEATURE_LOAD, FEATURE_PRIME, HEADER_BYTES,
+    read_live_log, read_reply_header, runtime_features, MailboxWindow, ReplyError, ReplyStatus,
+    FEATURE_LOAD, FEATURE_PRIME, HEADER_BYTES,
 };
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
@@ -245,8 +245,8 @@ pub struct Finished {
     pub conn: Connection,
     /// How it ended.
     pub outcome: Outcome,
-    /// The handler's reply (ok: in the mailbox, the runtime parked until its caller is
-    /// answered), or the error's text.
+    /// The handler's reply or its error text (in the mailbox, the runtime parked until
+    /// its caller is answered), or the text of an error the VMM found.
     pub body: Body,
     /// Time spent.
     pub timings: Timings,
@@ -645,22 +645,18 @@ impl Invoker {
     pub fn runtime_replied(&mut self, vm: &Microvm, vcpu: u8, length: u32) -> Option<Finished> {
         let derive = self.in_flight.as_ref()?.derive;
         let mem = vm.memory();
+        // The reply, or the handler's error text, stays in the mailbox until the caller
+        // is answered (`Body`): its header is read once.
         let (outcome, body) = match read_reply_header(mem, self.window, length) {
-            Ok(h) if h.status == ReplyStatus::Ok => {
+            Ok(h) => {
+                let outcome = match h.status {
+                    ReplyStatus::Ok => Outcome::Ok,
+                    _ => Outcome::HandlerError,
+                };
                 let (mem, at, len) = (mem.clone(), self.window.at(HEADER_BYTES), h.length);
-                (
-                    Outcome::Ok,
-                    Body::Mailbox {
-                        mem,
-                        at,
-                        len: len as usize,
-                    },
-                )
+                let len = len as usize;
+                (outcome, Body::Mailbox { mem, at, len })
             }
-            Ok(_) => match read_reply(mem, self.window, length) {
-                Ok((_, text)) => (Outcome::HandlerError, text.into()),
-                Err(e) => (Outcome::BadReply, e.to_string().into_bytes().into()),
-            },
             Err(e) => (Outcome::BadReply, e.to_string().into_bytes().into()),
         };
         let mut f = self.finish(outcome, body, Some(vcpu))?;

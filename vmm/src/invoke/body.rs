@@ -1,5 +1,6 @@
-//! A finished invocation's body: text the VMM holds (an error's), or the runtime's
-//! reply left where it wrote it, in the mailbox, and written from there to the caller.
+//! A finished invocation's body: text the VMM holds (an error it found), or the
+//! runtime's reply (or its handler's error text) left where it wrote it, in the
+//! mailbox, and written from there to the caller.
 //!
 //! A reply is read once, when its caller is answered: copying it out of the mailbox
 //! first took a buffer as large as the reply, and in a clone every page of a new
@@ -16,10 +17,10 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 /// What a finished invocation answers with.
 #[derive(Debug)]
 pub enum Body {
-    /// Bytes the VMM holds: an error's text.
+    /// Bytes the VMM holds: the text of an error the VMM found.
     Held(Vec<u8>),
-    /// The runtime's reply, `len` bytes at `at` in `mem`'s mailbox, read when the
-    /// caller is answered.
+    /// The runtime's reply (or its handler's error text), `len` bytes at `at` in
+    /// `mem`'s mailbox, read when the caller is answered.
     Mailbox {
         /// The VM's memory.
         mem: GuestMemoryMmap,

@@ -10,7 +10,7 @@ use std::os::fd::BorrowedFd;
 use api_types::CreateClones;
 use devices::mailbox::{MailboxWindow, HEADER_BYTES};
 use serde::Deserialize;
-use vm_memory::{Address, Bytes, GuestMemoryMmap};
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, ReadVolatile};
 
 use super::{initial_defer_ns, Connection, Delivery, Invocation, Invoker};
 use crate::cloning::{HandedOver, Handover, ServeError};
@@ -84,18 +84,12 @@ fn read_rest(
         )
         .into());
     }
-    // One read at a time, as the socket gives them (`read_exact_volatile_from` makes
-    // only one).
+    // One slice of the mailbox (a single region), filled by as many reads as the socket
+    // takes (`read_exact_volatile`; `GuestMemory::read_exact_volatile_from` makes only
+    // one read).
     let at = window.at(HEADER_BYTES + first);
-    let mut done = 0;
-    while done < count {
-        let got = mem
-            .read_volatile_from(at.unchecked_add(done as u64), &mut from, count - done)
-            .map_err(|e| format!("the payload's last {} bytes: {e}", count - done))?;
-        if got == 0 {
-            return Err(format!("the payload's channel ended {} bytes short", count - done).into());
-        }
-        done += got;
-    }
-    Ok(())
+    let short = |e: &dyn std::fmt::Display| format!("the payload's last {count} bytes: {e}");
+    let mut slice = mem.get_slice(at, count).map_err(|e| short(&e))?;
+    from.read_exact_volatile(&mut slice)
+        .map_err(|e| short(&e).into())
 }

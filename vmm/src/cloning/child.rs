@@ -71,6 +71,9 @@ pub(crate) enum Start {
         cgroup: Option<Placement>,
         /// The vCPU to prime it on (the hooks' `prime`), if it is primed.
         prime: Option<u8>,
+        /// The prime request's pages to map (`working::prime_pages`, found once by the
+        /// template for its paused state and working set; empty: none).
+        touch: Arc<[u8]>,
         /// The template's memory (`rewind::open_own_memory`), when its invocation
         /// clones are rewound.
         rewind: Option<RawFd>,
@@ -323,7 +326,7 @@ type Warmed = (MicrovmState, Prepared, Go, Arc<PageSet>);
 fn prepare_warm(
     kvm: &KvmContext,
     plan: &ChildPlan<'_>,
-    (go, cgroup, prime): (RawFd, Option<&Placement>, Option<u8>),
+    (go, cgroup, prime, touch): (RawFd, Option<&Placement>, Option<u8>, &[u8]),
     marks: &mut StageTimer,
     reuse: Option<Prepared>,
 ) -> Result<Option<Warmed>, ChildError> {
@@ -342,18 +345,10 @@ fn prepare_warm(
         }
         _ => Arc::default(),
     };
-    let touch = match (&plan.working, prime) {
-        (Some(w), Some(vcpu)) if !w.set.is_empty() => {
-            let t = super::working::prime_pages(plan.template.memory(), plan.state, vcpu, &w.set);
-            marks.done("pages to map found");
-            t
-        }
-        _ => Vec::new(),
-    };
     let (base, prepared) = match prime {
         Some(vcpu) => {
             let (state, prepared) =
-                (plan.hooks.prime)(kvm, plan.template, plan.state, vcpu, reuse, &touch)?;
+                (plan.hooks.prime)(kvm, plan.template, plan.state, vcpu, reuse, touch)?;
             // Tells the parent it may launch this clone (`warm::WarmClone::launchable`).
             if !rewound {
                 report_primed(go).map_err(ChildError::ReportPrime)?;
@@ -487,7 +482,7 @@ fn run_clone(
     let mut marks = StageTimer::new();
     // First, off the request's path (a warm clone's launch waits for none of it).
     let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
-    let (go, cgroup, prime, rewind) = match &plan.start {
+    let (go, cgroup, prime, touch, rewind) = match &plan.start {
         Start::Now(id) => {
             let (state, prepared) = prepare_now(&kvm, plan, id, &mut marks)?;
             let carried = (id.carried.as_ref()).map(|c| {
@@ -521,8 +516,9 @@ fn run_clone(
             go,
             cgroup,
             prime,
+            touch,
             rewind,
-        } => (*go, cgroup.as_ref(), *prime, *rewind),
+        } => (*go, cgroup.as_ref(), *prime, touch, *rewind),
     };
     // Before anything writes guest memory: the prime, the working set written ahead.
     // A copy of the template's writable disk overlays would keep a request's writes
@@ -545,7 +541,7 @@ fn run_clone(
             Some(s) => s,
             None => block_shutdown_signals().map_err(ChildError::Signals)?,
         };
-        let start = (go, cgroup, prime);
+        let start = (go, cgroup, prime, &**touch);
         let Some((state, prepared, (mut identity, carried), ahead)) =
             prepare_warm(&kvm, plan, start, &mut marks, reuse.take())?
         else {

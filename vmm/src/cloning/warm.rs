@@ -40,7 +40,7 @@ use super::request::{give_back, Identity};
 use super::wire::{go_channel, prime_report, send_go, PrimeReport};
 
 mod back;
-use super::working::PAGE;
+use super::working::{prime_pages, ForChild, PageSet, PAGE};
 use super::CloneError;
 use crate::config::MAX_WARM_CLONES;
 use crate::microvm::Microvm;
@@ -165,6 +165,10 @@ pub struct WarmPool {
     /// The template's memory as its clones read it, when they are rewound
     /// (`rewind::open_own_memory`; None: not rewound).
     rewind_from: Option<File>,
+    /// The prime request's pages for the paused state `epoch`: found for this working
+    /// set and vCPU (`working::prime_pages`, a walk of the runtime's page tables), once
+    /// rather than in each warm clone and each rewound life; None: not yet.
+    touch: Option<(Arc<PageSet>, u8, Arc<[u8]>)>,
 }
 
 /// How long the pool waits to try again after a warm clone could not be made, the first
@@ -322,6 +326,7 @@ impl WarmPool {
     /// from the state it pauses with next.
     pub(super) fn forget_epoch(&mut self) {
         self.epoch = None;
+        self.touch = None;
         self.generation += 1;
     }
 
@@ -499,7 +504,36 @@ impl WarmPool {
         }
         let s = Arc::new(capture(vm)?);
         self.epoch = Some(s.clone());
+        self.touch = None;
         Ok(s)
+    }
+
+    /// The prime request's pages for a warm clone of paused state `state` primed on
+    /// `vcpu`, made with `working` (empty without a working set).
+    fn touch(
+        &mut self,
+        vm: &Microvm,
+        state: &MicrovmState,
+        working: Option<&ForChild>,
+        vcpu: u8,
+    ) -> Arc<[u8]> {
+        let Some(set) = working.map(|w| &w.set).filter(|s| !s.is_empty()) else {
+            return Arc::from([]);
+        };
+        match &self.touch {
+            Some((s, v, t)) if Arc::ptr_eq(s, set) && *v == vcpu => t.clone(),
+            _ => {
+                let t0 = Instant::now();
+                let t: Arc<[u8]> = prime_pages(vm.memory(), state, vcpu, set).into();
+                tracing::debug!(
+                    "the prime's pages: {} runs found in {} us",
+                    t.len() / 16,
+                    t0.elapsed().as_micros()
+                );
+                self.touch = Some((set.clone(), vcpu, t.clone()));
+                t
+            }
+        }
     }
 
     /// Forks one warm clone, to be primed on vCPU `prime` (where the template's
@@ -549,10 +583,15 @@ impl WarmPool {
         if let Some((p, t)) = pools.as_deref().zip(taken.as_ref()) {
             p.allow_ahead(t, ahead);
         }
+        let touch = match prime {
+            Some(vcpu) => self.touch(vm, &state, lineage.working.as_ref(), vcpu),
+            None => Arc::from([]),
+        };
         let start = Start::Warm {
             go: go_read.as_raw_fd(),
             cgroup: placement,
             prime,
+            touch,
             rewind: self.rewind_from.as_ref().map(AsRawFd::as_raw_fd),
         };
         // The VM is paused: every vCPU is parked.

@@ -19,9 +19,9 @@ throughput: invocations per second with 1, 2, 4, ... up to 4x the cores of concu
   zygote forking per request, with the same handler) and, with --baseline VMM, another
   build. --guest c or python: the C runtime's echo or a Python no-op in a 256 MiB Linux
   template instead of the tiny guest. --plot PNG draws invocations/s against clients.
-  --rewind adds this build with `vmm run --rewind` (rewound clones); --class NAME:LIMITS
-  adds each build again with cgroup pools of that class (every clone in a cgroup of
-  it; needs root; the pools' parent is removed at the end).
+  --rewind adds this build with `vmm run --rewind` (rewound clones), and the baseline
+  so too; --class NAME:LIMITS adds each build again with cgroup pools of that class
+  (every clone in a cgroup of it; needs root; the pools' parent is removed at the end).
 
 runtimes: the Linux runtimes, side by side in one run with 256 MiB templates booted at
   once: request to reply for the C runtime's echo (forkvm-fn echo) with the kernel RNG
@@ -272,14 +272,16 @@ def throughput(a):
     builds = [("forkvm", VMM)] + ([("baseline", a.baseline)] if a.baseline else [])
     if a.rewind:
         builds.append(("rewind", VMM))
+        if a.baseline:
+            builds.append(("baseline-rewind", a.baseline))
     parent = f"forkvm-bench-{os.getpid()}"
     if a.cgroup_class:
         # The same builds again with cgroup pools: each clone in a cgroup of the class.
-        builds += [(f"{n}+class", vmm) for n, vmm in builds if n != "baseline"]
+        builds += [(f"{n}+class", vmm) for n, vmm in builds if not n.startswith("baseline")]
 
     def extra(n):
         pools = ["--cgroup-class", a.cgroup_class, "--cgroup-parent", parent]
-        return (["--rewind"] if n.startswith("rewind") else []) + \
+        return (["--rewind"] if "rewind" in n else []) + \
             (pools if n.endswith("+class") else [])
 
     label, guest, expect, handler = GUESTS[a.guest]
@@ -345,6 +347,7 @@ def throughput(a):
         labels = {"forkvm": "forkvm, fresh clone per request",
                   "baseline": f"baseline build ({os.path.basename(a.baseline or '')})",
                   "rewind": "forkvm --rewind, rewound clone per request",
+                  "baseline-rewind": f"baseline build --rewind ({os.path.basename(a.baseline or '')})",
                   "SOCK": "host Python zygote, fork per request (SOCK)"}
         labels.update({f"{n}+class": f"{labels[n]}, in a cgroup of {a.cgroup_class}"
                        for n in ("forkvm", "rewind")})

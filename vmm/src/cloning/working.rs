@@ -376,6 +376,8 @@ impl WorkingSet {
 
 /// Most pages a prime request names (64 MiB of 4 KiB pages).
 const PRIME_PAGES: usize = 16 * 1024;
+// Every run of a prime request fits a report's wire form (`PageSet::encode`).
+const _: () = assert!(PRIME_PAGES <= MAX_REPORT_RANGES);
 
 /// The prime request's payload for a warm clone of a template whose runtime waits on
 /// vCPU `vcpu` (captured in `state`): the virtual pages of the runtime's address space
@@ -395,16 +397,9 @@ pub fn prime_pages(
     };
     let pages =
         crate::arch::x86_64::paging::user_pages_of(mem, &v.sregs, |f| set.contains(f), PRIME_PAGES);
-    let mut runs: Vec<(u64, u64)> = Vec::new();
-    for p in pages.unwrap_or_default() {
-        match runs.last_mut() {
-            Some((first, n)) if *first + *n == p => *n += 1,
-            _ => runs.push((p, 1)),
-        }
-    }
-    runs.iter()
-        .flat_map(|(first, n)| first.to_le_bytes().into_iter().chain(n.to_le_bytes()))
-        .collect()
+    // Runs of page numbers in a report's wire form (ascending, so pushed as they come;
+    // at most PRIME_PAGES of them, within the form's MAX_REPORT_RANGES).
+    PageSet::from_frames(pages.unwrap_or_default()).encode()
 }
 
 #[cfg(test)]

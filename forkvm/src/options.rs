@@ -45,6 +45,12 @@ pub struct VmmOptions {
     /// rewound clone shares with the requests before it, and the templates it is not
     /// built for yet, whose clones end as before).
     pub rewind: bool,
+    /// The template's fork sources, itself included (`--fork-sources`; None: the VMM's
+    /// default, 1): clones of it that are templates themselves, each with its own warm
+    /// clones, serving its invocations in turn, so that several processes fork its
+    /// clones at once on a host with the cores for it (docs/invoke.md, "Fork sources").
+    /// A function template derived from it has as many.
+    pub fork_sources: Option<usize>,
 }
 
 impl Default for VmmOptions {
@@ -60,6 +66,7 @@ impl Default for VmmOptions {
             max_clones: None,
             working_set_mib: None,
             rewind: false,
+            fork_sources: None,
         }
     }
 }
@@ -106,6 +113,9 @@ impl VmmOptions {
         if self.rewind {
             out.push("--rewind".into());
         }
+        if let Some(n) = self.fork_sources {
+            out.extend(["--fork-sources".to_string(), n.to_string()]);
+        }
         out
     }
 }
@@ -134,18 +144,19 @@ mod tests {
             max_clones: Some(40),
             working_set_mib: Some(8),
             rewind: true,
+            fork_sources: Some(3),
         };
         let run = o.run_args().join(" ");
         assert_eq!(
             run,
             "--vcpus 2 --mailbox-mib 1 --tick-defer-ms 25 --refresh-idle-ms 2000 --rng \
              --no-prime --cgroup-class small:cpu=0.5,memory=64M --max-clones 40 \
-             --working-set-mib 8 --rewind"
+             --working-set-mib 8 --rewind --fork-sources 3"
         );
         assert_eq!(
             o.restore_args().join(" "),
             "--cgroup-class small:cpu=0.5,memory=64M --max-clones 40 --working-set-mib 8 \
-             --rewind"
+             --rewind --fork-sources 3"
         );
     }
 }

@@ -235,6 +235,134 @@ fn eight_callers_at_once_each_get_their_own_clone() {
     assert_eq!(vm.describe()["invoke"]["started"], 201);
 }
 
+/// The fork sources a template keeps besides itself (`--fork-sources`): (id, socket) of
+/// each running one that is a ready template, once there are `n`.
+fn ready_sources(vm: &Vm, n: usize) -> Vec<(String, std::path::PathBuf)> {
+    let mut found = Vec::new();
+    wait_until("the fork sources to be ready templates", || {
+        let (_, body) = vm.api("GET", "/clones", None);
+        let list: Value = serde_json::from_str(&body).unwrap();
+        found = (list["clones"].as_array().unwrap().iter())
+            .filter(|c| c["status"]["state"] == "running")
+            .map(|c| {
+                let sock = std::path::PathBuf::from(c["api_sock"].as_str().unwrap());
+                (c["id"].as_str().unwrap().to_string(), sock)
+            })
+            .collect();
+        found.len() == n
+            && found.iter().all(|(_, sock)| {
+                let v = describe_at(sock);
+                v["state"] == "paused" && v["invoke"]["template"] == true
+            })
+    });
+    found.sort();
+    found
+}
+
+/// `--fork-sources 3`: the template makes two clones of itself that are templates too,
+/// each with its warm clones, and its invocations are served in turn by it and by them.
+/// Eight callers at once: every reply echoes its payload from a clone of its own (ids
+/// never twice; the guest's clone number is the last part of the id), the template and
+/// both sources each served a share. A resume makes its sources stale: they are
+/// stopped, and new ones made once it paused again; nothing is left of the old ones.
+#[test]
+fn fork_sources_serve_a_template_s_requests_in_turn_and_are_made_again_when_it_changes() {
+    if !kvm_available("invoke_fork_sources") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-sources");
+    let vm = template(&scratch, &["--warm-clones", "2", "--fork-sources", "3"]);
+    let pid = vm.child.id();
+    let sources = ready_sources(&vm, 2);
+    for (_, sock) in &sources {
+        wait_until("a source's warm clones", || {
+            describe_at(sock)["warm_clones"]["ready"] == 2
+        });
+    }
+    let fds = tests::fds_at_rest(pid);
+    let sock = vm.sock.clone();
+    let callers: Vec<_> = (0..8u8)
+        .map(|t| {
+            let sock = sock.clone();
+            std::thread::spawn(move || {
+                (0..15u8)
+                    .map(|i| {
+                        let payload = [b's', t, b'i', i];
+                        let r = invoke(&sock, &payload);
+                        assert_eq!(r.status, 200, "{}", r.body);
+                        assert_eq!(&r.bytes[..payload.len()], &payload);
+                        let t = &r.bytes[payload.len()..];
+                        let number = u64::from_le_bytes(t[..8].try_into().unwrap());
+                        let id = r.header("x-forkvm-clone-id").unwrap().to_string();
+                        let last: u64 = id.rsplit('.').next().unwrap().parse().unwrap();
+                        assert_eq!(number, last, "clone {id}: the guest's number");
+                        id
+                    })
+                    .collect::<Vec<String>>()
+            })
+        })
+        .collect();
+    let mut ids = HashSet::new();
+    for c in callers {
+        for id in c.join().unwrap() {
+            assert!(ids.insert(id.clone()), "clone {id} served twice");
+        }
+    }
+    assert_eq!(ids.len(), 120);
+    let served_by = |source: &str| {
+        let prefix = format!("{source}.");
+        ids.iter().filter(|id| id.starts_with(&prefix)).count()
+    };
+    let by_root = ids.iter().filter(|id| !id.contains('.')).count();
+    let (first, second) = (served_by(&sources[0].0), served_by(&sources[1].0));
+    assert_eq!(by_root + first + second, 120);
+    for (who, n) in [
+        ("the template", by_root),
+        ("source 1", first),
+        ("source 2", second),
+    ] {
+        assert!(
+            n >= 20,
+            "{who} served {n} of 120 (template {by_root}, sources {first}, {second})"
+        );
+    }
+    // A resume: the template runs on to its runtime's wait and pauses again; its old
+    // sources (templates of the state it had) are stopped, new ones made.
+    let (code, body) = vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#));
+    assert_eq!(code, 204, "{body}");
+    wait_until("the template to pause again", || vm.waits_as_template());
+    let renewed = ready_sources(&vm, 2);
+    for (old, _) in &sources {
+        assert!(
+            renewed.iter().all(|(id, _)| id != old),
+            "source {old} survived the resume"
+        );
+    }
+    for (_, sock) in &sources {
+        wait_until("the old sources' sockets to go", || !sock.exists());
+    }
+    let r = invoke(&vm.sock, b"after");
+    assert_eq!(r.status, 200, "{}", r.body);
+    // The template's children: its 2 warm clones and 2 sources, which have 2 each.
+    let grandchildren =
+        || -> usize { children_of(pid).iter().map(|c| children_of(*c).len()).sum() };
+    wait_until("every clone of the requests to end", || {
+        children_of(pid).len() == 4
+            && grandchildren() == 4
+            && renewed
+                .iter()
+                .all(|(_, sock)| describe_at(sock)["warm_clones"]["ready"] == 2)
+    });
+    let (_, body) = vm.api("GET", "/clones", None);
+    let list: Value = serde_json::from_str(&body).unwrap();
+    let running = (list["clones"].as_array().unwrap().iter())
+        .filter(|c| c["status"]["state"] == "running")
+        .count();
+    assert_eq!(running, 2, "only the new sources run: {body}");
+    // 121 requests forwarded or served, two sources replaced: no descriptor left.
+    assert_eq!(fds_of(pid, fds), fds, "fds leaked:\n{}", fd_targets(pid));
+}
+
 /// `--rewind`: an invocation clone that answered is put back in its template's state
 /// and serves another request in the same process. Eight callers at once: every reply
 /// comes from a VM whose guest memory is the template's again (the guest's own request

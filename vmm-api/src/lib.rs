@@ -229,7 +229,10 @@ pub fn status_of(e: &VmmActionError) -> u16 {
             | InvokeError::OwnCloneInPlace => 409,
             InvokeError::TooLarge { .. } => 413,
             InvokeError::HeldFull => 503,
-            InvokeError::Mailbox(_) | InvokeError::Vcpu(_) | InvokeError::CloneFailed(_) => 500,
+            InvokeError::Mailbox(_)
+            | InvokeError::Vcpu(_)
+            | InvokeError::CloneFailed(_)
+            | InvokeError::Forwarded(_) => 500,
         },
         VmmActionError::Snapshot(e) => {
             use vmm::snapshot::{SaveError, SnapshotError};

@@ -104,6 +104,12 @@ struct RestoreArgs {
     /// its request comes, in MiB (0: none; at most 16384; docs/invoke.md).
     #[arg(long, default_value_t = vmm::config::DEFAULT_WORKING_SET_MIB)]
     working_set_mib: u64,
+    /// A template's fork sources, itself included (1 to 64): the others are clones of
+    /// it, templates themselves with warm clones of their own, that serve its
+    /// invocations in turn, so that several processes fork its clones at once
+    /// (docs/invoke.md)
+    #[arg(long, default_value_t = 1)]
+    fork_sources: usize,
     /// The host tap of the network card (default: the snapshot's).
     #[arg(long)]
     tap: Option<String>,
@@ -317,6 +323,12 @@ struct RunArgs {
     /// its request comes, in MiB (0: none; at most 16384; docs/invoke.md).
     #[arg(long, default_value_t = vmm::config::DEFAULT_WORKING_SET_MIB)]
     working_set_mib: u64,
+    /// A template's fork sources, itself included (1 to 64): the others are clones of
+    /// it, templates themselves with warm clones of their own, that serve its
+    /// invocations in turn, so that several processes fork its clones at once
+    /// (docs/invoke.md)
+    #[arg(long, default_value_t = 1)]
+    fork_sources: usize,
     #[command(flatten)]
     cgroups: CgroupArgs,
     /// The invocation mailbox's size in MiB (0: none; 1 to 256): the largest request
@@ -639,6 +651,7 @@ fn main() -> ExitCode {
                     max_tree_clones: a.max_tree_clones,
                     prime: !a.no_prime,
                     working_set_mib: a.working_set_mib,
+                    fork_sources: a.fork_sources,
                 },
                 invoke: InvokePolicy {
                     template: a.template,
@@ -675,6 +688,7 @@ fn main() -> ExitCode {
                 vsock: a.vsock,
                 cow_dir: a.cow_dir,
                 rewind: a.rewind,
+                fork_sources: a.fork_sources,
             };
             finish(vmm::restore::<HttpEdge>(opts))
         }

@@ -20,7 +20,7 @@ use api_types::vm::{TargetState, VmInfo, VmState};
 use api_types::{CloneList, CloneStatus};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
-use crate::cloning::{Cloner, KeptLife, OrphanEnd, RebuiltClone, ServeError};
+use crate::cloning::{Cloner, InboxError, KeptLife, OrphanEnd, RebuiltClone, ServeError};
 use crate::config::ConsoleSink;
 use crate::config::VmConfig;
 use crate::edge::{Edge, EdgeError};
@@ -89,6 +89,15 @@ const TOKEN_SIGNAL: u64 = 4;
 const TOKEN_STDIN: u64 = 5;
 const TOKEN_STARTS: u64 = 6;
 const TOKEN_BACK: u64 = 7;
+const TOKEN_SOURCES: u64 = 8;
+
+/// What a template tells the fork source it forwards an invocation to
+/// (`cloning::sources`), beside its payload and connection.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ForwardNote {
+    options: api_types::invoke::InvokeOptions,
+    received_ns: u64,
+}
 
 /// An epoll timeout for `d`, rounded up: rounded down, the loop would wake before the
 /// time and spin with timeout 0 until it.
@@ -192,6 +201,7 @@ impl<E: Edge> Vmm<E> {
     /// in place.
     fn invoke(&mut self, inv: Invocation) -> VmmResponse {
         match (self.invoker).route(&self.vm, &inv)? {
+            Route::Clone(_) if self.forwarded(&inv) => {}
             Route::Clone(vcpu) => {
                 let received_ns = inv.received_ns;
                 let (req, handover) = self.invoker.hand_to_clone(inv, vcpu);
@@ -206,6 +216,52 @@ impl<E: Edge> Vmm<E> {
             Route::Queue => self.invoker.queue(inv),
         }
         Ok(VmmData::Invoked)
+    }
+
+    /// Whether invocation `inv` went to a fork source, whose clone answers it. A derive
+    /// request is served here: the template it makes is this one's clone.
+    fn forwarded(&mut self, inv: &Invocation) -> bool {
+        if inv.options.derive {
+            return false;
+        }
+        let note = ForwardNote {
+            options: inv.options.clone(),
+            received_ns: inv.received_ns,
+        };
+        // Options and a number: they always serialize.
+        let note = serde_json::to_value(note).unwrap_or_default();
+        self.clones.forward(&note, &inv.payload, inv.conn.stream())
+    }
+
+    /// Takes what the fork sources' channels have: in a fork source, an invocation its
+    /// template forwarded, served as one that came on its own socket.
+    fn take_forwarded(&mut self) {
+        let f = match self.clones.take_forwarded() {
+            None => return,
+            // Its template closed the channel (it stops, or stopped this source).
+            Some(Err(InboxError::Io(e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return tracing::info!("the template closed this fork source's channel")
+            }
+            Some(Err(e)) => return tracing::warn!("{e}"),
+            Some(Ok(f)) => f,
+        };
+        let conn = Connection::new(f.stream);
+        let note: ForwardNote = match serde_json::from_value(f.note) {
+            Ok(n) => n,
+            Err(e) => {
+                let e = InvokeError::Forwarded(e.to_string());
+                return E::refuse(&conn, e.into());
+            }
+        };
+        let inv = Invocation {
+            options: note.options,
+            payload: f.payload,
+            conn: conn.clone(),
+            received_ns: note.received_ns,
+        };
+        if let Err(e) = self.invoke(inv) {
+            E::refuse(&conn, e);
+        }
     }
 
     /// Answers the caller of finished invocation `f`; returns how the VM ends when it
@@ -387,6 +443,8 @@ impl<E: Edge> Vmm<E> {
                         Ok(()) => {
                             // Before its warm clones share its pages.
                             self.invoker.measure_own_memory();
+                            // A fork source may be sent requests from now on.
+                            self.clones.announce_ready();
                             tracing::info!("template ready: its runtime waits on vCPU {id}")
                         }
                         Err(e) => tracing::error!("cannot pause the template: {e}"),
@@ -450,6 +508,12 @@ impl<E: Edge> Vmm<E> {
         match self.clones.starts_fd() {
             Ok(fd) => add(fd, TOKEN_STARTS)?,
             Err(e) => tracing::warn!("invocation clones' starts are waited for: {e}"),
+        }
+        // Fork sources' channels (`--fork-sources`), or a source's to its template.
+        match self.clones.sources_fd() {
+            Ok(Some(fd)) => add(fd, TOKEN_SOURCES)?,
+            Ok(None) => {}
+            Err(e) => tracing::warn!("fork sources cannot be watched: none is made: {e}"),
         }
         // Rewound clones coming back (`--rewind`).
         if self.vm.config().invoke.rewind {
@@ -533,6 +597,7 @@ impl<E: Edge> Vmm<E> {
                     }
                     TOKEN_STARTS => self.clones.check_starts(),
                     TOKEN_BACK => self.clones.take_back(&self.vm),
+                    TOKEN_SOURCES => self.take_forwarded(),
                     TOKEN_STDIN => {
                         if self.vm.forward_input(stdin_fd) == Input::Closed {
                             // End of input or an error: stop watching stdin.

@@ -165,6 +165,9 @@ pub enum InvokeError {
     /// An invocation runs in this VM now.
     #[error("an invocation is running in this VM; a VM that is no template serves one at a time")]
     Busy,
+    /// A fork source could not read the request its template forwarded.
+    #[error("the request forwarded by the template is malformed: {0}")]
+    Forwarded(String),
     /// A template is to be derived, and the runtime loads nothing.
     #[error("the runtime does not take load requests (its wait header does not declare it), so no template can be derived from it")]
     NoLoader,

@@ -192,6 +192,7 @@ const RESTORE_OPTIONS: &[&str] = &[
     "--cgroup-wait-ms",
     "--max-clones",
     "--max-tree-clones",
+    "--fork-sources",
     "--seccomp",
     "--tap",
     "--vsock",

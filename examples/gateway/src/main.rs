@@ -106,6 +106,14 @@ struct Args {
     /// --rewind`; docs/invoke.md, "Rewound clones": what each request still gets).
     #[arg(long)]
     rewind: bool,
+    /// Fork sources per template, the template included (`vmm run --fork-sources`;
+    /// 1 to 64): each function's template has N-1 clones of itself that are templates
+    /// too, each with `--warm-clones` of its own, serving its requests in turn, so that
+    /// a popular function's clones are forked by N processes at once (docs/invoke.md,
+    /// "Fork sources"). More memory and idle CPU per function for a rate that grows
+    /// with the host's cores.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    fork_sources: u64,
     /// A further `vmm run` option for the base template (repeatable; `--vmm-arg=--no-prime`).
     #[arg(long = "vmm-arg", allow_hyphen_values = true)]
     vmm_args: Vec<String>,
@@ -179,6 +187,7 @@ async fn start_cache(args: &Args) -> Result<ZygoteCache, GatewayError> {
     spec.start_timeout = Duration::from_secs(args.start_timeout_s);
     spec.options.cgroup_classes.clone_from(&args.classes);
     spec.options.rewind = args.rewind;
+    spec.options.fork_sources = (args.fork_sources > 1).then_some(args.fork_sources as usize);
     let mut vmm_args = args.vmm_args.clone();
     let slots_given = (vmm_args.iter()).any(|a| a.split('=').next() == Some("--disk-slots"));
     if args.package_cache.is_some() && !slots_given {

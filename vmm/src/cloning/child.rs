@@ -154,6 +154,9 @@ pub enum ChildError {
     /// A rewound clone could not tell its parent it is back (it ends).
     #[error("cannot tell the parent this rewound clone is back: {0}")]
     ReportBack(nix::Error),
+    /// A fork source could not take its channel to its template (it ends).
+    #[error("cannot take the fork source's channel: {0}")]
+    Source(std::io::Error),
     /// A clone to be rewound could not tell its parent its life ended (it ends).
     #[error("cannot tell the parent this clone's life ended: {0}")]
     ReportEnded(nix::Error),
@@ -214,6 +217,7 @@ pub(crate) fn child_main(plan: ChildPlan<'_>) -> ! {
             keep.extend(id.carried.iter().map(|c| c.stream.as_raw_fd()));
             keep.extend(id.media_files.iter().map(|f| f.as_raw_fd()));
             keep.extend(id.overlay_files.iter().map(|f| f.as_raw_fd()));
+            keep.extend(id.source.iter().map(|f| f.as_raw_fd()));
         }
     }
     close_all_but(&keep);
@@ -396,8 +400,9 @@ fn prepare_warm(
 fn clone_config(template: &VmConfig, id: &Identity) -> Result<VmConfig, ChildError> {
     let mut config = template.clone();
     config.host.api_sock = Some(id.api_sock.clone());
-    // A clone is no template of its own (`--template` is not inherited).
-    config.invoke.template = false;
+    // A clone is no template of its own (`--template` is not inherited), but for a
+    // fork source (`sources.rs`).
+    config.invoke.template = id.source.is_some();
     config.host.console = ConsoleSink::File(id.console.clone());
     if let (Some(v), Some(path)) = (config.machine.vsock.as_mut(), &id.vsock) {
         v.uds_path = path.clone();
@@ -703,9 +708,15 @@ impl Life<'_> {
         let duty = (plan.working.as_ref())
             .filter(|_| identity.record_working_set)
             .map(|w| Duty::new(w, ahead));
+        let vm = Microvm::new(parts);
+        let mut cloner = Cloner::for_clone(identity.id, vm.config(), plan.hooks, duty);
+        if let Some(channel) = &identity.source {
+            let channel = channel.try_clone().map_err(ChildError::Source)?;
+            cloner.become_source(vm.config(), channel);
+        }
         let rebuilt = RebuiltClone {
-            vm: Microvm::new(parts),
-            cloner: Cloner::for_clone(identity.id, plan.hooks, duty),
+            vm,
+            cloner,
             api_sock: identity.api_sock,
             signals,
             ready: mark,

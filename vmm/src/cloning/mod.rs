@@ -41,6 +41,7 @@ mod hooks;
 mod quiesce;
 mod request;
 mod rewind;
+mod sources;
 mod starting;
 mod table;
 mod tree;
@@ -67,6 +68,7 @@ pub use hooks::{
     ServeError, TakeHandover,
 };
 pub use request::{CloneError, Handover, CLONE_FAILED};
+pub use sources::{Forwarded, InboxError};
 pub use table::{CloneTable, Orphan, OrphanEnd, StartFailure};
 pub use tree::{init as init_tree, report as tree_report, TreeFull};
 pub use warm::{WarmPool, REFILL_DELAY};
@@ -92,6 +94,8 @@ pub struct Cloner {
     working: working::WorkingSet,
     /// A clone's duty to report its working set once it answered its invocation.
     duty: Option<working::Duty>,
+    /// A template's fork sources, or a source's channel to its template.
+    sources: sources::Sources,
 }
 
 impl Cloner {
@@ -118,12 +122,25 @@ impl Cloner {
                 false => 0,
             }),
             duty: None,
+            sources: {
+                let mut s = sources::Sources::new(config.clones.fork_sources);
+                if config.invoke.template {
+                    s.become_template();
+                }
+                s
+            },
         })
     }
 
-    /// The clone side of clone `id`: no pools (its clones stay in its cgroup), no warm
-    /// clones, no working set of its own; `duty`, its working set to report.
-    fn for_clone(id: String, hooks: CloneHooks, duty: Option<working::Duty>) -> Self {
+    /// The clone side of clone `id` with `config`: no pools (its clones stay in its
+    /// cgroup), no warm clones, no fork sources, no working set of its own; `duty`, its
+    /// working set to report.
+    fn for_clone(
+        id: String,
+        config: &VmConfig,
+        hooks: CloneHooks,
+        duty: Option<working::Duty>,
+    ) -> Self {
         Self {
             table: CloneTable::default(),
             starting: Default::default(),
@@ -135,6 +152,7 @@ impl Cloner {
             guest_refusals: Default::default(),
             working: working::WorkingSet::off(),
             duty,
+            sources: sources::Sources::new(config.clones.fork_sources),
         }
     }
 
@@ -147,11 +165,12 @@ impl Cloner {
     }
 
     /// This VM (a clone) is a template from now on (`derive`): it keeps as many warm
-    /// clones as `config` says while paused, and pools of cgroups of its own for its
+    /// clones and fork sources as `config` says while paused, and pools of cgroups of its own for its
     /// clones when `config` has classes (without, or when they cannot be made, its
     /// clones stay in its own cgroup, as a clone's do).
     pub fn become_template(&mut self, config: &VmConfig) {
         self.warm.renew(config.clones.warm_clones);
+        self.sources.become_template();
         self.working = working::WorkingSet::new(config.clones.working_set_mib);
         if self.cgroups.is_none() {
             match config
@@ -167,6 +186,107 @@ impl Cloner {
                 ),
             }
         }
+    }
+
+    /// This VM (a clone just made) is a fork source of its template (`sources.rs`): a
+    /// template of its own, told requests on `channel`.
+    pub fn become_source(&mut self, config: &VmConfig, channel: std::os::fd::OwnedFd) {
+        self.sources.become_source(channel);
+        self.become_template(config);
+    }
+
+    /// The descriptor the event loop watches for its fork sources' channels, or a
+    /// source's channel to its template ([`Cloner::take_forwarded`]); None where there
+    /// are none.
+    pub fn sources_fd(&mut self) -> std::io::Result<Option<std::os::fd::RawFd>> {
+        self.sources.fd()
+    }
+
+    /// In a fork source that just paused as a template: tells its template it may
+    /// forward requests.
+    pub fn announce_ready(&mut self) {
+        self.sources.announce_ready();
+    }
+
+    /// In a template with fork sources: forwards a request to the next ready source in
+    /// turn (`note`, what the layer above makes of it there, its `payload`, the caller's
+    /// `stream`). False: this template serves it itself.
+    pub fn forward(
+        &mut self,
+        note: &serde_json::Value,
+        payload: &[u8],
+        stream: &std::os::unix::net::UnixStream,
+    ) -> bool {
+        let sent = self.sources.forward(note, payload, stream);
+        self.stop_dropped_sources();
+        sent
+    }
+
+    /// Stops the fork sources dropped for a broken channel (those that ended are gone).
+    fn stop_dropped_sources(&mut self) {
+        for id in self.sources.take_dropped() {
+            self.table.begin_stop(&id);
+        }
+    }
+
+    /// What the channels have: in a template, sources that became ready or ended; in a
+    /// fork source, a request its template forwarded.
+    pub fn take_forwarded(&mut self) -> Option<Result<Forwarded, InboxError>> {
+        let events = self.sources.take_events();
+        self.stop_dropped_sources();
+        events
+    }
+
+    /// Makes the fork sources a paused template lacks, from its paused state (never
+    /// from a warm clone, which may have run a prime); each becomes a template of its
+    /// own and says when it is ready.
+    fn make_sources(&mut self, vm: &mut Microvm) {
+        let wanted = self.sources.wanted();
+        let channels: std::io::Result<Vec<_>> =
+            (0..wanted).map(|_| sources::Sources::channel()).collect();
+        let channels = match channels {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("cannot make fork sources: {e}");
+                return self.sources.failed();
+            }
+        };
+        let (ends, roots): (Vec<_>, Vec<_>) = channels.into_iter().unzip();
+        let mut ends = ends.into_iter();
+        let req = CreateClones {
+            count: wanted as u64,
+            ..CreateClones::default()
+        };
+        let now = crate::vstate::vcpu::monotonic_ns();
+        let prepare = |identity: &mut request::Identity| {
+            identity.source = ends.next().map(Arc::new);
+            // Its guest prints nothing of its own, and a file per source made would
+            // stay behind (the records of clones that ended keep theirs).
+            identity.console = "/dev/null".into();
+        };
+        match self.make_clones_with(vm, &req, now, None, true, prepare) {
+            Ok(made) => {
+                for (info, root) in made.into_iter().zip(roots) {
+                    match info.status {
+                        CloneStatus::Failed => self.sources.failed(),
+                        _ => self.sources.add(info.id, info.pid, root),
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot make fork sources: {e}");
+                self.sources.failed();
+            }
+        }
+    }
+
+    /// Whether fork sources are to be made now: a paused template, nothing pending,
+    /// fewer sources than it keeps.
+    fn sources_wanted(&self, vm: &Microvm) -> bool {
+        vm.state() == VmState::Paused
+            && vm.pending_events().is_empty()
+            && vm.config().invoke.template
+            && self.sources.wanted() > 0
     }
 
     /// This VM's clone id ("" for an original VM).
@@ -499,7 +619,8 @@ impl Cloner {
         identities: Vec<request::Identity>,
         class: Option<&str>,
     ) -> Result<Vec<(CloneInfo, File)>, CloneError> {
-        let warm_fits = (self.cgroups.as_ref()).map_or(class.is_none(), |p| p.is_default(class));
+        let warm_fits = (self.cgroups.as_ref()).map_or(class.is_none(), |p| p.is_default(class))
+            && identities.iter().all(|i| i.source.is_none());
         let mut made = Vec::with_capacity(identities.len());
         let mut rest = Vec::new();
         for identity in identities {
@@ -546,6 +667,10 @@ impl Cloner {
     /// warm clones hold what it was, so they are discarded.
     pub fn discard_warm_clones(&mut self) {
         self.warm.discard();
+        // Fork sources too: they are templates of the state it had.
+        for id in self.sources.forget_all() {
+            self.table.begin_stop(&id);
+        }
     }
 
     /// The template runs to be refreshed and pauses again as it was, its clock caught
@@ -568,6 +693,10 @@ impl Cloner {
             self.cgroups.as_ref().and_then(ClonePools::upkeep_due_in),
             spares,
             self.table.kill_due_in(),
+            match self.sources_wanted(vm) {
+                true => Some(Duration::ZERO),
+                false => self.sources.due_in(),
+            },
         ]
         .into_iter()
         .flatten()
@@ -581,6 +710,9 @@ impl Cloner {
         self.check_starts();
         self.warm.retire_stale();
         self.warm.trim_surplus();
+        if self.sources_wanted(vm) {
+            self.make_sources(vm);
+        }
         if self.warm.refill_due_in(vm) == Some(Duration::ZERO) {
             let prime = prime(vm);
             if vm.config().invoke.rewind && vm.config().invoke.template {

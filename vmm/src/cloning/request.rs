@@ -206,6 +206,10 @@ pub(crate) struct Identity {
     /// Whether `ready` travels with the launch message.
     #[serde(default)]
     pub ready_attached: bool,
+    /// A fork source's end of its channel to its template (`sources.rs`): the clone is
+    /// a template of its own from its start. Inherited: a source is always forked.
+    #[serde(skip)]
+    pub source: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
 /// A handover's payload and stream, on their way to a clone.
@@ -399,6 +403,7 @@ pub(super) fn identities(
             overlay_files: overlay_files(config, &writable)?,
             ready: None,
             ready_attached: false,
+            source: None,
         });
     }
     Ok(identities)

@@ -63,6 +63,12 @@ impl VmConfig {
         if self.clones.warm_clones > MAX_WARM_CLONES {
             return Err(ConfigError::WarmClones(self.clones.warm_clones));
         }
+        if !(1..=MAX_FORK_SOURCES).contains(&self.clones.fork_sources) {
+            return Err(ConfigError::ForkSources(self.clones.fork_sources));
+        }
+        if self.clones.fork_sources > 1 && !self.invoke.template {
+            return Err(ConfigError::ForkSourcesNoTemplate);
+        }
         if self.clones.working_set_mib > MAX_WORKING_SET_MIB {
             return Err(ConfigError::WorkingSet(self.clones.working_set_mib));
         }
@@ -129,6 +135,12 @@ pub enum ConfigError {
     /// Too many warm clones.
     #[error("{0} warm clones requested; at most {max} may be kept", max = MAX_WARM_CLONES)]
     WarmClones(usize),
+    /// `--fork-sources` out of range.
+    #[error("fork sources must be 1 to {max}, not {0}", max = MAX_FORK_SOURCES)]
+    ForkSources(usize),
+    /// `--fork-sources` above 1 for a VM that is no template.
+    #[error("fork sources are a template's (--template, or a snapshot of one)")]
+    ForkSourcesNoTemplate,
     /// `--working-set-mib` out of range.
     #[error("--working-set-mib {0} is more than {max}", max = MAX_WORKING_SET_MIB)]
     WorkingSet(u64),
@@ -398,6 +410,23 @@ mod tests {
         }
         cg.parent = "forkvm/test".into();
         c.host.cgroups = Some(cg);
+        assert_eq!(c.validate(8), Ok(()));
+    }
+
+    #[test]
+    fn fork_sources_are_one_to_the_most_and_only_a_template_s() {
+        let mut c = cfg();
+        c.invoke.template = true;
+        for (n, ok) in [(0, false), (1, true), (2, true), (MAX_FORK_SOURCES, true)] {
+            c.clones.fork_sources = n;
+            assert_eq!(c.validate(8).is_ok(), ok, "{n}");
+        }
+        c.clones.fork_sources = MAX_FORK_SOURCES + 1;
+        assert!(matches!(c.validate(8), Err(ConfigError::ForkSources(_))));
+        c.clones.fork_sources = 2;
+        c.invoke.template = false;
+        assert_eq!(c.validate(8), Err(ConfigError::ForkSourcesNoTemplate));
+        c.clones.fork_sources = 1;
         assert_eq!(c.validate(8), Ok(()));
     }
 }

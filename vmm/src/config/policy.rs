@@ -13,6 +13,8 @@ pub const MAX_LIVE_CLONES: usize = 2000;
 pub const MAX_TREE_CLONES: usize = 65536;
 /// Most warm clones a VM may keep (`--warm-clones`).
 pub const MAX_WARM_CLONES: usize = 256;
+/// Most fork sources a template may have, itself included (`--fork-sources`).
+pub const MAX_FORK_SOURCES: usize = 64;
 
 /// The most of a template's working set its warm clones write ahead unless told
 /// otherwise, in MiB (`cloning::working`).
@@ -165,6 +167,10 @@ pub struct ClonePolicy {
     /// The most of a template's working set, learned from its invocation clones, that
     /// each warm clone writes ahead, in MiB (0: none; `cloning::working`).
     pub working_set_mib: u64,
+    /// A template's fork sources, itself included (1 to [`MAX_FORK_SOURCES`]): the
+    /// others are clones of it that serve its invocations in turn, each with its own
+    /// warm clones (`cloning::sources`).
+    pub fork_sources: usize,
 }
 
 impl Default for ClonePolicy {
@@ -175,6 +181,7 @@ impl Default for ClonePolicy {
             max_tree_clones: MAX_LIVE_CLONES,
             prime: true,
             working_set_mib: DEFAULT_WORKING_SET_MIB,
+            fork_sources: 1,
         }
     }
 }

@@ -67,6 +67,8 @@ pub struct RestoreOptions {
     pub cow_dir: Option<PathBuf>,
     /// Rewind its invocation clones instead of ending them (`--rewind`).
     pub rewind: bool,
+    /// Its fork sources, itself included (`--fork-sources`; a template's).
+    pub fork_sources: usize,
 }
 
 /// Why a snapshot could not be restored.
@@ -212,6 +214,7 @@ pub fn restored_config(
             max_tree_clones: opts.max_tree_clones,
             prime: saved.prime,
             working_set_mib: opts.working_set_mib,
+            fork_sources: opts.fork_sources,
         },
         invoke: InvokePolicy {
             rewind: opts.rewind,

@@ -363,6 +363,50 @@ fn fork_sources_serve_a_template_s_requests_in_turn_and_are_made_again_when_it_c
     assert_eq!(fds_of(pid, fds), fds, "fds leaked:\n{}", fd_targets(pid));
 }
 
+/// A template derived from one with `--fork-sources 2` (what the gateway's functions
+/// are) has a fork source of its own, a clone of what it loaded: requests to it are
+/// served by it and by its source in turn, each answering with what the load left.
+#[test]
+fn a_derived_template_has_fork_sources_of_what_it_loaded() {
+    if !kvm_available("invoke_fork_sources_derived") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-sources-derived");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 load=1",
+        &["--warm-clones", "1", "--fork-sources", "2"],
+    );
+    let root_sources = ready_sources(&vm, 1);
+    // Derive requests are the template's own (not forwarded): the derived template is
+    // its clone.
+    let (id, derived) = derive(&vm.sock, b"loaded!\0");
+    assert!(!id.contains('.'), "derived by a source: {id}");
+    let mut source = None;
+    wait_until("the derived template's fork source", || {
+        let (_, body) = tests::api_request(&derived, "GET", "/clones", None);
+        let list: Value = serde_json::from_str(&body).unwrap();
+        source = (list["clones"].as_array().unwrap().iter())
+            .find(|c| c["status"]["state"] == "running")
+            .map(|c| c["id"].as_str().unwrap().to_string());
+        source.is_some()
+    });
+    let source = source.unwrap();
+    assert!(source.starts_with(&format!("{id}.")), "{source}");
+    let mut by = HashSet::new();
+    for _ in 0..12 {
+        let (shown, clone) = shown(&derived);
+        assert_eq!(shown, b"loaded!\0", "clone {clone}");
+        by.insert(clone.rsplit_once('.').unwrap().0.to_string());
+    }
+    let expected: HashSet<String> = [id.clone(), source].into_iter().collect();
+    assert_eq!(
+        by, expected,
+        "served by the derived template and its source"
+    );
+    assert_eq!(root_sources.len(), 1);
+}
+
 /// `--rewind`: an invocation clone that answered is put back in its template's state
 /// and serves another request in the same process. Eight callers at once: every reply
 /// comes from a VM whose guest memory is the template's again (the guest's own request

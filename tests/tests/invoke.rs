@@ -363,6 +363,42 @@ fn fork_sources_serve_a_template_s_requests_in_turn_and_are_made_again_when_it_c
     assert_eq!(fds_of(pid, fds), fds, "fds leaked:\n{}", fd_targets(pid));
 }
 
+/// A fork source its template lets go (a resume) serves the request it has in flight to
+/// the end, then ends: a `tick` request (400M cycles of spin, prime=4) running in a
+/// source's clone when the template resumes is answered in full.
+#[test]
+fn a_fork_source_let_go_finishes_the_request_it_serves_then_ends() {
+    if !kvm_available("invoke_fork_sources_retire") {
+        return;
+    }
+    let scratch = Scratch::new("invoke-sources-retire");
+    let vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=4",
+        &["--warm-clones", "1", "--fork-sources", "2"],
+    );
+    let sources = ready_sources(&vm, 1);
+    let (source, source_sock) = sources[0].clone();
+    // The first request goes to the source (the root's turn comes next).
+    let sock = vm.sock.clone();
+    let caller = std::thread::spawn(move || invoke(&sock, b"tick"));
+    wait_until("the source's clone to run the request", || {
+        let (_, body) = tests::api_request(&source_sock, "GET", "/clones", None);
+        body.contains("running")
+    });
+    let (code, body) = vm.api("PATCH", "/vm", Some(r#"{"state":"running"}"#));
+    assert_eq!(code, 204, "{body}");
+    let r = caller.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.bytes.len(), 16, "the spin's answer");
+    let id = r.header("x-forkvm-clone-id").unwrap();
+    assert!(id.starts_with(&format!("{source}.")), "served by {id}");
+    wait_until("the source let go to end", || !source_sock.exists());
+    wait_until("the template to pause again", || vm.waits_as_template());
+    let renewed = ready_sources(&vm, 1);
+    assert_ne!(renewed[0].0, source);
+}
+
 /// A template derived from one with `--fork-sources 2` (what the gateway's functions
 /// are) has a fork source of its own, a clone of what it loaded: requests to it are
 /// served by it and by its source in turn, each answering with what the load left.

@@ -238,9 +238,11 @@ impl<E: Edge> Vmm<E> {
     fn take_forwarded(&mut self) {
         let f = match self.clones.take_forwarded() {
             None => return,
-            // Its template closed the channel (it stops, or stopped this source).
+            // Its template let it go (its state changed, or it stops).
             Some(Err(InboxError::Io(e))) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                return tracing::info!("the template closed this fork source's channel")
+                return tracing::info!(
+                    "let go by its template: this fork source ends once its clones have"
+                )
             }
             Some(Err(e)) => return tracing::warn!("{e}"),
             Some(Ok(f)) => f,
@@ -568,6 +570,9 @@ impl<E: Edge> Vmm<E> {
                 self.refresh();
             }
             self.take_held_until_paused();
+            if self.clones.retired() {
+                break 'run RunOutcome::Retired;
+            }
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_RESET => {
@@ -699,6 +704,7 @@ fn describe_outcome(outcome: &RunOutcome) -> String {
         RunOutcome::GuestDone(code) => format!("the guest ended with status {code}"),
         RunOutcome::Error(e) => e.clone(),
         RunOutcome::Invoked => "the VM ended".into(),
+        RunOutcome::Retired => "the fork source was let go by its template".into(),
     }
 }
 

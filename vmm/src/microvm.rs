@@ -40,13 +40,18 @@ pub enum RunOutcome {
     Error(String),
     /// The VM served its invocation and ended (a clone made for one).
     Invoked,
+    /// A fork source its template let go ended, its clones gone (`cloning::sources`).
+    Retired,
 }
 
 impl RunOutcome {
     /// The process exit status for this outcome.
     pub fn exit_code(&self) -> i32 {
         match self {
-            RunOutcome::GuestPowerOff | RunOutcome::ApiShutdown | RunOutcome::Invoked => 0,
+            RunOutcome::GuestPowerOff
+            | RunOutcome::ApiShutdown
+            | RunOutcome::Invoked
+            | RunOutcome::Retired => 0,
             RunOutcome::Signal(s) => 128 + s,
             RunOutcome::GuestDone(code) => (*code & 0xff) as i32,
             RunOutcome::Error(_) => 1,

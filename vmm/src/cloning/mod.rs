@@ -188,107 +188,6 @@ impl Cloner {
         }
     }
 
-    /// This VM (a clone just made) is a fork source of its template (`sources.rs`): a
-    /// template of its own, told requests on `channel`.
-    pub fn become_source(&mut self, config: &VmConfig, channel: std::os::fd::OwnedFd) {
-        self.sources.become_source(channel);
-        self.become_template(config);
-    }
-
-    /// The descriptor the event loop watches for its fork sources' channels, or a
-    /// source's channel to its template ([`Cloner::take_forwarded`]); None where there
-    /// are none.
-    pub fn sources_fd(&mut self) -> std::io::Result<Option<std::os::fd::RawFd>> {
-        self.sources.fd()
-    }
-
-    /// In a fork source that just paused as a template: tells its template it may
-    /// forward requests.
-    pub fn announce_ready(&mut self) {
-        self.sources.announce_ready();
-    }
-
-    /// In a template with fork sources: forwards a request to the next ready source in
-    /// turn (`note`, what the layer above makes of it there, its `payload`, the caller's
-    /// `stream`). False: this template serves it itself.
-    pub fn forward(
-        &mut self,
-        note: &serde_json::Value,
-        payload: &[u8],
-        stream: &std::os::unix::net::UnixStream,
-    ) -> bool {
-        let sent = self.sources.forward(note, payload, stream);
-        self.stop_dropped_sources();
-        sent
-    }
-
-    /// Stops the fork sources dropped for a broken channel (those that ended are gone).
-    fn stop_dropped_sources(&mut self) {
-        for id in self.sources.take_dropped() {
-            self.table.begin_stop(&id);
-        }
-    }
-
-    /// What the channels have: in a template, sources that became ready or ended; in a
-    /// fork source, a request its template forwarded.
-    pub fn take_forwarded(&mut self) -> Option<Result<Forwarded, InboxError>> {
-        let events = self.sources.take_events();
-        self.stop_dropped_sources();
-        events
-    }
-
-    /// Makes the fork sources a paused template lacks, from its paused state (never
-    /// from a warm clone, which may have run a prime); each becomes a template of its
-    /// own and says when it is ready.
-    fn make_sources(&mut self, vm: &mut Microvm) {
-        let wanted = self.sources.wanted();
-        let channels: std::io::Result<Vec<_>> =
-            (0..wanted).map(|_| sources::Sources::channel()).collect();
-        let channels = match channels {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!("cannot make fork sources: {e}");
-                return self.sources.failed();
-            }
-        };
-        let (ends, roots): (Vec<_>, Vec<_>) = channels.into_iter().unzip();
-        let mut ends = ends.into_iter();
-        let req = CreateClones {
-            count: wanted as u64,
-            ..CreateClones::default()
-        };
-        let now = crate::vstate::vcpu::monotonic_ns();
-        let prepare = |identity: &mut request::Identity| {
-            identity.source = ends.next().map(Arc::new);
-            // Its guest prints nothing of its own, and a file per source made would
-            // stay behind (the records of clones that ended keep theirs).
-            identity.console = "/dev/null".into();
-        };
-        match self.make_clones_with(vm, &req, now, None, true, prepare) {
-            Ok(made) => {
-                for (info, root) in made.into_iter().zip(roots) {
-                    match info.status {
-                        CloneStatus::Failed => self.sources.failed(),
-                        _ => self.sources.add(info.id, info.pid, root),
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!("cannot make fork sources: {e}");
-                self.sources.failed();
-            }
-        }
-    }
-
-    /// Whether fork sources are to be made now: a paused template, nothing pending,
-    /// fewer sources than it keeps.
-    fn sources_wanted(&self, vm: &Microvm) -> bool {
-        vm.state() == VmState::Paused
-            && vm.pending_events().is_empty()
-            && vm.config().invoke.template
-            && self.sources.wanted() > 0
-    }
-
     /// This VM's clone id ("" for an original VM).
     pub fn clone_id(&self) -> &str {
         &self.clone_id
@@ -668,9 +567,7 @@ impl Cloner {
     pub fn discard_warm_clones(&mut self) {
         self.warm.discard();
         // Fork sources too: they are templates of the state it had.
-        for id in self.sources.forget_all() {
-            self.table.begin_stop(&id);
-        }
+        self.sources.let_go();
     }
 
     /// The template runs to be refreshed and pauses again as it was, its clock caught
@@ -689,7 +586,7 @@ impl Cloner {
             (self.spares).due_in(vm, self.table.made(), !self.clone_id.is_empty(), &self.warm);
         [
             self.starting.due_in(),
-            self.warm.due_in(vm),
+            self.warm.due_in(vm).filter(|_| !self.sources.retiring()),
             self.cgroups.as_ref().and_then(ClonePools::upkeep_due_in),
             spares,
             self.table.kill_due_in(),
@@ -713,7 +610,7 @@ impl Cloner {
         if self.sources_wanted(vm) {
             self.make_sources(vm);
         }
-        if self.warm.refill_due_in(vm) == Some(Duration::ZERO) {
+        if self.warm.refill_due_in(vm) == Some(Duration::ZERO) && !self.sources.retiring() {
             let prime = prime(vm);
             if vm.config().invoke.rewind && vm.config().invoke.template {
                 let why_not = rewind::unsupported(vm);

@@ -28,7 +28,11 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use api_types::vm::VmState;
+use api_types::{CloneStatus, CreateClones};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use super::{request, Cloner};
 
 /// How long the root waits before it tries again to make sources after it failed to.
 const RETRY: Duration = Duration::from_secs(1);
@@ -98,6 +102,8 @@ pub(super) struct Sources {
     announced: bool,
     /// Sources dropped for a broken channel, to be stopped ([`Sources::take_dropped`]).
     dropped: Vec<String>,
+    /// In a source: its template let it go.
+    retiring: bool,
 }
 
 impl Sources {
@@ -219,23 +225,26 @@ impl Sources {
         self.not_before = Some(Instant::now() + RETRY);
     }
 
-    /// Forgets every source, giving back their ids to be stopped (the root's paused
-    /// state changed).
-    pub fn forget_all(&mut self) -> Vec<String> {
+    /// Lets every source go (the root's paused state changed): their channels close,
+    /// and each ends once its clones have ([`Cloner::retired`]), so that a request one
+    /// serves is not cut short.
+    pub fn let_go(&mut self) {
         self.turn = 0;
-        std::mem::take(&mut self.live)
-            .into_iter()
-            .map(|s| {
-                if let Some(e) = &self.epoll {
-                    let _ = e.ctl(
-                        ControlOperation::Delete,
-                        s.channel.as_raw_fd(),
-                        EpollEvent::default(),
-                    );
-                }
-                s.id
-            })
-            .collect()
+        for s in std::mem::take(&mut self.live) {
+            if let Some(e) = &self.epoll {
+                let _ = e.ctl(
+                    ControlOperation::Delete,
+                    s.channel.as_raw_fd(),
+                    EpollEvent::default(),
+                );
+            }
+            tracing::info!("fork source {} (pid {}) let go", s.id, s.pid);
+        }
+    }
+
+    /// In a source: whether its template let it go (its channel closed or broke).
+    pub fn retiring(&self) -> bool {
+        self.retiring
     }
 
     /// Reads what the channels have: in the root, sources that became ready or ended;
@@ -252,8 +261,9 @@ impl Sources {
             }
         }
         if let Some(Err(InboxError::Io(_))) = &forwarded {
-            // The root is gone or the channel broke: nothing more can come on it (this
-            // source dies with its root).
+            // The root let this source go, or the channel broke: nothing more can come
+            // on it. It ends once its clones have.
+            self.retiring = true;
             if let (Some(e), Some(inbox)) = (&self.epoll, &self.inbox) {
                 let _ = e.ctl(
                     ControlOperation::Delete,
@@ -331,6 +341,128 @@ impl Sources {
                 false
             }
         }
+    }
+}
+
+/// The clone side's part in fork sources.
+impl Cloner {
+    /// This VM (a clone just made) is a fork source of its template (`sources.rs`): a
+    /// template of its own, told requests on `channel`.
+    pub fn become_source(
+        &mut self,
+        config: &crate::config::VmConfig,
+        channel: std::os::fd::OwnedFd,
+    ) {
+        self.sources.become_source(channel);
+        self.become_template(config);
+    }
+
+    /// The descriptor the event loop watches for its fork sources' channels, or a
+    /// source's channel to its template ([`Cloner::take_forwarded`]); None where there
+    /// are none.
+    pub fn sources_fd(&mut self) -> std::io::Result<Option<std::os::fd::RawFd>> {
+        self.sources.fd()
+    }
+
+    /// In a fork source that just paused as a template: tells its template it may
+    /// forward requests.
+    pub fn announce_ready(&mut self) {
+        self.sources.announce_ready();
+    }
+
+    /// In a template with fork sources: forwards a request to the next ready source in
+    /// turn (`note`, what the layer above makes of it there, its `payload`, the caller's
+    /// `stream`). False: this template serves it itself.
+    pub fn forward(
+        &mut self,
+        note: &serde_json::Value,
+        payload: &[u8],
+        stream: &std::os::unix::net::UnixStream,
+    ) -> bool {
+        let sent = self.sources.forward(note, payload, stream);
+        self.stop_dropped_sources();
+        sent
+    }
+
+    /// Stops the fork sources dropped for a broken channel (those that ended are gone).
+    fn stop_dropped_sources(&mut self) {
+        for id in self.sources.take_dropped() {
+            self.table.begin_stop(&id);
+        }
+    }
+
+    /// What the channels have: in a template, sources that became ready or ended; in a
+    /// fork source, a request its template forwarded.
+    pub fn take_forwarded(&mut self) -> Option<Result<Forwarded, InboxError>> {
+        let was_retiring = self.sources.retiring();
+        let events = self.sources.take_events();
+        self.stop_dropped_sources();
+        if self.sources.retiring() && !was_retiring {
+            // No request comes any more: no warm clone is kept for one.
+            self.warm.discard();
+        }
+        events
+    }
+
+    /// In a fork source its template let go: whether it may end now (no clone of its
+    /// runs, but warm ones).
+    pub fn retired(&mut self) -> bool {
+        if !self.sources.retiring() {
+            return false;
+        }
+        self.reap();
+        self.table.live().next().is_none()
+    }
+
+    /// Makes the fork sources a paused template lacks, from its paused state (never
+    /// from a warm clone, which may have run a prime); each becomes a template of its
+    /// own and says when it is ready.
+    pub(super) fn make_sources(&mut self, vm: &mut crate::microvm::Microvm) {
+        let wanted = self.sources.wanted();
+        let channels: std::io::Result<Vec<_>> = (0..wanted).map(|_| Sources::channel()).collect();
+        let channels = match channels {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("cannot make fork sources: {e}");
+                return self.sources.failed();
+            }
+        };
+        let (ends, roots): (Vec<_>, Vec<_>) = channels.into_iter().unzip();
+        let mut ends = ends.into_iter();
+        let req = CreateClones {
+            count: wanted as u64,
+            ..CreateClones::default()
+        };
+        let now = crate::vstate::vcpu::monotonic_ns();
+        let prepare = |identity: &mut request::Identity| {
+            identity.source = ends.next().map(std::sync::Arc::new);
+            // Its guest prints nothing of its own, and a file per source made would
+            // stay behind (the records of clones that ended keep theirs).
+            identity.console = "/dev/null".into();
+        };
+        match self.make_clones_with(vm, &req, now, None, true, prepare) {
+            Ok(made) => {
+                for (info, root) in made.into_iter().zip(roots) {
+                    match info.status {
+                        CloneStatus::Failed => self.sources.failed(),
+                        _ => self.sources.add(info.id, info.pid, root),
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot make fork sources: {e}");
+                self.sources.failed();
+            }
+        }
+    }
+
+    /// Whether fork sources are to be made now: a paused template, nothing pending,
+    /// fewer sources than it keeps.
+    pub(super) fn sources_wanted(&self, vm: &crate::microvm::Microvm) -> bool {
+        vm.state() == VmState::Paused
+            && vm.pending_events().is_empty()
+            && vm.config().invoke.template
+            && self.sources.wanted() > 0
     }
 }
 
@@ -495,7 +627,15 @@ mod tests {
             let f = receive(&s1).unwrap();
             assert_eq!(f.payload, b"x");
         }
-        assert_eq!(sources.forget_all(), vec!["1".to_string()]);
+        sources.let_go();
+        assert!(sources.live.is_empty());
         assert_eq!(sources.wanted(), 2);
+        // The source sees its channel close: it retires.
+        let mut source = Sources::default();
+        source.become_source(s1.into());
+        source.fd().unwrap();
+        assert!(!source.retiring());
+        assert!(matches!(source.take_events(), Some(Err(InboxError::Io(_)))));
+        assert!(source.retiring());
     }
 }

@@ -21,7 +21,8 @@ throughput: invocations per second with 1, 2, 4, ... up to 4x the cores of concu
   template instead of the tiny guest. --plot PNG draws invocations/s against clients.
   --rewind adds this build with `vmm run --rewind` (rewound clones), and the baseline
   so too; --class NAME:LIMITS adds each build again with cgroup pools of that class
-  (every clone in a cgroup of it; needs root; the pools' parent is removed at the end).
+  (every clone in a cgroup of it; needs root; the pools' parent is removed at the end);
+  --sources N adds this build (and its --rewind) with `vmm run --fork-sources N`.
 
 runtimes: the Linux runtimes, side by side in one run with 256 MiB templates booted at
   once: request to reply for the C runtime's echo (forkvm-fn echo) with the kernel RNG
@@ -44,7 +45,8 @@ usage: benches/invoke.py latency [--runs N] [--rounds R] [--mem MIB] [--payload 
        benches/invoke.py ab --baseline VMM [--runs N] [--rounds R] [--mem MIB]
        benches/invoke.py throughput [--seconds S] [--clients auto|1,2,4,8] [--mem MIB]
                                     [--warm N] [--guest tiny|c|python] [--baseline VMM]
-                                    [--rewind] [--class NAME:LIMITS] [--plot PNG]
+                                    [--rewind] [--class NAME:LIMITS] [--sources N]
+                                    [--plot PNG]
        benches/invoke.py runtimes [--runs N] [--rounds R] [--exec-runs N] [--boots N]
                                   [--seconds S] [--clients 1,2,4,8]
 """
@@ -279,10 +281,16 @@ def throughput(a):
         # The same builds again with cgroup pools: each clone in a cgroup of the class.
         builds += [(f"{n}+class", vmm) for n, vmm in builds if not n.startswith("baseline")]
 
+    if a.sources > 1:
+        # This build again (fresh, and rewound with --rewind) with fork sources.
+        builds += [(f"{n}+sources", vmm) for n, vmm in builds if n in ("forkvm", "rewind")]
+
     def extra(n):
         pools = ["--cgroup-class", a.cgroup_class, "--cgroup-parent", parent]
+        sources = ["--fork-sources", str(a.sources)]
         return (["--rewind"] if "rewind" in n else []) + \
-            (pools if n.endswith("+class") else [])
+            (pools if n.endswith("+class") else []) + \
+            (sources if n.endswith("+sources") else [])
 
     label, guest, expect, handler = GUESTS[a.guest]
     print(f"\nThroughput on {load.cores()} cores, {label}, "
@@ -333,7 +341,10 @@ def throughput(a):
                                stdout=subprocess.DEVNULL, check=False)
     print("\nWhere the host CPU per invocation goes (ms): the template VMM's own threads, "
           "its clones (reaped children), and the rest (host kernel threads: deferred "
-          "teardown, RCU; other processes)\n")
+          "teardown, RCU; other processes). With fork sources, the template's own "
+          "threads are the part no other process can take (its API thread, forwarding, "
+          "and the requests it serves itself), and the sources and their clones, not "
+          "reaped during a row, are in the rest\n")
     print("| clients | " + " | ".join(f"{n}: template | clones | rest" for n, _ in builds) + " |")
     print("|---" * (1 + 3 * len(builds)) + "|")
     for i, c in enumerate(clients):
@@ -350,6 +361,8 @@ def throughput(a):
                   "baseline-rewind": f"baseline build --rewind ({os.path.basename(a.baseline or '')})",
                   "SOCK": "host Python zygote, fork per request (SOCK)"}
         labels.update({f"{n}+class": f"{labels[n]}, in a cgroup of {a.cgroup_class}"
+                       for n in ("forkvm", "rewind")})
+        labels.update({f"{n}+sources": f"{labels[n]}, --fork-sources {a.sources}"
                        for n in ("forkvm", "rewind")})
         kind = "a fresh or rewound clone" if a.rewind else "a fresh clone"
         load.plot(a.plot, f"{label}: {kind} per request, {load.cores()} cores",
@@ -623,6 +636,9 @@ def main():
     tp.add_argument("--baseline", help="another build's vmm binary, run beside this one")
     tp.add_argument("--rewind", action="store_true",
                     help="also this build with --rewind: rewound clones")
+    tp.add_argument("--sources", type=int, default=1, metavar="N",
+                    help="also this build (and --rewind's) with --fork-sources N: the "
+                         "template and N-1 clones of it forking its clones")
     tp.add_argument("--plot", help="draw invocations/s against clients to this PNG")
     tp.add_argument("--class", dest="cgroup_class", metavar="NAME:LIMITS",
                     help="also each build with cgroup pools of this class (vmm run "

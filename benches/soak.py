@@ -30,8 +30,15 @@ until it is deleted, and each invocation is served by a fresh primed warm clone.
 serve again, so the warm clones' own descriptors and anonymous memory (clone_fds,
 clone_anon_kib: its children's, summed) must end where they began too.
 
+--sources N runs the template with `vmm run --fork-sources N`: its invocations are served
+in turn by it and by N-1 fork sources (clones of it that are templates too). At rest its
+children are then its warm clones and the sources, and the sources' children
+(grandchildren) their warm clones: their descriptors are in clone_fds, and the
+grandchildren's count and descriptors (grandchild_fds) must end where they began too.
+
 usage: benches/soak.py [--cycles 10000] [--invocations 10000] [--every 1000] [--warm 4]
                        [--cgroup-class CLASS] [--guest tiny|c|python] [--rewind]
+                       [--sources N]
 """
 import argparse
 import json
@@ -92,6 +99,18 @@ def children(pid):
     return out
 
 
+def children_of_gone_ok(pid):
+    """A child's children ([] for a process gone meanwhile)."""
+    try:
+        return children(pid)
+    except OSError:
+        return []
+
+
+# The template's fork sources, itself included (--sources).
+SOURCES = 1
+
+
 def state_of(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -136,6 +155,10 @@ def counts(pid, sock, tmp, cgroup_parent):
         "clone_fds": sum(fd_count(k) for k in kids),
         "clone_anon_kib": sum(kib(k, "RssAnon:") for k in kids),
     }
+    grand = [g for k in kids for g in children_of_gone_ok(k)]
+    if grand or SOURCES > 1:
+        c["grandchildren"] = len(grand)
+        c["grandchild_fds"] = sum(fd_count(g) for g in grand)
     if cgroup_parent:
         c["cgroups"] = cgroups_below(cgroup_parent)
     return c
@@ -157,9 +180,12 @@ def settled(p, sock, tmp, a):
                 break
             time.sleep(0.5)
     deadline = time.time() + 10
+    sources = a.sources - 1
     while True:
         c = counts(p.pid, sock, tmp, a.cgroup_parent)
-        if c["children"] == a.warm or time.time() > deadline:
+        rest = c["children"] == a.warm + sources and \
+            c.get("grandchildren", 0) == a.warm * sources
+        if rest or time.time() > deadline:
             return c
         time.sleep(0.05)
 
@@ -180,7 +206,11 @@ def main():
                     help="the template's guest and runtime")
     ap.add_argument("--rewind", action="store_true",
                     help="vmm run --rewind: invocation clones rewound, not ended")
+    ap.add_argument("--sources", type=int, default=1, metavar="N",
+                    help="vmm run --fork-sources N: invocations served by N processes")
     a = ap.parse_args()
+    global SOURCES
+    SOURCES = a.sources
     a.cgroup_parent = f"forkvm-soak-{os.getpid()}" if a.cgroup_class else ""
     tmp = tempfile.mkdtemp(prefix="forkvm-soak-")
     sock = os.path.join(tmp, "api.sock")
@@ -189,6 +219,8 @@ def main():
            "--api-sock", sock, "--template", "--warm-clones", str(a.warm)]
     if a.rewind:
         cmd.append("--rewind")
+    if a.sources > 1:
+        cmd += ["--fork-sources", str(a.sources)]
     if a.cgroup_class:
         cmd += ["--cgroup-class", a.cgroup_class, "--cgroup-parent", a.cgroup_parent]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -232,8 +264,9 @@ def main():
         # which processes the pool holds at the end (a rewound one holds the pages its
         # requests wrote; a leak shows as growth from row to row with the same ones).
         grew = {k: (first[k], last[k]) for k in first
-                if k not in ("rss_kib", "records", "clone_anon_kib") and last[k] != first[k]}
-        if last["records"] > 1024:
+                if k not in ("rss_kib", "records", "clone_anon_kib") and last.get(k) != first[k]}
+        # Besides the sources, which run.
+        if last["records"] > 1024 + a.sources - 1:
             grew["records"] = (first["records"], last["records"])
         rss = last["rss_kib"] - first["rss_kib"]
         print(f"RSS {first['rss_kib']} -> {last['rss_kib']} KiB ({rss:+d}); "

@@ -165,9 +165,9 @@ impl Cloner {
     }
 
     /// This VM (a clone) is a template from now on (`derive`): it keeps as many warm
-    /// clones and fork sources as `config` says while paused, and pools of cgroups of its own for its
-    /// clones when `config` has classes (without, or when they cannot be made, its
-    /// clones stay in its own cgroup, as a clone's do).
+    /// clones and fork sources as `config` says while paused, and pools of cgroups of
+    /// its own for its clones when `config` has classes (without, or when they cannot
+    /// be made, its clones stay in its own cgroup, as a clone's do).
     pub fn become_template(&mut self, config: &VmConfig) {
         self.warm.renew(config.clones.warm_clones);
         self.sources.become_template();

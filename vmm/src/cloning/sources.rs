@@ -16,9 +16,12 @@
 //! and makes again any that ended. A source runs its runtime once (it reads "no
 //! request" and waits again), pauses there as a template, and says so with a byte on
 //! its channel; only then is it sent requests. When the root's paused state changes (it
-//! resumed, its serial port took input, a disk slot changed) its sources are stopped, as
-//! its warm clones are, and new ones are made at its next pause. A source's channel that
-//! closes is a source that ended: it is sent nothing more.
+//! resumed, its serial port took input, a disk slot changed) it discards its warm clones
+//! and lets its sources go: it closes their channels, and each source, told so by the
+//! end of its channel, takes no more requests, discards its warm clones and ends once
+//! the clones it made have (a request in flight is answered in full). New ones are made
+//! at the root's next pause. A source's channel that closes is a source that ended: it
+//! is sent nothing more; one that cannot take a message (stuck for 2 s) is stopped.
 //!
 //! The channels are watched by an epoll of their own, whose descriptor the controller's
 //! event loop watches in turn ([`Sources::fd`]).

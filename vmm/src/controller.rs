@@ -224,13 +224,16 @@ impl<E: Edge> Vmm<E> {
         if inv.options.derive {
             return false;
         }
-        let note = ForwardNote {
-            options: inv.options.clone(),
-            received_ns: inv.received_ns,
+        // Made only for a source that takes it (a template without one pays nothing).
+        let note = || {
+            let note = ForwardNote {
+                options: inv.options.clone(),
+                received_ns: inv.received_ns,
+            };
+            // Options and a number: they always serialize.
+            serde_json::to_vec(&note).unwrap_or_default()
         };
-        // Options and a number: they always serialize.
-        let note = serde_json::to_value(note).unwrap_or_default();
-        self.clones.forward(&note, &inv.payload, inv.conn.stream())
+        self.clones.forward(note, &inv.payload, inv.conn.stream())
     }
 
     /// Takes what the fork sources' channels have: in a fork source, an invocation its

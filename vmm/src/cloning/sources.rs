@@ -323,7 +323,7 @@ impl Sources {
     /// whose turn it was could not take it and was dropped): the root serves it.
     pub fn forward(
         &mut self,
-        note: &serde_json::Value,
+        note: impl FnOnce() -> Vec<u8>,
         payload: &[u8],
         stream: &UnixStream,
     ) -> bool {
@@ -337,7 +337,7 @@ impl Sources {
         let Some(&i) = self.turn.checked_sub(1).and_then(|k| ready.get(k)) else {
             return false;
         };
-        match send(&self.live[i].channel, note, payload, stream.as_raw_fd()) {
+        match send(&self.live[i].channel, &note(), payload, stream.as_raw_fd()) {
             Ok(()) => true,
             Err(e) => {
                 self.drop_source(i, &format!("a request could not be forwarded: {e}"));
@@ -374,11 +374,12 @@ impl Cloner {
     }
 
     /// In a template with fork sources: forwards a request to the next ready source in
-    /// turn (`note`, what the layer above makes of it there, its `payload`, the caller's
-    /// `stream`). False: this template serves it itself.
+    /// turn (`note` makes what the layer above tells the source, as JSON, called only
+    /// when a source takes it; its `payload`, the caller's `stream`). False: this
+    /// template serves it itself.
     pub fn forward(
         &mut self,
-        note: &serde_json::Value,
+        note: impl FnOnce() -> Vec<u8>,
         payload: &[u8],
         stream: &std::os::unix::net::UnixStream,
     ) -> bool {
@@ -462,27 +463,21 @@ impl Cloner {
     /// Whether fork sources are to be made now: a paused template, nothing pending,
     /// fewer sources than it keeps.
     pub(super) fn sources_wanted(&self, vm: &crate::microvm::Microvm) -> bool {
-        vm.state() == VmState::Paused
+        self.sources.wanted() > 0
+            && vm.state() == VmState::Paused
             && vm.pending_events().is_empty()
             && vm.config().invoke.template
-            && self.sources.wanted() > 0
     }
 }
 
-/// Writes one forwarded request on `channel`: the header, the note (JSON) with the
+/// Writes one forwarded request on `channel`: the header, the note (`json`) with the
 /// caller's connection `conn` attached, then the payload.
-fn send(
-    channel: &UnixStream,
-    note: &serde_json::Value,
-    payload: &[u8],
-    conn: RawFd,
-) -> std::io::Result<()> {
+fn send(channel: &UnixStream, json: &[u8], payload: &[u8], conn: RawFd) -> std::io::Result<()> {
     use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
-    let json = serde_json::to_vec(note).map_err(std::io::Error::other)?;
     let mut head = Vec::with_capacity(HEADER + json.len());
     head.extend_from_slice(&(json.len() as u32).to_le_bytes());
     head.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    head.extend_from_slice(&json);
+    head.extend_from_slice(json);
     let fds = [conn];
     let cmsgs = [ControlMessage::ScmRights(&fds)];
     let iov = [std::io::IoSlice::new(&head)];
@@ -568,7 +563,8 @@ mod tests {
         let writer = {
             let payload = payload.clone();
             let note = note.clone();
-            std::thread::spawn(move || send(&parent, &note, &payload, conn.as_raw_fd()))
+            let json = serde_json::to_vec(&note).unwrap();
+            std::thread::spawn(move || send(&parent, &json, &payload, conn.as_raw_fd()))
         };
         let got = receive(&inbox).unwrap();
         writer.join().unwrap().unwrap();
@@ -604,16 +600,14 @@ mod tests {
         sources.add("1".into(), 101, p1);
         sources.add("2".into(), 102, p2);
         let (_caller, conn) = UnixStream::pair().unwrap();
-        let note = serde_json::json!({});
+        let note = || b"{}".to_vec();
         // None ready: the root serves.
-        assert!(!sources.forward(&note, b"x", &conn));
+        assert!(!sources.forward(note, b"x", &conn));
         // Source 1 says it is ready.
         let mut s1 = UnixStream::from(c1);
         s1.write_all(&[READY]).unwrap();
         assert!(sources.take_events().is_none());
-        let turns: Vec<bool> = (0..4)
-            .map(|_| sources.forward(&note, b"x", &conn))
-            .collect();
+        let turns: Vec<bool> = (0..4).map(|_| sources.forward(note, b"x", &conn)).collect();
         assert_eq!(turns, [true, false, true, false]);
         // Source 2 ends before it was ready: dropped, never sent anything.
         drop(c2);

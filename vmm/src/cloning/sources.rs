@@ -214,8 +214,8 @@ impl Sources {
                     ready: false,
                 });
             }
-            // Unwatched, it would never be ready: the channel's end closes, and the
-            // source is stopped at the root's next change of state (or with the root).
+            // Unwatched, it would never be ready: its channel's end closes here, so
+            // the source, let go, ends.
             _ => {
                 tracing::warn!("cannot watch fork source {id}'s channel: it is sent nothing");
                 self.failed();
@@ -327,14 +327,19 @@ impl Sources {
         payload: &[u8],
         stream: &UnixStream,
     ) -> bool {
-        let ready: Vec<usize> = (0..self.live.len())
-            .filter(|&i| self.live[i].ready)
-            .collect();
-        if ready.is_empty() {
+        // No allocation here: after each fork, a heap page the template writes is a
+        // page fault (a copy on write).
+        let ready = self.live.iter().filter(|s| s.ready).count();
+        if ready == 0 {
             return false;
         }
-        self.turn = (self.turn + 1) % (ready.len() + 1);
-        let Some(&i) = self.turn.checked_sub(1).and_then(|k| ready.get(k)) else {
+        self.turn = (self.turn + 1) % (ready + 1);
+        let nth = |k| {
+            (self.live.iter().enumerate())
+                .filter(|(_, s)| s.ready)
+                .nth(k)
+        };
+        let Some((i, _)) = self.turn.checked_sub(1).and_then(nth) else {
             return false;
         };
         match send(&self.live[i].channel, &note(), payload, stream.as_raw_fd()) {

@@ -418,16 +418,23 @@ fn a_derived_template_has_fork_sources_of_what_it_loaded() {
     // its clone.
     let (id, derived) = derive(&vm.sock, b"loaded!\0");
     assert!(!id.contains('.'), "derived by a source: {id}");
+    // Its source, once a ready template (paused where its runtime waits).
     let mut source = None;
     wait_until("the derived template's fork source", || {
         let (_, body) = tests::api_request(&derived, "GET", "/clones", None);
         let list: Value = serde_json::from_str(&body).unwrap();
         source = (list["clones"].as_array().unwrap().iter())
             .find(|c| c["status"]["state"] == "running")
-            .map(|c| c["id"].as_str().unwrap().to_string());
-        source.is_some()
+            .map(|c| {
+                let sock = std::path::PathBuf::from(c["api_sock"].as_str().unwrap());
+                (c["id"].as_str().unwrap().to_string(), sock)
+            });
+        source.as_ref().is_some_and(|(_, sock)| {
+            let v = describe_at(sock);
+            v["state"] == "paused" && v["invoke"]["waiting"] == true
+        })
     });
-    let source = source.unwrap();
+    let (source, _) = source.unwrap();
     assert!(source.starts_with(&format!("{id}.")), "{source}");
     let mut by = HashSet::new();
     for _ in 0..12 {

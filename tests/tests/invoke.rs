@@ -236,7 +236,8 @@ fn eight_callers_at_once_each_get_their_own_clone() {
 }
 
 /// The fork sources a template keeps besides itself (`--fork-sources`): (id, socket) of
-/// each running one that is a ready template, once there are `n`.
+/// each running one that is a ready template, and that the template knows is (its log
+/// says so: the template runs with `--log-level info`), once there are `n`.
 fn ready_sources(vm: &Vm, n: usize) -> Vec<(String, std::path::PathBuf)> {
     let mut found = Vec::new();
     wait_until("the fork sources to be ready templates", || {
@@ -249,10 +250,13 @@ fn ready_sources(vm: &Vm, n: usize) -> Vec<(String, std::path::PathBuf)> {
                 (c["id"].as_str().unwrap().to_string(), sock)
             })
             .collect();
+        let log = vm.stderr_text();
         found.len() == n
-            && found.iter().all(|(_, sock)| {
+            && found.iter().all(|(id, sock)| {
                 let v = describe_at(sock);
-                v["state"] == "paused" && v["invoke"]["template"] == true
+                v["state"] == "paused"
+                    && v["invoke"]["template"] == true
+                    && log.contains(&format!("fork source {id} ready"))
             })
     });
     found.sort();
@@ -271,7 +275,17 @@ fn fork_sources_serve_a_template_s_requests_in_turn_and_are_made_again_when_it_c
         return;
     }
     let scratch = Scratch::new("invoke-sources");
-    let vm = template(&scratch, &["--warm-clones", "2", "--fork-sources", "3"]);
+    let vm = template(
+        &scratch,
+        &[
+            "--warm-clones",
+            "2",
+            "--fork-sources",
+            "3",
+            "--log-level",
+            "info",
+        ],
+    );
     let pid = vm.child.id();
     let sources = ready_sources(&vm, 2);
     for (_, sock) in &sources {
@@ -375,7 +389,14 @@ fn a_fork_source_let_go_finishes_the_request_it_serves_then_ends() {
     let vm = template_with(
         &scratch,
         "ticks=1 invoke=1 prime=4",
-        &["--warm-clones", "1", "--fork-sources", "2"],
+        &[
+            "--warm-clones",
+            "1",
+            "--fork-sources",
+            "2",
+            "--log-level",
+            "info",
+        ],
     );
     let sources = ready_sources(&vm, 1);
     let (source, source_sock) = sources[0].clone();
@@ -411,7 +432,14 @@ fn a_derived_template_has_fork_sources_of_what_it_loaded() {
     let vm = template_with(
         &scratch,
         "ticks=1 invoke=1 load=1",
-        &["--warm-clones", "1", "--fork-sources", "2"],
+        &[
+            "--warm-clones",
+            "1",
+            "--fork-sources",
+            "2",
+            "--log-level",
+            "info",
+        ],
     );
     let root_sources = ready_sources(&vm, 1);
     // Derive requests are the template's own (not forwarded): the derived template is
@@ -429,9 +457,13 @@ fn a_derived_template_has_fork_sources_of_what_it_loaded() {
                 let sock = std::path::PathBuf::from(c["api_sock"].as_str().unwrap());
                 (c["id"].as_str().unwrap().to_string(), sock)
             });
-        source.as_ref().is_some_and(|(_, sock)| {
+        source.as_ref().is_some_and(|(id, sock)| {
             let v = describe_at(sock);
-            v["state"] == "paused" && v["invoke"]["waiting"] == true
+            v["state"] == "paused"
+                && v["invoke"]["waiting"] == true
+                && vm
+                    .stderr_text()
+                    .contains(&format!("fork source {id} ready"))
         })
     });
     let (source, _) = source.unwrap();

@@ -35,12 +35,14 @@ use api_types::vm::VmState;
 use api_types::{CloneStatus, CreateClones};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
+use super::wire::go_channel;
 use super::{request, Cloner};
 
 /// How long the root waits before it tries again to make sources after it failed to.
 const RETRY: Duration = Duration::from_secs(1);
 
-/// How long a write on a channel may block (a stuck source) before it is given up.
+/// How long a source's write on its channel may block before it is given up (the
+/// root's end gives up after as long: `wire::go_channel`).
 const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What a source writes on its channel once it paused as a template.
@@ -182,20 +184,6 @@ impl Sources {
         // (a paused template), or the event loop would spin.
         let left = self.not_before?.checked_duration_since(Instant::now())?;
         (!left.is_zero()).then_some(left)
-    }
-
-    /// A new channel: (the source's end, the root's).
-    pub fn channel() -> std::io::Result<(OwnedFd, UnixStream)> {
-        use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
-        let (child, parent) = socketpair(
-            AddressFamily::Unix,
-            SockType::Stream,
-            None,
-            SockFlag::SOCK_CLOEXEC,
-        )?;
-        let parent = UnixStream::from(parent);
-        parent.set_write_timeout(Some(SEND_TIMEOUT))?;
-        Ok((child, parent))
     }
 
     /// Watches `channel` to source `id` (process `pid`), made just now.
@@ -428,7 +416,7 @@ impl Cloner {
     /// own and says when it is ready.
     pub(super) fn make_sources(&mut self, vm: &mut crate::microvm::Microvm) {
         let wanted = self.sources.wanted();
-        let channels: std::io::Result<Vec<_>> = (0..wanted).map(|_| Sources::channel()).collect();
+        let channels: std::io::Result<Vec<_>> = (0..wanted).map(|_| go_channel()).collect();
         let channels = match channels {
             Ok(c) => c,
             Err(e) => {
@@ -560,7 +548,7 @@ mod tests {
 
     #[test]
     fn a_forwarded_request_arrives_whole_with_its_connection() {
-        let (child, parent) = Sources::channel().unwrap();
+        let (child, parent) = go_channel().unwrap();
         let inbox = UnixStream::from(child);
         let (caller, conn) = UnixStream::pair().unwrap();
         let note = serde_json::json!({"timeout_ms": 5});
@@ -584,11 +572,11 @@ mod tests {
 
     #[test]
     fn a_closed_channel_is_an_io_error_and_garbage_is_malformed() {
-        let (child, parent) = Sources::channel().unwrap();
+        let (child, parent) = go_channel().unwrap();
         let inbox = UnixStream::from(child);
         drop(parent);
         assert!(matches!(receive(&inbox), Err(InboxError::Io(_))));
-        let (child, parent) = Sources::channel().unwrap();
+        let (child, parent) = go_channel().unwrap();
         let inbox = UnixStream::from(child);
         (&parent).write_all(&[0u8; HEADER]).unwrap();
         assert!(matches!(receive(&inbox), Err(InboxError::Malformed(_))));
@@ -600,8 +588,8 @@ mod tests {
         assert_eq!(sources.wanted(), 0);
         sources.become_template();
         sources.fd().unwrap();
-        let (c1, p1) = Sources::channel().unwrap();
-        let (c2, p2) = Sources::channel().unwrap();
+        let (c1, p1) = go_channel().unwrap();
+        let (c2, p2) = go_channel().unwrap();
         sources.add("1".into(), 101, p1);
         sources.add("2".into(), 102, p2);
         let (_caller, conn) = UnixStream::pair().unwrap();

@@ -191,7 +191,8 @@ pub(super) fn parse_ready(got: &[u8]) -> Result<u64, NotReady> {
 
 // The go channel.
 
-/// A warm clone's go channel, both ends close-on-exec: (the child's end, the parent's).
+/// A warm clone's go channel, or a fork source's channel to its template
+/// (`sources.rs`), both ends close-on-exec: (the child's end, the parent's).
 /// A socket, so that a handover's stream can travel with the launch message;
 /// the parent's end gives up on a write after two seconds (a stuck child).
 pub(super) fn go_channel() -> std::io::Result<(OwnedFd, std::os::unix::net::UnixStream)> {

@@ -971,6 +971,79 @@ fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
     assert_no_cgroups_left(&parent);
 }
 
+/// An invocation's clone forked on its request (no warm clone) writes its template's
+/// working set ahead, charged to its cgroup: the cgroup's limit is raised by the set
+/// before the fork, so a request that writes as much elsewhere is served as it would be
+/// in a clone that wrote nothing ahead. Tiny guest: "fill N O" as above.
+#[test]
+fn a_clone_forked_on_demand_has_its_limit_raised_by_the_set_it_writes_ahead() {
+    use api_types::InvokeOptions;
+    use forkvm_client::api as client;
+    if !kvm_and_root_available("cgroups_on_demand_ahead") {
+        return;
+    }
+    let scratch = Scratch::new("cg-demand");
+    let parent = Parent::new("demand");
+    let mut vm = invoke_template(
+        &scratch,
+        "ticks=1 invoke=1",
+        &[
+            "--warm-clones",
+            "0",
+            "--log-level",
+            "debug",
+            "--cgroup-version",
+            "1",
+            "--cgroup-parent",
+            &parent,
+            "--cgroup-class",
+            "small:memory=64M",
+            "--cgroup-pool-size",
+            "2",
+        ],
+    );
+    let fill = |n: u8, o: u8| {
+        let payload = [b'f', b'i', b'l', b'l', n, o];
+        let r = client::invoke(&vm.sock, &InvokeOptions::default(), &payload)
+            .unwrap_or_else(|e| panic!("invoke: {e}"));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-forkvm-outcome"), Some("ok"), "{}", r.body);
+        assert!(r.bytes.starts_with(&payload), "{}", r.body);
+    };
+    // The template learns the 40 MiB its clones write.
+    let learned = |text: String| {
+        (text.lines())
+            .filter_map(|l| {
+                l.split("working set: ")
+                    .nth(1)?
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .max()
+            .unwrap_or(0u64)
+    };
+    fill(40, 0);
+    wait_until("the working set learned", BOOT, || {
+        learned(vm.stderr_text()) >= 40 << 10
+    });
+    // 40 MiB written ahead and 40 elsewhere: 80 MiB in a class of 64.
+    let seen = vm.stderr_text().len();
+    fill(40, 40);
+    wait_until("the clone's stages logged", BOOT, || {
+        vm.stderr_text()[seen..].contains(" stages: ")
+    });
+    let log = vm.stderr_text();
+    let stages = log[seen..]
+        .lines()
+        .find(|l| l.contains(" stages: "))
+        .unwrap();
+    assert!(stages.contains("written ahead"), "{stages}");
+    vm.shutdown(BOOT);
+    assert_no_cgroups_left(&parent);
+}
+
 /// A template derived by a request that names a resource class takes that class as its
 /// pools' default: its warm clones wait in cgroups of that class, so its requests,
 /// which name it (as the gateway's for a function of that class), are served by warm

@@ -1677,6 +1677,78 @@ fn warm_clone_memory(vm: &Vm, enough: Option<u64>) -> u64 {
     kib
 }
 
+/// The memory the clone serving a `tick` request (a 400M-cycle spin, prime=4) to `vm`
+/// alone holds, read while the spin runs (it is the template's only child).
+fn running_clone_memory(vm: &Vm) -> u64 {
+    let sock = vm.sock.clone();
+    let caller = std::thread::spawn(move || invoke(&sock, b"tick"));
+    let mut kib = 0;
+    wait_until("the request's clone to run", || {
+        let children = children_of(vm.child.id());
+        let (_, body) = tests::api_request(&vm.sock, "GET", "/clones", None);
+        kib = children.first().map_or(0, |&c| private_kib(c));
+        children.len() == 1 && body.contains("running")
+    });
+    // What it wrote ahead it wrote before its vCPUs ran; the spin writes nothing more.
+    std::thread::sleep(Duration::from_millis(30));
+    kib = kib.max(
+        children_of(vm.child.id())
+            .first()
+            .map_or(0, |&c| private_kib(c)),
+    );
+    let r = caller.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.bytes.len(), 16, "the spin's answer");
+    kib
+}
+
+/// With no warm clone ready, an invocation's clone is forked on its request: once its
+/// template has learned a working set, that clone writes it ahead too, before its vCPUs
+/// run (a guest's first write to a page it shares costs about ten times the copy).
+#[test]
+fn an_invocation_clone_forked_on_demand_writes_the_working_set_ahead() {
+    if !kvm_available("invoke_working_set_on_demand") {
+        return;
+    }
+    let payload: Vec<u8> = (0..768u32 << 10).map(|i| (i * 7 % 251) as u8).collect();
+    let scratch = Scratch::new("invoke-ws-demand");
+    let mut vm = template_with(
+        &scratch,
+        "ticks=1 invoke=1 prime=4",
+        &[
+            "--warm-clones",
+            "0",
+            "--mailbox-mib",
+            "1",
+            "--log-level",
+            "info",
+        ],
+    );
+    // Before the template learned anything: what a clone holds of its own as it runs.
+    let before = running_clone_memory(&vm);
+    let mut clones = HashSet::new();
+    for _ in 0..4 {
+        let (clone, _, _) = echoed(&invoke(&vm.sock, &payload), &payload);
+        assert!(clones.insert(clone), "clone {clone} served two requests");
+    }
+    wait_until("the working set learned", || {
+        vm.stderr_text().contains("working set: ")
+    });
+    let after = running_clone_memory(&vm);
+    eprintln!("a clone forked on demand: {after} KiB of its own, {before} KiB before learning");
+    assert!(
+        after >= before + 700,
+        "{after} KiB against {before} KiB before"
+    );
+    // Clones that wrote it ahead echo byte for byte, each its own.
+    for _ in 0..2 {
+        let (clone, _, _) = echoed(&invoke(&vm.sock, &payload), &payload);
+        assert!(clones.insert(clone), "clone {clone} served two requests");
+    }
+    vm.shutdown(BOOT);
+    assert!(leftovers(&scratch).is_empty(), "{:?}", leftovers(&scratch));
+}
+
 #[test]
 fn a_template_learns_what_its_clones_write_and_warm_clones_made_after_write_it_ahead() {
     if !kvm_available("invoke_working_set") {

@@ -302,12 +302,22 @@ fn prepare_now(
     plan: &ChildPlan<'_>,
     id: &Identity,
     marks: &mut StageTimer,
-) -> Result<(MicrovmState, Prepared), ChildError> {
+) -> Result<(MicrovmState, Prepared, Arc<PageSet>), ChildError> {
     // First, while this is the process's only thread (see place_self).
     if let Some(p) = &id.cgroup {
         place_self(p).map_err(ChildError::Cgroup)?;
         marks.done("placed");
     }
+    let ahead = match &plan.working {
+        Some(w) if !w.set.is_empty() && id.carried.is_some() => {
+            if let Err(e) = populate(plan.template.memory(), &w.set) {
+                tracing::warn!("cannot write the working set ahead: {e}");
+            }
+            marks.done("written ahead");
+            w.set.clone()
+        }
+        _ => Arc::default(),
+    };
     let mut state = advanced(plan.state, id);
     if let Some((vcpu, value)) = id.guest_result {
         if let Some(v) = state.vcpus.iter_mut().find(|v| v.id == vcpu) {
@@ -315,7 +325,7 @@ fn prepare_now(
         }
     }
     let prepared = prepare(kvm, &state, plan.template.memory(), plan.template.mailbox())?;
-    Ok((state, prepared))
+    Ok((state, prepared, ahead))
 }
 
 /// A warm clone as launched: its state, its VM, its launch message and the pages it
@@ -489,7 +499,7 @@ fn run_clone(
     let signals = block_shutdown_signals().map_err(ChildError::Signals)?;
     let (go, cgroup, prime, touch, rewind) = match &plan.start {
         Start::Now(id) => {
-            let (state, prepared) = prepare_now(&kvm, plan, id, &mut marks)?;
+            let (state, prepared, ahead) = prepare_now(&kvm, plan, id, &mut marks)?;
             let carried = (id.carried.as_ref()).map(|c| {
                 // SAFETY: the stream's descriptor, inherited and kept open by
                 // close_all_but; its owner in this process (the parent's) is never
@@ -502,7 +512,7 @@ fn run_clone(
                 identity: Identity::clone(id),
                 carried,
                 go: None,
-                ahead: Arc::default(),
+                ahead,
                 primed: false,
                 signals,
                 api_thread: None,

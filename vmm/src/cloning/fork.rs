@@ -22,6 +22,7 @@ use clone::MicrovmState;
 use super::cgroups::{self, ClonePools, Taken};
 use super::child::{child_main, ChildPlan, Lineage, Start};
 use super::request::{give_back, starting_info, NewClone};
+use super::working::PAGE;
 use super::CloneError;
 use crate::microvm::Microvm;
 
@@ -120,6 +121,15 @@ pub(super) fn fork_all(
     while let Some((mut identity, taken)) = clones.next() {
         let (placement, mut cgroup) = cgroups::placement_of(pools.as_deref(), taken.as_ref());
         identity.cgroup = placement;
+        // An invocation's clone writes the working set ahead (`child::prepare_now`).
+        if let (Some(p), Some(t), true) =
+            (pools.as_deref(), taken.as_ref(), identity.carried.is_some())
+        {
+            p.allow_ahead(
+                t,
+                lineage.working.as_ref().map_or(0, |w| w.set.pages() * PAGE),
+            );
+        }
         let forked = pipe()
             .map_err(CloneError::Os)
             .and_then(|(read_end, write_end)| {

@@ -21,12 +21,16 @@
 //!   prime, off the request's path. Its request then writes them at the cost of the
 //!   VM's mapping alone. The warm clones a template has when its first report comes
 //!   copied nothing ahead: they are replaced one at a time (`WarmPool::mark_stale`).
+//! - **On demand too**: an invocation's clone forked on its request (no warm clone
+//!   ready) writes the set ahead before its vCPUs run. That is on the request's path,
+//!   but copying a page there costs about a tenth of the guest's first write to it
+//!   (docs/invoke.md has the side-by-side figures).
 //!
 //! The price is memory: each warm clone owns a copy of the set's pages (charged to its
 //! cgroup, whose memory limit is raised by as much: `ClonePools::allow_ahead`) while it
 //! waits, where it would have copied those its request writes anyway, and about 2 us of
-//! host CPU a page to copy them. Clones forked on demand (no warm
-//! clone ready) are not written ahead: that would be on their request's path.
+//! host CPU a page to copy them. Clones made by `POST /clones` write nothing ahead: the
+//! set is what invocations write.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileExt;
@@ -366,7 +370,7 @@ impl WorkingSet {
         let after = self.set.pages();
         if after != before {
             tracing::info!(
-                "working set: {} KiB in {} ranges after {} reports; warm clones made from now on write it ahead",
+                "working set: {} KiB in {} ranges after {} reports; clones made from now on write it ahead",
                 after * PAGE / 1024,
                 self.set.ranges().len(),
                 self.reports

@@ -92,6 +92,19 @@ fn invoke_template(scratch: &Scratch, cmdline: &str, extra: &[&str]) -> Vm {
     vm
 }
 
+/// The tiny guest's "fill N O" request to `vm` (it writes N MiB from 16 + O MiB, then
+/// echoes), checked as served; returns the reply (the request's 6 bytes, then the
+/// echo's trailer).
+fn fill_request(vm: &Vm, n: u8, o: u8) -> Vec<u8> {
+    let payload = [b'f', b'i', b'l', b'l', n, o];
+    let r = forkvm_client::api::invoke(&vm.sock, &api_types::InvokeOptions::default(), &payload)
+        .unwrap_or_else(|e| panic!("invoke: {e}"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-forkvm-outcome"), Some("ok"), "{}", r.body);
+    assert!(r.bytes.starts_with(&payload), "{}", r.body);
+    r.bytes
+}
+
 fn fork(vm: &Vm, body: &str) -> Vec<Value> {
     let (code, text) = vm.api("POST", "/clones", Some(body));
     assert_eq!(code, 201, "{text}");
@@ -850,8 +863,6 @@ fn an_invocation_finding_its_cgroup_pool_exhausted_is_refused_with_503() {
 /// every request goes to the same process while it lasts.
 #[test]
 fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
-    use api_types::InvokeOptions;
-    use forkvm_client::api as client;
     if !kvm_and_root_available("cgroups_rewind") {
         return;
     }
@@ -895,13 +906,8 @@ fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
         text.trim().parse().unwrap()
     };
     let fill = |n: u8, o: u8| {
-        let payload = [b'f', b'i', b'l', b'l', n, o];
-        let r = client::invoke(&vm.sock, &InvokeOptions::default(), &payload)
-            .unwrap_or_else(|e| panic!("invoke: {e}"));
-        assert_eq!(r.status, 200, "{}", r.body);
-        assert_eq!(r.header("x-forkvm-outcome"), Some("ok"), "{}", r.body);
-        assert!(r.bytes.starts_with(&payload), "{}", r.body);
-        let seq = u64::from_le_bytes(r.bytes[payload.len() + 8..][..8].try_into().unwrap());
+        let reply = fill_request(&vm, n, o);
+        let seq = u64::from_le_bytes(reply[6 + 8..][..8].try_into().unwrap());
         assert_eq!(seq, 1, "the guest's memory was not rewound");
     };
 
@@ -977,8 +983,6 @@ fn rewound_clones_keep_their_cgroup_and_its_limit_grows_by_what_they_keep() {
 /// in a clone that wrote nothing ahead. Tiny guest: "fill N O" as above.
 #[test]
 fn a_clone_forked_on_demand_has_its_limit_raised_by_the_set_it_writes_ahead() {
-    use api_types::InvokeOptions;
-    use forkvm_client::api as client;
     if !kvm_and_root_available("cgroups_on_demand_ahead") {
         return;
     }
@@ -1003,12 +1007,7 @@ fn a_clone_forked_on_demand_has_its_limit_raised_by_the_set_it_writes_ahead() {
         ],
     );
     let fill = |n: u8, o: u8| {
-        let payload = [b'f', b'i', b'l', b'l', n, o];
-        let r = client::invoke(&vm.sock, &InvokeOptions::default(), &payload)
-            .unwrap_or_else(|e| panic!("invoke: {e}"));
-        assert_eq!(r.status, 200, "{}", r.body);
-        assert_eq!(r.header("x-forkvm-outcome"), Some("ok"), "{}", r.body);
-        assert!(r.bytes.starts_with(&payload), "{}", r.body);
+        fill_request(&vm, n, o);
     };
     // The template learns the 40 MiB its clones write.
     let learned = |text: String| {

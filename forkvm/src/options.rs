@@ -36,7 +36,8 @@ pub struct VmmOptions {
     /// Most live clones (`--max-clones`; None: the VMM's default).
     pub max_clones: Option<usize>,
     /// The most of a template's working set (the guest pages its invocation clones
-    /// write) that each warm clone copies ahead of its request, in MiB
+    /// write) that each warm clone copies ahead of its request (and an invocation's
+    /// clone forked on its request, before its vCPUs run), in MiB
     /// (`--working-set-mib`; None: the VMM's default, 64; zero: none). Each warm clone
     /// holds that much more memory of its own while it waits (docs/invoke.md).
     pub working_set_mib: Option<u64>,

@@ -101,7 +101,8 @@ struct RestoreArgs {
     max_tree_clones: usize,
     /// The most of a template's working set (the guest pages its invocation clones
     /// write, learned from its first clones) that each warm clone copies ahead, before
-    /// its request comes, in MiB (0: none; at most 16384; docs/invoke.md).
+    /// its request comes (an invocation's clone forked on its request too), in MiB (0:
+    /// none; at most 16384; docs/invoke.md).
     #[arg(long, default_value_t = vmm::config::DEFAULT_WORKING_SET_MIB)]
     working_set_mib: u64,
     /// A template's fork sources, itself included (1 to 64): the others are clones of
@@ -320,7 +321,8 @@ struct RunArgs {
     max_tree_clones: usize,
     /// The most of a template's working set (the guest pages its invocation clones
     /// write, learned from its first clones) that each warm clone copies ahead, before
-    /// its request comes, in MiB (0: none; at most 16384; docs/invoke.md).
+    /// its request comes (an invocation's clone forked on its request too), in MiB (0:
+    /// none; at most 16384; docs/invoke.md).
     #[arg(long, default_value_t = vmm::config::DEFAULT_WORKING_SET_MIB)]
     working_set_mib: u64,
     /// A template's fork sources, itself included (1 to 64): the others are clones of

@@ -165,7 +165,8 @@ pub struct ClonePolicy {
     /// Whether a template's warm clones are primed (`invoke::prime`).
     pub prime: bool,
     /// The most of a template's working set, learned from its invocation clones, that
-    /// each warm clone writes ahead, in MiB (0: none; `cloning::working`).
+    /// each warm clone (and an invocation's clone forked on its request) writes ahead,
+    /// in MiB (0: none; `cloning::working`).
     pub working_set_mib: u64,
     /// A template's fork sources, itself included (1 to [`MAX_FORK_SOURCES`]): the
     /// others are clones of it that serve its invocations in turn, each with its own

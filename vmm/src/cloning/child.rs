@@ -308,15 +308,12 @@ fn prepare_now(
         place_self(p).map_err(ChildError::Cgroup)?;
         marks.done("placed");
     }
-    let ahead = match &plan.working {
-        Some(w) if !w.set.is_empty() && id.carried.is_some() => {
-            if let Err(e) = populate(plan.template.memory(), &w.set) {
-                tracing::warn!("cannot write the working set ahead: {e}");
-            }
-            marks.done("written ahead");
-            w.set.clone()
-        }
-        _ => Arc::default(),
+    // An invocation's clone, on its request's path: cheaper than the guest's own first
+    // writes (`working.rs`).
+    let ahead = if id.carried.is_some() {
+        write_ahead(plan, marks)
+    } else {
+        Arc::default()
     };
     let mut state = advanced(plan.state, id);
     if let Some((vcpu, value)) = id.guest_result {
@@ -326,6 +323,19 @@ fn prepare_now(
     }
     let prepared = prepare(kvm, &state, plan.template.memory(), plan.template.mailbox())?;
     Ok((state, prepared, ahead))
+}
+
+/// Writes the template's working set ahead in this clone (a hint: a failure is
+/// logged); returns the set, empty when there is none.
+fn write_ahead(plan: &ChildPlan<'_>, marks: &mut StageTimer) -> Arc<PageSet> {
+    let Some(w) = plan.working.as_ref().filter(|w| !w.set.is_empty()) else {
+        return Arc::default();
+    };
+    if let Err(e) = populate(plan.template.memory(), &w.set) {
+        tracing::warn!("cannot write the working set ahead: {e}");
+    }
+    marks.done("written ahead");
+    w.set.clone()
 }
 
 /// A warm clone as launched: its state, its VM, its launch message and the pages it
@@ -349,15 +359,10 @@ fn prepare_warm(
         place_self(p).map_err(ChildError::Cgroup)?;
     }
     // Before the prime, which then finds those pages its own too.
-    let ahead = match &plan.working {
-        Some(w) if !w.set.is_empty() && !rewound => {
-            if let Err(e) = populate(plan.template.memory(), &w.set) {
-                tracing::warn!("cannot write the working set ahead: {e}");
-            }
-            marks.done("written ahead");
-            w.set.clone()
-        }
-        _ => Arc::default(),
+    let ahead = if rewound {
+        Arc::default()
+    } else {
+        write_ahead(plan, marks)
     };
     let (base, prepared) = match prime {
         Some(vcpu) => {
